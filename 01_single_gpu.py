@@ -1,0 +1,168 @@
+"""01_single_gpu.py: the whole model on one device, the baseline every strategy must match.
+
+This is nanoGPT's training loop, kept short: warm-up + cosine learning rate, gradient
+accumulation, gradient clipping, bf16 autocast on GPUs (fp32 on CPU), periodic train/val
+evaluation, checkpoints with bit-exact resume, a text sample at the end, optional
+torch.compile. Every other numbered script is this file plus one strategy: read it first,
+then `diff 01_single_gpu.py 03_ddp.py`.
+
+Who holds what (one device holds everything):
+
+    device 0:  [ parameters | gradients | AdamW exp_avg, exp_avg_sq ]   <- the whole global
+                                                                           batch, one micro-
+                                                                           batch at a time
+Run:
+
+    python 01_single_gpu.py                        # nanoGPT's shakespeare_char run (GPU: val ~1.47)
+    python 01_single_gpu.py --model shakespeare --n_layer 4 --n_head 4 --n_embd 128 \\
+        --block_size 64 --global_batch_size 16 --max_iters 1500 --lr_decay_iters 1500 \\
+        --dropout 0 --eval_interval 250 --device cpu   # about five minutes on two CPU cores
+
+Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments):
+
+    parameters 4Ψ + gradients 4Ψ + optimizer 8Ψ = 16Ψ      (fp32, and also with bf16
+                                                            autocast: weights stay fp32)
+    communication: none
+"""
+
+import os
+import time
+
+import torch
+
+from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
+                    make_parser, Metrics, model_config, model_block_size, parse_args, print_ledger,
+                    progress, rng_state, run_config, save_checkpoint, set_rng_state, setup,
+                    state_bytes, synchronize, teardown, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("01_single_gpu")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--sample_tokens", type=int, default=300, help="tokens to sample at the end (0: none)")
+    g.add_argument("--init_from", default=None,
+                   help="start from the weights of a checkpoint (e.g. another script's --export)")
+    g.add_argument("--eval_only", action="store_true", help="evaluate (and sample), do not train")
+    return parser
+
+
+@torch.no_grad()
+def evaluate(model, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        losses[split] = (total / (args.eval_iters * accum_steps)).item()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    check(launch.world_size == 1, f"01_single_gpu.py runs as one process, not {launch.world_size}: "
+          "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
+    check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
+    accum_steps = check_batch(args, dp_size=1)
+    env = setup(args, launch)
+    torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
+
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    model = build_model(config, args.seed, env.device)
+    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    run = run_config(args, config, {"world_size": 1})
+    start_step = 0
+    if args.resume:
+        ckpt = load_checkpoint(ckpt_path)
+        check_resumable(ckpt["run"], run, ckpt_path)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(env, ckpt["rng"])
+        start_step = ckpt["step"]
+    elif args.init_from:
+        ckpt = load_checkpoint(args.init_from)
+        saved_model = ckpt.get("run", {}).get("model")
+        check(saved_model == vars(config), f"--init_from {args.init_from} holds another model: "
+              f"{saved_model}, this run builds {vars(config)}")
+        model.load_state_dict(ckpt["model"])
+    train_model = torch.compile(model) if args.compile else model
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
+             f"device {env.device}, {str(env.dtype).replace('torch.', '')}, "
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
+    held_theory = {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
+                   "optim": ("8Ψ", 8 * n_params)}
+
+    def save(step):
+        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": step, "rng": rng_state(env), "run": run}, ckpt_path)
+
+    if args.eval_only:
+        losses = evaluate(train_model, data, args, env, accum_steps)
+        log(env, f"eval: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": start_step, "val_loss": losses["val"], "train_loss": losses["train"]})
+        args.max_iters = start_step  # nothing to train: fall through to the sample
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate(train_model, data, args, env, accum_steps)
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        x, y = data.batch("train", step, args.global_batch_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        for micro in range(accum_steps):
+            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            with autocast(env):
+                _, loss = train_model(x[rows], y[rows])
+            (loss / accum_steps).backward()  # accumulate the mean over the global batch
+            loss_sum += loss.detach().float()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+
+        comm = LEDGER.take()
+        if step == start_step:
+            print_ledger(env, state_bytes(model.parameters(), optimizer), held_theory, comm, {})
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = (loss_sum / accum_steps).item()
+            synchronize(env)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0,
+                         state_bytes(model.parameters(), optimizer), comm)
+        optimizer.zero_grad(set_to_none=True)
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate(train_model, data, args, env, accum_steps)
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    if args.sample_tokens:
+        start = torch.zeros((1, 1), dtype=torch.long, device=env.device)
+        generator = torch.Generator(device=env.device).manual_seed(args.seed)
+        with autocast(env):
+            sample = model.eval().generate(start, args.sample_tokens, top_k=200, generator=generator)
+        log(env, "sample:\n" + data.decode(sample[0].tolist()))
+    teardown(env)
+
+
+if __name__ == "__main__":
+    main()

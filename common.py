@@ -1,0 +1,899 @@
+"""What every script shares, and no strategy: the GPT model, the data, the launcher and
+device setup, the shared command line, metrics (tokens/s, MFU, memory, the communication
+ledger), checkpoint files and rank-0 logging.
+
+Read a numbered script first; come here when it calls something. The contract between the
+scripts (flags, determinism, metrics schema) is DESIGN.md's, summarised in README.md.
+
+Two rules make every strategy comparable with 01_single_gpu.py:
+  * the initial value of every parameter is a pure function of (seed, parameter name)
+    (`param_init`), so a strategy can build any shard of any parameter on its own;
+  * the global batch of optimizer step t is a pure function of (seed, split, t) and the
+    global batch size (`Data.batch`); a data-parallel rank takes a contiguous slice of it.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import pickletools
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from functools import wraps
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn import functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
+
+
+# ----------------------------------------------------------------------------------------
+# The GPT model (nanoGPT's, with the same module names)
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64, as nanoGPT does
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+
+PRESETS = {
+    # tiny: CPU tests; 4 layers and 4 heads so that tp, pp in {1, 2, 4} all divide it
+    "tiny": dict(n_layer=4, n_head=4, n_embd=64, block_size=64, dropout=0.0, bias=True),
+    # nanoGPT's "baby GPT" for shakespeare_char (config/train_shakespeare_char.py)
+    "shakespeare": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, bias=False),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0, bias=True),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, dropout=0.0, bias=True),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, dropout=0.0, bias=True),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, dropout=0.0, bias=True),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def param_init(name, shape, config, seed):
+    """The initial value of parameter `name` (GPT-2 initialisation), a pure function of
+    (seed, name): N(0, 0.02) for matrices and embeddings, N(0, 0.02/sqrt(2*n_layer)) for the
+    residual projections (c_proj), ones for LayerNorm weights, zeros for biases. Any rank can
+    build any parameter, or any shard of it, without building the rest of the model."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if ".ln_" in name:
+        return torch.ones(shape)
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying (Press & Wolf 2017): the output head is the token embedding
+        self.transformer.wte.weight = self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        for name, p in self.named_parameters():  # the tied weight is visited once, as wte
+            p.copy_(param_init(name, p.shape, self.config, seed))
+        return self
+
+    def num_params(self, non_embedding=True):
+        """Parameter count as nanoGPT reports it: without the position embedding (the token
+        embedding stays in because it is also the output head)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None):
+        _, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is None:  # inference: only the last position's logits are needed
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+        return idx
+
+
+def model_config(args, vocab_size):
+    """GPTConfig from --model and the per-dimension overrides."""
+    cfg = dict(PRESETS[args.model])
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    return GPTConfig(vocab_size=vocab_size, **cfg)
+
+
+def build_model(config, seed, device):
+    """The full model, initialised by `param_init`, on `device`."""
+    return GPT(config).init_weights(seed).to(device)
+
+
+def flops_per_token(config, n_params):
+    """Training FLOPs per token, PaLM appendix B (as nanoGPT's estimate_mfu): 6N for the
+    matrix multiplies forward and backward, plus 12·L·H·Q·T for attention."""
+    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
+    return 6 * n_params + 12 * L * H * Q * T
+
+
+def is_decayed(param):
+    """nanoGPT's rule: weight decay on matrices (Linear weights, embeddings), not on biases
+    and LayerNorm weights."""
+    return param.dim() >= 2
+
+
+def make_adamw(named_params, args, device_type):
+    """AdamW with nanoGPT's two parameter groups; the fused kernel on GPUs."""
+    named_params = [(n, p) for n, p in named_params if p.requires_grad]
+    groups = [
+        {"params": [p for _, p in named_params if is_decayed(p)], "weight_decay": args.weight_decay},
+        {"params": [p for _, p in named_params if not is_decayed(p)], "weight_decay": 0.0},
+    ]
+    fused = device_type in ("cuda", "xpu")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS, **({"fused": True} if fused else {}))
+
+
+ADAM_BETAS = (0.9, 0.95)
+
+
+def lr_at(step, args):
+    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters (nanoGPT's get_lr)."""
+    if step < args.warmup_iters:
+        return args.lr * (step + 1) / (args.warmup_iters + 1)
+    if step >= args.lr_decay_iters:
+        return args.min_lr
+    ratio = (step - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------
+
+SPLITS = {"train": 0, "val": 1}
+EVAL_KEY = 2  # evaluation batches: streams of their own, the same at every evaluation
+
+
+def read_vocab_size(meta_path):
+    """vocab_size from a nanoGPT meta.pkl *without unpickling it*: walk the pickle's opcodes
+    (pickletools.genops executes nothing) and take the integer stored after 'vocab_size'."""
+    with open(meta_path, "rb") as f:
+        ops = list(pickletools.genops(f))
+    for i, (op, arg, _) in enumerate(ops):
+        if arg == "vocab_size":
+            for op2, arg2, _ in ops[i + 1:]:
+                if op2.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    continue
+                if isinstance(arg2, int) and op2.name in ("BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"):
+                    return int(arg2)
+                break
+    raise ValueError(f"{meta_path} has no integer vocab_size")
+
+
+class Data:
+    """Token streams for the train and val splits and the deterministic batches drawn from
+    them.
+
+    The batch of step t is the same set of global_batch_size windows whatever the world size:
+    the window offsets come from a generator seeded by (seed, split, t); data-parallel rank r
+    of D takes rows [r·B/D, (r+1)·B/D). Concatenating every rank's rows gives 01's batch."""
+
+    def __init__(self, spec, seed, block_size):
+        self.seed, self.block_size, self.itos = seed, block_size, None
+        if spec == "shakespeare_char":
+            text = open(SHAKESPEARE_TXT, encoding="utf-8").read()
+            chars = sorted(set(text))
+            self.itos = chars
+            lut = np.zeros(max(map(ord, chars)) + 1, dtype=np.uint16)
+            lut[[ord(c) for c in chars]] = np.arange(len(chars), dtype=np.uint16)
+            tokens = lut[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
+            n = int(0.9 * len(tokens))
+            self.splits, self.vocab_size = {"train": tokens[:n], "val": tokens[n:]}, len(chars)
+        elif spec == "synthetic":
+            self.splits, self.vocab_size = synthetic_corpus(), SYNTHETIC_VOCAB
+        else:
+            self.splits = {s: np.memmap(os.path.join(spec, f"{s}.bin"), dtype=np.uint16, mode="r")
+                           for s in SPLITS}
+            meta = os.path.join(spec, "meta.pkl")
+            self.vocab_size = read_vocab_size(meta) if os.path.exists(meta) else 50304
+
+    @staticmethod
+    def check(spec, block_size):
+        """The reason this --data cannot be used, or None (cheap: no tokens are read)."""
+        if spec in ("shakespeare_char", "synthetic"):
+            return None if spec == "synthetic" or os.path.exists(SHAKESPEARE_TXT) else \
+                f"the embedded corpus {SHAKESPEARE_TXT} is missing"
+        if not os.path.isdir(spec):
+            return f"--data {spec}: no such directory (expected shakespeare_char, synthetic, or a directory with train.bin and val.bin)"
+        for split in SPLITS:
+            path = os.path.join(spec, f"{split}.bin")
+            if not os.path.exists(path):
+                return f"--data {spec}: {split}.bin is missing"
+            if os.path.getsize(path) // 2 <= block_size:
+                return f"--data {spec}: {split}.bin holds {os.path.getsize(path) // 2} tokens, fewer than block_size+1 = {block_size + 1}"
+        meta = os.path.join(spec, "meta.pkl")
+        if os.path.exists(meta):
+            try:
+                vocab = read_vocab_size(meta)
+            except Exception as e:  # a damaged or foreign meta.pkl
+                return f"--data {spec}: cannot read vocab_size from meta.pkl ({e})"
+            if vocab > 65536:
+                return f"--data {spec}: vocab_size {vocab} does not fit the uint16 tokens of train.bin"
+        return None
+
+    def batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
+        """(x, y) int64 CPU tensors of shape (global_batch_size/dp_size, block_size): this
+        data-parallel rank's contiguous slice of the global batch of `step` (for evaluation
+        batches, eval_split=True and `step` is the evaluation iteration)."""
+        tokens = self.splits[split]
+        stream = SPLITS[split] + (EVAL_KEY if eval_split else 0)
+        rng = np.random.default_rng([self.seed, stream, step])
+        starts = rng.integers(0, len(tokens) - self.block_size - 1, size=global_batch_size)
+        per_rank = global_batch_size // dp_size
+        starts = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        window = np.arange(self.block_size + 1)
+        xy = torch.from_numpy(np.asarray(tokens[starts[:, None] + window], dtype=np.int64))
+        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+    def decode(self, ids):
+        if self.itos is None:
+            return " ".join(map(str, ids))
+        return "".join(self.itos[i] for i in ids)
+
+
+SYNTHETIC_VOCAB = 256
+
+
+def synthetic_corpus(n_train=1 << 21, n_val=1 << 17):
+    """A learnable stream for offline benchmarks: a fixed random first-order Markov chain in
+    which every token has 4 likely successors (so the loss can fall to about log 4)."""
+    rng = np.random.default_rng(1234)
+    successors = rng.integers(0, SYNTHETIC_VOCAB, size=(SYNTHETIC_VOCAB, 4))
+    choice = rng.integers(0, 4, size=n_train + n_val)
+    stream = np.empty(n_train + n_val, dtype=np.uint16)
+    stream[0] = 0
+    for i in range(1, len(stream)):  # ~0.5 s for 2M tokens
+        stream[i] = successors[stream[i - 1], choice[i]]
+    return {"train": stream[:n_train], "val": stream[n_train:]}
+
+
+def to_device(t, env):
+    """Host-to-device copy; pinned and non-blocking on GPUs so it overlaps compute."""
+    if env.device.type in ("cuda", "xpu"):
+        return t.pin_memory().to(env.device, non_blocking=True)
+    return t.to(env.device)
+
+
+# ----------------------------------------------------------------------------------------
+# Command line and validation
+# ----------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(message)
+
+
+def make_parser(doc):
+    """The shared flags (DESIGN.md); each script adds its own strategy flags."""
+    p = _Parser(description=doc.split("\n\n")[0] if doc else None,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="shakespeare", choices=sorted(PRESETS), help="preset")
+    g.add_argument("--n_layer", type=int)
+    g.add_argument("--n_head", type=int)
+    g.add_argument("--n_embd", type=int)
+    g.add_argument("--block_size", type=int)
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases in Linear and LayerNorm (preset's choice by default)")
+    g = p.add_argument_group("data and batch")
+    g.add_argument("--data", default="shakespeare_char",
+                   help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
+    g.add_argument("--global_batch_size", type=int, default=64, help="sequences per optimizer step, all ranks")
+    g.add_argument("--micro_batch_size", type=int, default=None,
+                   help="sequences per forward per data-parallel rank (default: no accumulation)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max_iters", type=int, default=5000)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min_lr", type=float, default=1e-4)
+    g.add_argument("--warmup_iters", type=int, default=100)
+    g.add_argument("--lr_decay_iters", type=int, default=None,
+                   help="end of the cosine decay (default: max_iters)")
+    g.add_argument("--weight_decay", type=float, default=0.1)
+    g.add_argument("--grad_clip", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--seed", type=int, default=1337)
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval_interval", type=int, default=250, help="0 disables evaluation")
+    g.add_argument("--eval_iters", type=int, default=20)
+    g.add_argument("--log_interval", type=int, default=10)
+    g.add_argument("--metrics", default=None, help="JSONL file, one object per logged step")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "mps", "cpu"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on GPUs that support it, float32 elsewhere")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
+    g.add_argument("--out_dir", default="out")
+    g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    return p
+
+
+def parse_args(parser, argv=None):
+    """Parse and validate the shared flags; the script validates its own afterwards."""
+    args = parser.parse_args(argv)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = args.global_batch_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    cfg = dict(PRESETS[args.model])
+    cfg.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout")
+                if getattr(args, k) is not None})
+    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval"]
+    for name in positive:
+        check(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("n_layer", "n_head", "n_embd", "block_size"):
+        check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
+    for name in ("warmup_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip", "lr", "min_lr"):
+        check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
+    check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
+    check(cfg["n_embd"] % cfg["n_head"] == 0,
+          f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
+    check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
+    problem = Data.check(args.data, cfg["block_size"])
+    check(problem is None, problem)
+    return args
+
+
+def check_batch(args, dp_size):
+    """Gradient-accumulation steps = global / (micro · dp) must be a whole number."""
+    check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
+          f"--global_batch_size {args.global_batch_size} is not divisible by "
+          f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
+    return args.global_batch_size // (args.micro_batch_size * dp_size)
+
+
+def check(condition, message):
+    if not condition:
+        fail(message)
+
+
+def fail(message):
+    """Invalid configuration: every rank reaches the same verdict from the same flags and
+    environment, so no communication is needed: rank 0 prints one line, all exit with 2."""
+    if detect_launcher(os.environ).rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers, devices, process groups
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Launch:
+    kind: str  # torchrun | mpi | slurm | single
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+
+def detect_launcher(environ):
+    """Rank, local rank and world size from the launcher's environment, in DESIGN.md's order:
+    torchrun, MPI (MPICH/Hydra and Intel MPI: PMI_*; Cray PALS: PALS_*; Open MPI:
+    OMPI_COMM_WORLD_*), Slurm. Local sizes that a launcher does not export are None here and
+    are asked of MPI later."""
+    e = environ
+
+    def geti(*names):
+        for n in names:
+            if e.get(n, "") != "":
+                return int(e[n])
+        return None
+
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return Launch("torchrun", int(e["RANK"]), geti("LOCAL_RANK") or 0, int(e["WORLD_SIZE"]),
+                      geti("LOCAL_WORLD_SIZE") or int(e["WORLD_SIZE"]))
+    if "OMPI_COMM_WORLD_RANK" in e:
+        return Launch("mpi", geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_LOCAL_RANK"),
+                      geti("OMPI_COMM_WORLD_SIZE"), geti("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    if "PALS_RANKID" in e:  # Cray PALS (Polaris, Aurora)
+        return Launch("mpi", geti("PALS_RANKID"), geti("PALS_LOCAL_RANKID"),
+                      geti("PMI_SIZE", "PALS_SIZE"), geti("PALS_LOCAL_SIZE", "MPI_LOCALNRANKS"))
+    if "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH Hydra, Intel MPI (and Cray MPICH under srun)
+        return Launch("mpi", geti("PMI_RANK"), geti("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"),
+                      geti("PMI_SIZE"), geti("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"))
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        ntasks, nnodes = geti("SLURM_NTASKS"), geti("SLURM_NNODES") or 1
+        per_node = geti("SLURM_NTASKS_PER_NODE") or (ntasks // nnodes if ntasks % nnodes == 0 else None)
+        return Launch("slurm", geti("SLURM_PROCID"), geti("SLURM_LOCALID") or 0, ntasks, per_node)
+    return Launch("single")
+
+
+def first_slurm_host(nodelist):
+    """'nid[001-004,010],x' -> 'nid001' (what `scontrol show hostnames | head -1` prints)."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0] + "]"
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[")
+    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+
+
+@dataclass
+class Env:
+    launch: Launch
+    device: torch.device
+    backend: str
+    dtype: torch.dtype
+
+    @property
+    def rank(self):
+        return self.launch.rank
+
+    @property
+    def world_size(self):
+        return self.launch.world_size
+
+    @property
+    def master(self):
+        return self.launch.rank == 0
+
+
+def pick_device(requested, local_rank):
+    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend."""
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    if requested in ("auto", "xpu") and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", local_rank % torch.xpu.device_count()), "xccl"
+    if requested in ("auto", "mps") and torch.backends.mps.is_available():
+        return torch.device("mps"), "gloo"
+    check(requested in ("auto", "cpu"), f"--device {requested} is not available on this machine")
+    return torch.device("cpu"), "gloo"
+
+
+def pick_dtype(requested, device):
+    if requested == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu"
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, requested)
+
+
+_MPI_COMM = None
+
+
+def setup(args, launch=None):
+    """Detect the launcher, choose the device, create the process group, install the
+    abort-on-exception hook and the communication ledger. Returns an Env."""
+    global _MPI_COMM
+    launch = launch or detect_launcher(os.environ)
+    if launch.kind == "mpi":
+        # mpi4py only under mpiexec: importing it calls MPI_Init
+        from mpi4py import MPI
+        _MPI_COMM = MPI.COMM_WORLD
+        if launch.local_rank is None or launch.local_world_size is None:
+            node = _MPI_COMM.Split_type(MPI.COMM_TYPE_SHARED)
+            launch.local_rank, launch.local_world_size = node.Get_rank(), node.Get_size()
+    device, backend = pick_device(args.device, launch.local_rank)
+    dtype = pick_dtype(args.dtype, device)
+    check(dtype != torch.float16 or device.type != "cpu", "--dtype float16 needs a GPU")
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # split the cores among the ranks on this node
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
+    elif device.type == "xpu":
+        torch.xpu.set_device(device)
+    if launch.world_size > 1:
+        timeout = datetime.timedelta(seconds=args.timeout)
+        init_method = _rendezvous(launch)
+        dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+    _install_abort_hook(launch)  # after init_process_group, whose own hook it wraps
+    LEDGER.install()
+    return Env(launch, device, backend, dtype)
+
+
+def _rendezvous(launch):
+    """The init_method URL. torchrun exports MASTER_ADDR/PORT; under MPI, rank 0 picks its
+    host name and a free port and broadcasts them; under plain srun the job script exports
+    MASTER_ADDR (else the first host of the allocation) and MASTER_PORT."""
+    if launch.kind == "torchrun":
+        return "env://"
+    if launch.kind == "mpi":
+        addr = port = None
+        if launch.rank == 0:
+            addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
+            port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
+        addr, port = _MPI_COMM.bcast((addr, port), root=0)
+        return f"tcp://{addr}:{port}"
+    addr = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ.get("SLURM_NODELIST", "localhost"))
+    port = os.environ.get("MASTER_PORT") or str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
+    return f"tcp://{addr}:{port}"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _install_abort_hook(launch):
+    """An uncaught exception on any rank ends the whole job instead of leaving the others
+    blocked in a collective: print the traceback, then MPI_Abort under MPI (mpiexec kills
+    every rank), else exit at once (torchrun and srun --kill-on-bad-exit end the rest; gloo
+    and NCCL peers see the closed connection or hit --timeout). torch's own hook, installed
+    by init_process_group, still prints the rank-prefixed traceback first."""
+    if launch.world_size == 1:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        sys.stderr.write(f"[rank {launch.rank}] uncaught {kind.__name__}; ending the job\n")
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if _MPI_COMM is not None:
+            _MPI_COMM.Abort(1)
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def teardown(env):
+    if env.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def autocast(env):
+    """bf16/fp16 autocast on GPUs (weights and optimizer stay fp32); nothing in fp32."""
+    if env.dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=env.device.type, dtype=env.dtype)
+
+
+def synchronize(env):
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    elif env.device.type == "xpu":
+        torch.xpu.synchronize()
+
+
+# ----------------------------------------------------------------------------------------
+# Metrics: the communication ledger, model-state bytes, tokens/s, MFU, JSONL
+# ----------------------------------------------------------------------------------------
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class CommLedger:
+    """Counts the bytes each torch.distributed collective moves on this rank, by operation,
+    by wrapping the functions of the torch.distributed module (scripts keep calling
+    `dist.all_reduce` literally). The count is the message size in nccl-tests' convention:
+    the tensor for all_reduce / broadcast / reduce / send / recv, the *input* for
+    reduce_scatter and all_to_all, the *output* for all_gather; not the wire traffic of the
+    algorithm (a ring all-reduce puts 2(N-1)/N of it on every link)."""
+
+    SIZES = {
+        "all_reduce": lambda a, k: _nbytes(a[0]),
+        "reduce": lambda a, k: _nbytes(a[0]),
+        "broadcast": lambda a, k: _nbytes(a[0]),
+        "all_gather": lambda a, k: sum(map(_nbytes, a[0])),
+        "all_gather_into_tensor": lambda a, k: _nbytes(a[0]),
+        "reduce_scatter": lambda a, k: sum(map(_nbytes, a[1])),
+        "reduce_scatter_tensor": lambda a, k: _nbytes(a[1]),
+        "all_to_all": lambda a, k: sum(map(_nbytes, a[1])),
+        "all_to_all_single": lambda a, k: _nbytes(a[1]),
+        "gather": lambda a, k: _nbytes(a[0]),
+        "scatter": lambda a, k: _nbytes(a[0]),
+        "send": lambda a, k: _nbytes(a[0]),
+        "isend": lambda a, k: _nbytes(a[0]),
+        "recv": lambda a, k: _nbytes(a[0]),
+        "irecv": lambda a, k: _nbytes(a[0]),
+    }
+
+    def __init__(self):
+        self.bytes, self.installed = {}, False
+
+    def add(self, op, nbytes):
+        op = {"isend": "send", "irecv": "recv"}.get(op, op)
+        self.bytes[op] = self.bytes.get(op, 0) + nbytes
+
+    def install(self):
+        if self.installed:
+            return
+        self.installed = True
+        for op, size in self.SIZES.items():
+            setattr(dist, op, self._wrap(op, getattr(dist, op), size))
+        original = dist.batch_isend_irecv
+
+        @wraps(original)
+        def batch_isend_irecv(p2p_ops):
+            for p2p in p2p_ops:
+                self.add(p2p.op.__name__, _nbytes(p2p.tensor))
+            return original(p2p_ops)
+        dist.batch_isend_irecv = batch_isend_irecv
+
+    def _wrap(self, op, fn, size):
+        @wraps(fn)
+        def counted(*args, **kwargs):
+            self.add(op, size(args, kwargs))
+            return fn(*args, **kwargs)
+        return counted
+
+    def take(self):
+        """The bytes counted since the last take (one optimizer step's worth)."""
+        counted, self.bytes = self.bytes, {}
+        return counted
+
+
+LEDGER = CommLedger()
+
+
+def tensor_bytes(tensors):
+    """Bytes of distinct storages among `tensors` (a tied weight counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer):
+    return [v for state in optimizer.state.values() for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0]
+
+
+def state_bytes(params, optimizer):
+    """Model-state bytes this rank holds, counted from the live tensors: parameters,
+    gradients, optimizer state (AdamW: exp_avg and exp_avg_sq)."""
+    params = list(params)
+    return {"params": tensor_bytes(params),
+            "grads": tensor_bytes([p.grad for p in params]),
+            "optim": tensor_bytes(optimizer_state_tensors(optimizer))}
+
+
+# Dense peak FLOP/s per device (one GCD of an MI250X, one tile of a Max 1550), for MFU:
+# (bf16/fp16 tensor-core peak, fp32 peak). From the vendors' data sheets.
+PEAK_FLOPS = {
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),  # SXM; the PCIe card is lower (756e12)
+    "A100": (312e12, 19.5e12),
+    "MI250X": (191.5e12, 47.9e12 / 2),
+    "MAX 1550": (419e12, 52.4e12 / 2),
+}
+
+
+def peak_flops(env):
+    """The device's peak for env.dtype, or None where unknown (CPU, unlisted devices)."""
+    if env.device.type == "cuda":
+        name = torch.cuda.get_device_name(env.device)
+    elif env.device.type == "xpu":
+        name = torch.xpu.get_device_name(env.device)
+    else:
+        return None
+    for key, (half, single) in PEAK_FLOPS.items():
+        if key in name.upper():
+            return single if env.dtype == torch.float32 else half
+    return None
+
+
+def peak_memory(env):
+    if env.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(env.device)
+    if env.device.type == "xpu":
+        return torch.xpu.max_memory_allocated(env.device)
+    return None
+
+
+class Metrics:
+    """Rank-0 console lines and the JSONL metrics file (schema in DESIGN.md)."""
+
+    def __init__(self, args, env, flops_per_tok):
+        self.env, self.flops_per_tok = env, flops_per_tok
+        self.tokens_per_step = args.global_batch_size * model_block_size(args)
+        self.peak = peak_flops(env)
+        self.file = open(args.metrics, "a") if (args.metrics and env.master) else None
+
+    def step(self, step, loss, lr, dt, state, comm, extra=None):
+        """Log one optimizer step; `dt` in seconds; `state` and `comm` from this rank."""
+        tokens_per_s = self.tokens_per_step / dt
+        mfu = None
+        if self.peak is not None:
+            # flops of the whole step divided among the ranks, against one device's peak
+            mfu = tokens_per_s * self.flops_per_tok / (self.peak * self.env.world_size)
+        row = dict(step=step, loss=loss, lr=lr, dt_ms=dt * 1e3, tokens_per_s=tokens_per_s, mfu=mfu,
+                   mem_peak_bytes=peak_memory(self.env), state_bytes=state, comm_bytes=comm)
+        row.update(extra or {})
+        self.write(row)
+        mfu_s = f", mfu {mfu * 100:.1f}%" if mfu is not None else ""
+        log(self.env, f"step {step}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1e3:.0f} ms, "
+                      f"{tokens_per_s:,.0f} tok/s{mfu_s}")
+        return row
+
+    def write(self, row):
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+
+def model_block_size(args):
+    return args.block_size if args.block_size is not None else PRESETS[args.model]["block_size"]
+
+
+def log(env, message):
+    """Print on rank 0 only (through tqdm so a progress bar is not torn)."""
+    if env.master:
+        from tqdm import tqdm
+        tqdm.write(message, file=sys.stdout)
+        sys.stdout.flush()
+
+
+def progress(env, start, stop):
+    """Rank 0's tqdm progress bar over optimizer steps, on a terminal (not in job logs)."""
+    from tqdm import tqdm
+    return tqdm(range(start, stop), initial=start, total=stop, disable=not (env.master and sys.stderr.isatty()),
+                dynamic_ncols=True, mininterval=2.0, leave=False)
+
+
+def print_ledger(env, held, held_theory, comm, comm_theory):
+    """Once, after the first step: what this rank holds and sends, measured next to the
+    strategy's formula (each theory value is (formula text, bytes))."""
+    lines = [f"ledger (rank {env.rank}): measured | theory"]
+    for kind in ("params", "grads", "optim"):
+        formula, value = held_theory[kind]
+        lines.append(f"  held {kind:<6} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
+    for op in sorted(set(comm) | set(comm_theory)):
+        formula, value = comm_theory.get(op, ("0", 0))
+        lines.append(f"  sent {op:<6} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
+    if not comm and not comm_theory:
+        lines.append("  communication: none")
+    log(env, "\n".join(lines))
+
+
+def format_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoint files
+# ----------------------------------------------------------------------------------------
+
+def save_checkpoint(obj, path):
+    """Write atomically: a temporary file in the same directory, flushed to disk, then
+    renamed over the old one; a crash mid-write leaves the previous checkpoint intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    """Load with weights_only=True (tensors and plain containers only: nothing untrusted
+    is unpickled); a missing, truncated or foreign file is refused with one line."""
+    check(os.path.exists(path), f"no checkpoint at {path} to resume from")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        fail(f"checkpoint {path} is unreadable (truncated or corrupt?): "
+             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+
+
+def rng_state(env):
+    state = {"cpu": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(env.device)
+    return state
+
+
+def set_rng_state(env, state):
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and env.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], env.device)
+
+
+def run_config(args, config, world_layout):
+    """What a checkpoint must agree on to be resumed bit-for-bit."""
+    keys = ("data", "global_batch_size", "micro_batch_size", "seed", "lr", "min_lr", "warmup_iters",
+            "lr_decay_iters", "weight_decay", "grad_clip")
+    return {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
+
+
+def check_resumable(saved, current, path):
+    """One line naming the first difference between the saved run and this one."""
+    for key in current:
+        check(saved.get(key) == current[key], f"checkpoint {path} was written with "
+              f"{key}={saved.get(key)}, this run has {key}={current[key]}")

@@ -1,0 +1,35 @@
+"""A minimal program on common.setup, for the launcher tests: every rank reports what it
+detected, all-reduces its rank, and (with --raise_on_rank R) rank R raises while the others
+wait in a collective, to show that the job ends instead of hanging."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import LEDGER, make_parser, parse_args, setup, teardown
+
+
+def main():
+    parser = make_parser(__doc__)
+    parser.add_argument("--raise_on_rank", type=int, default=-1)
+    args = parse_args(parser)
+    env = setup(args)
+    value = torch.tensor([float(env.rank)])
+    dist.all_reduce(value)  # the sum of all ranks
+    report = dict(kind=env.launch.kind, rank=env.rank, world_size=env.world_size,
+                  local_rank=env.launch.local_rank, local_world_size=env.launch.local_world_size,
+                  sum=value.item(), comm=LEDGER.take(), threads=torch.get_num_threads())
+    print("PROBE " + json.dumps(report), flush=True)
+    if env.rank == args.raise_on_rank:
+        time.sleep(0.5)
+        raise RuntimeError(f"deliberate failure on rank {env.rank}")
+    dist.barrier()  # the others wait here for the failed rank, which never comes
+    teardown(env)
+
+
+if __name__ == "__main__":
+    main()
