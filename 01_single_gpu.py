@@ -74,7 +74,7 @@ def main():
           "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
     accum_steps = check_batch(args, dp_size=1)
-    env = setup(args, launch)
+    env = setup(args, launch, distributed=False)
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
 
     data = Data(args.data, args.seed, model_block_size(args))

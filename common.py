@@ -374,7 +374,7 @@ def make_parser(doc):
                    help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
     g.add_argument("--global_batch_size", type=int, default=64, help="sequences per optimizer step, all ranks")
     g.add_argument("--micro_batch_size", type=int, default=None,
-                   help="sequences per forward per data-parallel rank (default: no accumulation)")
+                   help="sequences per forward per data-parallel rank (default: global / data-parallel size, no accumulation)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_iters", type=int, default=5000)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -404,8 +404,6 @@ def make_parser(doc):
 def parse_args(parser, argv=None):
     """Parse and validate the shared flags; the script validates its own afterwards."""
     args = parser.parse_args(argv)
-    if args.micro_batch_size is None:
-        args.micro_batch_size = args.global_batch_size
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
     cfg = dict(PRESETS[args.model])
@@ -413,7 +411,8 @@ def parse_args(parser, argv=None):
                 if getattr(args, k) is not None})
     positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval"]
     for name in positive:
-        check(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
+        value = getattr(args, name)
+        check(value is None or value > 0, f"--{name} must be positive, got {value}")
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
     for name in ("warmup_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip", "lr", "min_lr"):
@@ -428,7 +427,12 @@ def parse_args(parser, argv=None):
 
 
 def check_batch(args, dp_size):
-    """Gradient-accumulation steps = global / (micro · dp) must be a whole number."""
+    """Gradient-accumulation steps = global / (micro · dp) must be a whole number. Without
+    --micro_batch_size there is no accumulation: micro = global / dp."""
+    if args.micro_batch_size is None:
+        check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
+              f"is not divisible by the data-parallel size {dp_size}")
+        args.micro_batch_size = args.global_batch_size // dp_size
     check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
           f"--global_batch_size {args.global_batch_size} is not divisible by "
           f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
@@ -544,9 +548,10 @@ def pick_dtype(requested, device):
 _MPI_COMM = None
 
 
-def setup(args, launch=None):
-    """Detect the launcher, choose the device, create the process group, install the
-    abort-on-exception hook and the communication ledger. Returns an Env."""
+def setup(args, launch=None, distributed=True):
+    """Detect the launcher, choose the device, create the process group (a one-rank group
+    when a distributed script runs as one process, so its collectives still work), install
+    the abort-on-exception hook and the communication ledger. Returns an Env."""
     global _MPI_COMM
     launch = launch or detect_launcher(os.environ)
     if launch.kind == "mpi":
@@ -566,7 +571,7 @@ def setup(args, launch=None):
         torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
     elif device.type == "xpu":
         torch.xpu.set_device(device)
-    if launch.world_size > 1:
+    if distributed:
         timeout = datetime.timedelta(seconds=args.timeout)
         init_method = _rendezvous(launch)
         dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
@@ -582,6 +587,8 @@ def _rendezvous(launch):
     MASTER_ADDR (else the first host of the allocation) and MASTER_PORT."""
     if launch.kind == "torchrun":
         return "env://"
+    if launch.kind == "single":
+        return f"tcp://127.0.0.1:{_free_port()}"
     if launch.kind == "mpi":
         addr = port = None
         if launch.rank == 0:
@@ -623,7 +630,7 @@ def _install_abort_hook(launch):
 
 
 def teardown(env):
-    if env.world_size > 1 and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -887,7 +894,7 @@ def set_rng_state(env, state):
 
 def run_config(args, config, world_layout):
     """What a checkpoint must agree on to be resumed bit-for-bit."""
-    keys = ("data", "global_batch_size", "micro_batch_size", "seed", "lr", "min_lr", "warmup_iters",
+    keys = ("data", "global_batch_size", "seed", "lr", "min_lr", "warmup_iters",
             "lr_decay_iters", "weight_decay", "grad_clip")
     return {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
 

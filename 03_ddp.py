@@ -1,0 +1,260 @@
+"""03_ddp.py: data parallelism by hand, the way torch's DistributedDataParallel works inside.
+
+Every rank holds the whole model and optimizer and trains on its own slice of the global
+batch. After backward the gradients are averaged across ranks with all-reduce, so every
+replica takes the same optimizer step and the replicas stay identical. Done naively, that
+all-reduce waits for the whole backward. DDP instead packs the gradients into buckets
+(~25 MB) in the reverse order of the parameters, which is roughly the order backward
+produces them; the moment a bucket is full, its all-reduce starts asynchronously and runs
+while backward computes the earlier layers' gradients (Li et al. 2020, "PyTorch
+Distributed: Experiences on Accelerating Data Parallel Training").
+
+    global batch of step t:  [ rows 0..B/N | rows B/N..2B/N | ... | rows (N-1)B/N..B ]
+                                   |              |                       |
+    rank 0: model, grads, AdamW    |   rank 1: same replica        rank N-1: same replica
+                                   v              v                       v
+    backward, last layer first:  bucket 0 (ln_f, h[L-1]...) full -> all_reduce ─┐ overlaps
+                                 bucket 1 (h[L-2]...)       full -> all_reduce ─┤ the rest of
+                                 ...                                            │ backward
+                                 bucket k (..., wpe, wte)   full -> all_reduce ─┘
+    optimizer step: wait for every handle; gradients are now the global mean everywhere
+
+Run:
+
+    mpiexec -n 4 python 03_ddp.py --model shakespeare
+    torchrun --standalone --nproc_per_node 8 03_ddp.py --model gpt2 --global_batch_size 480 --micro_batch_size 12
+    python 03_ddp.py --no_overlap ...        # all-reduce each gradient after backward (naive)
+
+Cost per rank, Ψ parameters, N ranks (bytes):
+
+    memory:         parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ    (a full replica; the
+                    gradients live inside the buckets, so they take no extra copy)
+    communication:  one all-reduce of all gradients per optimizer step, 4Ψ bytes in fp32
+                    (a ring all-reduce sends 2(N-1)/N · 4Ψ per rank), none on the non-final
+                    micro-steps of gradient accumulation; plus one float for the logged loss
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
+                    make_parser, Metrics, model_config, model_block_size, parse_args, print_ledger,
+                    progress, rng_state, run_config, save_checkpoint, set_rng_state, setup,
+                    state_bytes, synchronize, teardown, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("03_ddp")
+    g.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB")
+    g.add_argument("--no_overlap", action="store_true",
+                   help="naive: all-reduce every gradient after backward, no buckets")
+    return parser
+
+
+class GradientBuckets:
+    """DDP's reducer. Parameters are grouped, in reverse order, into buckets of about
+    `bucket_bytes`; each bucket is one flat tensor and every parameter's .grad is a view
+    into it (DDP's gradient_as_bucket_view), so autograd accumulates straight into the
+    buffer that is all-reduced and nothing is copied.
+
+    A post-accumulate-grad hook counts the gradients each bucket still waits for; when a
+    bucket is complete it is launched as an asynchronous all-reduce. Buckets are launched
+    strictly in index order, so every rank issues the same collectives in the same order
+    (a requirement of every backend) even if its backward finished them in another."""
+
+    def __init__(self, params, bucket_bytes, world_size, overlap):
+        self.world_size, self.overlap, self.sync = world_size, overlap, False
+        params = [p for p in params if p.requires_grad]
+        groups, current, size = [], [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                groups.append(current)
+                current, size = [], 0
+        if current:
+            groups.append(current)
+        self.buffers, self.bucket_of, self.sizes = [], {}, []
+        for index, group in enumerate(groups):
+            buffer = torch.zeros(sum(p.numel() for p in group), dtype=params[0].dtype,
+                                 device=params[0].device)
+            offset = 0
+            for p in group:
+                p.grad = buffer[offset:offset + p.numel()].view_as(p)
+                self.bucket_of[p] = index
+                offset += p.numel()
+                if overlap:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+            self.buffers.append(buffer)
+            self.sizes.append(len(group))
+        self.params = params
+        self._reset()
+
+    def _reset(self):
+        self.waiting = list(self.sizes)  # gradients each bucket still waits for
+        self.handles, self.next_to_launch = [], 0
+
+    def _grad_ready(self, param):
+        if not self.sync:  # a non-final micro-step: keep accumulating locally
+            return
+        self.waiting[self.bucket_of[param]] -= 1
+        while self.next_to_launch < len(self.buffers) and self.waiting[self.next_to_launch] == 0:
+            self._launch(self.next_to_launch)
+            self.next_to_launch += 1
+
+    def _launch(self, index):
+        buffer = self.buffers[index]
+        buffer.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
+        # all-reduce (sum) this bucket's gradients across every data-parallel rank,
+        # asynchronously: backward continues while it is in flight
+        self.handles.append(dist.all_reduce(buffer, async_op=True))
+
+    def finish(self):
+        """Before the optimizer step: wait for every bucket's all-reduce."""
+        if self.overlap:
+            check(self.next_to_launch == len(self.buffers),
+                  "a gradient never arrived (a parameter unused in forward?)")
+            for handle in self.handles:
+                handle.wait()
+        else:
+            for p in self.params:  # the naive version: one blocking all-reduce per gradient
+                p.grad.div_(self.world_size)
+                dist.all_reduce(p.grad)  # sum of every rank's g/N
+        self._reset()
+
+    def zero_grad(self):
+        for buffer in self.buffers:  # in place: .grad must stay a view of its bucket
+            buffer.zero_()
+
+
+@torch.no_grad()
+def evaluate(model, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
+    slice, then the means are averaged across ranks."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total)  # the sum of every rank's mean/N: the global mean
+        losses[split] = total.item()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    check(args.bucket_mb > 0, f"--bucket_mb must be positive, got {args.bucket_mb}")
+    accum_steps = check_batch(args, dp_size=launch.world_size)
+    env = setup(args, launch)
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every replica
+
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    model = build_model(config, args.seed, env.device)
+    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    run = run_config(args, config, {"strategy": "data parallel"})
+    start_step, ckpt = 0, None
+    if args.resume:
+        ckpt = load_checkpoint(ckpt_path)
+        check_resumable(ckpt["run"], run, ckpt_path)
+        model.load_state_dict(ckpt["model"])
+        start_step = ckpt["step"]
+    # every replica starts from rank 0's weights (identical here by construction, but this
+    # is what makes any initialisation or checkpoint safe)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=0)  # rank 0's values to every rank
+    log(env, f"broadcast the initial weights from rank 0: {LEDGER.take()}")
+    buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, env.world_size,
+                              overlap=not args.no_overlap)
+    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["world_size"] == env.world_size:
+            set_rng_state(env, ckpt["rng"][env.rank])
+        else:
+            log(env, f"resuming on {env.world_size} ranks a run saved on {ckpt['world_size']}: "
+                     "the replicas are the same, the dropout streams start afresh")
+    train_model = model
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
+             f"device {env.device}, {str(env.dtype).replace('torch.', '')}, {env.world_size} replicas, "
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step, "
+             f"{len(buckets.buffers)} gradient bucket(s)" + (" (not overlapped)" if args.no_overlap else ""))
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
+    held_theory = {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
+                   "optim": ("8Ψ", 8 * n_params)}
+    comm_theory = {"all_reduce": ("4Ψ grads + 4 loss", 4 * n_params + 4)}
+
+    def save(step):
+        rng = [None] * env.world_size
+        dist.all_gather_object(rng, rng_state(env))  # every rank's dropout stream, to rank 0
+        if env.master:
+            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "step": step, "rng": rng, "run": run,
+                             "world_size": env.world_size}, ckpt_path)
+        LEDGER.take()  # checkpointing traffic is not part of a training step
+
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate(train_model, data, args, env, accum_steps)
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+            LEDGER.take()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        for micro in range(accum_steps):
+            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            buckets.sync = micro == accum_steps - 1  # communicate only on the last micro-step
+            with autocast(env):
+                _, loss = train_model(x[rows], y[rows])
+            (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+            loss_sum += loss.detach().float()
+        buckets.finish()  # gradients are now the mean over the global batch, on every rank
+        loss_sum /= accum_steps * env.world_size
+        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+
+        comm = LEDGER.take()
+        if step == start_step:
+            print_ledger(env, state_bytes(model.parameters(), optimizer), held_theory, comm, comm_theory)
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = loss_sum.item()
+            synchronize(env)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0,
+                         state_bytes(model.parameters(), optimizer), comm)
+        buckets.zero_grad()
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate(train_model, data, args, env, accum_steps)
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    teardown(env)
+
+
+if __name__ == "__main__":
+    main()
