@@ -55,11 +55,17 @@ def add_flags(parser):
     return parser
 
 
+FIRST_BUCKET_BYTES = 2**20
+
+
 class GradientBuckets:
     """DDP's reducer. Parameters are grouped, in reverse order, into buckets of about
     `bucket_bytes`; each bucket is one flat tensor and every parameter's .grad is a view
     into it (DDP's gradient_as_bucket_view), so autograd accumulates straight into the
     buffer that is all-reduced and nothing is copied.
+
+    The first bucket is capped at 1 MiB, as in DDP: the last layers' gradients are ready
+    first, and a small bucket gets the network busy sooner.
 
     A post-accumulate-grad hook counts the gradients each bucket still waits for; when a
     bucket is complete it is launched as an asynchronous all-reduce. Buckets are launched
@@ -73,7 +79,8 @@ class GradientBuckets:
         for p in reversed(params):
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            # like DDP, the first bucket is small (1 MiB) so the first all-reduce starts early
+            if size >= (min(bucket_bytes, FIRST_BUCKET_BYTES) if not groups else bucket_bytes):
                 groups.append(current)
                 current, size = [], 0
         if current:
