@@ -22,6 +22,7 @@ import pickletools
 import socket
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import wraps
@@ -33,6 +34,9 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (*_single) and warns;
+# the scripts keep the old names, which every torch since 2.0 has
+warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 
@@ -356,10 +360,15 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
+def base_parser(doc):
+    """An argparse parser whose errors are one line from rank 0 and exit 2 on every rank."""
+    return _Parser(description=doc.split("\n\n")[0] if doc else None,
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
 def make_parser(doc):
     """The shared flags (DESIGN.md); each script adds its own strategy flags."""
-    p = _Parser(description=doc.split("\n\n")[0] if doc else None,
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = base_parser(doc)
     g = p.add_argument_group("model")
     g.add_argument("--model", default="shakespeare", choices=sorted(PRESETS), help="preset")
     g.add_argument("--n_layer", type=int)
@@ -548,6 +557,11 @@ def pick_dtype(requested, device):
 _MPI_COMM = None
 
 
+def mpi_comm():
+    """mpi4py's COMM_WORLD when the job was launched by mpiexec, else None."""
+    return _MPI_COMM
+
+
 def setup(args, launch=None, distributed=True):
     """Detect the launcher, choose the device, create the process group (a one-rank group
     when a distributed script runs as one process, so its collectives still work), install
@@ -674,6 +688,8 @@ class CommLedger:
         "reduce_scatter_tensor": lambda a, k: _nbytes(a[1]),
         "all_to_all": lambda a, k: sum(map(_nbytes, a[1])),
         "all_to_all_single": lambda a, k: _nbytes(a[1]),
+        "all_gather_single": lambda a, k: _nbytes(a[0]),  # torch >= 2.13's names for the
+        "reduce_scatter_single": lambda a, k: _nbytes(a[1]),  # *_into_tensor / *_tensor ops
         "gather": lambda a, k: _nbytes(a[0]),
         "scatter": lambda a, k: _nbytes(a[0]),
         "send": lambda a, k: _nbytes(a[0]),
@@ -694,7 +710,17 @@ class CommLedger:
             return
         self.installed = True
         for op, size in self.SIZES.items():
-            setattr(dist, op, self._wrap(op, getattr(dist, op), size))
+            if hasattr(dist, op):
+                setattr(dist, op, self._wrap(op, getattr(dist, op), size))
+        class P2POp(dist.P2POp):
+            """P2POp checks that its op *is* torch's isend/irecv: hand it the unwrapped ones."""
+
+            def __new__(cls, op, *args, **kwargs):
+                return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+            def __init__(self, op, *args, **kwargs):
+                super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+        dist.P2POp = P2POp
         original = dist.batch_isend_irecv
 
         @wraps(original)

@@ -74,14 +74,16 @@ def command(script, nprocs, launcher):
     raise ValueError(launcher)
 
 
-def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, env=None, cwd=None):
-    """Run `script` with `nprocs` ranks and return a Run (metrics read from --metrics)."""
+def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, env=None, cwd=None,
+           out_dir=True):
+    """Run `script` with `nprocs` ranks and return a Run (metrics read from --metrics); a
+    temporary --metrics file and --out_dir are added unless given (or turned off)."""
     tmp = tempfile.mkdtemp(prefix="gptpar-")
     args = list(map(str, args))
     metrics_path = os.path.join(tmp, "metrics.jsonl")
     if metrics and "--metrics" not in args:
         args += ["--metrics", metrics_path]
-    if "--out_dir" not in args:
+    if out_dir and "--out_dir" not in args:
         args += ["--out_dir", os.path.join(tmp, "out")]
     cmd = command(script, nprocs, launcher) + args
     run_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
