@@ -570,7 +570,14 @@ def setup(args, launch=None, distributed=True):
     launch = launch or detect_launcher(os.environ)
     if launch.kind == "mpi":
         # mpi4py only under mpiexec: importing it calls MPI_Init
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            # srun on Cray systems exports PMI_* too; without mpi4py, use Slurm's rendezvous
+            check("SLURM_PROCID" in os.environ, "launched by mpiexec, but mpi4py is not installed "
+                  "(pip install mpi4py, built against this MPI)")
+            launch = detect_launcher({k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PALS_", "OMPI_"))})
+    if launch.kind == "mpi":
         _MPI_COMM = MPI.COMM_WORLD
         if launch.local_rank is None or launch.local_world_size is None:
             node = _MPI_COMM.Split_type(MPI.COMM_TYPE_SHARED)

@@ -1,0 +1,131 @@
+"""jobs/: every submit script parses, launches the right line under a fabricated scheduler
+environment (mpiexec, srun, module, conda and scontrol replaced by stubs that record their
+arguments), refuses layouts that do not fit, and jobs/local.sh really trains."""
+
+import glob
+import os
+import subprocess
+
+import pytest
+
+from harness import ROOT
+
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "jobs", "*.sh")))
+STUB = """#!/bin/bash
+echo "$(basename "$0") $* | MASTER_ADDR=${MASTER_ADDR:-} MASTER_PORT=${MASTER_PORT:-}" >> "$RECORD"
+[ "$(basename "$0")" != scontrol ] || printf 'nid001\\nnid002\\n'
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_parses(script):
+    subprocess.run(["bash", "-n", script], check=True)
+
+
+@pytest.fixture
+def scheduler(tmp_path):
+    """Run a job script as the scheduler would, with recording stubs on the PATH."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("mpiexec", "srun", "module", "conda", "scontrol"):
+        (stubs / name).write_text(STUB)
+        (stubs / name).chmod(0o755)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x3001c0s13b0n0\nx3001c0s13b1n0\n")
+    record = tmp_path / "record"
+
+    def run(script, *args, kind="pbs"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PBS_", "SLURM_"))}
+        env.update(PATH=f"{stubs}:{env['PATH']}", RECORD=str(record), USER="tester")
+        if kind == "pbs":
+            env.update(PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=ROOT, PBS_JOBID="1234.polaris-pbs")
+        else:
+            env.update(SLURM_SUBMIT_DIR=ROOT, SLURM_NNODES="2", SLURM_JOB_NODELIST="nid[001-002]",
+                       SLURM_JOB_ID="4242")
+        p = subprocess.run(["bash", os.path.join(ROOT, "jobs", script), *args], env=env, cwd=str(tmp_path),
+                           capture_output=True, text=True, timeout=60)
+        lines = record.read_text().splitlines() if record.exists() else []
+        record.unlink(missing_ok=True)
+        return p, lines
+    return run
+
+
+def launch_line(lines, launcher):
+    found = [line for line in lines if line.startswith(launcher + " ")]
+    assert len(found) == 1, lines
+    return found[0]
+
+
+def test_polaris(scheduler):
+    p, lines = scheduler("polaris.sh", "03_ddp.py", "--model", "tiny")
+    assert p.returncode == 0, p.stderr
+    assert "module use /soft/modulefiles" in lines[0] and "module load conda" in lines[1]
+    line = launch_line(lines, "mpiexec")
+    assert line.startswith("mpiexec -n 8 --ppn 4 --depth 8 --cpu-bind depth python 03_ddp.py --model tiny |")
+    assert "layout: 8 ranks = 8 data-parallel x 1 pipeline x 1 tensor-parallel" in p.stdout
+
+
+def test_aurora(scheduler):
+    p, lines = scheduler("aurora.sh", "03_ddp.py", "--model", "gpt2")
+    assert p.returncode == 0, p.stderr
+    assert any("module load frameworks" in line for line in lines)
+    line = launch_line(lines, "mpiexec")
+    assert line.startswith("mpiexec -n 24 --ppn 12 --cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:"
+                           "53-60:61-68:69-76:77-84:85-92:93-100 python 03_ddp.py --model gpt2 |")
+
+
+def test_frontier(scheduler):
+    p, lines = scheduler("frontier.sh", "03_ddp.py", "--model", "gpt2", kind="slurm")
+    assert p.returncode == 0, p.stderr
+    line = launch_line(lines, "srun")
+    assert line.startswith("srun -N 2 -n 16 -c7 --gpus-per-task=1 --gpu-bind=closest --kill-on-bad-exit=1 "
+                           "python 03_ddp.py --model gpt2 |")
+    assert line.endswith("MASTER_ADDR=nid001 MASTER_PORT=29742")
+
+
+def test_perlmutter(scheduler):
+    p, lines = scheduler("perlmutter.sh", "03_ddp.py", kind="slurm")
+    assert p.returncode == 0, p.stderr
+    line = launch_line(lines, "srun")
+    assert line.startswith("srun -N 2 -n 8 --ntasks-per-node 4 -c 32 --cpu-bind=cores --gpus-per-node 4 "
+                           "--kill-on-bad-exit=1 python 03_ddp.py |")
+
+
+def test_named_scripts(scheduler):
+    p, lines = scheduler("polaris_ddp.sh", "--max_iters", "7")
+    assert p.returncode == 0, p.stderr
+    assert "python 03_ddp.py --model gpt2 --data synthetic --global_batch_size 96 --micro_batch_size 12 " \
+           "--max_iters 500 --max_iters 7 |" in launch_line(lines, "mpiexec")
+    if os.path.exists(os.path.join(ROOT, "08_3d.py")):
+        p, lines = scheduler("frontier_3d.sh", kind="slurm")
+        assert p.returncode == 0, p.stderr
+        line = launch_line(lines, "srun")
+        assert "-n 16 " in line and "python 08_3d.py --tp 4 --pp 2 --model gpt2-xl" in line
+        assert "16 ranks = 2 data-parallel x 2 pipeline x 4 tensor-parallel" in p.stdout
+
+
+@pytest.mark.parametrize("script, kind, flags, message", [
+    ("polaris.sh", "pbs", ["--tp", "8"], "--tp 8 does not divide the 4 ranks per node"),
+    ("aurora.sh", "pbs", ["--tp=5"], "--tp 5 does not divide the 12 ranks per node"),
+    ("frontier.sh", "slurm", ["--tp", "8", "--pp", "3"], "--tp 8 x --pp 3 = 24 does not divide the world size 16"),
+    ("perlmutter.sh", "slurm", ["--tp", "3"], "--tp 3 does not divide the 4 ranks per node"),
+])
+def test_layouts_that_do_not_fit_are_refused(scheduler, script, kind, flags, message):
+    p, lines = scheduler(script, "03_ddp.py", *flags, kind=kind)
+    assert p.returncode == 2 and message in p.stderr
+    assert not any(line.startswith(("mpiexec", "srun")) for line in lines)
+
+
+def test_missing_script_is_refused(scheduler):
+    p, _ = scheduler("frontier.sh", "09_nothing.py", kind="slurm")
+    assert p.returncode == 2 and "no training script 09_nothing.py" in p.stderr
+
+
+def test_local_really_trains(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
+    p = subprocess.run(["bash", os.path.join(ROOT, "jobs", "local.sh"), "2", "03_ddp.py", "--model", "tiny",
+                        "--device", "cpu", "--max_iters", "3", "--eval_interval", "0", "--log_interval", "1",
+                        "--global_batch_size", "4", "--out_dir", str(tmp_path / "out")],
+                       env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "step 2: loss" in p.stdout and "2 replicas" in p.stdout
