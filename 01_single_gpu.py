@@ -93,9 +93,10 @@ def main():
         start_step = ckpt["step"]
     elif args.init_from:
         ckpt = load_checkpoint(args.init_from)
-        saved_model = ckpt.get("run", {}).get("model")
-        check(saved_model == vars(config), f"--init_from {args.init_from} holds another model: "
-              f"{saved_model}, this run builds {vars(config)}")
+        architecture = lambda cfg: {k: v for k, v in cfg.items() if k != "dropout"}  # noqa: E731
+        saved_model = ckpt.get("run", {}).get("model") or {}
+        check(architecture(saved_model) == architecture(vars(config)), f"--init_from {args.init_from} "
+              f"holds another model: {saved_model}, this run builds {vars(config)}")
         model.load_state_dict(ckpt["model"])
     train_model = torch.compile(model) if args.compile else model
 

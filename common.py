@@ -869,10 +869,10 @@ def print_ledger(env, held, held_theory, comm, comm_theory):
     lines = [f"ledger (rank {env.rank}): measured | theory"]
     for kind in ("params", "grads", "optim"):
         formula, value = held_theory[kind]
-        lines.append(f"  held {kind:<6} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
+        lines.append(f"  held {kind:<24} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
     for op in sorted(set(comm) | set(comm_theory)):
         formula, value = comm_theory.get(op, ("0", 0))
-        lines.append(f"  sent {op:<6} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
+        lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
     if not comm and not comm_theory:
         lines.append("  communication: none")
     log(env, "\n".join(lines))

@@ -1,0 +1,476 @@
+"""04_zero.py: ZeRO stages 1, 2 and 3 by hand (Rajbhandari et al. 2020), --stage 1|2|3.
+
+Data parallelism keeps N identical copies of everything. ZeRO (Zero Redundancy Optimizer)
+keeps the data-parallel loop but partitions the model states across the N ranks, so each
+rank stores and updates only 1/N of them:
+
+    stage 1  P_os      optimizer state (AdamW moments, fp32 master weights) partitioned
+    stage 2  P_os+g    ... and gradients: each rank keeps only its partition's gradients
+    stage 3  P_os+g+p  ... and parameters: a block's weights exist in full only while it runs
+
+Partitioning. The parameters are grouped into units, one per transformer block plus a root
+unit (token and position embeddings, which are also the tied output head, and the final
+LayerNorm). Each unit is flattened into one buffer, padded to a multiple of N and cut into N
+equal shards; rank r owns shard r of every unit. Per-unit (rather than one whole-model)
+buffers keep every reduce-scatter and all-gather aligned with a unit, which lets stage 2
+reduce a block's gradients the moment backward finishes it, and stage 3 gather one block at
+a time. (The alternative, per-parameter dim-0 shards, is FSDP2's; see 05_fsdp.py.)
+
+    unit (flat, padded)   [ block 3 : wq wk wv wo w_fc w_proj ln... | pad ]
+    shards                [  rank 0   |  rank 1   |  rank 2   |  rank 3   ]
+    each rank holds       AdamW exp_avg + exp_avg_sq (+ fp32 master) of its shard only;
+                          stage 2: + its gradient shard; stage 3: + its parameter shard
+
+One optimizer step, per rank:
+
+    stage 1: forward/backward on full params -> full grads (kept) -> reduce-scatter grads
+             (rank r gets the mean of shard r) -> AdamW on shard r -> all-gather params
+    stage 2: as stage 1, but each block's grads are reduce-scattered as soon as backward
+             has produced them, and the full grads freed at once
+    stage 3: before each block's forward (and again before its backward): all-gather its
+             params; after: free them. Gradients as in stage 2. After AdamW: nothing to
+             gather, the next forward gathers on demand
+
+Gradient clipping uses the global norm: every rank squares its gradient shard, one
+all-reduce sums them. Precision: fp32 on CPU. With --dtype bfloat16 (the default on GPUs) the
+working parameters and gradients are bf16 and each rank keeps an fp32 master copy of its
+shard (part of the optimizer state, as in the paper's mixed-precision accounting).
+
+Run:
+
+    mpiexec -n 4 python 04_zero.py --stage 3 --model gpt2
+    torchrun --standalone --nproc_per_node 8 04_zero.py --stage 2 --model gpt2-medium --micro_batch_size 4
+    python 04_zero.py --export out/full.pt ...    # one consolidated checkpoint, for 01_single_gpu.py
+
+Memory per rank (Ψ parameters, padded to a multiple of N; K = 12 for AdamW in mixed
+precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in brackets):
+
+    DDP      2Ψ + 2Ψ + KΨ              [4Ψ + 4Ψ + 8Ψ]
+    stage 1  2Ψ + 2Ψ + KΨ/N            [4Ψ + 4Ψ + 8Ψ/N]
+    stage 2  2Ψ + (2 + K)Ψ/N           [4Ψ + (4 + 8)Ψ/N]
+    stage 3  (2 + 2 + K)Ψ/N            [(4 + 4 + 8)Ψ/N]
+    (the paper's formulas. This implementation keeps the reduced gradient shard in fp32 for
+    the fp32 optimizer: 4Ψ/N instead of 2Ψ/N in bf16, and in stage 1 in addition to the full
+    gradients, which it keeps to accumulate micro-batches. The ledger prints the exact terms.)
+
+Communication per optimizer step, in bytes of the messages (b bytes per element):
+
+    stage 1  reduce-scatter bΨ + all-gather bΨ: the volume of DDP's one all-reduce of bΨ,
+             since a ring all-reduce is a reduce-scatter followed by an all-gather
+    stage 2  reduce-scatter bΨ per micro-batch (gradients are not kept to accumulate), then
+             all-gather bΨ
+    stage 3  all-gather bΨ in forward + bΨ again in backward (the root unit stays gathered
+             for the whole step) + reduce-scatter bΨ: 3bΨ on the wire where DDP has 2bΨ,
+             the paper's 1.5x
+"""
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+                    detect_launcher, flops_per_token, format_bytes, is_decayed, load_checkpoint,
+                    log, lr_at, ADAM_BETAS, make_parser, Metrics, model_config, model_block_size,
+                    parse_args, print_ledger, progress, rng_state, run_config, save_checkpoint,
+                    set_rng_state, setup, synchronize, teardown, tensor_bytes, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("04_zero")
+    g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
+    g.add_argument("--export", default=None,
+                   help="at the end, write one consolidated checkpoint that 01_single_gpu.py loads")
+    return parser
+
+
+class Unit:
+    """The parameters of one module as one flat buffer, padded to a multiple of N and cut
+    into N equal shards; this rank owns elements [lo, hi). `full` is the whole buffer in
+    the compute dtype (None in stage 3 while the unit is not gathered); `master` is this
+    rank's fp32 shard, the copy the optimizer updates."""
+
+    def __init__(self, name, named_params, env, compute_dtype, keep_full):
+        self.name = name
+        self.names, self.params = zip(*named_params)
+        self.shapes = [p.shape for p in self.params]
+        self.offsets, offset = [], 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.shard_numel = math.ceil(offset / env.world_size)
+        self.lo, self.hi = env.rank * self.shard_numel, (env.rank + 1) * self.shard_numel
+        self.device, self.dtype = env.device, compute_dtype
+        full = torch.zeros(self.shard_numel * env.world_size, dtype=compute_dtype, device=env.device)
+        for p, offset in zip(self.params, self.offsets):
+            full[offset:offset + p.numel()].copy_(p.data.view(-1))
+        # the fp32 master shard: a view of the full buffer when that is fp32 and kept
+        # (stages 1-2 on CPU), else a copy of its own
+        alias = keep_full and compute_dtype == torch.float32
+        self.master = full[self.lo:self.hi] if alias else full[self.lo:self.hi].float().clone()
+        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device)
+        self.full = self.grad_full = None
+        self.bind(full)
+
+    def bind(self, full):
+        """Point every parameter of the unit at its slice of `full` (the whole unit)."""
+        self.full = full
+        for p, shape, offset in zip(self.params, self.shapes, self.offsets):
+            p.data = full[offset:offset + shape.numel()].view(shape)
+
+    def release(self):
+        """Stage 3: drop the full parameters; only the shard remains."""
+        self.full = None
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    def segments(self):
+        """(start, stop, decayed) pieces of this rank's shard, one per parameter it overlaps,
+        plus the padding: AdamW gets one tensor per piece so that weight decay applies to
+        matrices only, exactly as in 01."""
+        pieces = []
+        for shape, offset in zip(self.shapes, self.offsets):
+            a, b = max(offset, self.lo), min(offset + shape.numel(), self.hi)
+            if a < b:
+                pieces.append((a - self.lo, b - self.lo, len(shape) >= 2))  # is_decayed's rule
+        covered = pieces[-1][1] if pieces else 0
+        if covered < self.shard_numel:  # padding (or nothing of this unit on this rank)
+            pieces.append((covered, self.shard_numel, False))
+        return pieces
+
+
+class ZeRO:
+    """The partitioned model states of one stage, and its collectives."""
+
+    def __init__(self, model, stage, env, args):
+        self.stage, self.world_size, self.compute_dtype = stage, env.world_size, env.dtype
+        root = [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]
+        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3)
+        self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), env, env.dtype,
+                            keep_full=stage < 3) for i, block in enumerate(model.transformer.h)]
+        self.units = [self.root] + self.blocks
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        segments = {True: [], False: []}
+        for unit in self.units:
+            for a, b, decayed in unit.segments():
+                piece = unit.master[a:b]
+                piece.grad = unit.grad_shard[a:b]  # AdamW reads this rank's gradient shard
+                segments[decayed].append(piece)
+        fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
+        self.optimizer = torch.optim.AdamW(
+            [{"params": segments[True], "weight_decay": args.weight_decay},
+             {"params": segments[False], "weight_decay": 0.0}], lr=args.lr, betas=ADAM_BETAS, **fused)
+        if stage == 1:  # full gradients, kept through accumulation, as views of one buffer
+            for unit in self.units:
+                unit.grad_full = torch.zeros_like(unit.full)
+                for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets):
+                    p.grad = unit.grad_full[offset:offset + shape.numel()].view(shape)
+        else:  # reduce-scatter a unit as soon as backward has produced all its gradients
+            for p in self.unit_of:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+            self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
+        if stage == 3:
+            for block, unit in zip(model.transformer.h, self.blocks):
+                block.register_forward_pre_hook(lambda module, args, unit=unit: self.gather(unit))
+                block.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
+                unit.release()
+            self.root.release()
+
+    # -- stage 3: parameters gathered on demand ------------------------------------------
+    def gather(self, unit):
+        if unit.full is None:
+            full = torch.empty(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
+            # every rank's shard of this unit -> the whole unit, on every rank
+            dist.all_gather_into_tensor(full, unit.master.to(unit.dtype))
+            unit.bind(full)
+
+    def _after_forward(self, unit, out):
+        unit.release()  # free the block's parameters until backward needs them again
+        if out.requires_grad:  # when backward reaches this block's output, gather it first
+            out.register_hook(lambda grad: self.gather(unit))
+
+    def gather_root(self):
+        """Stage 3: the root unit (embeddings = output head, final norm) is used at both ends
+        of the model, so it stays gathered for the whole step or evaluation."""
+        if self.stage == 3:
+            self.gather(self.root)
+
+    def release_root(self):
+        if self.stage == 3:
+            self.root.release()
+
+    # -- stages 2 and 3: gradients reduce-scattered while backward runs --------------------
+    def _grad_ready(self, param):
+        unit = self.unit_of[param]
+        self.waiting[unit] -= 1
+        if self.waiting[unit] > 0:
+            return
+        flat = torch.zeros(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
+        for p, offset in zip(unit.params, unit.offsets):
+            flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
+            p.grad = None  # the full gradient is freed at once: only the shard is kept
+        flat.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
+        shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
+        # backward continues on the earlier blocks meanwhile
+        handle = dist.reduce_scatter_tensor(shard, flat, async_op=True)
+        self.pending.append((handle, unit, shard, flat))
+        if self.stage == 3 and unit is not self.root:
+            unit.release()  # its backward is over: drop the gathered parameters
+
+    def after_backward(self):
+        """After each micro-batch's backward (stages 2-3): add the reduced shards."""
+        if self.stage == 1:
+            return
+        for handle, unit, shard, _ in self.pending:
+            handle.wait()
+            unit.grad_shard += shard.float()
+        self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
+
+    def reduce_gradients(self):
+        """Stage 1, after the last micro-batch: reduce-scatter the full gradients."""
+        if self.stage != 1:
+            return
+        for unit in self.units:
+            unit.grad_full.div_(self.world_size)  # sum of g/N = the mean
+            shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            # sum every rank's full gradients of this unit; rank r receives shard r
+            dist.reduce_scatter_tensor(shard, unit.grad_full)
+            unit.grad_shard.copy_(shard)
+
+    # -- the update ----------------------------------------------------------------------
+    def clip_grad_norm(self, max_norm):
+        """The global gradient norm from the shards (padding is zero), as clip_grad_norm_."""
+        squares = sum(u.grad_shard.pow(2).sum() for u in self.units)
+        dist.all_reduce(squares)  # the sum of every rank's squared shard norms
+        total_norm = squares.sqrt()
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for unit in self.units:
+            unit.grad_shard.mul_(coef)
+        return total_norm
+
+    def step(self):
+        self.optimizer.step()  # AdamW on this rank's shards only
+        if self.stage < 3:  # stage 3 gathers from the updated masters at the next forward
+            for unit in self.units:
+                # every rank's updated shard -> the whole unit, on every rank
+                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
+
+    def zero_grad(self):
+        for unit in self.units:
+            unit.grad_shard.zero_()
+            if unit.grad_full is not None:
+                unit.grad_full.zero_()
+
+    # -- the ledger ----------------------------------------------------------------------
+    def padded_numel(self):
+        return sum(u.shard_numel for u in self.units) * self.world_size
+
+    def held_bytes(self):
+        """Model-state bytes this rank holds, counted from the live tensors (the fp32
+        master counts as optimizer state when it is a separate copy, as in the paper)."""
+        masters = [u.master for u in self.units]
+        moments = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        if self.stage < 3:
+            params = tensor_bytes([u.full for u in self.units])
+            separate_master = tensor_bytes(masters + [u.full for u in self.units]) - params
+        else:
+            params = tensor_bytes(masters) if self.compute_dtype == torch.float32 else 0
+            separate_master = 0 if self.compute_dtype == torch.float32 else tensor_bytes(masters)
+        grads = tensor_bytes([u.grad_full for u in self.units if u.grad_full is not None]
+                             + [u.grad_shard for u in self.units])
+        return {"params": params, "grads": grads, "optim": tensor_bytes(moments) + separate_master}
+
+    def held_theory(self):
+        psi, n = self.padded_numel(), self.world_size
+        b = self.compute_dtype.itemsize  # bytes per working parameter and gradient
+        K = 8 if b == 4 else 12  # AdamW's two fp32 moments, + the fp32 master in mixed precision
+        optim = (f"{K}Ψ/N", K * psi // n)
+        if self.stage == 1:
+            # the full gradients (kept through accumulation) + the reduced fp32 shard
+            grads = (f"{b}Ψ + 4Ψ/N", b * psi + 4 * psi // n)
+            return {"params": (f"{b}Ψ", b * psi), "grads": grads, "optim": optim}
+        params = (f"{b}Ψ", b * psi) if self.stage == 2 else \
+            (("4Ψ/N", 4 * psi // n) if b == 4 else ("0 (gathered from the master)", 0))
+        return {"params": params, "grads": ("4Ψ/N", 4 * psi // n), "optim": optim}
+
+    def comm_theory(self, accum_steps, clipping):
+        b = self.compute_dtype.itemsize
+        psi = b * self.padded_numel()  # bytes of the whole (padded) model
+        root = b * self.root.shard_numel * self.world_size
+        theory = {"all_reduce": ("4 loss" + (" + 4 norm" if clipping else ""), 4 + 4 * clipping)}
+        if self.stage == 1:
+            theory.update(reduce_scatter_tensor=(f"{b}Ψ", psi), all_gather_into_tensor=(f"{b}Ψ", psi))
+        elif self.stage == 2:
+            theory.update(reduce_scatter_tensor=(f"{accum_steps} micro x {b}Ψ", accum_steps * psi),
+                          all_gather_into_tensor=(f"{b}Ψ", psi))
+        else:
+            theory.update(reduce_scatter_tensor=(f"{accum_steps} micro x {b}Ψ", accum_steps * psi),
+                          all_gather_into_tensor=(f"root + {accum_steps} micro x 2 x blocks",
+                                                  root + accum_steps * 2 * (psi - root)))
+        return theory
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def shard_state(self):
+        return {"masters": [u.master.cpu().clone() for u in self.units], "optimizer": self.optimizer.state_dict()}
+
+    def load_shard_state(self, state):
+        for unit, master in zip(self.units, state["masters"]):
+            unit.master.copy_(master)
+            if self.stage < 3:  # rebuild the full replicas from the shards
+                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def consolidated_state_dict(self):
+        """The whole model in 01's format (fp32, CPU), assembled on every rank."""
+        state = {}
+        for unit in self.units:
+            full = torch.empty(unit.shard_numel * self.world_size, dtype=torch.float32, device=unit.device)
+            dist.all_gather_into_tensor(full, unit.master)  # every rank's fp32 shard of this unit
+            for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets):
+                key = name if unit is self.root else unit.name + name
+                state[key] = full[offset:offset + shape.numel()].view(shape).cpu().clone()
+        state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
+        return state
+
+
+@torch.no_grad()
+def evaluate(model, zero, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
+    slice, then the means are averaged across ranks."""
+    model.eval()
+    zero.gather_root()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total)  # the sum of every rank's mean/N: the global mean
+        losses[split] = total.item()
+    zero.release_root()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    accum_steps = check_batch(args, dp_size=launch.world_size)
+    env = setup(args, launch)
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    model = build_model(config, args.seed, env.device)  # every rank builds the same model ...
+    nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
+    zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
+    optimizer = zero.optimizer
+    meta_path = os.path.join(args.out_dir, "zero_ckpt.pt")
+    run = run_config(args, config, {"strategy": "zero", "world_size": env.world_size})
+    start_step = 0
+    if args.resume:
+        meta = load_checkpoint(meta_path)
+        check(meta["run"]["layout"] == run["layout"],
+              f"{meta_path} holds shards for {meta['run']['layout']['world_size']} ranks, this run has "
+              f"{env.world_size}: resume with {meta['run']['layout']['world_size']} ranks, or start 01_single_gpu.py "
+              "from a consolidated checkpoint (--export)")
+        check_resumable(meta["run"], run, meta_path)
+        start_step = meta["step"]
+        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
+        zero.load_shard_state(shard["zero"])
+        set_rng_state(env, shard["rng"])
+    train_model = model
+
+    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), "
+             f"device {env.device}, {str(env.dtype).replace('torch.', '')}, ZeRO stage {args.stage} over "
+             f"{env.world_size} ranks, {len(zero.units)} units, Ψ = {n_params:,} padded to {zero.padded_numel():,}, "
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
+    metrics = Metrics(args, env, flops_per_token(config, nano_params))
+    held_theory = zero.held_theory()
+    comm_theory = zero.comm_theory(accum_steps, args.grad_clip > 0)
+    LEDGER.take()
+
+    def save(step):
+        """Every rank writes its shard (named by step); rank 0 then writes the small meta
+        file that points at them, last, so a crash never leaves a half-written set."""
+        save_checkpoint({"zero": zero.shard_state(), "rng": rng_state(env), "step": step},
+                        shard_path(args.out_dir, step, env.rank))
+        dist.barrier()  # every shard is on disk before the meta file names them
+        if env.master:
+            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
+            save_checkpoint({"step": step, "run": run}, meta_path)
+            if previous is not None and previous != step:
+                for rank in range(env.world_size):
+                    os.remove(shard_path(args.out_dir, previous, rank))
+        LEDGER.take()  # checkpointing traffic is not part of a training step
+
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate(train_model, zero, data, args, env, accum_steps)
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+            LEDGER.take()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        zero.gather_root()
+        for micro in range(accum_steps):
+            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            with autocast(env):
+                _, loss = train_model(x[rows], y[rows])
+            (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+            zero.after_backward()  # stages 2-3: this micro-batch's gradient shards are in
+            loss_sum += loss.detach().float()
+        zero.release_root()
+        zero.reduce_gradients()  # stage 1: reduce-scatter the accumulated full gradients
+        loss_sum /= accum_steps * env.world_size
+        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        if args.grad_clip > 0:
+            zero.clip_grad_norm(args.grad_clip)
+        zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
+
+        comm = LEDGER.take()
+        if step == start_step:
+            print_ledger(env, zero.held_bytes(), held_theory, comm, comm_theory)
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = loss_sum.item()
+            synchronize(env)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm)
+        zero.zero_grad()
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate(train_model, zero, data, args, env, accum_steps)
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    if args.export:
+        state = zero.consolidated_state_dict()  # a collective: every rank takes part
+        if env.master:
+            save_checkpoint({"model": state, "step": args.max_iters, "run": run}, args.export)
+            log(env, f"exported the consolidated model to {args.export} "
+                     f"({format_bytes(sum(t.numel() * 4 for k, t in state.items() if k != 'lm_head.weight'))})")
+    teardown(env)
+
+
+def shard_path(out_dir, step, rank):
+    return os.path.join(out_dir, f"zero_step{step}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""04_zero.py: for each stage, the same losses as 01 at 2, 3 and 4 ranks (Ψ is not divisible
+by 3, so padding is exercised), model-state bytes and communication equal to the formulas,
+resume, export into 01, and the refusals."""
+
+import math
+
+import pytest
+import torch
+
+from common import GPT, GPTConfig, PRESETS
+from harness import TINY, assert_losses_match, launch
+
+BASE = TINY + ["--global_batch_size", "24", "--max_iters", "5"]
+CLIP, NO_CLIP = ["--grad_clip", "0.05"], ["--grad_clip", "0"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {clip: launch("01_single_gpu.py", BASE + flags + ["--sample_tokens", "0"]).ok()
+            for clip, flags in (("clip", CLIP), ("no_clip", NO_CLIP))}
+
+
+def padded_units(n):
+    """Ψ per unit padded to a multiple of N, computed here from the model, independently."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=65, **PRESETS["tiny"]))
+    root = sum(p.numel() for k, p in model.named_parameters() if not k.startswith("transformer.h."))
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
+    pad = lambda numel: math.ceil(numel / n) * n
+    return pad(root), sum(pad(b) for b in blocks)
+
+
+CASES = [  # (stage, ranks, micro_batch_size or None, clipping)
+    (1, 2, None, "clip"), (1, 3, 4, "no_clip"), (1, 4, 3, "clip"),
+    (2, 2, 2, "no_clip"), (2, 3, None, "clip"), (2, 4, 3, "clip"),
+    (3, 2, 4, "clip"), (3, 3, 2, "no_clip"), (3, 4, None, "clip"),
+]
+
+
+@pytest.mark.parametrize("stage, ranks, micro, clip", CASES)
+def test_losses_and_ledger(reference, stage, ranks, micro, clip):
+    flags = BASE + (CLIP if clip == "clip" else NO_CLIP) + ["--stage", stage]
+    flags += ["--micro_batch_size", micro] if micro else []
+    run = launch("04_zero.py", flags, nprocs=ranks).ok()
+    assert_losses_match(reference[clip], run, what=f"zero-{stage} x{ranks} micro={micro} {clip}")
+
+    root, blocks = padded_units(ranks)
+    psi, n = root + blocks, ranks
+    accum = 24 // ((micro or 24 // ranks) * ranks)
+    held = {1: {"params": 4 * psi, "grads": 4 * psi + 4 * psi // n, "optim": 8 * psi // n},
+            2: {"params": 4 * psi, "grads": 4 * psi // n, "optim": 8 * psi // n},
+            3: {"params": 4 * psi // n, "grads": 4 * psi // n, "optim": 8 * psi // n}}[stage]
+    sent = {1: {"reduce_scatter_tensor": 4 * psi, "all_gather_into_tensor": 4 * psi},
+            2: {"reduce_scatter_tensor": accum * 4 * psi, "all_gather_into_tensor": 4 * psi},
+            3: {"reduce_scatter_tensor": accum * 4 * psi,
+                "all_gather_into_tensor": 4 * root + accum * 2 * 4 * blocks}}[stage]
+    sent["all_reduce"] = 4 + (4 if clip == "clip" else 0)
+    for step in run.steps:
+        assert step["state_bytes"] == held
+        assert step["comm_bytes"] == sent
+    if ranks == 3:
+        assert f"Ψ = 208,320 padded to {psi:,}" in run.stdout and psi != 208_320
+
+
+def test_state_shrinks_with_the_stage(reference):
+    """Stage 3 at 4 ranks holds a quarter of 01's 16Ψ (plus padding)."""
+    single = sum(reference["clip"].steps[0]["state_bytes"].values())
+    run = launch("04_zero.py", BASE + CLIP + ["--stage", "3"], nprocs=4).ok()
+    held = sum(run.steps[0]["state_bytes"].values())
+    assert single / 4 <= held < single / 4 * 1.001
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_is_bit_exact_and_export_loads_in_01(tmp_path, stage):
+    flags = BASE + CLIP + ["--stage", stage, "--max_iters", "8", "--lr_decay_iters", "8", "--dropout", "0.1",
+                           "--eval_interval", "8", "--eval_iters", "2"]
+    whole = launch("04_zero.py", flags + ["--out_dir", tmp_path / "w", "--export", tmp_path / "full.pt"],
+                   nprocs=3).ok()
+    first = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4", "--ckpt_interval", "2"],
+                   nprocs=3).ok()
+    second = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=3).ok()
+    assert first.losses + second.losses == whole.losses  # bit for bit, dropout included
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == \
+        ["zero_ckpt.pt"] + [f"zero_step4_rank{r}.pt" for r in range(3)]  # step 2 shards removed
+    # the consolidated export evaluates in 01 exactly as in the run that wrote it
+    ev = launch("01_single_gpu.py", TINY + ["--global_batch_size", "24", "--eval_only", "--eval_iters", "2",
+                                            "--eval_interval", "8", "--sample_tokens", "0",
+                                            "--init_from", tmp_path / "full.pt"]).ok()
+    assert ev.evals[0]["val_loss"] == pytest.approx(whole.evals[-1]["val_loss"], rel=1e-5)
+    # the shards belong to 3 ranks: 2 ranks are refused with a pointer to --export
+    other = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2)
+    assert other.returncode != 0 and len(other.error_lines) == 1
+    assert "holds shards for 3 ranks, this run has 2" in other.error_lines[0] and "--export" in other.error_lines[0]
+
+
+def test_bf16_trains_and_keeps_fp32_masters():
+    run = launch("04_zero.py", BASE + CLIP + ["--stage", "2", "--dtype", "bfloat16", "--max_iters", "8"],
+                 nprocs=2).ok()
+    assert run.losses[-1] < run.losses[0] - 0.3
+    root, blocks = padded_units(2)
+    psi = root + blocks
+    # bf16 working params (2Ψ), fp32 gradient shard (4Ψ/N), fp32 master + moments (12Ψ/N)
+    assert run.steps[0]["state_bytes"] == {"params": 2 * psi, "grads": 4 * psi // 2, "optim": 12 * psi // 2}
+    assert run.steps[0]["comm_bytes"]["all_gather_into_tensor"] == 2 * psi
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--stage", "4"], "invalid choice: 4"),
+    (["--global_batch_size", "10"], "not divisible by the data-parallel size 4"),
+])
+def test_bad_input_gives_one_line(flags, message):
+    run = launch("04_zero.py", BASE + flags, nprocs=4, timeout=60)
+    assert run.returncode != 0 and len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
