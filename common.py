@@ -15,6 +15,7 @@ Two rules make every strategy comparable with 01_single_gpu.py:
 import argparse
 import datetime
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -685,24 +686,16 @@ class CommLedger:
     reduce_scatter and all_to_all, the *output* for all_gather; not the wire traffic of the
     algorithm (a ring all-reduce puts 2(N-1)/N of it on every link)."""
 
-    SIZES = {
-        "all_reduce": lambda a, k: _nbytes(a[0]),
-        "reduce": lambda a, k: _nbytes(a[0]),
-        "broadcast": lambda a, k: _nbytes(a[0]),
-        "all_gather": lambda a, k: sum(map(_nbytes, a[0])),
-        "all_gather_into_tensor": lambda a, k: _nbytes(a[0]),
-        "reduce_scatter": lambda a, k: sum(map(_nbytes, a[1])),
-        "reduce_scatter_tensor": lambda a, k: _nbytes(a[1]),
-        "all_to_all": lambda a, k: sum(map(_nbytes, a[1])),
-        "all_to_all_single": lambda a, k: _nbytes(a[1]),
-        "all_gather_single": lambda a, k: _nbytes(a[0]),  # torch >= 2.13's names for the
-        "reduce_scatter_single": lambda a, k: _nbytes(a[1]),  # *_into_tensor / *_tensor ops
-        "gather": lambda a, k: _nbytes(a[0]),
-        "scatter": lambda a, k: _nbytes(a[0]),
-        "send": lambda a, k: _nbytes(a[0]),
-        "isend": lambda a, k: _nbytes(a[0]),
-        "recv": lambda a, k: _nbytes(a[0]),
-        "irecv": lambda a, k: _nbytes(a[0]),
+    # op: the argument whose size is counted (a tensor, or a list of tensors)
+    COUNTED = {
+        "all_reduce": "tensor", "reduce": "tensor", "broadcast": "tensor",
+        "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
+        "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
+        "all_to_all": "input_tensor_list", "all_to_all_single": "input",
+        "gather": "tensor", "scatter": "tensor",
+        "send": "tensor", "isend": "tensor", "recv": "tensor", "irecv": "tensor",
+        # torch >= 2.13's names for all_gather_into_tensor and reduce_scatter_tensor
+        "all_gather_single": "output_tensor", "reduce_scatter_single": "input",
     }
 
     def __init__(self):
@@ -716,9 +709,9 @@ class CommLedger:
         if self.installed:
             return
         self.installed = True
-        for op, size in self.SIZES.items():
+        for op, argument in self.COUNTED.items():
             if hasattr(dist, op):
-                setattr(dist, op, self._wrap(op, getattr(dist, op), size))
+                setattr(dist, op, self._wrap(op, getattr(dist, op), argument))
         class P2POp(dist.P2POp):
             """P2POp checks that its op *is* torch's isend/irecv: hand it the unwrapped ones."""
 
@@ -737,10 +730,13 @@ class CommLedger:
             return original(p2p_ops)
         dist.batch_isend_irecv = batch_isend_irecv
 
-    def _wrap(self, op, fn, size):
+    def _wrap(self, op, fn, argument):
+        signature = inspect.signature(fn)
+
         @wraps(fn)
         def counted(*args, **kwargs):
-            self.add(op, size(args, kwargs))
+            value = signature.bind_partial(*args, **kwargs).arguments[argument]
+            self.add(op, sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
             return fn(*args, **kwargs)
         return counted
 
@@ -759,6 +755,7 @@ def tensor_bytes(tensors):
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

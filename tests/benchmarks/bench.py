@@ -1,11 +1,13 @@
-"""Benchmark: step time of 03_ddp.py against torch.nn.parallel.DistributedDataParallel on
-the same model, batch and ranks. Rerun with
+"""Benchmark: step time of a numbered script against PyTorch's own implementation of the same
+strategy, on the same model, batch and ranks. Rerun with
 
-    python tests/benchmarks/bench_ddp.py                 # CPU, gloo, 2 and 4 ranks
-    python tests/benchmarks/bench_ddp.py --device cuda --ranks 2 4 8 --model gpt2 ...
+    python tests/benchmarks/bench.py ddp                 # 03_ddp.py vs DistributedDataParallel
+    python tests/benchmarks/bench.py zero1               # 04_zero.py --stage 1 vs DDP + ZeroRedundancyOptimizer
+    python tests/benchmarks/bench.py fsdp2               # 04_zero.py --stage 3 vs fully_shard (FSDP2)
+    python tests/benchmarks/bench.py ddp --device cuda --ranks 2 4 8 -- --model gpt2 ...
 
 Prints a table of median step times (the first steps, warm-up, are dropped) and the ratio
-ours / torch (below 1 is faster). Both also report the same losses."""
+ours / torch (below 1 is faster), and whether both report the same losses."""
 
 import argparse
 import os
@@ -16,12 +18,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import launch  # noqa: E402
 
 
+PAIRS = {  # name: (our script and flags, --impl of torch_baselines.py)
+    "ddp": (["03_ddp.py"], "ddp"),
+    "zero1": (["04_zero.py", "--stage", "1"], "zero1"),
+    "fsdp2": (["04_zero.py", "--stage", "3"], "fsdp2"),
+}
+
+
 def median_ms(run, skip):
     return statistics.median(row["dt_ms"] for row in run.steps[skip:])
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("pair", choices=sorted(PAIRS))
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=30)
@@ -34,17 +44,19 @@ def main():
     flags = a.model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
                              "--eval_interval", "0", "--warmup_iters", "2"]
     threads = {"OMP_NUM_THREADS": "1"}
-    print(f"{'ranks':>5} {'03_ddp ms':>10} {'torch DDP ms':>13} {'ratio':>6} {'same losses':>12}")
+    (script, *ours_flags), impl = PAIRS[a.pair]
+    print(f"{a.pair}: {' '.join([script] + ours_flags)} vs torch --impl {impl}")
+    print(f"{'ranks':>5} {'ours ms':>10} {'torch ms':>10} {'ratio':>6} {'same losses':>12}")
     for ranks in a.ranks:
         ours, theirs = [], []
         for repeat in range(a.repeats):
-            pair = [(ours, "03_ddp.py"), (theirs, "tests/benchmarks/torch_ddp.py")]
-            for runs, script in pair if repeat % 2 == 0 else pair[::-1]:  # alternate who goes first
-                runs.append(launch(script, flags, nprocs=ranks, env=threads, timeout=1800).ok())
+            pair = [(ours, script, ours_flags), (theirs, "tests/benchmarks/torch_baselines.py", ["--impl", impl])]
+            for runs, path, extra in pair if repeat % 2 == 0 else pair[::-1]:  # alternate who goes first
+                runs.append(launch(path, flags + extra, nprocs=ranks, env=threads, timeout=1800).ok())
         ms_ours = min(median_ms(r, a.skip) for r in ours)
         ms_theirs = min(median_ms(r, a.skip) for r in theirs)
         same = max(abs(x - y) / y for x, y in zip(ours[0].losses, theirs[0].losses)) < 1e-4
-        print(f"{ranks:>5} {ms_ours:>10.1f} {ms_theirs:>13.1f} {ms_ours / ms_theirs:>6.2f} {str(same):>12}",
+        print(f"{ranks:>5} {ms_ours:>10.1f} {ms_theirs:>10.1f} {ms_ours / ms_theirs:>6.2f} {str(same):>12}",
               flush=True)
 
 

@@ -1,0 +1,572 @@
+"""06_tensor_parallel.py: Megatron-style tensor parallelism by hand, with a vocab-parallel
+loss and sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022).
+
+Every layer's weight matrices are split across the T ranks of the tensor-parallel group, so
+each rank holds and computes 1/T of every layer; the ranks exchange activations twice per
+layer forward and twice backward. Here the world is the TP group (world size = --tp).
+
+The MLP, A = c_fc (h -> 4h) split by columns, B = c_proj (4h -> h) split by rows:
+
+           X ──f──┬── X A_1 ── GeLU ── (.) B_1 ──┬──g── Y      f: forward identity,
+                  ├── X A_2 ── GeLU ── (.) B_2 ──┤             backward all-reduce
+                  └── ...   (rank t: A_t, B_t) ──┘          g: forward all-reduce,
+                                                               backward identity
+GeLU is elementwise, so each rank applies it to its own columns: no communication between A
+and B. Attention is the same with heads: c_attn (Q, K, V) split by columns so that rank t owns
+heads [t·n_head/T, (t+1)·n_head/T), c_proj split by rows.
+
+Embedding and loss are vocab-parallel: rank t owns rows [t·V/T, (t+1)·V/T) of the token
+embedding (which is also the output head). The lookup masks tokens outside its rows and
+all-reduces (g). The head computes only this rank's slice of the logits, and the
+cross-entropy never gathers them: all-reduce the max (for stability), the sum of exponentials
+and the target's logit, each b·s numbers instead of b·s·V. The vocabulary is padded to a
+multiple of T; padded logits are -inf, so they never win and never count.
+
+--sequence_parallel: LayerNorm and dropout, replicated in plain TP, are instead split along
+the sequence. f becomes an all-gather of the sequence and g a reduce-scatter to sequence
+shards: the same bytes on the wire as the all-reduce (= reduce-scatter + all-gather), but the
+activations between layers are 1/T as large. The replicated parameters used on sequence
+shards (LayerNorms, row-parallel biases, position embedding) then get only partial
+gradients, which are all-reduced across the group.
+
+Dropout randomness: in replicated regions (embedding dropout and residual dropout without
+sequence parallelism) every rank must drop the same elements, so they share one stream
+(seeded by --seed). In sharded regions (attention dropout inside each rank's heads, and the
+sequence-sharded dropouts with --sequence_parallel) each rank draws its own stream (seed +
+2718 + rank, as Megatron's model-parallel RNG tracker), else the shards would be correlated.
+
+Weights are sliced from the same initial values as 01_single_gpu.py (common.param_init of the
+full parameter), so the losses are comparable.
+
+Run:
+
+    mpiexec -n 4 python 06_tensor_parallel.py --model gpt2
+    torchrun --standalone --nproc_per_node 8 06_tensor_parallel.py --model gpt2-xl --sequence_parallel
+
+Cost per rank, T ranks, L layers, h width, b micro-batch, s sequence, bytes in fp32:
+
+    memory: 16 bytes x (Ψ_sharded/T + Ψ_replicated); Ψ_replicated = position embedding,
+            LayerNorms and row-parallel biases (small)
+    communication per micro-batch: 4 all-reduces of b·s·h per layer (2 forward, 2 backward)
+            + 2 of b·s·h for the embedding and the head + 3 of b·s for the loss. With
+            --sequence_parallel each all-reduce becomes an all-gather + a reduce-scatter of
+            the same b·s·h, plus one all-reduce of the replicated parameters' gradients per step
+"""
+
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn import functional as F
+
+from common import (LEDGER, Data, autocast, check, check_batch, check_resumable, detect_launcher,
+                    flops_per_token, load_checkpoint, log, lr_at, make_adamw, make_parser, Metrics,
+                    model_config, model_block_size, param_init, parse_args, print_ledger, progress,
+                    rng_state, run_config, save_checkpoint, set_rng_state, setup, state_bytes,
+                    synchronize, teardown, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("06_tensor_parallel")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel size (= world size)")
+    g.add_argument("--sequence_parallel", action="store_true",
+                   help="shard LayerNorm/dropout regions along the sequence")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+# The conjugate operators (Megatron's f and g) and their sequence-parallel forms
+# ---------------------------------------------------------------------------------------
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward; backward all-reduce, since every rank's branch contributed a
+    part of the gradient of the shared input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)  # sum the input-gradient parts of every rank's weight shard
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce of the partial sums; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        dist.all_reduce(x)  # sum the partial outputs of the row-parallel shards
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _all_gather_seq(x):
+    """[b, s/T, h] on each rank -> [b, s, h], the shards in rank order."""
+    tp, (b, s_local, h) = dist.get_world_size(), x.shape
+    parts = torch.empty((tp * b, s_local, h), dtype=x.dtype, device=x.device)  # rank-major
+    dist.all_gather_into_tensor(parts, x.contiguous())  # every rank's sequence shard
+    return parts.view(tp, b, s_local, h).permute(1, 0, 2, 3).reshape(b, tp * s_local, h)
+
+
+def _reduce_scatter_seq(x):
+    """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of
+    the sum."""
+    tp = dist.get_world_size()
+    b, s, h = x.shape
+    chunks = x.reshape(b, tp, s // tp, h).permute(1, 0, 2, 3).reshape(tp * b, s // tp, h)  # rank-major
+    out = torch.empty((b, s // tp, h), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, chunks)  # sum over ranks; rank t keeps sequence chunk t
+    return out
+
+
+class GatherSequence(torch.autograd.Function):
+    """f with sequence parallelism: all-gather the sequence forward, reduce-scatter back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _all_gather_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad)
+
+
+class ScatterSequence(torch.autograd.Function):
+    """g with sequence parallelism: reduce-scatter forward, all-gather back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad)
+
+
+# ---------------------------------------------------------------------------------------
+# Dropout streams: shared in replicated regions, per rank in sharded ones
+# ---------------------------------------------------------------------------------------
+
+class ShardedRNG:
+    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
+    swaps the default generator to this rank's own stream and back."""
+
+    def __init__(self, seed, rank, device):
+        self.device = device
+        saved = self._get()
+        torch.manual_seed(seed + 2718 + rank)
+        self.state = self._get()
+        self._set(saved)
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state):
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextmanager
+    def sharded(self):
+        shared = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(shared)
+
+
+# ---------------------------------------------------------------------------------------
+# Parallel layers
+# ---------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """Y_t = f(X) A_t: this rank's block of output columns (rows of nn.Linear's weight)."""
+
+    def __init__(self, in_features, out_local, bias, sequence_parallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_features))
+        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        x = GatherSequence.apply(x) if self.sequence_parallel else CopyToTP.apply(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias is added once,
+    after the reduction."""
+
+    def __init__(self, in_local, out_features, bias, sequence_parallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        partial = F.linear(x, self.weight)
+        y = ScatterSequence.apply(partial) if self.sequence_parallel else ReduceFromTP.apply(partial)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank t holds rows [start, start + V/T) of the (padded) token embedding."""
+
+    def __init__(self, vocab_local, n_embd, start, sequence_parallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_local, n_embd))
+        self.start, self.sequence_parallel = start, sequence_parallel
+
+    def forward(self, idx):
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks' tokens contribute zeros
+        return ScatterSequence.apply(x) if self.sequence_parallel else ReduceFromTP.apply(x)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from this rank's slice of the logits, never gathering them:
+    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,target - m_i), with m_i the global max. The
+    backward needs no communication: d loss / d z = softmax - onehot, computed locally."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, vocab_size):
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        ids = torch.arange(start, start + n_local, device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX)  # the global max per token
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_target = targets - start
+        mine = (local_target >= 0) & (local_target < n_local)
+        target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(~mine, 0.0)
+        dist.all_reduce(target_logit)  # only the owning rank contributes the target's logit
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp)  # the softmax denominator over the whole vocabulary
+        loss = sum_exp.log() - target_logit
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        return grad_logits * (grad / softmax[..., 0].numel()), None, None, None
+
+
+# ---------------------------------------------------------------------------------------
+# The tensor-parallel GPT (nanoGPT's module names, so param_init names match 01's)
+# ---------------------------------------------------------------------------------------
+
+class TPAttention(nn.Module):
+    def __init__(self, config, tp, sp, rng):
+        super().__init__()
+        h = config.n_embd
+        self.c_attn = ColumnParallelLinear(h, 3 * h // tp, config.bias, sp)
+        self.c_proj = RowParallelLinear(h // tp, h, config.bias, sp)
+        self.n_head_local, self.dropout, self.rng, self.sp = config.n_head // tp, config.dropout, rng, sp
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of Q, K and V
+        B, T, C = q.shape
+        q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
+        with self.rng.sharded():  # attention dropout acts inside this rank's heads
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        y = self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        if self.sp:  # with sequence parallelism the residual stream is sharded too
+            with self.rng.sharded():
+                return self.resid_dropout(y)
+        return self.resid_dropout(y)
+
+
+class TPMLP(nn.Module):
+    def __init__(self, config, tp, sp, rng):
+        super().__init__()
+        h = config.n_embd
+        self.c_fc = ColumnParallelLinear(h, 4 * h // tp, config.bias, sp)
+        self.gelu = nn.GELU()
+        self.c_proj = RowParallelLinear(4 * h // tp, h, config.bias, sp)
+        self.dropout, self.rng, self.sp = nn.Dropout(config.dropout), rng, sp
+
+    def forward(self, x):
+        y = self.c_proj(self.gelu(self.c_fc(x)))
+        if self.sp:
+            with self.rng.sharded():
+                return self.dropout(y)
+        return self.dropout(y)
+
+
+class TPBlock(nn.Module):
+    def __init__(self, config, tp, sp, rng):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = TPAttention(config, tp, sp, rng)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = TPMLP(config, tp, sp, rng)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TPGPT(nn.Module):
+    def __init__(self, config, tp, rank, sp, rng):
+        super().__init__()
+        self.config, self.tp, self.rank, self.sp, self.rng = config, tp, rank, sp, rng
+        self.padded_vocab = math.ceil(config.vocab_size / tp) * tp
+        self.vocab_local = self.padded_vocab // tp
+        self.transformer = nn.ModuleDict(dict(
+            wte=VocabParallelEmbedding(self.vocab_local, config.n_embd, rank * self.vocab_local, sp),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([TPBlock(config, tp, sp, rng) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.transformer.wte(idx)  # [b, s, h], or [b, s/T, h] with sequence parallelism
+        if self.sp:
+            positions = torch.arange(self.rank * t // self.tp, (self.rank + 1) * t // self.tp, device=idx.device)
+            with self.rng.sharded():
+                x = self.transformer.drop(x + self.transformer.wpe(positions))
+        else:
+            x = self.transformer.drop(x + self.transformer.wpe(torch.arange(t, device=idx.device)))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        x = GatherSequence.apply(x) if self.sp else CopyToTP.apply(x)
+        logits = F.linear(x, self.transformer.wte.weight)  # the tied head: this rank's vocabulary
+        return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                               self.rank * self.vocab_local, self.config.vocab_size)
+
+    def sharded(self, name):
+        """Whether parameter `name` is split across the group (else replicated)."""
+        return name == "transformer.wte.weight" or name.endswith(
+            ("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight"))
+
+    @torch.no_grad()
+    def init_from_full(self, seed):
+        """Each parameter's shard, cut from the full parameter as 01 initialises it (one full
+        parameter at a time: the whole model never exists on a rank)."""
+        config, t, r = self.config, self.tp, self.rank
+        h = config.n_embd
+        for name, p in self.named_parameters():
+            if name == "transformer.wte.weight":
+                full = torch.zeros(self.padded_vocab, h)
+                full[:config.vocab_size] = param_init(name, (config.vocab_size, h), config, seed)
+                p.copy_(full[r * self.vocab_local:(r + 1) * self.vocab_local])
+            elif "c_attn" in name:  # rows [Q; K; V]: take this rank's heads of each
+                full = param_init(name, (3 * h,) + tuple(p.shape[1:]), config, seed)
+                p.copy_(torch.cat([part.chunk(t)[r] for part in full.chunk(3)]))
+            elif name.endswith(("c_fc.weight", "c_fc.bias")):  # column-parallel: output rows
+                p.copy_(param_init(name, (4 * h,) + tuple(p.shape[1:]), config, seed).chunk(t)[r])
+            elif name.endswith("c_proj.weight"):  # row-parallel: input columns
+                full_in = p.shape[1] * t
+                p.copy_(param_init(name, (h, full_in), config, seed).chunk(t, dim=1)[r])
+            else:  # replicated: LayerNorms, position embedding, row-parallel biases
+                p.copy_(param_init(name, p.shape, config, seed))
+        return self
+
+
+def clip_grad_norm(model, max_norm):
+    """Global norm: sharded parameters' squares summed across the group, replicated ones
+    counted once (every rank holds the same copy)."""
+    device = next(model.parameters()).device
+    sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
+    for name, p in model.named_parameters():
+        square = p.grad.float().pow(2).sum()
+        if model.sharded(name):
+            sharded += square
+        else:
+            replicated += square
+    dist.all_reduce(sharded)  # the sum over every rank's shards
+    total_norm = (sharded + replicated).sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in model.parameters():
+        p.grad.mul_(coef)
+    return total_norm
+
+
+def all_reduce_sequence_parallel_grads(model):
+    """With sequence parallelism each rank saw only its sequence shard in the replicated
+    regions, so the replicated parameters' gradients are partial: sum them."""
+    grads = [p.grad for name, p in model.named_parameters() if not model.sharded(name)]
+    flat = torch.cat([g.view(-1) for g in grads])
+    dist.all_reduce(flat)  # sum of every rank's partial gradients of the replicated parameters
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def evaluate(model, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches (every TP rank reads the
+    whole batch and computes the same loss)."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    loss = model(x[rows], y[rows])
+                total += loss.float()
+        losses[split] = (total / (args.eval_iters * accum_steps)).item()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    tp = launch.world_size
+    check(args.tp in (None, tp), f"--tp {args.tp} must equal the world size {tp} in 06_tensor_parallel.py "
+          "(08_3d.py combines TP with data and pipeline parallelism)")
+    accum_steps = check_batch(args, dp_size=1)
+    env = setup(args, launch)
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    check(config.n_head % tp == 0, f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp}: "
+          f"each rank must own whole attention heads")
+    check(not args.sequence_parallel or config.block_size % tp == 0,
+          f"--sequence_parallel needs block_size {config.block_size} divisible by the tensor-parallel size {tp}")
+    torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
+    rng = ShardedRNG(args.seed, env.rank, env.device)
+    model = TPGPT(config, tp, env.rank, args.sequence_parallel, rng).init_from_full(args.seed).to(env.device)
+    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    meta_path = os.path.join(args.out_dir, "tp_ckpt.pt")
+    run = run_config(args, config, {"strategy": "tensor parallel", "tp": tp})
+    start_step = 0
+    if args.resume:
+        meta = load_checkpoint(meta_path)
+        check(meta["run"]["layout"] == run["layout"], f"{meta_path} holds shards for tp={meta['run']['layout']['tp']}, "
+              f"this run has tp={tp}: resume with the same tensor-parallel size")
+        check_resumable(meta["run"], run, meta_path)
+        start_step = meta["step"]
+        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
+        model.load_state_dict(shard["model"])
+        optimizer.load_state_dict(shard["optimizer"])
+        set_rng_state(env, shard["rng"])
+        rng.state = shard["sharded_rng"]
+    train_model = model
+
+    local = {name: p.numel() for name, p in model.named_parameters()}
+    n_local = sum(local.values())  # Ψ_sharded/T + Ψ_replicated
+    n_sharded = sum(n for name, n in local.items() if model.sharded(name))
+    n_replicated = n_local - n_sharded
+    # the full model, as nanoGPT counts it: without the position embedding and the padding
+    nano_params = (n_sharded * tp + n_replicated - config.block_size * config.n_embd
+                   - (model.padded_vocab - config.vocab_size) * config.n_embd)
+    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
+             f"{str(env.dtype).replace('torch.', '')}, tensor parallel over {tp} ranks"
+             f"{' with sequence parallelism' if args.sequence_parallel else ''}, vocabulary {config.vocab_size} "
+             f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
+    metrics = Metrics(args, env, flops_per_token(config, nano_params))
+    psi_local = n_sharded + n_replicated
+    held_theory = {"params": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
+                   "grads": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
+                   "optim": ("8(Ψ_sharded/T + Ψ_replicated)", 8 * psi_local)}
+    log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp} of {n_sharded * tp:,}) + {n_replicated:,} replicated")
+    bsh = args.micro_batch_size * config.block_size * config.n_embd * 4  # one activation, bytes
+    bs = args.micro_batch_size * config.block_size * 4
+    L, clip = config.n_layer, 4 * (args.grad_clip > 0)
+    if args.sequence_parallel:
+        comm_theory = {
+            "all_gather_into_tensor": (f"{accum_steps} micro x (4L + 2) x b·s·h", accum_steps * (4 * L + 2) * bsh),
+            "reduce_scatter_tensor": (f"{accum_steps} micro x (4L + 2) x b·s·h", accum_steps * (4 * L + 2) * bsh),
+            "all_reduce": ("3 b·s per micro (loss) + replicated grads + norm",
+                           accum_steps * 3 * bs + 4 * n_replicated + clip)}
+    else:
+        comm_theory = {"all_reduce": (f"{accum_steps} micro x ((4L + 2) b·s·h + 3 b·s) + norm",
+                                      accum_steps * ((4 * L + 2) * bsh + 3 * bs) + clip)}
+
+    def save(step):
+        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                         "rng": rng_state(env), "sharded_rng": rng.state}, shard_path(args.out_dir, step, env.rank))
+        dist.barrier()  # every shard is on disk before the meta file names them
+        if env.master:
+            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
+            save_checkpoint({"step": step, "run": run}, meta_path)
+            if previous is not None and previous != step:
+                for rank in range(tp):
+                    os.remove(shard_path(args.out_dir, previous, rank))
+        LEDGER.take()
+
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate(train_model, data, args, env, accum_steps)
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+            LEDGER.take()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        x, y = data.batch("train", step, args.global_batch_size)  # every TP rank: the whole batch
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        for micro in range(accum_steps):
+            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            with autocast(env):
+                loss = train_model(x[rows], y[rows])
+            (loss / accum_steps).backward()  # accumulate the mean over the global batch
+            loss_sum += loss.detach().float()
+        if args.sequence_parallel:
+            all_reduce_sequence_parallel_grads(model)
+        if args.grad_clip > 0:
+            clip_grad_norm(model, args.grad_clip)
+        optimizer.step()
+
+        comm = LEDGER.take()
+        if step == start_step:
+            print_ledger(env, state_bytes(model.parameters(), optimizer), held_theory, comm, comm_theory)
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = (loss_sum / accum_steps).item()
+            synchronize(env)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0,
+                         state_bytes(model.parameters(), optimizer), comm)
+        optimizer.zero_grad(set_to_none=True)
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate(train_model, data, args, env, accum_steps)
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    teardown(env)
+
+
+def shard_path(out_dir, step, rank):
+    return os.path.join(out_dir, f"tp_step{step}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

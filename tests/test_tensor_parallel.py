@@ -1,0 +1,78 @@
+"""06_tensor_parallel.py: the parallel layers and the vocab-parallel loss against their
+single-device definitions; full-model losses equal 01's at tp = 2, 3 and 4, with and without
+sequence parallelism; the ledger; resume; refusals."""
+
+import pytest
+
+from harness import TINY, assert_losses_match, launch
+
+BASE = TINY + ["--global_batch_size", "8", "--max_iters", "5", "--grad_clip", "0.05"]
+SIX_HEADS = ["--n_head", "6", "--n_embd", "48", "--block_size", "48"]  # for tp = 3
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_parallel_layers_and_loss_equal_their_definitions(ranks):
+    run = launch("tests/tp_units.py", nprocs=ranks, metrics=False, out_dir=False, timeout=120).ok()
+    assert run.stdout.count("TP-UNITS OK") == ranks
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {name: launch("01_single_gpu.py", BASE + extra + ["--sample_tokens", "0"]).ok()
+            for name, extra in (("tiny", []), ("six", SIX_HEADS))}
+
+
+CASES = [  # (tp, model, sequence parallel, micro-batch)
+    (2, "tiny", False, 4), (2, "tiny", True, None), (4, "tiny", False, None), (4, "tiny", True, 4),
+    (3, "six", False, None), (3, "six", True, 4),
+]
+
+
+@pytest.mark.parametrize("ranks, model, sp, micro", CASES)
+def test_losses_and_ledger(reference, ranks, model, sp, micro):
+    extra = SIX_HEADS if model == "six" else []
+    flags = BASE + extra + (["--sequence_parallel"] if sp else []) + (["--micro_batch_size", micro] if micro else [])
+    run = launch("06_tensor_parallel.py", flags + ["--tp", ranks], nprocs=ranks).ok()
+    assert_losses_match(reference[model], run, what=f"tp={ranks} sp={sp} micro={micro}")
+    # memory: 16 bytes per local parameter, Ψ_sharded/T + Ψ_replicated
+    h = 48 if extra else 64
+    V, T, L = -(-65 // ranks) * ranks, (48 if extra else 64), 4
+    replicated = T * h + L * (4 * h + 2 * h) + 2 * h  # wpe, LayerNorms, row-parallel biases, ln_f
+    sharded = (V * h + L * (12 * h * h + 3 * h + 4 * h)) // ranks
+    single = reference[model].steps[0]["state_bytes"]["params"] // 4
+    assert single == 65 * h + T * h + L * (12 * h * h + 13 * h) + 2 * h  # the check of the check
+    for step in run.steps:
+        assert step["state_bytes"] == {"params": 4 * (sharded + replicated), "grads": 4 * (sharded + replicated),
+                                       "optim": 8 * (sharded + replicated)}
+    # communication: 4 per layer + embedding + head, and 3 b·s for the loss, per micro-batch
+    accum = 8 // (micro or 8)
+    bsh, bs = (micro or 8) * T * h * 4, (micro or 8) * T * 4
+    if sp:
+        expected = {"all_gather_into_tensor": accum * (4 * L + 2) * bsh,
+                    "reduce_scatter_tensor": accum * (4 * L + 2) * bsh,
+                    "all_reduce": accum * 3 * bs + 4 * replicated + 4}
+    else:
+        expected = {"all_reduce": accum * ((4 * L + 2) * bsh + 3 * bs) + 4}
+    for step in run.steps:
+        assert step["comm_bytes"] == expected
+
+
+def test_resume_is_bit_exact(tmp_path):
+    flags = BASE + ["--max_iters", "8", "--lr_decay_iters", "8", "--dropout", "0.1", "--sequence_parallel"]
+    whole = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "w"], nprocs=2).ok()
+    first = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4",
+                                                     "--ckpt_interval", "4"], nprocs=2).ok()
+    second = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
+    assert first.losses + second.losses == whole.losses  # both dropout streams resume too
+    other = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=4)
+    assert other.returncode != 0 and "holds shards for tp=2, this run has tp=4" in other.error_lines[0]
+
+
+@pytest.mark.parametrize("ranks, flags, message", [
+    (3, [], "n_head 4 is not divisible by the tensor-parallel size 3"),
+    (2, ["--tp", "4"], "--tp 4 must equal the world size 2"),
+    (3, SIX_HEADS[:-2] + ["--block_size", "64", "--sequence_parallel"], "block_size 64 divisible by the tensor-parallel size 3"),
+])
+def test_bad_input_gives_one_line(ranks, flags, message):
+    run = launch("06_tensor_parallel.py", BASE + flags, nprocs=ranks, timeout=60)
+    assert run.returncode != 0 and len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
