@@ -1,0 +1,480 @@
+"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B and interleaved 1F1B, with the
+schedule that ran drawn as a timeline.
+
+The layers are split into P consecutive stages, one per rank; the embedding lives on the
+first stage, the final LayerNorm and the head on the last. The global batch is cut into m
+micro-batches; a stage receives a micro-batch's activations from the previous stage, runs its
+layers, sends the result on, and in backward passes the gradient back the same way. Only
+activations of b·s·h cross a stage boundary: the cheapest parallelism in communication, paid
+for in idle time, the bubble, while the pipeline fills and drains.
+
+    GPipe (Huang et al. 2019): all forwards, then all backwards. p = 4, m = 4:
+      stage 0  F0 F1 F2 F3 .. .. .. .. .. .. B0 B1 B2 B3
+      stage 1  .. F0 F1 F2 F3 .. .. .. .. B0 B1 B2 B3 ..        bubble = (p-1)/(m+p-1)
+      stage 2  .. .. F0 F1 F2 F3 .. .. B0 B1 B2 B3 .. ..        activations held: m
+      stage 3  .. .. .. F0 F1 F2 F3 B0 B1 B2 B3 .. .. ..        micro-batches per stage
+
+    1F1B (PipeDream-Flush, Narayanan et al. 2019): p-rank-1 warm-up forwards, then one
+    forward one backward in the steady state, then the cool-down backwards. The same bubble,
+    but stage r holds at most p-r micro-batches of activations instead of m.
+
+    Interleaved 1F1B (Narayanan et al. 2021): each rank holds v smaller chunks of layers
+    (rank r: chunks r, r+p, ..., r+(v-1)p), so the pipeline fills v times faster:
+    bubble = (p-1)/(v·m + p - 1), for v times as many stage-boundary messages.
+
+Point-to-point: receives block (irecv + wait); every send is posted together with the next
+receive in one batch_isend_irecv (Megatron's send_forward_recv_backward and friends) or on
+its own when no receive follows, so two neighbours never wait on each other's unposted
+operations: deadlock-free on gloo and on NCCL, where a lone blocking send could be stuck
+behind the peer's send. After a send completes, the activation's data is freed: only its
+autograd graph is needed for backward (Megatron's deallocate_output_tensor).
+
+The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the head;
+both start equal (param_init) and stay equal because their gradients are all-reduced between
+the two stages before every update. The loss is computed on the last stage and broadcast for
+logging; the gradient-clipping norm sums every stage's squares (the tied weight counted once).
+
+Run:
+
+    mpiexec -n 4 python 07_pipeline.py --schedule 1f1b --model gpt2 --micro_batch_size 4
+    torchrun --standalone --nproc_per_node 4 07_pipeline.py --schedule interleaved --virtual_stages 3 ...
+
+Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
+
+    memory:        16 bytes x (the stage's parameters; + wte on the first and last stage)
+                   + activations of m (GPipe), p-r (1F1B) or about (p-r-1)·2/v + p micro-batch
+                   chunks (interleaved) micro-batches in flight
+    communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward
+                   (v times as many boundaries when interleaved); + an all-reduce of the
+                   wte gradient (V·h) between first and last stage per step
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd.variable import Variable
+from torch.nn import functional as F
+
+from common import (LEDGER, Block, Data, autocast, check, check_batch, check_resumable,
+                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
+                    make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
+                    print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
+                    setup, state_bytes, synchronize, teardown, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("07_pipeline")
+    g.add_argument("--pp", type=int, default=None, help="pipeline stages (= world size)")
+    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+# Schedules: the order of ("F" | "B", micro-batch, chunk) on one rank
+# ---------------------------------------------------------------------------------------
+
+def schedule(kind, p, rank, m, v=1):
+    """The operations rank `rank` of `p` runs for `m` micro-batches (v chunks per rank for
+    the interleaved schedule), in order."""
+    if kind == "gpipe":
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    if kind == "1f1b":
+        warmup = min(p - rank - 1, m)
+        forwards = [("F", i, 0) for i in range(m)]
+        backwards = [("B", i, 0) for i in range(m)]
+        order = forwards[:warmup]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            order += [forwards[warmup + i], backwards[i]]
+        return order + backwards[m - warmup:]  # cool-down
+    # interleaved (Megatron): forwards visit chunks in groups of p micro-batches
+    total = m * v
+
+    def forward_op(k):
+        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def backward_op(k):
+        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [forward_op(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [forward_op(warmup + k), backward_op(k)]
+    return order + [backward_op(k) for k in range(total - warmup, total)]
+
+
+def bubble_theory(kind, p, m, v):
+    return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
+
+
+def simulate(orders, p, v):
+    """Replay the executed orders with unit costs (a forward or backward of a whole stage
+    takes 1, of one of v chunks 1/v) and the pipeline's dependencies: returns, per rank, the
+    (start, op) of each operation. This is the timeline that is drawn."""
+    done, clock, starts, position = {}, [0.0] * p, [[] for _ in range(p)], [0] * p
+    cost = 1.0 / v
+    last_chunk = p * v - 1
+    while any(position[r] < len(orders[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if position[r] == len(orders[r]):
+                continue
+            kind, i, c = orders[r][position[r]]
+            g = c * p + r  # global chunk index
+            if kind == "F":
+                needs = [("F", i, g - 1)] if g > 0 else []
+            else:
+                needs = [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]
+            if any(n not in done for n in needs):
+                continue
+            start = max([clock[r]] + [done[n] for n in needs])
+            clock[r] = done[(kind, i, g)] = start + cost
+            starts[r].append((start, (kind, i, c)))
+            position[r] += 1
+            progressed = True
+        assert progressed, "the schedule deadlocks"
+    return starts
+
+
+def draw(starts, p, v):
+    """An ASCII timeline, one row per stage, one cell per forward/backward (of one chunk),
+    labelled with its micro-batch; '.' is the bubble. Returns (text, bubble fraction)."""
+    width = round(max(s for row in starts for s, _ in row) * v) + 1
+    label = lambda kind, i, c: f"{kind}{i}" + ("" if v == 1 else "abcdefghijklmnop"[c])  # noqa: E731
+    cell = 1 + max(len(label(*op)) for row in starts for _, op in row)
+    rows, busy = [], 0
+    for r in range(p):
+        cells = [" " * (cell - 1) + "."] * width
+        for start, op in starts[r]:
+            cells[round(start * v)] = f"{label(*op):>{cell}}"
+            busy += 1
+        rows.append(f"  stage {r} " + "".join(cells))
+    return "\n".join(rows), 1 - busy / (p * width)
+
+
+# ---------------------------------------------------------------------------------------
+# A chunk of the model: some consecutive blocks, plus the embedding and/or the head
+# ---------------------------------------------------------------------------------------
+
+class Chunk(nn.Module):
+    """Layers [first_layer, first_layer + n) of the GPT, with the embedding if it is the
+    first chunk and the final norm and (tied) head if it is the last."""
+
+    def __init__(self, config, first_layer, n_layers, is_first, is_last):
+        super().__init__()
+        self.config, self.is_first, self.is_last = config, is_first, is_last
+        self.first_layer = first_layer
+        if is_first:
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+            self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([Block(config) for _ in range(n_layers)])
+        if is_last:
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = self.wte if is_first else nn.Embedding(config.vocab_size, config.n_embd)
+
+    def full_name(self, name):
+        """This parameter's name in 01's model (so param_init gives it the same value)."""
+        if name.startswith("h."):
+            index, rest = name[2:].split(".", 1)
+            return f"transformer.h.{self.first_layer + int(index)}.{rest}"
+        return {"lm_head.weight": "transformer.wte.weight"}.get(name, "transformer." + name)
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        for name, p in self.named_parameters():
+            p.copy_(param_init(self.full_name(name), p.shape, self.config, seed))
+        return self
+
+    def forward(self, x, targets=None):
+        if self.is_first:  # x: token ids
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        if self.is_last:
+            logits = F.linear(self.ln_f(x), self.lm_head.weight)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return x
+
+
+# ---------------------------------------------------------------------------------------
+# Running a schedule
+# ---------------------------------------------------------------------------------------
+
+class Pipeline:
+    def __init__(self, chunks, env, p, v, act_shape):
+        self.chunks, self.env, self.p, self.v, self.act_shape = chunks, env, p, v, act_shape
+        self.rank = env.rank
+        self.next_rank, self.prev_rank = (self.rank + 1) % p, (self.rank - 1) % p
+        self.pending_sends = []  # (peer, tensor, tag, free_after_send) not yet posted
+        self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
+        self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
+
+    def global_chunk(self, c):
+        return c * self.p + self.rank
+
+    def _exchange(self, recv_from=None, recv_tag=None):
+        """Post the pending sends and (optionally) one receive together, and wait for the
+        receive only: a send completes when the peer receives it, which may be after the
+        peer's own next exchange, so waiting for it here could deadlock."""
+        if self.p == 1:
+            for _, tensor, tag, _ in self.pending_sends:
+                self.mailbox[tag] = tensor.detach().clone()
+            self.pending_sends = []
+            return None if recv_from is None else self.mailbox.pop(recv_tag)
+        ops = [dist.P2POp(dist.isend, tensor, peer, tag=tag) for peer, tensor, tag, _ in self.pending_sends]
+        buffer = None
+        if recv_from is not None:
+            buffer = torch.empty(self.act_shape, device=self.env.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, recv_from, tag=recv_tag))
+        requests = dist.batch_isend_irecv(ops) if ops else []  # activations or gradients, b·s·h each
+        for request, (_, tensor, _, free) in zip(requests, self.pending_sends):
+            self.posted_sends.append((request, tensor, free))
+        if buffer is not None:
+            requests[-1].wait()
+        self.pending_sends = []
+        self._retire_sends(wait=False)
+        return buffer
+
+    def _retire_sends(self, wait):
+        """Forget completed sends (all of them, waiting, at the end of a step). A sent
+        output's data is freed then: only its autograd graph is kept (Megatron's pseudo-free)."""
+        still = []
+        for request, tensor, free in self.posted_sends:
+            if wait:
+                request.wait()
+            if wait or request.is_completed():
+                if free:
+                    tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
+            else:
+                still.append((request, tensor, free))
+        self.posted_sends = still
+
+    def run(self, order, inputs, targets, m, train=True):
+        """Run one step's schedule; returns the summed loss (last stage) and the timings."""
+        n_chunks_total = self.p * self.v
+        saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
+        for index, (kind, i, c) in enumerate(order):
+            g = self.global_chunk(c)
+            tag = i * n_chunks_total + g
+            t0 = time.perf_counter()
+            if kind == "F":
+                if g == 0:
+                    x = inputs[i]
+                    self._exchange()  # flush sends that have no receive to pair with
+                else:
+                    x = self._exchange(self.prev_rank, i * n_chunks_total + g - 1).requires_grad_(train)
+                with torch.set_grad_enabled(train), autocast(self.env):
+                    out = self.chunks[c](x, targets[i] if g == n_chunks_total - 1 else None)
+                if g == n_chunks_total - 1:
+                    loss_sum += out.detach().float()
+                    if train:
+                        saved[(i, c)] = (x, out / m)  # backward of the mean over micro-batches
+                else:
+                    self.pending_sends.append((self.next_rank, out if train else out.detach(), tag, train))
+                    if train:
+                        saved[(i, c)] = (x, out)
+                if train:
+                    in_flight += 1
+                    peak = max(peak, in_flight)
+            else:
+                x, out = saved.pop((i, c))
+                if g == n_chunks_total - 1:
+                    self._exchange()
+                    out.backward()
+                else:
+                    grad = self._exchange(self.next_rank, i * n_chunks_total + g + 1 + n_chunks_total * m)
+                    # the output's data was freed after sending: run the engine directly,
+                    # which (unlike tensor.backward) does not check the shapes
+                    Variable._execution_engine.run_backward(
+                        (out,), (grad,), False, False, (), True, True)
+                if g > 0:
+                    self.pending_sends.append((self.prev_rank, x.grad, tag + n_chunks_total * m, False))
+                in_flight -= 1
+            if self.env.device.type != "cpu":
+                synchronize(self.env)
+            busy += time.perf_counter() - t0
+        self._exchange()
+        self._retire_sends(wait=True)
+        return loss_sum, peak, busy
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    p = launch.world_size
+    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
+          "(08_3d.py combines PP with data and tensor parallelism)")
+    check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
+    accum_steps = check_batch(args, dp_size=1)
+    m = accum_steps  # micro-batches per step
+    check(args.schedule != "interleaved" or m % p == 0,
+          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    env = setup(args, launch)
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    check(config.n_layer % (p * v) == 0, f"n_layer {config.n_layer} is not divisible by pp {p}"
+          + (f" x virtual_stages {v}" if v > 1 else "") + ": every chunk must hold the same number of layers")
+    torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
+
+    per_chunk = config.n_layer // (p * v)
+    chunks = nn.ModuleList()
+    for c in range(v):  # rank r holds chunks r, r + p, ..., r + (v-1)p
+        g = c * p + env.rank
+        chunks.append(Chunk(config, g * per_chunk, per_chunk, g == 0, g == p * v - 1).init_weights(args.seed))
+    first, last = chunks[0].is_first, chunks[-1].is_last
+    if first and last and v > 1:  # one rank holds both ends: the head *is* the embedding
+        chunks[-1].lm_head = chunks[0].wte
+    chunks.to(env.device)
+    # the two copies of the tied embedding: first stage (lookup) and last stage (head)
+    tied = [t for t in ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])]
+    tied = list({id(t): t for t in tied}.values())
+    embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
+    optimizer = make_adamw(chunks.named_parameters(), args, env.device.type)
+    pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
+    order = schedule(args.schedule, p, env.rank, m, v)
+
+    meta_path = os.path.join(args.out_dir, "pp_ckpt.pt")
+    run = run_config(args, config, {"strategy": "pipeline", "pp": p, "virtual_stages": v})
+    start_step = 0
+    if args.resume:
+        meta = load_checkpoint(meta_path)
+        check(meta["run"]["layout"] == run["layout"], f"{meta_path} holds stages for {meta['run']['layout']}, "
+              f"this run has {run['layout']}: resume with the same pp and virtual stages")
+        check_resumable(meta["run"], run, meta_path)
+        start_step = meta["step"]
+        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
+        chunks.load_state_dict(shard["model"])
+        optimizer.load_state_dict(shard["optimizer"])
+        set_rng_state(env, shard["rng"])
+
+    n_params = sum(t.numel() for t in chunks.parameters())
+    nano_params = config.n_layer * sum(t.numel() for t in chunks[0].h[0].parameters()) + \
+        config.vocab_size * config.n_embd + config.n_embd * (1 + config.bias)
+    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
+             f"{str(env.dtype).replace('torch.', '')}, {p} pipeline stages x {v} chunk(s) of {per_chunk} layer(s), "
+             f"schedule {args.schedule}, {m} micro-batches of {args.micro_batch_size}")
+    orders = [schedule(args.schedule, p, r, m, v) for r in range(p)]
+    timeline, bubble = draw(simulate(orders, p, v), p, v)
+    log(env, f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
+             f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
+             f"({'(p-1)/(v·m+p-1)' if v > 1 else '(p-1)/(m+p-1)'})")
+    metrics = Metrics(args, env, flops_per_token(config, nano_params))
+    held_theory = {"params": ("4 x stage parameters", 4 * n_params), "grads": ("4 x stage parameters", 4 * n_params),
+                   "optim": ("8 x stage parameters", 8 * n_params)}
+    bsh = args.micro_batch_size * config.block_size * config.n_embd * 4
+    sends = sum(1 for kind, i, c in order if (kind == "F" and c * p + env.rank < p * v - 1)
+                or (kind == "B" and c * p + env.rank > 0))
+    recvs = sum(1 for kind, i, c in order if (kind == "F" and c * p + env.rank > 0)
+                or (kind == "B" and c * p + env.rank < p * v - 1))
+    tied_bytes = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
+    comm_theory = {"send": (f"{sends} x b·s·h", sends * bsh), "recv": (f"{recvs} x b·s·h", recvs * bsh),
+                   "broadcast": ("4 loss", 4),
+                   "all_reduce": ("wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
+                                  tied_bytes + 4 * (args.grad_clip > 0 and p > 1))}
+    for op in [op for op, (_, value) in comm_theory.items() if value == 0]:
+        del comm_theory[op]
+    in_flight_theory = {"gpipe": m, "1f1b": min(p - env.rank, m),
+                        "interleaved": min(m * v, (p - env.rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
+
+    def micro_batches(split, step, eval_split=False):
+        x, y = data.batch(split, step, args.global_batch_size, eval_split=eval_split)
+        x, y = to_device(x, env), to_device(y, env)
+        b = args.micro_batch_size
+        return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
+
+    def share_loss(loss_sum):
+        dist.broadcast(loss_sum, src=p - 1)  # the last stage's loss, to every stage for logging
+        return loss_sum / m
+
+    @torch.no_grad()
+    def evaluate():
+        chunks.eval()
+        losses = {}
+        eval_order = [("F", i, c) for i in range(m) for c in range(v)] if v > 1 else \
+            [("F", i, 0) for i in range(m)]
+        eval_order = sorted(eval_order, key=lambda op: (op[1] // p, op[2], op[1] % p)) if v > 1 else eval_order
+        for split in ("train", "val"):
+            total = 0.0
+            for k in range(args.eval_iters):
+                xs, ys = micro_batches(split, k, eval_split=True)
+                loss_sum, _, _ = pipeline.run(eval_order, xs, ys, m, train=False)
+                total += share_loss(loss_sum).item()
+            losses[split] = total / args.eval_iters
+        chunks.train()
+        return losses
+
+    def save(step):
+        save_checkpoint({"model": chunks.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                         "rng": rng_state(env)}, shard_path(args.out_dir, step, env.rank))
+        dist.barrier()  # every stage is on disk before the meta file names them
+        if env.master:
+            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
+            save_checkpoint({"step": step, "run": run}, meta_path)
+            if previous is not None and previous != step:
+                for rank in range(p):
+                    os.remove(shard_path(args.out_dir, previous, rank))
+        LEDGER.take()
+
+    LEDGER.take()
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate()
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+            LEDGER.take()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        xs, ys = micro_batches("train", step)  # only the first stage uses xs, the last ys
+        loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)
+        loss_sum = share_loss(loss_sum)
+        if p > 1 and (first or last):
+            for weight in tied:  # keep the two copies of wte equal: sum their gradients
+                dist.all_reduce(weight.grad, group=embedding_group)
+        if args.grad_clip > 0:
+            squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
+                          if not (last and not first and n.endswith("lm_head.weight")))  # tied: once
+            if p > 1:
+                dist.all_reduce(squares)  # every stage's squared gradient norm
+            coef = torch.clamp(args.grad_clip / (squares.sqrt() + 1e-6), max=1.0)
+            for t in chunks.parameters():
+                t.grad.mul_(coef)
+        optimizer.step()
+
+        comm = LEDGER.take()
+        dt = time.perf_counter() - t0
+        if step == start_step:
+            print_ledger(env, state_bytes(chunks.parameters(), optimizer), held_theory, comm, comm_theory)
+            log(env, f"activations in flight on stage {env.rank}: at most {peak_in_flight} micro-batch chunk(s) "
+                     f"(theory {in_flight_theory})")
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = loss_sum.item()
+            synchronize(env)
+            extra = {"activations_in_flight": peak_in_flight, "busy_fraction": busy / dt,
+                     "bubble_drawn": bubble, "bubble_theory": bubble_theory(args.schedule, p, m, v)}
+            metrics.step(step, loss_value, lr, dt, state_bytes(chunks.parameters(), optimizer), comm, extra)
+        optimizer.zero_grad(set_to_none=True)
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate()
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    teardown(env)
+
+
+def shard_path(out_dir, step, rank):
+    return os.path.join(out_dir, f"pp_step{step}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

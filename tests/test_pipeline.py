@@ -1,0 +1,129 @@
+"""07_pipeline.py: the schedules against textbook orders, the drawn timeline and its bubble,
+then losses equal to 01's for every schedule at pp = 2 and 4 with several micro-batch counts,
+the ledger, resume and refusals."""
+
+import importlib
+
+import pytest
+
+from harness import TINY, assert_losses_match, launch
+
+pp = importlib.import_module("07_pipeline")
+
+
+def ops(text):
+    """'F0 F1 B0' -> [("F", 0, 0), ...]; 'F0b' is chunk 1."""
+    return [(t[0], int(t[1:].rstrip("ab")), 1 if t.endswith("b") else 0) for t in text.split()]
+
+
+@pytest.mark.parametrize("kind, p, m, expected", [
+    ("gpipe", 2, 3, ["F0 F1 F2 B0 B1 B2", "F0 F1 F2 B0 B1 B2"]),
+    ("1f1b", 2, 4, ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]),
+    ("1f1b", 4, 4, ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 B0 F3 B1 B2 B3",
+                    "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]),
+    ("1f1b", 4, 2, ["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"]),
+    # Narayanan et al. 2021, p = 2, v = 2, m = 4: chunks visited in groups of p micro-batches
+    ("interleaved", 2, 4, ["F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a B2b B3b B2a B3a",
+                           "F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a"]),
+])
+def test_orders_equal_the_textbook(kind, p, m, expected):
+    for rank in range(p):
+        assert pp.schedule(kind, p, rank, m, 2 if kind == "interleaved" else 1) == ops(expected[rank])
+
+
+@pytest.mark.parametrize("kind, p, m, v", [
+    ("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 7, 1), ("1f1b", 4, 16, 1),
+    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 3)])
+def test_drawn_bubble_equals_theory_and_timeline_is_well_formed(kind, p, m, v):
+    orders = [pp.schedule(kind, p, r, m, v) for r in range(p)]
+    text, bubble = pp.draw(pp.simulate(orders, p, v), p, v)
+    assert bubble == pytest.approx(pp.bubble_theory(kind, p, m, v))
+    rows = text.splitlines()
+    assert len(rows) == p and len({len(row) for row in rows}) == 1
+    for r, row in enumerate(rows):
+        cells = row.split()[2:]
+        labels = [c for c in cells if c != "."]
+        assert len(labels) == 2 * m * v == len(set(labels))  # every F and B exactly once
+        assert (cells[0] == ".") == (r > 0)  # a later stage waits for the first activation
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    """The peak number of micro-batches whose forward is done and backward is not."""
+    def peak(order):
+        live = top = 0
+        for kind, _, _ in order:
+            live += 1 if kind == "F" else -1
+            top = max(top, live)
+        return top
+    p, m = 4, 8
+    assert [peak(pp.schedule("gpipe", p, r, m)) for r in range(p)] == [8, 8, 8, 8]
+    assert [peak(pp.schedule("1f1b", p, r, m)) for r in range(p)] == [4, 3, 2, 1]
+
+
+BASE = TINY + ["--global_batch_size", "24", "--max_iters", "5", "--grad_clip", "0.05",
+               "--eval_interval", "5", "--eval_iters", "1"]
+EIGHT_LAYERS = ["--n_layer", "8"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {name: launch("01_single_gpu.py", BASE + extra + ["--sample_tokens", "0"]).ok()
+            for name, extra in (("tiny", []), ("eight", EIGHT_LAYERS))}
+
+
+CASES = [  # (pp, schedule, virtual stages, micro-batch size -> m = 24 / micro, model)
+    (2, "gpipe", 1, 6, "tiny"), (2, "1f1b", 1, 12, "tiny"), (2, "1f1b", 1, 3, "tiny"),
+    (4, "gpipe", 1, 6, "tiny"), (4, "1f1b", 1, 3, "tiny"), (4, "1f1b", 1, 12, "tiny"),
+    (2, "interleaved", 2, 6, "tiny"), (2, "interleaved", 2, 12, "tiny"), (4, "interleaved", 2, 6, "eight"),
+    (1, "interleaved", 4, 6, "tiny"),
+]
+
+
+@pytest.mark.parametrize("ranks, kind, v, micro, model", CASES)
+def test_losses_and_ledger(reference, ranks, kind, v, micro, model):
+    flags = BASE + (EIGHT_LAYERS if model == "eight" else []) + [
+        "--schedule", kind, "--virtual_stages", v, "--micro_batch_size", micro, "--pp", ranks]
+    run = launch("07_pipeline.py", flags, nprocs=ranks).ok()
+    what = f"pp={ranks} {kind} v={v} m={24 // micro}"
+    assert_losses_match(reference[model], run, what=what)
+    assert run.evals[-1]["val_loss"] == pytest.approx(reference[model].evals[-1]["val_loss"], rel=2e-5)
+    m = 24 // micro
+    order = pp.schedule(kind, ranks, 0, m, v if kind == "interleaved" else 1)
+    step = run.steps[0]
+    # rank 0 (the first stage): sends its forward outputs and the gradients of chunks > 0
+    bsh = micro * 64 * 64 * 4
+    sends = sum(1 for k, i, c in order if (k == "F" and c * ranks < ranks * v - 1) or (k == "B" and c > 0))
+    if ranks > 1:
+        assert step["comm_bytes"]["send"] == sends * bsh == step["comm_bytes"]["recv"]
+        assert step["comm_bytes"]["all_reduce"] == 65 * 64 * 4 + 4  # tied wte gradient + the norm
+    assert step["comm_bytes"]["broadcast"] == 4
+    live = top = 0
+    for k, _, _ in order:
+        live += 1 if k == "F" else -1
+        top = max(top, live)
+    assert step["activations_in_flight"] == top
+    assert step["bubble_drawn"] == pytest.approx(step["bubble_theory"])
+    assert "schedule (unit-cost replay" in run.stdout and "stage 0" in run.stdout
+
+
+def test_resume_is_bit_exact(tmp_path):
+    flags = BASE + ["--schedule", "1f1b", "--micro_batch_size", "6", "--max_iters", "8", "--lr_decay_iters", "8",
+                    "--dropout", "0.1", "--eval_interval", "0"]
+    whole = launch("07_pipeline.py", flags + ["--out_dir", tmp_path / "w"], nprocs=2).ok()
+    first = launch("07_pipeline.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4",
+                                              "--ckpt_interval", "4"], nprocs=2).ok()
+    second = launch("07_pipeline.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
+    assert first.losses + second.losses == whole.losses
+
+
+@pytest.mark.parametrize("ranks, flags, message", [
+    (3, ["--micro_batch_size", "8"], "n_layer 4 is not divisible by pp 3"),
+    (2, ["--schedule", "interleaved", "--virtual_stages", "4", "--micro_batch_size", "6"],
+     "n_layer 4 is not divisible by pp 2 x virtual_stages 4"),
+    (2, ["--schedule", "interleaved", "--micro_batch_size", "8"],
+     "needs the number of micro-batches (3) to be a multiple of pp 2"),
+    (2, ["--pp", "4"], "--pp 4 must equal the world size 2"),
+])
+def test_bad_input_gives_one_line(ranks, flags, message):
+    run = launch("07_pipeline.py", BASE + flags, nprocs=ranks, timeout=60)
+    assert run.returncode != 0 and len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
