@@ -699,10 +699,15 @@ class CommLedger:
     }
 
     def __init__(self):
-        self.bytes, self.installed = {}, False
+        self.bytes, self.installed, self.group_names = {}, False, {}
+
+    def name_group(self, group, name):
+        """Count this process group's collectives as "op[name]" (e.g. all_reduce[tp])."""
+        self.group_names[group] = name
+        return group
 
     def add(self, op, nbytes):
-        op = {"isend": "send", "irecv": "recv"}.get(op, op)
+        op = {"isend": "send", "irecv": "recv"}.get(op, op)  # p2p: by direction
         self.bytes[op] = self.bytes.get(op, 0) + nbytes
 
     def install(self):
@@ -735,8 +740,11 @@ class CommLedger:
 
         @wraps(fn)
         def counted(*args, **kwargs):
-            value = signature.bind_partial(*args, **kwargs).arguments[argument]
-            self.add(op, sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            value = bound[argument]
+            name = self.group_names.get(bound.get("group"))
+            self.add(f"{op}[{name}]" if name else op,
+                     sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
             return fn(*args, **kwargs)
         return counted
 

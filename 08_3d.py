@@ -1,0 +1,718 @@
+"""08_3d.py: data x tensor x pipeline parallelism in one standalone script (Narayanan et al.
+2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM").
+
+The world of N = D·P·T ranks is a 3D mesh. Tensor parallelism (T) splits every layer and
+talks twice per layer forward and backward, so its groups are consecutive ranks, inside one
+node's fast links; pipeline parallelism (P) splits the layers into stages and sends only a
+micro-batch's activations across a boundary; data parallelism (D) replicates the whole
+pipeline and averages gradients once per step, outermost, across nodes.
+
+    global rank = dp·(P·T) + pp·T + tp                   N = 8, D = P = T = 2:
+
+                     pipeline stage 0     stage 1           rank: (dp, pp, tp)
+    replica dp = 0   [ 0 | 1 ]  ──acts──>  [ 2 | 3 ]        0:(0,0,0) 1:(0,0,1)
+                       TP pair     <─grads─  TP pair        2:(0,1,0) 3:(0,1,1)
+    replica dp = 1   [ 4 | 5 ]  ──acts──>  [ 6 | 7 ]        4:(1,0,0) ... 7:(1,1,1)
+                     0-4, 1-5, 2-6, 3-7: data-parallel groups (gradient all-reduce)
+
+Inside a stage: Megatron TP as in 06_tensor_parallel.py (column/row-parallel linears with the
+f and g operators, vocab-parallel embedding and cross-entropy). Across stages: 1F1B as in
+07_pipeline.py, each TP rank exchanging with the same TP rank of the next stage. Across
+replicas: gradients all-reduced in each DP group, or with --zero1 reduce-scattered, each DP
+rank updating its 1/D of the optimizer state and all-gathering the parameters (ZeRO stage 1,
+as in 04_zero.py). Only what is needed is restated here: this file does not import the others.
+
+The hard parts:
+  * the tied embedding: the first stage's wte shard and the last stage's head shard (the
+    same vocabulary rows, same TP rank) are two copies, kept equal by all-reducing their
+    gradients between the two ranks before each update;
+  * the clipping norm: TP-sharded parameters summed over the TP group, TP-replicated ones
+    (LayerNorms, row biases, wpe) counted once, the tied copy counted once, summed over the
+    stages (and over the DP shards with --zero1);
+  * data: a DP replica reads its own slice of the global batch; in it, only the first stage
+    needs the tokens and only the last stage the targets.
+
+Run:
+
+    mpiexec -n 8 python 08_3d.py --tp 2 --pp 2 --model gpt2          # D = 2
+    sbatch jobs/frontier_3d.sh                                         # 2 nodes x 8 GCDs
+
+Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m micro-batches):
+
+    memory:  16 bytes x (Ψ_stage,sharded/T + Ψ_stage,replicated)  (optimizer state /D with --zero1)
+    TP:      all-reduce of b·s·h, 4 per layer per micro-batch (+ embedding and head)
+    PP:      send and receive of b·s·h per micro-batch per stage boundary
+    DP:      all-reduce of this rank's 4·Ψ_rank gradient bytes per step (--zero1:
+             reduce-scatter + all-gather of the same size)
+"""
+
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd.variable import Variable
+from torch.nn import functional as F
+
+from common import (ADAM_BETAS, LEDGER, Data, autocast, check, check_batch, check_resumable,
+                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
+                    make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
+                    print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
+                    setup, state_bytes, synchronize, teardown, tensor_bytes, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("08_3d")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--zero1", action="store_true", help="shard the optimizer state across each DP group")
+    g.add_argument("--export", default=None, help="at the end, write one consolidated checkpoint for 01")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+# The mesh
+# ---------------------------------------------------------------------------------------
+
+class Mesh:
+    """Coordinates and process groups; TP innermost, then PP, then DP."""
+
+    def __init__(self, rank, world, tp, pp):
+        self.tp_size, self.pp_size, self.dp_size = tp, pp, world // (tp * pp)
+        self.dp, self.pp, self.tp = rank // (pp * tp), (rank // tp) % pp, rank % tp
+        self.rank_of = lambda dp, pp_, tp_: dp * pp * tp + pp_ * tp + tp_
+        # every rank creates every group, in the same order (new_group is collective)
+        for d in range(self.dp_size):
+            for s in range(pp):
+                group = dist.new_group([self.rank_of(d, s, t) for t in range(tp)])
+                if (d, s) == (self.dp, self.pp):
+                    self.tp_group = LEDGER.name_group(group, "tp")
+            group = dist.new_group([self.rank_of(d, s, t) for s in range(pp) for t in range(tp)])
+            if d == self.dp:
+                self.mp_group = LEDGER.name_group(group, "model")  # one replica: TP x PP
+        for s in range(pp):
+            for t in range(tp):
+                group = dist.new_group([self.rank_of(d, s, t) for d in range(self.dp_size)])
+                if (s, t) == (self.pp, self.tp):
+                    self.dp_group = LEDGER.name_group(group, "dp")
+        for d in range(self.dp_size):
+            for t in range(tp):
+                group = dist.new_group([self.rank_of(d, s, t) for s in range(pp)])
+                if (d, t) == (self.dp, self.tp):
+                    self.pp_group = LEDGER.name_group(group, "pp")
+                ends = sorted({self.rank_of(d, 0, t), self.rank_of(d, pp - 1, t)})
+                group = dist.new_group(ends)
+                if (d, t) == (self.dp, self.tp):
+                    self.embedding_group = LEDGER.name_group(group, "embedding")
+        self.next = self.rank_of(self.dp, self.pp + 1, self.tp) if self.pp < pp - 1 else None
+        self.prev = self.rank_of(self.dp, self.pp - 1, self.tp) if self.pp > 0 else None
+
+    def describe(self, world):
+        lines = [f"mesh: {world} ranks = {self.dp_size} data-parallel x {self.pp_size} pipeline x "
+                 f"{self.tp_size} tensor-parallel (rank = dp·{self.pp_size * self.tp_size} + pp·{self.tp_size} + tp)"]
+        for d in range(self.dp_size):
+            row = [f"{self.rank_of(d, s, t):>3}:(dp {d}, pp {s}, tp {t})"
+                   for s in range(self.pp_size) for t in range(self.tp_size)]
+            lines.append("  " + "  ".join(row))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor parallelism inside a stage (restated from 06_tensor_parallel.py, on the TP group)
+# ---------------------------------------------------------------------------------------
+
+TP_GROUP = None  # this rank's tensor-parallel group, set in main()
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=TP_GROUP)  # sum the input-gradient parts of the TP shards
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        dist.all_reduce(x, group=TP_GROUP)  # sum the partial outputs of the row-parallel shards
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features, out_local, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_features))
+        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+
+    def forward(self, x):
+        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_local, out_features, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):
+        y = ReduceFromTP.apply(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_local, n_embd, start):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_local, n_embd))
+        self.start = start
+
+    def forward(self, idx):
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return ReduceFromTP.apply(x)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from this rank's vocabulary slice of the logits (see 06)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, vocab_size):
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        ids = torch.arange(start, start + n_local, device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=TP_GROUP)  # global max per token
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_target = targets - start
+        mine = (local_target >= 0) & (local_target < n_local)
+        clamped = local_target.clamp(0, n_local - 1)
+        target_logit = shifted.gather(-1, clamped.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        dist.all_reduce(target_logit, group=TP_GROUP)  # the owner's target logit
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=TP_GROUP)  # the softmax denominator over the vocabulary
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), clamped, mine)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, clamped, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, clamped.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        return grad_logits * (grad / softmax.shape[0]), None, None, None
+
+
+class TPBlock(nn.Module):
+    def __init__(self, config, tp):
+        super().__init__()
+        h = config.n_embd
+        self.ln_1 = nn.LayerNorm(h, bias=config.bias)
+        self.attn = nn.Module()
+        self.attn.c_attn = ColumnParallelLinear(h, 3 * h // tp, config.bias)
+        self.attn.c_proj = RowParallelLinear(h // tp, h, config.bias)
+        self.ln_2 = nn.LayerNorm(h, bias=config.bias)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = ColumnParallelLinear(h, 4 * h // tp, config.bias)
+        self.mlp.c_proj = RowParallelLinear(4 * h // tp, h, config.bias)
+        self.n_head_local, self.dropout = config.n_head // tp, nn.Dropout(config.dropout)
+        self.p_attn = config.dropout
+
+    def forward(self, x, rng):
+        q, k, v = self.attn.c_attn(self.ln_1(x)).chunk(3, dim=-1)  # this rank's heads
+        B, T, C = q.shape
+        q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
+        with rng.sharded():  # attention dropout acts inside this rank's heads: its own stream
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p_attn if self.training else 0.0)
+        x = x + self.dropout(self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return x + self.dropout(self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)))))
+
+
+class ShardedRNG:
+    """A per-rank stream for dropout inside TP-sharded regions; the default generator is the
+    stream shared by the TP group (see 06_tensor_parallel.py)."""
+
+    def __init__(self, seed, device):
+        self.device = device
+        saved = self._get()
+        torch.manual_seed(seed)
+        self.state = self._get()
+        self._set(saved)
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state):
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextmanager
+    def sharded(self):
+        shared = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(shared)
+
+
+class Stage(nn.Module):
+    """This rank's pipeline stage, tensor-parallel: layers [first_layer, first_layer + n),
+    the vocab-parallel embedding on the first stage, the final norm and head on the last."""
+
+    def __init__(self, config, mesh, first_layer, n_layers, rng):
+        super().__init__()
+        tp, h = mesh.tp_size, config.n_embd
+        self.config, self.mesh, self.first_layer, self.rng = config, mesh, first_layer, rng
+        self.is_first, self.is_last = mesh.pp == 0, mesh.pp == mesh.pp_size - 1
+        self.padded_vocab = math.ceil(config.vocab_size / tp) * tp
+        self.vocab_local, self.vocab_start = self.padded_vocab // tp, mesh.tp * (self.padded_vocab // tp)
+        if self.is_first:
+            self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start)
+            self.wpe = nn.Embedding(config.block_size, h)
+            self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([TPBlock(config, tp) for _ in range(n_layers)])
+        if self.is_last:
+            self.ln_f = nn.LayerNorm(h, bias=config.bias)
+            self.lm_head = self.wte if self.is_first else VocabParallelEmbedding(self.vocab_local, h, self.vocab_start)
+
+    def full_name(self, name):
+        if name.startswith("h."):
+            index, rest = name[2:].split(".", 1)
+            return f"transformer.h.{self.first_layer + int(index)}.{rest}"
+        return {"lm_head.weight": "transformer.wte.weight"}.get(name, "transformer." + name)
+
+    @staticmethod
+    def tp_sharded(name):
+        """Split across the TP group (else replicated: LayerNorms, c_proj biases, wpe)."""
+        return name.endswith(("wte.weight", "lm_head.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight",
+                              "c_fc.bias", "c_proj.weight"))
+
+    def shard(self, name, full):
+        """This TP rank's piece of the full parameter `full` (01's value)."""
+        t, r, h = self.mesh.tp_size, self.mesh.tp, self.config.n_embd
+        if name.endswith(("wte.weight", "lm_head.weight")):
+            padded = torch.zeros(self.padded_vocab, h)
+            padded[:full.shape[0]] = full
+            return padded[self.vocab_start:self.vocab_start + self.vocab_local]
+        if "c_attn" in name:  # [Q; K; V] rows: this rank's heads of each
+            return torch.cat([part.chunk(t)[r] for part in full.chunk(3)])
+        if "c_fc" in name:
+            return full.chunk(t)[r]
+        if name.endswith("c_proj.weight"):
+            return full.chunk(t, dim=1)[r]
+        return full  # replicated
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        c = self.config
+        full_shapes = {"wte.weight": (c.vocab_size, c.n_embd), "lm_head.weight": (c.vocab_size, c.n_embd),
+                       "c_attn.weight": (3 * c.n_embd, c.n_embd), "c_attn.bias": (3 * c.n_embd,),
+                       "c_fc.weight": (4 * c.n_embd, c.n_embd), "c_fc.bias": (4 * c.n_embd,),
+                       "mlp.c_proj.weight": (c.n_embd, 4 * c.n_embd), "attn.c_proj.weight": (c.n_embd, c.n_embd)}
+        for name, p in self.named_parameters():
+            shape = next((s for suffix, s in full_shapes.items() if name.endswith(suffix)), p.shape)
+            p.copy_(self.shard(name, param_init(self.full_name(name), shape, c, seed)))
+        return self
+
+    def forward(self, x, targets=None):
+        if self.is_first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.h:
+            x = block(x, self.rng)
+        if self.is_last:
+            logits = F.linear(CopyToTP.apply(self.ln_f(x)), self.lm_head.weight)  # this rank's vocabulary
+            return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                                   self.vocab_start, self.config.vocab_size)
+        return x
+
+
+# ---------------------------------------------------------------------------------------
+# Pipeline parallelism across stages (restated from 07_pipeline.py: 1F1B)
+# ---------------------------------------------------------------------------------------
+
+def one_f_one_b(p, stage, m):
+    """1F1B: p-stage-1 warm-up forwards, then one forward one backward, then cool-down."""
+    warmup = min(p - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+
+
+def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
+    """One step's 1F1B on this rank; every send is posted with the next receive (see 07).
+    Returns the sum of the micro-batch losses (last stage; zero elsewhere)."""
+    order = one_f_one_b(mesh.pp_size, mesh.pp, m) if train else [("F", i) for i in range(m)]
+    pending, posted, saved = [], [], {}
+    loss_sum = torch.zeros((), device=env.device)
+
+    def exchange(recv_from=None, tag=None):
+        ops = [dist.P2POp(dist.isend, t, peer, tag=tg) for peer, t, tg in pending]
+        buffer = None
+        if recv_from is not None:
+            buffer = torch.empty(act_shape, device=env.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, recv_from, tag=tag))
+        requests = dist.batch_isend_irecv(ops) if ops else []  # activations / gradients, b·s·h
+        posted.extend(requests[:len(pending)])
+        pending.clear()
+        if buffer is not None:
+            requests[-1].wait()  # wait for the receive only (a send completes when received)
+        return buffer
+
+    for kind, i in order:
+        if kind == "F":
+            x = xs[i] if stage.is_first else exchange(mesh.prev, i).requires_grad_(train)
+            if stage.is_first:
+                exchange()
+            with torch.set_grad_enabled(train), autocast(env):
+                out = stage(x, ys[i] if stage.is_last else None)
+            if stage.is_last:
+                loss_sum += out.detach().float()
+                out = out / m  # backward of the mean over the micro-batches
+            else:
+                pending.append((mesh.next, out if train else out.detach(), i))
+            if train:
+                saved[i] = (x, out)
+        else:
+            x, out = saved.pop(i)
+            if stage.is_last:
+                exchange()
+                out.backward()
+            else:
+                grad = exchange(mesh.next, m + i)
+                Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+            if not stage.is_first:
+                pending.append((mesh.prev, x.grad, m + i))
+    exchange()
+    for request in posted:
+        request.wait()
+    return loss_sum
+
+
+# ---------------------------------------------------------------------------------------
+# Data parallelism across replicas: plain all-reduce or ZeRO-1
+# ---------------------------------------------------------------------------------------
+
+class ZeroOne:
+    """ZeRO stage 1 over the DP group (restated from 04_zero.py): this rank's parameters as
+    one flat buffer padded to a multiple of D; DP rank d owns shard d of it, with its AdamW
+    state; gradients are reduce-scattered, parameters all-gathered after the update."""
+
+    def __init__(self, stage, mesh, args, device):
+        self.params = list(stage.parameters())
+        self.mesh, D = mesh, mesh.dp_size
+        numel = sum(p.numel() for p in self.params)
+        self.shard = math.ceil(numel / D)
+        self.flat = torch.zeros(self.shard * D, device=device)
+        self.flat_grad = torch.zeros_like(self.flat)
+        offset, pieces = 0, {True: [], False: []}
+        lo, hi = mesh.dp * self.shard, (mesh.dp + 1) * self.shard
+        self.grad_shard = torch.zeros(self.shard, device=device)
+        for p in self.params:
+            n = p.numel()
+            self.flat[offset:offset + n].copy_(p.data.view(-1))
+            p.data = self.flat[offset:offset + n].view_as(p)
+            p.grad = self.flat_grad[offset:offset + n].view_as(p)
+            a, b = max(offset, lo), min(offset + n, hi)
+            if a < b:
+                piece = self.flat[a:b]
+                piece.grad = self.grad_shard[a - lo:b - lo]
+                pieces[p.dim() >= 2].append(piece)
+            offset += n
+        if offset < hi:  # padding: no decay, stays zero
+            piece = self.flat[max(offset, lo):hi]
+            piece.grad = self.grad_shard[max(offset, lo) - lo:]
+            pieces[False].append(piece)
+        self.lo, self.hi = lo, hi
+        self.optimizer = torch.optim.AdamW([{"params": pieces[True], "weight_decay": args.weight_decay},
+                                            {"params": pieces[False], "weight_decay": 0.0}], lr=args.lr,
+                                           betas=ADAM_BETAS)
+
+    def reduce(self):
+        self.flat_grad.div_(self.mesh.dp_size)
+        # sum the replicas' gradients; DP rank d receives shard d
+        dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=self.mesh.dp_group)
+
+    def step(self):
+        self.optimizer.step()
+        # every DP rank's updated shard -> the whole parameter buffer on every DP rank
+        dist.all_gather_into_tensor(self.flat, self.flat[self.lo:self.hi].clone(), group=self.mesh.dp_group)
+
+    def zero_grad(self):
+        self.flat_grad.zero_()
+        self.grad_shard.zero_()
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    world, T, P = launch.world_size, args.tp, args.pp
+    check(T >= 1 and P >= 1, f"--tp and --pp must be positive, got {T} and {P}")
+    check(world % (T * P) == 0, f"world size {world} is not divisible by tp {T} x pp {P} = {T * P}")
+    D = world // (T * P)
+    accum_steps = check_batch(args, dp_size=D)
+    m = accum_steps  # micro-batches per replica per step
+    env = setup(args, launch)
+    global TP_GROUP
+    mesh = Mesh(env.rank, world, T, P)
+    TP_GROUP = mesh.tp_group
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}")
+    check(config.n_layer % P == 0, f"n_layer {config.n_layer} is not divisible by pp {P}")
+    log(env, mesh.describe(world))
+    torch.manual_seed(args.seed + 1000 * mesh.dp + mesh.pp)  # shared by the TP group of a stage
+    rng = ShardedRNG(args.seed + 2718 + env.rank, env.device)
+
+    per_stage = config.n_layer // P
+    stage = Stage(config, mesh, mesh.pp * per_stage, per_stage, rng).init_weights(args.seed).to(env.device)
+    zero = ZeroOne(stage, mesh, args, env.device) if args.zero1 else None
+    optimizer = zero.optimizer if zero else make_adamw(stage.named_parameters(), args, env.device.type)
+    tied = [stage.wte.weight] if stage.is_first else []
+    tied += [stage.lm_head.weight] if stage.is_last and not stage.is_first else []
+
+    run = run_config(args, config, {"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1})
+    meta_path = os.path.join(args.out_dir, "3d_ckpt.pt")
+    start_step = 0
+    if args.resume:
+        meta = load_checkpoint(meta_path)
+        check(meta["run"]["layout"] == run["layout"], f"{meta_path} was written by {meta['run']['layout']}, "
+              f"this run is {run['layout']}: resume with the same layout, or start 01 from --export")
+        check_resumable(meta["run"], run, meta_path)
+        start_step = meta["step"]
+        shard = load_checkpoint(shard_path(args.out_dir, start_step, mesh))
+        stage.load_state_dict(shard["model"])
+        optimizer.load_state_dict(shard["optimizer"])
+        set_rng_state(env, shard["rng"])
+        rng.state = shard["sharded_rng"]
+
+    n_local = sum(p.numel() for p in stage.parameters())
+    h = config.n_embd
+    nano_params = config.n_layer * (12 * h * h + (13 if config.bias else 2) * h) + config.vocab_size * h + \
+        h * (2 if config.bias else 1)  # nanoGPT's count: blocks, wte (= head), ln_f
+    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
+             f"{str(env.dtype).replace('torch.', '')}; this stage: layers {mesh.pp * per_stage}-"
+             f"{(mesh.pp + 1) * per_stage - 1}, {n_local:,} parameters on rank 0; {m} micro-batch(es) of "
+             f"{args.micro_batch_size} per replica per step{', ZeRO-1 over each DP group' if args.zero1 else ''}")
+    metrics = Metrics(args, env, flops_per_token(config, nano_params))
+    if zero:
+        padded = zero.flat.numel()
+        held_theory = {"params": ("4 x stage/T (padded to D)", 4 * padded),
+                       "grads": ("4 x stage/T + its DP shard", 4 * (padded + zero.shard)),
+                       "optim": ("8 x stage/T / D", 8 * zero.shard)}
+    else:
+        held_theory = {"params": ("4 x stage/T", 4 * n_local), "grads": ("4 x stage/T", 4 * n_local),
+                       "optim": ("8 x stage/T", 8 * n_local)}
+    bsh = args.micro_batch_size * config.block_size * h * 4  # one activation, bytes
+    bs = args.micro_batch_size * config.block_size * 4
+    tp_bytes = m * (4 * per_stage * bsh + (bsh if stage.is_first else 0) + (bsh + 3 * bs if stage.is_last else 0))
+    comm_theory = {
+        "all_reduce[tp]": (f"{m} micro x (4 x {per_stage} layers + embedding/head + loss)", tp_bytes),
+        "all_reduce[pp]": ("4 loss", 4),
+        "all_reduce[dp]": ("4 loss" + ("" if zero else " + 4Ψ_rank grads"), 4 + (0 if zero else 4 * n_local))}
+    if P > 1:
+        boundaries = 2 - stage.is_first - stage.is_last  # stage boundaries this rank sits on
+        comm_theory["send"] = comm_theory["recv"] = (f"{m} micro x {boundaries} x b·s·h", m * boundaries * bsh)
+        if stage.is_first or stage.is_last:
+            comm_theory["all_reduce[embedding]"] = ("wte shard grad", 4 * stage.vocab_local * h)
+    if zero:
+        comm_theory["reduce_scatter_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * zero.flat.numel())
+        comm_theory["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * zero.flat.numel())
+    if args.grad_clip > 0:
+        comm_theory["all_reduce" if zero else "all_reduce[model]"] = ("4 norm", 4)
+
+    def micro_batches(split, step, eval_split=False):
+        """This replica's rows; only the first stage needs tokens and the last targets."""
+        if not (stage.is_first or stage.is_last):
+            return [None] * m, [None] * m
+        x, y = data.batch(split, step, args.global_batch_size, mesh.dp, D, eval_split=eval_split)
+        x, y = to_device(x, env), to_device(y, env)
+        b = args.micro_batch_size
+        return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
+
+    def global_mean(loss_sum):
+        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
+        loss_sum /= m * D
+        dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas
+        return loss_sum
+
+    act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
+
+    @torch.no_grad()
+    def evaluate():
+        stage.eval()
+        losses = {}
+        for split in ("train", "val"):
+            total = 0.0
+            for k in range(args.eval_iters):
+                xs, ys = micro_batches(split, k, eval_split=True)
+                total += global_mean(run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=False)).item()
+            losses[split] = total / args.eval_iters
+        stage.train()
+        return losses
+
+    def clip(max_norm):
+        """Squares of this rank's gradients, each counted once over the whole model."""
+        if zero:
+            # the DP shard of this rank's flat gradients: weights per element (the tied
+            # copy and TP-replicated parameters off TP rank 0 count 0)
+            weights = torch.zeros_like(zero.flat_grad)
+            offset = 0
+            for name, p in stage.named_parameters():
+                once = not (name == "lm_head.weight" and not stage.is_first) and \
+                    (stage.tp_sharded(name) or mesh.tp == 0)
+                weights[offset:offset + p.numel()] = float(once)
+                offset += p.numel()
+            squares = (zero.grad_shard.pow(2) * weights[zero.lo:zero.hi]).sum()
+            dist.all_reduce(squares)  # over the whole world: DP shards x stages x TP shards
+            grads = [zero.grad_shard]
+        else:
+            squares = torch.zeros((), device=env.device)
+            for name, p in stage.named_parameters():
+                if name == "lm_head.weight" and not stage.is_first:
+                    continue  # the tied copy: counted on the first stage
+                if stage.tp_sharded(name) or mesh.tp == 0:  # TP-replicated: once per group
+                    squares += p.grad.float().pow(2).sum()
+            dist.all_reduce(squares, group=mesh.mp_group)  # every stage and TP shard of this replica
+            grads = [p.grad for p in stage.parameters()]
+        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+
+    def save(step):
+        save_checkpoint({"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                         "rng": rng_state(env), "sharded_rng": rng.state}, shard_path(args.out_dir, step, mesh))
+        dist.barrier()  # every rank's file is on disk before the meta file names them
+        if env.master:
+            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
+            save_checkpoint({"step": step, "run": run}, meta_path)
+            if previous is not None and previous != step:
+                for name in os.listdir(args.out_dir):
+                    if name.startswith(f"3d_step{previous}_"):
+                        os.remove(os.path.join(args.out_dir, name))
+        LEDGER.take()
+
+    LEDGER.take()
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate()
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+            LEDGER.take()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        xs, ys = micro_batches("train", step)
+        loss_sum = global_mean(run_pipeline(stage, mesh, env, xs, ys, m, act_shape))
+        if P > 1 and tied:
+            for weight in tied:  # the two copies of the wte shard stay equal
+                dist.all_reduce(weight.grad, group=mesh.embedding_group)
+        if zero:
+            zero.reduce()  # reduce-scatter: this DP rank's shard of the mean gradient
+        else:
+            for p in stage.parameters():  # plain DP: the mean gradient on every replica
+                p.grad.div_(D)
+            flat = torch.cat([p.grad.view(-1) for p in stage.parameters()])
+            dist.all_reduce(flat, group=mesh.dp_group)  # sum over the replicas of this (pp, tp) rank
+            offset = 0
+            for p in stage.parameters():
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        if args.grad_clip > 0:
+            clip(args.grad_clip)
+        if zero:
+            zero.step()
+        else:
+            optimizer.step()
+
+        comm = LEDGER.take()
+        if step == start_step:
+            held = state_bytes(stage.parameters(), optimizer) if not zero else {
+                "params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
+                "optim": state_bytes([], optimizer)["optim"]}
+            print_ledger(env, held, held_theory, comm, comm_theory)
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = loss_sum.item()
+            synchronize(env)
+            held = state_bytes(stage.parameters(), optimizer) if not zero else {
+                "params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
+                "optim": state_bytes([], optimizer)["optim"]}
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm)
+        if zero:
+            zero.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate()
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    if args.export:
+        export(stage, mesh, env, config, run, args)
+    teardown(env)
+
+
+def export(stage, mesh, env, config, run, args):
+    """One consolidated checkpoint in 01's format: every (pp, tp) coordinate of replica 0
+    sends its shards to rank 0, which undoes the TP slicing and the PP split."""
+    mine = {stage.full_name(n): p.detach().cpu() for n, p in stage.named_parameters()} if mesh.dp == 0 else None
+    pieces = [None] * dist.get_world_size() if env.master else None
+    dist.gather_object((mesh.pp, mesh.tp, mine), pieces, dst=0)  # small, once: pickled objects
+    if not env.master:
+        return
+    by_name = {}
+    for pp_rank, tp_rank, params in pieces:
+        for name, tensor in (params or {}).items():
+            by_name.setdefault(name, {})[tp_rank] = tensor
+    T, V = mesh.tp_size, config.vocab_size
+    state = {}
+    for name, shards in by_name.items():
+        parts = [shards[t] for t in range(T)]
+        if name == "transformer.wte.weight":
+            full = torch.cat(parts)[:V]
+        elif "c_attn" in name:  # regroup [Q_t; K_t; V_t] per rank into [Q; K; V]
+            full = torch.cat([torch.cat([part.chunk(3)[j] for part in parts]) for j in range(3)])
+        elif "c_fc" in name:
+            full = torch.cat(parts)
+        elif name.endswith("c_proj.weight"):
+            full = torch.cat(parts, dim=1)
+        else:
+            full = parts[0]
+        state[name] = full.clone()
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    save_checkpoint({"model": state, "step": args.max_iters, "run": run}, args.export)
+    log(env, f"exported the consolidated model to {args.export}")
+
+
+def shard_path(out_dir, step, mesh):
+    return os.path.join(out_dir, f"3d_step{step}_dp{mesh.dp}_pp{mesh.pp}_tp{mesh.tp}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""08_3d.py: losses equal 01's for every factorisation of 8 ranks that the tiny model admits,
+with and without --zero1; the mesh; the ledger; resume; export; refusals."""
+
+import pytest
+
+from harness import TINY, assert_losses_match, launch
+
+BASE = TINY + ["--global_batch_size", "24", "--max_iters", "4", "--grad_clip", "0.05",
+               "--eval_interval", "4", "--eval_iters", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return launch("01_single_gpu.py", BASE + ["--sample_tokens", "0"]).ok()
+
+
+def rank0_parameters(T, P):
+    """Parameters held by global rank 0 (first stage, TP rank 0), from the config."""
+    h, L, V, ctx = 64, 4, 65, 64
+    block = 2 * h + (3 * h * h + 3 * h) // T + h * h // T + h + 2 * h + (4 * h * h + 4 * h) // T + 4 * h * h // T + h
+    n = (L // P) * block + (-(-V // T) * T // T) * h + ctx * h  # layers, wte shard, wpe
+    return n + (2 * h if P == 1 else 0)  # ln_f lives on the last stage
+
+
+# (dp, pp, tp): the factorisations of 8 that 4 layers and 4 heads admit
+CASES = [(2, 2, 2, False), (2, 2, 2, True), (1, 2, 4, True), (2, 1, 4, False), (4, 2, 1, True),
+         (2, 4, 1, False), (8, 1, 1, True)]
+
+
+@pytest.mark.parametrize("D, P, T, zero1", CASES, ids=lambda x: str(x))
+def test_losses_mesh_and_ledger(reference, D, P, T, zero1):
+    micro = max(1, 24 // D // 2)  # two (three for D = 8) micro-batches per replica
+    run = launch("08_3d.py", BASE + ["--tp", T, "--pp", P, "--micro_batch_size", micro] + (["--zero1"] if zero1 else []),
+                 nprocs=8, timeout=400).ok()
+    assert_losses_match(reference, run, what=f"{D}x{P}x{T} zero1={zero1}")
+    assert run.evals[-1]["val_loss"] == pytest.approx(reference.evals[-1]["val_loss"], rel=2e-5)
+    assert f"mesh: 8 ranks = {D} data-parallel x {P} pipeline x {T} tensor-parallel" in run.stdout
+    # TP innermost: rank 1 is the next TP rank if T > 1, else the next stage or replica
+    second = (0, 0, 1) if T > 1 else ((0, 1, 0) if P > 1 else (1, 0, 0))
+    assert f"  1:(dp {second[0]}, pp {second[1]}, tp {second[2]})" in run.stdout
+    n = rank0_parameters(T, P)
+    step = run.steps[0]
+    if zero1:
+        padded = -(-n // D) * D
+        assert step["state_bytes"] == {"params": 4 * padded, "grads": 4 * padded + 4 * padded // D,
+                                       "optim": 8 * padded // D}
+        assert step["comm_bytes"]["reduce_scatter_tensor[dp]"] == 4 * padded
+        assert step["comm_bytes"]["all_gather_into_tensor[dp]"] == 4 * padded
+    else:
+        assert step["state_bytes"] == {"params": 4 * n, "grads": 4 * n, "optim": 8 * n}
+        assert step["comm_bytes"]["all_reduce[dp]"] == 4 * n + 4
+    bsh, bs, m = micro * 64 * 64 * 4, micro * 64 * 4, 24 // (D * micro)
+    head = (bsh + 3 * bs) if P == 1 else 0
+    assert step["comm_bytes"]["all_reduce[tp]"] == m * (4 * (4 // P) * bsh + bsh + head)
+    if P > 1:
+        assert step["comm_bytes"]["send"] == step["comm_bytes"]["recv"] == m * bsh
+    else:
+        assert "send" not in step["comm_bytes"]
+
+
+def test_resume_and_export(reference, tmp_path):
+    flags = BASE + ["--tp", "2", "--pp", "2", "--micro_batch_size", "6", "--zero1", "--max_iters", "6",
+                    "--lr_decay_iters", "6", "--dropout", "0.1", "--eval_interval", "6"]
+    whole = launch("08_3d.py", flags + ["--out_dir", tmp_path / "w", "--export", tmp_path / "full.pt"],
+                   nprocs=8, timeout=400).ok()
+    first = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "3", "--ckpt_interval", "3"],
+                   nprocs=8, timeout=400).ok()
+    second = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=8, timeout=400).ok()
+    assert first.losses + second.losses == whole.losses  # bit for bit, dropout streams included
+    ev = launch("01_single_gpu.py", TINY + ["--global_batch_size", "24", "--eval_only", "--eval_iters", "1",
+                                            "--eval_interval", "6", "--sample_tokens", "0",
+                                            "--init_from", tmp_path / "full.pt"]).ok()
+    assert ev.evals[0]["val_loss"] == pytest.approx(whole.evals[-1]["val_loss"], rel=1e-5)
+    other = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--resume", "--tp", "4", "--pp", "1"],
+                   nprocs=8, timeout=120)
+    assert other.returncode != 0 and len(other.error_lines) == 1 and "same layout" in other.error_lines[0]
+
+
+@pytest.mark.parametrize("ranks, flags, message", [
+    (6, ["--tp", "4"], "world size 6 is not divisible by tp 4 x pp 1 = 4"),
+    (8, ["--tp", "8"], "n_head 4 is not divisible by tp 8"),
+    (8, ["--pp", "8"], "n_layer 4 is not divisible by pp 8"),
+])
+def test_bad_layouts_give_one_line(ranks, flags, message):
+    run = launch("08_3d.py", BASE + flags, nprocs=ranks, timeout=120)
+    assert run.returncode != 0 and len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
