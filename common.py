@@ -652,8 +652,15 @@ def _install_abort_hook(launch):
 
 
 def teardown(env):
+    """End the process group in step: nobody destroys it while another rank may still talk
+    to it, and under mpiexec rank 0, which hosts the rendezvous store, leaves last."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+    if _MPI_COMM is not None:
+        _MPI_COMM.Barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def autocast(env):
@@ -899,11 +906,15 @@ def save_checkpoint(obj, path):
     renamed over the old one; a crash mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX file systems
+    finally:
+        if os.path.exists(tmp):  # the write failed: leave no half-written file behind
+            os.remove(tmp)
 
 
 def load_checkpoint(path):

@@ -96,6 +96,9 @@ def test_named_scripts(scheduler):
     assert p.returncode == 0, p.stderr
     assert "python 03_ddp.py --model gpt2 --data synthetic --global_batch_size 96 --micro_batch_size 12 " \
            "--max_iters 500 --max_iters 7 |" in launch_line(lines, "mpiexec")
+    p, lines = scheduler("perlmutter_fsdp.sh", kind="slurm")
+    assert p.returncode == 0, p.stderr
+    assert "-n 8 " in launch_line(lines, "srun") and "python 05_fsdp.py --model gpt2-xl --replicate 4" in p.stdout + launch_line(lines, "srun")
     if os.path.exists(os.path.join(ROOT, "08_3d.py")):
         p, lines = scheduler("frontier_3d.sh", kind="slurm")
         assert p.returncode == 0, p.stderr

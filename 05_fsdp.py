@@ -1,0 +1,446 @@
+"""05_fsdp.py: fully sharded data parallelism by hand, the way PyTorch's FSDP builds it:
+units, prefetch, a mixed-precision policy, meta-device initialisation and HSDP.
+
+Like ZeRO-3 (04_zero.py), every rank keeps only 1/N of the parameters, gradients and optimizer
+state, and gathers a unit's parameters just before it runs. FSDP adds what makes that fast and
+able to hold models larger than one device:
+
+  * units: each transformer block is one unit, plus a root unit (embeddings = tied head,
+    final norm), gathered with one all-gather and reduced with one reduce-scatter each;
+  * per-parameter sharding on dim 0 (FSDP2): rank r holds rows [r·k, (r+1)·k) of every
+    parameter (padded to N·k rows), so a shard is an ordinary tensor the optimizer can use
+    as it is. (FSDP1 instead flattens a unit into one padded buffer, as 04_zero.py does:
+    simpler collectives, but shards that cut through parameters.) A unit's shards are
+    packed into one buffer for its all-gather and unpacked after (FSDP2's copy-in/copy-out);
+  * prefetch: while block i computes, block i+1's all-gather is already in flight
+    (forward), and block i-1's in backward (--no_prefetch to compare);
+  * reshard after forward (default) frees a block's parameters until backward gathers them
+    again; --no_reshard keeps them (ZeRO-2's memory, less communication);
+  * mixed precision: fp32 sharded master parameters (the optimizer's), gathered and computed
+    in the compute dtype (bf16 on GPUs), gradients reduce-scattered in --reduce_dtype;
+  * meta-device initialisation: the model is built on the meta device (no memory); each
+    parameter is initialised as 01 does (common.param_init) one at a time and only this
+    rank's rows are kept: the full model never exists anywhere;
+  * HSDP (--replicate R): shard within groups of S = N/R consecutive ranks (a node), replicate
+    across the R groups: after the reduce-scatter, the gradient shards are all-reduced across
+    the replicas. Parameter traffic stays inside a node; only 1/S of the gradients crosses.
+
+    forward, block i:   wait all-gather(i) ─> launch all-gather(i+1) ─> compute i ─> free i
+    backward, block i:  wait all-gather(i) ─> launch all-gather(i-1) ─> compute grads of i
+                        ─> reduce-scatter grads(i) (async) ─> free params and full grads of i
+
+Run:
+
+    mpiexec -n 4 python 05_fsdp.py --model gpt2-medium
+    torchrun --standalone --nproc_per_node 8 05_fsdp.py --model gpt2-xl --replicate 2   # HSDP 2 x 4
+
+Cost per rank, Ψ parameters, S ranks per shard group, b bytes of the compute dtype:
+
+    memory: 16Ψ/S of fp32 shards (params 4, grads 4, AdamW 8) + the gathered units: the root
+            and one block (two with prefetch; all of them with --no_reshard) in the compute dtype
+    communication per micro-batch: all-gather bΨ in forward, again in backward (not with
+            --no_reshard; the root only once per step), reduce-scatter of the gradients
+            (Ψ in --reduce_dtype); HSDP adds an all-reduce of Ψ/S across the replicas
+"""
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from common import (ADAM_BETAS, GPT, LEDGER, Data, autocast, check, check_batch, check_resumable,
+                    detect_launcher, flops_per_token, format_bytes, load_checkpoint, log, lr_at,
+                    make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
+                    print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
+                    setup, state_bytes, synchronize, teardown, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("05_fsdp")
+    g.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
+    g.add_argument("--no_reshard", action="store_true",
+                   help="keep blocks gathered from forward to backward (ZeRO-2 behaviour)")
+    g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the gradient reduce-scatter")
+    g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
+    g.add_argument("--export", default=None, help="at the end, write one consolidated checkpoint for 01")
+    return parser
+
+
+class Unit:
+    """One FSDP unit: the parameters of a module, each sharded on dim 0 across the shard
+    group. `shards` are this rank's fp32 rows (nn.Parameters: the optimizer's); `params` are
+    the module's own parameters, holding the gathered full tensors only while needed."""
+
+    def __init__(self, name, named_params, fsdp, shapes):
+        self.name, self.fsdp = name, fsdp
+        self.names, self.params = zip(*named_params)
+        self.shapes = [shapes[n] for n in self.names]  # the full shapes, from the meta model
+        S, r = fsdp.shard_size, fsdp.shard_rank
+        self.rows = [math.ceil(shape[0] / S) for shape in self.shapes]  # rows per rank
+        self.shard_numels = [rows * math.prod(shape[1:]) for rows, shape in zip(self.rows, self.shapes)]
+        self.offsets = [sum(self.shard_numels[:j]) for j in range(len(self.params))]
+        self.numel = sum(self.shard_numels)  # this rank's share of the unit (padded)
+        self.shards = []
+        for full_name, shape, rows in zip(self.names, self.shapes, self.rows):
+            full = param_init(full_name, shape, fsdp.config, fsdp.seed)  # one full parameter, on CPU
+            shard = torch.zeros((rows,) + tuple(shape[1:]))
+            mine = full[r * rows:(r + 1) * rows]  # this rank's rows (the last rank may get padding)
+            shard[:mine.shape[0]] = mine
+            self.shards.append(nn.Parameter(shard.to(fsdp.device)))
+        self.gathered, self.pending = False, None
+        self.waiting = len(self.params)
+
+    # -- parameters ----------------------------------------------------------------------
+    def start_gather(self):
+        """Launch the all-gather of the whole unit (asynchronously)."""
+        if self.gathered or self.pending is not None:
+            return
+        S, dtype = self.fsdp.shard_size, self.fsdp.compute_dtype
+        packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(dtype)  # copy-in
+        out = torch.empty(S * self.numel, dtype=dtype, device=self.fsdp.device)
+        # every shard-group rank's rows of every parameter of this unit -> all of them
+        handle = dist.all_gather_into_tensor(out, packed, group=self.fsdp.shard_group, async_op=True)
+        self.pending = (handle, out)
+        self.fsdp.track(+self.gathered_bytes())  # the memory is taken from here on
+
+    def finish_gather(self):
+        """Wait for this unit's all-gather and give the module its full parameters."""
+        if self.gathered:
+            return
+        self.start_gather()
+        handle, out = self.pending
+        handle.wait()
+        self.pending = None
+        out = out.view(self.fsdp.shard_size, self.numel)  # [rank, this rank's packed shards]
+        for p, shape, offset, numel in zip(self.params, self.shapes, self.offsets, self.shard_numels):
+            rows = out[:, offset:offset + numel].reshape((-1,) + tuple(shape[1:]))  # copy-out
+            p.data = rows[:shape[0]]  # drop the padding rows
+        self.gathered = True
+
+    def release(self):
+        if self.gathered:
+            self.fsdp.track(-self.gathered_bytes())
+            empty = torch.empty(0, dtype=self.fsdp.compute_dtype, device=self.fsdp.device)
+            for p in self.params:
+                p.data = empty
+            self.gathered = False
+
+    def gathered_bytes(self):
+        return self.fsdp.shard_size * self.numel * self.fsdp.compute_dtype.itemsize
+
+    # -- gradients -----------------------------------------------------------------------
+    def grad_ready(self):
+        """Called as each parameter's full gradient is complete; on the last one: pack the
+        unit's gradients and reduce-scatter them (async), then free what is no longer needed."""
+        self.waiting -= 1
+        if self.waiting:
+            return
+        fsdp, S = self.fsdp, self.fsdp.shard_size
+        packed = torch.zeros(S, self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
+        for p, shape, offset, numel, rows in zip(self.params, self.shapes, self.offsets, self.shard_numels, self.rows):
+            grad = p.grad.to(fsdp.reduce_dtype).view(shape[0], -1)
+            padded = torch.zeros(S * rows, grad.shape[1], dtype=fsdp.reduce_dtype, device=fsdp.device)
+            padded[:shape[0]] = grad
+            packed[:, offset:offset + numel] = padded.view(S, numel)  # rank r's rows -> row r
+            p.grad = None  # the full gradient is freed: only the shard will be kept
+        packed.div_(fsdp.world_size)  # sum of g/N = the mean over every data-parallel rank
+        out = torch.empty(self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
+        # sum over the shard group; rank r receives the rows it owns of every gradient
+        handle = dist.reduce_scatter_tensor(out, packed.view(-1), group=fsdp.shard_group, async_op=True)
+        fsdp.reductions.append((handle, self, out, packed))
+        self.waiting = len(self.params)
+        if fsdp.reshard and self is not fsdp.root:
+            self.release()
+
+    def accumulate(self, out):
+        for shard, offset, numel in zip(self.shards, self.offsets, self.shard_numels):
+            piece = out[offset:offset + numel].view_as(shard).float()
+            shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
+
+
+class FSDP:
+    """The units of the model and the schedule of their collectives."""
+
+    def __init__(self, model, config, args, env):
+        self.config, self.seed, self.device = config, args.seed, env.device
+        self.world_size, R = env.world_size, args.replicate
+        S = self.shard_size = env.world_size // R
+        self.shard_rank, self.replica = env.rank % S, env.rank // S
+        # consecutive ranks form a shard group (one node); rank i of every group a replica group
+        for g in range(R):
+            group = dist.new_group(list(range(g * S, (g + 1) * S)))
+            if g == self.replica:
+                self.shard_group = LEDGER.name_group(group, "shard")
+        self.replicate_group = None
+        for i in range(S):
+            group = dist.new_group(list(range(i, env.world_size, S)))
+            if i == self.shard_rank and R > 1:
+                self.replicate_group = LEDGER.name_group(group, "replicate")
+        self.compute_dtype = env.dtype
+        self.reduce_dtype = getattr(torch, args.reduce_dtype)
+        self.prefetch, self.reshard = not args.no_prefetch, not args.no_reshard
+        self.gathered_now = self.gathered_peak = 0
+        self.reductions = []
+        shapes = {k: p.shape for k, p in model.named_parameters()}
+        materialize(model, env.device, self.compute_dtype)
+        root = [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]
+        self.root = Unit("root", root, self, shapes)
+        self.blocks = [Unit(f"h.{i}", [(f"transformer.h.{i}.{k}", p) for k, p in block.named_parameters()],
+                            self, shapes) for i, block in enumerate(model.transformer.h)]
+        self.units = [self.root] + self.blocks
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, unit=unit: unit.grad_ready())
+        for i, block in enumerate(model.transformer.h):
+            block.register_forward_pre_hook(lambda m, a, i=i: self.before_forward(i))
+            block.register_forward_hook(lambda m, a, out, i=i: self.after_forward(i, out))
+
+    def track(self, delta):
+        self.gathered_now += delta
+        self.gathered_peak = max(self.gathered_peak, self.gathered_now)
+
+    # -- the schedule ---------------------------------------------------------------------
+    def before_forward(self, i):
+        self.blocks[i].finish_gather()
+        if self.prefetch and i + 1 < len(self.blocks):
+            self.blocks[i + 1].start_gather()  # overlaps block i's compute
+
+    def after_forward(self, i, out):
+        if self.reshard:
+            self.blocks[i].release()  # free until backward needs it again
+        if out.requires_grad:
+            out.register_hook(lambda grad, i=i: self.before_backward(i))
+
+    def before_backward(self, i):
+        self.blocks[i].finish_gather()
+        if self.prefetch and i > 0:
+            self.blocks[i - 1].start_gather()  # overlaps block i's backward
+
+    def begin(self):
+        """Before a step's (or an evaluation's) first forward: the root stays gathered
+        throughout, since the embeddings are used at both ends of the model."""
+        self.root.finish_gather()
+        if self.prefetch:
+            self.blocks[0].start_gather()
+
+    def after_backward(self):
+        """After each micro-batch's backward: finish the reduce-scatters (and, HSDP, the
+        all-reduce across replicas) and accumulate the gradient shards."""
+        for handle, unit, out, _ in self.reductions:
+            handle.wait()
+            if self.replicate_group is not None:
+                dist.all_reduce(out, group=self.replicate_group)  # sum the replicas' shards
+            unit.accumulate(out)
+        self.reductions = []
+
+    def end(self):
+        for unit in self.units:
+            unit.release()
+
+    def shards(self):
+        return [s for unit in self.units for s in unit.shards]
+
+    def named_shards(self):
+        return [(name, s) for unit in self.units for name, s in zip(unit.names, unit.shards)]
+
+    def clip_grad_norm(self, max_norm):
+        """Global norm from the shards (padding rows are zero); the replicas hold equal shards."""
+        squares = sum(s.grad.float().pow(2).sum() for s in self.shards())
+        dist.all_reduce(squares, group=self.shard_group)  # the sum over the shard group
+        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+        for s in self.shards():
+            s.grad.mul_(coef)
+
+    def consolidated_state_dict(self):
+        """The whole model in 01's format (fp32, CPU), on every rank."""
+        state = {}
+        for unit in self.units:
+            packed = torch.cat([s.detach().view(-1) for s in unit.shards])
+            out = torch.empty(self.shard_size * unit.numel, device=self.device)
+            dist.all_gather_into_tensor(out, packed, group=self.shard_group)  # every rank's fp32 rows
+            out = out.view(self.shard_size, unit.numel)
+            for name, shape, offset, numel in zip(unit.names, unit.shapes, unit.offsets, unit.shard_numels):
+                state[name] = out[:, offset:offset + numel].reshape((-1,) + tuple(shape[1:]))[:shape[0]].cpu().clone()
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+        return state
+
+
+def materialize(model, device, dtype):
+    """Swap the meta-device parameters for empty ones on `device` (tied ones stay tied)."""
+    new = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+                module._parameters[name] = new[id(p)]
+
+
+@torch.no_grad()
+def evaluate(model, fsdp, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches (each rank its slice)."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                fsdp.begin()
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total)  # the global mean
+        losses[split] = total.item()
+    fsdp.end()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    check(args.replicate >= 1 and launch.world_size % args.replicate == 0,
+          f"--replicate {args.replicate} does not divide the world size {launch.world_size}")
+    accum_steps = check_batch(args, dp_size=launch.world_size)
+    env = setup(args, launch)
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    with torch.device("meta"):
+        model = GPT(config)  # no memory: shapes only
+    nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
+    fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
+    fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
+    named = fsdp.named_shards()
+    optimizer = torch.optim.AdamW(
+        [{"params": [s for n, s in named if s.dim() >= 2], "weight_decay": args.weight_decay},
+         {"params": [s for n, s in named if s.dim() < 2], "weight_decay": 0.0}],
+        lr=args.lr, betas=ADAM_BETAS, **fused)
+    meta_path = os.path.join(args.out_dir, "fsdp_ckpt.pt")
+    run = run_config(args, config, {"strategy": "fsdp", "world_size": env.world_size, "replicate": args.replicate})
+    start_step = 0
+    if args.resume:
+        meta = load_checkpoint(meta_path)
+        check(meta["run"]["layout"] == run["layout"], f"{meta_path} holds shards for {meta['run']['layout']}, "
+              f"this run is {run['layout']}: resume with the same layout, or start 01 from --export")
+        check_resumable(meta["run"], run, meta_path)
+        start_step = meta["step"]
+        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
+        with torch.no_grad():
+            for s, saved in zip(fsdp.shards(), shard["shards"]):
+                s.copy_(saved)
+        optimizer.load_state_dict(shard["optimizer"])
+        set_rng_state(env, shard["rng"])
+    train_model = model
+
+    S, R = fsdp.shard_size, args.replicate
+    psi = sum(u.numel for u in fsdp.units) * S  # Ψ with each parameter padded to S·k rows
+    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), built on the meta device; "
+             f"device {env.device}, compute {str(env.dtype).replace('torch.', '')}, reduce {args.reduce_dtype}; "
+             f"{len(fsdp.units)} units sharded over {S} ranks" + (f" x {R} replicas (HSDP)" if R > 1 else "")
+             + f"; prefetch {'on' if fsdp.prefetch else 'off'}, reshard {'on' if fsdp.reshard else 'off'}; "
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
+    metrics = Metrics(args, env, flops_per_token(config, nano_params))
+    held_theory = {"params": ("4Ψ/S", 4 * psi // S), "grads": ("4Ψ/S", 4 * psi // S), "optim": ("8Ψ/S", 8 * psi // S)}
+    b, rb = env.dtype.itemsize, fsdp.reduce_dtype.itemsize
+    root, blocks = S * fsdp.root.numel, S * sum(u.numel for u in fsdp.blocks)  # padded elements
+    # blocks are gathered in every micro-batch's forward and backward, or once per step
+    # when they stay gathered (--no_reshard)
+    block_gathers = 2 * accum_steps if fsdp.reshard else 1
+    comm_theory = {
+        "all_gather_into_tensor[shard]": (f"{b}(root + {block_gathers} x blocks)", b * (root + block_gathers * blocks)),
+        "reduce_scatter_tensor[shard]": (f"{accum_steps} micro x {rb}Ψ", accum_steps * rb * psi),
+        "all_reduce[shard]": ("4 norm", 4 * (args.grad_clip > 0)),
+        "all_reduce": ("4 loss", 4)}
+    if R > 1:
+        comm_theory["all_reduce[replicate]"] = (f"{accum_steps} micro x {rb}Ψ/S", accum_steps * rb * psi // S)
+    comm_theory = {k: v for k, v in comm_theory.items() if v[1]}
+    unit_bytes = max(u.gathered_bytes() for u in fsdp.blocks)
+    gathered_bound = fsdp.root.gathered_bytes() + (len(fsdp.blocks) if not fsdp.reshard else
+                                                   (2 if fsdp.prefetch else 1)) * unit_bytes
+
+    def save(step):
+        save_checkpoint({"shards": [s.detach().cpu() for s in fsdp.shards()], "optimizer": optimizer.state_dict(),
+                         "rng": rng_state(env), "step": step}, shard_path(args.out_dir, step, env.rank))
+        dist.barrier()  # every shard is on disk before the meta file names them
+        if env.master:
+            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
+            save_checkpoint({"step": step, "run": run}, meta_path)
+            if previous is not None and previous != step:
+                for rank in range(env.world_size):
+                    os.remove(shard_path(args.out_dir, previous, rank))
+        LEDGER.take()
+
+    LEDGER.take()
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate(train_model, fsdp, data, args, env, accum_steps)
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+            LEDGER.take()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        for micro in range(accum_steps):
+            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
+            with autocast(env):
+                _, loss = train_model(x[rows], y[rows])
+            (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+            fsdp.after_backward()  # this micro-batch's gradient shards are in
+            loss_sum += loss.detach().float()
+        fsdp.end()  # free the root (and, with --no_reshard, every block)
+        loss_sum /= accum_steps * env.world_size
+        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        if args.grad_clip > 0:
+            fsdp.clip_grad_norm(args.grad_clip)
+        optimizer.step()  # AdamW on this rank's fp32 rows only
+
+        comm = LEDGER.take()
+        held = state_bytes(fsdp.shards(), optimizer)
+        if step == start_step:
+            print_ledger(env, held, held_theory, comm, comm_theory)
+            log(env, f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: root + "
+                     f"{'every block' if not fsdp.reshard else ('2 blocks' if fsdp.prefetch else '1 block')} = "
+                     f"{format_bytes(gathered_bound)}); full model {format_bytes(4 * n_params)} in fp32")
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = loss_sum.item()
+            synchronize(env)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm,
+                         {"gathered_peak_bytes": fsdp.gathered_peak, "gathered_bound_bytes": gathered_bound})
+        optimizer.zero_grad(set_to_none=True)
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate(train_model, fsdp, data, args, env, accum_steps)
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    if args.export:
+        state = fsdp.consolidated_state_dict()  # a collective: every rank takes part
+        if env.master:
+            save_checkpoint({"model": state, "step": args.max_iters, "run": run}, args.export)
+            log(env, f"exported the consolidated model to {args.export}")
+    teardown(env)
+
+
+def shard_path(out_dir, step, rank):
+    return os.path.join(out_dir, f"fsdp_step{step}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

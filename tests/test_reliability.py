@@ -1,0 +1,108 @@
+"""Failures: a rank killed with SIGKILL ends the whole job promptly under mpiexec and
+torchrun, and the run resumes from its last checkpoint with exactly the uninterrupted
+losses; checkpoint writes are atomic; bad data is refused with one line."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import common
+from harness import LAUNCHER_ENV, ROOT, TINY, command, default_launcher, launch
+
+LAUNCHERS = [l for l in ("mpiexec", "torchrun") if l != "mpiexec" or default_launcher() == "mpiexec"]
+
+
+def rank_pids(marker):
+    """{rank: pid} of the processes whose command line holds `marker` (from /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            environ = dict(v.split(b"=", 1) for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if marker.encode() in cmdline and (b"RANK" in environ or b"PMI_RANK" in environ):
+            found[int(environ.get(b"RANK", environ.get(b"PMI_RANK")))] = int(pid)
+    return found
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("script, extra", [("03_ddp.py", []), ("04_zero.py", ["--stage", "3"])])
+def test_sigkill_ends_the_job_and_resume_reproduces_the_run(tmp_path, launcher, script, extra):
+    flags = TINY + extra + ["--global_batch_size", "8", "--lr_decay_iters", "20", "--ckpt_interval", "4",
+                            "--timeout", "30"]
+    reference = launch(script, flags + ["--max_iters", "20", "--out_dir", tmp_path / "ref"], nprocs=2,
+                       launcher=launcher).ok()
+    marker = f"--out_dir={tmp_path / ('killed-' + uuid.uuid4().hex[:8])}"
+    out_dir = marker.split("=", 1)[1]
+    metrics = tmp_path / "killed.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    job = subprocess.Popen(command(script, 2, launcher) + list(map(str, flags)) + [
+        "--max_iters", "100000", "--metrics", str(metrics), marker], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
+        time.sleep(0.2)
+    pids = rank_pids(marker)
+    assert 1 in pids, f"rank 1 not found among {pids}"
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        out, err = job.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("the job did not end within 90 s of a rank being killed")
+    assert job.returncode != 0
+    assert time.time() - killed_at < 60
+    said = out + err  # mpiexec reports on stdout, torchrun on stderr: the signal is named
+    assert any(word in said for word in ("Killed (signal 9)", "Signal 9 (SIGKILL)", "SIGKILL")), said[-3000:]
+    gone_by = time.time() + 15  # the launcher has exited; its ranks may take a moment to be reaped
+    while rank_pids(marker) and time.time() < gone_by:
+        time.sleep(0.2)
+    assert not rank_pids(marker), f"ranks outlived the job: {rank_pids(marker)}"
+    # resume from the last complete checkpoint: exactly the uninterrupted losses
+    resumed = launch(script, flags + ["--max_iters", "20", "--out_dir", out_dir, "--resume"], nprocs=2,
+                     launcher=launcher).ok()
+    assert len(resumed.losses) > 0 and resumed.losses == reference.losses[-len(resumed.losses):]
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    common.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    real_save = torch.save
+
+    def crash(obj, f):
+        real_save(obj, f)
+        f.write(b"partial")
+        raise KeyboardInterrupt("killed mid-write")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert common.load_checkpoint(path)["step"] == 1  # the previous checkpoint, intact
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # and no half-written file beside it
+
+
+@pytest.mark.parametrize("setup_data, message", [
+    (lambda d: None, "no such directory"),
+    (lambda d: (d.mkdir(), np.zeros(10, np.uint16).tofile(d / "train.bin"), np.zeros(10, np.uint16).tofile(d / "val.bin")),
+     "fewer than block_size+1"),
+    (lambda d: (d.mkdir(), np.zeros(500, np.uint16).tofile(d / "train.bin")), "val.bin is missing"),
+    (lambda d: (d.mkdir(), np.zeros(500, np.uint16).tofile(d / "train.bin"), np.zeros(500, np.uint16).tofile(d / "val.bin"),
+                (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 100_000}))), "does not fit the uint16"),
+])
+def test_data_errors_give_one_line(tmp_path, setup_data, message):
+    d = tmp_path / "data"
+    setup_data(d)
+    run = launch("03_ddp.py", TINY + ["--data", d], nprocs=2, timeout=60)
+    assert run.returncode != 0 and run.seconds < 30
+    assert len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
