@@ -4,6 +4,9 @@ strategy, on the same model, batch and ranks. Rerun with
     python tests/benchmarks/bench.py ddp                 # 03_ddp.py vs DistributedDataParallel
     python tests/benchmarks/bench.py zero1               # 04_zero.py --stage 1 vs DDP + ZeroRedundancyOptimizer
     python tests/benchmarks/bench.py fsdp2               # 04_zero.py --stage 3 vs fully_shard (FSDP2)
+    python tests/benchmarks/bench.py fsdp                # 05_fsdp.py vs fully_shard (FSDP2)
+    python tests/benchmarks/bench.py tp                  # 06 vs torch.distributed.tensor.parallel
+    python tests/benchmarks/bench.py 1f1b -- ... --micro_batch_size 4   # 07 vs torch.distributed.pipelining
     python tests/benchmarks/bench.py ddp --device cuda --ranks 2 4 8 -- --model gpt2 ...
 
 Prints a table of median step times (the first steps, warm-up, are dropped) and the ratio
@@ -22,6 +25,11 @@ PAIRS = {  # name: (our script and flags, --impl of torch_baselines.py)
     "ddp": (["03_ddp.py"], "ddp"),
     "zero1": (["04_zero.py", "--stage", "1"], "zero1"),
     "fsdp2": (["04_zero.py", "--stage", "3"], "fsdp2"),
+    "fsdp": (["05_fsdp.py"], "fsdp2"),
+    "tp": (["06_tensor_parallel.py"], "tp"),
+    "gpipe": (["07_pipeline.py", "--schedule", "gpipe"], "gpipe"),
+    "1f1b": (["07_pipeline.py", "--schedule", "1f1b"], "1f1b"),
+    "interleaved": (["07_pipeline.py", "--schedule", "interleaved"], "interleaved"),
 }
 
 
