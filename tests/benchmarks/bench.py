@@ -6,8 +6,8 @@ strategy, on the same model, batch and ranks. Rerun with
     python tests/benchmarks/bench.py fsdp2               # 04_zero.py --stage 3 vs fully_shard (FSDP2)
     python tests/benchmarks/bench.py fsdp                # 05_fsdp.py vs fully_shard (FSDP2)
     python tests/benchmarks/bench.py tp                  # 06 vs torch.distributed.tensor.parallel
-    python tests/benchmarks/bench.py 1f1b -- ... --micro_batch_size 4   # 07 vs torch.distributed.pipelining
-    python tests/benchmarks/bench.py ddp --device cuda --ranks 2 4 8 -- --model gpt2 ...
+    python tests/benchmarks/bench.py 1f1b ... --micro_batch_size 4    # 07 vs torch.distributed.pipelining
+    python tests/benchmarks/bench.py ddp --device cuda --ranks 2 4 8 --model gpt2 ...   # other flags: to both
 
 Prints a table of median step times (the first steps, warm-up, are dropped) and the ratio
 ours / torch (below 1 is faster), and whether both report the same losses."""
@@ -45,11 +45,10 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=2, help="alternate runs of each, best median kept")
-    p.add_argument("model_flags", nargs="*", default=[
-        "--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
-        "--block_size", "128", "--dropout", "0", "--global_batch_size", "16"])
-    a = p.parse_args()
-    flags = a.model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
+    a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
+    model_flags = model_flags or ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
+                                  "--block_size", "128", "--dropout", "0", "--global_batch_size", "16"]
+    flags = model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
                              "--eval_interval", "0", "--warmup_iters", "2"]
     threads = {"OMP_NUM_THREADS": "1"}
     (script, *ours_flags), impl = PAIRS[a.pair]
