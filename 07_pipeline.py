@@ -255,19 +255,22 @@ class Pipeline:
         self.posted_sends = still
 
     def run(self, order, inputs, targets, m, train=True):
-        """Run one step's schedule; returns the summed loss (last stage) and the timings."""
+        """Run one step's schedule; returns the summed loss (last stage), the peak number of
+        micro-batch chunks in flight, and the fraction of the schedule's wall time this rank
+        spent computing (1 - that is its measured bubble)."""
         n_chunks_total = self.p * self.v
         saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
+        start = time.perf_counter()
         for index, (kind, i, c) in enumerate(order):
             g = self.global_chunk(c)
             tag = i * n_chunks_total + g
-            t0 = time.perf_counter()
             if kind == "F":
                 if g == 0:
                     x = inputs[i]
                     self._exchange()  # flush sends that have no receive to pair with
                 else:
                     x = self._exchange(self.prev_rank, i * n_chunks_total + g - 1).requires_grad_(train)
+                t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
                 with torch.set_grad_enabled(train), autocast(self.env):
                     out = self.chunks[c](x, targets[i] if g == n_chunks_total - 1 else None)
                 if g == n_chunks_total - 1:
@@ -285,9 +288,11 @@ class Pipeline:
                 x, out = saved.pop((i, c))
                 if g == n_chunks_total - 1:
                     self._exchange()
+                    t0 = time.perf_counter()
                     out.backward()
                 else:
                     grad = self._exchange(self.next_rank, i * n_chunks_total + g + 1 + n_chunks_total * m)
+                    t0 = time.perf_counter()
                     # the output's data was freed after sending: run the engine directly,
                     # which (unlike tensor.backward) does not check the shapes
                     Variable._execution_engine.run_backward(
@@ -300,7 +305,7 @@ class Pipeline:
             busy += time.perf_counter() - t0
         self._exchange()
         self._retire_sends(wait=True)
-        return loss_sum, peak, busy
+        return loss_sum, peak, busy / (time.perf_counter() - start)  # the busy fraction
 
 
 def main():
@@ -434,7 +439,7 @@ def main():
         t0 = time.perf_counter()
 
         xs, ys = micro_batches("train", step)  # only the first stage uses xs, the last ys
-        loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)
+        loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)  # busy: share of the schedule computing
         loss_sum = share_loss(loss_sum)
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
@@ -458,7 +463,7 @@ def main():
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
-            extra = {"activations_in_flight": peak_in_flight, "busy_fraction": busy / dt,
+            extra = {"activations_in_flight": peak_in_flight, "busy_fraction": busy,
                      "bubble_drawn": bubble, "bubble_theory": bubble_theory(args.schedule, p, m, v)}
             metrics.step(step, loss_value, lr, dt, state_bytes(chunks.parameters(), optimizer), comm, extra)
         optimizer.zero_grad(set_to_none=True)
