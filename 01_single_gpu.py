@@ -15,8 +15,8 @@ Run:
 
     python 01_single_gpu.py                        # nanoGPT's shakespeare_char run (GPU: val ~1.47)
     python 01_single_gpu.py --model shakespeare --n_layer 4 --n_head 4 --n_embd 128 \\
-        --block_size 64 --global_batch_size 16 --max_iters 1500 --lr_decay_iters 1500 \\
-        --dropout 0 --eval_interval 250 --device cpu   # about five minutes on two CPU cores
+        --block_size 64 --global_batch_size 32 --max_iters 2000 --lr_decay_iters 2000 \\
+        --dropout 0 --eval_interval 500 --device cpu   # ~4 minutes on 2 CPU cores, val ~1.76
 
 Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments):
 
