@@ -644,6 +644,7 @@ def _install_abort_hook(launch):
         previous(kind, value, tb)
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(1.0)  # let the launcher forward the traceback before the job is torn down
         if _MPI_COMM is not None:
             _MPI_COMM.Abort(1)
         os._exit(1)

@@ -34,13 +34,22 @@ def rank_pids(marker):
     return found
 
 
+STEPS = 300  # long enough that the kill lands well before the end, however slow the machine
+REFERENCES = {}
+
+
+def uninterrupted(script, flags):
+    if script not in REFERENCES:
+        REFERENCES[script] = launch(script, flags + ["--max_iters", STEPS], nprocs=2).ok()
+    return REFERENCES[script]
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("script, extra", [("03_ddp.py", []), ("04_zero.py", ["--stage", "3"])])
 def test_sigkill_ends_the_job_and_resume_reproduces_the_run(tmp_path, launcher, script, extra):
-    flags = TINY + extra + ["--global_batch_size", "8", "--lr_decay_iters", "20", "--ckpt_interval", "4",
+    flags = TINY + extra + ["--global_batch_size", "8", "--lr_decay_iters", STEPS, "--ckpt_interval", "4",
                             "--timeout", "30"]
-    reference = launch(script, flags + ["--max_iters", "20", "--out_dir", tmp_path / "ref"], nprocs=2,
-                       launcher=launcher).ok()
+    reference = uninterrupted(script, flags)
     marker = f"--out_dir={tmp_path / ('killed-' + uuid.uuid4().hex[:8])}"
     out_dir = marker.split("=", 1)[1]
     metrics = tmp_path / "killed.jsonl"
@@ -70,9 +79,11 @@ def test_sigkill_ends_the_job_and_resume_reproduces_the_run(tmp_path, launcher, 
         time.sleep(0.2)
     assert not rank_pids(marker), f"ranks outlived the job: {rank_pids(marker)}"
     # resume from the last complete checkpoint: exactly the uninterrupted losses
-    resumed = launch(script, flags + ["--max_iters", "20", "--out_dir", out_dir, "--resume"], nprocs=2,
+    resumed = launch(script, flags + ["--max_iters", STEPS, "--out_dir", out_dir, "--resume"], nprocs=2,
                      launcher=launcher).ok()
-    assert len(resumed.losses) > 0 and resumed.losses == reference.losses[-len(resumed.losses):]
+    first = resumed.steps[0]["step"]
+    assert 8 <= first < STEPS  # it resumed part-way, from a checkpoint written before the kill
+    assert resumed.losses == reference.losses[first:]  # exactly the uninterrupted losses
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
