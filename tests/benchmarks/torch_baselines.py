@@ -29,6 +29,16 @@ from common import (ADAM_BETAS, LEDGER, Data, autocast, build_model, check_batch
                     model_block_size, parse_args, setup, state_bytes, synchronize, teardown, to_device)
 
 
+def begin_step(optimizer, data, args, env, step, dp_rank, dp_size):
+    """The learning rate of `step`, the start time, and this data-parallel rank's batch."""
+    lr = lr_at(step, args)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.perf_counter()
+    x, y = data.batch("train", step, args.global_batch_size, dp_rank, dp_size)
+    return lr, t0, to_device(x, env), to_device(y, env)
+
+
 def main():
     parser = make_parser(__doc__)
     parser.add_argument("--bucket_mb", type=float, default=25.0)
@@ -62,19 +72,14 @@ def main():
         optimizer = make_adamw(model.named_parameters(), args, env.device.type)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
     for step in range(args.max_iters):
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
-        x, y = to_device(x, env), to_device(y, env)
+        lr, t0, x, y = begin_step(optimizer, data, args, env, step, env.rank, env.world_size)
         loss_sum = torch.zeros((), device=env.device)
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             sync = contextlib.nullcontext() if micro == accum_steps - 1 else no_sync()
-            with sync, autocast(env):
-                _, loss = ddp_model(x[rows], y[rows])
-            with sync:
+            with sync:  # no gradient communication on non-final micro-steps
+                with autocast(env):
+                    _, loss = ddp_model(x[rows], y[rows])
                 (loss / accum_steps).backward()
             loss_sum += loss.detach().float()
         loss_sum /= accum_steps * env.world_size
@@ -179,12 +184,7 @@ def model_parallel(args):
     optimizer = make_adamw(params, args, env.device.type)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
     for step in range(args.max_iters):
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        x, y = data.batch("train", step, args.global_batch_size)
-        x, y = to_device(x, env), to_device(y, env)
+        lr, t0, x, y = begin_step(optimizer, data, args, env, step, 0, 1)
         loss_sum = torch.zeros((), device=env.device)
         if args.impl == "tp":
             for micro in range(accum_steps):
