@@ -31,10 +31,10 @@ import time
 import torch
 
 from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
-                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
-                    make_parser, Metrics, model_config, model_block_size, parse_args, print_ledger,
-                    progress, rng_state, run_config, save_checkpoint, set_rng_state, setup,
-                    state_bytes, synchronize, teardown, to_device)
+                    count_params, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_config, model_block_size, parse_args,
+                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint,
+                    set_rng_state, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -45,6 +45,16 @@ def add_flags(parser):
                    help="start from the weights of a checkpoint (e.g. another script's --export)")
     g.add_argument("--eval_only", action="store_true", help="evaluate (and sample), do not train")
     return parser
+
+
+def costs(args, config, world_size, dtype):
+    """What the one device holds, in bytes (Ψ parameters): the weights, their gradients and
+    AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
+    the stored tensors stay fp32). Nothing is sent."""
+    psi, _ = count_params(config)
+    return {"layout": "one device",
+            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
+            "sent": {}}
 
 
 @torch.no_grad()
@@ -69,11 +79,15 @@ def evaluate(model, data, args, env, accum_steps):
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
+    launch = launch_for(args)
     check(launch.world_size == 1, f"01_single_gpu.py runs as one process, not {launch.world_size}: "
           "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
     accum_steps = check_batch(args, dp_size=1)
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        dry_run(args, "01_single_gpu.py", config, costs(args, config, 1, planned_dtype(args)),
+                [f"layout: one device, {accum_steps} micro-batch(es) of {args.micro_batch_size}"])
     env = setup(args, launch, distributed=False)
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
 
@@ -100,13 +114,11 @@ def main():
         model.load_state_dict(ckpt["model"])
     train_model = torch.compile(model) if args.compile else model
 
-    n_params = sum(p.numel() for p in model.parameters())
     log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
              f"device {env.device}, {str(env.dtype).replace('torch.', '')}, "
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
-    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
-    held_theory = {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
-                   "optim": ("8Ψ", 8 * n_params)}
+    cost = costs(args, config, 1, env.dtype)
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
 
     def save(step):
         save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -142,7 +154,7 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), held_theory, comm, {})
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = (loss_sum / accum_steps).item()
             synchronize(env)

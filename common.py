@@ -65,7 +65,22 @@ PRESETS = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, dropout=0.0, bias=True),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, dropout=0.0, bias=True),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, dropout=0.0, bias=True),
+    # Brown et al. 2020, Table 2.1 (context 2048). 13B's d_model is 5140 in the table, which
+    # 40 heads do not divide; 5120 (head size 128, as Megatron and the table's d_head) is used
+    "gpt3-small": dict(n_layer=12, n_head=12, n_embd=768, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-large": dict(n_layer=24, n_head=16, n_embd=1536, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-xl": dict(n_layer=24, n_head=24, n_embd=2048, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-2.7b": dict(n_layer=32, n_head=32, n_embd=2560, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288, block_size=2048, dropout=0.0, bias=True),
 }
+# the default: nanoGPT's baby GPT twice as deep, with 24 heads of 16, so that the bare
+# commands run at every node size: 24 heads divide tp = 1, 2, 3, 4, 6, 8, 12, 24 and 12
+# layers give pp up to 12 (stages may differ by one layer)
+DEFAULT_MODEL = "baby"
+PRESETS[DEFAULT_MODEL] = dict(n_layer=12, n_head=24, n_embd=384, block_size=256, dropout=0.2, bias=False)
 
 
 class CausalSelfAttention(nn.Module):
@@ -183,13 +198,25 @@ class GPT(nn.Module):
         return idx
 
 
+def preset_config(args):
+    """The --model preset with the per-dimension overrides (--n_layer ... --bias) applied."""
+    cfg = dict(PRESETS[args.model])
+    cfg.update({key: getattr(args, key) for key in cfg if getattr(args, key, None) is not None})
+    return cfg
+
+
 def model_config(args, vocab_size):
     """GPTConfig from --model and the per-dimension overrides."""
-    cfg = dict(PRESETS[args.model])
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
-    return GPTConfig(vocab_size=vocab_size, **cfg)
+    return GPTConfig(vocab_size=vocab_size, **preset_config(args))
+
+
+def count_params(config):
+    """(Ψ, nanoGPT's count) for `config`, from a model built on the meta device: shapes only,
+    no memory, so it answers in milliseconds for GPT-3 175B. Ψ counts every parameter once
+    (the tied embedding/head once); nanoGPT's count leaves out the position embedding."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return sum(p.numel() for p in model.parameters()), model.num_params()
 
 
 def build_model(config, seed, device):
@@ -210,6 +237,9 @@ def is_decayed(param):
     return param.dim() >= 2
 
 
+ADAM_BETAS = (0.9, 0.95)
+
+
 def make_adamw(named_params, args, device_type):
     """AdamW with nanoGPT's two parameter groups; the fused kernel on GPUs."""
     named_params = [(n, p) for n, p in named_params if p.requires_grad]
@@ -219,9 +249,6 @@ def make_adamw(named_params, args, device_type):
     ]
     fused = device_type in ("cuda", "xpu")
     return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS, **({"fused": True} if fused else {}))
-
-
-ADAM_BETAS = (0.9, 0.95)
 
 
 def lr_at(step, args):
@@ -282,8 +309,17 @@ class Data:
         else:
             self.splits = {s: np.memmap(os.path.join(spec, f"{s}.bin"), dtype=np.uint16, mode="r")
                            for s in SPLITS}
-            meta = os.path.join(spec, "meta.pkl")
-            self.vocab_size = read_vocab_size(meta) if os.path.exists(meta) else 50304
+            self.vocab_size = Data.vocab_size_of(spec)
+
+    @staticmethod
+    def vocab_size_of(spec):
+        """The vocabulary size of --data, without building its token streams (--dry_run)."""
+        if spec == "shakespeare_char":
+            return len(set(open(SHAKESPEARE_TXT, encoding="utf-8").read()))
+        if spec == "synthetic":
+            return SYNTHETIC_VOCAB
+        meta = os.path.join(spec, "meta.pkl")
+        return read_vocab_size(meta) if os.path.exists(meta) else 50304  # GPT-2's, padded
 
     @staticmethod
     def check(spec, block_size):
@@ -371,7 +407,7 @@ def make_parser(doc):
     """The shared flags (DESIGN.md); each script adds its own strategy flags."""
     p = base_parser(doc)
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="shakespeare", choices=sorted(PRESETS), help="preset")
+    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS), help="preset")
     g.add_argument("--n_layer", type=int)
     g.add_argument("--n_head", type=int)
     g.add_argument("--n_embd", type=int)
@@ -382,7 +418,8 @@ def make_parser(doc):
     g = p.add_argument_group("data and batch")
     g.add_argument("--data", default="shakespeare_char",
                    help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
-    g.add_argument("--global_batch_size", type=int, default=64, help="sequences per optimizer step, all ranks")
+    # 48 divides every data-parallel size of one or two nodes: 1, 2, 3, 4, 6, 8, 12, 16, 24
+    g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
     g.add_argument("--micro_batch_size", type=int, default=None,
                    help="sequences per forward per data-parallel rank (default: global / data-parallel size, no accumulation)")
     g = p.add_argument_group("optimisation")
@@ -403,11 +440,18 @@ def make_parser(doc):
     g = p.add_argument_group("system")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "mps", "cpu"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on GPUs that support it, float32 elsewhere")
+                   help="auto: bfloat16 on GPUs that support it, float32 elsewhere (float16 is refused)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
     g.add_argument("--out_dir", default="out")
     g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
     g.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    g = p.add_argument_group("dry run (no launcher, network or accelerator needed)")
+    g.add_argument("--dry_run", action="store_true",
+                   help="validate the configuration for --world_size ranks, print the layout and what "
+                        "one rank holds and sends per step, and exit")
+    g.add_argument("--world_size", type=int, default=None, help="ranks of the dry run")
+    g.add_argument("--ranks_per_node", type=int, default=None,
+                   help="ranks per node of the dry run's mesh (default: all on one node)")
     return p
 
 
@@ -416,9 +460,20 @@ def parse_args(parser, argv=None):
     args = parser.parse_args(argv)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
-    cfg = dict(PRESETS[args.model])
-    cfg.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout")
-                if getattr(args, k) is not None})
+    cfg = preset_config(args)
+    # float16 needs dynamic loss scaling whose overflow check every rank agrees on, over
+    # sharded gradients too; bfloat16 has float32's exponent range and needs none, and every
+    # GPU these scripts are for (A100, H100/H200, MI250X, Max 1550) computes in it
+    check(args.dtype != "float16", "--dtype float16 is not supported: it needs loss scaling, "
+          "which these scripts leave out; use --dtype bfloat16 (float32's range, no scaling needed)")
+    if args.dry_run:
+        check(args.world_size is not None and args.world_size > 0,
+              "--dry_run needs --world_size N (the number of ranks to plan for), N > 0")
+        args.ranks_per_node = args.ranks_per_node or args.world_size
+        check(args.ranks_per_node > 0, f"--ranks_per_node must be positive, got {args.ranks_per_node}")
+    else:
+        check(args.world_size is None and args.ranks_per_node is None,
+              "--world_size and --ranks_per_node belong to --dry_run (a launch takes its size from the launcher)")
     positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval"]
     for name in positive:
         value = getattr(args, name)
@@ -585,7 +640,6 @@ def setup(args, launch=None, distributed=True):
             launch.local_rank, launch.local_world_size = node.Get_rank(), node.Get_size()
     device, backend = pick_device(args.device, launch.local_rank)
     dtype = pick_dtype(args.dtype, device)
-    check(dtype != torch.float16 or device.type != "cpu", "--dtype float16 needs a GPU")
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # split the cores among the ranks on this node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
@@ -829,8 +883,9 @@ def peak_memory(env):
 class Metrics:
     """Rank-0 console lines and the JSONL metrics file (schema in DESIGN.md)."""
 
-    def __init__(self, args, env, flops_per_tok):
+    def __init__(self, args, env, flops_per_tok, cost):
         self.env, self.flops_per_tok = env, flops_per_tok
+        self.state_theory, self.comm_theory = theory_bytes(cost)  # the script's costs()
         self.tokens_per_step = args.global_batch_size * model_block_size(args)
         self.peak = peak_flops(env)
         self.file = open(args.metrics, "a") if (args.metrics and env.master) else None
@@ -843,7 +898,8 @@ class Metrics:
             # flops of the whole step divided among the ranks, against one device's peak
             mfu = tokens_per_s * self.flops_per_tok / (self.peak * self.env.world_size)
         row = dict(step=step, loss=loss, lr=lr, dt_ms=dt * 1e3, tokens_per_s=tokens_per_s, mfu=mfu,
-                   mem_peak_bytes=peak_memory(self.env), state_bytes=state, comm_bytes=comm)
+                   mem_peak_bytes=peak_memory(self.env), state_bytes=state, comm_bytes=comm,
+                   state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory)
         row.update(extra or {})
         self.write(row)
         mfu_s = f", mfu {mfu * 100:.1f}%" if mfu is not None else ""
@@ -858,7 +914,7 @@ class Metrics:
 
 
 def model_block_size(args):
-    return args.block_size if args.block_size is not None else PRESETS[args.model]["block_size"]
+    return preset_config(args)["block_size"]
 
 
 def log(env, message):
@@ -876,19 +932,64 @@ def progress(env, start, stop):
                 dynamic_ncols=True, mininterval=2.0, leave=False)
 
 
-def print_ledger(env, held, held_theory, comm, comm_theory):
+def print_ledger(env, held, comm, cost):
     """Once, after the first step: what this rank holds and sends, measured next to the
-    strategy's formula (each theory value is (formula text, bytes))."""
+    strategy's formula (`cost` is the script's costs(): each value is (formula, bytes))."""
     lines = [f"ledger (rank {env.rank}): measured | theory"]
     for kind in ("params", "grads", "optim"):
-        formula, value = held_theory[kind]
+        formula, value = cost["held"][kind]
         lines.append(f"  held {kind:<24} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
-    for op in sorted(set(comm) | set(comm_theory)):
-        formula, value = comm_theory.get(op, ("0", 0))
+    for op in sorted(set(comm) | set(cost["sent"])):
+        formula, value = cost["sent"].get(op, ("0", 0))
         lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
-    if not comm and not comm_theory:
+    if not comm and not cost["sent"]:
         lines.append("  communication: none")
     log(env, "\n".join(lines))
+
+
+def theory_bytes(cost):
+    """The byte values of a costs() result, keyed as the metrics' measured columns."""
+    return ({kind: value for kind, (_, value) in cost["held"].items()},
+            {op: value for op, (_, value) in cost["sent"].items()})
+
+
+def launch_for(args):
+    """Who this process is: from the launcher's environment, or, for --dry_run, rank 0 of
+    the --world_size ranks being planned (no launcher, network or accelerator is touched)."""
+    if args.dry_run:
+        return Launch("dry_run", 0, 0, args.world_size, args.ranks_per_node)
+    return detect_launcher(os.environ)
+
+
+def planned_dtype(args):
+    """The dtype a dry run plans for: --dtype, and for auto the GPUs' bfloat16 (a login node
+    has no GPU to ask), unless --device cpu."""
+    if args.dtype == "auto":
+        return torch.float32 if args.device == "cpu" else torch.bfloat16
+    return getattr(torch, args.dtype)
+
+
+def dry_run(args, script, config, cost, layout_lines=()):
+    """--dry_run: the configuration has been validated for args.world_size ranks; print
+    the layout and what one rank holds and sends per step, from the same cost function the
+    live ledger checks, then exit 0."""
+    n, per_node = args.world_size, args.ranks_per_node
+    psi, nano = count_params(config)
+    held = sum(value for _, value in cost["held"].values())
+    lines = [f"dry run: {script} on {n} rank(s), {per_node} per node ({math.ceil(n / per_node)} node(s)); "
+             f"model {args.model}: {nano / 1e6:,.2f}M parameters (nanoGPT's count), Ψ = {psi:,}; "
+             f"{str(planned_dtype(args)).replace('torch.', '')}",
+             *layout_lines, "per rank:"]
+    for kind, (formula, value) in cost["held"].items():
+        lines.append(f"  holds {kind:<26} {format_bytes(value):>11}   {formula}")
+    lines.append(f"  holds {'model state in all':<26} {format_bytes(held):>11}")
+    for op, (formula, value) in sorted(cost["sent"].items()):
+        lines.append(f"  sends {op:<26} {format_bytes(value):>11}   per step: {formula}")
+    if not cost["sent"]:
+        lines.append("  sends nothing")
+    print("\n".join(lines), flush=True)
+    sys.exit(0)
+
 
 
 def format_bytes(n):
@@ -929,17 +1030,47 @@ def load_checkpoint(path):
              f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
 
 
+def device_rng_state(device):
+    """The state of the generator that random ops on `device` (dropout) draw from: the CPU
+    generator on CPU, the device's own on cuda (NVIDIA, ROCm), xpu (Intel) and mps."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    if device.type == "xpu":
+        return torch.xpu.get_rng_state(device)
+    if device.type == "mps":
+        return torch.mps.get_rng_state()
+    return torch.get_rng_state()
+
+
+def set_device_rng_state(device, state):
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    elif device.type == "xpu":
+        torch.xpu.set_rng_state(state, device)
+    elif device.type == "mps":
+        torch.mps.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def seeded_rng_state(device, seed):
+    """A fresh generator state for `device` seeded with `seed`, made without touching the
+    default generators (torch.manual_seed would reseed every device's)."""
+    return torch.Generator(device=device).manual_seed(seed).get_state()
+
+
 def rng_state(env):
+    """This rank's random streams: the CPU generator and, on an accelerator, the device's."""
     state = {"cpu": torch.get_rng_state()}
-    if env.device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(env.device)
+    if env.device.type != "cpu":
+        state["device"] = device_rng_state(env.device)
     return state
 
 
 def set_rng_state(env, state):
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and env.device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], env.device)
+    if "device" in state and env.device.type != "cpu":
+        set_device_rng_state(env.device, state["device"])
 
 
 def run_config(args, config, world_layout):
