@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
-                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
-                    make_parser, Metrics, model_config, model_block_size, parse_args, print_ledger,
-                    progress, rng_state, run_config, save_checkpoint, set_rng_state, setup,
-                    state_bytes, synchronize, teardown, to_device)
+                    count_params, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_config, model_block_size, parse_args,
+                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint,
+                    set_rng_state, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -138,6 +138,16 @@ class GradientBuckets:
             buffer.zero_()
 
 
+def costs(args, config, world_size, dtype):
+    """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
+    replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
+    all-reduce of every gradient per step plus the logged loss, whatever N."""
+    psi, _ = count_params(config)
+    return {"layout": f"{world_size} replicas",
+            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
+            "sent": {"all_reduce": ("4Ψ grads + 4 loss", 4 * psi + 4)}}
+
+
 @torch.no_grad()
 def evaluate(model, data, args, env, accum_steps):
     """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
@@ -163,9 +173,14 @@ def evaluate(model, data, args, env, accum_steps):
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
+    launch = launch_for(args)
     check(args.bucket_mb > 0, f"--bucket_mb must be positive, got {args.bucket_mb}")
     accum_steps = check_batch(args, dp_size=launch.world_size)
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        dry_run(args, "03_ddp.py", config, costs(args, config, launch.world_size, planned_dtype(args)),
+                [f"layout: {launch.world_size} replicas, each {accum_steps} micro-batch(es) of "
+                 f"{args.micro_batch_size} per step"])
     env = setup(args, launch)
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every replica
 
@@ -197,15 +212,12 @@ def main():
                      "the replicas are the same, the dropout streams start afresh")
     train_model = model
 
-    n_params = sum(p.numel() for p in model.parameters())
     log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
              f"device {env.device}, {str(env.dtype).replace('torch.', '')}, {env.world_size} replicas, "
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step, "
              f"{len(buckets.buffers)} gradient bucket(s)" + (" (not overlapped)" if args.no_overlap else ""))
-    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
-    held_theory = {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
-                   "optim": ("8Ψ", 8 * n_params)}
-    comm_theory = {"all_reduce": ("4Ψ grads + 4 loss", 4 * n_params + 4)}
+    cost = costs(args, config, env.world_size, env.dtype)
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
 
     def save(step):
         rng = [None] * env.world_size
@@ -246,7 +258,7 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), held_theory, comm, comm_theory)
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)

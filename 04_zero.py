@@ -71,10 +71,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
-                    detect_launcher, flops_per_token, format_bytes, is_decayed, load_checkpoint,
-                    log, lr_at, ADAM_BETAS, make_parser, Metrics, model_config, model_block_size,
-                    parse_args, print_ledger, progress, rng_state, run_config, save_checkpoint,
+from common import (GPT, LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+                    dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
+                    ADAM_BETAS, make_parser, Metrics, model_config, model_block_size, parse_args,
+                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint,
                     set_rng_state, setup, synchronize, teardown, tensor_bytes, to_device)
 
 
@@ -284,35 +284,6 @@ class ZeRO:
                              + [u.grad_shard for u in self.units])
         return {"params": params, "grads": grads, "optim": tensor_bytes(moments) + separate_master}
 
-    def held_theory(self):
-        psi, n = self.padded_numel(), self.world_size
-        b = self.compute_dtype.itemsize  # bytes per working parameter and gradient
-        K = 8 if b == 4 else 12  # AdamW's two fp32 moments, + the fp32 master in mixed precision
-        optim = (f"{K}Ψ/N", K * psi // n)
-        if self.stage == 1:
-            # the full gradients (kept through accumulation) + the reduced fp32 shard
-            grads = (f"{b}Ψ + 4Ψ/N", b * psi + 4 * psi // n)
-            return {"params": (f"{b}Ψ", b * psi), "grads": grads, "optim": optim}
-        params = (f"{b}Ψ", b * psi) if self.stage == 2 else \
-            (("4Ψ/N", 4 * psi // n) if b == 4 else ("0 (gathered from the master)", 0))
-        return {"params": params, "grads": ("4Ψ/N", 4 * psi // n), "optim": optim}
-
-    def comm_theory(self, accum_steps, clipping):
-        b = self.compute_dtype.itemsize
-        psi = b * self.padded_numel()  # bytes of the whole (padded) model
-        root = b * self.root.shard_numel * self.world_size
-        theory = {"all_reduce": ("4 loss" + (" + 4 norm" if clipping else ""), 4 + 4 * clipping)}
-        if self.stage == 1:
-            theory.update(reduce_scatter_tensor=(f"{b}Ψ", psi), all_gather_into_tensor=(f"{b}Ψ", psi))
-        elif self.stage == 2:
-            theory.update(reduce_scatter_tensor=(f"{accum_steps} micro x {b}Ψ", accum_steps * psi),
-                          all_gather_into_tensor=(f"{b}Ψ", psi))
-        else:
-            theory.update(reduce_scatter_tensor=(f"{accum_steps} micro x {b}Ψ", accum_steps * psi),
-                          all_gather_into_tensor=(f"root + {accum_steps} micro x 2 x blocks",
-                                                  root + accum_steps * 2 * (psi - root)))
-        return theory
-
     # -- checkpoints ---------------------------------------------------------------------
     def shard_state(self):
         return {"masters": [u.master.cpu().clone() for u in self.units], "optimizer": self.optimizer.state_dict()}
@@ -335,6 +306,47 @@ class ZeRO:
                 state[key] = full[offset:offset + shape.numel()].view(shape).cpu().clone()
         state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
         return state
+
+
+def unit_numels(config):
+    """Elements of the root unit and of each block, as ZeRO groups them (from shapes only)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    root = sum(p.numel() for k, p in model.named_parameters() if not k.startswith("transformer.h."))
+    return [root] + [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
+
+
+def costs(args, config, world_size, dtype):
+    """The docstring's formulas in bytes per rank. Ψ is the parameter count with every unit
+    padded to a multiple of N (as the flat shards are), b the bytes of a working parameter
+    or gradient element (4 in fp32, 2 in bf16), K = 8 (AdamW's two fp32 moments) plus 4 for
+    the fp32 master when it is a copy of its own (mixed precision)."""
+    n, stage = world_size, args.stage
+    shards = [math.ceil(numel / n) for numel in unit_numels(config)]
+    psi, root = sum(shards) * n, shards[0] * n
+    b = dtype.itemsize
+    K = 8 if b == 4 else 12
+    accum = args.global_batch_size // (args.micro_batch_size * n)
+    held = {"optim": (f"{K}Ψ/N", K * psi // n)}
+    if stage == 1:
+        # the full gradients (kept through accumulation) + the reduced fp32 shard
+        held.update(params=(f"{b}Ψ", b * psi), grads=(f"{b}Ψ + 4Ψ/N", b * psi + 4 * psi // n))
+    else:
+        held.update(params=(f"{b}Ψ", b * psi) if stage == 2 else
+                    (("4Ψ/N", 4 * psi // n) if b == 4 else ("0 (gathered from the master)", 0)),
+                    grads=("4Ψ/N", 4 * psi // n))
+    clipping = args.grad_clip > 0
+    sent = {"all_reduce": ("4 loss" + (" + 4 norm" if clipping else ""), 4 + 4 * clipping)}
+    if stage == 1:
+        sent.update(reduce_scatter_tensor=(f"{b}Ψ", b * psi), all_gather_into_tensor=(f"{b}Ψ", b * psi))
+    elif stage == 2:
+        sent.update(reduce_scatter_tensor=(f"{accum} micro x {b}Ψ", accum * b * psi),
+                    all_gather_into_tensor=(f"{b}Ψ", b * psi))
+    else:
+        sent.update(reduce_scatter_tensor=(f"{accum} micro x {b}Ψ", accum * b * psi),
+                    all_gather_into_tensor=(f"root + {accum} micro x 2 x blocks",
+                                            b * (root + accum * 2 * (psi - root))))
+    return {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent}
 
 
 @torch.no_grad()
@@ -364,8 +376,14 @@ def evaluate(model, zero, data, args, env, accum_steps):
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
+    launch = launch_for(args)
     accum_steps = check_batch(args, dp_size=launch.world_size)
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        dry_run(args, "04_zero.py", config, costs(args, config, launch.world_size, planned_dtype(args)),
+                [f"layout: ZeRO stage {args.stage} over {launch.world_size} ranks (units: root + "
+                 f"{config.n_layer} blocks, each cut into {launch.world_size} shards), {accum_steps} "
+                 f"micro-batch(es) of {args.micro_batch_size} per rank per step"])
     env = setup(args, launch)
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
@@ -395,9 +413,8 @@ def main():
              f"device {env.device}, {str(env.dtype).replace('torch.', '')}, ZeRO stage {args.stage} over "
              f"{env.world_size} ranks, {len(zero.units)} units, Ψ = {n_params:,} padded to {zero.padded_numel():,}, "
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
-    metrics = Metrics(args, env, flops_per_token(config, nano_params))
-    held_theory = zero.held_theory()
-    comm_theory = zero.comm_theory(accum_steps, args.grad_clip > 0)
+    cost = costs(args, config, env.world_size, env.dtype)
+    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
     LEDGER.take()
 
     def save(step):
@@ -446,7 +463,7 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, zero.held_bytes(), held_theory, comm, comm_theory)
+            print_ledger(env, zero.held_bytes(), comm, cost)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
