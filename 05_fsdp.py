@@ -52,9 +52,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (ADAM_BETAS, GPT, LEDGER, Data, autocast, check, check_batch, check_resumable,
-                    detect_launcher, flops_per_token, format_bytes, load_checkpoint, log, lr_at,
+                    dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
                     make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
-                    print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
+                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
                     setup, state_bytes, synchronize, teardown, to_device)
 
 
@@ -280,6 +280,39 @@ def materialize(model, device, dtype):
                 module._parameters[name] = new[id(p)]
 
 
+def costs(args, config, world_size, dtype):
+    """The docstring's formulas in bytes per rank. S = N/R ranks per shard group; Ψ counts
+    every parameter with its rows padded to a multiple of S (each rank holds ceil(rows/S)
+    rows); b is the compute dtype's element size, rb the reduce dtype's."""
+    S, R = world_size // args.replicate, args.replicate
+    with torch.device("meta"):
+        model = GPT(config)
+    padded = {k: math.ceil(p.shape[0] / S) * S * math.prod(p.shape[1:]) for k, p in model.named_parameters()}
+    root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))
+    per_block = [sum(v for k, v in padded.items() if k.startswith(f"transformer.h.{i}.")) for i in range(config.n_layer)]
+    psi, blocks = sum(padded.values()), sum(per_block)
+    b, rb = dtype.itemsize, getattr(torch, args.reduce_dtype).itemsize
+    accum = args.global_batch_size // (args.micro_batch_size * world_size)
+    reshard, prefetch = not args.no_reshard, not args.no_prefetch
+    held = {"params": ("4Ψ/S", 4 * psi // S), "grads": ("4Ψ/S", 4 * psi // S), "optim": ("8Ψ/S", 8 * psi // S)}
+    # blocks are gathered in every micro-batch's forward and backward, or once per step
+    # when they stay gathered (--no_reshard); the root once per step
+    block_gathers = 2 * accum if reshard else 1
+    sent = {"all_gather_into_tensor[shard]": (f"{b}(root + {block_gathers} x blocks)", b * (root + block_gathers * blocks)),
+            "reduce_scatter_tensor[shard]": (f"{accum} micro x {rb}Ψ", accum * rb * psi),
+            "all_reduce[shard]": ("4 norm", 4 * (args.grad_clip > 0)),
+            "all_reduce": ("4 loss", 4)}
+    if R > 1:
+        sent["all_reduce[replicate]"] = (f"{accum} micro x {rb}Ψ/S", accum * rb * psi // S)
+    sent = {k: v for k, v in sent.items() if v[1]}
+    # the gathered (compute-dtype) parameters at the peak: the root and one block, two with
+    # prefetch, every block without resharding
+    resident = config.n_layer if not reshard else (2 if prefetch else 1)
+    gathered = (f"{b}(root + {resident if reshard else 'every'} block(s))", b * (root + resident * max(per_block)))
+    return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
+            "held": held, "sent": sent, "gathered": gathered}
+
+
 @torch.no_grad()
 def evaluate(model, fsdp, data, args, env, accum_steps):
     """Mean loss of each split over eval_iters fixed global batches (each rank its slice)."""
@@ -306,10 +339,20 @@ def evaluate(model, fsdp, data, args, env, accum_steps):
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
+    launch = launch_for(args)
     check(args.replicate >= 1 and launch.world_size % args.replicate == 0,
           f"--replicate {args.replicate} does not divide the world size {launch.world_size}")
     accum_steps = check_batch(args, dp_size=launch.world_size)
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        cost = costs(args, config, launch.world_size, planned_dtype(args))
+        S = launch.world_size // args.replicate
+        dry_run(args, "05_fsdp.py", config, cost,
+                [f"layout: shard groups of {S} consecutive ranks x {args.replicate} replica(s); "
+                 f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
+                 f"  gathered parameters at the peak: {format_bytes(cost['gathered'][1])} ({cost['gathered'][0]})"]
+                + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
+                    "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else []))
     env = setup(args, launch)
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
@@ -342,31 +385,15 @@ def main():
         set_rng_state(env, shard["rng"])
     train_model = model
 
-    S, R = fsdp.shard_size, args.replicate
-    psi = sum(u.numel for u in fsdp.units) * S  # Ψ with each parameter padded to S·k rows
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), built on the meta device; "
              f"device {env.device}, compute {str(env.dtype).replace('torch.', '')}, reduce {args.reduce_dtype}; "
-             f"{len(fsdp.units)} units sharded over {S} ranks" + (f" x {R} replicas (HSDP)" if R > 1 else "")
+             f"{len(fsdp.units)} units sharded over {fsdp.shard_size} ranks"
+             + (f" x {args.replicate} replicas (HSDP)" if args.replicate > 1 else "")
              + f"; prefetch {'on' if fsdp.prefetch else 'off'}, reshard {'on' if fsdp.reshard else 'off'}; "
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
-    metrics = Metrics(args, env, flops_per_token(config, nano_params))
-    held_theory = {"params": ("4Ψ/S", 4 * psi // S), "grads": ("4Ψ/S", 4 * psi // S), "optim": ("8Ψ/S", 8 * psi // S)}
-    b, rb = env.dtype.itemsize, fsdp.reduce_dtype.itemsize
-    root, blocks = S * fsdp.root.numel, S * sum(u.numel for u in fsdp.blocks)  # padded elements
-    # blocks are gathered in every micro-batch's forward and backward, or once per step
-    # when they stay gathered (--no_reshard)
-    block_gathers = 2 * accum_steps if fsdp.reshard else 1
-    comm_theory = {
-        "all_gather_into_tensor[shard]": (f"{b}(root + {block_gathers} x blocks)", b * (root + block_gathers * blocks)),
-        "reduce_scatter_tensor[shard]": (f"{accum_steps} micro x {rb}Ψ", accum_steps * rb * psi),
-        "all_reduce[shard]": ("4 norm", 4 * (args.grad_clip > 0)),
-        "all_reduce": ("4 loss", 4)}
-    if R > 1:
-        comm_theory["all_reduce[replicate]"] = (f"{accum_steps} micro x {rb}Ψ/S", accum_steps * rb * psi // S)
-    comm_theory = {k: v for k, v in comm_theory.items() if v[1]}
-    unit_bytes = max(u.gathered_bytes() for u in fsdp.blocks)
-    gathered_bound = fsdp.root.gathered_bytes() + (len(fsdp.blocks) if not fsdp.reshard else
-                                                   (2 if fsdp.prefetch else 1)) * unit_bytes
+    cost = costs(args, config, env.world_size, env.dtype)
+    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    gathered_formula, gathered_bound = cost["gathered"]
 
     def save(step):
         save_checkpoint({"shards": [s.detach().cpu() for s in fsdp.shards()], "optimizer": optimizer.state_dict(),
@@ -413,10 +440,10 @@ def main():
         comm = LEDGER.take()
         held = state_bytes(fsdp.shards(), optimizer)
         if step == start_step:
-            print_ledger(env, held, held_theory, comm, comm_theory)
-            log(env, f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: root + "
-                     f"{'every block' if not fsdp.reshard else ('2 blocks' if fsdp.prefetch else '1 block')} = "
-                     f"{format_bytes(gathered_bound)}); full model {format_bytes(4 * n_params)} in fp32")
+            print_ledger(env, held, comm, cost)
+            log(env, f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: "
+                     f"{gathered_formula} = {format_bytes(gathered_bound)}); full model "
+                     f"{format_bytes(4 * n_params)} in fp32")
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
