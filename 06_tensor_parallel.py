@@ -63,11 +63,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import (LEDGER, Data, autocast, check, check_batch, check_resumable, detect_launcher,
-                    flops_per_token, load_checkpoint, log, lr_at, make_adamw, make_parser, Metrics,
-                    model_config, model_block_size, param_init, parse_args, print_ledger, progress,
-                    rng_state, run_config, save_checkpoint, set_rng_state, setup, state_bytes,
-                    synchronize, teardown, to_device)
+from common import (LEDGER, Data, autocast, check, check_batch, check_resumable, count_params,
+                    device_rng_state, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_config, model_block_size, param_init,
+                    parse_args, planned_dtype, print_ledger, progress, rng_state, run_config,
+                    save_checkpoint, seeded_rng_state, set_device_rng_state, set_rng_state, setup,
+                    state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -160,33 +161,21 @@ class ScatterSequence(torch.autograd.Function):
 
 class ShardedRNG:
     """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
-    swaps the default generator to this rank's own stream and back."""
+    swaps the device's default generator to this rank's own stream and back."""
 
     def __init__(self, seed, rank, device):
         self.device = device
-        saved = self._get()
-        torch.manual_seed(seed + 2718 + rank)
-        self.state = self._get()
-        self._set(saved)
-
-    def _get(self):
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
-
-    def _set(self, state):
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
+        self.state = seeded_rng_state(device, seed + 2718 + rank)
 
     @contextmanager
     def sharded(self):
-        shared = self._get()
-        self._set(self.state)
+        shared = device_rng_state(self.device)
+        set_device_rng_state(self.device, self.state)
         try:
             yield
         finally:
-            self.state = self._get()
-            self._set(shared)
+            self.state = device_rng_state(self.device)
+            set_device_rng_state(self.device, shared)
 
 
 # ---------------------------------------------------------------------------------------
@@ -443,20 +432,70 @@ def evaluate(model, data, args, env, accum_steps):
     return losses
 
 
-def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
-    tp = launch.world_size
-    check(args.tp in (None, tp), f"--tp {args.tp} must equal the world size {tp} in 06_tensor_parallel.py "
-          "(08_3d.py combines TP with data and pipeline parallelism)")
-    accum_steps = check_batch(args, dp_size=1)
-    env = setup(args, launch)
-    data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
+def costs(args, config, world_size, dtype):
+    """The docstring's formulas in bytes per rank, T = world_size. Parameters: the sharded
+    ones (1/T each; the vocabulary padded to a multiple of T) and the replicated ones, all
+    fp32. Activations: b·s·h elements each; under autocast the row-parallel outputs (g's
+    forward) are in the compute dtype (b_c bytes) while LayerNorm outputs, the embedding and
+    the gradients flowing into f are fp32, so f's backward and the embedding/head all-reduces
+    move 4 bytes an element."""
+    T, L, sp = world_size, config.n_layer, args.sequence_parallel
+    with torch.device("meta"):
+        model = TPGPT(config, T, 0, sp, None)  # shapes only
+    n_sharded = sum(p.numel() for name, p in model.named_parameters() if model.sharded(name))
+    n_replicated = sum(p.numel() for name, p in model.named_parameters() if not model.sharded(name))
+    psi_local = n_sharded + n_replicated
+    held = {"params": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
+            "grads": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
+            "optim": ("8(Ψ_sharded/T + Ψ_replicated)", 8 * psi_local)}
+    accum = args.global_batch_size // args.micro_batch_size
+    bsh = args.micro_batch_size * config.block_size * config.n_embd  # one activation, elements
+    bs = args.micro_batch_size * config.block_size
+    bc, clip = dtype.itemsize, 4 * (args.grad_clip > 0)
+    if sp:
+        # f = all-gather (forward, fp32 LayerNorm output; backward of g: a b_c gradient),
+        # g = reduce-scatter (forward, b_c; backward of f: fp32); + embedding and head
+        sent = {"all_gather_into_tensor": (f"{accum} micro x (L(2·4 + 2·{bc}) + 2·4) b·s·h",
+                                           accum * (L * (8 + 2 * bc) + 8) * bsh),
+                "reduce_scatter_tensor": (f"{accum} micro x (L(2·{bc} + 2·4) + 2·4) b·s·h",
+                                          accum * (L * (2 * bc + 8) + 8) * bsh),
+                "all_reduce": ("3·4 b·s per micro (loss) + 4Ψ_replicated grads + norm",
+                               accum * 12 * bs + 4 * n_replicated + clip)}
+    else:
+        sent = {"all_reduce": (f"{accum} micro x ((L(2·{bc} + 2·4) + 2·4) b·s·h + 3·4 b·s) + norm",
+                               accum * ((L * (2 * bc + 8) + 8) * bsh + 12 * bs) + clip)}
+    return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
+            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated)}
+
+
+def check_layout(args, config, tp):
     check(config.n_head % tp == 0, f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp}: "
           f"each rank must own whole attention heads")
     check(not args.sequence_parallel or config.block_size % tp == 0,
           f"--sequence_parallel needs block_size {config.block_size} divisible by the tensor-parallel size {tp}")
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = launch_for(args)
+    tp = launch.world_size
+    check(args.tp in (None, tp), f"--tp {args.tp} must equal the world size {tp} in 06_tensor_parallel.py "
+          "(08_3d.py combines TP with data and pipeline parallelism)")
+    accum_steps = check_batch(args, dp_size=1)
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        check_layout(args, config, tp)
+        dry_run(args, "06_tensor_parallel.py", config, costs(args, config, tp, planned_dtype(args)),
+                [f"layout: one tensor-parallel group of {tp} ranks"
+                 + (" with sequence parallelism" if args.sequence_parallel else "")
+                 + f", {config.n_head // tp} head(s) per rank; {accum_steps} micro-batch(es) of "
+                 f"{args.micro_batch_size} per step"]
+                + ([f"  warning: the group spans nodes of {args.ranks_per_node} ranks: keep TP inside a node "
+                    "(08_3d.py adds data and pipeline parallelism across nodes)"] if tp > args.ranks_per_node else []))
+    env = setup(args, launch)
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    check_layout(args, config, tp)
     torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
     rng = ShardedRNG(args.seed, env.rank, env.device)
     model = TPGPT(config, tp, env.rank, args.sequence_parallel, rng).init_from_full(args.seed).to(env.device)
@@ -477,35 +516,14 @@ def main():
         rng.state = shard["sharded_rng"]
     train_model = model
 
-    local = {name: p.numel() for name, p in model.named_parameters()}
-    n_local = sum(local.values())  # Ψ_sharded/T + Ψ_replicated
-    n_sharded = sum(n for name, n in local.items() if model.sharded(name))
-    n_replicated = n_local - n_sharded
-    # the full model, as nanoGPT counts it: without the position embedding and the padding
-    nano_params = (n_sharded * tp + n_replicated - config.block_size * config.n_embd
-                   - (model.padded_vocab - config.vocab_size) * config.n_embd)
-    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
+    cost = costs(args, config, tp, env.dtype)
+    n_sharded, n_replicated = cost["params_per_rank"]
+    log(env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
              f"{str(env.dtype).replace('torch.', '')}, tensor parallel over {tp} ranks"
              f"{' with sequence parallelism' if args.sequence_parallel else ''}, vocabulary {config.vocab_size} "
              f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
-    metrics = Metrics(args, env, flops_per_token(config, nano_params))
-    psi_local = n_sharded + n_replicated
-    held_theory = {"params": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
-                   "grads": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
-                   "optim": ("8(Ψ_sharded/T + Ψ_replicated)", 8 * psi_local)}
+    metrics = Metrics(args, env, flops_per_token(config, count_params(config)[1]), cost)
     log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp} of {n_sharded * tp:,}) + {n_replicated:,} replicated")
-    bsh = args.micro_batch_size * config.block_size * config.n_embd * 4  # one activation, bytes
-    bs = args.micro_batch_size * config.block_size * 4
-    L, clip = config.n_layer, 4 * (args.grad_clip > 0)
-    if args.sequence_parallel:
-        comm_theory = {
-            "all_gather_into_tensor": (f"{accum_steps} micro x (4L + 2) x b·s·h", accum_steps * (4 * L + 2) * bsh),
-            "reduce_scatter_tensor": (f"{accum_steps} micro x (4L + 2) x b·s·h", accum_steps * (4 * L + 2) * bsh),
-            "all_reduce": ("3 b·s per micro (loss) + replicated grads + norm",
-                           accum_steps * 3 * bs + 4 * n_replicated + clip)}
-    else:
-        comm_theory = {"all_reduce": (f"{accum_steps} micro x ((4L + 2) b·s·h + 3 b·s) + norm",
-                                      accum_steps * ((4 * L + 2) * bsh + 3 * bs) + clip)}
 
     def save(step):
         save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
@@ -547,7 +565,7 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), held_theory, comm, comm_theory)
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = (loss_sum / accum_steps).item()
             synchronize(env)
