@@ -58,11 +58,11 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (LEDGER, Block, Data, autocast, check, check_batch, check_resumable,
-                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
-                    make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
-                    print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
-                    setup, state_bytes, synchronize, teardown, to_device)
+from common import (LEDGER, Block, Data, autocast, check, check_batch, check_resumable, count_params,
+                    dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_config, model_block_size, param_init,
+                    parse_args, planned_dtype, print_ledger, progress, rng_state, run_config,
+                    save_checkpoint, set_rng_state, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -201,6 +201,72 @@ class Chunk(nn.Module):
         return x
 
 
+def chunk_layers(n_layer, n_chunks):
+    """(first layer, layer count) of each of the n_chunks chunks, in pipeline order: n_layer
+    is cut as evenly as it goes, the last n_layer % n_chunks chunks taking one layer more
+    (under 1F1B the first stages hold the most micro-batches of activations, so they get
+    the fewer layers)."""
+    base, extra = divmod(n_layer, n_chunks)
+    sizes = [base + (c >= n_chunks - extra) for c in range(n_chunks)]
+    return [(sum(sizes[:c]), sizes[c]) for c in range(n_chunks)]
+
+
+def build_chunks(config, p, v, rank):
+    """This rank's chunks r, r + p, ..., r + (v-1)p, uninitialised (on the current device)."""
+    layout = chunk_layers(config.n_layer, p * v)
+    chunks = nn.ModuleList()
+    for c in range(v):
+        g = c * p + rank
+        chunks.append(Chunk(config, *layout[g], g == 0, g == p * v - 1))
+    if chunks[0].is_first and chunks[-1].is_last and v > 1:  # one rank holds both ends: the head *is* the embedding
+        chunks[-1].lm_head = chunks[0].wte
+    return chunks
+
+
+def default_micro_batch(args, p):
+    """Without --micro_batch_size a pipeline still needs micro-batches to fill: aim at m = 2p
+    (the bubble (p-1)/(m+p-1) is then about 1/3), the largest divisor of the batch at most
+    global/(2p)."""
+    if args.micro_batch_size is None:
+        target = max(1, args.global_batch_size // (2 * p))
+        args.micro_batch_size = max(b for b in range(1, target + 1) if args.global_batch_size % b == 0)
+
+
+def costs(args, config, world_size, dtype, rank=0):
+    """The docstring's formulas in bytes for stage `rank`: its parameters (the tied wte
+    counted on the first and on the last stage), and per step the b·s·h activations and
+    gradients it sends and receives across stage boundaries, which stay fp32 under autocast
+    (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
+    all-reduced between the first and last stage, the norm and the logged loss."""
+    p, v = world_size, args.virtual_stages if args.schedule == "interleaved" else 1
+    m = args.global_batch_size // args.micro_batch_size
+    with torch.device("meta"):
+        chunks = build_chunks(config, p, v, rank)
+    psi = sum(t.numel() for t in chunks.parameters())
+    first, last = chunks[0].is_first, chunks[-1].is_last
+    order = schedule(args.schedule, p, rank, m, v)
+    sends = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
+    recvs = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
+    bsh = 4 * args.micro_batch_size * config.block_size * config.n_embd
+    tied = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
+    sent = {"send": (f"{sends} x 4 b·s·h", sends * bsh), "recv": (f"{recvs} x 4 b·s·h", recvs * bsh),
+            "broadcast": ("4 loss", 4),
+            "all_reduce": ("4V·h wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
+                           tied + 4 * (args.grad_clip > 0 and p > 1))}
+    return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
+            "held": {"params": ("4 x stage parameters", 4 * psi), "grads": ("4 x stage parameters", 4 * psi),
+                     "optim": ("8 x stage parameters", 8 * psi)},
+            "sent": {k: val for k, val in sent.items() if val[1]},
+            "in_flight": {"gpipe": m, "1f1b": min(p - rank, m),
+                          "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]}
+
+
+def check_layout(args, config, p):
+    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}"
+          + (f" x virtual_stages {v}" if v > 1 else "") + ": every chunk needs at least one layer")
+
+
 # ---------------------------------------------------------------------------------------
 # Running a schedule
 # ---------------------------------------------------------------------------------------
@@ -310,31 +376,43 @@ class Pipeline:
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
+    launch = launch_for(args)
     p = launch.world_size
     v = args.virtual_stages if args.schedule == "interleaved" else 1
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
           "(08_3d.py combines PP with data and tensor parallelism)")
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
+    default_micro_batch(args, p)
     accum_steps = check_batch(args, dp_size=1)
     m = accum_steps  # micro-batches per step
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        check_layout(args, config, p)
+        dtype = planned_dtype(args)
+        stages = [costs(args, config, p, dtype, rank) for rank in range(p)]
+        layout = chunk_layers(config.n_layer, p * v)
+        dry_run(args, "07_pipeline.py", config, stages[0],
+                [f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
+                 f"{args.micro_batch_size}; bubble (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
+                 f"{bubble_theory(args.schedule, p, m, v):.3f}"]
+                + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
+                   f"{', '.join(f'{layout[c * p + r][0]}-{sum(layout[c * p + r]) - 1}' for c in range(v))}, holds "
+                   f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
+                   f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
+                   f"{s['in_flight']} micro-batch(es) of activations in flight"
+                   for r, s in enumerate(stages)] + ["(below: stage 0)"])
     env = setup(args, launch)
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
-    check(config.n_layer % (p * v) == 0, f"n_layer {config.n_layer} is not divisible by pp {p}"
-          + (f" x virtual_stages {v}" if v > 1 else "") + ": every chunk must hold the same number of layers")
+    check_layout(args, config, p)
     torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
 
-    per_chunk = config.n_layer // (p * v)
-    chunks = nn.ModuleList()
-    for c in range(v):  # rank r holds chunks r, r + p, ..., r + (v-1)p
-        g = c * p + env.rank
-        chunks.append(Chunk(config, g * per_chunk, per_chunk, g == 0, g == p * v - 1).init_weights(args.seed))
+    chunks = build_chunks(config, p, v, env.rank)
+    for chunk in chunks:
+        chunk.init_weights(args.seed)
     first, last = chunks[0].is_first, chunks[-1].is_last
-    if first and last and v > 1:  # one rank holds both ends: the head *is* the embedding
-        chunks[-1].lm_head = chunks[0].wte
     chunks.to(env.device)
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = [t for t in ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])]
@@ -358,34 +436,19 @@ def main():
         optimizer.load_state_dict(shard["optimizer"])
         set_rng_state(env, shard["rng"])
 
-    n_params = sum(t.numel() for t in chunks.parameters())
-    nano_params = config.n_layer * sum(t.numel() for t in chunks[0].h[0].parameters()) + \
-        config.vocab_size * config.n_embd + config.n_embd * (1 + config.bias)
+    nano_params = count_params(config)[1]
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-             f"{str(env.dtype).replace('torch.', '')}, {p} pipeline stages x {v} chunk(s) of {per_chunk} layer(s), "
+             f"{str(env.dtype).replace('torch.', '')}, {p} pipeline stages x {v} chunk(s) of "
+             f"{'/'.join(str(n) for _, n in chunk_layers(config.n_layer, p * v))} layer(s), "
              f"schedule {args.schedule}, {m} micro-batches of {args.micro_batch_size}")
     orders = [schedule(args.schedule, p, r, m, v) for r in range(p)]
     timeline, bubble = draw(simulate(orders, p, v), p, v)
     log(env, f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
              f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
              f"({'(p-1)/(v·m+p-1)' if v > 1 else '(p-1)/(m+p-1)'})")
-    metrics = Metrics(args, env, flops_per_token(config, nano_params))
-    held_theory = {"params": ("4 x stage parameters", 4 * n_params), "grads": ("4 x stage parameters", 4 * n_params),
-                   "optim": ("8 x stage parameters", 8 * n_params)}
-    bsh = args.micro_batch_size * config.block_size * config.n_embd * 4
-    sends = sum(1 for kind, i, c in order if (kind == "F" and c * p + env.rank < p * v - 1)
-                or (kind == "B" and c * p + env.rank > 0))
-    recvs = sum(1 for kind, i, c in order if (kind == "F" and c * p + env.rank > 0)
-                or (kind == "B" and c * p + env.rank < p * v - 1))
-    tied_bytes = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
-    comm_theory = {"send": (f"{sends} x b·s·h", sends * bsh), "recv": (f"{recvs} x b·s·h", recvs * bsh),
-                   "broadcast": ("4 loss", 4),
-                   "all_reduce": ("wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
-                                  tied_bytes + 4 * (args.grad_clip > 0 and p > 1))}
-    for op in [op for op, (_, value) in comm_theory.items() if value == 0]:
-        del comm_theory[op]
-    in_flight_theory = {"gpipe": m, "1f1b": min(p - env.rank, m),
-                        "interleaved": min(m * v, (p - env.rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
+    cost = costs(args, config, p, env.dtype, env.rank)
+    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    in_flight_theory = cost["in_flight"]
 
     def micro_batches(split, step, eval_split=False):
         x, y = data.batch(split, step, args.global_batch_size, eval_split=eval_split)
@@ -457,7 +520,7 @@ def main():
         comm = LEDGER.take()
         dt = time.perf_counter() - t0
         if step == start_step:
-            print_ledger(env, state_bytes(chunks.parameters(), optimizer), held_theory, comm, comm_theory)
+            print_ledger(env, state_bytes(chunks.parameters(), optimizer), comm, cost)
             log(env, f"activations in flight on stage {env.rank}: at most {peak_in_flight} micro-batch chunk(s) "
                      f"(theory {in_flight_theory})")
         if step % args.log_interval == 0 or step == args.max_iters - 1:

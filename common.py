@@ -984,7 +984,7 @@ def dry_run(args, script, config, cost, layout_lines=()):
         lines.append(f"  holds {kind:<26} {format_bytes(value):>11}   {formula}")
     lines.append(f"  holds {'model state in all':<26} {format_bytes(held):>11}")
     for op, (formula, value) in sorted(cost["sent"].items()):
-        lines.append(f"  sends {op:<26} {format_bytes(value):>11}   per step: {formula}")
+        lines.append(f"  comm  {op:<26} {format_bytes(value):>11}   per step: {formula}")
     if not cost["sent"]:
         lines.append("  sends nothing")
     print("\n".join(lines), flush=True)
