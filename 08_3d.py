@@ -58,10 +58,11 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (ADAM_BETAS, LEDGER, Data, autocast, check, check_batch, check_resumable,
-                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
-                    make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
-                    print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
-                    setup, state_bytes, synchronize, teardown, tensor_bytes, to_device)
+                    count_params, device_rng_state, dry_run, flops_per_token, format_bytes, launch_for,
+                    load_checkpoint, log, lr_at, make_adamw, make_parser, Metrics, model_config,
+                    model_block_size, param_init, parse_args, planned_dtype, print_ledger, progress,
+                    rng_state, run_config, save_checkpoint, seeded_rng_state, set_device_rng_state,
+                    set_rng_state, setup, state_bytes, synchronize, teardown, tensor_bytes, to_device)
 
 
 def add_flags(parser):
@@ -84,7 +85,13 @@ class Mesh:
         self.tp_size, self.pp_size, self.dp_size = tp, pp, world // (tp * pp)
         self.dp, self.pp, self.tp = rank // (pp * tp), (rank // tp) % pp, rank % tp
         self.rank_of = lambda dp, pp_, tp_: dp * pp * tp + pp_ * tp + tp_
-        # every rank creates every group, in the same order (new_group is collective)
+        self.next = self.rank_of(self.dp, self.pp + 1, self.tp) if self.pp < pp - 1 else None
+        self.prev = self.rank_of(self.dp, self.pp - 1, self.tp) if self.pp > 0 else None
+
+    def make_groups(self):
+        """The process groups of this rank (a collective: every rank creates every group, in
+        the same order)."""
+        tp, pp = self.tp_size, self.pp_size
         for d in range(self.dp_size):
             for s in range(pp):
                 group = dist.new_group([self.rank_of(d, s, t) for t in range(tp)])
@@ -107,16 +114,24 @@ class Mesh:
                 group = dist.new_group(ends)
                 if (d, t) == (self.dp, self.tp):
                     self.embedding_group = LEDGER.name_group(group, "embedding")
-        self.next = self.rank_of(self.dp, self.pp + 1, self.tp) if self.pp < pp - 1 else None
-        self.prev = self.rank_of(self.dp, self.pp - 1, self.tp) if self.pp > 0 else None
+        return self
 
-    def describe(self, world):
+    def describe(self, world, ranks_per_node=None):
         lines = [f"mesh: {world} ranks = {self.dp_size} data-parallel x {self.pp_size} pipeline x "
                  f"{self.tp_size} tensor-parallel (rank = dp·{self.pp_size * self.tp_size} + pp·{self.tp_size} + tp)"]
-        for d in range(self.dp_size):
+        shown = range(self.dp_size) if self.dp_size <= 4 else [0, 1, self.dp_size - 1]
+        for d in shown:
+            if d == self.dp_size - 1 and self.dp_size > 4:
+                lines.append(f"  ... ({self.dp_size - 3} more replicas)")
             row = [f"{self.rank_of(d, s, t):>3}:(dp {d}, pp {s}, tp {t})"
                    for s in range(self.pp_size) for t in range(self.tp_size)]
             lines.append("  " + "  ".join(row))
+        if ranks_per_node:
+            nodes = lambda ranks: sorted({r // ranks_per_node for r in ranks})  # noqa: E731
+            tp_nodes = max(len(nodes([self.rank_of(d, s, t) for t in range(self.tp_size)]))
+                           for d in range(self.dp_size) for s in range(self.pp_size))
+            lines.append(f"  {ranks_per_node} ranks per node: every TP group "
+                         + ("inside one node" if tp_nodes == 1 else f"spans {tp_nodes} nodes (slow: keep tp <= ranks per node)"))
         return "\n".join(lines)
 
 
@@ -246,34 +261,22 @@ class TPBlock(nn.Module):
 
 
 class ShardedRNG:
-    """A per-rank stream for dropout inside TP-sharded regions; the default generator is the
-    stream shared by the TP group (see 06_tensor_parallel.py)."""
+    """A per-rank stream for dropout inside TP-sharded regions; the device's default
+    generator is the stream shared by the TP group (see 06_tensor_parallel.py)."""
 
     def __init__(self, seed, device):
         self.device = device
-        saved = self._get()
-        torch.manual_seed(seed)
-        self.state = self._get()
-        self._set(saved)
-
-    def _get(self):
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
-
-    def _set(self, state):
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
+        self.state = seeded_rng_state(device, seed)
 
     @contextmanager
     def sharded(self):
-        shared = self._get()
-        self._set(self.state)
+        shared = device_rng_state(self.device)
+        set_device_rng_state(self.device, self.state)
         try:
             yield
         finally:
-            self.state = self._get()
-            self._set(shared)
+            self.state = device_rng_state(self.device)
+            set_device_rng_state(self.device, shared)
 
 
 class Stage(nn.Module):
@@ -465,29 +468,113 @@ class ZeroOne:
         self.grad_shard.zero_()
 
 
+def stage_layers(n_layer, pp):
+    """(first layer, layer count) of each stage: as even as it goes, the last n_layer % pp
+    stages one layer more (under 1F1B the first stages hold the most activations)."""
+    base, extra = divmod(n_layer, pp)
+    sizes = [base + (s >= pp - extra) for s in range(pp)]
+    return [(sum(sizes[:s]), sizes[s]) for s in range(pp)]
+
+
+def default_micro_batch(args, dp, pp):
+    """Without --micro_batch_size, a pipeline (pp > 1) gets about 2·pp micro-batches per
+    replica (the largest divisor of the replica's batch at most batch/(2·pp)); pp = 1 none."""
+    if args.micro_batch_size is None and args.global_batch_size % dp == 0:
+        rows = args.global_batch_size // dp
+        target = max(1, rows // (2 * pp)) if pp > 1 else rows
+        args.micro_batch_size = max(b for b in range(1, target + 1) if rows % b == 0)
+
+
+def costs(args, config, world_size, dtype, rank=0):
+    """The docstring's formulas in bytes for `rank`. Ψ_rank = this rank's parameters (its
+    stage's, TP-sharded, fp32). TP: per micro-batch and layer two all-reduces of b·s·h in the
+    compute dtype (the row-parallel outputs, b_c bytes) and two in fp32 (the gradients
+    entering f), + the embedding's (fp32) on the first stage, the head's (fp32) and 3 b·s of
+    loss statistics on the last. PP: b·s·h fp32 (the residual stream) per micro-batch per
+    boundary each way. DP: 4Ψ_rank of gradients (--zero1: reduce-scatter + all-gather of the
+    flat buffer padded to D)."""
+    T, P = args.tp, args.pp
+    D = world_size // (T * P)
+    mesh = Mesh(rank, world_size, T, P)  # coordinates only, no groups
+    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp]
+    with torch.device("meta"):
+        stage = Stage(config, mesh, first_layer, n_layers, None)
+    n_local = sum(p.numel() for p in stage.parameters())
+    m = args.global_batch_size // (args.micro_batch_size * D)
+    if args.zero1:
+        shard = math.ceil(n_local / D)
+        held = {"params": ("4Ψ_rank (padded to D)", 4 * shard * D),
+                "grads": ("4Ψ_rank + its DP shard", 4 * (shard * D + shard)),
+                "optim": ("8Ψ_rank / D", 8 * shard)}
+    else:
+        held = {"params": ("4Ψ_rank", 4 * n_local), "grads": ("4Ψ_rank", 4 * n_local), "optim": ("8Ψ_rank", 8 * n_local)}
+    bsh = args.micro_batch_size * config.block_size * config.n_embd  # one activation, elements
+    bs = args.micro_batch_size * config.block_size
+    bc = dtype.itemsize
+    tp_bytes = m * ((2 * bc + 8) * n_layers * bsh + (4 * bsh if stage.is_first else 0)
+                    + (4 * bsh + 12 * bs if stage.is_last else 0))
+    sent = {"all_reduce[tp]": (f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h + embedding/head 4 b·s·h "
+                               "+ loss 3·4 b·s)", tp_bytes if T > 1 else 0),
+            "all_reduce[pp]": ("4 loss", 4),
+            "all_reduce[dp]": ("4 loss" + ("" if args.zero1 else " + 4Ψ_rank grads"),
+                               4 + (0 if args.zero1 else 4 * n_local))}
+    if P > 1:
+        boundaries = 2 - stage.is_first - stage.is_last  # stage boundaries this rank sits on
+        sent["send"] = sent["recv"] = (f"{m} micro x {boundaries} x 4 b·s·h", m * boundaries * 4 * bsh)
+        if stage.is_first or stage.is_last:
+            sent["all_reduce[embedding]"] = ("4 x wte shard grad", 4 * stage.vocab_local * config.n_embd)
+    if args.zero1:
+        shard = math.ceil(n_local / D)
+        sent["reduce_scatter_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * D)
+        sent["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * D)
+    if args.grad_clip > 0:
+        sent["all_reduce" if args.zero1 else "all_reduce[model]"] = ("4 norm", 4)
+    return {"layout": f"dp {mesh.dp}, pp {mesh.pp}, tp {mesh.tp}: layers {first_layer}-{first_layer + n_layers - 1}",
+            "held": held, "sent": {k: v for k, v in sent.items() if v[1]}}
+
+
+def check_layout(config, T, P):
+    check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
+          "each TP rank must own whole attention heads")
+    check(config.n_layer >= P, f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
+
+
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
+    launch = launch_for(args)
     world, T, P = launch.world_size, args.tp, args.pp
     check(T >= 1 and P >= 1, f"--tp and --pp must be positive, got {T} and {P}")
     check(world % (T * P) == 0, f"world size {world} is not divisible by tp {T} x pp {P} = {T * P}")
     D = world // (T * P)
+    default_micro_batch(args, D, P)
     accum_steps = check_batch(args, dp_size=D)
     m = accum_steps  # micro-batches per replica per step
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        check_layout(config, T, P)
+        dtype = planned_dtype(args)
+        per_stage = [costs(args, config, world, dtype, Mesh(0, world, T, P).rank_of(0, s, 0)) for s in range(P)]
+        dry_run(args, "08_3d.py", config, per_stage[0],
+                [Mesh(0, world, T, P).describe(world, args.ranks_per_node),
+                 f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step (1F1B)"
+                 + (", ZeRO-1 over each DP group" if args.zero1 else "")]
+                + [f"  stage {s} ({c['layout'].split(': ')[1]}): holds "
+                   f"{format_bytes(sum(v for _, v in c['held'].values()))}, sends+receives "
+                   f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step" for s, c in enumerate(per_stage)]
+                + ["(below: rank 0)"])
     env = setup(args, launch)
     global TP_GROUP
-    mesh = Mesh(env.rank, world, T, P)
+    mesh = Mesh(env.rank, world, T, P).make_groups()
     TP_GROUP = mesh.tp_group
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
-    check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}")
-    check(config.n_layer % P == 0, f"n_layer {config.n_layer} is not divisible by pp {P}")
+    check_layout(config, T, P)
     log(env, mesh.describe(world))
     torch.manual_seed(args.seed + 1000 * mesh.dp + mesh.pp)  # shared by the TP group of a stage
     rng = ShardedRNG(args.seed + 2718 + env.rank, env.device)
 
-    per_stage = config.n_layer // P
-    stage = Stage(config, mesh, mesh.pp * per_stage, per_stage, rng).init_weights(args.seed).to(env.device)
+    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp]
+    stage = Stage(config, mesh, first_layer, n_layers, rng).init_weights(args.seed).to(env.device)
     zero = ZeroOne(stage, mesh, args, env.device) if args.zero1 else None
     optimizer = zero.optimizer if zero else make_adamw(stage.named_parameters(), args, env.device.type)
     tied = [stage.wte.weight] if stage.is_first else []
@@ -508,40 +595,14 @@ def main():
         set_rng_state(env, shard["rng"])
         rng.state = shard["sharded_rng"]
 
-    n_local = sum(p.numel() for p in stage.parameters())
-    h = config.n_embd
-    nano_params = config.n_layer * (12 * h * h + (13 if config.bias else 2) * h) + config.vocab_size * h + \
-        h * (2 if config.bias else 1)  # nanoGPT's count: blocks, wte (= head), ln_f
+    nano_params = count_params(config)[1]
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-             f"{str(env.dtype).replace('torch.', '')}; this stage: layers {mesh.pp * per_stage}-"
-             f"{(mesh.pp + 1) * per_stage - 1}, {n_local:,} parameters on rank 0; {m} micro-batch(es) of "
-             f"{args.micro_batch_size} per replica per step{', ZeRO-1 over each DP group' if args.zero1 else ''}")
-    metrics = Metrics(args, env, flops_per_token(config, nano_params))
-    if zero:
-        padded = zero.flat.numel()
-        held_theory = {"params": ("4 x stage/T (padded to D)", 4 * padded),
-                       "grads": ("4 x stage/T + its DP shard", 4 * (padded + zero.shard)),
-                       "optim": ("8 x stage/T / D", 8 * zero.shard)}
-    else:
-        held_theory = {"params": ("4 x stage/T", 4 * n_local), "grads": ("4 x stage/T", 4 * n_local),
-                       "optim": ("8 x stage/T", 8 * n_local)}
-    bsh = args.micro_batch_size * config.block_size * h * 4  # one activation, bytes
-    bs = args.micro_batch_size * config.block_size * 4
-    tp_bytes = m * (4 * per_stage * bsh + (bsh if stage.is_first else 0) + (bsh + 3 * bs if stage.is_last else 0))
-    comm_theory = {
-        "all_reduce[tp]": (f"{m} micro x (4 x {per_stage} layers + embedding/head + loss)", tp_bytes),
-        "all_reduce[pp]": ("4 loss", 4),
-        "all_reduce[dp]": ("4 loss" + ("" if zero else " + 4Ψ_rank grads"), 4 + (0 if zero else 4 * n_local))}
-    if P > 1:
-        boundaries = 2 - stage.is_first - stage.is_last  # stage boundaries this rank sits on
-        comm_theory["send"] = comm_theory["recv"] = (f"{m} micro x {boundaries} x b·s·h", m * boundaries * bsh)
-        if stage.is_first or stage.is_last:
-            comm_theory["all_reduce[embedding]"] = ("wte shard grad", 4 * stage.vocab_local * h)
-    if zero:
-        comm_theory["reduce_scatter_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * zero.flat.numel())
-        comm_theory["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * zero.flat.numel())
-    if args.grad_clip > 0:
-        comm_theory["all_reduce" if zero else "all_reduce[model]"] = ("4 norm", 4)
+             f"{str(env.dtype).replace('torch.', '')}; this stage: layers {first_layer}-"
+             f"{first_layer + n_layers - 1}, {sum(p.numel() for p in stage.parameters()):,} parameters on rank 0; "
+             f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step"
+             f"{', ZeRO-1 over each DP group' if args.zero1 else ''}")
+    cost = costs(args, config, world, env.dtype, env.rank)
+    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
 
     def micro_batches(split, step, eval_split=False):
         """This replica's rows; only the first stage needs tokens and the last targets."""
@@ -654,7 +715,7 @@ def main():
             held = state_bytes(stage.parameters(), optimizer) if not zero else {
                 "params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
                 "optim": state_bytes([], optimizer)["optim"]}
-            print_ledger(env, held, held_theory, comm, comm_theory)
+            print_ledger(env, held, comm, cost)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
