@@ -65,12 +65,13 @@ PRESETS = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, dropout=0.0, bias=True),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, dropout=0.0, bias=True),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, dropout=0.0, bias=True),
-    # Brown et al. 2020, Table 2.1 (context 2048). 13B's d_model is 5140 in the table, which
-    # 40 heads do not divide; 5120 (head size 128, as Megatron and the table's d_head) is used
+    # Brown et al. 2020, Table 2.1 (context 2048). Two sizes cannot be built as printed: XL's
+    # 24 heads of 128 do not make its d_model 2048, so 16 heads of 128 are used; 13B's d_model
+    # 5140 is not a multiple of its 40 heads, so 5120 (heads of 128, as the table's d_head)
     "gpt3-small": dict(n_layer=12, n_head=12, n_embd=768, block_size=2048, dropout=0.0, bias=True),
     "gpt3-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048, dropout=0.0, bias=True),
     "gpt3-large": dict(n_layer=24, n_head=16, n_embd=1536, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-xl": dict(n_layer=24, n_head=24, n_embd=2048, block_size=2048, dropout=0.0, bias=True),
+    "gpt3-xl": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, dropout=0.0, bias=True),
     "gpt3-2.7b": dict(n_layer=32, n_head=32, n_embd=2560, block_size=2048, dropout=0.0, bias=True),
     "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096, block_size=2048, dropout=0.0, bias=True),
     "gpt3-13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, dropout=0.0, bias=True),

@@ -1,5 +1,5 @@
 #!/bin/bash
-# OLCF Frontier, 3D parallelism: GPT-2 XL on 2 nodes = 16 GCDs as
+# OLCF Frontier, 3D parallelism: GPT-3 XL (1.3B, 16 heads, 24 layers) on 2 nodes = 16 GCDs as
 # 2 data-parallel x 2 pipeline x 4 tensor-parallel (a TP group stays inside a node).
 #   sbatch jobs/frontier_3d.sh           (after setting the account below)
 #SBATCH -A YOUR_PROJECT
@@ -10,4 +10,4 @@
 #SBATCH -o gpt-3d-%j.out
 set -euo pipefail
 exec bash "${SLURM_SUBMIT_DIR:-$PWD}/jobs/frontier.sh" 08_3d.py --tp 4 --pp 2 \
-    --model gpt2-xl --data synthetic --global_batch_size 64 --micro_batch_size 4 --max_iters 200 "$@"
+    --model gpt3-xl --block_size 1024 --data synthetic --global_batch_size 64 --micro_batch_size 4 --max_iters 200 "$@"

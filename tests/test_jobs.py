@@ -1,10 +1,14 @@
 """jobs/: every submit script parses, launches the right line under a fabricated scheduler
-environment (mpiexec, srun, module, conda and scontrol replaced by stubs that record their
-arguments), refuses layouts that do not fit, and jobs/local.sh really trains."""
+environment (module, conda and scontrol replaced by stubs that record their arguments;
+mpiexec and srun by a stand-in that records its line and then really runs the job's python
+command as `--dry_run --world_size N --ranks_per_node R`, so the job's own configuration is
+validated by the script itself), refuses layouts that do not fit, and jobs/local.sh really
+trains."""
 
 import glob
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +18,24 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "jobs", "*.sh")))
 STUB = """#!/bin/bash
 echo "$(basename "$0") $* | MASTER_ADDR=${MASTER_ADDR:-} MASTER_PORT=${MASTER_PORT:-}" >> "$RECORD"
 [ "$(basename "$0")" != scontrol ] || printf 'nid001\\nnid002\\n'
+"""
+# mpiexec / srun: record the line, then dry-run the python command it launches at its size
+LAUNCHER = """#!{python}
+import os, subprocess, sys
+name, argv = os.path.basename(sys.argv[0]), sys.argv[1:]
+with open(os.environ["RECORD"], "a") as f:
+    f.write(f"{{name}} {{' '.join(argv)}} | MASTER_ADDR={{os.environ.get('MASTER_ADDR', '')}} "
+            f"MASTER_PORT={{os.environ.get('MASTER_PORT', '')}}\\n")
+command = argv[argv.index("python") + 1:]
+launcher = argv[:argv.index("python")]
+def value(*flags):
+    for i, a in enumerate(launcher):
+        if a in flags:
+            return int(launcher[i + 1])
+world = value("-n", "--ntasks")
+per_node = value("--ppn", "--ntasks-per-node") or world // (value("-N", "--nodes") or 1)
+sys.exit(subprocess.call([sys.executable, *command, "--dry_run", "--world_size", str(world),
+                          "--ranks_per_node", str(per_node)]))
 """
 
 
@@ -28,7 +50,7 @@ def scheduler(tmp_path):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name in ("mpiexec", "srun", "module", "conda", "scontrol"):
-        (stubs / name).write_text(STUB)
+        (stubs / name).write_text(LAUNCHER.format(python=sys.executable) if name in ("mpiexec", "srun") else STUB)
         (stubs / name).chmod(0o755)
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("x3001c0s13b0n0\nx3001c0s13b1n0\n")
@@ -103,8 +125,34 @@ def test_named_scripts(scheduler):
         p, lines = scheduler("frontier_3d.sh", kind="slurm")
         assert p.returncode == 0, p.stderr
         line = launch_line(lines, "srun")
-        assert "-n 16 " in line and "python 08_3d.py --tp 4 --pp 2 --model gpt2-xl" in line
+        assert "-n 16 " in line and "python 08_3d.py --tp 4 --pp 2 --model gpt3-xl" in line
         assert "16 ranks = 2 data-parallel x 2 pipeline x 4 tensor-parallel" in p.stdout
+
+
+JOBS = [  # every named job, and every machine script with its default ARGS
+    ("polaris.sh", "pbs", 8), ("aurora.sh", "pbs", 24), ("frontier.sh", "slurm", 16),
+    ("perlmutter.sh", "slurm", 8), ("polaris_ddp.sh", "pbs", 8), ("perlmutter_fsdp.sh", "slurm", 8),
+    ("frontier_3d.sh", "slurm", 16),
+]
+
+
+@pytest.mark.parametrize("script, kind, world", JOBS, ids=[j[0] for j in JOBS])
+def test_every_job_configuration_dry_runs_clean(scheduler, script, kind, world):
+    """The job's own python line, validated by the training script for the job's world size:
+    model, layout, batch and data all fit (this is how frontier_3d.sh's GPT-2 XL with 25 heads
+    at tp 4 was found)."""
+    p, lines = scheduler(script, kind=kind)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"dry run: " in p.stdout and f"on {world} rank(s)" in p.stdout, p.stdout
+    assert "per rank:" in p.stdout and "holds model state in all" in p.stdout
+
+
+def test_a_job_whose_configuration_does_not_fit_fails_in_its_dry_run(scheduler):
+    # (the job sends the script's stderr through tee into its log and stdout)
+    p, _ = scheduler("polaris.sh", "06_tensor_parallel.py", "--model", "gpt2-xl")
+    assert p.returncode == 2 and "error: n_head 25 is not divisible by the tensor-parallel size 8" in p.stdout
+    p, _ = scheduler("polaris.sh", "08_3d.py", "--tp", "4", "--model", "gpt2-xl")
+    assert p.returncode == 2 and "error: n_head 25 is not divisible by tp 4" in p.stdout
 
 
 @pytest.mark.parametrize("script, kind, flags, message", [
