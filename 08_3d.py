@@ -514,7 +514,7 @@ def costs(args, config, world_size, dtype, rank=0):
     tp_bytes = m * ((2 * bc + 8) * n_layers * bsh + (4 * bsh if stage.is_first else 0)
                     + (4 * bsh + 12 * bs if stage.is_last else 0))
     sent = {"all_reduce[tp]": (f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h + embedding/head 4 b·s·h "
-                               "+ loss 3·4 b·s)", tp_bytes if T > 1 else 0),
+                               "+ loss 3·4 b·s)", tp_bytes),
             "all_reduce[pp]": ("4 loss", 4),
             "all_reduce[dp]": ("4 loss" + ("" if args.zero1 else " + 4Ψ_rank grads"),
                                4 + (0 if args.zero1 else 4 * n_local))}
