@@ -16,7 +16,7 @@ buffers keep every reduce-scatter and all-gather aligned with a unit, which lets
 reduce a block's gradients the moment backward finishes it, and stage 3 gather one block at
 a time. (The alternative, per-parameter dim-0 shards, is FSDP2's; see 05_fsdp.py.)
 
-    unit (flat, padded)   [ block 3 : wq wk wv wo w_fc w_proj ln... | pad ]
+    unit (flat, padded)   [ block 3 : ln_1 | attn.c_attn | attn.c_proj | ln_2 | mlp.c_fc | mlp.c_proj | pad ]
     shards                [  rank 0   |  rank 1   |  rank 2   |  rank 3   ]
     each rank holds       AdamW exp_avg + exp_avg_sq (+ fp32 master) of its shard only;
                           stage 2: + its gradient shard; stage 3: + its parameter shard
@@ -53,15 +53,21 @@ precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in bracke
     the fp32 optimizer: 4Ψ/N instead of 2Ψ/N in bf16, and in stage 1 in addition to the full
     gradients, which it keeps to accumulate micro-batches. The ledger prints the exact terms.)
 
-Communication per optimizer step, in bytes of the messages (b bytes per element):
+Communication per optimizer step, in the ledger's unit: message bytes as nccl-tests count
+them (b bytes per element; all-reduce: the tensor, reduce-scatter: its input, all-gather: its
+output). In these units DDP sends bΨ (one all-reduce of the gradients); a ring moves about
+2(N-1)/N times the message over each rank's link for an all-reduce and (N-1)/N for a
+reduce-scatter or all-gather, so equal wire traffic shows here as 2bΨ against DDP's bΨ:
 
-    stage 1  reduce-scatter bΨ + all-gather bΨ: the volume of DDP's one all-reduce of bΨ,
-             since a ring all-reduce is a reduce-scatter followed by an all-gather
+    stage 1  reduce-scatter bΨ + all-gather bΨ = 2bΨ: the wire traffic of DDP's all-reduce
+             of bΨ, since a ring all-reduce is a reduce-scatter followed by an all-gather
     stage 2  reduce-scatter bΨ per micro-batch (gradients are not kept to accumulate), then
              all-gather bΨ
-    stage 3  all-gather bΨ in forward + bΨ again in backward (the root unit stays gathered
-             for the whole step) + reduce-scatter bΨ: 3bΨ on the wire where DDP has 2bΨ,
-             the paper's 1.5x
+    stage 3  all-gather bΨ of the blocks in forward and again in backward per micro-batch
+             (the root unit once: it stays gathered for the step) + reduce-scatter bΨ per
+             micro-batch: 3bΨ where DDP has 2bΨ of wire traffic, the paper's 1.5x
+    and every stage: an all-reduce of the logged loss (4 bytes) and, with clipping, of the
+    squared gradient norm (4 bytes)
 """
 
 import math

@@ -39,11 +39,19 @@ Run:
 
 Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m micro-batches):
 
-    memory:  16 bytes x (Ψ_stage,sharded/T + Ψ_stage,replicated)  (optimizer state /D with --zero1)
-    TP:      all-reduce of b·s·h, 4 per layer per micro-batch (+ embedding and head)
-    PP:      send and receive of b·s·h per micro-batch per stage boundary
+    memory:  16Ψ_rank bytes, Ψ_rank = Ψ_stage,sharded/T + Ψ_stage,replicated (fp32 weights,
+             gradients, AdamW); --zero1: weights 4Ψ_rank and gradients 4Ψ_rank (both padded
+             to a multiple of D) + the reduced gradient shard 4Ψ_rank/D + AdamW 8Ψ_rank/D
+    TP:      all-reduce of b·s·h, 4 per layer per micro-batch: the two forward ones (g) in the
+             compute dtype, the two backward ones (f) in fp32; + the embedding's and the
+             head's (fp32) and 3·b·s loss statistics (fp32) on the last stage
+    PP:      send and receive of b·s·h (fp32, the residual stream) per micro-batch per
+             stage boundary; the wte shard's gradient between first and last stage
     DP:      all-reduce of this rank's 4·Ψ_rank gradient bytes per step (--zero1:
-             reduce-scatter + all-gather of the same size)
+             reduce-scatter + all-gather of the padded 4Ψ_rank)
+    logging: the loss all-reduced over the stages and the replicas (4 bytes each) and, with
+             clipping, the squared norm over the replica (4 bytes); the exact terms are
+             costs() below
 """
 
 import math
