@@ -42,11 +42,13 @@ Run:
 Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
 
     memory:        16 bytes x (the stage's parameters; + wte on the first and last stage)
-                   + activations of m (GPipe), p-r (1F1B) or about (p-r-1)·2/v + p micro-batch
-                   chunks (interleaved) micro-batches in flight
-    communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward
-                   (v times as many boundaries when interleaved); + an all-reduce of the
-                   wte gradient (V·h) between first and last stage per step
+                   + the activations of the micro-batches in flight on stage r: m (GPipe),
+                   min(p-r, m) (1F1B), or min(v·m, 2(p-r-1) + (v-1)p + 1) chunk-sized ones
+                   (interleaved: Megatron's warm-up of 2(p-r-1) + (v-1)p forwards, plus one)
+    communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward,
+                   fp32 also under autocast (the residual stream); v times as many boundaries
+                   when interleaved; + an all-reduce of the wte gradient (V·h) between first
+                   and last stage, of the clipping norm, and a broadcast of the loss per step
 """
 
 import os
