@@ -184,9 +184,9 @@ def block_pairs(q_rank, kv_rank, C):
 
 def scores(q, k, causal):
     """S = q kᵀ/√d for one block, the upper triangle -inf on a diagonal block."""
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    s = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
@@ -194,7 +194,7 @@ def block_forward(q, k, v, causal):
     """One block's attention: its normalised output and the log-sum-exp of its scores."""
     s = scores(q, k, causal)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    return torch.exp(s - lse) @ v, lse
+    return s.sub_(lse).exp_() @ v, lse  # softmax(S) V, with S overwritten by P (in place)
 
 
 def merge(out, lse, block_out, block_lse):
@@ -205,13 +205,14 @@ def merge(out, lse, block_out, block_lse):
     lse.copy_(new_lse)
 
 
-def block_backward(q, k, v, out, lse, dout, delta, causal):
+def block_backward(q, k, v, lse, dout, delta, causal):
     """FlashAttention-2's backward of one block, with the final (merged) out and lse:
-    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), dQ = dS K/√d, dK = dSᵀ Q/√d."""
-    p = torch.exp(scores(q, k, causal) - lse)
-    ds = p * (dout @ v.transpose(-2, -1) - delta)
+    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), dQ = dS K/√d, dK = dSᵀ Q/√d.
+    (O enters through delta = rowsum(dO ∘ O), computed once for all blocks.)"""
+    p = scores(q, k, causal).sub_(lse).exp_()
+    ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
     scale = 1.0 / math.sqrt(q.size(-1))
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+    return (ds @ k).mul_(scale), (ds.transpose(-2, -1) @ q).mul_(scale), p.transpose(-2, -1) @ dout
 
 
 def halves(t, h):
@@ -263,8 +264,8 @@ class RingAttention(torch.autograd.Function):
                 dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)  # our share for kv_rank's K/V
                 for qh, kh, causal in block_pairs(ring.rank, kv_rank, ring.size):
                     dq_b, dk_b, dv_b = block_backward(halves(qf, qh), halves(kf, kh), halves(vf, kh),
-                                                      halves(out, qh), halves(lse, qh), halves(dout, qh),
-                                                      halves(delta, qh), causal)
+                                                      halves(lse, qh), halves(dout, qh), halves(delta, qh),
+                                                      causal)
                     halves(dq, qh).add_(dq_b)
                     halves(dk, kh).add_(dk_b)
                     halves(dv, kh).add_(dv_b)

@@ -21,7 +21,7 @@ def reference():
             "long": launch("01_single_gpu.py", BASE + LONG + ["--sample_tokens", "0"]).ok()}
 
 
-@pytest.mark.parametrize("ranks", [3, 4])
+@pytest.mark.parametrize("ranks", [4])
 def test_ring_and_ulysses_attention_equal_sdpa(ranks):
     run = launch("tests/cp_units.py", nprocs=ranks, metrics=False, out_dir=False, timeout=120).ok()
     assert f"match SDPA at C = {ranks}" in run.stdout
@@ -121,5 +121,5 @@ def test_merge_is_exact():
 ])
 def test_bad_input_gives_one_line(ranks, flags, message):
     run = launch("09_context_parallel.py", BASE + flags, nprocs=ranks, timeout=60)
-    assert run.returncode != 0 and run.seconds < 30
+    assert run.returncode == 2 and run.seconds < 30
     assert len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
