@@ -8,6 +8,7 @@ import importlib
 import pytest
 
 from harness import TINY, assert_losses_match, launch
+from test_jobs import scheduler  # noqa: F401 (the fixture: job scripts under recording stubs)
 
 cp_module = importlib.import_module("09_context_parallel")
 
@@ -123,3 +124,18 @@ def test_bad_input_gives_one_line(ranks, flags, message):
     run = launch("09_context_parallel.py", BASE + flags, nprocs=ranks, timeout=60)
     assert run.returncode == 2 and run.seconds < 30
     assert len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
+
+
+def test_job_script_launches_a_valid_layout(scheduler):
+    """jobs/polaris_cp.sh under a fabricated PBS allocation of 2 nodes: the launch line, and its
+    own flags validated by 09's parser and layout check for the 8 ranks it starts."""
+    p, lines = scheduler("polaris_cp.sh")
+    assert p.returncode == 0, p.stderr
+    line = [line for line in lines if line.startswith("mpiexec ")]
+    assert len(line) == 1 and line[0].startswith("mpiexec -n 8 --ppn 4 "), lines
+    argv = line[0].split(" | ")[0].split("python 09_context_parallel.py ")[1].split()
+    from common import check_batch, make_parser, model_config, parse_args
+    args = parse_args(cp_module.add_flags(make_parser(cp_module.__doc__)), argv)
+    config = model_config(args, 256)
+    assert cp_module.check_layout(args, config, 8) == (4, 2) and config.block_size == 16384
+    assert check_batch(args, dp_size=2) == 4  # 4 micro-batches of 1 sequence per replica
