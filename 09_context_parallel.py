@@ -111,7 +111,7 @@ def add_flags(parser):
 
 def check_layout(args, config, world_size):
     """--cp divides the world (the rest is data parallel) and the sequence; Ulysses: the heads."""
-    C = args.cp
+    C = world_size if args.cp is None else args.cp
     check(C >= 1, f"--cp must be positive, got {C}")
     check(world_size % C == 0, f"--cp {C} does not divide the world size {world_size}")
     s = config.block_size
@@ -358,11 +358,11 @@ class ContextParallel:
 def self_attention(attn, x, cp):
     """common.CausalSelfAttention's forward with its attention replaced by the CP one (same
     modules, same parameter names)."""
-    B, T, C = x.size()
-    q, k, v = attn.c_attn(x).split(C, dim=2)
-    q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
+    B, T, h = x.size()  # T = s/C: this rank's tokens
+    q, k, v = attn.c_attn(x).split(h, dim=2)
+    q, k, v = (t.view(B, T, attn.n_head, h // attn.n_head).transpose(1, 2) for t in (q, k, v))
     y = cp.attention(q, k, v)
-    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    y = y.transpose(1, 2).contiguous().view(B, T, h)
     return attn.resid_dropout(attn.c_proj(y))
 
 
@@ -401,9 +401,9 @@ def all_reduce_grads(params):
 # ----------------------------------------------------------------------------------------
 
 def costs(args, config, world_size, dtype):
-    """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step."""
-    C = args.cp or world_size
-    D = world_size // C
+    """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step
+    (the layout is validated first, so --dry_run refuses what a launch would refuse)."""
+    C, D = check_layout(args, config, world_size)
     with torch.device("meta"):  # count the parameters without allocating them
         n_params = sum(p.numel() for p in GPT(config).parameters())
     micro = args.micro_batch_size or args.global_batch_size // D
@@ -425,7 +425,7 @@ def costs(args, config, world_size, dtype):
 
 
 @torch.no_grad()
-def evaluate(model, data, args, env, accum_steps, dp, positions, cp):
+def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
     """Mean loss of each split over eval_iters fixed global batches: every rank sums its
     tokens' losses, the sums are added over the world and divided by the token count."""
     model.eval()
@@ -433,7 +433,7 @@ def evaluate(model, data, args, env, accum_steps, dp, positions, cp):
     for split in ("train", "val"):
         total = torch.zeros((), device=env.device)
         for k in range(args.eval_iters):
-            x, y = data.batch(split, k, args.global_batch_size, dp.rank, dp.size, eval_split=True)
+            x, y = data.batch(split, k, args.global_batch_size, dp_rank, D, eval_split=True)
             x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)
             for micro in range(accum_steps):
                 rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
@@ -446,15 +446,9 @@ def evaluate(model, data, args, env, accum_steps, dp, positions, cp):
     return losses
 
 
-class DataParallelRank:
-    def __init__(self, rank, size):
-        self.rank, self.size = rank, size
-
-
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     launch = detect_launcher(os.environ)
-    args.cp = args.cp or launch.world_size
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     C, D = check_layout(args, config, launch.world_size)
@@ -464,7 +458,6 @@ def main():
 
     cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
     cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
-    dp = DataParallelRank(dp_rank, D)
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
@@ -508,7 +501,7 @@ def main():
     device_positions = positions.to(env.device)
     for step in progress(env, start_step, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(model, data, args, env, accum_steps, dp, positions, cp)
+            losses = evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp)
             log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
             LEDGER.take()
@@ -517,7 +510,7 @@ def main():
             group["lr"] = lr
         t0 = time.perf_counter()
 
-        x, y = data.batch("train", step, args.global_batch_size, dp.rank, dp.size)
+        x, y = data.batch("train", step, args.global_batch_size, dp_rank, D)
         x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)  # our tokens only
         loss_total = torch.zeros((), device=env.device)
         for micro in range(accum_steps):
@@ -545,7 +538,7 @@ def main():
             save(step + 1)
 
     if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(model, data, args, env, accum_steps, dp, positions, cp)
+        losses = evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)

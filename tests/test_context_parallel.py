@@ -116,6 +116,7 @@ def test_merge_is_exact():
 
 @pytest.mark.parametrize("ranks, flags, message", [
     (4, ["--cp", "3"], "--cp 3 does not divide the world size 4"),
+    (2, ["--cp", "0"], "--cp must be positive, got 0"),
     (2, ["--cp", "2", "--cp_impl", "ulysses", "--n_head", "3", "--n_embd", "48"],
      "--cp_impl ulysses needs --cp 2 to divide n_head 3"),
     (2, ["--cp", "2", "--block_size", "66"], "block_size 66 is not divisible by 2 x cp = 4"),
@@ -139,3 +140,15 @@ def test_job_script_launches_a_valid_layout(scheduler):
     config = model_config(args, 256)
     assert cp_module.check_layout(args, config, 8) == (4, 2) and config.block_size == 16384
     assert check_batch(args, dp_size=2) == 4  # 4 micro-batches of 1 sequence per replica
+
+
+def test_resume_continues_the_same_losses(reference, tmp_path):
+    """Checkpoint at step 2 on cp 2 x dp 1, resume on cp 2 x dp 2 (the state is replicated):
+    the remaining steps equal 01's."""
+    flags = BASE + ["--cp", "2", "--lr_decay_iters", "4", "--out_dir", tmp_path / "out"]
+    first = launch("09_context_parallel.py", flags + ["--max_iters", "2", "--ckpt_interval", "2"], nprocs=2).ok()
+    second = launch("09_context_parallel.py", flags + ["--resume"], nprocs=4).ok()
+    assert "dropout streams start afresh" in second.stdout
+    ref = reference["short"].losses
+    assert first.losses == pytest.approx(ref[:2], rel=2e-5)
+    assert second.losses == pytest.approx(ref[2:], rel=2e-5)
