@@ -1,7 +1,7 @@
 """09_context_parallel.py: ring and Ulysses attention equal SDPA (outputs and the three
 gradients, real ranks); the same losses as 01 for ring and Ulysses at cp 2 and 4 and for
 cp x dp = 2 x 2, with gradient accumulation and active clipping, and at a context of 256;
-the ledger equals the formulas; the zigzag layout balances the causal work; bad input."""
+evaluation and resume; the ledger equals the formulas; the zigzag layout balances the causal work; bad input."""
 
 import importlib
 
@@ -12,7 +12,8 @@ from test_jobs import scheduler  # noqa: F401 (the fixture: job scripts under re
 
 cp_module = importlib.import_module("09_context_parallel")
 
-BASE = TINY + ["--global_batch_size", "8", "--max_iters", "4", "--grad_clip", "0.05"]
+BASE = TINY + ["--global_batch_size", "8", "--max_iters", "4", "--grad_clip", "0.05",
+               "--eval_interval", "4", "--eval_iters", "1"]  # evaluations at steps 0 and 4
 LONG = ["--block_size", "256", "--n_embd", "32", "--n_layer", "2"]  # context 256, narrow: fast
 
 
@@ -58,6 +59,10 @@ def test_losses_equal_single_gpu(reference, impl, cp, ranks, micro, long):
     run = launch("09_context_parallel.py", flags, nprocs=ranks).ok()
     ref = reference["long" if long else "short"]
     assert_losses_match(ref, run, what=f"{impl} cp {cp} on {ranks} ranks, micro {micro}")
+    assert len(run.evals) == len(ref.evals) == 2
+    for mine, theirs in zip(run.evals, ref.evals):  # evaluation: the same global means
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-5)
     n_params = ref.steps[0]["state_bytes"]["params"] // 4
     shape = (256, 32, 2) if long else (64, 64, 4)
     for step in run.steps:
