@@ -27,7 +27,7 @@ every rank has one early and one late chunk and the causal work is the same on a
   comes after the query chunk: they are skipped, never computed. The pairs computed by rank
   r (q chunks r and 2C-1-r; ◣ = causal diagonal block, ■ = fully visible, . = skipped):
 
-                  kv chunks of j      j:  j     2C-1-j
+                                   kv chunk:  j     2C-1-j
     step 0 (j = r):        q chunk r      ◣       .
                            q 2C-1-r       ■       ◣        2 half blocks + 1 block
     j < r:                 q chunk r      ■       .
@@ -68,13 +68,15 @@ Run:
 
     mpiexec -n 4 python 09_context_parallel.py --model tiny --block_size 1024 --cp 4
     mpiexec -n 8 python 09_context_parallel.py --cp 4 --cp_impl ulysses ...   # 2 replicas of 4
-    jobs/polaris_cp.sh: GPT-2 at context 16k on 2 nodes
+    qsub jobs/polaris_cp.sh          # GPT-2 at a 16k context: cp 4 x dp 2 on 2 Polaris nodes
 
 Cost per rank, Ψ parameters, L layers, b = micro-batch, s = context, h = n_embd, m = micro-
-batches per step, e = bytes per activation element (4 fp32, 2 bf16), C = cp, N = world:
+batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C = cp:
 
     memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated), activations of s/C
-             tokens per sequence: 1/C of 01's (plus one K/V block in flight, ring)
+             tokens per sequence: 1/C of 01's; ring: plus one K/V block in flight and,
+             transiently, the fp32 scores of one block, b·H·(s/2C)²·4 (this version writes
+             each block out for clarity; a FlashAttention kernel would not)
     ring:    per layer per micro-batch, A = b·(s/C)·h·e (one rank's K, or V):
                forward  K and V, C-1 hops each:            2(C-1)·A
                backward K and V again, C-1 hops each:      2(C-1)·A
