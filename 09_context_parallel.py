@@ -235,7 +235,7 @@ class RingAttention(torch.autograd.Function):
             qf = q.float()
             out = torch.zeros_like(qf)
             lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
-            kv = (k, v)  # step k: the K/V of rank (r - k) mod C
+            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
                     pending = ring.pass_on(kv, tag=0)
