@@ -1,0 +1,550 @@
+"""09_context_parallel.py: context (sequence) parallelism, the fourth dimension that long
+sequences need: ring attention and DeepSpeed-Ulysses, by hand.
+
+The C ranks of a context-parallel (CP) group split every sequence: each holds s/C of the
+tokens of every sequence, and so s/C of every activation. Everything in a transformer but
+attention is position-wise, so each rank runs it on its own tokens with the full, replicated
+weights; attention is the one place where a token needs the others. Data parallelism runs
+over the rest: D = world / C replicas of the CP group, each on its slice of the global batch.
+All parameters are replicated on every rank, so every rank's gradients are summed over the
+whole world (each rank's loss is its tokens' share of the global mean).
+
+    world = D x C, rank = d·C + c:   CP groups are consecutive ranks (inside a node)
+
+--cp_impl ring  (ring attention, Liu et al. 2023; the zigzag layout of Megatron-core and
+torchtitan). The sequence is cut into 2C chunks; rank r holds chunks r and 2C-1-r, so that
+every rank has one early and one late chunk and the causal work is the same on all:
+
+    sequence, C = 4:  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+    rank 0 holds          0 and 7        rank 2 holds   2 and 5
+    rank 1 holds          1 and 6        rank 3 holds   3 and 4
+
+  Each rank's queries must meet every key/value block. K and V travel around the ring: in
+  step k = 0..C-1, rank r holds the K/V of rank j = (r - k) mod C; before computing with
+  them it posts the send of that K/V to rank r+1 and the receive of rank r-1's
+  (batch_isend_irecv), so the transfer overlaps the block's compute. Of the four
+  (query chunk, key chunk) pairs a step offers, a causal mask empties those whose key chunk
+  comes after the query chunk: they are skipped, never computed. The pairs computed by rank
+  r (q chunks r and 2C-1-r; ◣ = causal diagonal block, ■ = fully visible, . = skipped):
+
+                                   kv chunk:  j     2C-1-j
+    step 0 (j = r):        q chunk r      ◣       .
+                           q 2C-1-r       ■       ◣        2 half blocks + 1 block
+    j < r:                 q chunk r      ■       .
+                           q 2C-1-r       ■       .        2 blocks
+    j > r:                 q chunk r      .       .
+                           q 2C-1-r       ■       ■        2 blocks
+
+  so every rank computes the same 2 blocks of (s/2C)² scores in every step.
+  Each block gives its output O_b (already softmax-normalised over the block's keys) and the
+  log-sum-exp of its scores, L_b = log Σ_keys exp(q·k/√d). Two partial results over
+  disjoint key sets merge exactly (the online softmax of FlashAttention):
+
+      L = log(exp(L_1) + exp(L_2)),    O = exp(L_1 - L)·O_1 + exp(L_2 - L)·O_2
+
+  Backward (a hand-written autograd.Function, FlashAttention-2's formulas): with the saved
+  final O and L, for each block P = exp(S - L), dV += Pᵀ dO, dP = dO Vᵀ,
+  dS = P ∘ (dP - rowsum(dO ∘ O)), dQ += dS K/√d, dK += dSᵀ Q/√d. K and V go around the ring
+  again (recomputed blocks, never stored); each K/V block travels with an fp32 dK/dV
+  accumulator that every rank adds its share to, and whose last hop brings it home.
+
+--cp_impl ulysses  (DeepSpeed-Ulysses, Jacobs et al. 2023). Rank r holds the contiguous
+tokens [r·s/C, (r+1)·s/C). Before attention one all-to-all per q, k, v turns
+[b, s/C, h] (some tokens, all heads) into [b, s, h/C] (all tokens, heads r·H/C..(r+1)·H/C),
+attention runs as usual on whole sequences, and one all-to-all turns the output back:
+
+    rank 0: tokens 0..s/C,  heads 0..H     --all-to-all-->   rank 0: tokens 0..s,  heads 0..H/C
+    rank 1: tokens s/C..2s/C, heads 0..H                     rank 1: tokens 0..s,  heads H/C..2H/C
+
+  C must divide the number of heads.
+
+Positions: each rank embeds its tokens at their real positions (wpe of its chunk indices).
+
+Dropout: embedding, residual and MLP dropout act on each rank's own tokens (a stream per
+rank). Dropout of the attention probabilities is not applied under context parallelism (the
+ring's softmax is never materialised whole); with --dropout > 0 this is said once at start.
+
+Run:
+
+    mpiexec -n 4 python 09_context_parallel.py --model tiny --block_size 1024 --cp 4
+    mpiexec -n 8 python 09_context_parallel.py --cp 4 --cp_impl ulysses ...   # 2 replicas of 4
+    qsub jobs/polaris_cp.sh          # GPT-2 at a 16k context: cp 4 x dp 2 on 2 Polaris nodes
+
+Cost per rank, Ψ parameters, L layers, b = micro-batch, s = context, h = n_embd, m = micro-
+batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C = cp:
+
+    memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated), activations of s/C
+             tokens per sequence: 1/C of 01's; ring: plus one K/V block in flight and,
+             transiently, the fp32 scores of one block, b·H·(s/2C)²·4 (this version writes
+             each block out for clarity; a FlashAttention kernel would not)
+    ring:    per layer per micro-batch, A = b·(s/C)·h·e (one rank's K, or V):
+               forward  K and V, C-1 hops each:            2(C-1)·A
+               backward K and V again, C-1 hops each:      2(C-1)·A
+                        dK and dV (fp32), C hops each:      2C·b·(s/C)·h·4
+             send = recv = m·L·(4(C-1)·A + 8C·b·(s/C)·h)   (0 when C = 1)
+    ulysses: four all-to-alls per layer forward (q, k, v, out) and four backward, each of
+             A bytes in:  all_to_all = m·L·8·A              (0 when C = 1)
+    both:    all-reduce of every gradient over the world, 4Ψ, and 4 bytes of loss
+"""
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from common import (GPT, LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
+                    make_parser, Metrics, model_config, model_block_size, parse_args, print_ledger,
+                    progress, rng_state, run_config, save_checkpoint, set_rng_state, setup,
+                    state_bytes, synchronize, teardown, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("09_context_parallel")
+    g.add_argument("--cp", type=int, default=None,
+                   help="context-parallel ranks that split every sequence (default: the world size)")
+    g.add_argument("--cp_impl", default="ring", choices=["ring", "ulysses"],
+                   help="ring attention (zigzag, K/V around the ring) or Ulysses (all-to-all over heads)")
+    return parser
+
+
+def check_layout(args, config, world_size):
+    """--cp divides the world (the rest is data parallel) and the sequence; Ulysses: the heads."""
+    C = world_size if args.cp is None else args.cp
+    check(C >= 1, f"--cp must be positive, got {C}")
+    check(world_size % C == 0, f"--cp {C} does not divide the world size {world_size}")
+    s = config.block_size
+    if args.cp_impl == "ring":
+        check(s % (2 * C) == 0, f"block_size {s} is not divisible by 2 x cp = {2 * C} "
+              "(ring attention cuts every sequence into 2·cp chunks)")
+    else:
+        check(s % C == 0, f"block_size {s} is not divisible by --cp {C}")
+        check(config.n_head % C == 0, f"--cp_impl ulysses needs --cp {C} to divide n_head {config.n_head}")
+    return C, world_size // C
+
+
+# ----------------------------------------------------------------------------------------
+# Which tokens a rank holds
+# ----------------------------------------------------------------------------------------
+
+def zigzag_chunks(rank, C):
+    """The two chunks (of 2C) that ring rank `rank` holds: one early, one late."""
+    return rank, 2 * C - 1 - rank
+
+
+def token_positions(s, C, cp_rank, impl):
+    """Positions (into the sequence of length s) of the tokens this CP rank holds, in the
+    order it holds them: ring, chunks r and 2C-1-r of length s/2C; Ulysses, a contiguous s/C."""
+    if impl == "ulysses":
+        return torch.arange(cp_rank * s // C, (cp_rank + 1) * s // C)
+    c = s // (2 * C)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunks(cp_rank, C)])
+
+
+# ----------------------------------------------------------------------------------------
+# Ring attention
+# ----------------------------------------------------------------------------------------
+
+class Ring:
+    """This rank's place in its CP group's ring: it sends to `next`, receives from `prev`."""
+
+    def __init__(self, group, ranks, rank):
+        self.group, self.size, self.rank = group, len(ranks), ranks.index(rank)
+        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
+
+    def pass_on(self, tensors, tag):
+        """Post, without waiting: send `tensors` to the next rank, receive the previous
+        rank's tensors of the same shapes. Returns (requests, received)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
+        return dist.batch_isend_irecv(ops), received  # our blocks to r+1, r-1's blocks to us
+
+    @staticmethod
+    def wait(pending):
+        requests, received = pending
+        for request in requests:
+            request.wait()
+        return received
+
+
+def block_pairs(q_rank, kv_rank, C):
+    """(q half, kv half, causal) for the (query chunk, key chunk) pairs between the chunks of
+    ring ranks q_rank and kv_rank that the causal mask does not empty. Half 0 / 1 of a rank's
+    tokens is its chunk r / 2C-1-r. Key chunk before query chunk: fully visible; the same
+    chunk: the causal triangle; after: skipped."""
+    pairs = []
+    for qh, q_chunk in enumerate(zigzag_chunks(q_rank, C)):
+        for kh, kv_chunk in enumerate(zigzag_chunks(kv_rank, C)):
+            if kv_chunk <= q_chunk:
+                pairs.append((qh, kh, kv_chunk == q_chunk))
+    return pairs
+
+
+def scores(q, k, causal):
+    """S = q kᵀ/√d for one block, the upper triangle -inf on a diagonal block."""
+    s = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def block_forward(q, k, v, causal):
+    """One block's attention: its normalised output and the log-sum-exp of its scores."""
+    s = scores(q, k, causal)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return s.sub_(lse).exp_() @ v, lse  # softmax(S) V, with S overwritten by P (in place)
+
+
+def merge(out, lse, block_out, block_lse):
+    """Exact merge of two softmax-attention results over disjoint keys:
+    L = log(e^L1 + e^L2), O = e^(L1-L)·O1 + e^(L2-L)·O2 (in place)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.copy_(torch.exp(lse - new_lse) * out + torch.exp(block_lse - new_lse) * block_out)
+    lse.copy_(new_lse)
+
+
+def block_backward(q, k, v, lse, dout, delta, causal):
+    """FlashAttention-2's backward of one block, with the final (merged) out and lse:
+    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), dQ = dS K/√d, dK = dSᵀ Q/√d.
+    (O enters through delta = rowsum(dO ∘ O), computed once for all blocks.)"""
+    p = scores(q, k, causal).sub_(lse).exp_()
+    ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
+    scale = 1.0 / math.sqrt(q.size(-1))
+    return (ds @ k).mul_(scale), (ds.transpose(-2, -1) @ q).mul_(scale), p.transpose(-2, -1) @ dout
+
+
+def halves(t, h):
+    """Half h (0: chunk r, 1: chunk 2C-1-r) of a [b, heads, tokens, d] tensor, as a view."""
+    c = t.size(2) // 2
+    return t[:, :, h * c:(h + 1) * c]
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence's keys, computed in
+    fp32. q, k, v: [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        k, v = k.contiguous(), v.contiguous()
+        ctx.ring = ring
+        with torch.autocast(q.device.type, enabled=False):
+            qf = q.float()
+            out = torch.zeros_like(qf)
+            lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
+            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            for step in range(ring.size):
+                if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
+                    pending = ring.pass_on(kv, tag=0)
+                kv_rank = (ring.rank - step) % ring.size
+                kf, vf = kv[0].float(), kv[1].float()
+                for qh, kh, causal in block_pairs(ring.rank, kv_rank, ring.size):
+                    o, l = block_forward(halves(qf, qh), halves(kf, kh), halves(vf, kh), causal)
+                    merge(halves(out, qh), halves(lse, qh), o, l)
+                if step < ring.size - 1:
+                    kv = ring.wait(pending)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        with torch.autocast(q.device.type, enabled=False):
+            qf, dout = q.float(), dout.float()
+            delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O), once for every block
+            dq = torch.zeros_like(qf)
+            kv, arriving = (k, v), None
+            for step in range(ring.size):
+                if step < ring.size - 1:  # K/V go around again, as in forward
+                    pending = ring.pass_on(kv, tag=0)
+                kv_rank = (ring.rank - step) % ring.size
+                kf, vf = kv[0].float(), kv[1].float()
+                dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)  # our share for kv_rank's K/V
+                for qh, kh, causal in block_pairs(ring.rank, kv_rank, ring.size):
+                    dq_b, dk_b, dv_b = block_backward(halves(qf, qh), halves(kf, kh), halves(vf, kh),
+                                                      halves(lse, qh), halves(dout, qh), halves(delta, qh),
+                                                      causal)
+                    halves(dq, qh).add_(dq_b)
+                    halves(dk, kh).add_(dk_b)
+                    halves(dv, kh).add_(dv_b)
+                if arriving is not None:  # the shares of the ranks this K/V block visited before us
+                    dk_in, dv_in = ring.wait(arriving)
+                    dk += dk_in
+                    dv += dv_in
+                if ring.size > 1:  # dK/dV travel with their K/V; the last hop brings them home
+                    arriving = ring.pass_on((dk, dv), tag=1)
+                if step < ring.size - 1:
+                    kv = ring.wait(pending)
+            if ring.size > 1:
+                dk, dv = ring.wait(arriving)  # every rank's share of our own K and V
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+# ----------------------------------------------------------------------------------------
+# Ulysses
+# ----------------------------------------------------------------------------------------
+
+def seq_to_heads(x, group, C):
+    """[b, H, s/C, d] (our tokens, every head) -> [b, H/C, s, d] (every token, our heads)."""
+    b, H, t, d = x.shape
+    send = x.reshape(b, C, H // C, t, d).transpose(0, 1).contiguous()  # [C = head group, ...]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # head group j to rank j; its tokens to us
+    return received.permute(1, 2, 0, 3, 4).reshape(b, H // C, C * t, d)  # [C = token chunk, ...]
+
+
+def heads_to_seq(x, group, C):
+    """The inverse: [b, H/C, s, d] -> [b, H, s/C, d]."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, h, C, s // C, d).permute(2, 0, 1, 3, 4).contiguous()  # [C = token chunk, ...]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # token chunk j to rank j; its heads to us
+    return received.transpose(0, 1).reshape(b, C * h, s // C, d)  # [C = head group, ...]
+
+
+class SeqToHeads(torch.autograd.Function):
+    """All-to-all forward, the inverse all-to-all backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, C):
+        ctx.group, ctx.C = group, C
+        return seq_to_heads(x, group, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq(grad, ctx.group, ctx.C), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, C):
+        ctx.group, ctx.C = group, C
+        return heads_to_seq(x, group, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads(grad, ctx.group, ctx.C), None, None
+
+
+def ulysses_attention(q, k, v, group, C):
+    """Four all-to-alls: q, k, v to [b, H/C, s, d], causal attention, the output back."""
+    q, k, v = (SeqToHeads.apply(t, group, C) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return HeadsToSeq.apply(y, group, C)
+
+
+# ----------------------------------------------------------------------------------------
+# The GPT's forward on this rank's tokens
+# ----------------------------------------------------------------------------------------
+
+class ContextParallel:
+    """This rank's CP group and the attention it runs over it."""
+
+    def __init__(self, group, ranks, rank, impl):
+        self.group, self.C, self.impl = group, len(ranks), impl
+        self.ring = Ring(group, ranks, rank)
+        self.cp_rank = ranks.index(rank)
+
+    def attention(self, q, k, v):
+        if self.C == 1:  # nothing to share: ordinary causal attention
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.impl == "ring":
+            return RingAttention.apply(q, k, v, self.ring)
+        return ulysses_attention(q, k, v, self.group, self.C)
+
+
+def self_attention(attn, x, cp):
+    """common.CausalSelfAttention's forward with its attention replaced by the CP one (same
+    modules, same parameter names)."""
+    B, T, h = x.size()  # T = s/C: this rank's tokens
+    q, k, v = attn.c_attn(x).split(h, dim=2)
+    q, k, v = (t.view(B, T, attn.n_head, h // attn.n_head).transpose(1, 2) for t in (q, k, v))
+    y = cp.attention(q, k, v)
+    y = y.transpose(1, 2).contiguous().view(B, T, h)
+    return attn.resid_dropout(attn.c_proj(y))
+
+
+def loss_sum(model, idx, targets, positions, cp):
+    """GPT.forward on this rank's tokens at their real positions; returns the *sum* of their
+    cross-entropies (the caller divides by the global token count)."""
+    tr = model.transformer
+    x = tr.drop(tr.wte(idx) + tr.wpe(positions))
+    for block in tr.h:
+        x = x + self_attention(block.attn, block.ln_1(x), cp)
+        x = x + block.mlp(block.ln_2(x))
+    logits = model.lm_head(tr.ln_f(x))
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
+
+
+def make_groups(world_size, C, rank):
+    """CP groups of C consecutive ranks; returns this rank's (group, ranks, dp index)."""
+    mine = None
+    for d in range(world_size // C):
+        ranks = list(range(d * C, (d + 1) * C))
+        group = dist.new_group(ranks)  # every rank creates every group, in the same order
+        if rank in ranks:
+            mine = (LEDGER.name_group(group, "cp"), ranks, d)
+    return mine
+
+
+def all_reduce_grads(params):
+    """Every rank's gradient is its tokens' share of the global mean: summing over the whole
+    world (CP peers hold other tokens, DP peers other sequences) gives the full gradient."""
+    for p in params:
+        dist.all_reduce(p.grad)  # sum over every rank
+
+
+# ----------------------------------------------------------------------------------------
+# Cost
+# ----------------------------------------------------------------------------------------
+
+def costs(args, config, world_size, dtype):
+    """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step
+    (the layout is validated first, so --dry_run refuses what a launch would refuse)."""
+    C, D = check_layout(args, config, world_size)
+    with torch.device("meta"):  # count the parameters without allocating them
+        n_params = sum(p.numel() for p in GPT(config).parameters())
+    micro = args.micro_batch_size or args.global_batch_size // D
+    m = args.global_batch_size // (micro * D)
+    e = torch.tensor([], dtype=dtype).element_size()
+    L, s, h = config.n_layer, config.block_size, config.n_embd
+    A = micro * (s // C) * h * e  # one rank's K (or V, or q, or attention output) per layer
+    sent = {"all_reduce": ("4Ψ grads + 4 loss", 4 * n_params + 4)}
+    if C > 1 and args.cp_impl == "ring":
+        ring = m * L * (4 * (C - 1) * A + 8 * C * micro * (s // C) * h)
+        formula = "m·L·(4(C-1)·b·(s/C)·h·e + 8C·b·(s/C)·h)"
+        sent.update({"send": (formula, ring), "recv": (formula, ring)})
+    elif C > 1:
+        sent["all_to_all_single[cp]"] = ("m·L·8·b·(s/C)·h·e", m * L * 8 * A)
+    return {"layout": {"cp": C, "dp": D, "cp_impl": args.cp_impl, "micro_batches": m},
+            "held": {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
+                     "optim": ("8Ψ", 8 * n_params)},
+            "sent": sent}
+
+
+@torch.no_grad()
+def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
+    """Mean loss of each split over eval_iters fixed global batches: every rank sums its
+    tokens' losses, the sums are added over the world and divided by the token count."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, dp_rank, D, eval_split=True)
+            x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    total += loss_sum(model, x[rows], y[rows], positions.to(env.device), cp).float()
+        total /= args.eval_iters * args.global_batch_size * model.config.block_size
+        dist.all_reduce(total)  # every rank's share of the global mean
+        losses[split] = total.item()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    launch = detect_launcher(os.environ)
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    C, D = check_layout(args, config, launch.world_size)
+    accum_steps = check_batch(args, dp_size=D)
+    env = setup(args, launch)
+    torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
+
+    cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
+    cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
+    positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
+    model = build_model(config, args.seed, env.device)
+    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    run = run_config(args, config, {"strategy": "context parallel"})
+    start_step, ckpt = 0, None
+    if args.resume:
+        ckpt = load_checkpoint(ckpt_path)
+        check_resumable(ckpt["run"], run, ckpt_path)
+        model.load_state_dict(ckpt["model"])
+        start_step = ckpt["step"]
+    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["world_size"] == env.world_size:
+            set_rng_state(env, ckpt["rng"][env.rank])
+        else:
+            log(env, f"resuming on {env.world_size} ranks a run saved on {ckpt['world_size']}: "
+                     "the weights are the same, the dropout streams start afresh")
+
+    log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
+             f"device {env.device}, {str(env.dtype).replace('torch.', '')}, "
+             f"{D} data-parallel x {C} context-parallel ({args.cp_impl}), "
+             f"{config.block_size // C} of {config.block_size} tokens per sequence per rank, "
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step")
+    if config.dropout > 0 and C > 1:
+        log(env, f"dropout {config.dropout}: on embeddings, residuals and MLP; not on the attention "
+                 "probabilities (not applied under context parallelism)")
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
+    cost = costs(args, config, env.world_size, env.dtype)
+    tokens = args.global_batch_size * config.block_size  # the global mean's denominator
+
+    def save(step):
+        rng = [None] * env.world_size
+        dist.all_gather_object(rng, rng_state(env))  # every rank's dropout stream, to rank 0
+        if env.master:
+            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "step": step, "rng": rng, "run": run,
+                             "world_size": env.world_size}, ckpt_path)
+        LEDGER.take()  # checkpointing traffic is not part of a training step
+
+    device_positions = positions.to(env.device)
+    for step in progress(env, start_step, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            losses = evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp)
+            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+            LEDGER.take()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+
+        x, y = data.batch("train", step, args.global_batch_size, dp_rank, D)
+        x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)  # our tokens only
+        loss_total = torch.zeros((), device=env.device)
+        for micro in range(accum_steps):
+            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+            with autocast(env):
+                loss = loss_sum(model, x[rows], y[rows], device_positions, cp) / tokens
+            loss.backward()  # this rank's tokens' share of the global mean
+            loss_total += loss.detach().float()
+        all_reduce_grads(model.parameters())  # gradients are now the global mean, on every rank
+        dist.all_reduce(loss_total)  # the global batch's mean loss, for logging
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+
+        comm = LEDGER.take()
+        if step == start_step:
+            print_ledger(env, state_bytes(model.parameters(), optimizer), cost["held"], comm, cost["sent"])
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss_value = loss_total.item()
+            synchronize(env)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0,
+                         state_bytes(model.parameters(), optimizer), comm)
+        optimizer.zero_grad(set_to_none=True)
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            save(step + 1)
+
+    if args.eval_interval and args.max_iters > start_step:
+        losses = evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp)
+        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
+    teardown(env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""09_context_parallel.py: ring and Ulysses attention equal SDPA (outputs and the three
+gradients, real ranks); the same losses as 01 for ring and Ulysses at cp 2 and 4 and for
+cp x dp = 2 x 2, with gradient accumulation and active clipping, and at a context of 256;
+evaluation and resume; the ledger equals the formulas; the zigzag layout balances the causal work; bad input."""
+
+import importlib
+
+import pytest
+
+from harness import TINY, assert_losses_match, launch
+from test_jobs import scheduler  # noqa: F401 (the fixture: job scripts under recording stubs)
+
+cp_module = importlib.import_module("09_context_parallel")
+
+BASE = TINY + ["--global_batch_size", "8", "--max_iters", "4", "--grad_clip", "0.05",
+               "--eval_interval", "4", "--eval_iters", "1"]  # evaluations at steps 0 and 4
+LONG = ["--block_size", "256", "--n_embd", "32", "--n_layer", "2"]  # context 256, narrow: fast
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"short": launch("01_single_gpu.py", BASE + ["--sample_tokens", "0"]).ok(),
+            "long": launch("01_single_gpu.py", BASE + LONG + ["--sample_tokens", "0"]).ok()}
+
+
+@pytest.mark.parametrize("ranks", [4])
+def test_ring_and_ulysses_attention_equal_sdpa(ranks):
+    run = launch("tests/cp_units.py", nprocs=ranks, metrics=False, out_dir=False, timeout=120).ok()
+    assert f"match SDPA at C = {ranks}" in run.stdout
+
+
+def expected_sent(impl, cp, ranks, micro, block_size, n_embd, n_layer, n_params, e=4):
+    """The docstring's formulas, restated: bytes one rank sends per step, by operation."""
+    m = 8 // (micro * (ranks // cp))
+    A = micro * (block_size // cp) * n_embd * e
+    sent = {"all_reduce": 4 * n_params + 4}
+    if impl == "ring":
+        # forward: K and V, C-1 hops; backward: K and V again, and fp32 dK, dV, C hops each
+        ring = m * n_layer * (2 * (cp - 1) * A + 2 * (cp - 1) * A + 2 * cp * (A // e) * 4)
+        sent.update(send=ring, recv=ring)
+    else:  # q, k, v and the output, forward and backward
+        sent["all_to_all_single[cp]"] = m * n_layer * 8 * A
+    return sent
+
+
+CASES = [  # (impl, cp, ranks, micro_batch_size, long context)
+    ("ring", 2, 2, 4, False),
+    ("ring", 4, 4, 8, False),
+    ("ulysses", 2, 2, 8, False),
+    ("ulysses", 4, 4, 2, False),
+    ("ring", 2, 4, 2, False),  # cp 2 x dp 2
+    ("ring", 2, 2, 4, True),
+]
+
+
+@pytest.mark.parametrize("impl, cp, ranks, micro, long", CASES)
+def test_losses_equal_single_gpu(reference, impl, cp, ranks, micro, long):
+    flags = BASE + (LONG if long else []) + ["--cp", cp, "--cp_impl", impl, "--micro_batch_size", micro]
+    run = launch("09_context_parallel.py", flags, nprocs=ranks).ok()
+    ref = reference["long" if long else "short"]
+    assert_losses_match(ref, run, what=f"{impl} cp {cp} on {ranks} ranks, micro {micro}")
+    assert len(run.evals) == len(ref.evals) == 2
+    for mine, theirs in zip(run.evals, ref.evals):  # evaluation: the same global means
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-5)
+    n_params = ref.steps[0]["state_bytes"]["params"] // 4
+    shape = (256, 32, 2) if long else (64, 64, 4)
+    for step in run.steps:
+        assert step["comm_bytes"] == expected_sent(impl, cp, ranks, micro, *shape, n_params)
+        assert step["state_bytes"] == ref.steps[0]["state_bytes"]  # a full replica
+    assert "ledger (rank 0)" in run.stdout
+
+
+def test_bfloat16_ledger_and_cost_function():
+    """In bf16 K, V, q and the output travel in 2 bytes, dK/dV in fp32: the ledger equals
+    costs() for both implementations."""
+    import argparse
+    from common import GPTConfig, PRESETS
+    import torch
+    for impl in ("ring", "ulysses"):
+        flags = BASE + ["--dtype", "bfloat16", "--max_iters", "1", "--cp", 2, "--cp_impl", impl]
+        run = launch("09_context_parallel.py", flags, nprocs=2).ok()
+        n_params = run.steps[0]["state_bytes"]["params"] // 4
+        assert run.steps[0]["comm_bytes"] == expected_sent(impl, 2, 2, 8, 64, 64, 4, n_params, e=2)
+        args = argparse.Namespace(cp=2, cp_impl=impl, global_batch_size=8, micro_batch_size=None)
+        cost = cp_module.costs(args, GPTConfig(vocab_size=65, **PRESETS["tiny"]), 2, torch.bfloat16)
+        assert {op: b for op, (_, b) in cost["sent"].items()} == run.steps[0]["comm_bytes"]
+
+
+def test_zigzag_balances_causal_work_and_covers_every_pair():
+    """Over the C ring steps every rank computes the same number of score entries, and every
+    (query chunk, key chunk) pair at or below the diagonal is computed exactly once."""
+    for C in (1, 2, 3, 4, 8):
+        work, seen = [], []
+        for r in range(C):
+            entries = 0
+            for step in range(C):
+                j = (r - step) % C
+                for qh, kh, causal in cp_module.block_pairs(r, j, C):
+                    q_chunk, kv_chunk = cp_module.zigzag_chunks(r, C)[qh], cp_module.zigzag_chunks(j, C)[kh]
+                    seen.append((q_chunk, kv_chunk))
+                    assert causal == (q_chunk == kv_chunk)
+                    entries += 0.5 if causal else 1.0
+            work.append(entries)
+        assert len(set(work)) == 1, (C, work)
+        assert sorted(seen) == sorted((q, k) for q in range(2 * C) for k in range(q + 1))
+
+
+def test_merge_is_exact():
+    """Attention over keys split in two parts, merged by the log-sum-exp rule, equals the
+    softmax over all keys."""
+    import torch
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 5, 8), torch.randn(3, 12, 8), torch.randn(3, 12, 8)
+    out, lse = cp_module.block_forward(q, k[:, :7], v[:, :7], causal=False)
+    o2, l2 = cp_module.block_forward(q, k[:, 7:], v[:, 7:], causal=False)
+    cp_module.merge(out, lse, o2, l2)
+    expected = torch.softmax(q @ k.transpose(1, 2) / 8 ** 0.5, dim=-1) @ v
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("ranks, flags, message", [
+    (4, ["--cp", "3"], "--cp 3 does not divide the world size 4"),
+    (2, ["--cp", "0"], "--cp must be positive, got 0"),
+    (2, ["--cp", "2", "--cp_impl", "ulysses", "--n_head", "3", "--n_embd", "48"],
+     "--cp_impl ulysses needs --cp 2 to divide n_head 3"),
+    (2, ["--cp", "2", "--block_size", "66"], "block_size 66 is not divisible by 2 x cp = 4"),
+])
+def test_bad_input_gives_one_line(ranks, flags, message):
+    run = launch("09_context_parallel.py", BASE + flags, nprocs=ranks, timeout=60)
+    assert run.returncode == 2 and run.seconds < 30
+    assert len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
+
+
+def test_job_script_launches_a_valid_layout(scheduler):
+    """jobs/polaris_cp.sh under a fabricated PBS allocation of 2 nodes: the launch line, and its
+    own flags validated by 09's parser and layout check for the 8 ranks it starts."""
+    p, lines = scheduler("polaris_cp.sh")
+    assert p.returncode == 0, p.stderr
+    line = [line for line in lines if line.startswith("mpiexec ")]
+    assert len(line) == 1 and line[0].startswith("mpiexec -n 8 --ppn 4 "), lines
+    argv = line[0].split(" | ")[0].split("python 09_context_parallel.py ")[1].split()
+    from common import check_batch, make_parser, model_config, parse_args
+    args = parse_args(cp_module.add_flags(make_parser(cp_module.__doc__)), argv)
+    config = model_config(args, 256)
+    assert cp_module.check_layout(args, config, 8) == (4, 2) and config.block_size == 16384
+    assert check_batch(args, dp_size=2) == 4  # 4 micro-batches of 1 sequence per replica
+
+
+def test_resume_continues_the_same_losses(reference, tmp_path):
+    """Checkpoint at step 2 on cp 2 x dp 1, resume on cp 2 x dp 2 (the state is replicated):
+    the remaining steps equal 01's."""
+    flags = BASE + ["--cp", "2", "--lr_decay_iters", "4", "--out_dir", tmp_path / "out"]
+    first = launch("09_context_parallel.py", flags + ["--max_iters", "2", "--ckpt_interval", "2"], nprocs=2).ok()
+    second = launch("09_context_parallel.py", flags + ["--resume"], nprocs=4).ok()
+    assert "dropout streams start afresh" in second.stdout
+    ref = reference["short"].losses
+    assert first.losses == pytest.approx(ref[:2], rel=2e-5)
+    assert second.losses == pytest.approx(ref[2:], rel=2e-5)
