@@ -95,11 +95,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (GPT, LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
-                    detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
-                    make_parser, Metrics, model_config, model_block_size, parse_args, print_ledger,
-                    progress, rng_state, run_config, save_checkpoint, set_rng_state, setup,
-                    state_bytes, synchronize, teardown, to_device)
+from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+                    count_params, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_config, model_block_size, parse_args,
+                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint,
+                    set_rng_state, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -406,8 +406,7 @@ def costs(args, config, world_size, dtype):
     """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step
     (the layout is validated first, so --dry_run refuses what a launch would refuse)."""
     C, D = check_layout(args, config, world_size)
-    with torch.device("meta"):  # count the parameters without allocating them
-        n_params = sum(p.numel() for p in GPT(config).parameters())
+    n_params, _ = count_params(config)  # from the meta device: nothing allocated
     micro = args.micro_batch_size or args.global_batch_size // D
     m = args.global_batch_size // (micro * D)
     e = torch.tensor([], dtype=dtype).element_size()
@@ -450,7 +449,15 @@ def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = detect_launcher(os.environ)
+    launch = launch_for(args)
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        C, D = check_layout(args, config, launch.world_size)
+        accum_steps = check_batch(args, dp_size=D)
+        dry_run(args, "09_context_parallel.py", config, costs(args, config, launch.world_size, planned_dtype(args)),
+                [f"layout: {D} data-parallel x {C} context-parallel ({args.cp_impl}; groups of {C} consecutive "
+                 f"ranks), {config.block_size // C} of {config.block_size} tokens per sequence per rank, "
+                 f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step"])
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     C, D = check_layout(args, config, launch.world_size)
@@ -487,8 +494,8 @@ def main():
     if config.dropout > 0 and C > 1:
         log(env, f"dropout {config.dropout}: on embeddings, residuals and MLP; not on the attention "
                  "probabilities (not applied under context parallelism)")
-    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
     cost = costs(args, config, env.world_size, env.dtype)
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
     tokens = args.global_batch_size * config.block_size  # the global mean's denominator
 
     def save(step):
@@ -529,7 +536,7 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), cost["held"], comm, cost["sent"])
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_total.item()
             synchronize(env)
