@@ -1140,23 +1140,31 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
                                   key=key, box=piece.box, **({"flat": list(piece.flat)} if piece.flat else {})))
     tensors.update({f"rng/{k}": v for k, v in rng_state(env).items()})
     tensors.update({f"extra_rng/{k}": v for k, v in (extra_rng or {}).items()})
-    problem = None
-    try:
-        atomic_save(tensors, os.path.join(directory, f"rank{env.rank}.pt"))
-    except OSError as e:
-        problem = f"cannot write checkpoint {directory}/rank{env.rank}.pt: {e}"
-    everyone = [(problem, described)]
+    problem, written, t0 = None, 0, time.perf_counter()
+    bad = next((key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:  # never replace the last good checkpoint with a diverged one
+        problem = (f"not writing the checkpoint of step {step}: {bad.split('#')[0]} holds non-finite values "
+                   f"on rank {env.rank}; the last good checkpoint, {latest_checkpoint(args.out_dir)}, is kept")
+    else:
+        try:
+            path = os.path.join(directory, f"rank{env.rank}.pt")
+            atomic_save(tensors, path)
+            written = os.path.getsize(path)
+        except OSError as e:
+            problem = f"cannot write checkpoint {directory}/rank{env.rank}.pt: {e}"
+    everyone = [(problem, described, written)]
     if dist.is_initialized() and env.world_size > 1:
         everyone = [None] * env.world_size
-        dist.all_gather_object(everyone, (problem, described))  # who wrote what, to every rank
-    problem = next((p for p, _ in everyone if p), None)
+        dist.all_gather_object(everyone, (problem, described, written))  # who wrote what, to every rank
+    problem = next((p for p, _, _ in everyone if p), None)
     if problem:
         fail(problem)
     if env.master:
         meta = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(),
                 "optimizer_step": _optimizer_step(optimizer, step), "run": run,
-                "layout": {**run["layout"], "world_size": env.world_size}, "tensors": {}}
-        for rank, (_, described) in enumerate(everyone):
+                "layout": {**run["layout"], "world_size": env.world_size},
+                "bytes_per_rank": [w for _, _, w in everyone], "tensors": {}}
+        for rank, (_, described, _) in enumerate(everyone):
             for d in described:
                 entry = meta["tensors"].setdefault(d["name"], {"shape": d["shape"], "dtype": d["dtype"], "pieces": []})
                 assert entry["shape"] == d["shape"], f"ranks disagree on the shape of {d['name']}"
@@ -1174,6 +1182,9 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
     problem = agree_on_problem(problem if env.master else None)
     if problem:
         fail(problem)
+    sizes = [w for _, _, w in everyone]
+    log(env, f"checkpoint step {step} committed to {directory}: {format_bytes(min(sizes))} to "
+             f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
     if getattr(args, "export", None) and step == args.max_iters:
         if env.master:
             export_checkpoint(args.out_dir, args.export)
@@ -1270,6 +1281,7 @@ def resume_checkpoint(out_dir, env, pieces, run, optimizer):
     """Load every piece this rank holds from the newest committed set in out_dir, whatever
     the layout (and script) that wrote it; the RNG states too when the layout is the same
     (then the run continues bit for bit). Returns (step, the extra RNG states or None)."""
+    t0 = time.perf_counter()
     if env.master and os.path.isdir(checkpoint_root(out_dir)):
         clean_checkpoints(out_dir, keep=latest_checkpoint(out_dir))  # leftovers of interrupted writes
     if dist.is_initialized():
@@ -1293,12 +1305,13 @@ def resume_checkpoint(out_dir, env, pieces, run, optimizer):
     for state in optimizer.state.values():
         if "step" in state:
             state["step"].fill_(meta["optimizer_step"])
+    log(env, f"resumed step {meta['step']} from {latest_checkpoint(out_dir)} in {time.perf_counter() - t0:.2f} s")
     if same:
         set_rng_state(env, rng)
     else:
         log(env, f"resuming step {meta['step']} written by {meta['layout']} as {run['layout']} on "
-                 f"{env.world_size} rank(s): parameters and AdamW state resharded; the dropout streams "
-                 "cannot carry across layouts and start afresh (the same layout resumes bit for bit)")
+                 f"{env.world_size} rank(s): parameters and AdamW state resharded; the dropout streams start "
+                 "afresh: they cannot carry across layouts (the same layout resumes bit for bit)")
     return meta["step"], extra
 
 
