@@ -136,32 +136,37 @@ def test_refusals_are_one_line(tmp_path):
     base = FLAGS + ["--out_dir", out, "--max_iters", "2", "--sample_tokens", "0"]
     launch("01_single_gpu.py", base + ["--ckpt_interval", "2"]).ok()
 
-    def refused(flags, *words):
+    def refused(flags, *words):  # a real launch: one line, exit 2, no traceback
         run = launch("01_single_gpu.py", flags)
         assert run.returncode == 2 and len(run.error_lines) == 1, run.stderr
         assert all(w in run.error_lines[0] for w in words), run.error_lines[0]
         assert "Traceback" not in run.stderr
 
+    def says(action, *words):  # the same checks in this process, without the launch cost
+        with pytest.raises(common.CheckpointError) as e:
+            action()
+        assert all(w in str(e.value) for w in words), str(e.value)
+
     refused(base + ["--resume", "--n_layer", "2"], "another model", "n_layer")
-    refused(base + ["--resume", "--seed", "7"], "another run", "seed")
+    run = json.load(open(out / "ckpt" / "step_2" / "metadata.json"))["run"]  # what 01 wrote: this run
+    common.open_checkpoint(str(out), run)  # opens
+    says(lambda: common.open_checkpoint(str(out), {**run, "seed": 7}), "another run", "seed")
     rank0 = out / "ckpt" / "step_2" / "rank0.pt"
-    # a rank file of another run renamed into place: a plain tensor
     good = rank0.read_bytes()
-    torch.save(torch.zeros(3), rank0)
-    refused(base + ["--resume"], str(rank0), "not a rank file")
-    rank0.write_bytes(good[:1000])
+    torch.save(torch.zeros(3), rank0)  # a plain tensor (another file renamed into place)
+    says(lambda: common.Checkpoint(str(rank0.parent)).file(0), str(rank0), "not a rank file", "Tensor")
+    rank0.write_bytes(good[:1000])  # truncated
     refused(base + ["--resume"], str(rank0), "unreadable")
     # foreign one-file checkpoints: nanoGPT's ckpt.pt where the set is expected, and as --init_from
     nano = tmp_path / "nano"
     nano.mkdir()
     torch.save({"model": {"w": torch.zeros(2)}, "iter_num": 3, "config": {"x": 1}}, nano / "ckpt.pt")
     refused(FLAGS + ["--out_dir", nano, "--resume", "--sample_tokens", "0"], "ckpt.pt", "not a checkpoint of this format")
-    refused(FLAGS + ["--init_from", nano / "ckpt.pt", "--sample_tokens", "0"], "not a one-file model")
     torch.save(torch.zeros(3), nano / "tensor.pt")
     refused(FLAGS + ["--init_from", nano / "tensor.pt", "--sample_tokens", "0"], "not a one-file model", "Tensor")
     (out / "ckpt" / "step_2" / "metadata.json").write_text("[1, 2]")
-    refused(base + ["--resume"], "metadata.json", "not the metadata")
-    refused(FLAGS + ["--out_dir", tmp_path / "none", "--resume", "--sample_tokens", "0"], "no checkpoint")
+    says(lambda: common.open_checkpoint(str(out), run), "metadata.json", "not the metadata")
+    says(lambda: common.open_checkpoint(str(tmp_path / "none"), run), "no checkpoint")
 
 
 def test_a_bad_file_on_rank_1_is_one_line_naming_it_and_exit_2_everywhere(chain_b, tmp_path):
