@@ -25,16 +25,15 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
     communication: none
 """
 
-import os
 import time
 
 import torch
 
-from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
-                    count_params, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_config, model_block_size, parse_args,
-                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint,
-                    set_rng_state, setup, state_bytes, synchronize, teardown, to_device)
+from common import (autocast, build_model, check, check_batch, count_params, Data, dry_run,
+                    flops_per_token, launch_for, LEDGER, load_model_file, log, lr_at, make_adamw,
+                    make_parser, Metrics, model_block_size, model_config, param_pieces, parse_args,
+                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
+                    save_checkpoint, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -42,7 +41,7 @@ def add_flags(parser):
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--sample_tokens", type=int, default=300, help="tokens to sample at the end (0: none)")
     g.add_argument("--init_from", default=None,
-                   help="start from the weights of a checkpoint (e.g. another script's --export)")
+                   help="start from the weights of a one-file model (--export's, or nanoGPT's ckpt.pt)")
     g.add_argument("--eval_only", action="store_true", help="evaluate (and sample), do not train")
     return parser
 
@@ -95,23 +94,18 @@ def main():
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device)
     optimizer = make_adamw(model.named_parameters(), args, env.device.type)
-    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     run = run_config(args, config, {"world_size": 1})
+
+    def checkpoint_pieces():
+        """Every parameter and its AdamW moments, whole, under nanoGPT's names (the tied head
+        is transformer.wte.weight): common.py's format, which any script resumes."""
+        return [piece for name, p in model.named_parameters() for piece in param_pieces(name, p.shape, p, optimizer)]
+
     start_step = 0
-    if args.resume:
-        ckpt = load_checkpoint(ckpt_path)
-        check_resumable(ckpt["run"], run, ckpt_path)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        set_rng_state(env, ckpt["rng"])
-        start_step = ckpt["step"]
+    if args.resume:  # a checkpoint of any script, at any layout
+        start_step, _ = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
     elif args.init_from:
-        ckpt = load_checkpoint(args.init_from)
-        architecture = lambda cfg: {k: v for k, v in cfg.items() if k != "dropout"}  # noqa: E731
-        saved_model = ckpt.get("run", {}).get("model") or {}
-        check(architecture(saved_model) == architecture(vars(config)), f"--init_from {args.init_from} "
-              f"holds another model: {saved_model}, this run builds {vars(config)}")
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(load_model_file(args.init_from, config))
     train_model = torch.compile(model) if args.compile else model
 
     log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
@@ -121,8 +115,7 @@ def main():
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
 
     def save(step):
-        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "step": step, "rng": rng_state(env), "run": run}, ckpt_path)
+        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)
 
     if args.eval_only:
         losses = evaluate(train_model, data, args, env, accum_steps)

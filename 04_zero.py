@@ -40,7 +40,7 @@ Run:
 
     mpiexec -n 4 python 04_zero.py --stage 3 --model gpt2
     torchrun --standalone --nproc_per_node 8 04_zero.py --stage 2 --model gpt2-medium --micro_batch_size 4
-    python 04_zero.py --export out/full.pt ...    # one consolidated checkpoint, for 01_single_gpu.py
+    mpiexec -n 3 python 04_zero.py --resume ...   # resume any checkpoint (any script, any layout)
 
 Memory per rank (Ψ parameters, padded to a multiple of N; K = 12 for AdamW in mixed
 precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in brackets):
@@ -71,24 +71,21 @@ reduce-scatter or all-gather, so equal wire traffic shows here as 2bΨ against D
 """
 
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from common import (GPT, LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
-                    dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
-                    ADAM_BETAS, make_parser, Metrics, model_config, model_block_size, parse_args,
-                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint,
-                    set_rng_state, setup, synchronize, teardown, tensor_bytes, to_device)
+from common import (ADAM_BETAS, autocast, build_model, check_batch, Data, dry_run, flops_per_token,
+                    GPT, launch_for, LEDGER, log, lr_at, make_parser, Metrics, model_block_size,
+                    model_config, param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    resume_checkpoint, run_config, save_checkpoint, setup, synchronize, teardown,
+                    tensor_bytes, to_device)
 
 
 def add_flags(parser):
     g = parser.add_argument_group("04_zero")
     g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
-    g.add_argument("--export", default=None,
-                   help="at the end, write one consolidated checkpoint that 01_single_gpu.py loads")
     return parser
 
 
@@ -161,10 +158,12 @@ class ZeRO:
         self.unit_of = {p: u for u in self.units for p in u.params}
         segments = {True: [], False: []}
         for unit in self.units:
+            unit.pieces = []  # the optimizer's tensors, in order (for the checkpoint)
             for a, b, decayed in unit.segments():
                 piece = unit.master[a:b]
                 piece.grad = unit.grad_shard[a:b]  # AdamW reads this rank's gradient shard
                 segments[decayed].append(piece)
+                unit.pieces.append(piece)
         fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
         self.optimizer = torch.optim.AdamW(
             [{"params": segments[True], "weight_decay": args.weight_decay},
@@ -291,27 +290,28 @@ class ZeRO:
         return {"params": params, "grads": grads, "optim": tensor_bytes(moments) + separate_master}
 
     # -- checkpoints ---------------------------------------------------------------------
-    def shard_state(self):
-        return {"masters": [u.master.cpu().clone() for u in self.units], "optimizer": self.optimizer.state_dict()}
-
-    def load_shard_state(self, state):
-        for unit, master in zip(self.units, state["masters"]):
-            unit.master.copy_(master)
-            if self.stage < 3:  # rebuild the full replicas from the shards
-                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def consolidated_state_dict(self):
-        """The whole model in 01's format (fp32, CPU), assembled on every rank."""
-        state = {}
+    def checkpoint_pieces(self):
+        """This rank's flat shard of every unit cut at parameter boundaries: each piece is the
+        elements [a, b) of one parameter flattened (ZeRO's P_os, and P_p in stage 3), with
+        its AdamW moments; the padding is not saved. In common.py's format, so any script
+        resumes it at any layout, and this script resumes any other's."""
+        pieces = []
         for unit in self.units:
-            full = torch.empty(unit.shard_numel * self.world_size, dtype=torch.float32, device=unit.device)
-            dist.all_gather_into_tensor(full, unit.master)  # every rank's fp32 shard of this unit
+            optimizer_tensors = iter(unit.pieces)  # one per parameter this shard overlaps
             for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets):
-                key = name if unit is self.root else unit.name + name
-                state[key] = full[offset:offset + shape.numel()].view(shape).cpu().clone()
-        state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
-        return state
+                a, b = max(offset, unit.lo), min(offset + shape.numel(), unit.hi)
+                if a < b:
+                    full_name = name if unit is self.root else unit.name + name
+                    pieces += param_pieces(full_name, shape, next(optimizer_tensors), self.optimizer,
+                                           flat=(a - offset, b - offset))
+        return pieces
+
+    def after_load(self):
+        """After the masters were loaded: rebuild the full replicas from the shards."""
+        for unit in self.units:
+            if self.stage < 3:
+                # every rank's loaded shard -> the whole unit, on every rank
+                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
 
 
 def unit_numels(config):
@@ -399,20 +399,11 @@ def main():
     nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
     zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
     optimizer = zero.optimizer
-    meta_path = os.path.join(args.out_dir, "zero_ckpt.pt")
-    run = run_config(args, config, {"strategy": "zero", "world_size": env.world_size})
+    run = run_config(args, config, {"strategy": "zero", "stage": args.stage})
     start_step = 0
-    if args.resume:
-        meta = load_checkpoint(meta_path)
-        check(meta["run"]["layout"] == run["layout"],
-              f"{meta_path} holds shards for {meta['run']['layout']['world_size']} ranks, this run has "
-              f"{env.world_size}: resume with {meta['run']['layout']['world_size']} ranks, or start 01_single_gpu.py "
-              "from a consolidated checkpoint (--export)")
-        check_resumable(meta["run"], run, meta_path)
-        start_step = meta["step"]
-        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
-        zero.load_shard_state(shard["zero"])
-        set_rng_state(env, shard["rng"])
+    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shard
+        start_step, _ = resume_checkpoint(args.out_dir, env, zero.checkpoint_pieces(), run, optimizer)
+        zero.after_load()
     train_model = model
 
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), "
@@ -424,17 +415,8 @@ def main():
     LEDGER.take()
 
     def save(step):
-        """Every rank writes its shard (named by step); rank 0 then writes the small meta
-        file that points at them, last, so a crash never leaves a half-written set."""
-        save_checkpoint({"zero": zero.shard_state(), "rng": rng_state(env), "step": step},
-                        shard_path(args.out_dir, step, env.rank))
-        dist.barrier()  # every shard is on disk before the meta file names them
-        if env.master:
-            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
-            save_checkpoint({"step": step, "run": run}, meta_path)
-            if previous is not None and previous != step:
-                for rank in range(env.world_size):
-                    os.remove(shard_path(args.out_dir, previous, rank))
+        """Every rank writes its shard; rank 0 commits the set with a metadata file, last."""
+        save_checkpoint(args, step, env, zero.checkpoint_pieces(), run, optimizer)
         LEDGER.take()  # checkpointing traffic is not part of a training step
 
     for step in progress(env, start_step, args.max_iters):
@@ -482,17 +464,7 @@ def main():
         losses = evaluate(train_model, zero, data, args, env, accum_steps)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    if args.export:
-        state = zero.consolidated_state_dict()  # a collective: every rank takes part
-        if env.master:
-            save_checkpoint({"model": state, "step": args.max_iters, "run": run}, args.export)
-            log(env, f"exported the consolidated model to {args.export} "
-                     f"({format_bytes(sum(t.numel() * 4 for k, t in state.items() if k != 'lm_head.weight'))})")
     teardown(env)
-
-
-def shard_path(out_dir, step, rank):
-    return os.path.join(out_dir, f"zero_step{step}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

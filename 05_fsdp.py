@@ -44,18 +44,17 @@ Cost per rank, Ψ parameters, S ranks per shard group, b bytes of the compute dt
 """
 
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (ADAM_BETAS, GPT, LEDGER, Data, autocast, check, check_batch, check_resumable,
-                    dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
-                    make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
-                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
-                    setup, state_bytes, synchronize, teardown, to_device)
+from common import (ADAM_BETAS, autocast, check, check_batch, Data, dry_run, flops_per_token,
+                    format_bytes, GPT, launch_for, LEDGER, log, lr_at, make_parser, Metrics,
+                    model_block_size, model_config, param_init, param_pieces, parse_args,
+                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
+                    save_checkpoint, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -66,7 +65,6 @@ def add_flags(parser):
     g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the gradient reduce-scatter")
     g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
-    g.add_argument("--export", default=None, help="at the end, write one consolidated checkpoint for 01")
     return parser
 
 
@@ -255,18 +253,18 @@ class FSDP:
         for s in self.shards():
             s.grad.mul_(coef)
 
-    def consolidated_state_dict(self):
-        """The whole model in 01's format (fp32, CPU), on every rank."""
-        state = {}
+    def checkpoint_pieces(self, optimizer):
+        """This rank's rows of every parameter (dim-0 shards, without the padding rows) and
+        their AdamW moments, in common.py's format: any script resumes it at any layout. With
+        HSDP the replicas hold equal shards: replica 0 writes them; every replica reads."""
+        pieces = []
         for unit in self.units:
-            packed = torch.cat([s.detach().view(-1) for s in unit.shards])
-            out = torch.empty(self.shard_size * unit.numel, device=self.device)
-            dist.all_gather_into_tensor(out, packed, group=self.shard_group)  # every rank's fp32 rows
-            out = out.view(self.shard_size, unit.numel)
-            for name, shape, offset, numel in zip(unit.names, unit.shapes, unit.offsets, unit.shard_numels):
-                state[name] = out[:, offset:offset + numel].reshape((-1,) + tuple(shape[1:]))[:shape[0]].cpu().clone()
-        state["lm_head.weight"] = state["transformer.wte.weight"]
-        return state
+            for name, shape, rows, shard in zip(unit.names, unit.shapes, unit.rows, unit.shards):
+                lo, hi = self.shard_rank * rows, min((self.shard_rank + 1) * rows, shape[0])
+                if lo < hi:  # the last ranks may hold padding only
+                    pieces += param_pieces(name, shape, shard, optimizer, box=[[lo, hi]] + [[0, s] for s in shape[1:]],
+                                           index=slice(0, hi - lo), write=self.replica == 0)
+        return pieces
 
 
 def materialize(model, device, dtype):
@@ -368,21 +366,10 @@ def main():
         [{"params": [s for n, s in named if s.dim() >= 2], "weight_decay": args.weight_decay},
          {"params": [s for n, s in named if s.dim() < 2], "weight_decay": 0.0}],
         lr=args.lr, betas=ADAM_BETAS, **fused)
-    meta_path = os.path.join(args.out_dir, "fsdp_ckpt.pt")
-    run = run_config(args, config, {"strategy": "fsdp", "world_size": env.world_size, "replicate": args.replicate})
+    run = run_config(args, config, {"strategy": "fsdp", "replicate": args.replicate})
     start_step = 0
-    if args.resume:
-        meta = load_checkpoint(meta_path)
-        check(meta["run"]["layout"] == run["layout"], f"{meta_path} holds shards for {meta['run']['layout']}, "
-              f"this run is {run['layout']}: resume with the same layout, or start 01 from --export")
-        check_resumable(meta["run"], run, meta_path)
-        start_step = meta["step"]
-        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
-        with torch.no_grad():
-            for s, saved in zip(fsdp.shards(), shard["shards"]):
-                s.copy_(saved)
-        optimizer.load_state_dict(shard["optimizer"])
-        set_rng_state(env, shard["rng"])
+    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its rows
+        start_step, _ = resume_checkpoint(args.out_dir, env, fsdp.checkpoint_pieces(optimizer), run, optimizer)
     train_model = model
 
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), built on the meta device; "
@@ -396,15 +383,7 @@ def main():
     gathered_formula, gathered_bound = cost["gathered"]
 
     def save(step):
-        save_checkpoint({"shards": [s.detach().cpu() for s in fsdp.shards()], "optimizer": optimizer.state_dict(),
-                         "rng": rng_state(env), "step": step}, shard_path(args.out_dir, step, env.rank))
-        dist.barrier()  # every shard is on disk before the meta file names them
-        if env.master:
-            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
-            save_checkpoint({"step": step, "run": run}, meta_path)
-            if previous is not None and previous != step:
-                for rank in range(env.world_size):
-                    os.remove(shard_path(args.out_dir, previous, rank))
+        save_checkpoint(args, step, env, fsdp.checkpoint_pieces(optimizer), run, optimizer)
         LEDGER.take()
 
     LEDGER.take()
@@ -457,16 +436,7 @@ def main():
         losses = evaluate(train_model, fsdp, data, args, env, accum_steps)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    if args.export:
-        state = fsdp.consolidated_state_dict()  # a collective: every rank takes part
-        if env.master:
-            save_checkpoint({"model": state, "step": args.max_iters, "run": run}, args.export)
-            log(env, f"exported the consolidated model to {args.export}")
     teardown(env)
-
-
-def shard_path(out_dir, step, rank):
-    return os.path.join(out_dir, f"fsdp_step{step}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

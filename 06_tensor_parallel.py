@@ -54,7 +54,6 @@ Cost per rank, T ranks, L layers, h width, b micro-batch, s sequence, bytes in f
 """
 
 import math
-import os
 import time
 from contextlib import contextmanager
 
@@ -63,12 +62,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import (LEDGER, Data, autocast, check, check_batch, check_resumable, count_params,
-                    device_rng_state, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_config, model_block_size, param_init,
-                    parse_args, planned_dtype, print_ledger, progress, rng_state, run_config,
-                    save_checkpoint, seeded_rng_state, set_device_rng_state, set_rng_state, setup,
-                    state_bytes, synchronize, teardown, to_device)
+from common import (autocast, check, check_batch, count_params, Data, device_rng_state, dry_run,
+                    flops_per_token, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
+                    Metrics, model_block_size, model_config, param_init, param_pieces, parse_args,
+                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
+                    save_checkpoint, seeded_rng_state, set_device_rng_state, setup, state_bytes,
+                    synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -380,6 +379,33 @@ class TPGPT(nn.Module):
         return self
 
 
+def tp_param_pieces(name, p, optimizer, config, tp, r, write_replicated, write_sharded=True):
+    """Where this rank's shard of parameter `name` sits in the full parameter, as pieces of
+    common.py's format (with its AdamW moments): the vocab-parallel embedding's rows (the
+    global shape is the unpadded vocabulary), the column-parallel rows ([Q_r; K_r; V_r] of
+    c_attn are three pieces), the row-parallel columns of c_proj; replicated parameters are
+    written by one rank only. Any layout of any script reads these pieces back."""
+    h, rest = config.n_embd, [[0, s] for s in p.shape[1:]]
+    if name == "transformer.wte.weight":
+        lo, hi = r * p.shape[0], min((r + 1) * p.shape[0], config.vocab_size)  # drop the padding rows
+        return param_pieces(name, (config.vocab_size, h), p, optimizer, box=[[lo, hi]] + rest,
+                            index=slice(0, hi - lo), write=write_sharded) if lo < hi else []
+    if "c_attn" in name:  # this rank's heads of Q, K and V: rows j·h + [r·h/T, (r+1)·h/T)
+        n = p.shape[0] // 3
+        return [piece for j in range(3) for piece in param_pieces(
+            name, (3 * h,) + tuple(p.shape[1:]), p, optimizer, box=[[j * h + r * n, j * h + (r + 1) * n]] + rest,
+            index=slice(j * n, (j + 1) * n), write=write_sharded)]
+    if name.endswith(("c_fc.weight", "c_fc.bias")):  # column-parallel: output rows
+        rows = p.shape[0]
+        return param_pieces(name, (rows * tp,) + tuple(p.shape[1:]), p, optimizer,
+                            box=[[r * rows, (r + 1) * rows]] + rest, write=write_sharded)
+    if name.endswith("c_proj.weight"):  # row-parallel: input columns
+        cols = p.shape[1]
+        return param_pieces(name, (p.shape[0], cols * tp), p, optimizer,
+                            box=[[0, p.shape[0]], [r * cols, (r + 1) * cols]], write=write_sharded)
+    return param_pieces(name, p.shape, p, optimizer, write=write_replicated)  # LayerNorms, wpe, c_proj biases
+
+
 def clip_grad_norm(model, max_norm):
     """Global norm: sharded parameters' squares summed across the group, replicated ones
     counted once (every rank holds the same copy)."""
@@ -500,20 +526,17 @@ def main():
     rng = ShardedRNG(args.seed, env.rank, env.device)
     model = TPGPT(config, tp, env.rank, args.sequence_parallel, rng).init_from_full(args.seed).to(env.device)
     optimizer = make_adamw(model.named_parameters(), args, env.device.type)
-    meta_path = os.path.join(args.out_dir, "tp_ckpt.pt")
-    run = run_config(args, config, {"strategy": "tensor parallel", "tp": tp})
+    run = run_config(args, config, {"strategy": "tensor parallel", "sequence_parallel": args.sequence_parallel})
+
+    def checkpoint_pieces():
+        return [piece for name, p in model.named_parameters()
+                for piece in tp_param_pieces(name, p, optimizer, config, tp, env.rank, write_replicated=env.master)]
+
     start_step = 0
-    if args.resume:
-        meta = load_checkpoint(meta_path)
-        check(meta["run"]["layout"] == run["layout"], f"{meta_path} holds shards for tp={meta['run']['layout']['tp']}, "
-              f"this run has tp={tp}: resume with the same tensor-parallel size")
-        check_resumable(meta["run"], run, meta_path)
-        start_step = meta["step"]
-        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
-        model.load_state_dict(shard["model"])
-        optimizer.load_state_dict(shard["optimizer"])
-        set_rng_state(env, shard["rng"])
-        rng.state = shard["sharded_rng"]
+    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shards
+        start_step, extra_rng = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
+        if extra_rng is not None:  # the same layout: this rank's own dropout stream too
+            rng.state = extra_rng["tp"]
     train_model = model
 
     cost = costs(args, config, tp, env.dtype)
@@ -526,15 +549,7 @@ def main():
     log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp} of {n_sharded * tp:,}) + {n_replicated:,} replicated")
 
     def save(step):
-        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                         "rng": rng_state(env), "sharded_rng": rng.state}, shard_path(args.out_dir, step, env.rank))
-        dist.barrier()  # every shard is on disk before the meta file names them
-        if env.master:
-            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
-            save_checkpoint({"step": step, "run": run}, meta_path)
-            if previous is not None and previous != step:
-                for rank in range(tp):
-                    os.remove(shard_path(args.out_dir, previous, rank))
+        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer, extra_rng={"tp": rng.state})
         LEDGER.take()
 
     for step in progress(env, start_step, args.max_iters):
@@ -580,10 +595,6 @@ def main():
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)
-
-
-def shard_path(out_dir, step, rank):
-    return os.path.join(out_dir, f"tp_step{step}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

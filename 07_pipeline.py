@@ -51,7 +51,6 @@ Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
                    and last stage, of the clipping norm, and a broadcast of the loss per step
 """
 
-import os
 import time
 
 import torch
@@ -60,11 +59,12 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (LEDGER, Block, Data, autocast, check, check_batch, check_resumable, count_params,
-                    dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_config, model_block_size, param_init,
-                    parse_args, planned_dtype, print_ledger, progress, rng_state, run_config,
-                    save_checkpoint, set_rng_state, setup, state_bytes, synchronize, teardown, to_device)
+from common import (autocast, Block, check, check_batch, count_params, Data, dry_run,
+                    flops_per_token, format_bytes, launch_for, LEDGER, log, lr_at, make_adamw,
+                    make_parser, Metrics, model_block_size, model_config, param_init, param_pieces,
+                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
+                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
+                    to_device)
 
 
 def add_flags(parser):
@@ -424,19 +424,19 @@ def main():
     pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
     order = schedule(args.schedule, p, env.rank, m, v)
 
-    meta_path = os.path.join(args.out_dir, "pp_ckpt.pt")
     run = run_config(args, config, {"strategy": "pipeline", "pp": p, "virtual_stages": v})
+
+    def checkpoint_pieces():
+        """Every parameter of this rank's chunks, whole, under 01's names (common.py's format,
+        which any script resumes at any layout); the last stage's copy of the tied embedding
+        (its head) is written by the first stage only, and read by both."""
+        return [piece for chunk in chunks for name, param in chunk.named_parameters()
+                for piece in param_pieces(chunk.full_name(name), param.shape, param, optimizer,
+                                          write=name != "lm_head.weight")]
+
     start_step = 0
-    if args.resume:
-        meta = load_checkpoint(meta_path)
-        check(meta["run"]["layout"] == run["layout"], f"{meta_path} holds stages for {meta['run']['layout']}, "
-              f"this run has {run['layout']}: resume with the same pp and virtual stages")
-        check_resumable(meta["run"], run, meta_path)
-        start_step = meta["step"]
-        shard = load_checkpoint(shard_path(args.out_dir, start_step, env.rank))
-        chunks.load_state_dict(shard["model"])
-        optimizer.load_state_dict(shard["optimizer"])
-        set_rng_state(env, shard["rng"])
+    if args.resume:  # a checkpoint of any script, at any layout: each stage reads its layers
+        start_step, _ = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
 
     nano_params = count_params(config)[1]
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
@@ -480,15 +480,7 @@ def main():
         return losses
 
     def save(step):
-        save_checkpoint({"model": chunks.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                         "rng": rng_state(env)}, shard_path(args.out_dir, step, env.rank))
-        dist.barrier()  # every stage is on disk before the meta file names them
-        if env.master:
-            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
-            save_checkpoint({"step": step, "run": run}, meta_path)
-            if previous is not None and previous != step:
-                for rank in range(p):
-                    os.remove(shard_path(args.out_dir, previous, rank))
+        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)
         LEDGER.take()
 
     LEDGER.take()
@@ -540,10 +532,6 @@ def main():
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)
-
-
-def shard_path(out_dir, step, rank):
-    return os.path.join(out_dir, f"pp_step{step}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

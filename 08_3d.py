@@ -55,7 +55,6 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
 """
 
 import math
-import os
 import time
 from contextlib import contextmanager
 
@@ -65,12 +64,13 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (ADAM_BETAS, LEDGER, Data, autocast, check, check_batch, check_resumable,
-                    count_params, device_rng_state, dry_run, flops_per_token, format_bytes, launch_for,
-                    load_checkpoint, log, lr_at, make_adamw, make_parser, Metrics, model_config,
-                    model_block_size, param_init, parse_args, planned_dtype, print_ledger, progress,
-                    rng_state, run_config, save_checkpoint, seeded_rng_state, set_device_rng_state,
-                    set_rng_state, setup, state_bytes, synchronize, teardown, tensor_bytes, to_device)
+from common import (ADAM_BETAS, autocast, check, check_batch, count_params, Data, device_rng_state,
+                    dry_run, flops_per_token, format_bytes, launch_for, LEDGER, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
+                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    resume_checkpoint, run_config, save_checkpoint, seeded_rng_state,
+                    set_device_rng_state, setup, state_bytes, synchronize, teardown, tensor_bytes,
+                    to_device)
 
 
 def add_flags(parser):
@@ -78,7 +78,6 @@ def add_flags(parser):
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--zero1", action="store_true", help="shard the optimizer state across each DP group")
-    g.add_argument("--export", default=None, help="at the end, write one consolidated checkpoint for 01")
     return parser
 
 
@@ -334,6 +333,32 @@ class Stage(nn.Module):
             return full.chunk(t, dim=1)[r]
         return full  # replicated
 
+    def checkpoint_pieces(self, name, p, optimizer, write):
+        """Where this rank's TP shard of parameter `name` sits in 01's full parameter (as
+        06_tensor_parallel.py says it), as pieces of common.py's format: vocab rows without
+        the padding, [Q_t; K_t; V_t] rows as three pieces, c_fc rows, c_proj columns;
+        replicated parameters (and the last stage's copy of the tied embedding) are written
+        by TP rank 0 (the first stage) only. With the optimizer: the AdamW moments too."""
+        t, r, h, full = self.mesh.tp_size, self.mesh.tp, self.config.n_embd, self.full_name(name)
+        rest = [[0, s] for s in p.shape[1:]]
+        if name in ("wte.weight", "lm_head.weight"):
+            lo, hi = self.vocab_start, min(self.vocab_start + self.vocab_local, self.config.vocab_size)
+            return param_pieces(full, (self.config.vocab_size, h), p, optimizer, box=[[lo, hi]] + rest,
+                                index=slice(0, hi - lo), write=write and name == "wte.weight") if lo < hi else []
+        if "c_attn" in name:  # rows j·h + [t·h/T, (t+1)·h/T) for Q, K, V
+            n = p.shape[0] // 3
+            return [piece for j in range(3) for piece in param_pieces(
+                full, (3 * h,) + tuple(p.shape[1:]), p, optimizer, box=[[j * h + r * n, j * h + (r + 1) * n]] + rest,
+                index=slice(j * n, (j + 1) * n), write=write)]
+        if "c_fc" in name:
+            return param_pieces(full, (p.shape[0] * t,) + tuple(p.shape[1:]), p, optimizer,
+                                box=[[r * p.shape[0], (r + 1) * p.shape[0]]] + rest, write=write)
+        if name.endswith("c_proj.weight"):
+            cols = p.shape[1]
+            return param_pieces(full, (p.shape[0], cols * t), p, optimizer,
+                                box=[[0, p.shape[0]], [r * cols, (r + 1) * cols]], write=write)
+        return param_pieces(full, p.shape, p, optimizer, write=write and r == 0)  # replicated
+
     @torch.no_grad()
     def init_weights(self, seed):
         c = self.config
@@ -439,6 +464,7 @@ class ZeroOne:
         self.flat = torch.zeros(self.shard * D, device=device)
         self.flat_grad = torch.zeros_like(self.flat)
         offset, pieces = 0, {True: [], False: []}
+        self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor), for checkpoints
         lo, hi = mesh.dp * self.shard, (mesh.dp + 1) * self.shard
         self.grad_shard = torch.zeros(self.shard, device=device)
         for p in self.params:
@@ -451,6 +477,7 @@ class ZeroOne:
                 piece = self.flat[a:b]
                 piece.grad = self.grad_shard[a - lo:b - lo]
                 pieces[p.dim() >= 2].append(piece)
+                self.segments.append((p, a - offset, b - offset, piece))
             offset += n
         if offset < hi:  # padding: no decay, stays zero
             piece = self.flat[max(offset, lo):hi]
@@ -474,6 +501,21 @@ class ZeroOne:
     def zero_grad(self):
         self.flat_grad.zero_()
         self.grad_shard.zero_()
+
+    def checkpoint_pieces(self, tp_pieces):
+        """The AdamW moments this DP rank owns: each optimizer tensor holds elements [a, b)
+        of one parameter flattened; where that meets a TP piece of the parameter (elements
+        [s, e) of it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
+        pieces = []
+        for p, a, b, segment in self.segments:
+            for piece in tp_pieces[p]:
+                s = piece.tensor.storage_offset() - p.data.storage_offset()  # a dim-0 slice of p, or all of it
+                x, y = max(a, s), min(b, s + piece.tensor.numel())
+                if x < y:
+                    pieces += param_pieces(piece.name.removeprefix("model/"), piece.shape, segment, self.optimizer,
+                                           box=piece.box, flat=(x - s, y - s), index=slice(x - a, y - a),
+                                           write=piece.write, model=False)
+        return pieces
 
 
 def stage_layers(n_layer, pp):
@@ -589,19 +631,21 @@ def main():
     tied += [stage.lm_head.weight] if stage.is_last and not stage.is_first else []
 
     run = run_config(args, config, {"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1})
-    meta_path = os.path.join(args.out_dir, "3d_ckpt.pt")
+
+    def checkpoint_pieces():
+        """Common.py's format, which any script resumes at any layout: DP replica 0 writes
+        the parameters (TP shards of its stage) and, without --zero1, their moments; with
+        --zero1 every DP rank writes the moments it owns."""
+        tp_pieces = {p: stage.checkpoint_pieces(name, p, None, write=True) for name, p in stage.named_parameters()}
+        pieces = [piece for name, p in stage.named_parameters()
+                  for piece in stage.checkpoint_pieces(name, p, None if zero else optimizer, write=mesh.dp == 0)]
+        return pieces + (zero.checkpoint_pieces(tp_pieces) if zero else [])
+
     start_step = 0
-    if args.resume:
-        meta = load_checkpoint(meta_path)
-        check(meta["run"]["layout"] == run["layout"], f"{meta_path} was written by {meta['run']['layout']}, "
-              f"this run is {run['layout']}: resume with the same layout, or start 01 from --export")
-        check_resumable(meta["run"], run, meta_path)
-        start_step = meta["step"]
-        shard = load_checkpoint(shard_path(args.out_dir, start_step, mesh))
-        stage.load_state_dict(shard["model"])
-        optimizer.load_state_dict(shard["optimizer"])
-        set_rng_state(env, shard["rng"])
-        rng.state = shard["sharded_rng"]
+    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shards
+        start_step, extra_rng = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
+        if extra_rng is not None:  # the same layout: this rank's own dropout stream too
+            rng.state = extra_rng["tp"]
 
     nano_params = count_params(config)[1]
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
@@ -671,16 +715,7 @@ def main():
             g.mul_(coef)
 
     def save(step):
-        save_checkpoint({"model": stage.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                         "rng": rng_state(env), "sharded_rng": rng.state}, shard_path(args.out_dir, step, mesh))
-        dist.barrier()  # every rank's file is on disk before the meta file names them
-        if env.master:
-            previous = load_checkpoint(meta_path)["step"] if os.path.exists(meta_path) else None
-            save_checkpoint({"step": step, "run": run}, meta_path)
-            if previous is not None and previous != step:
-                for name in os.listdir(args.out_dir):
-                    if name.startswith(f"3d_step{previous}_"):
-                        os.remove(os.path.join(args.out_dir, name))
+        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer, extra_rng={"tp": rng.state})
         LEDGER.take()
 
     LEDGER.take()
@@ -742,45 +777,7 @@ def main():
         losses = evaluate()
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    if args.export:
-        export(stage, mesh, env, config, run, args)
     teardown(env)
-
-
-def export(stage, mesh, env, config, run, args):
-    """One consolidated checkpoint in 01's format: every (pp, tp) coordinate of replica 0
-    sends its shards to rank 0, which undoes the TP slicing and the PP split."""
-    mine = {stage.full_name(n): p.detach().cpu() for n, p in stage.named_parameters()} if mesh.dp == 0 else None
-    pieces = [None] * dist.get_world_size() if env.master else None
-    dist.gather_object((mesh.pp, mesh.tp, mine), pieces, dst=0)  # small, once: pickled objects
-    if not env.master:
-        return
-    by_name = {}
-    for pp_rank, tp_rank, params in pieces:
-        for name, tensor in (params or {}).items():
-            by_name.setdefault(name, {})[tp_rank] = tensor
-    T, V = mesh.tp_size, config.vocab_size
-    state = {}
-    for name, shards in by_name.items():
-        parts = [shards[t] for t in range(T)]
-        if name == "transformer.wte.weight":
-            full = torch.cat(parts)[:V]
-        elif "c_attn" in name:  # regroup [Q_t; K_t; V_t] per rank into [Q; K; V]
-            full = torch.cat([torch.cat([part.chunk(3)[j] for part in parts]) for j in range(3)])
-        elif "c_fc" in name:
-            full = torch.cat(parts)
-        elif name.endswith("c_proj.weight"):
-            full = torch.cat(parts, dim=1)
-        else:
-            full = parts[0]
-        state[name] = full.clone()
-    state["lm_head.weight"] = state["transformer.wte.weight"]
-    save_checkpoint({"model": state, "step": args.max_iters, "run": run}, args.export)
-    log(env, f"exported the consolidated model to {args.export}")
-
-
-def shard_path(out_dir, step, mesh):
-    return os.path.join(out_dir, f"3d_step{step}_dp{mesh.dp}_pp{mesh.pp}_tp{mesh.tp}.pt")
 
 
 if __name__ == "__main__":

@@ -88,18 +88,17 @@ batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C 
 """
 
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
-                    count_params, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_config, model_block_size, parse_args,
-                    planned_dtype, print_ledger, progress, rng_state, run_config, save_checkpoint,
-                    set_rng_state, setup, state_bytes, synchronize, teardown, to_device)
+from common import (autocast, build_model, check, check_batch, count_params, Data, dry_run,
+                    flops_per_token, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
+                    Metrics, model_block_size, model_config, param_pieces, parse_args, planned_dtype,
+                    print_ledger, progress, resume_checkpoint, run_config, save_checkpoint, setup, state_bytes,
+                    synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -469,22 +468,18 @@ def main():
     cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
-    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    run = run_config(args, config, {"strategy": "context parallel"})
-    start_step, ckpt = 0, None
-    if args.resume:
-        ckpt = load_checkpoint(ckpt_path)
-        check_resumable(ckpt["run"], run, ckpt_path)
-        model.load_state_dict(ckpt["model"])
-        start_step = ckpt["step"]
+    run = run_config(args, config, {"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl})
     optimizer = make_adamw(model.named_parameters(), args, env.device.type)
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if ckpt["world_size"] == env.world_size:
-            set_rng_state(env, ckpt["rng"][env.rank])
-        else:
-            log(env, f"resuming on {env.world_size} ranks a run saved on {ckpt['world_size']}: "
-                     "the weights are the same, the dropout streams start afresh")
+
+    def checkpoint_pieces():
+        """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
+        writes them; every rank reads them (common.py's format, any script resumes it)."""
+        return [piece for name, p in model.named_parameters()
+                for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
+
+    start_step = 0
+    if args.resume:  # a checkpoint of any script, at any layout
+        start_step, _ = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
 
     log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
              f"device {env.device}, {str(env.dtype).replace('torch.', '')}, "
@@ -499,12 +494,7 @@ def main():
     tokens = args.global_batch_size * config.block_size  # the global mean's denominator
 
     def save(step):
-        rng = [None] * env.world_size
-        dist.all_gather_object(rng, rng_state(env))  # every rank's dropout stream, to rank 0
-        if env.master:
-            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "step": step, "rng": rng, "run": run,
-                             "world_size": env.world_size}, ckpt_path)
+        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)  # RNG: every rank its own
         LEDGER.take()  # checkpointing traffic is not part of a training step
 
     device_positions = positions.to(env.device)

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pickletools
+import shutil
 import socket
 import sys
 import time
@@ -445,7 +446,10 @@ def make_parser(doc):
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
     g.add_argument("--out_dir", default="out")
     g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
-    g.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from out_dir's newest checkpoint, written by any script at any layout")
+    g.add_argument("--export", default=None, metavar="FILE",
+                   help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
     g = p.add_argument_group("dry run (no launcher, network or accelerator needed)")
     g.add_argument("--dry_run", action="store_true",
                    help="validate the configuration for --world_size ranks, print the layout and what "
@@ -487,6 +491,8 @@ def parse_args(parser, argv=None):
     check(cfg["n_embd"] % cfg["n_head"] == 0,
           f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
     check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
+    check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
+          "it needs --ckpt_interval (the final step is always saved)")
     problem = Data.check(args.data, cfg["block_size"])
     check(problem is None, problem)
     return args
@@ -1004,14 +1010,129 @@ def format_bytes(n):
 # Checkpoint files
 # ----------------------------------------------------------------------------------------
 
-def save_checkpoint(obj, path):
+# One format for every script, resharded on load. Written by hand rather than with
+# torch.distributed.checkpoint (DCP): DCP describes shards through DTensor/ShardedTensor
+# metadata that these hand-written layouts do not have (ZeRO's flat shards of a padded
+# buffer, Megatron's [Q_t; K_t; V_t] rows, a vocabulary padded to a multiple of T), it would
+# be a second way of saying where a piece lives, and reading its files needs DCP itself. Here
+# a piece is said once, as a box and an optional flat range (below), and the files are plain
+# torch.save dicts of tensors plus one JSON file, readable with nothing but torch and json.
+#
+#   out_dir/ckpt/step_<N>/rank<r>.pt      every rank's pieces: {key: tensor}, its RNG states
+#   out_dir/ckpt/step_<N>/metadata.json   written last, by rank 0: the commit
+#
+# metadata.json: format, step, optimizer step, run configuration, layout, time, and per
+# tensor ("model/<nanoGPT name>", "optim/exp_avg/<name>", "optim/exp_avg_sq/<name>") its
+# global shape, dtype and pieces {rank, key, box, flat}. A piece is the region `box` of the
+# global tensor (per dimension [start, stop): TP, PP and FSDP shards), or, with `flat`, the
+# elements [a, b) of that box flattened row-major (ZeRO's flat shards). A set without
+# metadata.json is never read; the previous set is removed only after the new one is
+# committed; leftovers of interrupted writes are removed at the next save or resume.
+
+CHECKPOINT_FORMAT = "gpt-parallel-by-hand checkpoint v1"
+
+
+class CheckpointError(Exception):
+    """A wrong, damaged or missing checkpoint: reported in one line, exit 2 on every rank."""
+
+
+@dataclass
+class Piece:
+    """One rank's piece of one global tensor: `tensor` holds the region `box` of the tensor
+    `name` (global shape `shape`), or with `flat` = (a, b) the elements [a, b) of that box
+    flattened. `write`: this rank stores it (one of the replicas does); every rank reads."""
+    name: str
+    shape: tuple
+    box: list
+    flat: tuple
+    tensor: torch.Tensor
+    write: bool = True
+
+
+def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=None, write=True, model=True):
+    """The pieces of parameter `name` (nanoGPT's name, global shape `shape`) that this rank
+    holds in `param` (or in param[index]): its value and, given the optimizer, its AdamW
+    moments, under the same box/flat. AdamW state is created (zeros) if it does not exist
+    yet, so that a resumed run has somewhere to load it into."""
+    shape = tuple(shape)
+    box = [list(b) for b in box] if box is not None else [[0, s] for s in shape]
+    flat = tuple(flat) if flat is not None else None
+    pick = (lambda t: t[index]) if index is not None else (lambda t: t)
+    pieces = [Piece(f"model/{name}", shape, box, flat, pick(param.data), write)] if model else []
+    if optimizer is not None:
+        state = optimizer.state[param]
+        if "exp_avg" not in state:
+            fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            pieces.append(Piece(f"optim/{moment}/{name}", shape, box, flat, pick(state[moment]), write))
+    return pieces
+
+
+def _flat_boxes(box, flat):
+    """The region `box`, or the elements [a, b) of it flattened row-major, as boxes of the
+    global tensor, each with the offset of its first element in the piece's (flattened)
+    data. A flat range is at most 2·ndim + 1 boxes: partial rows around whole ones."""
+    sizes = [stop - start for start, stop in box]
+    if flat is None:
+        return [(box, 0)]
+    a0, b0 = flat
+    out = []
+
+    def split(a, b, dims, prefix, base):  # [a, b) of the sub-tensor `dims` at flat `base`
+        if a >= b:
+            return
+        if not dims:
+            out.append((prefix, base - a0))
+            return
+        inner = math.prod(dims[1:])
+        rest = [[0, d] for d in dims[1:]]
+        first, last = a // inner, (b - 1) // inner
+        if a % inner:  # a partial first row
+            split(a - first * inner, min(b, (first + 1) * inner) - first * inner, dims[1:],
+                  prefix + [[first, first + 1]], base + first * inner)
+            first += 1
+        whole_to = last + 1 if b % inner == 0 else last  # rows [first, whole_to) are whole
+        if whole_to > first:
+            out.append((prefix + [[first, whole_to]] + rest, base + first * inner - a0))
+        if b % inner and last >= first:  # a partial last row
+            split(0, b - last * inner, dims[1:], prefix + [[last, last + 1]], base + last * inner)
+
+    split(a0, b0, sizes, [], 0)
+    return [([[s + o, e + o] for (s, e), (o, _) in zip(sub, box)], offset) for sub, offset in out]
+
+
+def _copy_overlap(dst, dst_regions, src, src_regions):
+    """Copy every element that the two pieces share from src to dst (both flattened data);
+    returns how many."""
+    copied = 0
+    for dbox, doff in dst_regions:
+        dshape = [e - s for s, e in dbox]
+        for sbox, soff in src_regions:
+            inter = [[max(d[0], s[0]), min(d[1], s[1])] for d, s in zip(dbox, sbox)]
+            if any(s >= e for s, e in inter):
+                continue
+            sshape = [e - s for s, e in sbox]
+            d = dst[doff:doff + math.prod(dshape)].view(dshape)[tuple(slice(s - o[0], e - o[0]) for (s, e), o in zip(inter, dbox))]
+            s_ = src[soff:soff + math.prod(sshape)].view(sshape)[tuple(slice(s - o[0], e - o[0]) for (s, e), o in zip(inter, sbox))]
+            d.copy_(s_)
+            copied += math.prod(e - s for s, e in inter)
+    return copied
+
+
+def atomic_save(obj, path):
     """Write atomically: a temporary file in the same directory, flushed to disk, then
-    renamed over the old one; a crash mid-write leaves the previous checkpoint intact."""
+    renamed over the old one; a crash mid-write leaves the previous file intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            if isinstance(obj, (bytes, str)):
+                f.write(obj.encode() if isinstance(obj, str) else obj)
+            else:
+                torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX file systems
@@ -1020,15 +1141,316 @@ def save_checkpoint(obj, path):
             os.remove(tmp)
 
 
-def load_checkpoint(path):
-    """Load with weights_only=True (tensors and plain containers only: nothing untrusted
-    is unpickled); a missing, truncated or foreign file is refused with one line."""
-    check(os.path.exists(path), f"no checkpoint at {path} to resume from")
+def agree_on_problem(problem):
+    """Every rank's problem (a string, or None), gathered: the first one, or None. Every
+    rank reaches the same verdict, so they all stop (or go on) together."""
+    problems = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)  # a few bytes: each rank's verdict
+    return next((p for p in problems if p), None)
+
+
+def _agreed(action):
+    """Run `action` on every rank; a CheckpointError (or any error reading a file) on any
+    rank becomes one line from rank 0 and exit 2 on every rank."""
+    result, problem = None, None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        result = action()
+    except CheckpointError as e:
+        problem = str(e)
+    problem = agree_on_problem(problem)
+    if problem:
+        fail(problem)
+    return result
+
+
+def checkpoint_root(out_dir):
+    return os.path.join(out_dir, "ckpt")
+
+
+def _read_metadata(path):
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable (truncated or corrupt?): "
+                              f"{type(e).__name__}: {str(e)[:150]}")
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not the metadata of a checkpoint of these scripts "
+                              f"(no \"format\": \"{CHECKPOINT_FORMAT}\")")
+    return meta
+
+
+def latest_checkpoint(out_dir):
+    """The directory of the newest committed set (the one whose metadata was written last),
+    or None. Sets without metadata.json (a write that did not finish) are ignored."""
+    root, best = checkpoint_root(out_dir), (None, -1.0)
+    if not os.path.isdir(root):
+        return None
+    for name in os.listdir(root):
+        meta = os.path.join(root, name, "metadata.json")
+        if name.startswith("step_") and os.path.isfile(meta):
+            stamp = os.path.getmtime(meta)
+            try:
+                stamp = float(json.load(open(meta)).get("time", stamp))
+            except (OSError, ValueError, AttributeError):
+                pass  # unreadable: it is refused, with its name, if it is the one chosen
+            if stamp > best[1]:
+                best = (os.path.join(root, name), stamp)
+    return best[0]
+
+
+def clean_checkpoints(out_dir, keep):
+    """Rank 0: remove every set but `keep` (older sets, sets without metadata: interrupted
+    writes) and temporary files left by a killed write."""
+    root = checkpoint_root(out_dir)
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
+            for leftover in os.listdir(path):
+                if ".tmp." in leftover:
+                    os.remove(os.path.join(path, leftover))
+        elif name.startswith("step_") or ".tmp." in name:
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
+    """Write the checkpoint of `step`: every rank its pieces (those with write=True) and its
+    RNG states to rank<r>.pt, atomically; then, once every rank has succeeded, rank 0 writes
+    metadata.json (the commit) and only then removes the previous set. With --export, the
+    final checkpoint is also written consolidated into one file. Returns nothing; a failed
+    write on any rank is one line and exit 2 on every rank, the previous set intact."""
+    directory = [None]
+    if env.master:
+        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir))
+        directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}"), 1
+        while os.path.exists(directory[0]):  # a committed set of the same step stays until this one is
+            directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}.{n}"), n + 1
+    if dist.is_initialized() and env.world_size > 1:
+        dist.broadcast_object_list(directory, src=0)  # rank 0's choice of directory, to every rank
+    directory = directory[0]
+    tensors, described, count = {}, [], {}
+    for piece in pieces:
+        if piece.write:
+            n = count[piece.name] = count.get(piece.name, -1) + 1
+            key = f"{piece.name}#{n}"
+            tensors[key] = piece.tensor.detach().to("cpu", copy=True).contiguous()
+            described.append(dict(name=piece.name, shape=list(piece.shape), dtype=str(piece.tensor.dtype),
+                                  key=key, box=piece.box, **({"flat": list(piece.flat)} if piece.flat else {})))
+    tensors.update({f"rng/{k}": v for k, v in rng_state(env).items()})
+    tensors.update({f"extra_rng/{k}": v for k, v in (extra_rng or {}).items()})
+    problem, written, t0 = None, 0, time.perf_counter()
+    bad = next((key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:  # never replace the last good checkpoint with a diverged one
+        problem = (f"not writing the checkpoint of step {step}: {bad.split('#')[0]} holds non-finite values "
+                   f"on rank {env.rank}; the last good checkpoint, {latest_checkpoint(args.out_dir)}, is kept")
+    else:
+        try:
+            path = os.path.join(directory, f"rank{env.rank}.pt")
+            atomic_save(tensors, path)
+            written = os.path.getsize(path)
+        except OSError as e:
+            problem = f"cannot write checkpoint {directory}/rank{env.rank}.pt: {e}"
+    everyone = [(problem, described, written)]
+    if dist.is_initialized() and env.world_size > 1:
+        everyone = [None] * env.world_size
+        dist.all_gather_object(everyone, (problem, described, written))  # who wrote what, to every rank
+    problem = next((p for p, _, _ in everyone if p), None)
+    if problem:
+        fail(problem)
+    if env.master:
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(),
+                "optimizer_step": _optimizer_step(optimizer, step), "run": run,
+                "layout": {**run["layout"], "world_size": env.world_size},
+                "bytes_per_rank": [w for _, _, w in everyone], "tensors": {}}
+        for rank, (_, described, _) in enumerate(everyone):
+            for d in described:
+                entry = meta["tensors"].setdefault(d["name"], {"shape": d["shape"], "dtype": d["dtype"], "pieces": []})
+                assert entry["shape"] == d["shape"], f"ranks disagree on the shape of {d['name']}"
+                entry["pieces"].append({"rank": rank, **{k: d[k] for k in ("key", "box", "flat") if k in d}})
+        for name, entry in meta["tensors"].items():  # the pieces tile the tensor exactly once
+            held = sum(p["flat"][1] - p["flat"][0] if "flat" in p else math.prod(e - s for s, e in p["box"])
+                       for p in entry["pieces"])
+            assert held == math.prod(entry["shape"]), f"{name}: the written pieces hold {held} of {math.prod(entry['shape'])} elements"
+        try:
+            atomic_save(json.dumps(meta, indent=1), os.path.join(directory, "metadata.json"))  # the commit
+            clean_checkpoints(args.out_dir, keep=directory)  # only now: the previous set
+            problem = None
+        except OSError as e:
+            problem = f"cannot write checkpoint metadata {directory}/metadata.json: {e}"
+    problem = agree_on_problem(problem if env.master else None)
+    if problem:
+        fail(problem)
+    sizes = [w for _, _, w in everyone]
+    log(env, f"checkpoint step {step} committed to {directory}: {format_bytes(min(sizes))} to "
+             f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
+    if getattr(args, "export", None) and step == args.max_iters:
+        if env.master:
+            export_checkpoint(args.out_dir, args.export)
+            log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _optimizer_step(optimizer, default):
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return default
+
+
+class Checkpoint:
+    """A committed set, opened for reading: `read(name, box, flat)` assembles any region of
+    any tensor from the pieces that overlap it, opening only the rank files that hold them
+    (memory-mapped, weights_only: nothing is unpickled but tensors)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.meta = _read_metadata(os.path.join(directory, "metadata.json"))
+        self.files = {}
+
+    def file(self, rank):
+        if rank not in self.files:
+            path = os.path.join(self.directory, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                raise CheckpointError(f"checkpoint file {path} is missing")
+            try:
+                data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt?): "
+                                      f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
+            if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+                raise CheckpointError(f"checkpoint file {path} is not a rank file of these scripts "
+                                      f"(it holds a {type(data).__name__}, not a dict of tensors)")
+            self.files[rank] = (path, data)
+        return self.files[rank]
+
+    def read(self, name, shape, box, flat=None):
+        entry = self.meta["tensors"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.directory} has no tensor {name}")
+        if list(entry["shape"]) != list(shape):
+            raise CheckpointError(f"checkpoint {self.directory} holds {name} of shape {entry['shape']}, "
+                                  f"this run needs {list(shape)}")
+        numel = (flat[1] - flat[0]) if flat else math.prod(e - s for s, e in box)
+        out = torch.empty(numel, dtype=getattr(torch, entry["dtype"].replace("torch.", "")))
+        wanted, copied = _flat_boxes(box, flat), 0
+        for piece in entry["pieces"]:
+            regions = _flat_boxes(piece["box"], piece.get("flat"))
+            if not any(all(max(d[0], s[0]) < min(d[1], s[1]) for d, s in zip(w, r))
+                       for w, _ in wanted for r, _ in regions):
+                continue  # no overlap: its file is not opened
+            path, data = self.file(piece["rank"])
+            stored = data.get(piece["key"])
+            size = (piece["flat"][1] - piece["flat"][0]) if piece.get("flat") else math.prod(e - s for s, e in piece["box"])
+            if stored is None or stored.numel() != size:
+                raise CheckpointError(f"checkpoint file {path} does not hold {piece['key']} as its metadata says")
+            copied += _copy_overlap(out, wanted, stored.reshape(-1), regions)
+        if copied != numel:
+            raise CheckpointError(f"checkpoint {self.directory} covers {copied} of the {numel} elements "
+                                  f"of {name} this rank needs")
+        return out
+
+
+def open_checkpoint(out_dir, run):
+    """The newest committed set in out_dir, checked against this run; one line if there is
+    none, or if what is there is not a checkpoint of this run."""
+    directory = latest_checkpoint(out_dir)
+    if directory is None:
+        single = [f for f in ("ckpt.pt", "zero_ckpt.pt", "fsdp_ckpt.pt", "tp_ckpt.pt", "pp_ckpt.pt", "3d_ckpt.pt")
+                  if os.path.exists(os.path.join(out_dir, f))]
+        if single:
+            raise CheckpointError(f"{os.path.join(out_dir, single[0])} is not a checkpoint of this format "
+                                  f"(expected {checkpoint_root(out_dir)}/step_<N>/metadata.json); "
+                                  "to start from a one-file model, use 01_single_gpu.py --init_from")
+        raise CheckpointError(f"no checkpoint in {checkpoint_root(out_dir)} to resume from")
+    ckpt = Checkpoint(directory)
+    saved = ckpt.meta.get("run") or {}
+    for key in run:
+        if key == "layout":
+            continue
+        if saved.get(key) != run[key]:
+            what = "another model" if key == "model" else "another run"
+            raise CheckpointError(f"checkpoint {directory} holds {what}: it was written with {key}="
+                                  f"{saved.get(key)}, this run has {key}={run[key]}")
+    return ckpt
+
+
+def resume_checkpoint(out_dir, env, pieces, run, optimizer):
+    """Load every piece this rank holds from the newest committed set in out_dir, whatever
+    the layout (and script) that wrote it; the RNG states too when the layout is the same
+    (then the run continues bit for bit). Returns (step, the extra RNG states or None)."""
+    t0 = time.perf_counter()
+    if env.master and os.path.isdir(checkpoint_root(out_dir)):
+        clean_checkpoints(out_dir, keep=latest_checkpoint(out_dir))  # leftovers of interrupted writes
+    if dist.is_initialized():
+        dist.barrier()
+
+    def load():
+        ckpt = open_checkpoint(out_dir, run)
+        with torch.no_grad():
+            for piece in pieces:
+                value = ckpt.read(piece.name, piece.shape, piece.box, piece.flat)
+                piece.tensor.copy_(value.view(piece.tensor.shape))
+        same = ckpt.meta["layout"] == {**run["layout"], "world_size": env.world_size}
+        rng = None
+        if same:
+            _, data = ckpt.file(env.rank)
+            rng = {k[4:]: v.clone() for k, v in data.items() if k.startswith("rng/")}
+            extra = {k[10:]: v.clone() for k, v in data.items() if k.startswith("extra_rng/")}
+        return ckpt.meta, same, rng, (extra if same else None)
+
+    meta, same, rng, extra = _agreed(load)
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].fill_(meta["optimizer_step"])
+    log(env, f"resumed step {meta['step']} from {latest_checkpoint(out_dir)} in {time.perf_counter() - t0:.2f} s")
+    if same:
+        set_rng_state(env, rng)
+    else:
+        log(env, f"resuming step {meta['step']} written by {meta['layout']} as {run['layout']} on "
+                 f"{env.world_size} rank(s): parameters and AdamW state resharded; the dropout streams start "
+                 "afresh: they cannot carry across layouts (the same layout resumes bit for bit)")
+    return meta["step"], extra
+
+
+def export_checkpoint(out_dir, path):
+    """The newest committed set, consolidated into one file in nanoGPT's ckpt.pt format
+    (model state dict with the tied lm_head.weight, model_args, iter_num, config): for
+    nanoGPT's sample.py, 01_single_gpu.py --init_from, or any user."""
+    ckpt = Checkpoint(latest_checkpoint(out_dir))
+    state = {}
+    for name, entry in ckpt.meta["tensors"].items():
+        if name.startswith("model/"):
+            shape = entry["shape"]
+            state[name[6:]] = ckpt.read(name, shape, [[0, s] for s in shape]).view(shape)
+    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied, as in nanoGPT
+    run = ckpt.meta["run"]
+    atomic_save({"model": state, "model_args": run["model"], "iter_num": ckpt.meta["step"],
+                 "config": {**{k: v for k, v in run.items() if k != "model"}, "dataset": run["data"]}}, path)
+
+
+def load_model_file(path, config):
+    """A one-file model (--export's, or nanoGPT's own ckpt.pt) for --init_from: its state
+    dict, after checking that it is one and that it is this model; one line otherwise."""
+    check(os.path.isfile(path), f"--init_from {path}: no such file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        fail(f"checkpoint {path} is unreadable (truncated or corrupt?): "
-             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+        fail(f"--init_from {path} is unreadable (truncated, corrupt, or not a torch file?): "
+             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
+    check(isinstance(obj, dict) and isinstance(obj.get("model"), dict) and isinstance(obj.get("model_args"), dict),
+          f"--init_from {path} is not a one-file model (expected a dict with 'model' and 'model_args', as "
+          f"--export and nanoGPT write; it holds a {type(obj).__name__}"
+          + (f" with keys {sorted(obj)[:6]}" if isinstance(obj, dict) else "") + ")")
+    architecture = lambda cfg: {k: cfg.get(k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")}  # noqa: E731
+    check(architecture(obj["model_args"]) == architecture(asdict(config)), f"--init_from {path} holds another "
+          f"model: {architecture(obj['model_args'])}, this run builds {architecture(asdict(config))}")
+    state = {k.removeprefix("_orig_mod."): v for k, v in obj["model"].items()}  # nanoGPT's compiled names
+    return {k: v for k, v in state.items() if not (k.endswith(".attn.bias") and v.dim() == 4)}  # nanoGPT's mask
 
 
 def device_rng_state(device):
@@ -1075,14 +1497,8 @@ def set_rng_state(env, state):
 
 
 def run_config(args, config, world_layout):
-    """What a checkpoint must agree on to be resumed bit-for-bit."""
+    """What a checkpoint must agree on to be resumed (all but the layout, which may change),
+    and the layout that wrote it (the same layout resumes bit for bit, RNG included)."""
     keys = ("data", "global_batch_size", "seed", "lr", "min_lr", "warmup_iters",
             "lr_decay_iters", "weight_decay", "grad_clip")
     return {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
-
-
-def check_resumable(saved, current, path):
-    """One line naming the first difference between the saved run and this one."""
-    for key in current:
-        check(saved.get(key) == current[key], f"checkpoint {path} was written with "
-              f"{key}={saved.get(key)}, this run has {key}={current[key]}")

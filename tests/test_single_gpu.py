@@ -1,7 +1,6 @@
 """01_single_gpu.py end to end on CPU: the loss falls, the metrics follow the schema,
 resume is bit-exact, bad input gets one line, and every script flag works."""
 
-import os
 import shutil
 
 import pytest
@@ -13,9 +12,12 @@ KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu", "mem_peak_bytes", 
 
 
 @pytest.fixture(scope="module")
-def long_run():
-    return launch(SCRIPT, TINY + ["--max_iters", "40", "--eval_interval", "20", "--eval_iters", "2",
-                                  "--sample_tokens", "40", "--ckpt_interval", "40"]).ok()
+def long_run(tmp_path_factory):
+    export = tmp_path_factory.mktemp("export") / "weights.pt"
+    run = launch(SCRIPT, TINY + ["--max_iters", "40", "--eval_interval", "20", "--eval_iters", "2",
+                                 "--sample_tokens", "40", "--ckpt_interval", "40", "--export", export]).ok()
+    run.export = export
+    return run
 
 
 def test_loss_falls_and_metrics_follow_the_schema(long_run):
@@ -53,7 +55,7 @@ def test_resume_refuses_a_different_run_and_a_corrupt_checkpoint(tmp_path):
     launch(SCRIPT, base + ["--ckpt_interval", "2"]).ok()
     other = launch(SCRIPT, base + ["--resume", "--seed", "99"])
     assert other.returncode == 2 and len(other.error_lines) == 1 and "seed" in other.error_lines[0]
-    path = tmp_path / "ckpt.pt"
+    path = tmp_path / "ckpt" / "step_2" / "rank0.pt"
     path.write_bytes(path.read_bytes()[:1000])  # truncated, as by a crash mid-copy
     bad = launch(SCRIPT, base + ["--resume"])
     assert bad.returncode == 2 and len(bad.error_lines) == 1 and "unreadable" in bad.error_lines[0]
@@ -62,8 +64,7 @@ def test_resume_refuses_a_different_run_and_a_corrupt_checkpoint(tmp_path):
 
 
 def test_init_from_and_eval_only_reproduce_the_final_evaluation(long_run, tmp_path):
-    ckpt = os.path.join(os.path.dirname(long_run.cmd[long_run.cmd.index("--metrics") + 1]), "out", "ckpt.pt")
-    shutil.copy(ckpt, tmp_path / "weights.pt")
+    shutil.copy(long_run.export, tmp_path / "weights.pt")  # --export: the final checkpoint in one file
     ev = launch(SCRIPT, TINY + ["--eval_only", "--eval_iters", "2", "--eval_interval", "20",
                                 "--sample_tokens", "40", "--init_from", str(tmp_path / "weights.pt")]).ok()
     assert ev.evals[0]["val_loss"] == pytest.approx(long_run.evals[-1]["val_loss"], rel=1e-6)

@@ -64,8 +64,9 @@ def test_resume_is_bit_exact(tmp_path):
                                                      "--ckpt_interval", "4"], nprocs=2).ok()
     second = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses  # both dropout streams resume too
-    other = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=4)
-    assert other.returncode != 0 and "holds shards for tp=2, this run has tp=4" in other.error_lines[0]
+    # tp 2's shards resume at tp 4 (resharded; tests/test_checkpoints.py checks the losses)
+    other = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=4).ok()
+    assert "resharded" in other.stdout and len(other.losses) == 4
 
 
 @pytest.mark.parametrize("ranks, flags, message", [
