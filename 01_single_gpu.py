@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+from common import (Guard, LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
                     detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
                     make_parser, Metrics, model_config, model_block_size, parse_args, print_ledger,
                     progress, rng_state, run_config, save_checkpoint, set_rng_state, setup,
@@ -75,6 +75,7 @@ def main():
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
     accum_steps = check_batch(args, dp_size=1)
     env = setup(args, launch, distributed=False)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
 
     data = Data(args.data, args.seed, model_block_size(args))
@@ -138,6 +139,9 @@ def main():
             loss_sum += loss.detach().float()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (p.grad for p in model.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -149,8 +153,10 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), comm)
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, data, args, env, accum_steps)

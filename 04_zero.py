@@ -71,7 +71,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
+from common import (Guard, LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
                     detect_launcher, flops_per_token, format_bytes, is_decayed, load_checkpoint,
                     log, lr_at, ADAM_BETAS, make_parser, Metrics, model_config, model_block_size,
                     parse_args, print_ledger, progress, rng_state, run_config, save_checkpoint,
@@ -367,6 +367,7 @@ def main():
     launch = detect_launcher(os.environ)
     accum_steps = check_batch(args, dp_size=launch.world_size)
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
     data = Data(args.data, args.seed, model_block_size(args))
@@ -442,6 +443,9 @@ def main():
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             zero.clip_grad_norm(args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (u.grad_shard for u in zero.units))
         zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
 
         comm = LEDGER.take()
@@ -452,8 +456,10 @@ def main():
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm)
         zero.zero_grad()
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, zero, data, args, env, accum_steps)

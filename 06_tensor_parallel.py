@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import (LEDGER, Data, autocast, check, check_batch, check_resumable, detect_launcher,
+from common import (Guard, LEDGER, Data, autocast, check, check_batch, check_resumable, detect_launcher,
                     flops_per_token, load_checkpoint, log, lr_at, make_adamw, make_parser, Metrics,
                     model_config, model_block_size, param_init, parse_args, print_ledger, progress,
                     rng_state, run_config, save_checkpoint, set_rng_state, setup, state_bytes,
@@ -451,6 +451,7 @@ def main():
           "(08_3d.py combines TP with data and pipeline parallelism)")
     accum_steps = check_batch(args, dp_size=1)
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     check(config.n_head % tp == 0, f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp}: "
@@ -543,6 +544,9 @@ def main():
             all_reduce_sequence_parallel_grads(model)
         if args.grad_clip > 0:
             clip_grad_norm(model, args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (p.grad for p in model.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -554,8 +558,10 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), comm)
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, data, args, env, accum_steps)

@@ -58,7 +58,7 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (LEDGER, Block, Data, autocast, check, check_batch, check_resumable,
+from common import (Guard, LEDGER, Block, Data, autocast, check, check_batch, check_resumable,
                     detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
                     make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
                     print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
@@ -321,6 +321,7 @@ def main():
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     check(config.n_layer % (p * v) == 0, f"n_layer {config.n_layer} is not divisible by pp {p}"
@@ -452,6 +453,9 @@ def main():
             coef = torch.clamp(args.grad_clip / (squares.sqrt() + 1e-6), max=1.0)
             for t in chunks.parameters():
                 t.grad.mul_(coef)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (t.grad for t in chunks.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -467,8 +471,10 @@ def main():
                      "bubble_drawn": bubble, "bubble_theory": bubble_theory(args.schedule, p, m, v)}
             metrics.step(step, loss_value, lr, dt, state_bytes(chunks.parameters(), optimizer), comm, extra)
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate()

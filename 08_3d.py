@@ -57,7 +57,7 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (ADAM_BETAS, LEDGER, Data, autocast, check, check_batch, check_resumable,
+from common import (ADAM_BETAS, Guard, LEDGER, Data, autocast, check, check_batch, check_resumable,
                     detect_launcher, flops_per_token, load_checkpoint, log, lr_at, make_adamw,
                     make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
                     print_ledger, progress, rng_state, run_config, save_checkpoint, set_rng_state,
@@ -475,6 +475,7 @@ def main():
     accum_steps = check_batch(args, dp_size=D)
     m = accum_steps  # micro-batches per replica per step
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     global TP_GROUP
     mesh = Mesh(env.rank, world, T, P)
     TP_GROUP = mesh.tp_group
@@ -644,6 +645,9 @@ def main():
                 offset += p.numel()
         if args.grad_clip > 0:
             clip(args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, [zero.grad_shard] if zero else (p.grad for p in stage.parameters()))
         if zero:
             zero.step()
         else:
@@ -666,8 +670,10 @@ def main():
             zero.zero_grad()
         else:
             optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate()
