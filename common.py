@@ -470,10 +470,9 @@ def parse_args(parser, argv=None):
         check(value is None or value > 0, f"--{name} must be positive, got {value}")
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
-    for name in ("warmup_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip", "lr", "min_lr"):
+    for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip",
+                 "lr", "min_lr"):
         check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
-    check(args.lr_decay_iters >= args.warmup_iters, f"--lr_decay_iters {args.lr_decay_iters} must not be "
-          f"below --warmup_iters {args.warmup_iters} (the cosine decay follows the warm-up)")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")
     check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
     check(cfg["n_embd"] % cfg["n_head"] == 0,

@@ -82,7 +82,7 @@ def test_block_size_longer_than_the_embedded_corpus(script, nprocs, data, block)
     ("--seed", "-1", "--seed must be in [0, 2^32)"),
     ("--seed", "1e23", "invalid int value: '1e23'"),
     ("--timeout", "inf", "--timeout must be a finite number"),
-    ("--lr_decay_iters", "-5", "--lr_decay_iters -5 must not be below --warmup_iters"),
+    ("--lr_decay_iters", "-5", "--lr_decay_iters must not be negative, got -5"),
     ("--lr", "nan", "--lr must be a finite number"),
     ("--time_limit", "0", "--time_limit must be positive"),
 ])
