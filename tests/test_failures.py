@@ -163,6 +163,7 @@ def test_second_job_refused_then_sigterm_checkpoints_and_resume_takes_a_stale_lo
         # SIGTERM to rank 1 only (as a scheduler's signal to one node): every rank finishes the
         # step, a checkpoint is written, every rank exits 0
         pids = rank_pids(marker)
+        assert 1 in pids, f"rank 1 not found among {pids}"
         os.kill(pids[1], signal.SIGTERM)
         signalled = time.time()
         stdout, stderr = job.communicate(timeout=60)
@@ -197,9 +198,9 @@ def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path):
 def test_time_limit_stops_with_a_checkpoint(tmp_path):
     out = tmp_path / "out"
     run = launch("07_pipeline.py", TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000",
-                                           "--time_limit", "0.25", "--out_dir", out], nprocs=2).ok()
+                                           "--time_limit", "0.4", "--out_dir", out], nprocs=2).ok()
     stopped = [line for line in run.stdout.splitlines() if line.startswith("stopped after step")]
-    assert len(stopped) == 1 and "--time_limit 0.25 min is near" in stopped[0], run.stdout[-2000:]
-    assert len(run.steps) >= 2 and int(stopped[0].split()[3]) == run.steps[-1]["step"] + 1
+    assert len(stopped) == 1 and "--time_limit 0.4 min is near" in stopped[0], run.stdout[-2000:]
+    assert run.steps and int(stopped[0].split()[3]) == run.steps[-1]["step"] + 1
     assert any(name.endswith(".pt") for name in os.listdir(out)) and "LOCK" not in os.listdir(out)
-    assert run.seconds < 15 + 30
+    assert run.seconds < 24 + 30  # stopped before the limit (plus the launch before the clock starts)
