@@ -30,10 +30,11 @@ import time
 import torch
 
 from common import (autocast, build_model, check, check_batch, count_params, Data, dry_run,
-                    flops_per_token, launch_for, LEDGER, load_model_file, log, lr_at, make_adamw,
-                    make_parser, Metrics, model_block_size, model_config, param_pieces, parse_args,
-                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
-                    save_checkpoint, setup, state_bytes, synchronize, teardown, to_device)
+                    flops_per_token, Guard, launch_for, LEDGER, load_model_file, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_pieces,
+                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
+                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
+                    to_device)
 
 
 def add_flags(parser):
@@ -88,6 +89,7 @@ def main():
         dry_run(args, "01_single_gpu.py", config, costs(args, config, 1, planned_dtype(args)),
                 [f"layout: one device, {accum_steps} micro-batch(es) of {args.micro_batch_size}"])
     env = setup(args, launch, distributed=False)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
 
     data = Data(args.data, args.seed, model_block_size(args))
@@ -143,6 +145,9 @@ def main():
             loss_sum += loss.detach().float()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (p.grad for p in model.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -154,8 +159,10 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), comm)
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, data, args, env, accum_steps)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from common import (autocast, build_model, check, check_batch, count_params, Data, dry_run,
-                    flops_per_token, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
+                    flops_per_token, Guard, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
                     Metrics, model_block_size, model_config, param_pieces, parse_args,
                     planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
                     save_checkpoint, setup, state_bytes, synchronize, teardown, to_device)
@@ -181,6 +181,7 @@ def main():
                 [f"layout: {launch.world_size} replicas, each {accum_steps} micro-batch(es) of "
                  f"{args.micro_batch_size} per step"])
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every replica
 
     data = Data(args.data, args.seed, model_block_size(args))
@@ -244,6 +245,9 @@ def main():
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (p.grad for p in model.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -255,8 +259,10 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), comm)
         buckets.zero_grad()
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, data, args, env, accum_steps)

@@ -77,10 +77,10 @@ import torch
 import torch.distributed as dist
 
 from common import (ADAM_BETAS, autocast, build_model, check_batch, Data, dry_run, flops_per_token,
-                    GPT, launch_for, LEDGER, log, lr_at, make_parser, Metrics, model_block_size,
-                    model_config, param_pieces, parse_args, planned_dtype, print_ledger, progress,
-                    resume_checkpoint, run_config, save_checkpoint, setup, synchronize, teardown,
-                    tensor_bytes, to_device)
+                    GPT, Guard, launch_for, LEDGER, log, lr_at, make_parser, Metrics,
+                    model_block_size, model_config, param_pieces, parse_args, planned_dtype,
+                    print_ledger, progress, resume_checkpoint, run_config, save_checkpoint, setup,
+                    synchronize, teardown, tensor_bytes, to_device)
 
 
 def add_flags(parser):
@@ -391,6 +391,7 @@ def main():
                  f"{config.n_layer} blocks, each cut into {launch.world_size} shards), {accum_steps} "
                  f"micro-batch(es) of {args.micro_batch_size} per rank per step"])
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
     data = Data(args.data, args.seed, model_block_size(args))
@@ -447,6 +448,9 @@ def main():
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             zero.clip_grad_norm(args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (u.grad_shard for u in zero.units))
         zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
 
         comm = LEDGER.take()
@@ -457,8 +461,10 @@ def main():
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm)
         zero.zero_grad()
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, zero, data, args, env, accum_steps)

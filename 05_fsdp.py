@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (ADAM_BETAS, autocast, check, check_batch, Data, dry_run, flops_per_token,
-                    format_bytes, GPT, launch_for, LEDGER, log, lr_at, make_parser, Metrics,
+                    format_bytes, GPT, Guard, launch_for, LEDGER, log, lr_at, make_parser, Metrics,
                     model_block_size, model_config, param_init, param_pieces, parse_args,
                     planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
                     save_checkpoint, setup, state_bytes, synchronize, teardown, to_device)
@@ -352,6 +352,7 @@ def main():
                 + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
                     "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else []))
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
     data = Data(args.data, args.seed, model_block_size(args))
@@ -414,6 +415,9 @@ def main():
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             fsdp.clip_grad_norm(args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (s.grad for s in fsdp.shards()))
         optimizer.step()  # AdamW on this rank's fp32 rows only
 
         comm = LEDGER.take()
@@ -429,8 +433,10 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm,
                          {"gathered_peak_bytes": fsdp.gathered_peak, "gathered_bound_bytes": gathered_bound})
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, fsdp, data, args, env, accum_steps)

@@ -63,7 +63,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from common import (autocast, check, check_batch, count_params, Data, device_rng_state, dry_run,
-                    flops_per_token, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
+                    flops_per_token, Guard, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
                     Metrics, model_block_size, model_config, param_init, param_pieces, parse_args,
                     planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
                     save_checkpoint, seeded_rng_state, set_device_rng_state, setup, state_bytes,
@@ -519,6 +519,7 @@ def main():
                 + ([f"  warning: the group spans nodes of {args.ranks_per_node} ranks: keep TP inside a node "
                     "(08_3d.py adds data and pipeline parallelism across nodes)"] if tp > args.ranks_per_node else []))
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     check_layout(args, config, tp)
@@ -576,6 +577,9 @@ def main():
             all_reduce_sequence_parallel_grads(model)
         if args.grad_clip > 0:
             clip_grad_norm(model, args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (p.grad for p in model.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -587,8 +591,10 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), comm)
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(train_model, data, args, env, accum_steps)

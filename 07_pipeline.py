@@ -60,11 +60,11 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (autocast, Block, check, check_batch, count_params, Data, dry_run,
-                    flops_per_token, format_bytes, launch_for, LEDGER, log, lr_at, make_adamw,
-                    make_parser, Metrics, model_block_size, model_config, param_init, param_pieces,
-                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
-                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
-                    to_device)
+                    flops_per_token, format_bytes, Guard, launch_for, LEDGER, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
+                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
+                    teardown, to_device)
 
 
 def add_flags(parser):
@@ -406,6 +406,7 @@ def main():
                    f"{s['in_flight']} micro-batch(es) of activations in flight"
                    for r, s in enumerate(stages)] + ["(below: stage 0)"])
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     check_layout(args, config, p)
@@ -509,6 +510,9 @@ def main():
             coef = torch.clamp(args.grad_clip / (squares.sqrt() + 1e-6), max=1.0)
             for t in chunks.parameters():
                 t.grad.mul_(coef)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, (t.grad for t in chunks.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -524,8 +528,10 @@ def main():
                      "bubble_drawn": bubble, "bubble_theory": bubble_theory(args.schedule, p, m, v)}
             metrics.step(step, loss_value, lr, dt, state_bytes(chunks.parameters(), optimizer), comm, extra)
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate()

@@ -65,7 +65,7 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (ADAM_BETAS, autocast, check, check_batch, count_params, Data, device_rng_state,
-                    dry_run, flops_per_token, format_bytes, launch_for, LEDGER, log, lr_at,
+                    dry_run, flops_per_token, format_bytes, Guard, launch_for, LEDGER, log, lr_at,
                     make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
                     param_pieces, parse_args, planned_dtype, print_ledger, progress,
                     resume_checkpoint, run_config, save_checkpoint, seeded_rng_state,
@@ -613,6 +613,7 @@ def main():
                    f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step" for s, c in enumerate(per_stage)]
                 + ["(below: rank 0)"])
     env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     global TP_GROUP
     mesh = Mesh(env.rank, world, T, P).make_groups()
     TP_GROUP = mesh.tp_group
@@ -748,6 +749,9 @@ def main():
                 offset += p.numel()
         if args.grad_clip > 0:
             clip(args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_sum, [zero.grad_shard] if zero else (p.grad for p in stage.parameters()))
         if zero:
             zero.step()
         else:
@@ -770,8 +774,10 @@ def main():
             zero.zero_grad()
         else:
             optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate()

@@ -13,6 +13,7 @@ Two rules make every strategy comparable with 01_single_gpu.py:
 """
 
 import argparse
+import atexit
 import datetime
 import hashlib
 import inspect
@@ -21,11 +22,13 @@ import math
 import os
 import pickletools
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from functools import wraps
 
@@ -36,6 +39,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+STARTED = time.monotonic()  # --time_limit counts from here (the job's walltime runs since about then)
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (*_single) and warns;
 # the scripts keep the old names, which every torch since 2.0 has
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
@@ -268,6 +272,7 @@ def lr_at(step, args):
 # ----------------------------------------------------------------------------------------
 
 SPLITS = {"train": 0, "val": 1}
+SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the text is train, the rest val (nanoGPT's split)
 EVAL_KEY = 2  # evaluation batches: streams of their own, the same at every evaluation
 
 
@@ -287,6 +292,9 @@ def read_vocab_size(meta_path):
     raise ValueError(f"{meta_path} has no integer vocab_size")
 
 
+DATA_SCAN_CHUNK = 1 << 24  # tokens per read when scanning a file for out-of-vocabulary ids (32 MiB)
+
+
 class Data:
     """Token streams for the train and val splits and the deterministic batches drawn from
     them.
@@ -304,7 +312,7 @@ class Data:
             lut = np.zeros(max(map(ord, chars)) + 1, dtype=np.uint16)
             lut[[ord(c) for c in chars]] = np.arange(len(chars), dtype=np.uint16)
             tokens = lut[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
-            n = int(0.9 * len(tokens))
+            n = int(SHAKESPEARE_TRAIN_FRACTION * len(tokens))
             self.splits, self.vocab_size = {"train": tokens[:n], "val": tokens[n:]}, len(chars)
         elif spec == "synthetic":
             self.splits, self.vocab_size = synthetic_corpus(), SYNTHETIC_VOCAB
@@ -324,27 +332,53 @@ class Data:
         return read_vocab_size(meta) if os.path.exists(meta) else 50304  # GPT-2's, padded
 
     @staticmethod
-    def check(spec, block_size):
-        """The reason this --data cannot be used, or None (cheap: no tokens are read)."""
+    def problem(spec, block_size, rank=0, world_size=1):
+        """The reason this --data cannot be used with this block size, or None. Each rank
+        scans its 1/world_size slice of every token file once for ids outside the vocabulary
+        (a chunked pass over the memmap), so the whole of every file is checked once per job;
+        `agree` then makes every rank act on whatever any rank found."""
         if spec in ("shakespeare_char", "synthetic"):
-            return None if spec == "synthetic" or os.path.exists(SHAKESPEARE_TXT) else \
-                f"the embedded corpus {SHAKESPEARE_TXT} is missing"
+            if spec == "shakespeare_char" and not os.path.exists(SHAKESPEARE_TXT):
+                return f"the embedded corpus {SHAKESPEARE_TXT} is missing"
+            if spec == "synthetic":
+                lengths = SYNTHETIC_TOKENS
+            else:
+                n = len(open(SHAKESPEARE_TXT, encoding="utf-8").read())
+                lengths = {"train": int(SHAKESPEARE_TRAIN_FRACTION * n), "val": n - int(SHAKESPEARE_TRAIN_FRACTION * n)}
+            for split, n in lengths.items():
+                if n < block_size + 2:
+                    return (f"--data {spec}: its {split} split holds {n} tokens; block_size {block_size} "
+                            f"needs at least block_size+2 = {block_size + 2} (lower --block_size)")
+            return None
         if not os.path.isdir(spec):
             return f"--data {spec}: no such directory (expected shakespeare_char, synthetic, or a directory with train.bin and val.bin)"
-        for split in SPLITS:
-            path = os.path.join(spec, f"{split}.bin")
-            if not os.path.exists(path):
-                return f"--data {spec}: {split}.bin is missing"
-            if os.path.getsize(path) // 2 <= block_size:
-                return f"--data {spec}: {split}.bin holds {os.path.getsize(path) // 2} tokens, fewer than block_size+1 = {block_size + 1}"
         meta = os.path.join(spec, "meta.pkl")
+        vocab, source = 50304, "GPT-2's padded vocabulary (there is no meta.pkl)"
         if os.path.exists(meta):
             try:
-                vocab = read_vocab_size(meta)
+                vocab, source = read_vocab_size(meta), f"{meta}'s vocab_size"
             except Exception as e:  # a damaged or foreign meta.pkl
-                return f"--data {spec}: cannot read vocab_size from meta.pkl ({e})"
-            if vocab > 65536:
-                return f"--data {spec}: vocab_size {vocab} does not fit the uint16 tokens of train.bin"
+                return f"--data {spec}: cannot read vocab_size from {meta} ({e})"
+            if not 0 < vocab <= 65536:
+                return f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..65536 (uint16 tokens)"
+        for split in SPLITS:
+            path = os.path.join(spec, f"{split}.bin")
+            if not os.path.isfile(path):
+                return f"--data {spec}: {split}.bin is missing"
+            size = os.path.getsize(path)
+            if size % 2:
+                return f"{path} is {size} bytes, not a whole number of uint16 tokens (truncated or not nanoGPT's format?)"
+            if size // 2 < block_size + 2:
+                return (f"{path} holds {size // 2} tokens, fewer than block_size+2 = {block_size + 2} "
+                        "(the batch sampler needs one window of block_size+1 tokens and a choice of start)")
+            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            lo, hi = rank * len(tokens) // world_size, (rank + 1) * len(tokens) // world_size
+            for a in range(lo, hi, DATA_SCAN_CHUNK):
+                chunk = np.asarray(tokens[a:min(hi, a + DATA_SCAN_CHUNK)])
+                if chunk.max() >= vocab:
+                    at = a + int(np.argmax(chunk >= vocab))
+                    return (f"{path} holds token id {int(tokens[at])} at position {at}, outside the vocabulary: "
+                            f"ids must be below {vocab}, {source}")
         return None
 
     def batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
@@ -368,9 +402,10 @@ class Data:
 
 
 SYNTHETIC_VOCAB = 256
+SYNTHETIC_TOKENS = {"train": 1 << 21, "val": 1 << 17}
 
 
-def synthetic_corpus(n_train=1 << 21, n_val=1 << 17):
+def synthetic_corpus(n_train=SYNTHETIC_TOKENS["train"], n_val=SYNTHETIC_TOKENS["val"]):
     """A learnable stream for offline benchmarks: a fixed random first-order Markov chain in
     which every token has 4 likely successors (so the loss can fall to about log 4)."""
     rng = np.random.default_rng(1234)
@@ -450,6 +485,9 @@ def make_parser(doc):
                    help="continue from out_dir's newest checkpoint, written by any script at any layout")
     g.add_argument("--export", default=None, metavar="FILE",
                    help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
+    g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
+                   help="stop cleanly, with a checkpoint, before this many minutes from the start "
+                        "(the job's walltime less a margin)")
     g = p.add_argument_group("dry run (no launcher, network or accelerator needed)")
     g.add_argument("--dry_run", action="store_true",
                    help="validate the configuration for --world_size ranks, print the layout and what "
@@ -460,8 +498,13 @@ def make_parser(doc):
     return p
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer than any job, within what the process group accepts
+
+
 def parse_args(parser, argv=None):
-    """Parse and validate the shared flags; the script validates its own afterwards."""
+    """Parse and validate the shared flags (every rank reaches the same verdict from the same
+    command line); the script validates its own afterwards. What depends on files (--data,
+    --out_dir, --metrics) is checked by `setup`, once the ranks can agree."""
     args = parser.parse_args(argv)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
@@ -479,22 +522,24 @@ def parse_args(parser, argv=None):
     else:
         check(args.world_size is None and args.ranks_per_node is None,
               "--world_size and --ranks_per_node belong to --dry_run (a launch takes its size from the launcher)")
-    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval"]
+    for name, value in vars(args).items():  # nan and inf pass no range check below: refuse them here
+        check(not isinstance(value, float) or math.isfinite(value), f"--{name} must be a finite number, got {value}")
+    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval", "time_limit"]
     for name in positive:
         value = getattr(args, name)
         check(value is None or value > 0, f"--{name} must be positive, got {value}")
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
-    for name in ("warmup_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip", "lr", "min_lr"):
+    for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip",
+                 "lr", "min_lr"):
         check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
+    check(0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")
     check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
     check(cfg["n_embd"] % cfg["n_head"] == 0,
           f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
-    check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
+    check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
     check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
           "it needs --ckpt_interval (the final step is always saved)")
-    problem = Data.check(args.data, cfg["block_size"])
-    check(problem is None, problem)
     return args
 
 
@@ -661,7 +706,224 @@ def setup(args, launch=None, distributed=True):
                                 world_size=launch.world_size, timeout=timeout)
     _install_abort_hook(launch)  # after init_process_group, whose own hook it wraps
     LEDGER.install()
-    return Env(launch, device, backend, dtype)
+    env = Env(launch, device, backend, dtype)
+    if hasattr(args, "out_dir"):  # a training script: its files, before anything heavy
+        agree(env, startup_problem(args, env))
+    return env
+
+
+def agree(env, problem):
+    """Every rank passes the problem it found (a one-line string) or None; if any rank found
+    one, the first in rank order is printed once as `error: ...` and every rank exits with
+    status 2. A problem only some ranks can see (a file missing on one node, a slice of the
+    data) thus ends the whole job within seconds instead of hanging the others."""
+    if env.world_size > 1 and dist.is_initialized():
+        with LEDGER.paused():  # control traffic, not the strategy's
+            found = torch.tensor([1.0 if problem else 0.0], device=env.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # did any rank find a problem?
+            if found.item():
+                problems = [None] * env.world_size
+                dist.all_gather_object(problems, problem)  # every rank's message
+                problem = next(p for p in problems if p)
+    if problem:
+        if env.master:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+        leave(env, 2)
+
+
+def leave(env, status):
+    """Release the out_dir lock, end the process group in step, exit with `status`."""
+    release_out_dir()
+    teardown(env)
+    sys.exit(status)
+
+
+def startup_problem(args, env):
+    """This rank's first problem with the files of the run, or None: --data (this rank's
+    slice of the token scan), and on rank 0, which writes them, --metrics and --out_dir
+    (created, checked writable and locked for this job)."""
+    problem = Data.problem(args.data, model_block_size(args), env.rank, env.world_size)
+    if problem or not env.master:
+        return problem
+    if args.metrics:
+        folder = os.path.dirname(os.path.abspath(args.metrics))
+        if not os.path.isdir(folder):
+            return f"--metrics {args.metrics}: the directory {folder} does not exist"
+        try:
+            open(args.metrics, "a").close()
+        except OSError as e:
+            return f"--metrics {args.metrics} cannot be written: {e.strerror}"
+    return lock_out_dir(args.out_dir)
+
+
+# ----------------------------------------------------------------------------------------
+# One job per out_dir: a lock file with a heartbeat
+# ----------------------------------------------------------------------------------------
+
+LOCK_NAME = "LOCK"
+LOCK_HEARTBEAT_S = 10  # rank 0 touches the lock this often while the job lives
+LOCK_STALE_S = 60  # a lock untouched this long, or whose process is gone from this host, is stale
+_LOCK = {}  # path, the holder record, and the heartbeat's stop event, while this process holds one
+
+
+def _lock_holder():
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")}
+
+
+def _lock_is_stale(path, holder):
+    """A dead job's lock: its process is gone (same host), or its heartbeat stopped."""
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(int(holder.get("pid")), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, TypeError, ValueError):
+            pass
+    try:
+        return time.time() - os.path.getmtime(path) > LOCK_STALE_S
+    except FileNotFoundError:
+        return True
+
+
+def lock_out_dir(out_dir):
+    """Create out_dir, check that it is writable, and take its lock (out_dir/LOCK, holding
+    host, pid and scheduler job id; a daemon thread touches it every LOCK_HEARTBEAT_S).
+    Returns the problem, or None. A stale lock of a dead job is replaced, with a note."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except FileExistsError:
+        return f"--out_dir {out_dir} exists and is not a directory"
+    except OSError as e:
+        return f"--out_dir {out_dir} cannot be created: {e.strerror}"
+    if not os.path.isdir(out_dir):
+        return f"--out_dir {out_dir} exists and is not a directory"
+    path = os.path.join(out_dir, LOCK_NAME)
+    me = _lock_holder()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # atomic: one job wins
+        except FileExistsError:
+            try:
+                holder = json.load(open(path))
+            except (OSError, ValueError):
+                holder = {}
+            if not _lock_is_stale(path, holder):
+                age = time.time() - os.path.getmtime(path)
+                return (f"--out_dir {out_dir} is in use by another job (host {holder.get('host')}, "
+                        f"pid {holder.get('pid')}, job {holder.get('job')}; its lock {path} was renewed "
+                        f"{age:.0f} s ago): give this run its own --out_dir, or wait for that job to end")
+            print(f"note: removing the stale lock of a job that is gone ({path}: {holder})", file=sys.stderr, flush=True)
+            stale = f"{path}.stale.{os.getpid()}"
+            try:
+                os.replace(path, stale)  # only one of two racing jobs moves it away
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
+            continue
+        except OSError as e:
+            return f"--out_dir {out_dir} is not writable: {e.strerror}"
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        stop = threading.Event()
+
+        def heartbeat():
+            while not stop.wait(LOCK_HEARTBEAT_S):
+                try:
+                    os.utime(path)
+                except OSError:
+                    return
+        threading.Thread(target=heartbeat, daemon=True, name="out_dir lock heartbeat").start()
+        _LOCK.update(path=path, holder=me, stop=stop)
+        atexit.register(release_out_dir)
+        return None
+    return f"--out_dir {out_dir}: could not take its lock {path} (another job keeps taking it)"
+
+
+def release_out_dir():
+    """Remove this job's lock (if it is still ours); safe to call more than once."""
+    if not _LOCK:
+        return
+    _LOCK["stop"].set()
+    try:
+        if json.load(open(_LOCK["path"])) == _LOCK["holder"]:
+            os.remove(_LOCK["path"])
+    except (OSError, ValueError):
+        pass
+    _LOCK.clear()
+
+
+# ----------------------------------------------------------------------------------------
+# Stopping: non-finite loss or gradients, walltime and signals, agreed by every rank
+# ----------------------------------------------------------------------------------------
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what PBS and Slurm send at walltime or preemption
+NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite loss or gradient
+
+
+class Guard:
+    """One small all-reduce per optimizer step, before the update, in which every rank says
+    (1) whether its loss or gradients hold a non-finite number, and (2) whether it has been
+    asked to stop: a SIGTERM / SIGUSR1 reached it, or --time_limit is near (elapsed time +
+    twice the slowest step seen, i.e. one more step and a checkpoint, would pass it).
+
+    (1) on any rank: one `error:` line naming the step, every rank exits with NONFINITE_EXIT
+        before the optimizer step, so no non-finite weights exist and no checkpoint of them
+        is written; the last good checkpoint is untouched.
+    (2) on any rank: `check` returns True on every rank, which finish this step, write a
+        checkpoint and call `stop`."""
+
+    def __init__(self, args, env):
+        self.args, self.env = args, env
+        self.signal = None
+        self.last, self.slowest = time.monotonic(), 0.0
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        if self.signal:  # a second signal: the sender insists, end now (the default action)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signal = signal.Signals(signum).name  # acted on at the next step's check
+
+    def _time_is_up(self):
+        if not self.args.time_limit:
+            return False
+        now = time.monotonic()
+        self.slowest, self.last = max(self.slowest, now - self.last), now  # a step, with its eval and saves
+        return now - STARTED + 2 * self.slowest > self.args.time_limit * 60
+
+    def check(self, step, loss, grads):
+        """Call after backward (and clipping), right before optimizer.step(), with this rank's
+        loss and its gradient tensors. Returns True when every rank should stop after this step."""
+        env, rank = self.env, self.env.rank
+        grads = [g for g in grads if g is not None]
+        values = torch.stack([loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads])
+        bad = not bool(torch.isfinite(values).all())
+        asked = 2 if self.signal else 1 if self._time_is_up() else 0
+        # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop)
+        flags = torch.tensor([env.world_size - rank if bad else 0, asked], dtype=torch.float32, device=env.device)
+        if env.world_size > 1 and dist.is_initialized():
+            with LEDGER.paused():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        first_bad, asked = int(flags[0].item()), int(flags[1].item())
+        if first_bad:
+            if env.master:
+                print(f"error: non-finite loss or gradient at step {step} (first seen on rank "
+                      f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
+                      f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
+                      file=sys.stderr, flush=True)
+            leave(env, NONFINITE_EXIT)
+        self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
+                       2: self.signal or "a SIGTERM or SIGUSR1 on another rank"}.get(asked)
+        return bool(asked) and step + 1 < self.args.max_iters
+
+    def stop(self, step):
+        """After this step's checkpoint: say where the run stopped and how to continue, then
+        end every rank with status 0 (the run is healthy; a chained job resumes it)."""
+        log(self.env, f"stopped after step {step} of {self.args.max_iters} ({self.reason}): checkpoint in "
+                      f"{self.args.out_dir}; continue with the same command and --resume")
+        leave(self.env, 0)
 
 
 def _rendezvous(launch):
@@ -716,6 +978,7 @@ def _install_abort_hook(launch):
 def teardown(env):
     """End the process group in step: nobody destroys it while another rank may still talk
     to it, and under mpiexec rank 0, which hosts the rendezvous store, leaves last."""
+    release_out_dir()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -768,7 +1031,16 @@ class CommLedger:
     }
 
     def __init__(self):
-        self.bytes, self.installed, self.group_names = {}, False, {}
+        self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
+
+    @contextmanager
+    def paused(self):
+        """Collectives inside are not counted (control messages: agreement, stop flags)."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
 
     def name_group(self, group, name):
         """Count this process group's collectives as "op[name]" (e.g. all_reduce[tp])."""
@@ -809,6 +1081,8 @@ class CommLedger:
 
         @wraps(fn)
         def counted(*args, **kwargs):
+            if not self.counting:
+                return fn(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs).arguments
             value = bound[argument]
             name = self.group_names.get(bound.get("group"))
@@ -916,8 +1190,19 @@ class Metrics:
 
     def write(self, row):
         if self.file:
-            self.file.write(json.dumps(row) + "\n")
+            self.file.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")
             self.file.flush()
+
+
+def finite_or_null(value):
+    """A metrics row with every non-finite float replaced by None (JSON null, never NaN)."""
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def model_block_size(args):
@@ -980,6 +1265,8 @@ def dry_run(args, script, config, cost, layout_lines=()):
     """--dry_run: the configuration has been validated for args.world_size ranks; print
     the layout and what one rank holds and sends per step, from the same cost function the
     live ledger checks, then exit 0."""
+    problem = Data.problem(args.data, config.block_size)  # a launch checks it in setup()
+    check(problem is None, problem)
     n, per_node = args.world_size, args.ranks_per_node
     psi, nano = count_params(config)
     held = sum(value for _, value in cost["held"].values())
@@ -1141,27 +1428,15 @@ def atomic_save(obj, path):
             os.remove(tmp)
 
 
-def agree_on_problem(problem):
-    """Every rank's problem (a string, or None), gathered: the first one, or None. Every
-    rank reaches the same verdict, so they all stop (or go on) together."""
-    problems = [problem]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)  # a few bytes: each rank's verdict
-    return next((p for p in problems if p), None)
-
-
-def _agreed(action):
+def _agreed(env, action):
     """Run `action` on every rank; a CheckpointError (or any error reading a file) on any
-    rank becomes one line from rank 0 and exit 2 on every rank."""
+    rank becomes one line and exit 2 on every rank (`agree`)."""
     result, problem = None, None
     try:
         result = action()
     except CheckpointError as e:
         problem = str(e)
-    problem = agree_on_problem(problem)
-    if problem:
-        fail(problem)
+    agree(env, problem)
     return result
 
 
@@ -1258,9 +1533,7 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
     if dist.is_initialized() and env.world_size > 1:
         everyone = [None] * env.world_size
         dist.all_gather_object(everyone, (problem, described, written))  # who wrote what, to every rank
-    problem = next((p for p, _, _ in everyone if p), None)
-    if problem:
-        fail(problem)
+    agree(env, next((p for p, _, _ in everyone if p), None))  # the same verdict on every rank
     if env.master:
         meta = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(),
                 "optimizer_step": _optimizer_step(optimizer, step), "run": run,
@@ -1281,9 +1554,7 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
             problem = None
         except OSError as e:
             problem = f"cannot write checkpoint metadata {directory}/metadata.json: {e}"
-    problem = agree_on_problem(problem if env.master else None)
-    if problem:
-        fail(problem)
+    agree(env, problem if env.master else None)
     sizes = [w for _, _, w in everyone]
     log(env, f"checkpoint step {step} committed to {directory}: {format_bytes(min(sizes))} to "
              f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
@@ -1403,7 +1674,7 @@ def resume_checkpoint(out_dir, env, pieces, run, optimizer):
             extra = {k[10:]: v.clone() for k, v in data.items() if k.startswith("extra_rng/")}
         return ckpt.meta, same, rng, (extra if same else None)
 
-    meta, same, rng, extra = _agreed(load)
+    meta, same, rng, extra = _agreed(env, load)
     for state in optimizer.state.values():
         if "step" in state:
             state["step"].fill_(meta["optimizer_step"])

@@ -26,6 +26,8 @@ NNODES=$(wc -l < "$PBS_NODEFILE")
 RANKS_PER_NODE=12         # one rank per tile
 WORLD=$((NNODES * RANKS_PER_NODE))
 check_layout "$RANKS_PER_NODE" "$WORLD" "$@"
+TIME_LIMIT_MINUTES=$(pbs_time_limit)   # stop with a checkpoint before the walltime
+run_args "$@"                          # + --resume when out_dir holds a checkpoint
 # 8 cores per rank, skipping cores 0 and 52 (one per socket) that ALCF keeps for the OS
 CPU_BIND=list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100
 
@@ -44,4 +46,4 @@ export OMP_NUM_THREADS=8
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${PBS_JOBID:-local}")
 echo "aurora: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
 mpiexec -n "$WORLD" --ppn "$RANKS_PER_NODE" --cpu-bind "$CPU_BIND" \
-    python "$@" 2>&1 | tee "$LOG"
+    python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"

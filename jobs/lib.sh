@@ -52,3 +52,48 @@ gpt_log() {
 # Compilation caches on node-local storage: never on the shared home file system.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/${USER:-$(id -un)}/torchinductor}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/${USER:-$(id -un)}/triton}
+
+# has_checkpoint OUT_DIR: OUT_DIR holds a committed checkpoint to resume from. The one place
+# that knows the checkpoint's file names: every script writes OUT_DIR/ckpt/step_N/, committed
+# by its metadata.json (written last; a set without it is an interrupted write).
+has_checkpoint() {
+    compgen -G "$1/ckpt/step_*/metadata.json" > /dev/null
+}
+
+# run_args SCRIPT FLAGS...: the command line to launch, in the array RUN_ARGS: the one given,
+# plus --resume when its --out_dir (default: out) already holds a checkpoint, so that
+# resubmitting the same job continues the run; plus --time_limit TIME_LIMIT_MINUTES when that
+# is set and the flags do not give one.
+run_args() {
+    RUN_ARGS=("$@")
+    local out=out resume=0 limit=0 prev="" arg
+    for arg in "$@"; do
+        [ "$prev" != --out_dir ] || out=$arg
+        case $arg in
+            --out_dir=*) out=${arg#--out_dir=} ;;
+            --resume) resume=1 ;;
+            --time_limit|--time_limit=*) limit=1 ;;
+        esac
+        prev=$arg
+    done
+    if [ "$resume" = 0 ] && has_checkpoint "$out"; then
+        RUN_ARGS+=(--resume)
+        echo "resuming: $out holds a checkpoint"
+    fi
+    if [ "$limit" = 0 ] && [ -n "${TIME_LIMIT_MINUTES:-}" ]; then
+        RUN_ARGS+=(--time_limit "$TIME_LIMIT_MINUTES")
+    fi
+}
+
+# pbs_time_limit: the minutes a run may use under PBS, which sends no warning before the
+# walltime: the job's walltime (qstat) less the time this script has run and a margin for
+# the launch and the last checkpoint (WALLTIME_MARGIN_MIN, default 5). Prints nothing when
+# the walltime is unknown.
+pbs_time_limit() {
+    local wall seconds
+    wall=$(qstat -f "${PBS_JOBID:-}" 2> /dev/null | sed -n 's/^ *Resource_List.walltime = //p' | head -n 1) || true
+    [ -n "$wall" ] || return 0
+    seconds=$(echo "$wall" | awk -F: '{ s = 0; for (i = 1; i <= NF; i++) s = s * 60 + $i; print s }')
+    local minutes=$(( (seconds - SECONDS) / 60 - ${WALLTIME_MARGIN_MIN:-5} ))
+    echo $(( minutes > 1 ? minutes : 1 ))
+}

@@ -10,7 +10,10 @@
 #SBATCH --gpus-per-node=4
 #SBATCH -c 32
 #SBATCH -t 00:30:00
+#SBATCH --signal=USR1@180
 #SBATCH -o gpt-parallel-%j.out
+# --signal: Slurm sends SIGUSR1 to every rank 3 minutes before the walltime; they finish the
+# step, write a checkpoint and exit 0 (resubmitting the job resumes it)
 set -euo pipefail
 source "${SLURM_SUBMIT_DIR:-$PWD}/jobs/lib.sh"
 ROOT=$(gpt_root)
@@ -25,6 +28,7 @@ NNODES=$SLURM_NNODES
 RANKS_PER_NODE=4          # one rank per A100
 WORLD=$((NNODES * RANKS_PER_NODE))
 check_layout "$RANKS_PER_NODE" "$WORLD" "$@"
+run_args "$@"             # + --resume when out_dir holds a checkpoint
 
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # rank 0's node
 export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                                # per job, no clashes
@@ -36,4 +40,4 @@ export OMP_NUM_THREADS=16
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${SLURM_JOB_ID}")
 echo "perlmutter: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
 srun -N "$NNODES" -n "$WORLD" --ntasks-per-node "$RANKS_PER_NODE" -c 32 --cpu-bind=cores \
-    --gpus-per-node 4 --kill-on-bad-exit=1 python "$@" 2>&1 | tee "$LOG"
+    --gpus-per-node 4 --kill-on-bad-exit=1 python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"

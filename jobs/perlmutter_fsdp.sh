@@ -11,7 +11,10 @@
 #SBATCH --gpus-per-node=4
 #SBATCH -c 32
 #SBATCH -t 01:00:00
+#SBATCH --signal=USR1@180
 #SBATCH -o gpt-fsdp-%j.out
+# --signal: Slurm sends SIGUSR1 to every rank 3 minutes before the walltime; they finish the
+# step, write a checkpoint and exit 0 (resubmitting the job resumes it)
 set -euo pipefail
 exec bash "${SLURM_SUBMIT_DIR:-$PWD}/jobs/perlmutter.sh" 05_fsdp.py --model gpt2-xl --replicate 4 \
     --data synthetic --global_batch_size 64 --micro_batch_size 4 --max_iters 200 "$@"

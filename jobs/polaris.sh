@@ -30,6 +30,8 @@ RANKS_PER_NODE=4          # one rank per A100
 DEPTH=8                   # 32 cores / 4 ranks: CPU cores per rank
 WORLD=$((NNODES * RANKS_PER_NODE))
 check_layout "$RANKS_PER_NODE" "$WORLD" "$@"
+TIME_LIMIT_MINUTES=$(pbs_time_limit)   # stop with a checkpoint before the walltime
+run_args "$@"                          # + --resume when out_dir holds a checkpoint
 
 export NCCL_NET_GDR_LEVEL=PHB              # GPUDirect RDMA when GPU and NIC share a PCIe host bridge
 export NCCL_CROSS_NIC=1                    # rings may leave through a different NIC than they enter
@@ -44,4 +46,4 @@ export OMP_NUM_THREADS=$DEPTH              # threads per rank = cores bound to i
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${PBS_JOBID:-local}")
 echo "polaris: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
 mpiexec -n "$WORLD" --ppn "$RANKS_PER_NODE" --depth "$DEPTH" --cpu-bind depth \
-    python "$@" 2>&1 | tee "$LOG"
+    python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"

@@ -180,3 +180,27 @@ def test_local_really_trains(tmp_path):
                        env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "step 2: loss" in p.stdout and "2 replicas" in p.stdout
+
+
+def test_walltime_and_automatic_resume(scheduler, tmp_path):
+    """PBS: --time_limit is the walltime (qstat) less a 5-minute margin; Slurm: SIGUSR1 three
+    minutes before the walltime (the #SBATCH --signal line). Both add --resume once the run's
+    out_dir holds a checkpoint, so resubmitting the same job continues the run."""
+    qstat = tmp_path / "bin" / "qstat"
+    qstat.write_text("#!/bin/bash\necho 'Job Id: 1234'\necho '    Resource_List.walltime = 01:00:00'\n")
+    qstat.chmod(0o755)
+    out = tmp_path / "out"
+    p, lines = scheduler("polaris.sh", "03_ddp.py", "--out_dir", str(out))
+    assert p.returncode == 0, p.stderr
+    assert launch_line(lines, "mpiexec").split(" |")[0].endswith(f"03_ddp.py --out_dir {out} --time_limit 55")
+    out.mkdir()
+    (out / "ckpt" / "step_4").mkdir(parents=True)
+    (out / "ckpt" / "step_4" / "metadata.json").write_text("{}")  # a committed set (common.py's format)
+    p, lines = scheduler("aurora.sh", "04_zero.py", f"--out_dir={out}", "--time_limit", "9")
+    assert "resuming" in p.stdout
+    assert launch_line(lines, "mpiexec").split(" |")[0].endswith(f"04_zero.py --out_dir={out} --time_limit 9 --resume")
+    p, lines = scheduler("frontier.sh", "03_ddp.py", "--out_dir", str(out), "--resume", kind="slurm")
+    assert launch_line(lines, "srun").split(" |")[0].endswith(f"03_ddp.py --out_dir {out} --resume")
+    for script in SCRIPTS:
+        text = open(script).read()
+        assert ("#SBATCH" not in text) or "#SBATCH --signal=USR1@180" in text, script

@@ -106,10 +106,10 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 @pytest.mark.parametrize("setup_data, message", [
     (lambda d: None, "no such directory"),
     (lambda d: (d.mkdir(), np.zeros(10, np.uint16).tofile(d / "train.bin"), np.zeros(10, np.uint16).tofile(d / "val.bin")),
-     "fewer than block_size+1"),
+     "fewer than block_size+2"),
     (lambda d: (d.mkdir(), np.zeros(500, np.uint16).tofile(d / "train.bin")), "val.bin is missing"),
     (lambda d: (d.mkdir(), np.zeros(500, np.uint16).tofile(d / "train.bin"), np.zeros(500, np.uint16).tofile(d / "val.bin"),
-                (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 100_000}))), "does not fit the uint16"),
+                (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 100_000}))), "must be in 1..65536"),
 ])
 def test_data_errors_give_one_line(tmp_path, setup_data, message):
     d = tmp_path / "data"

@@ -1,0 +1,212 @@
+"""Failures, tried as a hostile user would, through real multi-rank launches: each ends every
+rank within seconds with one `error:` line naming the cause and status 2 (bad input) or 3
+(non-finite loss), or, for a stop signal and --time_limit, with a checkpoint and status 0.
+README's 'When things fail' lists the same cases."""
+
+import glob
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import common
+from harness import LAUNCHER_ENV, ROOT, TINY, command, launch
+from test_reliability import rank_pids
+
+QUICK = 60  # seconds: every refusal below ends the job well within this
+
+
+def refused(run, message, status=2):
+    """One `error:` line, naming the cause, printed once for the whole job; every rank ended
+    with `status` (mpiexec and torchrun return the ranks' status when they all agree)."""
+    assert run.returncode == status, f"{run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    assert len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and run.seconds < QUICK
+
+
+def dataset(path, n_train=4000, n_val=400, vocab=65, meta=True):
+    path.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("val", n_val)):
+        rng.integers(0, vocab, n, dtype=np.uint16).tofile(path / f"{split}.bin")
+    if meta:
+        (path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": vocab, "itos": {}, "stoi": {}}))
+    return path
+
+
+# ---- data -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, nprocs, extra", [("06_tensor_parallel.py", 2, []), ("01_single_gpu.py", 1, []),
+                                                    ("08_3d.py", 2, ["--tp", "2"])])
+def test_token_ids_outside_the_vocabulary(tmp_path, script, nprocs, extra):
+    d = dataset(tmp_path / "data")  # meta.pkl says 65; the last train token is 199: rank 1's slice
+    tokens = np.fromfile(d / "train.bin", dtype=np.uint16)
+    tokens[-1] = 199
+    tokens.tofile(d / "train.bin")
+    run = launch(script, TINY + extra + ["--data", d], nprocs=nprocs)
+    refused(run, f"train.bin holds token id 199 at position {len(tokens) - 1}, outside the vocabulary")
+    assert not run.steps
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("odd", "not a whole number of uint16 tokens"),
+    ("exact", "holds 65 tokens, fewer than block_size+2 = 66"),
+    ("vocab0", "says vocab_size 0"),
+])
+def test_damaged_data_directory(tmp_path, damage, message):
+    d = dataset(tmp_path / "data", n_val=65 if damage == "exact" else 400)  # tiny: block_size 64
+    if damage == "odd":
+        with open(d / "val.bin", "ab") as f:
+            f.write(b"\x01")
+    if damage == "vocab0":
+        (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 0}))
+    refused(launch("03_ddp.py", TINY + ["--data", d], nprocs=2), message)
+
+
+@pytest.mark.parametrize("script, nprocs, data, block", [("03_ddp.py", 2, "synthetic", 1 << 17),
+                                                         ("01_single_gpu.py", 1, "shakespeare_char", 200_000)])
+def test_block_size_longer_than_the_embedded_corpus(script, nprocs, data, block):
+    run = launch(script, TINY + ["--data", data, "--block_size", block], nprocs=nprocs)
+    refused(run, f"--data {data}: its val split holds")
+
+
+# ---- flags ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seed", "-1", "--seed must be in [0, 2^32)"),
+    ("--seed", "1e23", "invalid int value: '1e23'"),
+    ("--timeout", "inf", "--timeout must be a finite number"),
+    ("--lr_decay_iters", "-5", "--lr_decay_iters must not be negative, got -5"),
+    ("--lr", "nan", "--lr must be a finite number"),
+    ("--time_limit", "0", "--time_limit must be positive"),
+])
+def test_numeric_flags_out_of_range(flag, value, message):
+    refused(launch("03_ddp.py", TINY + [flag, value], nprocs=2), message)
+
+
+# ---- the out_dir and the metrics file ----------------------------------------------------
+
+def read_only_dir(tmp_path):
+    if os.geteuid() != 0:
+        d = tmp_path / "ro"
+        d.mkdir()
+        d.chmod(0o555)
+        return d / "out"
+    return "/sys/gptpar-out"  # root ignores permission bits; sysfs refuses new directories
+
+
+@pytest.mark.parametrize("where, message", [
+    ("file", "exists and is not a directory"),
+    ("read-only", "cannot be created"),
+    ("metrics", "the directory"),
+])
+def test_unusable_out_dir_or_metrics_refused_before_training(tmp_path, where, message):
+    flags = TINY + ["--max_iters", "2"]
+    if where == "file":
+        (tmp_path / "afile").write_text("not a directory")
+        flags += ["--out_dir", tmp_path / "afile"]
+    elif where == "read-only":
+        flags += ["--out_dir", read_only_dir(tmp_path)]
+    else:
+        flags += ["--metrics", tmp_path / "missing" / "m.jsonl"]
+    run = launch("03_ddp.py", flags, nprocs=2)
+    refused(run, message)
+    assert "step 0" not in run.stdout  # found before the first step, not at the first write
+
+
+# ---- non-finite loss ---------------------------------------------------------------------
+
+def test_non_finite_loss_stops_before_the_update(tmp_path):
+    """--lr 1e6: step 0's update blows the weights up, step 1's loss is not finite. Every rank
+    stops before step 1's update with status 3; the checkpoint written after step 0 is the
+    last one (resuming from it meets the same step); the metrics stay strict JSON."""
+    out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
+    flags = TINY + ["--lr", "1e6", "--ckpt_interval", "1", "--out_dir", out, "--metrics", metrics]
+    run = launch("04_zero.py", flags + ["--stage", "3"], nprocs=2)
+    refused(run, "non-finite loss or gradient at step 1", status=common.NONFINITE_EXIT)
+    text = metrics.read_text()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the metrics")) for line in text.splitlines()]
+    assert [row["step"] for row in rows] == [0]  # no row for the step that was stopped
+    assert "LOCK" not in os.listdir(out)
+    again = launch("04_zero.py", flags + ["--stage", "3", "--resume"], nprocs=2)
+    refused(again, "non-finite loss or gradient at step 1", status=common.NONFINITE_EXIT)
+
+
+def test_metrics_rows_are_strict_json():
+    row = common.finite_or_null({"loss": float("nan"), "val": [float("inf"), 1.0], "x": {"y": -float("inf")}})
+    assert json.dumps(row, allow_nan=False) == '{"loss": null, "val": [null, 1.0], "x": {"y": null}}'
+
+
+# ---- one job per out_dir; stop signals; --time_limit -------------------------------------
+
+def test_second_job_refused_then_sigterm_checkpoints_and_resume_takes_a_stale_lock(tmp_path):
+    out, metrics = tmp_path / "out", tmp_path / "a.jsonl"
+    marker = f"--out_dir={out}"
+    flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    job = subprocess.Popen(command("03_ddp.py", 2, None) + list(map(str, flags)) + ["--metrics", str(metrics), marker],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.2)
+        # a second job on the same out_dir: refused in one line, the first one untouched
+        second = launch("03_ddp.py", TINY + ["--out_dir", out], nprocs=2)
+        refused(second, f"--out_dir {out} is in use by another job (host {socket.gethostname()}")
+        # SIGTERM to rank 1 only (as a scheduler's signal to one node): every rank finishes the
+        # step, a checkpoint is written, every rank exits 0
+        pids = rank_pids(marker)
+        assert 1 in pids, f"rank 1 not found among {pids}"
+        os.kill(pids[1], signal.SIGTERM)
+        signalled = time.time()
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert time.time() - signalled < 30
+    stopped = [line for line in stdout.splitlines() if line.startswith("stopped after step")]
+    assert len(stopped) == 1 and "a SIGTERM or SIGUSR1 on another rank" in stopped[0] and "--resume" in stopped[0]
+    step = int(stopped[0].split()[3])
+    assert step >= 3 and committed(out) and "LOCK" not in os.listdir(out)
+    # a lock left behind by a killed job on this host (its pid is gone) is recognised as stale
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "job": None}))
+    resumed = launch("03_ddp.py", flags[:-4] + ["--max_iters", step + 2, "--lr_decay_iters", "100000",
+                                                "--out_dir", out, "--resume"], nprocs=2).ok()
+    assert "removing the stale lock" in resumed.stderr
+    assert [row["step"] for row in resumed.steps] == [step, step + 1]
+
+
+def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path):
+    lock = tmp_path / "LOCK"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "42"}))
+    assert not common._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
+    old = time.time() - common.LOCK_STALE_S - 1
+    os.utime(lock, (old, old))
+    assert common._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
+
+
+def committed(out):
+    """The checkpoint sets of out_dir that a metadata.json commits (common.py's format)."""
+    return glob.glob(os.path.join(out, "ckpt", "step_*", "metadata.json"))
+
+
+def test_time_limit_stops_with_a_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    run = launch("07_pipeline.py", TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000",
+                                           "--time_limit", "0.4", "--out_dir", out], nprocs=2).ok()
+    stopped = [line for line in run.stdout.splitlines() if line.startswith("stopped after step")]
+    assert len(stopped) == 1 and "--time_limit 0.4 min is near" in stopped[0], run.stdout[-2000:]
+    assert run.steps and int(stopped[0].split()[3]) == run.steps[-1]["step"] + 1
+    assert committed(out) and "LOCK" not in os.listdir(out)
+    assert run.seconds < 24 + 30  # stopped before the limit (plus the launch before the clock starts)
