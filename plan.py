@@ -111,8 +111,21 @@ def script(name):
         spec = importlib.util.spec_from_file_location(name[:-3].replace("-", "_"), os.path.join(HERE, name))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        if hasattr(module, "count_params"):
+            module.count_params = count_params_once  # the same model is counted for every candidate
         _MODULES[name] = module
     return _MODULES[name]
+
+
+_COUNTS = {}
+
+
+def count_params_once(config):
+    """common.count_params, remembered per config (GPT-3 175B takes a second on the meta device)."""
+    key = repr(config)
+    if key not in _COUNTS:
+        _COUNTS[key] = count_params(config)
+    return _COUNTS[key]
 
 
 def script_name(prefix):
@@ -183,19 +196,22 @@ def candidates(n, gpus_per_node, n_layer):
                     yield ("08_3d.py", ["--tp", str(tp), "--pp", str(pp)] + (["--zero1"] if zero1 else []),
                            f"3D dp {n // (tp * pp)} pp {pp} tp {tp}" + (" + ZeRO-1" if zero1 else ""))
     cp_script = script_name("09")
-    if cp_script and n > 1:
+    if cp_script and n > 1 and hasattr(script(cp_script), "dry_run"):  # priced through its dry run only
         for cp in divisors(n)[1:]:
             for impl in ("ring", "ulysses"):
                 yield cp_script, ["--cp", str(cp), "--cp_impl", impl], f"CP {impl} cp {cp} dp {n // cp}"
 
 
-def ranks_to_price(name, args, n):
+def ranks_to_price(name, args, config, n):
     """The ranks whose costs differ: every stage of a pipeline (07: rank = stage; 08: the
-    first rank of stage s of replica 0, rank s·tp), one rank elsewhere."""
+    first rank of stage s of replica 0, rank s·tp, one stage of each kind), one rank elsewhere."""
     if name.startswith("07"):
         return list(range(n))
     if name.startswith("08"):
-        return [s * args.tp for s in range(args.pp)]
+        # stages cost the same when they hold as many layers and neither end of the pipeline
+        layers = script(name).stage_layers(config.n_layer, args.pp)
+        kinds = {(s == 0, s == args.pp - 1, layers[s][1]): s for s in reversed(range(args.pp))}
+        return sorted(s * args.tp for s in kinds.values())
     return [0]
 
 
@@ -286,13 +302,13 @@ def score(name, flags, label, plan_args, machine):
     args, config, _ = result
     dtype = planned_dtype(args)
     ranks = []
-    for rank in ranks_to_price(name, args, n):
+    for rank in ranks_to_price(name, args, config, n):
         cost = rank_costs(name, args, config, n, dtype, rank)
         comm = {op: value for op, (_, value) in cost["sent"].items()}
         seconds = sum(comm_seconds(op, b, *group_of(name, op, args, n), machine) for op, b in comm.items())
         ranks.append((per_gpu_bytes(cost), comm, seconds, rank))
     held, comm, comm_s, rank = max(ranks, key=lambda r: (r[0]["total"], r[2]))  # the fullest rank
-    psi, _ = count_params(config)
+    psi, _ = count_params_once(config)
     model_flops = flops_per_token(config, psi) * args.global_batch_size * config.block_size
     peak = machine["peak_tflops"] * 1e12
     compute_s = model_flops * (4 / 3 if getattr(args, "recompute", False) else 1) / (n * peak * plan_args.efficiency)
@@ -435,7 +451,7 @@ def plan(args, machine):
                 scored.append(c)
     scored.sort(key=lambda c: (not c["fits"], c["step_time_s"]))
     choice, why = recommend(scored, n)
-    return count_params(config)[0], scored, refused, choice, why
+    return count_params_once(config)[0], scored, refused, choice, why
 
 
 def gb(b):
@@ -478,7 +494,7 @@ def print_table(args, machine, psi, scored, refused, choice, why):
 
 def as_json(psi, scored, refused, choice, why):
     keys = ("script", "flags", "label", "layout", "command", "per_gpu_bytes", "activations_counted",
-            "comm_bytes_per_step", "compute_s", "comm_s", "bubble", "step_time_s", "mfu", "fits")
+            "comm_bytes_per_step", "priced_rank", "compute_s", "comm_s", "bubble", "step_time_s", "mfu", "fits")
     pick = lambda c: {k: c[k] for k in keys}  # noqa: E731
     return {"params": psi, "candidates": [pick(c) for c in scored],
             "refused": [{"script": s, "label": label, "reason": r} for s, label, r in refused],
