@@ -95,6 +95,8 @@ MACHINES = {
                        intra_gbps=300.0, inter_gbps=4 * 25.0 / 4),
 }
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # seconds per ring step (NCCL/RCCL-like latencies)
+for _machine in MACHINES.values():
+    _machine.update(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
 EFFICIENCY = 0.5  # fraction of peak FLOP/s the matrix multiplies reach (Megatron-LM reports ~0.5)
 
 
@@ -270,7 +272,7 @@ def comm_seconds(op, nbytes, g, stride, machine):
         return 0.0
     across = (g - 1) * stride >= machine["gpus_per_node"]  # the ring leaves the node
     beta = 1e9 * (machine["inter_gbps"] if across else machine["intra_gbps"])
-    alpha = ALPHA_INTER if across else ALPHA_INTRA
+    alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
     if base == "send":
         return alpha + nbytes / beta
     kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -372,7 +374,10 @@ def parse(argv=None):
     g.add_argument("--model", default=None, choices=sorted(PRESETS), help="preset (default: the scripts')")
     for flag in ("--n_layer", "--n_head", "--n_embd", "--block_size", "--global_batch_size", "--micro_batch_size"):
         g.add_argument(flag, type=int)
-    g.add_argument("--data", default=None, help="as the scripts' --data (sets the vocabulary size)")
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--data", default=None, help="as the scripts' --data (sets the vocabulary size: "
+                   "the embedded corpus has 65 tokens, a directory without meta.pkl GPT-2's 50304)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPUs")
     g.add_argument("--device", default=None, choices=["cpu"], help="plan a CPU run (float32 by default)")
     g.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
@@ -386,7 +391,8 @@ def parse(argv=None):
     g.add_argument("--inter_gbps", type=float, help="GB/s per GPU across nodes (default: --link_gbps)")
     g.add_argument("--bench", nargs="+", default=[],
                    help="metrics JSONL of `02_collectives.py --bench`: its best all_reduce bus bandwidth "
-                        "replaces the link bandwidth (inside a node if it ran on one node, else across)")
+                        "replaces the link bandwidth and its fastest all_reduce's time per ring step the "
+                        "latency (inside a node if it ran on one node, else across)")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
     g.add_argument("--mem_fraction", type=float, default=0.9, help="fraction of GPU memory usable")
@@ -403,7 +409,7 @@ def parse(argv=None):
         error(f"--gpus must be positive, got {args.gpus}")
     if not 0 < args.efficiency <= 1 or not 0 < args.mem_fraction <= 1:
         error("--efficiency and --mem_fraction must be in (0, 1]")
-    machine = dict(MACHINES[args.machine]) if args.machine else {}
+    machine = dict(MACHINES[args.machine]) if args.machine else dict(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
     by_hand = dict(gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb, peak_tflops=args.peak_tflops,
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
     machine.update({k: v for k, v in by_hand.items() if v is not None})
@@ -412,19 +418,23 @@ def parse(argv=None):
         rows = [r for r in rows if r.get("op") == "all_reduce"]
         if not rows:
             error(f"{path} has no all_reduce rows of 02_collectives.py --bench")
-        best = max(r["busbw_GBps"] for r in rows)
-        across = rows[0]["world_size"] > machine.get("gpus_per_node", rows[0]["world_size"])
-        machine["inter_gbps" if across else "intra_gbps"] = best
+        g = rows[0]["world_size"]
+        where = "inter" if g > machine.get("gpus_per_node", g) else "intra"
+        machine[f"{where}_gbps"] = max(r["busbw_GBps"] for r in rows)
+        fastest = min(r["time_us"] for r in rows)  # a small message: latency only
+        machine[f"alpha_{where}"] = fastest * 1e-6 / max(1, 2 * (g - 1))
     missing = [k for k in ("gpus_per_node", "gpu_mem_gb", "peak_tflops", "intra_gbps", "inter_gbps") if not machine.get(k)]
     if missing:
         error(f"describe the cluster: --machine, or by hand ({', '.join(missing)} missing: --gpus_per_node, "
               "--gpu_mem_gb, --peak_tflops, --link_gbps)")
     # the flags every candidate's command carries
     args.model_flags = []
-    for key in ("model", "n_layer", "n_head", "n_embd", "block_size", "global_batch_size",
+    for key in ("model", "n_layer", "n_head", "n_embd", "block_size", "dropout", "global_batch_size",
                 "micro_batch_size", "data", "dtype", "device"):
         if getattr(args, key) is not None:
             args.model_flags += [f"--{key}", str(getattr(args, key))]
+    if args.bias is not None:
+        args.model_flags.append("--bias" if args.bias else "--no-bias")
     if args.recompute:
         args.model_flags.append("--recompute")
     return args, machine
@@ -455,7 +465,7 @@ def plan(args, machine):
 
 
 def gb(b):
-    return "-" if b is None else f"{b / 1e9:.2f}"
+    return "-" if b is None else f"{b / 1e9:.3g}"
 
 
 def print_table(args, machine, psi, scored, refused, choice, why):
