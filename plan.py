@@ -414,7 +414,10 @@ def parse(argv=None):
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
     machine.update({k: v for k, v in by_hand.items() if v is not None})
     for path in args.bench:
-        rows = [json.loads(line) for line in open(path) if line.strip()]
+        try:
+            rows = [json.loads(line) for line in open(path) if line.strip()]
+        except (OSError, ValueError) as e:
+            error(f"--bench {path}: cannot read it as 02_collectives.py --bench metrics ({e})")
         rows = [r for r in rows if r.get("op") == "all_reduce"]
         if not rows:
             error(f"{path} has no all_reduce rows of 02_collectives.py --bench")
@@ -445,8 +448,9 @@ def plan(args, machine):
     recommendation and Ψ."""
     n, G = args.gpus, machine["gpus_per_node"]
     base = dry_run("03_ddp.py", args.model_flags, 1, 1)  # the model as the scripts build it
-    if isinstance(base, str):
-        sys.exit(f"error: {base}")
+    if isinstance(base, str):  # the model or batch flags themselves are wrong
+        print(f"error: {base}", file=sys.stderr)
+        sys.exit(2)
     config = base[1]
     scored, refused, seen = [], [], set()
     for name, flags, label in candidates(n, G, config.n_layer):

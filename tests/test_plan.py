@@ -130,3 +130,17 @@ def test_gpt3_175b_on_1024_polaris_gpus_recommends_a_fitting_3d_layout():
     assert 173e9 < result["params"] < 176e9
     # the recommendation is the fastest fitting 3D layout
     assert all(c["step_time_s"] >= rec["step_time_s"] for c in result["candidates"] if c["fits"] and c["script"] == "08_3d.py")
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--gpus", "4"], "describe the cluster"),
+    (["--gpus", "4", "--machine", "polaris", "--model", "tiny", "--n_head", "3"], "not divisible by n_head"),
+    (["--gpus", "0", "--machine", "polaris"], "--gpus must be positive"),
+    (["--gpus", "4", "--machine", "polaris", "--bench", "/nonexistent.jsonl"], "--bench /nonexistent.jsonl"),
+])
+def test_bad_input_is_one_line_and_status_2(flags, reason, capsys):
+    with pytest.raises(SystemExit) as exit:
+        plan.main(flags)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("error:") and reason in err, err
+    assert len(err.strip().splitlines()) == 1, err
