@@ -21,8 +21,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  (the rest: CUDA/ROCm context, allocator fragmentation, temporary buffers)
     step time    compute + communication, nothing overlapped (an upper bound: DDP's buckets
                  and FSDP's prefetch hide part of it):
-                   compute = training FLOPs of the global batch (common.flops_per_token; x 4/3
-                             with --recompute, one more forward) / (N x peak x --efficiency),
+                   compute = training FLOPs of the global batch (common.flops_per_token of
+                             nanoGPT's count, as the scripts' MFU; x 4/3 with --recompute, one
+                             more forward) / (N x peak x --efficiency),
                              divided by (1 - bubble) for a pipeline (07's bubble_theory)
                    comm    = per operation, an alpha-beta model of a ring collective over its
                              group of g ranks: steps x alpha + busfactor(g) x bytes / beta,
@@ -239,38 +240,42 @@ def per_gpu_bytes(cost):
     return held
 
 
-def group_of(name, op, args, n):
-    """(g, stride): the ranks of the group an operation runs on are `stride` apart, as the
-    scripts build their groups (08: rank = dp·pp·tp + pp·tp + tp)."""
+def group_of(name, op, args, n, gpus_per_node):
+    """(g, across): the size of the group an operation runs on, and whether it leaves a node.
+    Groups are ranks `stride` apart as the scripts build them (05: shard groups of S
+    consecutive ranks; 08: rank = dp·pp·tp + pp·tp + tp); a pipeline's sends cross nodes on
+    the boundaries between them whenever the pipeline spans nodes, and the step waits for
+    those."""
     group = op[op.index("[") + 1:-1] if "[" in op else "world"
     base = op.split("[")[0]
+    size, stride = n, 1
     if name.startswith("05"):
         S = n // args.replicate
-        return {"shard": (S, 1), "replicate": (args.replicate, S)}.get(group, (n, 1))
-    if name.startswith("07"):
+        size, stride = {"shard": (S, 1), "replicate": (args.replicate, S)}.get(group, (n, 1))
+    elif name.startswith("07"):
         if base in ("send", "recv"):
-            return 2, 1
-        return (2, n - 1) if base == "all_reduce" else (n, 1)  # the tied wte: first and last stage
-    if name.startswith("08"):
+            return 2, n > gpus_per_node
+        size, stride = (2, n - 1) if base == "all_reduce" else (n, 1)  # the tied wte: first and last stage
+    elif name.startswith("08"):
         T, P = args.tp, args.pp
         if base in ("send", "recv"):
-            return 2, T
-        return {"tp": (T, 1), "pp": (P, T), "dp": (n // (T * P), T * P), "model": (T * P, 1),
-                "embedding": (2, (P - 1) * T)}.get(group, (n, 1))
-    if name.startswith("09"):
+            return 2, T * P > gpus_per_node
+        size, stride = {"tp": (T, 1), "pp": (P, T), "dp": (n // (T * P), T * P), "model": (T * P, 1),
+                        "embedding": (2, (P - 1) * T)}.get(group, (n, 1))
+    elif name.startswith("09"):
         C = args.cp or n
-        if base in ("send", "recv"):
-            return 2, 1
-        return {"cp": (C, 1), "dp": (n // C, C)}.get(group, (n, 1))
-    return n, 1
+        if base in ("send", "recv"):  # the ring of a context-parallel group
+            return 2, C > gpus_per_node
+        size, stride = {"cp": (C, 1), "dp": (n // C, C)}.get(group, (n, 1))
+    return size, (size - 1) * stride >= gpus_per_node
 
 
-def comm_seconds(op, nbytes, g, stride, machine):
-    """Alpha-beta time of one step's `nbytes` of `op` on a ring of g ranks `stride` apart."""
+def comm_seconds(op, nbytes, g, across, machine):
+    """Alpha-beta time of one step's `nbytes` of `op` on a ring of g ranks, inside a node or
+    across nodes."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    across = (g - 1) * stride >= machine["gpus_per_node"]  # the ring leaves the node
     beta = 1e9 * (machine["inter_gbps"] if across else machine["intra_gbps"])
     alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
     if base == "send":
@@ -294,8 +299,8 @@ def bubble(name, args, config, n):
 
 
 def score(name, flags, label, plan_args, machine):
-    """One candidate: validated and priced by the script, scored by the model above; or
-    (label, reason) when the script refuses the layout."""
+    """One candidate, validated and priced by the script and timed by the model of the
+    docstring: (candidate, None), or (None, the script's reason) when it refuses the layout."""
     n, G = plan_args.gpus, machine["gpus_per_node"]
     argv = [*plan_args.model_flags, *flags]
     result = dry_run(name, argv, n, G)
@@ -303,29 +308,31 @@ def score(name, flags, label, plan_args, machine):
         return None, result
     args, config, _ = result
     dtype = planned_dtype(args)
+    # memory and communication of every rank that differs; the fullest one is reported
     ranks = []
     for rank in ranks_to_price(name, args, config, n):
         cost = rank_costs(name, args, config, n, dtype, rank)
         comm = {op: value for op, (_, value) in cost["sent"].items()}
-        seconds = sum(comm_seconds(op, b, *group_of(name, op, args, n), machine) for op, b in comm.items())
-        ranks.append((per_gpu_bytes(cost), comm, seconds, rank))
-    held, comm, comm_s, rank = max(ranks, key=lambda r: (r[0]["total"], r[2]))  # the fullest rank
-    psi, _ = count_params_once(config)
-    model_flops = flops_per_token(config, psi) * args.global_batch_size * config.block_size
+        comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items())
+        ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s))
+    fullest = max(ranks, key=lambda r: (r["held"]["total"], r["comm_s"]))
+    slowest_comm_s = max(r["comm_s"] for r in ranks)
+    # compute: the model FLOPs of the global batch (nanoGPT's count, as the scripts' MFU)
+    model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
     peak = machine["peak_tflops"] * 1e12
-    compute_s = model_flops * (4 / 3 if getattr(args, "recompute", False) else 1) / (n * peak * plan_args.efficiency)
+    recompute = 4 / 3 if getattr(args, "recompute", False) else 1  # one more forward per block
+    compute_s = model_flops * recompute / (n * peak * plan_args.efficiency)
     f = bubble(name, args, config, n)
-    step_s = compute_s / (1 - f) + max(r[2] for r in ranks)
-    mem = machine["gpu_mem_gb"] * 1e9 * plan_args.mem_fraction
-    if "--micro_batch_size" not in argv:
+    step_s = compute_s / (1 - f) + slowest_comm_s
+    if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
         argv += ["--micro_batch_size", str(args.micro_batch_size)]
-    return dict(script=name, flags=argv, label=label, layout=result[2]["layout"],
+    return dict(script=name, flags=argv, label=label, layout=fullest["layout"],
                 command=launch_command(name, argv, n, G),
-                per_gpu_bytes=held, activations_counted=held["activations"] is not None,
-                comm_bytes_per_step=comm, priced_rank=rank,
-                compute_s=compute_s / (1 - f), comm_s=max(r[2] for r in ranks), bubble=f,
+                per_gpu_bytes=fullest["held"], activations_counted=fullest["held"]["activations"] is not None,
+                comm_bytes_per_step=fullest["comm"], priced_rank=fullest["rank"],
+                compute_s=compute_s / (1 - f), comm_s=slowest_comm_s, bubble=f,
                 step_time_s=step_s, mfu=model_flops / (step_s * n * peak),
-                fits=held["total"] <= mem), None
+                fits=fullest["held"]["total"] <= machine["gpu_mem_gb"] * 1e9 * plan_args.mem_fraction), None
 
 
 def launch_command(name, argv, n, gpus_per_node):
