@@ -22,11 +22,15 @@ CLUSTER = ["--gpus", "2", "--gpus_per_node", "2", "--gpu_mem_gb", "1", "--peak_t
 RUN = ["--max_iters", "2", "--eval_interval", "0", "--log_interval", "1", "--warmup_iters", "1", "--timeout", "60"]
 
 
+def make_plan(gpus):
+    cluster = CLUSTER[:1] + [str(gpus)] + CLUSTER[2:]
+    args, machine = plan.parse(MODEL + cluster + ["--json"])
+    return plan.as_json(*plan.plan(args, machine))
+
+
 @pytest.fixture(scope="module")
 def tiny_plan():
-    args, machine = plan.parse(MODEL + CLUSTER + ["--json"])
-    psi, scored, refused, choice, why = plan.plan(args, machine)
-    return plan.as_json(psi, scored, refused, choice, why)
+    return make_plan(2)
 
 
 def candidate(tiny_plan, label, micro=None):
@@ -36,11 +40,13 @@ def candidate(tiny_plan, label, micro=None):
     raise AssertionError(f"no candidate {label} (micro {micro}) in the plan")
 
 
-@pytest.mark.parametrize("label, micro", [("ZeRO-2", 1), ("FSDP", None), ("3D dp 1 pp 1 tp 2", None)])
-def test_the_plans_commands_hold_and_send_what_the_plan_says(tiny_plan, label, micro):
-    c = candidate(tiny_plan, label, micro)
-    assert c["priced_rank"] == 0 and c["command"].startswith("mpiexec -n 2 python " + c["script"])
-    run = launch(c["script"], c["flags"] + RUN, nprocs=2).ok()
+@pytest.mark.parametrize("gpus, label, micro", [(2, "ZeRO-2", 1), (2, "FSDP", None), (2, "3D dp 1 pp 1 tp 2", None),
+                                               (4, "HSDP 2 x 2", 1)])
+def test_the_plans_commands_hold_and_send_what_the_plan_says(tiny_plan, gpus, label, micro):
+    c = candidate(tiny_plan if gpus == 2 else make_plan(gpus), label, micro)
+    assert c["priced_rank"] == 0 and c["command"].startswith(f"mpiexec -n {gpus} ")
+    assert c["command"].endswith(" ".join(["python", c["script"], *c["flags"]]))
+    run = launch(c["script"], c["flags"] + RUN, nprocs=gpus).ok()
     assert run.steps
     for row in run.steps:
         held = c["per_gpu_bytes"]
