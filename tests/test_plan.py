@@ -77,7 +77,8 @@ def test_zero_paper_figure_1():
     """Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 (mixed precision: 2 + 2 + 12
     bytes per parameter): 120, 31.4, 16.6 and 1.9 GB per GPU. The scripts price a model, not a
     bare Ψ: 36 layers of width 4165 (35 heads of 119) with the embedded corpus's 65-token
-    vocabulary give Ψ = 7.5002B; each unit is padded to a multiple of 64, as 04 shards it.
+    vocabulary give Ψ = 7.4988B (scaled to 7.5B below); each unit is padded to a multiple of 64,
+    as 04 shards it. Ours: 120.0, 31.875, 16.875, 1.875 GB.
     Where this implementation differs (04's docstring): the reduced gradient shard is kept in
     fp32 for the fp32 optimizer, 4Ψ/N instead of 2Ψ/N, and stage 1 keeps it in addition to the
     full bf16 gradients (which it keeps to accumulate micro-batches); DDP (03) keeps fp32
