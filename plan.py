@@ -1,0 +1,535 @@
+"""plan.py: which strategy, at which layout, for this model on these GPUs? Will it fit, and
+how fast will it be?
+
+For --gpus N it enumerates every training script and every valid layout of it, asks the
+script itself what one rank holds and sends (its costs(), the same function its live ledger
+checks and its --dry_run prints: this file restates no formula), and scores each candidate:
+
+    candidates   01 (N = 1); 03 DDP; 04 ZeRO stages 1, 2, 3; 05 FSDP (--replicate 1) and HSDP
+                 (--replicate R, every divisor R of N); 06 TP with and without sequence
+                 parallelism (tp = N, inside one node); 07 PP with GPipe, 1F1B and interleaved
+                 1F1B (pp = N); 08 3D for every tp x pp dividing N (tp inside a node), with and
+                 without --zero1; 09 context parallelism (ring and Ulysses) when the file
+                 exists. Each with the scripts' default micro-batch and with micro-batch 1.
+    valid        the script's own --dry_run accepts the flags for N ranks (the plan runs the
+                 script's main() with --dry_run and takes the costs it computed; a refused
+                 layout is listed with the script's one-line reason under --show_invalid)
+    memory       per GPU = params + grads + optimizer state (+ 05's gathered units) + the
+                 activations held for backward, from costs()["activations"] when the script
+                 provides it (else the table says "activations not counted"); the rank that
+                 holds the most. Fits when that is at most --mem_fraction of the GPU's memory
+                 (the rest: CUDA/ROCm context, allocator fragmentation, temporary buffers)
+    step time    compute + communication, nothing overlapped (an upper bound: DDP's buckets
+                 and FSDP's prefetch hide part of it):
+                   compute = training FLOPs of the global batch (common.flops_per_token of
+                             nanoGPT's count, as the scripts' MFU; x 4/3 with --recompute, one
+                             more forward) / (N x peak x --efficiency),
+                             divided by (1 - bubble) for a pipeline (07's bubble_theory)
+                   comm    = per operation, an alpha-beta model of a ring collective over its
+                             group of g ranks: steps x alpha + busfactor(g) x bytes / beta,
+                             busfactor from 02_collectives.py (all-reduce 2(g-1)/g,
+                             all-gather / reduce-scatter (g-1)/g, send 1); beta is the link
+                             bandwidth inside a node, or the NIC bandwidth per GPU when the
+                             group spans nodes. The costs give bytes per step, not call
+                             counts, so alpha is paid once per operation and step (a lower
+                             bound on latency; bandwidth dominates at these sizes)
+                 the slowest rank's time is the step time; MFU = model FLOPs / (time x N x peak)
+    recommendation  the ALCF rules ("Deciding on a parallelism strategy"): fits on one GPU ->
+                 DDP; otherwise sharded data parallelism (ZeRO / FSDP, HSDP across nodes) or,
+                 when layers are too big or there are many GPUs, 3D: TP inside a node (fast
+                 links), PP across nodes, DP outermost, + ZeRO-1; between the two, the faster
+                 estimate. The fastest candidate overall is shown too.
+
+Run:
+
+    python plan.py --model gpt2-xl --gpus 4 --machine polaris
+    python plan.py --model gpt3-13b --gpus 64 --machine frontier --global_batch_size 512
+    python plan.py --model gpt3-175b --gpus 1024 --machine polaris --global_batch_size 1536 --json
+    python plan.py --model tiny --gpus 2 --gpus_per_node 2 --gpu_mem_gb 1 --peak_tflops 0.05 \\
+        --link_gbps 1 --device cpu --dtype float32        # a machine described by hand
+"""
+
+import argparse
+import contextlib
+import glob
+import importlib.util
+import io
+import json
+import math
+import os
+import sys
+
+from common import PEAK_FLOPS, PRESETS, count_params, flops_per_token, format_bytes, planned_dtype
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ----------------------------------------------------------------------------------------
+# The machines: the facilities' published figures (per GPU; a GCD of an MI250X, a tile of a
+# Max 1550, counted as one GPU since each is one rank). Bandwidths in GB/s in one direction.
+# intra: the GPU-to-GPU links a ring inside a node runs over; inter: the node's Slingshot-11
+# NICs (25 GB/s = 200 Gb/s each) shared by its GPUs. Achieved bandwidths are lower: measure
+# yours with `02_collectives.py --bench` and pass --bench (see --help).
+# ----------------------------------------------------------------------------------------
+
+MACHINES = {
+    # ALCF Polaris user guide, "Polaris Machine Overview": 4 A100 (40 GB) per node connected
+    # by NVLink (600 GB/s per GPU, both directions: 300 one way), "a pair of Slingshot 11
+    # network adapters" per node (2 x 25 GB/s for 4 GPUs); A100 BF16 tensor core 312 TFLOP/s
+    "polaris": dict(gpus_per_node=4, gpu_mem_gb=40, peak_tflops=PEAK_FLOPS["A100"][0] / 1e12,
+                    intra_gbps=300.0, inter_gbps=2 * 25.0 / 4),
+    # ALCF Aurora user guide, "Aurora Machine Overview": 6 Max 1550 per node, 2 tiles each (12
+    # ranks), 768 GiB HBM per node = 64 GiB per tile, GPUs "connected all-to-all with Intel
+    # Xe Link", 8 Slingshot-11 NICs per node (8 x 25 GB/s for 12 tiles). Peak bf16 per tile:
+    # common.PEAK_FLOPS. The Xe Link figure a ring achieves between GPUs is the least certain
+    # number here (tiles of one GPU talk faster over MDFI): 30 GB/s, measure it
+    "aurora": dict(gpus_per_node=12, gpu_mem_gb=64, peak_tflops=PEAK_FLOPS["MAX 1550"][0] / 1e12,
+                   intra_gbps=30.0, inter_gbps=8 * 25.0 / 12),
+    # OLCF Frontier user guide, "Node architecture": 4 MI250X = 8 GCDs per node, 64 GB HBM
+    # per GCD, Infinity Fabric between GCDs 50+50 GB/s (200+200 between the two GCDs of one
+    # MI250X; a ring over 8 runs over the 50 GB/s links), 4 Slingshot-11 NICs (4 x 25 GB/s
+    # for 8 GCDs); MI250X 383 TFLOP/s bf16 = 191.5 per GCD
+    "frontier": dict(gpus_per_node=8, gpu_mem_gb=64, peak_tflops=PEAK_FLOPS["MI250X"][0] / 1e12,
+                     intra_gbps=50.0, inter_gbps=4 * 25.0 / 8),
+    # NERSC Perlmutter "Architecture": GPU nodes with 4 A100 (40 GB; 256 nodes have 80 GB:
+    # --gpu_mem_gb 80), NVLink-3 (300 GB/s one way per GPU), 4 Slingshot-11 NICs per node
+    "perlmutter": dict(gpus_per_node=4, gpu_mem_gb=40, peak_tflops=PEAK_FLOPS["A100"][0] / 1e12,
+                       intra_gbps=300.0, inter_gbps=4 * 25.0 / 4),
+}
+ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # seconds per ring step (NCCL/RCCL-like latencies)
+for _machine in MACHINES.values():
+    _machine.update(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
+EFFICIENCY = 0.5  # fraction of peak FLOP/s the matrix multiplies reach (Megatron-LM reports ~0.5)
+
+
+# ----------------------------------------------------------------------------------------
+# The scripts, loaded once (their file names start with digits: importlib)
+# ----------------------------------------------------------------------------------------
+
+_MODULES = {}
+
+
+def script(name):
+    """The training script `name` as a module (its main() is not run on import)."""
+    if name not in _MODULES:
+        spec = importlib.util.spec_from_file_location(name[:-3].replace("-", "_"), os.path.join(HERE, name))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if hasattr(module, "count_params"):
+            module.count_params = count_params_once  # the same model is counted for every candidate
+        _MODULES[name] = module
+    return _MODULES[name]
+
+
+_COUNTS = {}
+
+
+def count_params_once(config):
+    """common.count_params, remembered per config (GPT-3 175B takes a second on the meta device)."""
+    key = repr(config)
+    if key not in _COUNTS:
+        _COUNTS[key] = count_params(config)
+    return _COUNTS[key]
+
+
+def script_name(prefix):
+    """The file of a numbered script ("09" -> "09_context_parallel.py"), or None."""
+    found = sorted(glob.glob(os.path.join(HERE, prefix + "_*.py")))
+    return os.path.basename(found[0]) if found else None
+
+
+class _DryRunDone(Exception):
+    pass
+
+
+def dry_run(name, flags, gpus, gpus_per_node):
+    """Run script `name`'s own main() with --dry_run for `gpus` ranks, as a user would, and
+    return (args, config, cost) as it validated and computed them; or the one-line reason it
+    refused the flags (its `error: ...`)."""
+    module = script(name)
+    captured = {}
+
+    def capture(args, _script, config, cost, _lines=()):
+        captured.update(args=args, config=config, cost=cost)
+        raise _DryRunDone
+
+    argv = [name, *flags, "--dry_run", "--world_size", str(gpus), "--ranks_per_node", str(gpus_per_node)]
+    saved_argv, saved_dry_run = sys.argv, module.dry_run
+    sys.argv, module.dry_run = argv, capture
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            module.main()
+    except _DryRunDone:
+        return captured["args"], captured["config"], captured["cost"]
+    except SystemExit:
+        return err.getvalue().strip().removeprefix("error: ") or "refused"
+    finally:
+        sys.argv, module.dry_run = saved_argv, saved_dry_run
+    return "the dry run did not reach its cost function"
+
+
+# ----------------------------------------------------------------------------------------
+# Enumerating the candidates
+# ----------------------------------------------------------------------------------------
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(n, gpus_per_node, n_layer):
+    """(script, strategy flags, label) for every strategy and layout on n GPUs. The scripts
+    validate the rest (heads divisible by tp, batch divisible by dp, ...)."""
+    if n == 1:
+        yield "01_single_gpu.py", [], "single GPU"
+    yield "03_ddp.py", [], "DDP"
+    for stage in (1, 2, 3):
+        yield "04_zero.py", ["--stage", str(stage)], f"ZeRO-{stage}"
+    for r in divisors(n):
+        yield "05_fsdp.py", ["--replicate", str(r)], "FSDP" if r == 1 else f"HSDP {r} x {n // r}"
+    if 1 < n <= gpus_per_node:  # TP inside a node's fast links only
+        yield "06_tensor_parallel.py", [], "TP"
+        yield "06_tensor_parallel.py", ["--sequence_parallel"], "TP + SP"
+    if 1 < n <= n_layer:
+        for schedule in ("gpipe", "1f1b", "interleaved"):
+            yield "07_pipeline.py", ["--schedule", schedule], f"PP {schedule}"
+    for tp in divisors(n):
+        for pp in divisors(n // tp):
+            if tp <= gpus_per_node and pp <= n_layer and tp * pp > 1:
+                for zero1 in (False, True):
+                    yield ("08_3d.py", ["--tp", str(tp), "--pp", str(pp)] + (["--zero1"] if zero1 else []),
+                           f"3D dp {n // (tp * pp)} pp {pp} tp {tp}" + (" + ZeRO-1" if zero1 else ""))
+    cp_script = script_name("09")
+    if cp_script and n > 1 and hasattr(script(cp_script), "dry_run"):  # priced through its dry run only
+        for cp in divisors(n)[1:]:
+            for impl in ("ring", "ulysses"):
+                yield cp_script, ["--cp", str(cp), "--cp_impl", impl], f"CP {impl} cp {cp} dp {n // cp}"
+
+
+def ranks_to_price(name, args, config, n):
+    """The ranks whose costs differ: every stage of a pipeline (07: rank = stage; 08: the
+    first rank of stage s of replica 0, rank s·tp, one stage of each kind), one rank elsewhere."""
+    if name.startswith("07"):
+        return list(range(n))
+    if name.startswith("08"):
+        # stages cost the same when they hold as many layers and neither end of the pipeline
+        layers = script(name).stage_layers(config.n_layer, args.pp)
+        kinds = {(s == 0, s == args.pp - 1, layers[s][1]): s for s in reversed(range(args.pp))}
+        return sorted(s * args.tp for s in kinds.values())
+    return [0]
+
+
+def rank_costs(name, args, config, n, dtype, rank):
+    module = script(name)
+    if name.startswith(("07", "08")):
+        return module.costs(args, config, n, dtype, rank)
+    return module.costs(args, config, n, dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Scoring: memory, communication time, step time
+# ----------------------------------------------------------------------------------------
+
+def per_gpu_bytes(cost):
+    """params, grads, optim (+ gathered) and activations held by one rank, from its costs();
+    activations None where the script's costs() does not give them."""
+    held = {kind: value for kind, (_, value) in cost["held"].items()}
+    if "gathered" in cost:  # 05: the units gathered in the compute dtype at the peak
+        held["gathered"] = cost["gathered"][1]
+    held["activations"] = cost["activations"][1] if "activations" in cost else None
+    held["total"] = sum(v for v in held.values() if v is not None)
+    return held
+
+
+def group_of(name, op, args, n, gpus_per_node):
+    """(g, across): the size of the group an operation runs on, and whether it leaves a node.
+    Groups are ranks `stride` apart as the scripts build them (05: shard groups of S
+    consecutive ranks; 08: rank = dp·pp·tp + pp·tp + tp); a pipeline's sends cross nodes on
+    the boundaries between them whenever the pipeline spans nodes, and the step waits for
+    those."""
+    group = op[op.index("[") + 1:-1] if "[" in op else "world"
+    base = op.split("[")[0]
+    size, stride = n, 1
+    if name.startswith("05"):
+        S = n // args.replicate
+        size, stride = {"shard": (S, 1), "replicate": (args.replicate, S)}.get(group, (n, 1))
+    elif name.startswith("07"):
+        if base in ("send", "recv"):
+            return 2, n > gpus_per_node
+        size, stride = (2, n - 1) if base == "all_reduce" else (n, 1)  # the tied wte: first and last stage
+    elif name.startswith("08"):
+        T, P = args.tp, args.pp
+        if base in ("send", "recv"):
+            return 2, T * P > gpus_per_node
+        size, stride = {"tp": (T, 1), "pp": (P, T), "dp": (n // (T * P), T * P), "model": (T * P, 1),
+                        "embedding": (2, (P - 1) * T)}.get(group, (n, 1))
+    elif name.startswith("09"):
+        C = args.cp or n
+        if base in ("send", "recv"):  # the ring of a context-parallel group
+            return 2, C > gpus_per_node
+        size, stride = {"cp": (C, 1), "dp": (n // C, C)}.get(group, (n, 1))
+    return size, (size - 1) * stride >= gpus_per_node
+
+
+def comm_seconds(op, nbytes, g, across, machine):
+    """Alpha-beta time of one step's `nbytes` of `op` on a ring of g ranks, inside a node or
+    across nodes."""
+    base = op.split("[")[0]
+    if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
+        return 0.0
+    beta = 1e9 * (machine["inter_gbps"] if across else machine["intra_gbps"])
+    alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
+    if base == "send":
+        return alpha + nbytes / beta
+    kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all"}.get(base, base)
+    steps = 2 * (g - 1) if kind == "all_reduce" else g - 1
+    return steps * alpha + script("02_collectives.py").bus_factor(kind, g) * nbytes / beta
+
+
+def bubble(name, args, config, n):
+    """The idle fraction of a pipeline's step (07's formula; 08 runs 1F1B)."""
+    pipeline = script("07_pipeline.py")
+    if name.startswith("07"):
+        v = args.virtual_stages if args.schedule == "interleaved" else 1
+        return pipeline.bubble_theory(args.schedule, n, args.global_batch_size // args.micro_batch_size, v)
+    if name.startswith("08") and args.pp > 1:
+        D = n // (args.tp * args.pp)
+        return pipeline.bubble_theory("1f1b", args.pp, args.global_batch_size // (args.micro_batch_size * D), 1)
+    return 0.0
+
+
+def score(name, flags, label, plan_args, machine):
+    """One candidate, validated and priced by the script and timed by the model of the
+    docstring: (candidate, None), or (None, the script's reason) when it refuses the layout."""
+    n, G = plan_args.gpus, machine["gpus_per_node"]
+    argv = [*plan_args.model_flags, *flags]
+    result = dry_run(name, argv, n, G)
+    if isinstance(result, str):
+        return None, result
+    args, config, _ = result
+    dtype = planned_dtype(args)
+    # memory and communication of every rank that differs; the fullest one is reported
+    ranks = []
+    for rank in ranks_to_price(name, args, config, n):
+        cost = rank_costs(name, args, config, n, dtype, rank)
+        comm = {op: value for op, (_, value) in cost["sent"].items()}
+        comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items())
+        ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s))
+    fullest = max(ranks, key=lambda r: (r["held"]["total"], r["comm_s"]))
+    slowest_comm_s = max(r["comm_s"] for r in ranks)
+    # compute: the model FLOPs of the global batch (nanoGPT's count, as the scripts' MFU)
+    model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
+    peak = machine["peak_tflops"] * 1e12
+    recompute = 4 / 3 if getattr(args, "recompute", False) else 1  # one more forward per block
+    compute_s = model_flops * recompute / (n * peak * plan_args.efficiency)
+    f = bubble(name, args, config, n)
+    step_s = compute_s / (1 - f) + slowest_comm_s
+    if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
+        argv += ["--micro_batch_size", str(args.micro_batch_size)]
+    return dict(script=name, flags=argv, label=label, layout=fullest["layout"],
+                command=launch_command(name, argv, n, G),
+                per_gpu_bytes=fullest["held"], activations_counted=fullest["held"]["activations"] is not None,
+                comm_bytes_per_step=fullest["comm"], priced_rank=fullest["rank"],
+                compute_s=compute_s / (1 - f), comm_s=slowest_comm_s, bubble=f,
+                step_time_s=step_s, mfu=model_flops / (step_s * n * peak),
+                fits=fullest["held"]["total"] <= machine["gpu_mem_gb"] * 1e9 * plan_args.mem_fraction), None
+
+
+def launch_command(name, argv, n, gpus_per_node):
+    line = " ".join([name, *argv])
+    if n == 1:
+        return f"python {line}"
+    if n <= gpus_per_node:
+        return f"mpiexec -n {n} python {line}"
+    return f"mpiexec -n {n} --ppn {gpus_per_node} python {line}"
+
+
+# ----------------------------------------------------------------------------------------
+# The recommendation
+# ----------------------------------------------------------------------------------------
+
+def recommend(scored, n):
+    """The ALCF rules, applied to the candidates that fit (see the docstring)."""
+    fits = [c for c in scored if c["fits"]]
+    if not fits:
+        return None, ("nothing fits: use more GPUs, --recompute, a smaller --micro_batch_size, "
+                      "or a GPU with more memory")
+    fastest = lambda cs: min(cs, key=lambda c: c["step_time_s"])  # noqa: E731
+    replicas = [c for c in fits if c["script"] in ("01_single_gpu.py", "03_ddp.py")]
+    if replicas:
+        return fastest(replicas), ("the model fits on one GPU: plain data parallelism (DDP), the least "
+                                   "communication per step and none inside the step")
+    sharded = [c for c in fits if c["script"] in ("04_zero.py", "05_fsdp.py")]
+    three_d = [c for c in fits if c["script"] == "08_3d.py"]
+    if sharded and (not three_d or fastest(sharded)["step_time_s"] <= fastest(three_d)["step_time_s"]):
+        return fastest(sharded), ("a replica does not fit, sharded data parallelism does: ZeRO/FSDP "
+                                  "(HSDP keeps the parameter gathers inside a node)")
+    if three_d:
+        return fastest(three_d), ("layers too big or many GPUs: 3D parallelism, TP inside a node over the "
+                                  "fast links, PP across nodes, DP outermost (+ ZeRO-1 when it saves memory)")
+    return fastest(fits), "the only strategies that fit"
+
+
+# ----------------------------------------------------------------------------------------
+# Command line and output
+# ----------------------------------------------------------------------------------------
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and batch (passed to the scripts as they are)")
+    g.add_argument("--model", default=None, choices=sorted(PRESETS), help="preset (default: the scripts')")
+    for flag in ("--n_layer", "--n_head", "--n_embd", "--block_size", "--global_batch_size", "--micro_batch_size"):
+        g.add_argument(flag, type=int)
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--data", default=None, help="as the scripts' --data (sets the vocabulary size: "
+                   "the embedded corpus has 65 tokens, a directory without meta.pkl GPT-2's 50304)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPUs")
+    g.add_argument("--device", default=None, choices=["cpu"], help="plan a CPU run (float32 by default)")
+    g.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) to plan for")
+    g.add_argument("--machine", choices=sorted(MACHINES), help="a machine's published figures")
+    g.add_argument("--gpus_per_node", type=int)
+    g.add_argument("--gpu_mem_gb", type=float)
+    g.add_argument("--peak_tflops", type=float, help="peak dense FLOP/s per GPU in the dtype used")
+    g.add_argument("--link_gbps", type=float, help="GB/s inside a node (one direction)")
+    g.add_argument("--inter_gbps", type=float, help="GB/s per GPU across nodes (default: --link_gbps)")
+    g.add_argument("--bench", nargs="+", default=[],
+                   help="metrics JSONL of `02_collectives.py --bench`: its best all_reduce bus bandwidth "
+                        "replaces the link bandwidth and its fastest all_reduce's time per ring step the "
+                        "latency (inside a node if it ran on one node, else across)")
+    g = p.add_argument_group("model of the step")
+    g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
+    g.add_argument("--mem_fraction", type=float, default=0.9, help="fraction of GPU memory usable")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    g.add_argument("--show_invalid", action="store_true", help="list refused layouts with the reason")
+    g.add_argument("--top", type=int, default=25, help="rows of the table")
+    args = p.parse_args(argv)
+
+    def error(message):
+        p.exit(2, f"error: {message}\n")
+
+    if args.gpus < 1:
+        error(f"--gpus must be positive, got {args.gpus}")
+    if not 0 < args.efficiency <= 1 or not 0 < args.mem_fraction <= 1:
+        error("--efficiency and --mem_fraction must be in (0, 1]")
+    machine = dict(MACHINES[args.machine]) if args.machine else dict(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
+    by_hand = dict(gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb, peak_tflops=args.peak_tflops,
+                   intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
+    machine.update({k: v for k, v in by_hand.items() if v is not None})
+    for path in args.bench:
+        try:
+            rows = [json.loads(line) for line in open(path) if line.strip()]
+        except (OSError, ValueError) as e:
+            error(f"--bench {path}: cannot read it as 02_collectives.py --bench metrics ({e})")
+        rows = [r for r in rows if r.get("op") == "all_reduce"]
+        if not rows:
+            error(f"{path} has no all_reduce rows of 02_collectives.py --bench")
+        g = rows[0]["world_size"]
+        where = "inter" if g > machine.get("gpus_per_node", g) else "intra"
+        machine[f"{where}_gbps"] = max(r["busbw_GBps"] for r in rows)
+        fastest = min(r["time_us"] for r in rows)  # a small message: latency only
+        machine[f"alpha_{where}"] = fastest * 1e-6 / max(1, 2 * (g - 1))
+    missing = [k for k in ("gpus_per_node", "gpu_mem_gb", "peak_tflops", "intra_gbps", "inter_gbps") if not machine.get(k)]
+    if missing:
+        error(f"describe the cluster: --machine, or by hand ({', '.join(missing)} missing: --gpus_per_node, "
+              "--gpu_mem_gb, --peak_tflops, --link_gbps)")
+    # the flags every candidate's command carries
+    args.model_flags = []
+    for key in ("model", "n_layer", "n_head", "n_embd", "block_size", "dropout", "global_batch_size",
+                "micro_batch_size", "data", "dtype", "device"):
+        if getattr(args, key) is not None:
+            args.model_flags += [f"--{key}", str(getattr(args, key))]
+    if args.bias is not None:
+        args.model_flags.append("--bias" if args.bias else "--no-bias")
+    if args.recompute:
+        args.model_flags.append("--recompute")
+    return args, machine
+
+
+def plan(args, machine):
+    """Every candidate scored (valid ones), the refused ones with their reasons, the
+    recommendation and Ψ."""
+    n, G = args.gpus, machine["gpus_per_node"]
+    base = dry_run("03_ddp.py", args.model_flags, 1, 1)  # the model as the scripts build it
+    if isinstance(base, str):  # the model or batch flags themselves are wrong
+        print(f"error: {base}", file=sys.stderr)
+        sys.exit(2)
+    config = base[1]
+    scored, refused, seen = [], [], set()
+    for name, flags, label in candidates(n, G, config.n_layer):
+        micro_batches = [None] if args.micro_batch_size else [None, 1]
+        for micro in micro_batches:
+            extra = ["--micro_batch_size", str(micro)] if micro else []
+            c, reason = score(name, flags + extra, label, args, machine)
+            if c is None:
+                refused.append((name, label + (f", micro-batch {micro}" if micro else ""), reason))
+            elif (name, tuple(c["flags"])) not in seen:  # the default micro-batch may be 1 already
+                seen.add((name, tuple(c["flags"])))
+                scored.append(c)
+    scored.sort(key=lambda c: (not c["fits"], c["step_time_s"]))
+    choice, why = recommend(scored, n)
+    return count_params_once(config)[0], scored, refused, choice, why
+
+
+def gb(b):
+    return "-" if b is None else f"{b / 1e9:.3g}"
+
+
+def print_table(args, machine, psi, scored, refused, choice, why):
+    n, G = args.gpus, machine["gpus_per_node"]
+    counted = all(c["activations_counted"] for c in scored)
+    print(f"plan: {args.model or 'default'} model, Ψ = {psi:,} parameters, on {n} GPU(s), {G} per node "
+          f"({math.ceil(n / G)} node(s)); {machine['gpu_mem_gb']:g} GB, {machine['peak_tflops']:g} TFLOP/s "
+          f"x {args.efficiency:g} efficiency per GPU; links {machine['intra_gbps']:g} GB/s in a node, "
+          f"{machine['inter_gbps']:.3g} GB/s per GPU across nodes")
+    if not counted:
+        print("ACTIVATIONS NOT COUNTED: the scripts' costs() do not give them yet; memory is model state only")
+    print(f"{'':2}{'strategy':<30} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7} "
+          f"{'comm/step':>10} {'step s':>8} {'MFU':>6}  command  (GB per GPU; sorted by step time, fitting first)")
+    for c in scored[:args.top]:
+        h = c["per_gpu_bytes"]
+        mark = "* " if c is choice else ("  " if c["fits"] else "x ")
+        print(f"{mark}{c['label']:<30} {gb(h['params']):>7} {gb(h['grads']):>7} {gb(h['optim']):>7} "
+              f"{gb(h['activations']):>7} {gb(h['total']):>7} {format_bytes(sum(c['comm_bytes_per_step'].values())):>10} "
+              f"{c['step_time_s']:>8.3g} {100 * c['mfu']:>5.1f}%  {c['command']}")
+    if len(scored) > args.top:
+        print(f"  ... {len(scored) - args.top} more (--top)")
+    print(f"{sum(c['fits'] for c in scored)} of {len(scored)} valid layouts fit (x: does not fit); "
+          f"{len(refused)} refused by the scripts" + ("" if args.show_invalid else " (--show_invalid)"))
+    if args.show_invalid:
+        for name, label, reason in refused:
+            print(f"  refused {label} ({name}): {reason}")
+    if choice is None:
+        print(f"recommendation: {why}")
+        return
+    print(f"recommendation: {choice['label']}, ~{choice['step_time_s']:.3g} s per step, MFU {100 * choice['mfu']:.0f}% "
+          f"(estimate), {gb(choice['per_gpu_bytes']['total'])} GB per GPU: {why}\n  {choice['command']}")
+    fastest = min((c for c in scored if c["fits"]), key=lambda c: c["step_time_s"])
+    if fastest is not choice:
+        print(f"  (fastest estimate: {fastest['label']}, {fastest['step_time_s']:.3g} s: {fastest['command']})")
+
+
+def as_json(psi, scored, refused, choice, why):
+    keys = ("script", "flags", "label", "layout", "command", "per_gpu_bytes", "activations_counted",
+            "comm_bytes_per_step", "priced_rank", "compute_s", "comm_s", "bubble", "step_time_s", "mfu", "fits")
+    pick = lambda c: {k: c[k] for k in keys}  # noqa: E731
+    return {"params": psi, "candidates": [pick(c) for c in scored],
+            "refused": [{"script": s, "label": label, "reason": r} for s, label, r in refused],
+            "recommendation": dict(pick(choice), reason=why) if choice else {"reason": why}}
+
+
+def main(argv=None):
+    args, machine = parse(argv)
+    psi, scored, refused, choice, why = plan(args, machine)
+    if args.json:
+        print(json.dumps(as_json(psi, scored, refused, choice, why)))
+    else:
+        print_table(args, machine, psi, scored, refused, choice, why)
+
+
+if __name__ == "__main__":
+    main()
