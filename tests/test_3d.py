@@ -80,7 +80,7 @@ def test_resume_and_export(reference, tmp_path):
 @pytest.mark.parametrize("ranks, flags, message", [
     (6, ["--tp", "4"], "world size 6 is not divisible by tp 4 x pp 1 = 4"),
     (8, ["--tp", "8"], "n_head 4 is not divisible by tp 8"),
-    (8, ["--pp", "8"], "n_layer 4 is not divisible by pp 8"),
+    (8, ["--pp", "8"], "n_layer 4 is fewer than pp 8"),
 ])
 def test_bad_layouts_give_one_line(ranks, flags, message):
     run = launch("08_3d.py", BASE + flags, nprocs=ranks, timeout=120)
