@@ -71,6 +71,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from common import ActivationMeter, activation_device_type, activation_terms, activations_of_layers
 from common import (GPT, LEDGER, Data, autocast, build_model, check, check_batch, check_resumable,
                     dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
                     ADAM_BETAS, make_parser, Metrics, model_config, model_block_size, parse_args,
@@ -346,7 +347,12 @@ def costs(args, config, world_size, dtype):
         sent.update(reduce_scatter_tensor=(f"{accum} micro x {b}Ψ", accum * b * psi),
                     all_gather_into_tensor=(f"root + {accum} micro x 2 x blocks",
                                             b * (root + accum * 2 * (psi - root))))
-    return {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent}
+    # activations: each rank runs 01's model on its micro-batch; partitioning the model
+    # states leaves them as they are (01's count per micro-batch)
+    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
+                             param_dtype=dtype)  # the working parameters: stored in the compute dtype
+    return {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent,
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
 @torch.no_grad()
@@ -390,6 +396,8 @@ def main():
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device)  # every rank builds the same model ...
+    for block in model.transformer.h:
+        block.recompute = args.recompute
     nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
     zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
     optimizer = zero.optimizer
@@ -415,6 +423,7 @@ def main():
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
     cost = costs(args, config, env.world_size, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    meter = ActivationMeter()
     LEDGER.take()
 
     def save(step):
@@ -446,6 +455,7 @@ def main():
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
         zero.gather_root()
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
@@ -453,6 +463,7 @@ def main():
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
             zero.after_backward()  # stages 2-3: this micro-batch's gradient shards are in
             loss_sum += loss.detach().float()
+        activations = meter.stop()
         zero.release_root()
         zero.reduce_gradients()  # stage 1: reduce-scatter the accumulated full gradients
         loss_sum /= accum_steps * env.world_size
@@ -463,11 +474,12 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, zero.held_bytes(), comm, cost)
+            print_ledger(env, zero.held_bytes(), comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm,
+                         activations=activations)
         zero.zero_grad()
         if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

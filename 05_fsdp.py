@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from common import ActivationMeter, activation_device_type, activation_terms, activations_of_layers
 from common import (ADAM_BETAS, GPT, LEDGER, Data, autocast, check, check_batch, check_resumable,
                     dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
                     make_parser, Metrics, model_config, model_block_size, param_init, parse_args,
@@ -309,8 +310,13 @@ def costs(args, config, world_size, dtype):
     # prefetch, every block without resharding
     resident = config.n_layer if not reshard else (2 if prefetch else 1)
     gathered = (f"{b}(root + {resident if reshard else 'every'} block(s))", b * (root + resident * max(per_block)))
+    # activations: each rank runs 01's model on its micro-batch; sharding the model states
+    # leaves them as they are (01's count per micro-batch)
+    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
+                             param_dtype=dtype)  # the gathered units: stored in the compute dtype
     return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
-            "held": held, "sent": sent, "gathered": gathered}
+            "held": held, "sent": sent, "gathered": gathered,
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
 @torch.no_grad()
@@ -360,6 +366,8 @@ def main():
     config = model_config(args, data.vocab_size)
     with torch.device("meta"):
         model = GPT(config)  # no memory: shapes only
+    for block in model.transformer.h:
+        block.recompute = args.recompute
     nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
     fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
@@ -393,6 +401,7 @@ def main():
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
     cost = costs(args, config, env.world_size, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    meter = ActivationMeter()
     gathered_formula, gathered_bound = cost["gathered"]
 
     def save(step):
@@ -422,6 +431,7 @@ def main():
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
@@ -430,6 +440,7 @@ def main():
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
             fsdp.after_backward()  # this micro-batch's gradient shards are in
             loss_sum += loss.detach().float()
+        activations = meter.stop()
         fsdp.end()  # free the root (and, with --no_reshard, every block)
         loss_sum /= accum_steps * env.world_size
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
@@ -440,7 +451,7 @@ def main():
         comm = LEDGER.take()
         held = state_bytes(fsdp.shards(), optimizer)
         if step == start_step:
-            print_ledger(env, held, comm, cost)
+            print_ledger(env, held, comm, cost, activations)
             log(env, f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: "
                      f"{gathered_formula} = {format_bytes(gathered_bound)}); full model "
                      f"{format_bytes(4 * n_params)} in fp32")
@@ -448,7 +459,8 @@ def main():
             loss_value = loss_sum.item()
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm,
-                         {"gathered_peak_bytes": fsdp.gathered_peak, "gathered_bound_bytes": gathered_bound})
+                         {"gathered_peak_bytes": fsdp.gathered_peak, "gathered_bound_bytes": gathered_bound},
+                         activations=activations)
         optimizer.zero_grad(set_to_none=True)
         if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

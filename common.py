@@ -343,7 +343,7 @@ def activation_device_type(args):
     return "cuda" if args.dry_run else pick_device("auto", 0)[0].type
 
 
-def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False):
+def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dtype=torch.float32):
     """Bytes this model's ops save for backward for one micro-batch of b sequences of s
     tokens (h = n_embd, a = n_head, V = vocab), counted op by op for common.py's model and
     PyTorch's kernels, with tensor parallelism over tp ranks (Megatron's split: the
@@ -353,7 +353,10 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False):
     (what --recompute keeps of a block), `embedding` (dropout's mask) and `head` (ln_f,
     the head's input, the log-softmax of the logits; with tp the caller adds its own
     vocabulary-parallel head). Per block, with e = bytes of the compute dtype (fp32 or
-    bf16 under autocast; LayerNorm, the residual stream and softmax stay fp32):
+    bf16 under autocast; LayerNorm, the residual stream and softmax stay fp32). Where the
+    parameters themselves are stored in the compute dtype (`param_dtype`: ZeRO-3's and
+    FSDP's gathered bf16 units) the residual stream is bf16 too: the LayerNorms save it as
+    it is on CPU (input and mean, rstd in bf16) and an fp32 copy on GPUs (autocast's fp32 list):
 
       LayerNorm x2: input 4bsh + mean, rstd 8bs each; its output, the next Linear's input, ebsh
       attention:    q, k, v (one storage, c_attn's output) 3ebsh, output ebsh (also c_proj's
@@ -371,9 +374,11 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False):
     dropout = config.dropout > 0
     rep = tp if sp else 1  # the divisor of the replicated parts (sequence parallelism)
     lse_len = s if (not gpu or e == 2) else 32 * math.ceil(s / 32)  # fp32 on GPUs: memory-efficient kernel
+    r = torch.tensor([], dtype=param_dtype).element_size()  # the residual stream's bytes
+    n = 4 if gpu else r  # what a LayerNorm saves of its input, and of its mean and rstd
     terms = {}
-    ln = (2 * (4 * b * s * h + 8 * b * s + e * b * s * h)) // rep
-    terms["layernorms"] = (f"2(4bsh + 8bs + {e}bsh){'/T' if sp else ''}", ln)
+    ln = (2 * (n * b * s * h + 2 * n * b * s + e * b * s * h)) // rep
+    terms["layernorms"] = (f"2({n}bsh + {2 * n}bs + {e}bsh){'/T' if sp else ''}", ln)
     if dropout and not gpu:
         attn = (12 * b * s * h + 12 * b * a * s * s) // tp + e * b * s * h // tp
         terms["attention"] = (f"(12bsh + 12bas² + {e}bsh)/T (CPU math kernel, dropout)", attn)
@@ -389,10 +394,10 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False):
         terms["dropout masks"] = (f"2·{mask_e or e}bsh{'/T' if sp else ''}", masks)
     layer = ln + attn + mlp + masks
     out = {"layer": (" + ".join(f for f, _ in terms.values()), layer),
-           "block_input": (f"4bsh{'/T' if sp else ''}", 4 * b * s * h // rep),
-           "embedding": (f"{mask_e or 4}bsh{'/T' if sp else ''}" if dropout else "0",
-                         (mask_e or 4) * b * s * h // rep if dropout else 0),
-           "head": (f"4bsh + 8bs + {e}bsh + 4bsV + 4", 4 * b * s * h + 8 * b * s + e * b * s * h + 4 * b * s * V + 4)}
+           "block_input": (f"{r}bsh{'/T' if sp else ''}", r * b * s * h // rep),
+           "embedding": (f"{mask_e or r}bsh{'/T' if sp else ''}" if dropout else "0",
+                         (mask_e or r) * b * s * h // rep if dropout else 0),
+           "head": (f"{n}bsh + {2 * n}bs + {e}bsh + 4bsV + 4", n * b * s * h + 2 * n * b * s + e * b * s * h + 4 * b * s * V + 4)}
     return out
 
 
