@@ -407,21 +407,28 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
     return out
 
 
-def activations_of_layers(terms, n_layers, recompute, first=True, last=True):
-    """(formula, bytes) this rank holds for backward for one micro-batch through n_layers
-    blocks, with the embedding (first) and the head (last) if it has them. Without
-    recompute everything is held at the end of forward. With --recompute the peak is the
-    larger of the end of forward (the blocks' inputs, the embedding and the head) and the
-    backward of the last block (the other blocks' inputs and one block's internals)."""
-    emb_f, emb = terms["embedding"] if first else ("0", 0)
-    head_f, head = terms["head"] if last else ("0", 0)
-    layer_f, layer = terms["layer"]
-    in_f, block_in = terms["block_input"]
+def activation_phases(terms, n_layers, recompute, first=True, last=True):
+    """(kept, during_backward): the bytes one micro-batch through n_layers blocks (with the
+    embedding if first, the head if last) holds from the end of its forward until its
+    backward, and the most it holds while its backward runs. Without recompute backward
+    only frees: during = kept. With --recompute only block inputs are kept, and the
+    backward of the last block holds the other inputs and that block's internals."""
+    emb = terms["embedding"][1] if first else 0
+    head = terms["head"][1] if last else 0
+    layer, block_in = terms["layer"][1], terms["block_input"][1]
     if not recompute:
-        return f"{n_layers}·layer + embedding + head", emb + n_layers * layer + head
-    forward_end = emb + n_layers * block_in + head
-    backward = emb + (n_layers - 1) * block_in + layer
-    return (f"embedding + max({n_layers}·input + head, {n_layers - 1}·input + layer)", max(forward_end, backward))
+        kept = emb + n_layers * layer + head
+        return kept, kept
+    return emb + n_layers * block_in + head, emb + (n_layers - 1) * block_in + layer
+
+
+def activations_of_layers(terms, n_layers, recompute, first=True, last=True):
+    """(formula, bytes): the peak this rank holds for backward for one micro-batch through
+    n_layers blocks (see activation_phases)."""
+    kept, during = activation_phases(terms, n_layers, recompute, first, last)
+    if not recompute:
+        return f"{n_layers}·layer + embedding + head", kept
+    return f"embedding + max({n_layers}·input + head, {n_layers - 1}·input + layer)", max(kept, during)
 
 
 def preset_config(args):
