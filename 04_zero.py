@@ -82,6 +82,9 @@ from common import (GPT, LEDGER, Data, autocast, build_model, check, check_batch
 def add_flags(parser):
     g = parser.add_argument_group("04_zero")
     g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
+    g.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: fp32 master shard, gradient shard and AdamW state in (pinned) host "
+                        "memory, the optimizer steps on the CPU")
     g.add_argument("--export", default=None,
                    help="at the end, write one consolidated checkpoint that 01_single_gpu.py loads")
     return parser
@@ -93,7 +96,7 @@ class Unit:
     the compute dtype (None in stage 3 while the unit is not gathered); `master` is this
     rank's fp32 shard, the copy the optimizer updates."""
 
-    def __init__(self, name, named_params, env, compute_dtype, keep_full):
+    def __init__(self, name, named_params, env, compute_dtype, keep_full, host=None):
         self.name = name
         self.names, self.params = zip(*named_params)
         self.shapes = [p.shape for p in self.params]
@@ -108,10 +111,11 @@ class Unit:
         for p, offset in zip(self.params, self.offsets):
             full[offset:offset + p.numel()].copy_(p.data.view(-1))
         # the fp32 master shard: a view of the full buffer when that is fp32 and kept
-        # (stages 1-2 on CPU), else a copy of its own
-        alias = keep_full and compute_dtype == torch.float32
-        self.master = full[self.lo:self.hi] if alias else full[self.lo:self.hi].float().clone()
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device)
+        # (stages 1-2 on CPU), else a copy of its own; with --offload a copy in host memory
+        # (`host`), with the gradient shard the optimizer reads
+        alias = keep_full and compute_dtype == torch.float32 and host is None
+        self.master = full[self.lo:self.hi] if alias else host_copy(full[self.lo:self.hi].float(), host)
+        self.grad_shard = host_copy(torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device), host)
         self.full = self.grad_full = None
         self.bind(full)
 
@@ -143,15 +147,26 @@ class Unit:
         return pieces
 
 
+def host_copy(t, host):
+    """A copy of `t` (None: on its own device; "cpu": in host memory, pinned when there is
+    an accelerator to copy to and from, so the copies can be asynchronous DMA)."""
+    if host is None:
+        return t.clone()
+    out = t.to("cpu", copy=True)
+    return out.pin_memory() if t.device.type in ("cuda", "xpu") else out
+
+
 class ZeRO:
     """The partitioned model states of one stage, and its collectives."""
 
     def __init__(self, model, stage, env, args):
         self.stage, self.world_size, self.compute_dtype = stage, env.world_size, env.dtype
+        self.device, self.offload = env.device, args.offload
+        host = "cpu" if args.offload else None
         root = [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]
-        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3)
+        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3, host=host)
         self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), env, env.dtype,
-                            keep_full=stage < 3) for i, block in enumerate(model.transformer.h)]
+                            keep_full=stage < 3, host=host) for i, block in enumerate(model.transformer.h)]
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
         segments = {True: [], False: []}
@@ -160,7 +175,8 @@ class ZeRO:
                 piece = unit.master[a:b]
                 piece.grad = unit.grad_shard[a:b]  # AdamW reads this rank's gradient shard
                 segments[decayed].append(piece)
-        fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
+        # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
+        fused = {"fused": True} if env.device.type in ("cuda", "xpu") and not args.offload else {}
         self.optimizer = torch.optim.AdamW(
             [{"params": segments[True], "weight_decay": args.weight_decay},
              {"params": segments[False], "weight_decay": 0.0}], lr=args.lr, betas=ADAM_BETAS, **fused)
@@ -185,7 +201,7 @@ class ZeRO:
         if unit.full is None:
             full = torch.empty(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
             # every rank's shard of this unit -> the whole unit, on every rank
-            dist.all_gather_into_tensor(full, unit.master.to(unit.dtype))
+            dist.all_gather_into_tensor(full, self.working_shard(unit))
             unit.bind(full)
 
     def _after_forward(self, unit, out):
@@ -228,7 +244,7 @@ class ZeRO:
             return
         for handle, unit, shard, _ in self.pending:
             handle.wait()
-            unit.grad_shard += shard.float()
+            unit.grad_shard += shard.float().to(unit.grad_shard.device)  # --offload: down to the host
         self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
 
     def reduce_gradients(self):
@@ -245,20 +261,24 @@ class ZeRO:
     # -- the update ----------------------------------------------------------------------
     def clip_grad_norm(self, max_norm):
         """The global gradient norm from the shards (padding is zero), as clip_grad_norm_."""
-        squares = sum(u.grad_shard.pow(2).sum() for u in self.units)
+        squares = sum(u.grad_shard.pow(2).sum() for u in self.units).to(self.device)
         dist.all_reduce(squares)  # the sum of every rank's squared shard norms
         total_norm = squares.sqrt()
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(self.root.grad_shard.device)
         for unit in self.units:
             unit.grad_shard.mul_(coef)
         return total_norm
 
+    def working_shard(self, unit):
+        """This rank's shard in the compute dtype on the device (--offload: up from the host)."""
+        return unit.master.to(self.device, unit.dtype, copy=True)
+
     def step(self):
-        self.optimizer.step()  # AdamW on this rank's shards only
+        self.optimizer.step()  # AdamW on this rank's shards only (--offload: on the CPU)
         if self.stage < 3:  # stage 3 gathers from the updated masters at the next forward
             for unit in self.units:
                 # every rank's updated shard -> the whole unit, on every rank
-                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
+                dist.all_gather_into_tensor(unit.full, self.working_shard(unit))
 
     def zero_grad(self):
         for unit in self.units:
@@ -275,6 +295,11 @@ class ZeRO:
         master counts as optimizer state when it is a separate copy, as in the paper)."""
         masters = [u.master for u in self.units]
         moments = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        if self.offload:  # the device keeps the working parameters (and stage 1's full grads)
+            return {"params": tensor_bytes([u.full for u in self.units]) if self.stage < 3 else 0,
+                    "grads": tensor_bytes([u.grad_full for u in self.units if u.grad_full is not None]),
+                    "optim": 0, "grads (host)": tensor_bytes([u.grad_shard for u in self.units]),
+                    "optim (host)": tensor_bytes(moments + masters)}
         if self.stage < 3:
             params = tensor_bytes([u.full for u in self.units])
             separate_master = tensor_bytes(masters + [u.full for u in self.units]) - params
@@ -293,7 +318,7 @@ class ZeRO:
         for unit, master in zip(self.units, state["masters"]):
             unit.master.copy_(master)
             if self.stage < 3:  # rebuild the full replicas from the shards
-                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
+                dist.all_gather_into_tensor(unit.full, self.working_shard(unit))
         self.optimizer.load_state_dict(state["optimizer"])
 
     def consolidated_state_dict(self):
@@ -301,7 +326,7 @@ class ZeRO:
         state = {}
         for unit in self.units:
             full = torch.empty(unit.shard_numel * self.world_size, dtype=torch.float32, device=unit.device)
-            dist.all_gather_into_tensor(full, unit.master)  # every rank's fp32 shard of this unit
+            dist.all_gather_into_tensor(full, unit.master.to(unit.device))  # every rank's fp32 shard of this unit
             for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets):
                 key = name if unit is self.root else unit.name + name
                 state[key] = full[offset:offset + shape.numel()].view(shape).cpu().clone()
@@ -336,6 +361,10 @@ def costs(args, config, world_size, dtype):
         held.update(params=(f"{b}Ψ", b * psi) if stage == 2 else
                     (("4Ψ/N", 4 * psi // n) if b == 4 else ("0 (gathered from the master)", 0)),
                     grads=("4Ψ/N", 4 * psi // n))
+    if args.offload:  # ZeRO-Offload: what stays on the device, and the host's share
+        held = {"params": (f"{b}Ψ", b * psi) if stage < 3 else ("0 (gathered from the host's master)", 0),
+                "grads": (f"{b}Ψ", b * psi) if stage == 1 else ("0", 0), "optim": ("0", 0),
+                "grads (host)": ("4Ψ/N", 4 * psi // n), "optim (host)": ("(8 + 4 master)Ψ/N", 12 * psi // n)}
     clipping = args.grad_clip > 0
     sent = {"all_reduce": ("4 loss" + (" + 4 norm" if clipping else ""), 4 + 4 * clipping)}
     if stage == 1:

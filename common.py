@@ -1176,7 +1176,7 @@ def print_ledger(env, held, comm, cost, activations=None):
     strategy's formula (`cost` is the script's costs(): each value is (formula, bytes));
     `activations`: the ActivationMeter's peak over the step."""
     lines = [f"ledger (rank {env.rank}): measured | theory"]
-    for kind in ("params", "grads", "optim"):
+    for kind in cost["held"]:  # params, grads, optim (and with --offload their host parts)
         formula, value = cost["held"][kind]
         lines.append(f"  held {kind:<24} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
     formula, value = cost["activations"]
