@@ -67,6 +67,9 @@ def add_flags(parser):
     g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the gradient reduce-scatter")
     g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
+    g.add_argument("--offload", action="store_true",
+                   help="CPU offload: the fp32 shards, their gradients and AdamW state in (pinned) host memory, "
+                        "the optimizer steps on the CPU")
     g.add_argument("--export", default=None, help="at the end, write one consolidated checkpoint for 01")
     return parser
 
@@ -91,7 +94,7 @@ class Unit:
             shard = torch.zeros((rows,) + tuple(shape[1:]))
             mine = full[r * rows:(r + 1) * rows]  # this rank's rows (the last rank may get padding)
             shard[:mine.shape[0]] = mine
-            self.shards.append(nn.Parameter(shard.to(fsdp.device)))
+            self.shards.append(nn.Parameter(fsdp.home(shard)))
         self.gathered, self.pending = False, None
         self.waiting = len(self.params)
 
@@ -101,7 +104,7 @@ class Unit:
         if self.gathered or self.pending is not None:
             return
         S, dtype = self.fsdp.shard_size, self.fsdp.compute_dtype
-        packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(dtype)  # copy-in
+        packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(self.fsdp.device, dtype)  # copy-in (up, offloaded)
         out = torch.empty(S * self.numel, dtype=dtype, device=self.fsdp.device)
         # every shard-group rank's rows of every parameter of this unit -> all of them
         handle = dist.all_gather_into_tensor(out, packed, group=self.fsdp.shard_group, async_op=True)
@@ -159,7 +162,7 @@ class Unit:
 
     def accumulate(self, out):
         for shard, offset, numel in zip(self.shards, self.offsets, self.shard_numels):
-            piece = out[offset:offset + numel].view_as(shard).float()
+            piece = out[offset:offset + numel].view_as(shard).float().to(shard.device)  # --offload: down
             shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
 
 
@@ -168,6 +171,7 @@ class FSDP:
 
     def __init__(self, model, config, args, env):
         self.config, self.seed, self.device = config, args.seed, env.device
+        self.offload = args.offload
         self.world_size, R = env.world_size, args.replicate
         S = self.shard_size = env.world_size // R
         self.shard_rank, self.replica = env.rank % S, env.rank // S
@@ -242,6 +246,13 @@ class FSDP:
         for unit in self.units:
             unit.release()
 
+    def home(self, t):
+        """Where the fp32 shards (and so their gradients and AdamW's state) live: the device,
+        or with --offload host memory, pinned when there is an accelerator (async DMA)."""
+        if not self.offload:
+            return t.to(self.device)
+        return t.pin_memory() if self.device.type in ("cuda", "xpu") else t
+
     def shards(self):
         return [s for unit in self.units for s in unit.shards]
 
@@ -250,9 +261,9 @@ class FSDP:
 
     def clip_grad_norm(self, max_norm):
         """Global norm from the shards (padding rows are zero); the replicas hold equal shards."""
-        squares = sum(s.grad.float().pow(2).sum() for s in self.shards())
+        squares = sum(s.grad.float().pow(2).sum() for s in self.shards()).to(self.device)
         dist.all_reduce(squares, group=self.shard_group)  # the sum over the shard group
-        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0).to(self.shards()[0].device)
         for s in self.shards():
             s.grad.mul_(coef)
 
@@ -260,7 +271,7 @@ class FSDP:
         """The whole model in 01's format (fp32, CPU), on every rank."""
         state = {}
         for unit in self.units:
-            packed = torch.cat([s.detach().view(-1) for s in unit.shards])
+            packed = torch.cat([s.detach().view(-1) for s in unit.shards]).to(self.device)
             out = torch.empty(self.shard_size * unit.numel, device=self.device)
             dist.all_gather_into_tensor(out, packed, group=self.shard_group)  # every rank's fp32 rows
             out = out.view(self.shard_size, unit.numel)
@@ -296,6 +307,9 @@ def costs(args, config, world_size, dtype):
     accum = args.global_batch_size // (args.micro_batch_size * world_size)
     reshard, prefetch = not args.no_reshard, not args.no_prefetch
     held = {"params": ("4Ψ/S", 4 * psi // S), "grads": ("4Ψ/S", 4 * psi // S), "optim": ("8Ψ/S", 8 * psi // S)}
+    if args.offload:  # the shards and AdamW in host memory: the device keeps the gathered units only
+        held = {"params": ("0", 0), "grads": ("0", 0), "optim": ("0", 0),
+                **{f"{k} (host)": v for k, v in held.items()}}
     # blocks are gathered in every micro-batch's forward and backward, or once per step
     # when they stay gathered (--no_reshard); the root once per step
     block_gathers = 2 * accum if reshard else 1
@@ -370,7 +384,7 @@ def main():
         block.recompute = args.recompute
     nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
-    fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
+    fused = {"fused": True} if env.device.type in ("cuda", "xpu") and not args.offload else {}  # offload: CPU AdamW
     named = fsdp.named_shards()
     optimizer = torch.optim.AdamW(
         [{"params": [s for n, s in named if s.dim() >= 2], "weight_decay": args.weight_decay},
@@ -450,6 +464,8 @@ def main():
 
         comm = LEDGER.take()
         held = state_bytes(fsdp.shards(), optimizer)
+        if args.offload:  # all of it in host memory; the device has the gathered units only
+            held = {"params": 0, "grads": 0, "optim": 0, **{f"{k} (host)": v for k, v in held.items()}}
         if step == start_step:
             print_ledger(env, held, comm, cost, activations)
             log(env, f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: "
