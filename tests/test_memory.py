@@ -2,7 +2,8 @@
 saved-tensor hooks) equal each script's costs()["activations"] to the byte, in fp32 and
 bf16, with dropout and without, with and without --recompute; --recompute leaves the
 losses unchanged (01's oracle in fp32 with dropout 0, and the same dropout masks with
-dropout on)."""
+dropout on). --offload (04 at every stage, 05) leaves the losses unchanged and the ledger,
+split into device and host bytes, exact."""
 
 import pytest
 import torch
@@ -56,7 +57,6 @@ def test_recompute_matches_01_and_activations_exact(reference, script, ranks, fl
 EXACT = [
     ("01_single_gpu.py", 1, ["--sample_tokens", "0"] + BF16 + DROP),
     ("04_zero.py", 2, ["--stage", "1", "--recompute"] + BF16 + DROP),
-    ("06_tensor_parallel.py", 2, BF16),
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"]),
     ("07_pipeline.py", 3, ["--schedule", "gpipe", "--n_layer", "5", "--micro_batch_size", "2"] + BF16 + DROP),
     ("08_3d.py", 4, ["--pp", "2", "--zero1", "--micro_batch_size", "1"] + BF16 + DROP),
@@ -95,3 +95,23 @@ def test_meter_counts_storages_once_and_skips_parameters():
         y.backward()
     assert held == 4 * 8 * 4 + 4 * 24 * 4
     assert meter.peak == held and meter.current == 0
+
+
+OFFLOAD = [
+    ("04_zero.py", 2, ["--stage", "1"]),
+    ("04_zero.py", 2, ["--stage", "2", "--micro_batch_size", "2"]),
+    ("04_zero.py", 2, ["--stage", "3"]),
+    ("05_fsdp.py", 2, []),
+]
+
+
+@pytest.mark.parametrize("script, ranks, flags", OFFLOAD, ids=[f"{c[0][:2]}{''.join(c[2][:2])}" for c in OFFLOAD])
+def test_offload_matches_01_and_the_ledger_splits_device_and_host(reference, script, ranks, flags):
+    run = launch(script, SHORT + flags + ["--offload"], nprocs=ranks).ok()
+    assert_losses_match(reference, run, what=f"{script} {flags} --offload")
+    for row in run.steps:
+        held = row["state_bytes"]
+        assert held == row["state_bytes_theory"], f"{script} {flags} --offload: {held} vs {row['state_bytes_theory']}"
+        assert held["optim"] == 0 and held["optim (host)"] > 0 and held["grads (host)"] > 0, held
+        assert row["comm_bytes"] == row["comm_bytes_theory"]
+    assert_activations_exact(run, f"{script} {flags} --offload")
