@@ -49,6 +49,10 @@ precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in bracke
     stage 1  2Ψ + 2Ψ + KΨ/N            [4Ψ + 4Ψ + 8Ψ/N]
     stage 2  2Ψ + (2 + K)Ψ/N           [4Ψ + (4 + 8)Ψ/N]
     stage 3  (2 + 2 + K)Ψ/N            [(4 + 4 + 8)Ψ/N]
+    --offload (ZeRO-Offload, Ren et al. 2021): the fp32 master, gradient shard and AdamW state
+             ((4 + 12)Ψ/N) move to pinned host memory and AdamW runs on the CPU; the device
+             keeps 2Ψ (stages 1-2; + 2Ψ of full grads in stage 1) or nothing (stage 3)
+    activations: unchanged by ZeRO, one micro-batch's (01's count; costs()["activations"])
     (the paper's formulas. This implementation keeps the reduced gradient shard in fp32 for
     the fp32 optimizer: 4Ψ/N instead of 2Ψ/N in bf16, and in stage 1 in addition to the full
     gradients, which it keeps to accumulate micro-batches. The ledger prints the exact terms.)

@@ -38,6 +38,9 @@ Cost per rank, Ψ parameters, S ranks per shard group, b bytes of the compute dt
 
     memory: 16Ψ/S of fp32 shards (params 4, grads 4, AdamW 8) + the gathered units: the root
             and one block (two with prefetch; all of them with --no_reshard) in the compute dtype
+    --offload: the fp32 shards, their gradients and AdamW state (16Ψ/S) in pinned host memory,
+            AdamW on the CPU; shards go up at each gather, gradients down after each reduce-scatter
+    activations: unchanged by FSDP, one micro-batch's (01's count; costs()["activations"])
     communication per micro-batch: all-gather bΨ in forward, again in backward (not with
             --no_reshard; the root only once per step), reduce-scatter of the gradients
             (Ψ in --reduce_dtype); HSDP adds an all-reduce of Ψ/S across the replicas
