@@ -64,7 +64,6 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from common import ActivationMeter, activation_device_type, activation_terms, activations_of_layers, recomputed
-
 from common import (LEDGER, Data, autocast, check, check_batch, check_resumable, count_params,
                     device_rng_state, dry_run, flops_per_token, launch_for, load_checkpoint, log, lr_at,
                     make_adamw, make_parser, Metrics, model_config, model_block_size, param_init,

@@ -59,7 +59,6 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import ActivationMeter, activation_device_type, activation_phases, activation_terms
-
 from common import (LEDGER, Block, Data, autocast, check, check_batch, check_resumable, count_params,
                     dry_run, flops_per_token, format_bytes, launch_for, load_checkpoint, log, lr_at,
                     make_adamw, make_parser, Metrics, model_config, model_block_size, param_init,
@@ -523,8 +522,8 @@ def main():
 
         xs, ys = micro_batches("train", step)  # only the first stage uses xs, the last ys
         meter.start()
-        loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)
-        activations = meter.stop()  # busy: share of the schedule computing
+        loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)  # busy: share of the schedule computing
+        activations = meter.stop()
         loss_sum = share_loss(loss_sum)
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients

@@ -59,7 +59,6 @@ from torch.nn import functional as F
 
 from common import (ActivationMeter, activation_device_type, activation_phases, activation_terms,
                     recomputed)
-
 from common import (ADAM_BETAS, LEDGER, Data, autocast, check, check_batch, check_resumable,
                     count_params, device_rng_state, dry_run, flops_per_token, format_bytes, launch_for,
                     load_checkpoint, log, lr_at, make_adamw, make_parser, Metrics, model_config,
