@@ -23,18 +23,22 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
     parameters 4Ψ + gradients 4Ψ + optimizer 8Ψ = 16Ψ      (fp32, and also with bf16
                                                             autocast: weights stay fp32)
     communication: none
+    activations (one micro-batch of b x s tokens, width h, common.activation_terms counts
+    them op by op): per block 68bsh + 16bs + 4·b·heads·s in fp32, 36bsh + ... under bf16
+    autocast, plus the head's 4bsV log-softmax; --recompute keeps only each block's input
 """
 
 import time
 
 import torch
 
-from common import (autocast, build_model, check, check_batch, count_params, Data, dry_run,
-                    flops_per_token, Guard, launch_for, LEDGER, load_model_file, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_pieces,
-                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
-                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
-                    to_device)
+from common import (activation_device_type, activation_terms, ActivationMeter,
+                    activations_of_layers, autocast, build_model, check, check_batch, count_params,
+                    Data, dry_run, flops_per_token, Guard, launch_for, LEDGER, load_model_file, log,
+                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
+                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
+                    teardown, to_device)
 
 
 def add_flags(parser):
@@ -50,11 +54,15 @@ def add_flags(parser):
 def costs(args, config, world_size, dtype):
     """What the one device holds, in bytes (Ψ parameters): the weights, their gradients and
     AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
-    the stored tensors stay fp32). Nothing is sent."""
+    the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
+    layers (common.activation_terms counts them op by op; --recompute keeps block inputs)."""
     psi, _ = count_params(config)
+    b = args.micro_batch_size or args.global_batch_size
+    terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": "one device",
             "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
-            "sent": {}}
+            "sent": {},
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
 @torch.no_grad()
@@ -95,6 +103,8 @@ def main():
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device)
+    for block in model.transformer.h:
+        block.recompute = args.recompute
     optimizer = make_adamw(model.named_parameters(), args, env.device.type)
     run = run_config(args, config, {"world_size": 1})
 
@@ -115,6 +125,7 @@ def main():
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
     cost = costs(args, config, 1, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
+    meter = ActivationMeter()  # the bytes autograd holds for backward, next to cost["activations"]
 
     def save(step):
         save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)
@@ -137,12 +148,14 @@ def main():
         x, y = data.batch("train", step, args.global_batch_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
                 _, loss = train_model(x[rows], y[rows])
             (loss / accum_steps).backward()  # accumulate the mean over the global batch
             loss_sum += loss.detach().float()
+        activations = meter.stop()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
@@ -152,12 +165,12 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = (loss_sum / accum_steps).item()
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
-                         state_bytes(model.parameters(), optimizer), comm)
+                         state_bytes(model.parameters(), optimizer), comm, activations=activations)
         optimizer.zero_grad(set_to_none=True)
         if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

@@ -39,11 +39,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (autocast, build_model, check, check_batch, count_params, Data, dry_run,
-                    flops_per_token, Guard, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
-                    Metrics, model_block_size, model_config, param_pieces, parse_args,
-                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
-                    save_checkpoint, setup, state_bytes, synchronize, teardown, to_device)
+from common import (activation_device_type, activation_terms, ActivationMeter,
+                    activations_of_layers, autocast, build_model, check, check_batch, count_params,
+                    Data, dry_run, flops_per_token, Guard, launch_for, LEDGER, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_pieces,
+                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
+                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
+                    to_device)
 
 
 def add_flags(parser):
@@ -142,9 +144,13 @@ def costs(args, config, world_size, dtype):
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
     psi, _ = count_params(config)
+    # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
+    b = args.micro_batch_size or args.global_batch_size // world_size
+    terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": f"{world_size} replicas",
             "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
-            "sent": {"all_reduce": ("4Ψ grads + 4 loss", 4 * psi + 4)}}
+            "sent": {"all_reduce": ("4Ψ grads + 4 loss", 4 * psi + 4)},
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
 @torch.no_grad()
@@ -187,6 +193,8 @@ def main():
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device)
+    for block in model.transformer.h:
+        block.recompute = args.recompute
     run = run_config(args, config, {"strategy": "data parallel"})
     start_step = 0
     # every replica starts from rank 0's weights (identical here by construction, but this
@@ -214,6 +222,7 @@ def main():
              f"{len(buckets.buffers)} gradient bucket(s)" + (" (not overlapped)" if args.no_overlap else ""))
     cost = costs(args, config, env.world_size, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
+    meter = ActivationMeter()
 
     def save(step):
         save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)  # RNG: every rank its own
@@ -233,6 +242,7 @@ def main():
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             buckets.sync = micro == accum_steps - 1  # communicate only on the last micro-step
@@ -240,6 +250,7 @@ def main():
                 _, loss = train_model(x[rows], y[rows])
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
             loss_sum += loss.detach().float()
+        activations = meter.stop()
         buckets.finish()  # gradients are now the mean over the global batch, on every rank
         loss_sum /= accum_steps * env.world_size
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
@@ -252,12 +263,12 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
-                         state_bytes(model.parameters(), optimizer), comm)
+                         state_bytes(model.parameters(), optimizer), comm, activations=activations)
         buckets.zero_grad()
         if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

@@ -49,6 +49,10 @@ precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in bracke
     stage 1  2Ψ + 2Ψ + KΨ/N            [4Ψ + 4Ψ + 8Ψ/N]
     stage 2  2Ψ + (2 + K)Ψ/N           [4Ψ + (4 + 8)Ψ/N]
     stage 3  (2 + 2 + K)Ψ/N            [(4 + 4 + 8)Ψ/N]
+    --offload (ZeRO-Offload, Ren et al. 2021): the fp32 master, gradient shard and AdamW state
+             ((4 + 12)Ψ/N) move to pinned host memory and AdamW runs on the CPU; the device
+             keeps 2Ψ (stages 1-2; + 2Ψ of full grads in stage 1) or nothing (stage 3)
+    activations: unchanged by ZeRO, one micro-batch's (01's count; costs()["activations"])
     (the paper's formulas. This implementation keeps the reduced gradient shard in fp32 for
     the fp32 optimizer: 4Ψ/N instead of 2Ψ/N in bf16, and in stage 1 in addition to the full
     gradients, which it keeps to accumulate micro-batches. The ledger prints the exact terms.)
@@ -76,16 +80,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (ADAM_BETAS, autocast, build_model, check_batch, Data, dry_run, flops_per_token,
-                    GPT, Guard, launch_for, LEDGER, log, lr_at, make_parser, Metrics,
-                    model_block_size, model_config, param_pieces, parse_args, planned_dtype,
-                    print_ledger, progress, resume_checkpoint, run_config, save_checkpoint, setup,
-                    synchronize, teardown, tensor_bytes, to_device)
+from common import (activation_device_type, activation_terms, ActivationMeter,
+                    activations_of_layers, ADAM_BETAS, autocast, build_model, check_batch, Data,
+                    dry_run, flops_per_token, GPT, Guard, launch_for, LEDGER, log, lr_at,
+                    make_parser, Metrics, model_block_size, model_config, param_pieces, parse_args,
+                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
+                    save_checkpoint, setup, synchronize, teardown, tensor_bytes, to_device)
 
 
 def add_flags(parser):
     g = parser.add_argument_group("04_zero")
     g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
+    g.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: fp32 master shard, gradient shard and AdamW state in (pinned) host "
+                        "memory, the optimizer steps on the CPU")
     return parser
 
 
@@ -95,7 +103,7 @@ class Unit:
     the compute dtype (None in stage 3 while the unit is not gathered); `master` is this
     rank's fp32 shard, the copy the optimizer updates."""
 
-    def __init__(self, name, named_params, env, compute_dtype, keep_full):
+    def __init__(self, name, named_params, env, compute_dtype, keep_full, host=None):
         self.name = name
         self.names, self.params = zip(*named_params)
         self.shapes = [p.shape for p in self.params]
@@ -110,10 +118,11 @@ class Unit:
         for p, offset in zip(self.params, self.offsets):
             full[offset:offset + p.numel()].copy_(p.data.view(-1))
         # the fp32 master shard: a view of the full buffer when that is fp32 and kept
-        # (stages 1-2 on CPU), else a copy of its own
-        alias = keep_full and compute_dtype == torch.float32
-        self.master = full[self.lo:self.hi] if alias else full[self.lo:self.hi].float().clone()
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device)
+        # (stages 1-2 on CPU), else a copy of its own; with --offload a copy in host memory
+        # (`host`), with the gradient shard the optimizer reads
+        alias = keep_full and compute_dtype == torch.float32 and host is None
+        self.master = full[self.lo:self.hi] if alias else host_copy(full[self.lo:self.hi].float(), host)
+        self.grad_shard = host_copy(torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device), host)
         self.full = self.grad_full = None
         self.bind(full)
 
@@ -145,15 +154,26 @@ class Unit:
         return pieces
 
 
+def host_copy(t, host):
+    """A copy of `t` (None: on its own device; "cpu": in host memory, pinned when there is
+    an accelerator to copy to and from, so the copies can be asynchronous DMA)."""
+    if host is None:
+        return t.clone()
+    out = t.to("cpu", copy=True)
+    return out.pin_memory() if t.device.type in ("cuda", "xpu") else out
+
+
 class ZeRO:
     """The partitioned model states of one stage, and its collectives."""
 
     def __init__(self, model, stage, env, args):
         self.stage, self.world_size, self.compute_dtype = stage, env.world_size, env.dtype
+        self.device, self.offload = env.device, args.offload
+        host = "cpu" if args.offload else None
         root = [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]
-        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3)
+        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3, host=host)
         self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), env, env.dtype,
-                            keep_full=stage < 3) for i, block in enumerate(model.transformer.h)]
+                            keep_full=stage < 3, host=host) for i, block in enumerate(model.transformer.h)]
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
         segments = {True: [], False: []}
@@ -164,7 +184,8 @@ class ZeRO:
                 piece.grad = unit.grad_shard[a:b]  # AdamW reads this rank's gradient shard
                 segments[decayed].append(piece)
                 unit.pieces.append(piece)
-        fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
+        # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
+        fused = {"fused": True} if env.device.type in ("cuda", "xpu") and not args.offload else {}
         self.optimizer = torch.optim.AdamW(
             [{"params": segments[True], "weight_decay": args.weight_decay},
              {"params": segments[False], "weight_decay": 0.0}], lr=args.lr, betas=ADAM_BETAS, **fused)
@@ -189,7 +210,7 @@ class ZeRO:
         if unit.full is None:
             full = torch.empty(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
             # every rank's shard of this unit -> the whole unit, on every rank
-            dist.all_gather_into_tensor(full, unit.master.to(unit.dtype))
+            dist.all_gather_into_tensor(full, self.working_shard(unit))
             unit.bind(full)
 
     def _after_forward(self, unit, out):
@@ -232,7 +253,7 @@ class ZeRO:
             return
         for handle, unit, shard, _ in self.pending:
             handle.wait()
-            unit.grad_shard += shard.float()
+            unit.grad_shard += shard.float().to(unit.grad_shard.device)  # --offload: down to the host
         self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
 
     def reduce_gradients(self):
@@ -249,20 +270,24 @@ class ZeRO:
     # -- the update ----------------------------------------------------------------------
     def clip_grad_norm(self, max_norm):
         """The global gradient norm from the shards (padding is zero), as clip_grad_norm_."""
-        squares = sum(u.grad_shard.pow(2).sum() for u in self.units)
+        squares = sum(u.grad_shard.pow(2).sum() for u in self.units).to(self.device)
         dist.all_reduce(squares)  # the sum of every rank's squared shard norms
         total_norm = squares.sqrt()
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(self.root.grad_shard.device)
         for unit in self.units:
             unit.grad_shard.mul_(coef)
         return total_norm
 
+    def working_shard(self, unit):
+        """This rank's shard in the compute dtype on the device (--offload: up from the host)."""
+        return unit.master.to(self.device, unit.dtype, copy=True)
+
     def step(self):
-        self.optimizer.step()  # AdamW on this rank's shards only
+        self.optimizer.step()  # AdamW on this rank's shards only (--offload: on the CPU)
         if self.stage < 3:  # stage 3 gathers from the updated masters at the next forward
             for unit in self.units:
                 # every rank's updated shard -> the whole unit, on every rank
-                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
+                dist.all_gather_into_tensor(unit.full, self.working_shard(unit))
 
     def zero_grad(self):
         for unit in self.units:
@@ -279,6 +304,11 @@ class ZeRO:
         master counts as optimizer state when it is a separate copy, as in the paper)."""
         masters = [u.master for u in self.units]
         moments = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        if self.offload:  # the device keeps the working parameters (and stage 1's full grads)
+            return {"params": tensor_bytes([u.full for u in self.units]) if self.stage < 3 else 0,
+                    "grads": tensor_bytes([u.grad_full for u in self.units if u.grad_full is not None]),
+                    "optim": 0, "grads (host)": tensor_bytes([u.grad_shard for u in self.units]),
+                    "optim (host)": tensor_bytes(moments + masters)}
         if self.stage < 3:
             params = tensor_bytes([u.full for u in self.units])
             separate_master = tensor_bytes(masters + [u.full for u in self.units]) - params
@@ -341,6 +371,10 @@ def costs(args, config, world_size, dtype):
         held.update(params=(f"{b}Ψ", b * psi) if stage == 2 else
                     (("4Ψ/N", 4 * psi // n) if b == 4 else ("0 (gathered from the master)", 0)),
                     grads=("4Ψ/N", 4 * psi // n))
+    if args.offload:  # ZeRO-Offload: what stays on the device, and the host's share
+        held = {"params": (f"{b}Ψ", b * psi) if stage < 3 else ("0 (gathered from the host's master)", 0),
+                "grads": (f"{b}Ψ", b * psi) if stage == 1 else ("0", 0), "optim": ("0", 0),
+                "grads (host)": ("4Ψ/N", 4 * psi // n), "optim (host)": ("(8 + 4 master)Ψ/N", 12 * psi // n)}
     clipping = args.grad_clip > 0
     sent = {"all_reduce": ("4 loss" + (" + 4 norm" if clipping else ""), 4 + 4 * clipping)}
     if stage == 1:
@@ -352,7 +386,12 @@ def costs(args, config, world_size, dtype):
         sent.update(reduce_scatter_tensor=(f"{accum} micro x {b}Ψ", accum * b * psi),
                     all_gather_into_tensor=(f"root + {accum} micro x 2 x blocks",
                                             b * (root + accum * 2 * (psi - root))))
-    return {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent}
+    # activations: each rank runs 01's model on its micro-batch; partitioning the model
+    # states leaves them as they are (01's count per micro-batch)
+    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
+                             param_dtype=dtype)  # the working parameters: stored in the compute dtype
+    return {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent,
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
 @torch.no_grad()
@@ -397,6 +436,8 @@ def main():
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device)  # every rank builds the same model ...
+    for block in model.transformer.h:
+        block.recompute = args.recompute
     nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
     zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
     optimizer = zero.optimizer
@@ -413,6 +454,7 @@ def main():
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
     cost = costs(args, config, env.world_size, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    meter = ActivationMeter()
     LEDGER.take()
 
     def save(step):
@@ -435,6 +477,7 @@ def main():
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
         zero.gather_root()
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
@@ -442,6 +485,7 @@ def main():
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
             zero.after_backward()  # stages 2-3: this micro-batch's gradient shards are in
             loss_sum += loss.detach().float()
+        activations = meter.stop()
         zero.release_root()
         zero.reduce_gradients()  # stage 1: reduce-scatter the accumulated full gradients
         loss_sum /= accum_steps * env.world_size
@@ -455,11 +499,12 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, zero.held_bytes(), comm, cost)
+            print_ledger(env, zero.held_bytes(), comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm,
+                         activations=activations)
         zero.zero_grad()
         if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

@@ -38,6 +38,9 @@ Cost per rank, Ψ parameters, S ranks per shard group, b bytes of the compute dt
 
     memory: 16Ψ/S of fp32 shards (params 4, grads 4, AdamW 8) + the gathered units: the root
             and one block (two with prefetch; all of them with --no_reshard) in the compute dtype
+    --offload: the fp32 shards, their gradients and AdamW state (16Ψ/S) in pinned host memory,
+            AdamW on the CPU; shards go up at each gather, gradients down after each reduce-scatter
+    activations: unchanged by FSDP, one micro-batch's (01's count; costs()["activations"])
     communication per micro-batch: all-gather bΨ in forward, again in backward (not with
             --no_reshard; the root only once per step), reduce-scatter of the gradients
             (Ψ in --reduce_dtype); HSDP adds an all-reduce of Ψ/S across the replicas
@@ -50,11 +53,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (ADAM_BETAS, autocast, check, check_batch, Data, dry_run, flops_per_token,
-                    format_bytes, GPT, Guard, launch_for, LEDGER, log, lr_at, make_parser, Metrics,
-                    model_block_size, model_config, param_init, param_pieces, parse_args,
-                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
-                    save_checkpoint, setup, state_bytes, synchronize, teardown, to_device)
+from common import (activation_device_type, activation_terms, ActivationMeter,
+                    activations_of_layers, ADAM_BETAS, autocast, check, check_batch, Data, dry_run,
+                    flops_per_token, format_bytes, GPT, Guard, launch_for, LEDGER, log, lr_at,
+                    make_parser, Metrics, model_block_size, model_config, param_init, param_pieces,
+                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
+                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
+                    to_device)
 
 
 def add_flags(parser):
@@ -65,6 +70,9 @@ def add_flags(parser):
     g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the gradient reduce-scatter")
     g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
+    g.add_argument("--offload", action="store_true",
+                   help="CPU offload: the fp32 shards, their gradients and AdamW state in (pinned) host memory, "
+                        "the optimizer steps on the CPU")
     return parser
 
 
@@ -88,7 +96,7 @@ class Unit:
             shard = torch.zeros((rows,) + tuple(shape[1:]))
             mine = full[r * rows:(r + 1) * rows]  # this rank's rows (the last rank may get padding)
             shard[:mine.shape[0]] = mine
-            self.shards.append(nn.Parameter(shard.to(fsdp.device)))
+            self.shards.append(nn.Parameter(fsdp.home(shard)))
         self.gathered, self.pending = False, None
         self.waiting = len(self.params)
 
@@ -98,7 +106,7 @@ class Unit:
         if self.gathered or self.pending is not None:
             return
         S, dtype = self.fsdp.shard_size, self.fsdp.compute_dtype
-        packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(dtype)  # copy-in
+        packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(self.fsdp.device, dtype)  # copy-in (up, offloaded)
         out = torch.empty(S * self.numel, dtype=dtype, device=self.fsdp.device)
         # every shard-group rank's rows of every parameter of this unit -> all of them
         handle = dist.all_gather_into_tensor(out, packed, group=self.fsdp.shard_group, async_op=True)
@@ -156,7 +164,7 @@ class Unit:
 
     def accumulate(self, out):
         for shard, offset, numel in zip(self.shards, self.offsets, self.shard_numels):
-            piece = out[offset:offset + numel].view_as(shard).float()
+            piece = out[offset:offset + numel].view_as(shard).float().to(shard.device)  # --offload: down
             shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
 
 
@@ -165,6 +173,7 @@ class FSDP:
 
     def __init__(self, model, config, args, env):
         self.config, self.seed, self.device = config, args.seed, env.device
+        self.offload = args.offload
         self.world_size, R = env.world_size, args.replicate
         S = self.shard_size = env.world_size // R
         self.shard_rank, self.replica = env.rank % S, env.rank // S
@@ -239,6 +248,13 @@ class FSDP:
         for unit in self.units:
             unit.release()
 
+    def home(self, t):
+        """Where the fp32 shards (and so their gradients and AdamW's state) live: the device,
+        or with --offload host memory, pinned when there is an accelerator (async DMA)."""
+        if not self.offload:
+            return t.to(self.device)
+        return t.pin_memory() if self.device.type in ("cuda", "xpu") else t
+
     def shards(self):
         return [s for unit in self.units for s in unit.shards]
 
@@ -247,9 +263,9 @@ class FSDP:
 
     def clip_grad_norm(self, max_norm):
         """Global norm from the shards (padding rows are zero); the replicas hold equal shards."""
-        squares = sum(s.grad.float().pow(2).sum() for s in self.shards())
+        squares = sum(s.grad.float().pow(2).sum() for s in self.shards()).to(self.device)
         dist.all_reduce(squares, group=self.shard_group)  # the sum over the shard group
-        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0).to(self.shards()[0].device)
         for s in self.shards():
             s.grad.mul_(coef)
 
@@ -293,6 +309,9 @@ def costs(args, config, world_size, dtype):
     accum = args.global_batch_size // (args.micro_batch_size * world_size)
     reshard, prefetch = not args.no_reshard, not args.no_prefetch
     held = {"params": ("4Ψ/S", 4 * psi // S), "grads": ("4Ψ/S", 4 * psi // S), "optim": ("8Ψ/S", 8 * psi // S)}
+    if args.offload:  # the shards and AdamW in host memory: the device keeps the gathered units only
+        held = {"params": ("0", 0), "grads": ("0", 0), "optim": ("0", 0),
+                **{f"{k} (host)": v for k, v in held.items()}}
     # blocks are gathered in every micro-batch's forward and backward, or once per step
     # when they stay gathered (--no_reshard); the root once per step
     block_gathers = 2 * accum if reshard else 1
@@ -307,8 +326,13 @@ def costs(args, config, world_size, dtype):
     # prefetch, every block without resharding
     resident = config.n_layer if not reshard else (2 if prefetch else 1)
     gathered = (f"{b}(root + {resident if reshard else 'every'} block(s))", b * (root + resident * max(per_block)))
+    # activations: each rank runs 01's model on its micro-batch; sharding the model states
+    # leaves them as they are (01's count per micro-batch)
+    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
+                             param_dtype=dtype)  # the gathered units: stored in the compute dtype
     return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
-            "held": held, "sent": sent, "gathered": gathered}
+            "held": held, "sent": sent, "gathered": gathered,
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
 @torch.no_grad()
@@ -359,9 +383,11 @@ def main():
     config = model_config(args, data.vocab_size)
     with torch.device("meta"):
         model = GPT(config)  # no memory: shapes only
+    for block in model.transformer.h:
+        block.recompute = args.recompute
     nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
-    fused = {"fused": True} if env.device.type in ("cuda", "xpu") else {}
+    fused = {"fused": True} if env.device.type in ("cuda", "xpu") and not args.offload else {}  # offload: CPU AdamW
     named = fsdp.named_shards()
     optimizer = torch.optim.AdamW(
         [{"params": [s for n, s in named if s.dim() >= 2], "weight_decay": args.weight_decay},
@@ -381,6 +407,7 @@ def main():
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
     cost = costs(args, config, env.world_size, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    meter = ActivationMeter()
     gathered_formula, gathered_bound = cost["gathered"]
 
     def save(step):
@@ -402,6 +429,7 @@ def main():
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
@@ -410,6 +438,7 @@ def main():
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
             fsdp.after_backward()  # this micro-batch's gradient shards are in
             loss_sum += loss.detach().float()
+        activations = meter.stop()
         fsdp.end()  # free the root (and, with --no_reshard, every block)
         loss_sum /= accum_steps * env.world_size
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
@@ -422,8 +451,10 @@ def main():
 
         comm = LEDGER.take()
         held = state_bytes(fsdp.shards(), optimizer)
+        if args.offload:  # all of it in host memory; the device has the gathered units only
+            held = {"params": 0, "grads": 0, "optim": 0, **{f"{k} (host)": v for k, v in held.items()}}
         if step == start_step:
-            print_ledger(env, held, comm, cost)
+            print_ledger(env, held, comm, cost, activations)
             log(env, f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: "
                      f"{gathered_formula} = {format_bytes(gathered_bound)}); full model "
                      f"{format_bytes(4 * n_params)} in fp32")
@@ -431,7 +462,8 @@ def main():
             loss_value = loss_sum.item()
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm,
-                         {"gathered_peak_bytes": fsdp.gathered_peak, "gathered_bound_bytes": gathered_bound})
+                         {"gathered_peak_bytes": fsdp.gathered_peak, "gathered_bound_bytes": gathered_bound},
+                         activations=activations)
         optimizer.zero_grad(set_to_none=True)
         if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

@@ -62,12 +62,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import (autocast, check, check_batch, count_params, Data, device_rng_state, dry_run,
-                    flops_per_token, Guard, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
-                    Metrics, model_block_size, model_config, param_init, param_pieces, parse_args,
-                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
-                    save_checkpoint, seeded_rng_state, set_device_rng_state, setup, state_bytes,
-                    synchronize, teardown, to_device)
+from common import (activation_device_type, activation_terms, ActivationMeter,
+                    activations_of_layers, autocast, check, check_batch, count_params, Data,
+                    device_rng_state, dry_run, flops_per_token, Guard, launch_for, LEDGER, log,
+                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
+                    param_init, param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    recomputed, resume_checkpoint, run_config, save_checkpoint, seeded_rng_state,
+                    set_device_rng_state, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -314,7 +315,14 @@ class TPBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = TPMLP(config, tp, sp, rng)
 
+    recompute = False  # --recompute: keep the block's input only (its f/g run again in backward)
+
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():
+            return recomputed(self.body, x, trackers=[self.attn.rng])  # the rank's own stream too
+        return self.body(x)
+
+    def body(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -490,8 +498,32 @@ def costs(args, config, world_size, dtype):
     else:
         sent = {"all_reduce": (f"{accum} micro x ((L(2·{bc} + 2·4) + 2·4) b·s·h + 3·4 b·s) + norm",
                                accum * ((L * (2 * bc + 8) + 8) * bsh + 12 * bs) + clip)}
+    if args.recompute:  # backward runs each block's forward again, its f and g collectives too
+        for op, formula, nbytes in ((["all_gather_into_tensor", "L·2·4", 8], ["reduce_scatter_tensor", f"L·2·{bc}", 2 * bc])
+                                    if sp else [["all_reduce", f"L·2·{bc}", 2 * bc]]):
+            f, v = sent[op]
+            sent[op] = (f"{f} + {accum} micro x {formula} b·s·h recomputed", v + accum * L * nbytes * bsh)
+    # activations: Megatron's split (common.activation_terms with tp, sp), plus the
+    # vocabulary-parallel ends: the embedding's out-of-slice mask (bool, b·s) and a head
+    # that keeps its input (the whole sequence), this rank's fp32 softmax (b·s·V/T) and the
+    # target-ownership mask (bool, b·s) instead of the log-softmax of all V
+    b, s, h, e = args.micro_batch_size, config.block_size, config.n_embd, dtype.itemsize
+    n = 4  # the LayerNorm inputs and statistics: fp32 (the parameters are)
+    rep = T if sp else 1
+    terms = activation_terms(config, b, s, dtype, activation_device_type(args), tp=T, sp=sp)
+    emb_f, emb = terms["embedding"]
+    terms["embedding"] = (f"{emb_f} + bs", emb + b * s)
+    if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu"):
+        # the row-parallel bias is added after g, promoting the output to fp32: CPU's
+        # dropout masks (in their input's dtype) are then fp32
+        layer_f, layer = terms["layer"]
+        terms["layer"] = (f"{layer_f} + 2·{4 - e}bsh{'/T' if sp else ''}", layer + 2 * (4 - e) * b * s * h // rep)
+    sp_div = "/T" if sp else ""
+    terms["head"] = (f"({n}bsh + {2 * n}bs){sp_div} + {e}bsh + 4bsV/T + bs",
+                     (n * b * s * h + 2 * n * b * s) // rep + e * b * s * h + 4 * b * s * model.vocab_local + b * s)
     return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
-            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated)}
+            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated),
+            "activations": activations_of_layers(terms, L, args.recompute)}
 
 
 def check_layout(args, config, tp):
@@ -526,6 +558,8 @@ def main():
     torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
     rng = ShardedRNG(args.seed, env.rank, env.device)
     model = TPGPT(config, tp, env.rank, args.sequence_parallel, rng).init_from_full(args.seed).to(env.device)
+    for block in model.transformer.h:
+        block.recompute = args.recompute
     optimizer = make_adamw(model.named_parameters(), args, env.device.type)
     run = run_config(args, config, {"strategy": "tensor parallel", "sequence_parallel": args.sequence_parallel})
 
@@ -547,6 +581,7 @@ def main():
              f"{' with sequence parallelism' if args.sequence_parallel else ''}, vocabulary {config.vocab_size} "
              f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
     metrics = Metrics(args, env, flops_per_token(config, count_params(config)[1]), cost)
+    meter = ActivationMeter()
     log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp} of {n_sharded * tp:,}) + {n_replicated:,} replicated")
 
     def save(step):
@@ -567,12 +602,14 @@ def main():
         x, y = data.batch("train", step, args.global_batch_size)  # every TP rank: the whole batch
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
                 loss = train_model(x[rows], y[rows])
             (loss / accum_steps).backward()  # accumulate the mean over the global batch
             loss_sum += loss.detach().float()
+        activations = meter.stop()
         if args.sequence_parallel:
             all_reduce_sequence_parallel_grads(model)
         if args.grad_clip > 0:
@@ -584,12 +621,12 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = (loss_sum / accum_steps).item()
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
-                         state_bytes(model.parameters(), optimizer), comm)
+                         state_bytes(model.parameters(), optimizer), comm, activations=activations)
         optimizer.zero_grad(set_to_none=True)
         if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

@@ -59,7 +59,8 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (autocast, Block, check, check_batch, count_params, Data, dry_run,
+from common import (activation_device_type, activation_phases, activation_terms, ActivationMeter,
+                    autocast, Block, check, check_batch, count_params, Data, dry_run,
                     flops_per_token, format_bytes, Guard, launch_for, LEDGER, log, lr_at,
                     make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
                     param_pieces, parse_args, planned_dtype, print_ledger, progress,
@@ -255,12 +256,27 @@ def costs(args, config, world_size, dtype, rank=0):
             "broadcast": ("4 loss", 4),
             "all_reduce": ("4V·h wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
                            tied + 4 * (args.grad_clip > 0 and p > 1))}
+    # activations: each micro-batch chunk holds 01's count for its layers (common's
+    # activation_terms) from its forward to its backward; walking this rank's schedule
+    # gives the peak: m chunks in flight for GPipe, p - rank for 1F1B, the interleaved
+    # warm-up's count (in_flight below), each with the size of its own chunk
+    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args))
+    layout, now, peak = chunk_layers(config.n_layer, p * v), 0, 0
+    for kind, i, c in order:
+        g = c * p + rank
+        kept, during = activation_phases(terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
+        peak = max(peak, now + kept if kind == "F" else now - kept + during)
+        now += kept if kind == "F" else -kept
+    in_flight = {"gpipe": m, "1f1b": min(p - rank, m),
+                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
+    per_chunk = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
+                 else "n·layer + embedding + head")
+    activations = (f"{args.schedule}: up to {in_flight} micro-batch chunk(s) in flight x ({per_chunk})", peak)
     return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
             "held": {"params": ("4 x stage parameters", 4 * psi), "grads": ("4 x stage parameters", 4 * psi),
                      "optim": ("8 x stage parameters", 8 * psi)},
             "sent": {k: val for k, val in sent.items() if val[1]},
-            "in_flight": {"gpipe": m, "1f1b": min(p - rank, m),
-                          "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]}
+            "in_flight": in_flight, "activations": activations}
 
 
 def check_layout(args, config, p):
@@ -415,6 +431,8 @@ def main():
     chunks = build_chunks(config, p, v, env.rank)
     for chunk in chunks:
         chunk.init_weights(args.seed)
+        for block in chunk.h:
+            block.recompute = args.recompute
     first, last = chunks[0].is_first, chunks[-1].is_last
     chunks.to(env.device)
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
@@ -451,6 +469,7 @@ def main():
              f"({'(p-1)/(v·m+p-1)' if v > 1 else '(p-1)/(m+p-1)'})")
     cost = costs(args, config, p, env.dtype, env.rank)
     metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    meter = ActivationMeter()
     in_flight_theory = cost["in_flight"]
 
     def micro_batches(split, step, eval_split=False):
@@ -497,7 +516,9 @@ def main():
         t0 = time.perf_counter()
 
         xs, ys = micro_batches("train", step)  # only the first stage uses xs, the last ys
+        meter.start()
         loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)  # busy: share of the schedule computing
+        activations = meter.stop()
         loss_sum = share_loss(loss_sum)
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
@@ -518,7 +539,7 @@ def main():
         comm = LEDGER.take()
         dt = time.perf_counter() - t0
         if step == start_step:
-            print_ledger(env, state_bytes(chunks.parameters(), optimizer), comm, cost)
+            print_ledger(env, state_bytes(chunks.parameters(), optimizer), comm, cost, activations)
             log(env, f"activations in flight on stage {env.rank}: at most {peak_in_flight} micro-batch chunk(s) "
                      f"(theory {in_flight_theory})")
         if step % args.log_interval == 0 or step == args.max_iters - 1:
@@ -526,7 +547,8 @@ def main():
             synchronize(env)
             extra = {"activations_in_flight": peak_in_flight, "busy_fraction": busy,
                      "bubble_drawn": bubble, "bubble_theory": bubble_theory(args.schedule, p, m, v)}
-            metrics.step(step, loss_value, lr, dt, state_bytes(chunks.parameters(), optimizer), comm, extra)
+            metrics.step(step, loss_value, lr, dt, state_bytes(chunks.parameters(), optimizer), comm, extra,
+                         activations=activations)
         optimizer.zero_grad(set_to_none=True)
         if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

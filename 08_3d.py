@@ -64,10 +64,11 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (ADAM_BETAS, autocast, check, check_batch, count_params, Data, device_rng_state,
+from common import (activation_device_type, activation_phases, activation_terms, ActivationMeter,
+                    ADAM_BETAS, autocast, check, check_batch, count_params, Data, device_rng_state,
                     dry_run, flops_per_token, format_bytes, Guard, launch_for, LEDGER, log, lr_at,
                     make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
-                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    param_pieces, parse_args, planned_dtype, print_ledger, progress, recomputed,
                     resume_checkpoint, run_config, save_checkpoint, seeded_rng_state,
                     set_device_rng_state, setup, state_bytes, synchronize, teardown, tensor_bytes,
                     to_device)
@@ -257,7 +258,14 @@ class TPBlock(nn.Module):
         self.n_head_local, self.dropout = config.n_head // tp, nn.Dropout(config.dropout)
         self.p_attn = config.dropout
 
+    recompute = False  # --recompute: keep the block's input only (its f/g run again in backward)
+
     def forward(self, x, rng):
+        if self.recompute and torch.is_grad_enabled():
+            return recomputed(lambda t: self.body(t, rng), x, trackers=[rng])  # the TP rank's stream too
+        return self.body(x, rng)
+
+    def body(self, x, rng):
         q, k, v = self.attn.c_attn(self.ln_1(x)).chunk(3, dim=-1)  # this rank's heads
         B, T, C = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
@@ -579,8 +587,34 @@ def costs(args, config, world_size, dtype, rank=0):
         sent["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * D)
     if args.grad_clip > 0:
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = ("4 norm", 4)
+    if args.recompute:  # backward runs each block's forward again, its g all-reduces too
+        f, v = sent["all_reduce[tp]"]
+        sent["all_reduce[tp]"] = (f"{f} + {m} micro x {n_layers} x 2·{bc} b·s·h recomputed", v + m * n_layers * 2 * bc * bsh)
+    # activations: Megatron's TP split of each micro-batch's (common.activation_terms with
+    # tp), the vocabulary-parallel ends as in 06 (the embedding's out-of-slice mask, b·s
+    # bool; the head's input, fp32 softmax of V/T and target mask), and 1F1B's micro-batches
+    # in flight (p - stage) walked through this stage's schedule
+    b, s, h, e = args.micro_batch_size, config.block_size, config.n_embd, dtype.itemsize
+    terms = activation_terms(config, b, s, dtype, activation_device_type(args), tp=T)
+    emb_f, emb = terms["embedding"]
+    terms["embedding"] = (f"{emb_f} + bs", emb + b * s)
+    if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu"):
+        # the row-parallel bias is added after g, promoting the output to fp32: CPU's
+        # dropout masks (in their input's dtype) are then fp32
+        layer_f, layer = terms["layer"]
+        terms["layer"] = (f"{layer_f} + 2·{4 - e}bsh", layer + 2 * (4 - e) * b * s * h)
+    terms["head"] = (f"4bsh + 8bs + {e}bsh + 4bsV/T + bs", 4 * b * s * h + 8 * b * s + e * b * s * h
+                     + 4 * b * s * stage.vocab_local + b * s)
+    now = peak = 0
+    for kind, i in one_f_one_b(P, mesh.pp, m):
+        kept, during = activation_phases(terms, n_layers, args.recompute, stage.is_first, stage.is_last)
+        peak = max(peak, now + kept if kind == "F" else now - kept + during)
+        now += kept if kind == "F" else -kept
+    per_stage = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
+                 else "n·layer + embedding + head")
+    activations = (f"1F1B: {min(P - mesh.pp, m)} micro-batch(es) in flight x ({per_stage}), TP-sharded", peak)
     return {"layout": f"dp {mesh.dp}, pp {mesh.pp}, tp {mesh.tp}: layers {first_layer}-{first_layer + n_layers - 1}",
-            "held": held, "sent": {k: v for k, v in sent.items() if v[1]}}
+            "held": held, "sent": {k: v for k, v in sent.items() if v[1]}, "activations": activations}
 
 
 def check_layout(config, T, P):
@@ -626,6 +660,8 @@ def main():
 
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp]
     stage = Stage(config, mesh, first_layer, n_layers, rng).init_weights(args.seed).to(env.device)
+    for block in stage.h:
+        block.recompute = args.recompute
     zero = ZeroOne(stage, mesh, args, env.device) if args.zero1 else None
     optimizer = zero.optimizer if zero else make_adamw(stage.named_parameters(), args, env.device.type)
     tied = [stage.wte.weight] if stage.is_first else []
@@ -656,6 +692,7 @@ def main():
              f"{', ZeRO-1 over each DP group' if args.zero1 else ''}")
     cost = costs(args, config, world, env.dtype, env.rank)
     metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+    meter = ActivationMeter()
 
     def micro_batches(split, step, eval_split=False):
         """This replica's rows; only the first stage needs tokens and the last targets."""
@@ -732,7 +769,10 @@ def main():
         t0 = time.perf_counter()
 
         xs, ys = micro_batches("train", step)
-        loss_sum = global_mean(run_pipeline(stage, mesh, env, xs, ys, m, act_shape))
+        meter.start()
+        loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)
+        activations = meter.stop()
+        loss_sum = global_mean(loss_sum)
         if P > 1 and tied:
             for weight in tied:  # the two copies of the wte shard stay equal
                 dist.all_reduce(weight.grad, group=mesh.embedding_group)
@@ -762,14 +802,14 @@ def main():
             held = state_bytes(stage.parameters(), optimizer) if not zero else {
                 "params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
                 "optim": state_bytes([], optimizer)["optim"]}
-            print_ledger(env, held, comm, cost)
+            print_ledger(env, held, comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
             held = state_bytes(stage.parameters(), optimizer) if not zero else {
                 "params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
                 "optim": state_bytes([], optimizer)["optim"]}
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm, activations=activations)
         if zero:
             zero.zero_grad()
         else:

@@ -131,7 +131,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
+    recompute = False  # --recompute: keep only the block's input, recompute the rest in backward
+
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():
+            return recomputed(self.body, x)
+        return self.body(x)
+
+    def body(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -202,6 +209,231 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
         return idx
+
+
+# ----------------------------------------------------------------------------------------
+# Activation memory: recomputation, the meter, and what this model saves for backward
+# ----------------------------------------------------------------------------------------
+
+class _Recompute(torch.autograd.Function):
+    """Activation recomputation (Chen et al. 2016, "Training deep nets with sublinear memory
+    cost"): forward runs `fn` without recording a graph and saves only its input; backward
+    runs `fn` again, with the same autocast and random streams, and back-propagates through
+    that fresh graph. Written by hand rather than torch.utils.checkpoint because (1) the
+    input it keeps is then an ordinary saved tensor that the ActivationMeter sees, and the
+    recomputed block's tensors are saved through the meter's hooks too (checkpoint's own
+    hooks would hide both), and (2) extra random streams (the tensor-parallel rank's own
+    dropout stream, an object with a `.state`) are restored as well."""
+
+    @staticmethod
+    def forward(ctx, fn, trackers, x):
+        device_type = x.device.type
+        ctx.fn, ctx.trackers = fn, trackers
+        ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.rng = (device_rng_state(x.device), [t.state for t in trackers])
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        now = (device_rng_state(x.device), [t.state for t in ctx.trackers])
+        set_device_rng_state(x.device, ctx.rng[0])  # the dropout masks of the first forward
+        for tracker, state in zip(ctx.trackers, ctx.rng[1]):
+            tracker.state = state
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+            out = ctx.fn(x)
+        set_device_rng_state(x.device, now[0])  # the streams go on as if nothing was redone
+        for tracker, state in zip(ctx.trackers, now[1]):
+            tracker.state = state
+        torch.autograd.backward(out, grad)
+        return None, None, x.grad
+
+
+def recomputed(fn, x, trackers=()):
+    """fn(x) with activation recomputation: only x is held for backward (see _Recompute)."""
+    return _Recompute.apply(fn, tuple(trackers), x)
+
+
+# a saved tensor reached from a parameter through these (views, transposes, autocast's
+# casts) is the parameter, not an activation
+_PARAMETER_VIEWS = {"TBackward0", "ToCopyBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                    "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0", "SliceBackward0"}
+
+
+def _is_parameter(t):
+    if isinstance(t, nn.Parameter):
+        return True
+    fn = t.grad_fn
+    while fn is not None and fn.name() in _PARAMETER_VIEWS:
+        fn = fn.next_functions[0][0]
+    return fn is not None and isinstance(getattr(fn, "variable", None), nn.Parameter)
+
+
+class _Saved:
+    """What the meter hands autograd for a saved tensor; its end (autograd drops it when the
+    node that saved it has run its backward) releases the storage's count."""
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor, key, meter):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """The activation bytes autograd holds for backward on this rank, measured with
+    torch.autograd.graph.saved_tensors_hooks: every tensor an op saves is packed through
+    here; a storage counts once (its whole size) however many ops save views of it, from the
+    first save until autograd has dropped the last one. `peak` is the maximum over what ran
+    inside the `with` (one training step). Not activations, so not counted: parameters
+    (and their views and autocast copies) and integer tensors (token ids and targets: the
+    batch itself). Pipelines keep their received inputs as saved tensors: counted."""
+
+    def __init__(self):
+        self.live, self.current, self.peak = {}, 0, 0
+
+    def _pack(self, t):
+        if not (t.is_floating_point() or t.dtype == torch.bool) or _is_parameter(t):
+            return t
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key in self.live:
+            self.live[key][1] += 1
+        else:
+            self.live[key] = [storage.nbytes(), 1]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        return _Saved(t, key, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, key):
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[key]
+            self.current -= entry[0]
+
+    def start(self):
+        """Count what autograd saves from here on (one training step's forwards and backwards)."""
+        self.peak = self.current
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+
+    def stop(self):
+        """Stop counting; the peak bytes held since start()."""
+        self._hooks.__exit__(None, None, None)
+        return self.peak
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def activation_device_type(args):
+    """The device whose kernels decide what is saved: --device, or for auto the GPU a dry
+    run plans for, and in a live run the device this machine has."""
+    if args.device != "auto":
+        return args.device
+    return "cuda" if args.dry_run else pick_device("auto", 0)[0].type
+
+
+def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dtype=torch.float32):
+    """Bytes this model's ops save for backward for one micro-batch of b sequences of s
+    tokens (h = n_embd, a = n_head, V = vocab), counted op by op for common.py's model and
+    PyTorch's kernels, with tensor parallelism over tp ranks (Megatron's split: the
+    attention heads and the MLP's 4h are sharded, LayerNorms and the residual stream are
+    not) and sequence parallelism (the replicated parts are sharded along s instead, except
+    the gathered inputs that the column-parallel Linears keep).
+    Returns {term: (formula, bytes)} with `layer` (one transformer block), `block_input`
+    (what --recompute keeps of a block), `embedding` (dropout's mask) and `head` (ln_f,
+    the head's input, the log-softmax of the logits; with tp the caller adds its own
+    vocabulary-parallel head). Per block, with e = bytes of the compute dtype (fp32 or
+    bf16 under autocast; LayerNorm, the residual stream and softmax stay fp32). Where the
+    parameters themselves are stored in the compute dtype (`param_dtype`: ZeRO-3's and
+    FSDP's gathered bf16 units) the residual stream is bf16 too: the LayerNorms save it as
+    it is on CPU (input and mean, rstd in bf16) and an fp32 copy on GPUs (autocast's fp32 list):
+
+      LayerNorm x2: input 4bsh + mean, rstd 8bs each; its output, the next Linear's input, ebsh
+      attention:    q, k, v (one storage, c_attn's output) 3ebsh, output ebsh (also c_proj's
+                    input), logsumexp 4bas (flash / CPU flash: no s x s scores)
+      MLP:          GELU input 4ebsh, c_proj input 4ebsh
+      dropout p>0:  a mask per dropout (residual x2, embedding): bool on GPUs (1 byte), the
+                    input's dtype on CPU; attention dropout on CPU falls back to the math
+                    kernel: q, k, v copies 12bsh and three s x s tensors 12bas^2 (softmax,
+                    mask, dropped) instead of q, k, v, output and logsumexp
+      fp32, dropout 0:  68bsh + 16bs + 4bas   (Korthikanti et al.'s 34sbh + 5as^2b in 16 bits)
+      bf16, dropout 0:  36bsh + 16bs + 4bas"""
+    h, a, V = config.n_embd, config.n_head, config.vocab_size
+    e = torch.tensor([], dtype=dtype).element_size()
+    gpu = device_type in ("cuda", "xpu")
+    dropout = config.dropout > 0
+    rep = tp if sp else 1  # the divisor of the replicated parts (sequence parallelism)
+    lse_len = s if (not gpu or e == 2) else 32 * math.ceil(s / 32)  # fp32 on GPUs: memory-efficient kernel
+    r = torch.tensor([], dtype=param_dtype).element_size()  # the residual stream's bytes
+    n = 4 if gpu else r  # what a LayerNorm saves of its input, and of its mean and rstd
+    terms = {}
+    if sp:  # the LayerNorms work on sequence shards; the column-parallel Linears after them
+        # keep the all-gathered whole sequence they multiply
+        ln = 2 * (n * b * s * h + 2 * n * b * s) // tp + 2 * e * b * s * h
+        terms["layernorms"] = (f"2({n}bsh + {2 * n}bs)/T + 2·{e}bsh gathered", ln)
+    else:
+        ln = 2 * (n * b * s * h + 2 * n * b * s + e * b * s * h)
+        terms["layernorms"] = (f"2({n}bsh + {2 * n}bs + {e}bsh)", ln)
+    if dropout and not gpu:
+        attn = (12 * b * s * h + 12 * b * a * s * s) // tp + e * b * s * h // tp
+        terms["attention"] = (f"(12bsh + 12bas² + {e}bsh)/T (CPU math kernel, dropout)", attn)
+    else:
+        attn = (4 * e * b * s * h + 4 * b * a * lse_len) // tp
+        terms["attention"] = (f"({4 * e}bsh + 4bas)/T", attn)
+    mlp = 8 * e * b * s * h // tp
+    terms["mlp"] = (f"{8 * e}bsh/T", mlp)
+    mask_e = 1 if gpu else None
+    masks = 0
+    if dropout:  # residual dropouts: after c_proj (compute dtype) in attention and MLP
+        masks = 2 * (mask_e or e) * b * s * h // rep
+        terms["dropout masks"] = (f"2·{mask_e or e}bsh{'/T' if sp else ''}", masks)
+    layer = ln + attn + mlp + masks
+    out = {"layer": (" + ".join(f for f, _ in terms.values()), layer),
+           "block_input": (f"{r}bsh{'/T' if sp else ''}", r * b * s * h // rep),
+           "embedding": (f"{mask_e or r}bsh{'/T' if sp else ''}" if dropout else "0",
+                         (mask_e or r) * b * s * h // rep if dropout else 0),
+           "head": (f"{n}bsh + {2 * n}bs + {e}bsh + 4bsV + 4", n * b * s * h + 2 * n * b * s + e * b * s * h + 4 * b * s * V + 4)}
+    return out
+
+
+def activation_phases(terms, n_layers, recompute, first=True, last=True):
+    """(kept, during_backward): the bytes one micro-batch through n_layers blocks (with the
+    embedding if first, the head if last) holds from the end of its forward until its
+    backward, and the most it holds while its backward runs. Without recompute backward
+    only frees: during = kept. With --recompute only block inputs are kept, and the
+    backward of the last block holds the other inputs and that block's internals."""
+    emb = terms["embedding"][1] if first else 0
+    head = terms["head"][1] if last else 0
+    layer, block_in = terms["layer"][1], terms["block_input"][1]
+    if not recompute:
+        kept = emb + n_layers * layer + head
+        return kept, kept
+    return emb + n_layers * block_in + head, emb + (n_layers - 1) * block_in + layer
+
+
+def activations_of_layers(terms, n_layers, recompute, first=True, last=True):
+    """(formula, bytes): the peak this rank holds for backward for one micro-batch through
+    n_layers blocks (see activation_phases)."""
+    kept, during = activation_phases(terms, n_layers, recompute, first, last)
+    if not recompute:
+        return f"{n_layers}·layer + embedding + head", kept
+    return f"embedding + max({n_layers}·input + head, {n_layers - 1}·input + layer)", max(kept, during)
 
 
 def preset_config(args):
@@ -479,6 +711,9 @@ def make_parser(doc):
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on GPUs that support it, float32 elsewhere (float16 is refused)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
+    g.add_argument("--recompute", action="store_true",
+                   help="activation recomputation: keep only each transformer block's input for backward "
+                        "and run the block's forward again there (Chen et al. 2016)")
     g.add_argument("--out_dir", default="out")
     g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
     g.add_argument("--resume", action="store_true",
@@ -1167,12 +1402,15 @@ class Metrics:
     def __init__(self, args, env, flops_per_tok, cost):
         self.env, self.flops_per_tok = env, flops_per_tok
         self.state_theory, self.comm_theory = theory_bytes(cost)  # the script's costs()
+        # None where a script has no activation formula yet (09_context_parallel.py)
+        self.activation_theory = cost["activations"][1] if "activations" in cost else None
         self.tokens_per_step = args.global_batch_size * model_block_size(args)
         self.peak = peak_flops(env)
         self.file = open(args.metrics, "a") if (args.metrics and env.master) else None
 
-    def step(self, step, loss, lr, dt, state, comm, extra=None):
-        """Log one optimizer step; `dt` in seconds; `state` and `comm` from this rank."""
+    def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None):
+        """Log one optimizer step; `dt` in seconds; `state`, `comm` and `activations` (the
+        ActivationMeter's peak) from this rank."""
         tokens_per_s = self.tokens_per_step / dt
         mfu = None
         if self.peak is not None:
@@ -1180,7 +1418,8 @@ class Metrics:
             mfu = tokens_per_s * self.flops_per_tok / (self.peak * self.env.world_size)
         row = dict(step=step, loss=loss, lr=lr, dt_ms=dt * 1e3, tokens_per_s=tokens_per_s, mfu=mfu,
                    mem_peak_bytes=peak_memory(self.env), state_bytes=state, comm_bytes=comm,
-                   state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory)
+                   state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory,
+                   activation_bytes=activations, activation_bytes_theory=self.activation_theory)
         row.update(extra or {})
         self.write(row)
         mfu_s = f", mfu {mfu * 100:.1f}%" if mfu is not None else ""
@@ -1224,13 +1463,18 @@ def progress(env, start, stop):
                 dynamic_ncols=True, mininterval=2.0, leave=False)
 
 
-def print_ledger(env, held, comm, cost):
+def print_ledger(env, held, comm, cost, activations=None):
     """Once, after the first step: what this rank holds and sends, measured next to the
-    strategy's formula (`cost` is the script's costs(): each value is (formula, bytes))."""
+    strategy's formula (`cost` is the script's costs(): each value is (formula, bytes));
+    `activations`: the ActivationMeter's peak over the step."""
     lines = [f"ledger (rank {env.rank}): measured | theory"]
-    for kind in ("params", "grads", "optim"):
+    for kind in cost["held"]:  # params, grads, optim (and with --offload their host parts)
         formula, value = cost["held"][kind]
         lines.append(f"  held {kind:<24} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
+    if "activations" in cost:
+        formula, value = cost["activations"]
+        measured = format_bytes(activations) if activations is not None else "-"
+        lines.append(f"  held {'activations (peak)':<24} {measured:>11} | {formula} = {format_bytes(value)}")
     for op in sorted(set(comm) | set(cost["sent"])):
         formula, value = cost["sent"].get(op, ("0", 0))
         lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
@@ -1277,6 +1521,8 @@ def dry_run(args, script, config, cost, layout_lines=()):
     for kind, (formula, value) in cost["held"].items():
         lines.append(f"  holds {kind:<26} {format_bytes(value):>11}   {formula}")
     lines.append(f"  holds {'model state in all':<26} {format_bytes(held):>11}")
+    formula, value = cost["activations"]
+    lines.append(f"  holds {'activations (peak)':<26} {format_bytes(value):>11}   {formula}")
     for op, (formula, value) in sorted(cost["sent"].items()):
         lines.append(f"  comm  {op:<26} {format_bytes(value):>11}   per step: {formula}")
     if not cost["sent"]:
