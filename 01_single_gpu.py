@@ -34,9 +34,9 @@ import torch
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
                     activations_of_layers, autocast, build_model, check, check_batch, count_params,
-                    Data, dry_run, flops_per_token, Guard, launch_for, LEDGER, load_model_file, log,
-                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
-                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    Data, decay_groups, dry_run, flops_per_token, Guard, launch_for, LEDGER,
+                    load_model_file, log, lr_at, make_adamw, make_parser, Metrics, model_block_size,
+                    model_config, param_pieces, parse_args, planned_dtype, print_ledger, progress,
                     resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
                     teardown, to_device)
 
@@ -105,7 +105,7 @@ def main():
     model = build_model(config, args.seed, env.device)
     for block in model.transformer.h:
         block.recompute = args.recompute
-    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
     run = run_config(args, config, {"world_size": 1})
 
     def checkpoint_pieces():

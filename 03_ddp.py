@@ -41,11 +41,11 @@ import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
                     activations_of_layers, autocast, build_model, check, check_batch, count_params,
-                    Data, dry_run, flops_per_token, Guard, launch_for, LEDGER, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_pieces,
-                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
-                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
-                    to_device)
+                    Data, decay_groups, dry_run, flops_per_token, Guard, launch_for, LEDGER, log,
+                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
+                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
+                    teardown, to_device)
 
 
 def add_flags(parser):
@@ -204,7 +204,7 @@ def main():
     log(env, f"broadcast the initial weights from rank 0: {LEDGER.take()}")
     buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, env.world_size,
                               overlap=not args.no_overlap)
-    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
 
     def checkpoint_pieces():
         """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0

@@ -81,11 +81,12 @@ import torch
 import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, ADAM_BETAS, autocast, build_model, check_batch, Data,
-                    dry_run, flops_per_token, GPT, Guard, launch_for, LEDGER, log, lr_at,
-                    make_parser, Metrics, model_block_size, model_config, param_pieces, parse_args,
-                    planned_dtype, print_ledger, progress, resume_checkpoint, run_config,
-                    save_checkpoint, setup, synchronize, teardown, tensor_bytes, to_device)
+                    activations_of_layers, autocast, build_model, check_batch, Data, dry_run,
+                    flops_per_token, GPT, Guard, is_decayed, launch_for, LEDGER, log, lr_at,
+                    make_adamw, make_parser, Metrics, model_block_size, model_config,
+                    optimizer_state_tensors, param_pieces, parse_args, planned_dtype, print_ledger,
+                    progress, resume_checkpoint, run_config, save_checkpoint, setup, synchronize,
+                    teardown, tensor_bytes, to_device)
 
 
 def add_flags(parser):
@@ -147,7 +148,7 @@ class Unit:
         for shape, offset in zip(self.shapes, self.offsets):
             a, b = max(offset, self.lo), min(offset + shape.numel(), self.hi)
             if a < b:
-                pieces.append((a - self.lo, b - self.lo, len(shape) >= 2))  # is_decayed's rule
+                pieces.append((a - self.lo, b - self.lo, is_decayed(shape)))
         covered = pieces[-1][1] if pieces else 0
         if covered < self.shard_numel:  # padding (or nothing of this unit on this rank)
             pieces.append((covered, self.shard_numel, False))
@@ -185,10 +186,8 @@ class ZeRO:
                 segments[decayed].append(piece)
                 unit.pieces.append(piece)
         # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
-        fused = {"fused": True} if env.device.type in ("cuda", "xpu") and not args.offload else {}
-        self.optimizer = torch.optim.AdamW(
-            [{"params": segments[True], "weight_decay": args.weight_decay},
-             {"params": segments[False], "weight_decay": 0.0}], lr=args.lr, betas=ADAM_BETAS, **fused)
+        self.optimizer = make_adamw(segments[True], segments[False], args,
+                                    "cpu" if args.offload else env.device.type)
         if stage == 1:  # full gradients, kept through accumulation, as views of one buffer
             for unit in self.units:
                 unit.grad_full = torch.zeros_like(unit.full)
@@ -303,7 +302,7 @@ class ZeRO:
         """Model-state bytes this rank holds, counted from the live tensors (the fp32
         master counts as optimizer state when it is a separate copy, as in the paper)."""
         masters = [u.master for u in self.units]
-        moments = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        moments = optimizer_state_tensors(self.optimizer)
         if self.offload:  # the device keeps the working parameters (and stage 1's full grads)
             return {"params": tensor_bytes([u.full for u in self.units]) if self.stage < 3 else 0,
                     "grads": tensor_bytes([u.grad_full for u in self.units if u.grad_full is not None]),

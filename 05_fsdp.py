@@ -54,12 +54,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, ADAM_BETAS, autocast, check, check_batch, Data, dry_run,
-                    flops_per_token, format_bytes, GPT, Guard, launch_for, LEDGER, log, lr_at,
-                    make_parser, Metrics, model_block_size, model_config, param_init, param_pieces,
-                    parse_args, planned_dtype, print_ledger, progress, resume_checkpoint,
-                    run_config, save_checkpoint, setup, state_bytes, synchronize, teardown,
-                    to_device)
+                    activations_of_layers, autocast, check, check_batch, Data, decay_groups,
+                    dry_run, flops_per_token, format_bytes, GPT, Guard, launch_for, LEDGER, log,
+                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
+                    param_init, param_pieces, parse_args, planned_dtype, print_ledger, progress,
+                    resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
+                    teardown, to_device)
 
 
 def add_flags(parser):
@@ -258,9 +258,6 @@ class FSDP:
     def shards(self):
         return [s for unit in self.units for s in unit.shards]
 
-    def named_shards(self):
-        return [(name, s) for unit in self.units for name, s in zip(unit.names, unit.shards)]
-
     def clip_grad_norm(self, max_norm):
         """Global norm from the shards (padding rows are zero); the replicas hold equal shards."""
         squares = sum(s.grad.float().pow(2).sum() for s in self.shards()).to(self.device)
@@ -387,12 +384,8 @@ def main():
         block.recompute = args.recompute
     nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
-    fused = {"fused": True} if env.device.type in ("cuda", "xpu") and not args.offload else {}  # offload: CPU AdamW
-    named = fsdp.named_shards()
-    optimizer = torch.optim.AdamW(
-        [{"params": [s for n, s in named if s.dim() >= 2], "weight_decay": args.weight_decay},
-         {"params": [s for n, s in named if s.dim() < 2], "weight_decay": 0.0}],
-        lr=args.lr, betas=ADAM_BETAS, **fused)
+    # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
+    optimizer = make_adamw(*decay_groups(fsdp.shards()), args, "cpu" if args.offload else env.device.type)
     run = run_config(args, config, {"strategy": "fsdp", "replicate": args.replicate})
     start_step = 0
     if args.resume:  # a checkpoint of any script, at any layout: each rank reads its rows

@@ -64,11 +64,12 @@ from torch.nn import functional as F
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
                     activations_of_layers, autocast, check, check_batch, count_params, Data,
-                    device_rng_state, dry_run, flops_per_token, Guard, launch_for, LEDGER, log,
-                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
-                    param_init, param_pieces, parse_args, planned_dtype, print_ledger, progress,
-                    recomputed, resume_checkpoint, run_config, save_checkpoint, seeded_rng_state,
-                    set_device_rng_state, setup, state_bytes, synchronize, teardown, to_device)
+                    decay_groups, device_rng_state, dry_run, flops_per_token, Guard, launch_for,
+                    LEDGER, log, lr_at, make_adamw, make_parser, Metrics, model_block_size,
+                    model_config, param_init, param_pieces, parse_args, planned_dtype, print_ledger,
+                    progress, recomputed, resume_checkpoint, run_config, save_checkpoint,
+                    seeded_rng_state, set_device_rng_state, setup, state_bytes, synchronize,
+                    teardown, to_device)
 
 
 def add_flags(parser):
@@ -560,7 +561,7 @@ def main():
     model = TPGPT(config, tp, env.rank, args.sequence_parallel, rng).init_from_full(args.seed).to(env.device)
     for block in model.transformer.h:
         block.recompute = args.recompute
-    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
     run = run_config(args, config, {"strategy": "tensor parallel", "sequence_parallel": args.sequence_parallel})
 
     def checkpoint_pieces():

@@ -60,7 +60,7 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_phases, activation_terms, ActivationMeter,
-                    autocast, Block, check, check_batch, count_params, Data, dry_run,
+                    autocast, Block, check, decay_groups, check_batch, count_params, Data, dry_run,
                     flops_per_token, format_bytes, Guard, launch_for, LEDGER, log, lr_at,
                     make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
                     param_pieces, parse_args, planned_dtype, print_ledger, progress,
@@ -439,7 +439,7 @@ def main():
     tied = [t for t in ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])]
     tied = list({id(t): t for t in tied}.values())
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
-    optimizer = make_adamw(chunks.named_parameters(), args, env.device.type)
+    optimizer = make_adamw(*decay_groups(chunks.parameters()), args, env.device.type)
     pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
     order = schedule(args.schedule, p, env.rank, m, v)
 

@@ -65,13 +65,13 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_phases, activation_terms, ActivationMeter,
-                    ADAM_BETAS, autocast, check, check_batch, count_params, Data, device_rng_state,
-                    dry_run, flops_per_token, format_bytes, Guard, launch_for, LEDGER, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
-                    param_pieces, parse_args, planned_dtype, print_ledger, progress, recomputed,
-                    resume_checkpoint, run_config, save_checkpoint, seeded_rng_state,
-                    set_device_rng_state, setup, state_bytes, synchronize, teardown, tensor_bytes,
-                    to_device)
+                    autocast, check, check_batch, count_params, Data, decay_groups,
+                    device_rng_state, dry_run, flops_per_token, format_bytes, Guard, is_decayed,
+                    launch_for, LEDGER, log, lr_at, make_adamw, make_parser, Metrics,
+                    model_block_size, model_config, param_init, param_pieces, parse_args,
+                    planned_dtype, print_ledger, progress, recomputed, resume_checkpoint,
+                    run_config, save_checkpoint, seeded_rng_state, set_device_rng_state, setup,
+                    state_bytes, synchronize, teardown, tensor_bytes, to_device)
 
 
 def add_flags(parser):
@@ -484,7 +484,7 @@ class ZeroOne:
             if a < b:
                 piece = self.flat[a:b]
                 piece.grad = self.grad_shard[a - lo:b - lo]
-                pieces[p.dim() >= 2].append(piece)
+                pieces[is_decayed(p.shape)].append(piece)
                 self.segments.append((p, a - offset, b - offset, piece))
             offset += n
         if offset < hi:  # padding: no decay, stays zero
@@ -492,9 +492,7 @@ class ZeroOne:
             piece.grad = self.grad_shard[max(offset, lo) - lo:]
             pieces[False].append(piece)
         self.lo, self.hi = lo, hi
-        self.optimizer = torch.optim.AdamW([{"params": pieces[True], "weight_decay": args.weight_decay},
-                                            {"params": pieces[False], "weight_decay": 0.0}], lr=args.lr,
-                                           betas=ADAM_BETAS)
+        self.optimizer = make_adamw(pieces[True], pieces[False], args, device.type)
 
     def reduce(self):
         self.flat_grad.div_(self.mesh.dp_size)
@@ -663,7 +661,7 @@ def main():
     for block in stage.h:
         block.recompute = args.recompute
     zero = ZeroOne(stage, mesh, args, env.device) if args.zero1 else None
-    optimizer = zero.optimizer if zero else make_adamw(stage.named_parameters(), args, env.device.type)
+    optimizer = zero.optimizer if zero else make_adamw(*decay_groups(stage.parameters()), args, env.device.type)
     tied = [stage.wte.weight] if stage.is_first else []
     tied += [stage.lm_head.weight] if stage.is_last and not stage.is_first else []
 

@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (autocast, build_model, check, check_batch, count_params, Data, dry_run,
+from common import (autocast, build_model, check, check_batch, count_params, Data, decay_groups, dry_run,
                     flops_per_token, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
                     Metrics, model_block_size, model_config, param_pieces, parse_args, planned_dtype,
                     print_ledger, progress, resume_checkpoint, run_config, save_checkpoint, setup, state_bytes,
@@ -471,7 +471,7 @@ def main():
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
     run = run_config(args, config, {"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl})
-    optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
 
     def checkpoint_pieces():
         """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0

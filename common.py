@@ -469,22 +469,26 @@ def flops_per_token(config, n_params):
     return 6 * n_params + 12 * L * H * Q * T
 
 
-def is_decayed(param):
+def is_decayed(shape):
     """nanoGPT's rule: weight decay on matrices (Linear weights, embeddings), not on biases
-    and LayerNorm weights."""
-    return param.dim() >= 2
+    and LayerNorm weights. By shape, so that a flat shard of a parameter gets its rule too."""
+    return len(shape) >= 2
 
 
 ADAM_BETAS = (0.9, 0.95)
 
 
-def make_adamw(named_params, args, device_type):
-    """AdamW with nanoGPT's two parameter groups; the fused kernel on GPUs."""
-    named_params = [(n, p) for n, p in named_params if p.requires_grad]
-    groups = [
-        {"params": [p for _, p in named_params if is_decayed(p)], "weight_decay": args.weight_decay},
-        {"params": [p for _, p in named_params if not is_decayed(p)], "weight_decay": 0.0},
-    ]
+def decay_groups(params):
+    """(decayed, not decayed): the parameters that train, split by `is_decayed`."""
+    params = [p for p in params if p.requires_grad]
+    return [p for p in params if is_decayed(p.shape)], [p for p in params if not is_decayed(p.shape)]
+
+
+def make_adamw(decayed, not_decayed, args, device_type):
+    """AdamW with nanoGPT's two parameter groups (weight decay on `decayed` only); the fused
+    kernel on GPUs."""
+    groups = [{"params": list(decayed), "weight_decay": args.weight_decay},
+              {"params": list(not_decayed), "weight_decay": 0.0}]
     fused = device_type in ("cuda", "xpu")
     return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS, **({"fused": True} if fused else {}))
 

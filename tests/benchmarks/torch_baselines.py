@@ -24,8 +24,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common import (ADAM_BETAS, LEDGER, Data, autocast, build_model, check_batch,  # noqa: E402
-                    detect_launcher, flops_per_token, is_decayed, lr_at, make_adamw, make_parser, Metrics, model_config,
+from common import (ADAM_BETAS, LEDGER, Data, decay_groups, autocast, build_model, check_batch,  # noqa: E402
+                    detect_launcher, flops_per_token, lr_at, make_adamw, make_parser, Metrics, model_config,
                     model_block_size, parse_args, setup, state_bytes, synchronize, teardown, to_device)
 
 
@@ -63,13 +63,12 @@ def main():
                                             device_ids=[env.device.index] if env.device.type == "cuda" else None)
         no_sync = ddp_model.no_sync
     if args.impl == "zero1":
-        decay = [p for p in model.parameters() if is_decayed(p)]
+        decay, no_decay = decay_groups(model.parameters())
         optimizer = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, lr=args.lr,
                                             betas=ADAM_BETAS, weight_decay=args.weight_decay)
-        optimizer.add_param_group({"params": [p for p in model.parameters() if not is_decayed(p)],
-                                   "weight_decay": 0.0})
+        optimizer.add_param_group({"params": no_decay, "weight_decay": 0.0})
     else:
-        optimizer = make_adamw(model.named_parameters(), args, env.device.type)
+        optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
     for step in range(args.max_iters):
         lr, t0, x, y = begin_step(optimizer, data, args, env, step, env.rank, env.world_size)
@@ -181,7 +180,7 @@ def model_parallel(args):
         last = modules[-1].is_last
         tied = ([modules[0].wte.weight] if first else []) + ([modules[-1].head.weight] if last else [])
         ends = dist.new_group([0, P - 1])
-    optimizer = make_adamw(params, args, env.device.type)
+    optimizer = make_adamw(*decay_groups(p for _, p in params), args, env.device.type)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
     for step in range(args.max_iters):
         lr, t0, x, y = begin_step(optimizer, data, args, env, step, 0, 1)
