@@ -54,12 +54,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, autocast, check, check_batch, Data, decay_groups,
-                    dry_run, flops_per_token, format_bytes, GPT, Guard, launch_for, LEDGER, log,
-                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
-                    param_init, param_pieces, parse_args, planned_dtype, print_ledger, progress,
-                    resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
-                    teardown, to_device)
+                    activations_of_layers, autocast, check, check_batch, count_params, Data,
+                    decay_groups, dry_run, flops_per_token, format_bytes, GPT, Guard, launch_for,
+                    LEDGER, log, lr_at, make_adamw, make_parser, Metrics, model_block_size,
+                    model_config, param_init, param_pieces, parse_args, planned_dtype, print_ledger,
+                    progress, resume_checkpoint, run_config, save_checkpoint, setup, state_bytes,
+                    synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -382,7 +382,7 @@ def main():
         model = GPT(config)  # no memory: shapes only
     for block in model.transformer.h:
         block.recompute = args.recompute
-    nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
+    n_params, nano_params = count_params(config)  # Ψ, and nanoGPT's count
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
     # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
     optimizer = make_adamw(*decay_groups(fsdp.shards()), args, "cpu" if args.offload else env.device.type)

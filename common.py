@@ -443,6 +443,12 @@ def preset_config(args):
     return cfg
 
 
+def model_block_size(args):
+    """The context length of --model with its overrides (what the data loader needs before
+    the vocabulary, and so the whole config, is known)."""
+    return preset_config(args)["block_size"]
+
+
 def model_config(args, vocab_size):
     """GPTConfig from --model and the per-dimension overrides."""
     return GPTConfig(vocab_size=vocab_size, **preset_config(args))
@@ -1446,10 +1452,6 @@ def finite_or_null(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def model_block_size(args):
-    return preset_config(args)["block_size"]
 
 
 def log(env, message):
