@@ -46,8 +46,9 @@ def main():
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=2, help="alternate runs of each, best median kept")
     a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
-    model_flags = model_flags or ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
-                                  "--block_size", "128", "--dropout", "0", "--global_batch_size", "16"]
+    # the defaults, then anything given (a flag given twice: the last one counts)
+    model_flags = ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
+                   "--block_size", "128", "--dropout", "0", "--global_batch_size", "16"] + model_flags
     flags = model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
                              "--eval_interval", "0", "--warmup_iters", "2"]
     threads = {"OMP_NUM_THREADS": "1"}

@@ -29,6 +29,9 @@ from common import (ADAM_BETAS, LEDGER, Data, decay_groups, autocast, build_mode
                     model_block_size, parse_args, setup, state_bytes, synchronize, teardown, to_device)
 
 
+NO_THEORY = {"held": {}, "sent": {}}  # torch's implementations: no costs() formulas to compare
+
+
 def begin_step(optimizer, data, args, env, step, dp_rank, dp_size):
     """The learning rate of `step`, the start time, and this data-parallel rank's batch."""
     lr = lr_at(step, args)
@@ -69,7 +72,7 @@ def main():
         optimizer.add_param_group({"params": no_decay, "weight_decay": 0.0})
     else:
         optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
-    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()), NO_THEORY)
     for step in range(args.max_iters):
         lr, t0, x, y = begin_step(optimizer, data, args, env, step, env.rank, env.world_size)
         loss_sum = torch.zeros((), device=env.device)
@@ -122,6 +125,26 @@ def tp_model(model, config, env):
             return attn.resid_dropout(attn.c_proj(y.transpose(1, 2).reshape(B, S, -1)))
         attn.forward = forward
     return model
+
+
+def clip_grad_norm(params, max_norm, world_size, plain_replicated, skip=()):
+    """clip_grad_norm_ over the whole model for the TP and PP baselines (torch's own sees one
+    rank's tensors, or DTensors of one mesh): the squares of a sharded gradient summed over
+    the ranks, a replicated one's counted once; the names in `skip` (a tied copy) not at all."""
+    from torch.distributed.tensor import DTensor
+    squares = torch.zeros((), device=params[0][1].device)
+    for name, p in params:
+        if name in skip:
+            continue
+        if isinstance(p.grad, DTensor):
+            local, replicated = p.grad.to_local(), not any(pl.is_shard() for pl in p.grad.placements)
+        else:
+            local, replicated = p.grad, plain_replicated
+        squares += local.float().pow(2).sum() / (world_size if replicated else 1)
+    dist.all_reduce(squares)
+    coef = min(1.0, max_norm / (squares.sqrt().item() + 1e-6))
+    for _, p in params:
+        p.grad.mul_(coef)
 
 
 class PipeStage(torch.nn.Module):
@@ -181,7 +204,7 @@ def model_parallel(args):
         tied = ([modules[0].wte.weight] if first else []) + ([modules[-1].head.weight] if last else [])
         ends = dist.new_group([0, P - 1])
     optimizer = make_adamw(*decay_groups(p for _, p in params), args, env.device.type)
-    metrics = Metrics(args, env, flops_per_token(config, model.num_params()))
+    metrics = Metrics(args, env, flops_per_token(config, model.num_params()), NO_THEORY)
     for step in range(args.max_iters):
         lr, t0, x, y = begin_step(optimizer, data, args, env, step, 0, 1)
         loss_sum = torch.zeros((), device=env.device)
@@ -206,6 +229,10 @@ def model_parallel(args):
             if P > 1 and tied:
                 for w in tied:
                     dist.all_reduce(w.grad, group=ends)
+        if args.grad_clip > 0:  # as ours: the global norm, the tied head's copy counted once
+            pipeline_copy = args.impl != "tp" and P > 1 and not first  # the last stage's head
+            skip = {name for name, _ in params if name.endswith(".head.weight")} if pipeline_copy else set()
+            clip_grad_norm(params, args.grad_clip, P, plain_replicated=args.impl == "tp", skip=skip)
         optimizer.step()
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = (loss_sum / accum_steps).item()
