@@ -1527,8 +1527,9 @@ def dry_run(args, script, config, cost, layout_lines=()):
     for kind, (formula, value) in cost["held"].items():
         lines.append(f"  holds {kind:<26} {format_bytes(value):>11}   {formula}")
     lines.append(f"  holds {'model state in all':<26} {format_bytes(held):>11}")
-    formula, value = cost["activations"]
-    lines.append(f"  holds {'activations (peak)':<26} {format_bytes(value):>11}   {formula}")
+    if "activations" in cost:
+        formula, value = cost["activations"]
+        lines.append(f"  holds {'activations (peak)':<26} {format_bytes(value):>11}   {formula}")
     for op, (formula, value) in sorted(cost["sent"].items()):
         lines.append(f"  comm  {op:<26} {format_bytes(value):>11}   per step: {formula}")
     if not cost["sent"]:
