@@ -177,7 +177,8 @@ class Chunk(nn.Module):
         self.h = nn.ModuleList([Block(config) for _ in range(n_layers)])
         if is_last:
             self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-            self.lm_head = self.wte if is_first else nn.Embedding(config.vocab_size, config.n_embd)
+            # the tied head: the embedding itself, or (on another stage) a copy of its weight
+            self.lm_head = self.wte if is_first else nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def full_name(self, name):
         """This parameter's name in 01's model (so param_init gives it the same value)."""
@@ -345,7 +346,7 @@ class Pipeline:
         n_chunks_total = self.p * self.v
         saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
         start = time.perf_counter()
-        for index, (kind, i, c) in enumerate(order):
+        for kind, i, c in order:
             g = self.global_chunk(c)
             tag = i * n_chunks_total + g
             if kind == "F":
@@ -392,6 +393,75 @@ class Pipeline:
         return loss_sum, peak, busy / (time.perf_counter() - start)  # the busy fraction
 
 
+def micro_batches(data, split, step, args, env, m, eval_split=False):
+    """The step's batch in m micro-batches (only the first stage uses the tokens, the last
+    the targets)."""
+    x, y = data.batch(split, step, args.global_batch_size, eval_split=eval_split)
+    x, y = to_device(x, env), to_device(y, env)
+    b = args.micro_batch_size
+    return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
+
+
+def share_loss(loss_sum, p, m):
+    """The mean loss over the micro-batches, on every stage."""
+    dist.broadcast(loss_sum, src=p - 1)  # the last stage's loss, to every stage for logging
+    return loss_sum / m
+
+
+def forward_order(p, m, v):
+    """Evaluation's order: forwards only, micro-batches in groups of p through chunk 0, then
+    chunk 1, ... (the interleaved schedule's order without its backwards); v = 1: 0..m-1."""
+    return [("F", i, c) for group in range(0, m, p) for c in range(v) for i in range(group, min(group + p, m))]
+
+
+@torch.no_grad()
+def evaluate(pipeline, chunks, data, args, env, p, m, v):
+    chunks.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = 0.0
+        for k in range(args.eval_iters):
+            xs, ys = micro_batches(data, split, k, args, env, m, eval_split=True)
+            loss_sum, _, _ = pipeline.run(forward_order(p, m, v), xs, ys, m, train=False)
+            total += share_loss(loss_sum, p, m).item()
+        losses[split] = total / args.eval_iters
+    chunks.train()
+    return losses
+
+
+def clip_grad_norm(chunks, max_norm, p):
+    """Scale the gradients so that the global norm over every stage, the tied embedding
+    counted once (on the first stage), is at most max_norm."""
+    head_copy = chunks[-1].is_last and not chunks[0].is_first  # the last stage's copy of wte
+    squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
+                  if not (head_copy and n.endswith("lm_head.weight")))
+    if p > 1:
+        dist.all_reduce(squares)  # every stage's squared gradient norm
+    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+    for t in chunks.parameters():
+        t.grad.mul_(coef)
+
+
+def plan(args, p, v, m):
+    """--dry_run: the layout, the schedule's bubble and every stage's costs, without
+    starting a process."""
+    config = model_config(args, Data.vocab_size_of(args.data))
+    check_layout(args, config, p)
+    dtype = planned_dtype(args)
+    stages = [costs(args, config, p, dtype, rank) for rank in range(p)]
+    layout = chunk_layers(config.n_layer, p * v)
+    dry_run(args, "07_pipeline.py", config, stages[0],
+            [f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
+             f"{args.micro_batch_size}; bubble (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
+             f"{bubble_theory(args.schedule, p, m, v):.3f}"]
+            + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
+               f"{', '.join(f'{layout[c * p + r][0]}-{sum(layout[c * p + r]) - 1}' for c in range(v))}, holds "
+               f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
+               f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
+               f"{s['in_flight']} micro-batch(es) of activations in flight"
+               for r, s in enumerate(stages)] + ["(below: stage 0)"])
+
+
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     launch = launch_for(args)
@@ -406,21 +476,7 @@ def main():
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
     if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        check_layout(args, config, p)
-        dtype = planned_dtype(args)
-        stages = [costs(args, config, p, dtype, rank) for rank in range(p)]
-        layout = chunk_layers(config.n_layer, p * v)
-        dry_run(args, "07_pipeline.py", config, stages[0],
-                [f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
-                 f"{args.micro_batch_size}; bubble (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
-                 f"{bubble_theory(args.schedule, p, m, v):.3f}"]
-                + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
-                   f"{', '.join(f'{layout[c * p + r][0]}-{sum(layout[c * p + r]) - 1}' for c in range(v))}, holds "
-                   f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
-                   f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
-                   f"{s['in_flight']} micro-batch(es) of activations in flight"
-                   for r, s in enumerate(stages)] + ["(below: stage 0)"])
+        plan(args, p, v, m)
     env = setup(args, launch)
     guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     data = Data(args.data, args.seed, model_block_size(args))
@@ -472,33 +528,6 @@ def main():
     meter = ActivationMeter()
     in_flight_theory = cost["in_flight"]
 
-    def micro_batches(split, step, eval_split=False):
-        x, y = data.batch(split, step, args.global_batch_size, eval_split=eval_split)
-        x, y = to_device(x, env), to_device(y, env)
-        b = args.micro_batch_size
-        return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
-
-    def share_loss(loss_sum):
-        dist.broadcast(loss_sum, src=p - 1)  # the last stage's loss, to every stage for logging
-        return loss_sum / m
-
-    @torch.no_grad()
-    def evaluate():
-        chunks.eval()
-        losses = {}
-        eval_order = [("F", i, c) for i in range(m) for c in range(v)] if v > 1 else \
-            [("F", i, 0) for i in range(m)]
-        eval_order = sorted(eval_order, key=lambda op: (op[1] // p, op[2], op[1] % p)) if v > 1 else eval_order
-        for split in ("train", "val"):
-            total = 0.0
-            for k in range(args.eval_iters):
-                xs, ys = micro_batches(split, k, eval_split=True)
-                loss_sum, _, _ = pipeline.run(eval_order, xs, ys, m, train=False)
-                total += share_loss(loss_sum).item()
-            losses[split] = total / args.eval_iters
-        chunks.train()
-        return losses
-
     def save(step):
         save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)
         LEDGER.take()
@@ -506,7 +535,7 @@ def main():
     LEDGER.take()
     for step in progress(env, start_step, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate()
+            losses = evaluate(pipeline, chunks, data, args, env, p, m, v)
             log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
             LEDGER.take()
@@ -515,29 +544,22 @@ def main():
             group["lr"] = lr
         t0 = time.perf_counter()
 
-        xs, ys = micro_batches("train", step)  # only the first stage uses xs, the last ys
+        xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
         meter.start()
         loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)  # busy: share of the schedule computing
         activations = meter.stop()
-        loss_sum = share_loss(loss_sum)
+        loss_sum = share_loss(loss_sum, p, m)
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
                 dist.all_reduce(weight.grad, group=embedding_group)
         if args.grad_clip > 0:
-            squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
-                          if not (last and not first and n.endswith("lm_head.weight")))  # tied: once
-            if p > 1:
-                dist.all_reduce(squares)  # every stage's squared gradient norm
-            coef = torch.clamp(args.grad_clip / (squares.sqrt() + 1e-6), max=1.0)
-            for t in chunks.parameters():
-                t.grad.mul_(coef)
+            clip_grad_norm(chunks, args.grad_clip, p)
         # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
         # a stop signal or --time_limit ends it after this step's checkpoint
         stop = guard.check(step, loss_sum, (t.grad for t in chunks.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
-        dt = time.perf_counter() - t0
         if step == start_step:
             print_ledger(env, state_bytes(chunks.parameters(), optimizer), comm, cost, activations)
             log(env, f"activations in flight on stage {env.rank}: at most {peak_in_flight} micro-batch chunk(s) "
@@ -547,8 +569,8 @@ def main():
             synchronize(env)
             extra = {"activations_in_flight": peak_in_flight, "busy_fraction": busy,
                      "bubble_drawn": bubble, "bubble_theory": bubble_theory(args.schedule, p, m, v)}
-            metrics.step(step, loss_value, lr, dt, state_bytes(chunks.parameters(), optimizer), comm, extra,
-                         activations=activations)
+            metrics.step(step, loss_value, lr, time.perf_counter() - t0, state_bytes(chunks.parameters(), optimizer),
+                         comm, extra, activations=activations)
         optimizer.zero_grad(set_to_none=True)
         if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
@@ -556,7 +578,7 @@ def main():
             guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate()
+        losses = evaluate(pipeline, chunks, data, args, env, p, m, v)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)
