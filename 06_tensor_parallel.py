@@ -85,50 +85,51 @@ def add_flags(parser):
 # ---------------------------------------------------------------------------------------
 
 class CopyToTP(torch.autograd.Function):
-    """f: identity forward; backward all-reduce, since every rank's branch contributed a
-    part of the gradient of the shared input."""
+    """f: identity forward; backward all-reduce over the TP group, since every rank's
+    branch contributed a part of the gradient of the shared input."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad)  # sum the input-gradient parts of every rank's weight shard
-        return grad
+        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        return grad, None
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduce of the partial sums; identity backward."""
+    """g: forward all-reduce of the partial sums over the TP group; identity backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x)  # sum the partial outputs of the row-parallel shards
+        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
-def _all_gather_seq(x):
+def _all_gather_seq(x, group):
     """[b, s/T, h] on each rank -> [b, s, h], the shards in rank order."""
-    tp, (b, s_local, h) = dist.get_world_size(), x.shape
-    parts = torch.empty((tp * b, s_local, h), dtype=x.dtype, device=x.device)  # rank-major
-    dist.all_gather_into_tensor(parts, x.contiguous())  # every rank's sequence shard
-    return parts.view(tp, b, s_local, h).permute(1, 0, 2, 3).reshape(b, tp * s_local, h)
+    tp_size, (b, s_local, h) = dist.get_world_size(group), x.shape
+    parts = torch.empty((tp_size * b, s_local, h), dtype=x.dtype, device=x.device)  # rank-major
+    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)  # every rank's sequence shard
+    return parts.view(tp_size, b, s_local, h).permute(1, 0, 2, 3).reshape(b, tp_size * s_local, h)
 
 
-def _reduce_scatter_seq(x):
+def _reduce_scatter_seq(x, group):
     """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of
     the sum."""
-    tp = dist.get_world_size()
+    tp_size = dist.get_world_size(group)
     b, s, h = x.shape
-    chunks = x.reshape(b, tp, s // tp, h).permute(1, 0, 2, 3).reshape(tp * b, s // tp, h)  # rank-major
-    out = torch.empty((b, s // tp, h), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, chunks)  # sum over ranks; rank t keeps sequence chunk t
+    chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3).reshape(tp_size * b, s // tp_size, h)
+    out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps sequence chunk t
     return out
 
 
@@ -136,24 +137,26 @@ class GatherSequence(torch.autograd.Function):
     """f with sequence parallelism: all-gather the sequence forward, reduce-scatter back."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _all_gather_seq(x)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad)
+        return _reduce_scatter_seq(grad, ctx.group), None
 
 
 class ScatterSequence(torch.autograd.Function):
     """g with sequence parallelism: reduce-scatter forward, all-gather back."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter_seq(x)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad)
+        return _all_gather_seq(grad, ctx.group), None
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,7 +165,8 @@ class ScatterSequence(torch.autograd.Function):
 
 class ShardedRNG:
     """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
-    swaps the device's default generator to this rank's own stream and back."""
+    swaps the device's default generator (the stream the TP group shares) to this rank's
+    own stream and back."""
 
     def __init__(self, seed, rank, device):
         self.device = device
@@ -186,14 +190,14 @@ class ShardedRNG:
 class ColumnParallelLinear(nn.Module):
     """Y_t = f(X) A_t: this rank's block of output columns (rows of nn.Linear's weight)."""
 
-    def __init__(self, in_features, out_local, bias, sequence_parallel):
+    def __init__(self, in_features, out_local, bias, group, sequence_parallel):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_features))
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
-        self.sequence_parallel = sequence_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        x = GatherSequence.apply(x) if self.sequence_parallel else CopyToTP.apply(x)
+        x = GatherSequence.apply(x, self.group) if self.sequence_parallel else CopyToTP.apply(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -201,32 +205,33 @@ class RowParallelLinear(nn.Module):
     """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias is added once,
     after the reduction."""
 
-    def __init__(self, in_local, out_features, bias, sequence_parallel):
+    def __init__(self, in_local, out_features, bias, group, sequence_parallel):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.sequence_parallel = sequence_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
         partial = F.linear(x, self.weight)
-        y = ScatterSequence.apply(partial) if self.sequence_parallel else ReduceFromTP.apply(partial)
+        reduce = ScatterSequence if self.sequence_parallel else ReduceFromTP
+        y = reduce.apply(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank t holds rows [start, start + V/T) of the (padded) token embedding."""
 
-    def __init__(self, vocab_local, n_embd, start, sequence_parallel):
+    def __init__(self, vocab_local, n_embd, start, group, sequence_parallel):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_local, n_embd))
-        self.start, self.sequence_parallel = start, sequence_parallel
+        self.start, self.group, self.sequence_parallel = start, group, sequence_parallel
 
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks' tokens contribute zeros
-        return ScatterSequence.apply(x) if self.sequence_parallel else ReduceFromTP.apply(x)
+        return ScatterSequence.apply(x, self.group) if self.sequence_parallel else ReduceFromTP.apply(x, self.group)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -235,22 +240,22 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     backward needs no communication: d loss / d z = softmax - onehot, computed locally."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, vocab_size):
+    def forward(ctx, logits, targets, start, vocab_size, group):
         logits = logits.float()
         n_local = logits.shape[-1]
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX)  # the global max per token
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
         target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit)  # only the owning rank contributes the target's logit
+        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp)  # the softmax denominator over the whole vocabulary
+        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
         loss = sum_exp.log() - target_logit
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
@@ -261,7 +266,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_target, mine = ctx.saved_tensors
         grad_logits = softmax.clone()
         grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
-        return grad_logits * (grad / softmax[..., 0].numel()), None, None, None
+        return grad_logits * (grad / softmax[..., 0].numel()), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,12 +274,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------
 
 class TPAttention(nn.Module):
-    def __init__(self, config, tp, sp, rng):
+    def __init__(self, config, tp_size, sp, rng, group):
         super().__init__()
         h = config.n_embd
-        self.c_attn = ColumnParallelLinear(h, 3 * h // tp, config.bias, sp)
-        self.c_proj = RowParallelLinear(h // tp, h, config.bias, sp)
-        self.n_head_local, self.dropout, self.rng, self.sp = config.n_head // tp, config.dropout, rng, sp
+        self.c_attn = ColumnParallelLinear(h, 3 * h // tp_size, config.bias, group, sp)
+        self.c_proj = RowParallelLinear(h // tp_size, h, config.bias, group, sp)
+        self.n_head_local, self.dropout, self.rng, self.sp = config.n_head // tp_size, config.dropout, rng, sp
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -292,12 +297,12 @@ class TPAttention(nn.Module):
 
 
 class TPMLP(nn.Module):
-    def __init__(self, config, tp, sp, rng):
+    def __init__(self, config, tp_size, sp, rng, group):
         super().__init__()
         h = config.n_embd
-        self.c_fc = ColumnParallelLinear(h, 4 * h // tp, config.bias, sp)
+        self.c_fc = ColumnParallelLinear(h, 4 * h // tp_size, config.bias, group, sp)
         self.gelu = nn.GELU()
-        self.c_proj = RowParallelLinear(4 * h // tp, h, config.bias, sp)
+        self.c_proj = RowParallelLinear(4 * h // tp_size, h, config.bias, group, sp)
         self.dropout, self.rng, self.sp = nn.Dropout(config.dropout), rng, sp
 
     def forward(self, x):
@@ -309,12 +314,12 @@ class TPMLP(nn.Module):
 
 
 class TPBlock(nn.Module):
-    def __init__(self, config, tp, sp, rng):
+    def __init__(self, config, tp_size, sp, rng, group):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = TPAttention(config, tp, sp, rng)
+        self.attn = TPAttention(config, tp_size, sp, rng, group)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = TPMLP(config, tp, sp, rng)
+        self.mlp = TPMLP(config, tp_size, sp, rng, group)
 
     recompute = False  # --recompute: keep the block's input only (its f/g run again in backward)
 
@@ -329,16 +334,17 @@ class TPBlock(nn.Module):
 
 
 class TPGPT(nn.Module):
-    def __init__(self, config, tp, rank, sp, rng):
+    def __init__(self, config, tp_size, tp_rank, sp, rng, group):
         super().__init__()
-        self.config, self.tp, self.rank, self.sp, self.rng = config, tp, rank, sp, rng
-        self.padded_vocab = math.ceil(config.vocab_size / tp) * tp
-        self.vocab_local = self.padded_vocab // tp
+        self.config, self.tp_size, self.tp_rank, self.sp, self.rng = config, tp_size, tp_rank, sp, rng
+        self.group = group  # the tensor-parallel group (in this script: every rank)
+        self.padded_vocab = math.ceil(config.vocab_size / tp_size) * tp_size
+        self.vocab_local = self.padded_vocab // tp_size
         self.transformer = nn.ModuleDict(dict(
-            wte=VocabParallelEmbedding(self.vocab_local, config.n_embd, rank * self.vocab_local, sp),
+            wte=VocabParallelEmbedding(self.vocab_local, config.n_embd, tp_rank * self.vocab_local, group, sp),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([TPBlock(config, tp, sp, rng) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([TPBlock(config, tp_size, sp, rng, group) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
 
@@ -346,7 +352,8 @@ class TPGPT(nn.Module):
         t = idx.shape[1]
         x = self.transformer.wte(idx)  # [b, s, h], or [b, s/T, h] with sequence parallelism
         if self.sp:
-            positions = torch.arange(self.rank * t // self.tp, (self.rank + 1) * t // self.tp, device=idx.device)
+            positions = torch.arange(self.tp_rank * t // self.tp_size, (self.tp_rank + 1) * t // self.tp_size,
+                                     device=idx.device)
             with self.rng.sharded():
                 x = self.transformer.drop(x + self.transformer.wpe(positions))
         else:
@@ -354,10 +361,10 @@ class TPGPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        x = GatherSequence.apply(x) if self.sp else CopyToTP.apply(x)
+        x = GatherSequence.apply(x, self.group) if self.sp else CopyToTP.apply(x, self.group)
         logits = F.linear(x, self.transformer.wte.weight)  # the tied head: this rank's vocabulary
         return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                               self.rank * self.vocab_local, self.config.vocab_size)
+                                               self.tp_rank * self.vocab_local, self.config.vocab_size, self.group)
 
     def sharded(self, name):
         """Whether parameter `name` is split across the group (else replicated)."""
@@ -368,7 +375,7 @@ class TPGPT(nn.Module):
     def init_from_full(self, seed):
         """Each parameter's shard, cut from the full parameter as 01 initialises it (one full
         parameter at a time: the whole model never exists on a rank)."""
-        config, t, r = self.config, self.tp, self.rank
+        config, t, r = self.config, self.tp_size, self.tp_rank
         h = config.n_embd
         for name, p in self.named_parameters():
             if name == "transformer.wte.weight":
@@ -388,7 +395,7 @@ class TPGPT(nn.Module):
         return self
 
 
-def tp_param_pieces(name, p, optimizer, config, tp, r, write_replicated, write_sharded=True):
+def tp_param_pieces(name, p, optimizer, config, tp_size, tp_rank, write_replicated, write_sharded=True):
     """Where this rank's shard of parameter `name` sits in the full parameter, as pieces of
     common.py's format (with its AdamW moments): the vocab-parallel embedding's rows (the
     global shape is the unpadded vocabulary), the column-parallel rows ([Q_r; K_r; V_r] of
@@ -396,22 +403,23 @@ def tp_param_pieces(name, p, optimizer, config, tp, r, write_replicated, write_s
     written by one rank only. Any layout of any script reads these pieces back."""
     h, rest = config.n_embd, [[0, s] for s in p.shape[1:]]
     if name == "transformer.wte.weight":
-        lo, hi = r * p.shape[0], min((r + 1) * p.shape[0], config.vocab_size)  # drop the padding rows
+        lo, hi = tp_rank * p.shape[0], min((tp_rank + 1) * p.shape[0], config.vocab_size)  # drop the padding rows
         return param_pieces(name, (config.vocab_size, h), p, optimizer, box=[[lo, hi]] + rest,
                             index=slice(0, hi - lo), write=write_sharded) if lo < hi else []
-    if "c_attn" in name:  # this rank's heads of Q, K and V: rows j·h + [r·h/T, (r+1)·h/T)
+    if "c_attn" in name:  # this rank's heads of Q, K and V: rows j·h + [r·h/T, (r+1)·h/T), r = tp_rank
         n = p.shape[0] // 3
         return [piece for j in range(3) for piece in param_pieces(
-            name, (3 * h,) + tuple(p.shape[1:]), p, optimizer, box=[[j * h + r * n, j * h + (r + 1) * n]] + rest,
+            name, (3 * h,) + tuple(p.shape[1:]), p, optimizer,
+            box=[[j * h + tp_rank * n, j * h + (tp_rank + 1) * n]] + rest,
             index=slice(j * n, (j + 1) * n), write=write_sharded)]
     if name.endswith(("c_fc.weight", "c_fc.bias")):  # column-parallel: output rows
         rows = p.shape[0]
-        return param_pieces(name, (rows * tp,) + tuple(p.shape[1:]), p, optimizer,
-                            box=[[r * rows, (r + 1) * rows]] + rest, write=write_sharded)
+        return param_pieces(name, (rows * tp_size,) + tuple(p.shape[1:]), p, optimizer,
+                            box=[[tp_rank * rows, (tp_rank + 1) * rows]] + rest, write=write_sharded)
     if name.endswith("c_proj.weight"):  # row-parallel: input columns
         cols = p.shape[1]
-        return param_pieces(name, (p.shape[0], cols * tp), p, optimizer,
-                            box=[[0, p.shape[0]], [r * cols, (r + 1) * cols]], write=write_sharded)
+        return param_pieces(name, (p.shape[0], cols * tp_size), p, optimizer,
+                            box=[[0, p.shape[0]], [tp_rank * cols, (tp_rank + 1) * cols]], write=write_sharded)
     return param_pieces(name, p.shape, p, optimizer, write=write_replicated)  # LayerNorms, wpe, c_proj biases
 
 
@@ -476,7 +484,7 @@ def costs(args, config, world_size, dtype):
     move 4 bytes an element."""
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     with torch.device("meta"):
-        model = TPGPT(config, T, 0, sp, None)  # shapes only
+        model = TPGPT(config, T, 0, sp, None, None)  # shapes only
     n_sharded = sum(p.numel() for name, p in model.named_parameters() if model.sharded(name))
     n_replicated = sum(p.numel() for name, p in model.named_parameters() if not model.sharded(name))
     psi_local = n_sharded + n_replicated
@@ -527,38 +535,41 @@ def costs(args, config, world_size, dtype):
             "activations": activations_of_layers(terms, L, args.recompute)}
 
 
-def check_layout(args, config, tp):
-    check(config.n_head % tp == 0, f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp}: "
+def check_layout(args, config, tp_size):
+    check(config.n_head % tp_size == 0,
+          f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp_size}: "
           f"each rank must own whole attention heads")
-    check(not args.sequence_parallel or config.block_size % tp == 0,
-          f"--sequence_parallel needs block_size {config.block_size} divisible by the tensor-parallel size {tp}")
+    check(not args.sequence_parallel or config.block_size % tp_size == 0,
+          f"--sequence_parallel needs block_size {config.block_size} divisible by the tensor-parallel size {tp_size}")
 
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     launch = launch_for(args)
-    tp = launch.world_size
-    check(args.tp in (None, tp), f"--tp {args.tp} must equal the world size {tp} in 06_tensor_parallel.py "
+    tp_size = launch.world_size
+    check(args.tp in (None, tp_size), f"--tp {args.tp} must equal the world size {tp_size} in 06_tensor_parallel.py "
           "(08_3d.py combines TP with data and pipeline parallelism)")
     accum_steps = check_batch(args, dp_size=1)
     if args.dry_run:
         config = model_config(args, Data.vocab_size_of(args.data))
-        check_layout(args, config, tp)
-        dry_run(args, "06_tensor_parallel.py", config, costs(args, config, tp, planned_dtype(args)),
-                [f"layout: one tensor-parallel group of {tp} ranks"
+        check_layout(args, config, tp_size)
+        dry_run(args, "06_tensor_parallel.py", config, costs(args, config, tp_size, planned_dtype(args)),
+                [f"layout: one tensor-parallel group of {tp_size} ranks"
                  + (" with sequence parallelism" if args.sequence_parallel else "")
-                 + f", {config.n_head // tp} head(s) per rank; {accum_steps} micro-batch(es) of "
+                 + f", {config.n_head // tp_size} head(s) per rank; {accum_steps} micro-batch(es) of "
                  f"{args.micro_batch_size} per step"]
                 + ([f"  warning: the group spans nodes of {args.ranks_per_node} ranks: keep TP inside a node "
-                    "(08_3d.py adds data and pipeline parallelism across nodes)"] if tp > args.ranks_per_node else []))
+                    "(08_3d.py adds data and pipeline parallelism across nodes)"]
+                   if tp_size > args.ranks_per_node else []))
     env = setup(args, launch)
     guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
-    check_layout(args, config, tp)
+    check_layout(args, config, tp_size)
     torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
     rng = ShardedRNG(args.seed, env.rank, env.device)
-    model = TPGPT(config, tp, env.rank, args.sequence_parallel, rng).init_from_full(args.seed).to(env.device)
+    model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, dist.group.WORLD)  # the TP group: every rank
+    model.init_from_full(args.seed).to(env.device)
     for block in model.transformer.h:
         block.recompute = args.recompute
     optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
@@ -566,7 +577,8 @@ def main():
 
     def checkpoint_pieces():
         return [piece for name, p in model.named_parameters()
-                for piece in tp_param_pieces(name, p, optimizer, config, tp, env.rank, write_replicated=env.master)]
+                for piece in tp_param_pieces(name, p, optimizer, config, tp_size, env.rank,
+                                             write_replicated=env.master)]
 
     start_step = 0
     if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shards
@@ -575,15 +587,16 @@ def main():
             rng.state = extra_rng["tp"]
     train_model = model
 
-    cost = costs(args, config, tp, env.dtype)
+    cost = costs(args, config, tp_size, env.dtype)
     n_sharded, n_replicated = cost["params_per_rank"]
     log(env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-             f"{str(env.dtype).replace('torch.', '')}, tensor parallel over {tp} ranks"
+             f"{str(env.dtype).replace('torch.', '')}, tensor parallel over {tp_size} ranks"
              f"{' with sequence parallelism' if args.sequence_parallel else ''}, vocabulary {config.vocab_size} "
              f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
     metrics = Metrics(args, env, flops_per_token(config, count_params(config)[1]), cost)
     meter = ActivationMeter()
-    log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp} of {n_sharded * tp:,}) + {n_replicated:,} replicated")
+    log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp_size} of {n_sharded * tp_size:,}) + "
+             f"{n_replicated:,} replicated")
 
     def save(step):
         save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer, extra_rng={"tp": rng.state})

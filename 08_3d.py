@@ -89,12 +89,19 @@ def add_flags(parser):
 class Mesh:
     """Coordinates and process groups; TP innermost, then PP, then DP."""
 
-    def __init__(self, rank, world, tp, pp):
-        self.tp_size, self.pp_size, self.dp_size = tp, pp, world // (tp * pp)
-        self.dp, self.pp, self.tp = rank // (pp * tp), (rank // tp) % pp, rank % tp
-        self.rank_of = lambda dp, pp_, tp_: dp * pp * tp + pp_ * tp + tp_
-        self.next = self.rank_of(self.dp, self.pp + 1, self.tp) if self.pp < pp - 1 else None
-        self.prev = self.rank_of(self.dp, self.pp - 1, self.tp) if self.pp > 0 else None
+    def __init__(self, rank, world, tp_size, pp_size):
+        self.tp_size, self.pp_size, self.dp_size = tp_size, pp_size, world // (tp_size * pp_size)
+        self.dp_rank, self.pp_rank, self.tp_rank = self.coordinates(rank)
+        self.next = self.rank_of(self.dp_rank, self.pp_rank + 1, self.tp_rank) if self.pp_rank < pp_size - 1 else None
+        self.prev = self.rank_of(self.dp_rank, self.pp_rank - 1, self.tp_rank) if self.pp_rank > 0 else None
+        self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.embedding_group = None  # make_groups()
+
+    def rank_of(self, dp_rank, pp_rank, tp_rank):
+        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
+
+    def coordinates(self, rank):
+        """(dp_rank, pp_rank, tp_rank) of a global rank."""
+        return rank // (self.pp_size * self.tp_size), (rank // self.tp_size) % self.pp_size, rank % self.tp_size
 
     def make_groups(self):
         """The process groups of this rank (a collective: every rank creates every group, in
@@ -103,24 +110,24 @@ class Mesh:
         for d in range(self.dp_size):
             for s in range(pp):
                 group = dist.new_group([self.rank_of(d, s, t) for t in range(tp)])
-                if (d, s) == (self.dp, self.pp):
+                if (d, s) == (self.dp_rank, self.pp_rank):
                     self.tp_group = LEDGER.name_group(group, "tp")
             group = dist.new_group([self.rank_of(d, s, t) for s in range(pp) for t in range(tp)])
-            if d == self.dp:
+            if d == self.dp_rank:
                 self.mp_group = LEDGER.name_group(group, "model")  # one replica: TP x PP
         for s in range(pp):
             for t in range(tp):
                 group = dist.new_group([self.rank_of(d, s, t) for d in range(self.dp_size)])
-                if (s, t) == (self.pp, self.tp):
+                if (s, t) == (self.pp_rank, self.tp_rank):
                     self.dp_group = LEDGER.name_group(group, "dp")
         for d in range(self.dp_size):
             for t in range(tp):
                 group = dist.new_group([self.rank_of(d, s, t) for s in range(pp)])
-                if (d, t) == (self.dp, self.tp):
+                if (d, t) == (self.dp_rank, self.tp_rank):
                     self.pp_group = LEDGER.name_group(group, "pp")
                 ends = sorted({self.rank_of(d, 0, t), self.rank_of(d, pp - 1, t)})
                 group = dist.new_group(ends)
-                if (d, t) == (self.dp, self.tp):
+                if (d, t) == (self.dp_rank, self.tp_rank):
                     self.embedding_group = LEDGER.name_group(group, "embedding")
         return self
 
@@ -147,115 +154,128 @@ class Mesh:
 # Tensor parallelism inside a stage (restated from 06_tensor_parallel.py, on the TP group)
 # ---------------------------------------------------------------------------------------
 
-TP_GROUP = None  # this rank's tensor-parallel group, set in main()
-
-
 class CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
+    """f: identity forward; backward all-reduce over the TP group, since every rank's
+    branch contributed a part of the gradient of the shared input."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=TP_GROUP)  # sum the input-gradient parts of the TP shards
-        return grad
+        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        return grad, None
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: forward all-reduce of the partial sums over the TP group; identity backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=TP_GROUP)  # sum the partial outputs of the row-parallel shards
+        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features, out_local, bias):
+    """Y_t = f(X) A_t: this rank's block of output columns (rows of nn.Linear's weight)."""
+
+    def __init__(self, in_features, out_local, bias, group):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_features))
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+        self.group = group
 
     def forward(self, x):
-        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
+        return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_local, out_features, bias):
+    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias is added once,
+    after the reduction."""
+
+    def __init__(self, in_local, out_features, bias, group):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.group = group
 
     def forward(self, x):
-        y = ReduceFromTP.apply(F.linear(x, self.weight))
+        y = ReduceFromTP.apply(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_local, n_embd, start):
+    """Rank t holds rows [start, start + V/T) of the (padded) token embedding."""
+
+    def __init__(self, vocab_local, n_embd, start, group):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_local, n_embd))
-        self.start = start
+        self.start, self.group = start, group
 
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return ReduceFromTP.apply(x)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks' tokens contribute zeros
+        return ReduceFromTP.apply(x, self.group)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from this rank's vocabulary slice of the logits (see 06)."""
+    """Mean cross-entropy from this rank's slice of the logits, never gathering them:
+    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,target - m_i), with m_i the global max. The
+    backward needs no communication: d loss / d z = softmax - onehot, computed locally."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, vocab_size):
+    def forward(ctx, logits, targets, start, vocab_size, group):
         logits = logits.float()
         n_local = logits.shape[-1]
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=TP_GROUP)  # global max per token
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
-        clamped = local_target.clamp(0, n_local - 1)
-        target_logit = shifted.gather(-1, clamped.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=TP_GROUP)  # the owner's target logit
+        target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(~mine, 0.0)
+        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=TP_GROUP)  # the softmax denominator over the vocabulary
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), clamped, mine)
-        return (sum_exp.log() - target_logit).mean()
+        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
+        loss = sum_exp.log() - target_logit
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
+        return loss.mean()
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, clamped, mine = ctx.saved_tensors
+        softmax, local_target, mine = ctx.saved_tensors
         grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, clamped.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
-        return grad_logits * (grad / softmax.shape[0]), None, None, None
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        return grad_logits * (grad / softmax[..., 0].numel()), None, None, None, None
 
 
 class TPBlock(nn.Module):
-    def __init__(self, config, tp):
+    def __init__(self, config, tp_size, group):
         super().__init__()
         h = config.n_embd
         self.ln_1 = nn.LayerNorm(h, bias=config.bias)
         self.attn = nn.Module()
-        self.attn.c_attn = ColumnParallelLinear(h, 3 * h // tp, config.bias)
-        self.attn.c_proj = RowParallelLinear(h // tp, h, config.bias)
+        self.attn.c_attn = ColumnParallelLinear(h, 3 * h // tp_size, config.bias, group)
+        self.attn.c_proj = RowParallelLinear(h // tp_size, h, config.bias, group)
         self.ln_2 = nn.LayerNorm(h, bias=config.bias)
         self.mlp = nn.Module()
-        self.mlp.c_fc = ColumnParallelLinear(h, 4 * h // tp, config.bias)
-        self.mlp.c_proj = RowParallelLinear(4 * h // tp, h, config.bias)
-        self.n_head_local, self.dropout = config.n_head // tp, nn.Dropout(config.dropout)
+        self.mlp.c_fc = ColumnParallelLinear(h, 4 * h // tp_size, config.bias, group)
+        self.mlp.c_proj = RowParallelLinear(4 * h // tp_size, h, config.bias, group)
+        self.n_head_local, self.dropout = config.n_head // tp_size, nn.Dropout(config.dropout)
         self.p_attn = config.dropout
 
     recompute = False  # --recompute: keep the block's input only (its f/g run again in backward)
@@ -276,12 +296,13 @@ class TPBlock(nn.Module):
 
 
 class ShardedRNG:
-    """A per-rank stream for dropout inside TP-sharded regions; the device's default
-    generator is the stream shared by the TP group (see 06_tensor_parallel.py)."""
+    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
+    swaps the device's default generator (the stream the TP group shares) to this rank's
+    own stream and back."""
 
-    def __init__(self, seed, device):
+    def __init__(self, seed, rank, device):
         self.device = device
-        self.state = seeded_rng_state(device, seed)
+        self.state = seeded_rng_state(device, seed + 2718 + rank)
 
     @contextmanager
     def sharded(self):
@@ -300,19 +321,21 @@ class Stage(nn.Module):
 
     def __init__(self, config, mesh, first_layer, n_layers, rng):
         super().__init__()
-        tp, h = mesh.tp_size, config.n_embd
+        tp, h, group = mesh.tp_size, config.n_embd, mesh.tp_group
         self.config, self.mesh, self.first_layer, self.rng = config, mesh, first_layer, rng
-        self.is_first, self.is_last = mesh.pp == 0, mesh.pp == mesh.pp_size - 1
+        self.is_first, self.is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
         self.padded_vocab = math.ceil(config.vocab_size / tp) * tp
-        self.vocab_local, self.vocab_start = self.padded_vocab // tp, mesh.tp * (self.padded_vocab // tp)
+        self.vocab_local, self.vocab_start = self.padded_vocab // tp, mesh.tp_rank * (self.padded_vocab // tp)
         if self.is_first:
-            self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start)
+            self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start, group)
             self.wpe = nn.Embedding(config.block_size, h)
             self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([TPBlock(config, tp) for _ in range(n_layers)])
+        self.h = nn.ModuleList([TPBlock(config, tp, group) for _ in range(n_layers)])
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
-            self.lm_head = self.wte if self.is_first else VocabParallelEmbedding(self.vocab_local, h, self.vocab_start)
+            # the tied head: the embedding itself, or (on another stage) a copy of its shard
+            self.lm_head = self.wte if self.is_first else VocabParallelEmbedding(self.vocab_local, h, self.vocab_start,
+                                                                                 group)
 
     def full_name(self, name):
         if name.startswith("h."):
@@ -328,7 +351,7 @@ class Stage(nn.Module):
 
     def shard(self, name, full):
         """This TP rank's piece of the full parameter `full` (01's value)."""
-        t, r, h = self.mesh.tp_size, self.mesh.tp, self.config.n_embd
+        t, r, h = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd
         if name.endswith(("wte.weight", "lm_head.weight")):
             padded = torch.zeros(self.padded_vocab, h)
             padded[:full.shape[0]] = full
@@ -347,7 +370,7 @@ class Stage(nn.Module):
         the padding, [Q_t; K_t; V_t] rows as three pieces, c_fc rows, c_proj columns;
         replicated parameters (and the last stage's copy of the tied embedding) are written
         by TP rank 0 (the first stage) only. With the optimizer: the AdamW moments too."""
-        t, r, h, full = self.mesh.tp_size, self.mesh.tp, self.config.n_embd, self.full_name(name)
+        t, r, h, full = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd, self.full_name(name)
         rest = [[0, s] for s in p.shape[1:]]
         if name in ("wte.weight", "lm_head.weight"):
             lo, hi = self.vocab_start, min(self.vocab_start + self.vocab_local, self.config.vocab_size)
@@ -386,9 +409,10 @@ class Stage(nn.Module):
         for block in self.h:
             x = block(x, self.rng)
         if self.is_last:
-            logits = F.linear(CopyToTP.apply(self.ln_f(x)), self.lm_head.weight)  # this rank's vocabulary
+            x = CopyToTP.apply(self.ln_f(x), self.mesh.tp_group)
+            logits = F.linear(x, self.lm_head.weight)  # the tied head: this rank's vocabulary
             return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                                   self.vocab_start, self.config.vocab_size)
+                                                   self.vocab_start, self.config.vocab_size, self.mesh.tp_group)
         return x
 
 
@@ -408,7 +432,7 @@ def one_f_one_b(p, stage, m):
 def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
     """One step's 1F1B on this rank; every send is posted with the next receive (see 07).
     Returns the sum of the micro-batch losses (last stage; zero elsewhere)."""
-    order = one_f_one_b(mesh.pp_size, mesh.pp, m) if train else [("F", i) for i in range(m)]
+    order = one_f_one_b(mesh.pp_size, mesh.pp_rank, m) if train else [("F", i) for i in range(m)]
     pending, posted, saved = [], [], {}
     loss_sum = torch.zeros((), device=env.device)
 
@@ -473,7 +497,7 @@ class ZeroOne:
         self.flat_grad = torch.zeros_like(self.flat)
         offset, pieces = 0, {True: [], False: []}
         self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor), for checkpoints
-        lo, hi = mesh.dp * self.shard, (mesh.dp + 1) * self.shard
+        lo, hi = mesh.dp_rank * self.shard, (mesh.dp_rank + 1) * self.shard
         self.grad_shard = torch.zeros(self.shard, device=device)
         for p in self.params:
             n = p.numel()
@@ -524,6 +548,97 @@ class ZeroOne:
         return pieces
 
 
+# ---------------------------------------------------------------------------------------
+# One step's pieces: this replica's micro-batches, the loss, the gradients across replicas
+# ---------------------------------------------------------------------------------------
+
+def micro_batches(data, split, step, stage, mesh, args, env, m, eval_split=False):
+    """This replica's rows in m micro-batches; only the first stage needs tokens and the
+    last targets."""
+    if not (stage.is_first or stage.is_last):
+        return [None] * m, [None] * m
+    x, y = data.batch(split, step, args.global_batch_size, mesh.dp_rank, mesh.dp_size, eval_split=eval_split)
+    x, y = to_device(x, env), to_device(y, env)
+    b = args.micro_batch_size
+    return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
+
+
+def global_mean(loss_sum, mesh, m):
+    """The mean loss over every micro-batch of every replica, on every rank."""
+    dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
+    loss_sum /= m * mesh.dp_size
+    dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas
+    return loss_sum
+
+
+@torch.no_grad()
+def evaluate(stage, mesh, data, args, env, m, act_shape):
+    stage.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = 0.0
+        for k in range(args.eval_iters):
+            xs, ys = micro_batches(data, split, k, stage, mesh, args, env, m, eval_split=True)
+            total += global_mean(run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=False), mesh, m).item()
+        losses[split] = total / args.eval_iters
+    stage.train()
+    return losses
+
+
+def average_over_replicas(stage, mesh):
+    """Plain DP: the mean gradient on every replica, one all-reduce of this rank's flat
+    gradients over its DP group."""
+    params = list(stage.parameters())
+    for p in params:
+        p.grad.div_(mesh.dp_size)
+    flat = torch.cat([p.grad.view(-1) for p in params])
+    dist.all_reduce(flat, group=mesh.dp_group)  # sum over the replicas of this (pp, tp) rank
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def counted_once(stage, mesh, name):
+    """Whether this rank's copy of parameter `name` counts in the global gradient norm: the
+    tied head's copy counts on the first stage only, a TP-replicated parameter on TP rank 0."""
+    tied_copy = name == "lm_head.weight" and not stage.is_first
+    return not tied_copy and (stage.tp_sharded(name) or mesh.tp_rank == 0)
+
+
+def clip_grad_norm(stage, zero, mesh, max_norm):
+    """Scale the gradients so that their global norm, every parameter counted once over the
+    whole model, is at most max_norm."""
+    if zero:
+        # the DP shard of this rank's flat gradients, weighted per element by counted_once
+        weights = torch.zeros_like(zero.flat_grad)
+        offset = 0
+        for name, p in stage.named_parameters():
+            weights[offset:offset + p.numel()] = float(counted_once(stage, mesh, name))
+            offset += p.numel()
+        squares = (zero.grad_shard.pow(2) * weights[zero.lo:zero.hi]).sum()
+        dist.all_reduce(squares)  # over the whole world: DP shards x stages x TP shards
+        grads = [zero.grad_shard]
+    else:
+        squares = torch.zeros((), device=next(stage.parameters()).device)
+        for name, p in stage.named_parameters():
+            if counted_once(stage, mesh, name):
+                squares += p.grad.float().pow(2).sum()
+        dist.all_reduce(squares, group=mesh.mp_group)  # every stage and TP shard of this replica
+        grads = [p.grad for p in stage.parameters()]
+    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
+def held_bytes(stage, optimizer, zero):
+    """The model-state bytes this rank holds, counted from the live tensors."""
+    if not zero:
+        return state_bytes(stage.parameters(), optimizer)
+    return {"params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
+            "optim": state_bytes([], optimizer)["optim"]}
+
+
 def stage_layers(n_layer, pp):
     """(first layer, layer count) of each stage: as even as it goes, the last n_layer % pp
     stages one layer more (under 1F1B the first stages hold the most activations)."""
@@ -552,7 +667,7 @@ def costs(args, config, world_size, dtype, rank=0):
     T, P = args.tp, args.pp
     D = world_size // (T * P)
     mesh = Mesh(rank, world_size, T, P)  # coordinates only, no groups
-    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp]
+    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
     with torch.device("meta"):
         stage = Stage(config, mesh, first_layer, n_layers, None)
     n_local = sum(p.numel() for p in stage.parameters())
@@ -604,14 +719,14 @@ def costs(args, config, world_size, dtype, rank=0):
     terms["head"] = (f"4bsh + 8bs + {e}bsh + 4bsV/T + bs", 4 * b * s * h + 8 * b * s + e * b * s * h
                      + 4 * b * s * stage.vocab_local + b * s)
     now = peak = 0
-    for kind, i in one_f_one_b(P, mesh.pp, m):
+    for kind, i in one_f_one_b(P, mesh.pp_rank, m):
         kept, during = activation_phases(terms, n_layers, args.recompute, stage.is_first, stage.is_last)
         peak = max(peak, now + kept if kind == "F" else now - kept + during)
         now += kept if kind == "F" else -kept
     per_stage = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
                  else "n·layer + embedding + head")
-    activations = (f"1F1B: {min(P - mesh.pp, m)} micro-batch(es) in flight x ({per_stage}), TP-sharded", peak)
-    return {"layout": f"dp {mesh.dp}, pp {mesh.pp}, tp {mesh.tp}: layers {first_layer}-{first_layer + n_layers - 1}",
+    activations = (f"1F1B: {min(P - mesh.pp_rank, m)} micro-batch(es) in flight x ({per_stage}), TP-sharded", peak)
+    return {"layout": f"dp {mesh.dp_rank}, pp {mesh.pp_rank}, tp {mesh.tp_rank}: layers {first_layer}-{first_layer + n_layers - 1}",
             "held": held, "sent": {k: v for k, v in sent.items() if v[1]}, "activations": activations}
 
 
@@ -619,6 +734,23 @@ def check_layout(config, T, P):
     check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
           "each TP rank must own whole attention heads")
     check(config.n_layer >= P, f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
+
+
+def plan(args, world, T, P, m):
+    """--dry_run: the mesh, the schedule and every stage's costs, without starting a process."""
+    config = model_config(args, Data.vocab_size_of(args.data))
+    check_layout(config, T, P)
+    dtype = planned_dtype(args)
+    mesh = Mesh(0, world, T, P)
+    per_stage = [costs(args, config, world, dtype, mesh.rank_of(0, s, 0)) for s in range(P)]
+    dry_run(args, "08_3d.py", config, per_stage[0],
+            [mesh.describe(world, args.ranks_per_node),
+             f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step (1F1B)"
+             + (", ZeRO-1 over each DP group" if args.zero1 else "")]
+            + [f"  stage {s} ({c['layout'].split(': ')[1]}): holds "
+               f"{format_bytes(sum(v for _, v in c['held'].values()))}, sends+receives "
+               f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step" for s, c in enumerate(per_stage)]
+            + ["(below: rank 0)"])
 
 
 def main():
@@ -632,31 +764,18 @@ def main():
     accum_steps = check_batch(args, dp_size=D)
     m = accum_steps  # micro-batches per replica per step
     if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        check_layout(config, T, P)
-        dtype = planned_dtype(args)
-        per_stage = [costs(args, config, world, dtype, Mesh(0, world, T, P).rank_of(0, s, 0)) for s in range(P)]
-        dry_run(args, "08_3d.py", config, per_stage[0],
-                [Mesh(0, world, T, P).describe(world, args.ranks_per_node),
-                 f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step (1F1B)"
-                 + (", ZeRO-1 over each DP group" if args.zero1 else "")]
-                + [f"  stage {s} ({c['layout'].split(': ')[1]}): holds "
-                   f"{format_bytes(sum(v for _, v in c['held'].values()))}, sends+receives "
-                   f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step" for s, c in enumerate(per_stage)]
-                + ["(below: rank 0)"])
+        plan(args, world, T, P, m)
     env = setup(args, launch)
     guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
-    global TP_GROUP
     mesh = Mesh(env.rank, world, T, P).make_groups()
-    TP_GROUP = mesh.tp_group
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     check_layout(config, T, P)
     log(env, mesh.describe(world))
-    torch.manual_seed(args.seed + 1000 * mesh.dp + mesh.pp)  # shared by the TP group of a stage
-    rng = ShardedRNG(args.seed + 2718 + env.rank, env.device)
+    torch.manual_seed(args.seed + 1000 * mesh.dp_rank + mesh.pp_rank)  # shared by the TP group of a stage
+    rng = ShardedRNG(args.seed, env.rank, env.device)
 
-    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp]
+    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
     stage = Stage(config, mesh, first_layer, n_layers, rng).init_weights(args.seed).to(env.device)
     for block in stage.h:
         block.recompute = args.recompute
@@ -673,7 +792,7 @@ def main():
         --zero1 every DP rank writes the moments it owns."""
         tp_pieces = {p: stage.checkpoint_pieces(name, p, None, write=True) for name, p in stage.named_parameters()}
         pieces = [piece for name, p in stage.named_parameters()
-                  for piece in stage.checkpoint_pieces(name, p, None if zero else optimizer, write=mesh.dp == 0)]
+                  for piece in stage.checkpoint_pieces(name, p, None if zero else optimizer, write=mesh.dp_rank == 0)]
         return pieces + (zero.checkpoint_pieces(tp_pieces) if zero else [])
 
     start_step = 0
@@ -692,63 +811,7 @@ def main():
     metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
     meter = ActivationMeter()
 
-    def micro_batches(split, step, eval_split=False):
-        """This replica's rows; only the first stage needs tokens and the last targets."""
-        if not (stage.is_first or stage.is_last):
-            return [None] * m, [None] * m
-        x, y = data.batch(split, step, args.global_batch_size, mesh.dp, D, eval_split=eval_split)
-        x, y = to_device(x, env), to_device(y, env)
-        b = args.micro_batch_size
-        return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
-
-    def global_mean(loss_sum):
-        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
-        loss_sum /= m * D
-        dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas
-        return loss_sum
-
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
-
-    @torch.no_grad()
-    def evaluate():
-        stage.eval()
-        losses = {}
-        for split in ("train", "val"):
-            total = 0.0
-            for k in range(args.eval_iters):
-                xs, ys = micro_batches(split, k, eval_split=True)
-                total += global_mean(run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=False)).item()
-            losses[split] = total / args.eval_iters
-        stage.train()
-        return losses
-
-    def clip(max_norm):
-        """Squares of this rank's gradients, each counted once over the whole model."""
-        if zero:
-            # the DP shard of this rank's flat gradients: weights per element (the tied
-            # copy and TP-replicated parameters off TP rank 0 count 0)
-            weights = torch.zeros_like(zero.flat_grad)
-            offset = 0
-            for name, p in stage.named_parameters():
-                once = not (name == "lm_head.weight" and not stage.is_first) and \
-                    (stage.tp_sharded(name) or mesh.tp == 0)
-                weights[offset:offset + p.numel()] = float(once)
-                offset += p.numel()
-            squares = (zero.grad_shard.pow(2) * weights[zero.lo:zero.hi]).sum()
-            dist.all_reduce(squares)  # over the whole world: DP shards x stages x TP shards
-            grads = [zero.grad_shard]
-        else:
-            squares = torch.zeros((), device=env.device)
-            for name, p in stage.named_parameters():
-                if name == "lm_head.weight" and not stage.is_first:
-                    continue  # the tied copy: counted on the first stage
-                if stage.tp_sharded(name) or mesh.tp == 0:  # TP-replicated: once per group
-                    squares += p.grad.float().pow(2).sum()
-            dist.all_reduce(squares, group=mesh.mp_group)  # every stage and TP shard of this replica
-            grads = [p.grad for p in stage.parameters()]
-        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
 
     def save(step):
         save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer, extra_rng={"tp": rng.state})
@@ -757,7 +820,7 @@ def main():
     LEDGER.take()
     for step in progress(env, start_step, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate()
+            losses = evaluate(stage, mesh, data, args, env, m, act_shape)
             log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
             LEDGER.take()
@@ -766,27 +829,20 @@ def main():
             group["lr"] = lr
         t0 = time.perf_counter()
 
-        xs, ys = micro_batches("train", step)
+        xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)
         meter.start()
         loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)
         activations = meter.stop()
-        loss_sum = global_mean(loss_sum)
+        loss_sum = global_mean(loss_sum, mesh, m)
         if P > 1 and tied:
             for weight in tied:  # the two copies of the wte shard stay equal
                 dist.all_reduce(weight.grad, group=mesh.embedding_group)
         if zero:
             zero.reduce()  # reduce-scatter: this DP rank's shard of the mean gradient
         else:
-            for p in stage.parameters():  # plain DP: the mean gradient on every replica
-                p.grad.div_(D)
-            flat = torch.cat([p.grad.view(-1) for p in stage.parameters()])
-            dist.all_reduce(flat, group=mesh.dp_group)  # sum over the replicas of this (pp, tp) rank
-            offset = 0
-            for p in stage.parameters():
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            average_over_replicas(stage, mesh)  # plain DP: all-reduce, the mean on every replica
         if args.grad_clip > 0:
-            clip(args.grad_clip)
+            clip_grad_norm(stage, zero, mesh, args.grad_clip)
         # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
         # a stop signal or --time_limit ends it after this step's checkpoint
         stop = guard.check(step, loss_sum, [zero.grad_shard] if zero else (p.grad for p in stage.parameters()))
@@ -796,17 +852,12 @@ def main():
             optimizer.step()
 
         comm = LEDGER.take()
+        held = held_bytes(stage, optimizer, zero)
         if step == start_step:
-            held = state_bytes(stage.parameters(), optimizer) if not zero else {
-                "params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
-                "optim": state_bytes([], optimizer)["optim"]}
             print_ledger(env, held, comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_sum.item()
             synchronize(env)
-            held = state_bytes(stage.parameters(), optimizer) if not zero else {
-                "params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
-                "optim": state_bytes([], optimizer)["optim"]}
             metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm, activations=activations)
         if zero:
             zero.zero_grad()
@@ -818,7 +869,7 @@ def main():
             guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate()
+        losses = evaluate(stage, mesh, data, args, env, m, act_shape)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)

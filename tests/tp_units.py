@@ -7,6 +7,7 @@ import argparse
 import importlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
@@ -29,7 +30,7 @@ def main():
     (full(x) * w).sum().backward()
 
     # column-parallel: this rank's output columns
-    col = tp_module.ColumnParallelLinear(8, 6, True, False)
+    col = tp_module.ColumnParallelLinear(8, 6, True, dist.group.WORLD, False)
     with torch.no_grad():
         col.weight.copy_(full.weight.chunk(tp)[r])
         col.bias.copy_(full.bias.chunk(tp)[r])
@@ -46,7 +47,7 @@ def main():
     x = torch.randn(3, 5, 4 * tp, requires_grad=True)
     w = torch.randn(3, 5, 7)
     (full_row(x) * w).sum().backward()
-    row = tp_module.RowParallelLinear(4, 7, True, False)
+    row = tp_module.RowParallelLinear(4, 7, True, dist.group.WORLD, False)
     with torch.no_grad():
         row.weight.copy_(full_row.weight.chunk(tp, dim=1)[r])
         row.bias.copy_(full_row.bias)
@@ -68,7 +69,8 @@ def main():
     with torch.no_grad():  # padding filled with huge values: masking must ignore them
         padded_logits = torch.cat([logits, torch.full((10, padded - vocab), 1e4)], dim=-1)
     local = padded_logits.chunk(tp, dim=-1)[r].clone().requires_grad_()
-    loss = tp_module.VocabParallelCrossEntropy.apply(local, targets, r * (padded // tp), vocab)
+    loss = tp_module.VocabParallelCrossEntropy.apply(local, targets, r * (padded // tp), vocab,
+                                                     dist.group.WORLD)
     loss.backward()
     close(loss, reference)
     expected_grad = torch.cat([logits.grad, torch.zeros(10, padded - vocab)], dim=-1).chunk(tp, dim=-1)[r]
