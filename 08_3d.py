@@ -106,26 +106,26 @@ class Mesh:
     def make_groups(self):
         """The process groups of this rank (a collective: every rank creates every group, in
         the same order)."""
-        tp, pp = self.tp_size, self.pp_size
+        tp_size, pp_size = self.tp_size, self.pp_size
         for d in range(self.dp_size):
-            for s in range(pp):
-                group = dist.new_group([self.rank_of(d, s, t) for t in range(tp)])
+            for s in range(pp_size):
+                group = dist.new_group([self.rank_of(d, s, t) for t in range(tp_size)])
                 if (d, s) == (self.dp_rank, self.pp_rank):
                     self.tp_group = LEDGER.name_group(group, "tp")
-            group = dist.new_group([self.rank_of(d, s, t) for s in range(pp) for t in range(tp)])
+            group = dist.new_group([self.rank_of(d, s, t) for s in range(pp_size) for t in range(tp_size)])
             if d == self.dp_rank:
                 self.mp_group = LEDGER.name_group(group, "model")  # one replica: TP x PP
-        for s in range(pp):
-            for t in range(tp):
+        for s in range(pp_size):
+            for t in range(tp_size):
                 group = dist.new_group([self.rank_of(d, s, t) for d in range(self.dp_size)])
                 if (s, t) == (self.pp_rank, self.tp_rank):
                     self.dp_group = LEDGER.name_group(group, "dp")
         for d in range(self.dp_size):
-            for t in range(tp):
-                group = dist.new_group([self.rank_of(d, s, t) for s in range(pp)])
+            for t in range(tp_size):
+                group = dist.new_group([self.rank_of(d, s, t) for s in range(pp_size)])
                 if (d, t) == (self.dp_rank, self.tp_rank):
                     self.pp_group = LEDGER.name_group(group, "pp")
-                ends = sorted({self.rank_of(d, 0, t), self.rank_of(d, pp - 1, t)})
+                ends = sorted({self.rank_of(d, 0, t), self.rank_of(d, pp_size - 1, t)})
                 group = dist.new_group(ends)
                 if (d, t) == (self.dp_rank, self.tp_rank):
                     self.embedding_group = LEDGER.name_group(group, "embedding")
@@ -321,16 +321,17 @@ class Stage(nn.Module):
 
     def __init__(self, config, mesh, first_layer, n_layers, rng):
         super().__init__()
-        tp, h, group = mesh.tp_size, config.n_embd, mesh.tp_group
+        tp_size, h, group = mesh.tp_size, config.n_embd, mesh.tp_group
         self.config, self.mesh, self.first_layer, self.rng = config, mesh, first_layer, rng
         self.is_first, self.is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
-        self.padded_vocab = math.ceil(config.vocab_size / tp) * tp
-        self.vocab_local, self.vocab_start = self.padded_vocab // tp, mesh.tp_rank * (self.padded_vocab // tp)
+        self.padded_vocab = math.ceil(config.vocab_size / tp_size) * tp_size
+        self.vocab_local = self.padded_vocab // tp_size
+        self.vocab_start = mesh.tp_rank * self.vocab_local
         if self.is_first:
             self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start, group)
             self.wpe = nn.Embedding(config.block_size, h)
             self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([TPBlock(config, tp, group) for _ in range(n_layers)])
+        self.h = nn.ModuleList([TPBlock(config, tp_size, group) for _ in range(n_layers)])
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
             # the tied head: the embedding itself, or (on another stage) a copy of its shard
