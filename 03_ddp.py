@@ -52,7 +52,7 @@ def add_flags(parser):
     g = parser.add_argument_group("03_ddp")
     g.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size in MiB")
     g.add_argument("--no_overlap", action="store_true",
-                   help="naive: all-reduce every gradient after backward, no buckets")
+                   help="naive: one blocking all-reduce per gradient after backward (no bucketed overlap)")
     return parser
 
 
@@ -214,7 +214,6 @@ def main():
 
     if args.resume:  # a checkpoint of any script, at any layout
         start_step, _ = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
-    train_model = model
 
     log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
              f"device {env.device}, {str(env.dtype).replace('torch.', '')}, {env.world_size} replicas, "
@@ -230,7 +229,7 @@ def main():
 
     for step in progress(env, start_step, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(train_model, data, args, env, accum_steps)
+            losses = evaluate(model, data, args, env, accum_steps)
             log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
             LEDGER.take()
@@ -247,7 +246,7 @@ def main():
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             buckets.sync = micro == accum_steps - 1  # communicate only on the last micro-step
             with autocast(env):
-                _, loss = train_model(x[rows], y[rows])
+                _, loss = model(x[rows], y[rows])
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
             loss_sum += loss.detach().float()
         activations = meter.stop()
@@ -276,7 +275,7 @@ def main():
             guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(train_model, data, args, env, accum_steps)
+        losses = evaluate(model, data, args, env, accum_steps)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)

@@ -7,11 +7,12 @@ able to hold models larger than one device:
 
   * units: each transformer block is one unit, plus a root unit (embeddings = tied head,
     final norm), gathered with one all-gather and reduced with one reduce-scatter each;
-  * per-parameter sharding on dim 0 (FSDP2): rank r holds rows [r·k, (r+1)·k) of every
-    parameter (padded to N·k rows), so a shard is an ordinary tensor the optimizer can use
-    as it is. (FSDP1 instead flattens a unit into one padded buffer, as 04_zero.py does:
-    simpler collectives, but shards that cut through parameters.) A unit's shards are
-    packed into one buffer for its all-gather and unpacked after (FSDP2's copy-in/copy-out);
+  * per-parameter sharding on dim 0 (FSDP2): rank r of a shard group of S ranks holds rows
+    [r·k, (r+1)·k) of every parameter (padded to S·k rows), so a shard is an ordinary tensor
+    the optimizer can use as it is. (FSDP1 instead flattens a unit into one padded buffer, as
+    04_zero.py does: simpler collectives, but shards that cut through parameters.) A unit's
+    shards are packed into one buffer for its all-gather and unpacked after (FSDP2's
+    copy-in/copy-out);
   * prefetch: while block i computes, block i+1's all-gather is already in flight
     (forward), and block i-1's in backward (--no_prefetch to compare);
   * reshard after forward (default) frees a block's parameters until backward gathers them
@@ -34,14 +35,15 @@ Run:
     mpiexec -n 4 python 05_fsdp.py --model gpt2-medium
     torchrun --standalone --nproc_per_node 8 05_fsdp.py --model gpt2-xl --replicate 2   # HSDP 2 x 4
 
-Cost per rank, Ψ parameters, S ranks per shard group, b bytes of the compute dtype:
+Cost per rank, Ψ parameters, S ranks per shard group, e bytes of the compute dtype:
 
     memory: 16Ψ/S of fp32 shards (params 4, grads 4, AdamW 8) + the gathered units: the root
             and one block (two with prefetch; all of them with --no_reshard) in the compute dtype
     --offload: the fp32 shards, their gradients and AdamW state (16Ψ/S) in pinned host memory,
             AdamW on the CPU; shards go up at each gather, gradients down after each reduce-scatter
-    activations: unchanged by FSDP, one micro-batch's (01's count; costs()["activations"])
-    communication per micro-batch: all-gather bΨ in forward, again in backward (not with
+    activations: one micro-batch's, as in 01, except that the residual stream is in the compute
+            dtype (the gathered units are stored in it; costs()["activations"])
+    communication per micro-batch: all-gather eΨ in forward, again in backward (not with
             --no_reshard; the root only once per step), reduce-scatter of the gradients
             (Ψ in --reduce_dtype); HSDP adds an all-reduce of Ψ/S across the replicas
 """
@@ -141,11 +143,14 @@ class Unit:
     # -- gradients -----------------------------------------------------------------------
     def grad_ready(self):
         """Called as each parameter's full gradient is complete; on the last one: pack the
-        unit's gradients and reduce-scatter them (async), then free what is no longer needed."""
+        unit's gradients and reduce-scatter them (async), then free what is no longer needed.
+        One reduce-scatter is in flight at a time (as in FSDP): the previous unit's is finished
+        first, so its packed full gradients are freed now, not at the end of backward."""
         self.waiting -= 1
         if self.waiting:
             return
         fsdp, S = self.fsdp, self.fsdp.shard_size
+        fsdp.finish_reductions()
         packed = torch.zeros(S, self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
         for p, shape, offset, numel, rows in zip(self.params, self.shapes, self.offsets, self.shard_numels, self.rows):
             grad = p.grad.to(fsdp.reduce_dtype).view(shape[0], -1)
@@ -228,15 +233,17 @@ class FSDP:
             self.blocks[i - 1].start_gather()  # overlaps block i's backward
 
     def begin(self):
-        """Before a step's (or an evaluation's) first forward: the root stays gathered
-        throughout, since the embeddings are used at both ends of the model."""
+        """Before each micro-batch's forward (training or evaluation): the root stays
+        gathered throughout, since the embeddings are used at both ends of the model; block
+        0's gather is posted again (every block was released after the last backward)."""
         self.root.finish_gather()
         if self.prefetch:
             self.blocks[0].start_gather()
 
-    def after_backward(self):
-        """After each micro-batch's backward: finish the reduce-scatters (and, HSDP, the
-        all-reduce across replicas) and accumulate the gradient shards."""
+    def finish_reductions(self):
+        """Finish the reduce-scatter in flight (and, HSDP, all-reduce its shard across the
+        replicas) and accumulate the gradient shard; called before the next unit's starts
+        and after each micro-batch's backward."""
         for handle, unit, out, _ in self.reductions:
             handle.wait()
             if self.replicate_group is not None:
@@ -294,7 +301,7 @@ def materialize(model, device, dtype):
 def costs(args, config, world_size, dtype):
     """The docstring's formulas in bytes per rank. S = N/R ranks per shard group; Ψ counts
     every parameter with its rows padded to a multiple of S (each rank holds ceil(rows/S)
-    rows); b is the compute dtype's element size, rb the reduce dtype's."""
+    rows); e is the compute dtype's element size, rb the reduce dtype's."""
     S, R = world_size // args.replicate, args.replicate
     with torch.device("meta"):
         model = GPT(config)
@@ -302,7 +309,7 @@ def costs(args, config, world_size, dtype):
     root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))
     per_block = [sum(v for k, v in padded.items() if k.startswith(f"transformer.h.{i}.")) for i in range(config.n_layer)]
     psi, blocks = sum(padded.values()), sum(per_block)
-    b, rb = dtype.itemsize, getattr(torch, args.reduce_dtype).itemsize
+    e, rb = dtype.itemsize, getattr(torch, args.reduce_dtype).itemsize
     accum = args.global_batch_size // (args.micro_batch_size * world_size)
     reshard, prefetch = not args.no_reshard, not args.no_prefetch
     held = {"params": ("4Ψ/S", 4 * psi // S), "grads": ("4Ψ/S", 4 * psi // S), "optim": ("8Ψ/S", 8 * psi // S)}
@@ -312,7 +319,7 @@ def costs(args, config, world_size, dtype):
     # blocks are gathered in every micro-batch's forward and backward, or once per step
     # when they stay gathered (--no_reshard); the root once per step
     block_gathers = 2 * accum if reshard else 1
-    sent = {"all_gather_into_tensor[shard]": (f"{b}(root + {block_gathers} x blocks)", b * (root + block_gathers * blocks)),
+    sent = {"all_gather_into_tensor[shard]": (f"{e}(root + {block_gathers} x blocks)", e * (root + block_gathers * blocks)),
             "reduce_scatter_tensor[shard]": (f"{accum} micro x {rb}Ψ", accum * rb * psi),
             "all_reduce[shard]": ("4 norm", 4 * (args.grad_clip > 0)),
             "all_reduce": ("4 loss", 4)}
@@ -322,9 +329,9 @@ def costs(args, config, world_size, dtype):
     # the gathered (compute-dtype) parameters at the peak: the root and one block, two with
     # prefetch, every block without resharding
     resident = config.n_layer if not reshard else (2 if prefetch else 1)
-    gathered = (f"{b}(root + {resident if reshard else 'every'} block(s))", b * (root + resident * max(per_block)))
+    gathered = (f"{e}(root + {resident if reshard else 'every'} block(s))", e * (root + resident * max(per_block)))
     # activations: each rank runs 01's model on its micro-batch; sharding the model states
-    # leaves them as they are (01's count per micro-batch)
+    # leaves them as they are, but the residual stream is in the compute dtype
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                              param_dtype=dtype)  # the gathered units: stored in the compute dtype
     return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
@@ -390,7 +397,6 @@ def main():
     start_step = 0
     if args.resume:  # a checkpoint of any script, at any layout: each rank reads its rows
         start_step, _ = resume_checkpoint(args.out_dir, env, fsdp.checkpoint_pieces(optimizer), run, optimizer)
-    train_model = model
 
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), built on the meta device; "
              f"device {env.device}, compute {str(env.dtype).replace('torch.', '')}, reduce {args.reduce_dtype}; "
@@ -410,7 +416,7 @@ def main():
     LEDGER.take()
     for step in progress(env, start_step, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(train_model, fsdp, data, args, env, accum_steps)
+            losses = evaluate(model, fsdp, data, args, env, accum_steps)
             log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
             LEDGER.take()
@@ -427,9 +433,9 @@ def main():
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
             with autocast(env):
-                _, loss = train_model(x[rows], y[rows])
+                _, loss = model(x[rows], y[rows])
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
-            fsdp.after_backward()  # this micro-batch's gradient shards are in
+            fsdp.finish_reductions()  # this micro-batch's gradient shards are in
             loss_sum += loss.detach().float()
         activations = meter.stop()
         fsdp.end()  # free the root (and, with --no_reshard, every block)
@@ -464,7 +470,7 @@ def main():
             guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(train_model, fsdp, data, args, env, accum_steps)
+        losses = evaluate(model, fsdp, data, args, env, accum_steps)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)

@@ -14,7 +14,7 @@ for in idle time, the bubble, while the pipeline fills and drains.
       stage 2  .. .. F0 F1 F2 F3 .. .. B0 B1 B2 B3 .. ..        activations held: m
       stage 3  .. .. .. F0 F1 F2 F3 B0 B1 B2 B3 .. .. ..        micro-batches per stage
 
-    1F1B (PipeDream-Flush, Narayanan et al. 2019): p-rank-1 warm-up forwards, then one
+    1F1B (PipeDream-Flush, Narayanan et al. 2021): p-rank-1 warm-up forwards, then one
     forward one backward in the steady state, then the cool-down backwards. The same bubble,
     but stage r holds at most p-r micro-batches of activations instead of m.
 
@@ -230,10 +230,13 @@ def build_chunks(config, p, v, rank):
 def default_micro_batch(args, p):
     """Without --micro_batch_size a pipeline still needs micro-batches to fill: aim at m = 2p
     (the bubble (p-1)/(m+p-1) is then about 1/3), the largest divisor of the batch at most
-    global/(2p)."""
+    global/(2p); the interleaved schedule also needs m to be a multiple of p."""
     if args.micro_batch_size is None:
         target = max(1, args.global_batch_size // (2 * p))
-        args.micro_batch_size = max(b for b in range(1, target + 1) if args.global_batch_size % b == 0)
+        fits = [b for b in range(1, target + 1) if args.global_batch_size % b == 0]
+        if args.schedule == "interleaved":  # else the check in main() would refuse the default
+            fits = [b for b in fits if (args.global_batch_size // b) % p == 0] or fits
+        args.micro_batch_size = max(fits)
 
 
 def costs(args, config, world_size, dtype, rank=0):
@@ -251,9 +254,11 @@ def costs(args, config, world_size, dtype, rank=0):
     order = schedule(args.schedule, p, rank, m, v)
     sends = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
     recvs = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
-    bsh = 4 * args.micro_batch_size * config.block_size * config.n_embd
+    if p == 1:  # one rank holds every chunk: activations pass between chunks in memory
+        sends = recvs = 0
+    act_bytes = 4 * args.micro_batch_size * config.block_size * config.n_embd  # one fp32 b·s·h tensor
     tied = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
-    sent = {"send": (f"{sends} x 4 b·s·h", sends * bsh), "recv": (f"{recvs} x 4 b·s·h", recvs * bsh),
+    sent = {"send": (f"{sends} x 4 b·s·h", sends * act_bytes), "recv": (f"{recvs} x 4 b·s·h", recvs * act_bytes),
             "broadcast": ("4 loss", 4),
             "all_reduce": ("4V·h wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
                            tied + 4 * (args.grad_clip > 0 and p > 1))}
@@ -385,8 +390,7 @@ class Pipeline:
                 if g > 0:
                     self.pending_sends.append((self.prev_rank, x.grad, tag + n_chunks_total * m, False))
                 in_flight -= 1
-            if self.env.device.type != "cpu":
-                synchronize(self.env)
+            synchronize(self.env)  # for the busy time: this forgoes compute/communication overlap on GPUs
             busy += time.perf_counter() - t0
         self._exchange()
         self._retire_sends(wait=True)
@@ -493,7 +497,6 @@ def main():
     chunks.to(env.device)
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = [t for t in ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])]
-    tied = list({id(t): t for t in tied}.values())
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
     optimizer = make_adamw(*decay_groups(chunks.parameters()), args, env.device.type)
     pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
