@@ -432,22 +432,38 @@ def one_f_one_b(p, stage, m):
 
 def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
     """One step's 1F1B on this rank; every send is posted with the next receive (see 07).
-    Returns the sum of the micro-batch losses (last stage; zero elsewhere)."""
+    A sent output's data is freed once its send completes (Megatron's pseudo-free, as in
+    07): only its autograd graph waits for the backward, so the memory in flight is what
+    autograd saved. Returns the sum of the micro-batch losses (last stage; zero elsewhere)."""
     order = one_f_one_b(mesh.pp_size, mesh.pp_rank, m) if train else [("F", i) for i in range(m)]
-    pending, posted, saved = [], [], {}
+    pending, posted, saved = [], [], {}  # to send; sent (request, output to free or None)
     loss_sum = torch.zeros((), device=env.device)
 
+    def retire(wait=False):
+        """Forget completed sends, freeing the data of sent outputs."""
+        still = []
+        for request, output in posted:
+            if wait:
+                request.wait()
+            if wait or request.is_completed():
+                if output is not None:
+                    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+            else:
+                still.append((request, output))
+        posted[:] = still
+
     def exchange(recv_from=None, tag=None):
-        ops = [dist.P2POp(dist.isend, t, peer, tag=tg) for peer, t, tg in pending]
+        ops = [dist.P2POp(dist.isend, t, peer, tag=tg) for peer, t, tg, _ in pending]
         buffer = None
         if recv_from is not None:
             buffer = torch.empty(act_shape, device=env.device)
             ops.append(dist.P2POp(dist.irecv, buffer, recv_from, tag=tag))
         requests = dist.batch_isend_irecv(ops) if ops else []  # activations / gradients, b·s·h
-        posted.extend(requests[:len(pending)])
+        posted.extend((request, t if free else None) for request, (_, t, _, free) in zip(requests, pending))
         pending.clear()
         if buffer is not None:
             requests[-1].wait()  # wait for the receive only (a send completes when received)
+        retire()
         return buffer
 
     for kind, i in order:
@@ -461,7 +477,7 @@ def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
                 loss_sum += out.detach().float()
                 out = out / m  # backward of the mean over the micro-batches
             else:
-                pending.append((mesh.next, out if train else out.detach(), i))
+                pending.append((mesh.next, out if train else out.detach(), i, train))
             if train:
                 saved[i] = (x, out)
         else:
@@ -471,12 +487,13 @@ def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
                 out.backward()
             else:
                 grad = exchange(mesh.next, m + i)
+                # the output's data may have been freed after its send: run the engine
+                # directly, which (unlike tensor.backward) does not check the shapes
                 Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
             if not stage.is_first:
-                pending.append((mesh.prev, x.grad, m + i))
+                pending.append((mesh.prev, x.grad, m + i, False))
     exchange()
-    for request in posted:
-        request.wait()
+    retire(wait=True)
     return loss_sum
 
 
