@@ -73,17 +73,37 @@ Run:
 Cost per rank, Ψ parameters, L layers, b = micro-batch, s = context, h = n_embd, m = micro-
 batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C = cp:
 
-    memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated), activations of s/C
-             tokens per sequence: 1/C of 01's; ring: plus one K/V block in flight and,
-             transiently, the fp32 scores of one block, b·H·(s/2C)²·4 (this version writes
-             each block out for clarity; a FlashAttention kernel would not)
+    memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated)
+    activations (what autograd keeps for backward, one micro-batch, T = s/C tokens per
+             sequence; common.activation_terms on T tokens, 01's terms, with each attention's
+             own saved tensors; V = vocabulary):
+               per block:  LayerNorms 2(4bTh + 8bT + e·bTh) + MLP 8e·bTh + attention
+                           (+ residual dropout masks 2·bTh on GPUs, 2e·bTh on CPU, if p > 0)
+               ring:       c_attn's q|k|v output (q is a view of it) 3e·bTh, contiguous K, V
+                           2e·bTh, fp32 O 4bTh (also c_proj's input in fp32: the transpose
+                           back is a view) and L 4bHT, and under bf16 O's cast for c_proj e·bTh
+               ulysses:    the all-to-all'd q, k, v 3e·bTh, SDPA's output e·bTh and its
+                           logsumexp 4b(H/C)s = 4bHT (padded to 32 in fp32 on GPUs),
+                           c_proj's input, back in [b, T, h], e·bTh
+               C = 1:      SDPA as in 01, 4e·bsh + 4bHs (never attention dropout, so never
+                           CPU's math kernel)
+             i.e. per block with dropout 0: ring 72bTh (fp32) / 44bTh (bf16), Ulysses 68bTh /
+             38bTh, each + 16bT + 4bHT; plus the embedding's dropout mask and the head
+             (ln_f 4bTh + 8bT, its output e·bTh, the fp32 log-softmax 4bTV, 4): L·block +
+             embedding + head. --recompute keeps each block's input 4bTh: embedding +
+             max(L·4bTh + head, (L-1)·4bTh + block). The ring also holds, transiently and not
+             for backward, one K/V block in flight and the fp32 scores of one block,
+             b·H·(s/2C)²·4 (this version writes each block out for clarity; a FlashAttention
+             kernel would not)
     ring:    per layer per micro-batch, A = b·(s/C)·h·e (one rank's K, or V):
                forward  K and V, C-1 hops each:            2(C-1)·A
                backward K and V again, C-1 hops each:      2(C-1)·A
                         dK and dV (fp32), C hops each:      2C·b·(s/C)·h·4
              send = recv = m·L·(4(C-1)·A + 8C·b·(s/C)·h)   (0 when C = 1)
+             --recompute: the recomputed forward sends K and V again, + m·L·2(C-1)·A
     ulysses: four all-to-alls per layer forward (q, k, v, out) and four backward, each of
              A bytes in:  all_to_all = m·L·8·A              (0 when C = 1)
+             --recompute: the recomputed forward's four again, m·L·12·A
     both:    all-reduce of every gradient over the world, 4Ψ, and 4 bytes of loss
 """
 

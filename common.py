@@ -381,7 +381,7 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
                     input's dtype on CPU; attention dropout on CPU falls back to the math
                     kernel: q, k, v copies 12bsh and three s x s tensors 12bas^2 (softmax,
                     mask, dropped) instead of q, k, v, output and logsumexp
-      fp32, dropout 0:  68bsh + 16bs + 4bas   (Korthikanti et al.'s 34sbh + 5as^2b in 16 bits)
+      fp32, dropout 0:  64bsh + 16bs + 4bas   (Korthikanti et al.'s 34sbh + 5as^2b in 16 bits)
       bf16, dropout 0:  36bsh + 16bs + 4bas
     `attention`, a (formula, bytes), replaces the attention term where a script runs another
     attention than common's (09's ring attention and Ulysses, which also apply no dropout
