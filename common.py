@@ -1426,7 +1426,7 @@ class Metrics:
     def __init__(self, args, env, flops_per_tok, cost):
         self.env, self.flops_per_tok = env, flops_per_tok
         self.state_theory, self.comm_theory = theory_bytes(cost)  # the script's costs()
-        # None where a script has no activation formula yet (09_context_parallel.py)
+        # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
         self.tokens_per_step = args.global_batch_size * model_block_size(args)
         self.peak = peak_flops(env)
