@@ -24,7 +24,7 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
                                                             autocast: weights stay fp32)
     communication: none
     activations (one micro-batch of b x s tokens, width h, common.activation_terms counts
-    them op by op): per block 68bsh + 16bs + 4·b·heads·s in fp32, 36bsh + ... under bf16
+    them op by op): per block 64bsh + 16bs + 4·b·heads·s in fp32, 36bsh + ... under bf16
     autocast, plus the head's 4bsV log-softmax; --recompute keeps only each block's input
 """
 

@@ -73,32 +73,54 @@ Run:
 Cost per rank, Ψ parameters, L layers, b = micro-batch, s = context, h = n_embd, m = micro-
 batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C = cp:
 
-    memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated), activations of s/C
-             tokens per sequence: 1/C of 01's; ring: plus one K/V block in flight and,
-             transiently, the fp32 scores of one block, b·H·(s/2C)²·4 (this version writes
-             each block out for clarity; a FlashAttention kernel would not)
+    memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated)
+    activations (what autograd keeps for backward, one micro-batch, T = s/C tokens per
+             sequence; common.activation_terms on T tokens, 01's terms, with each attention's
+             own saved tensors; V = vocabulary):
+               per block:  LayerNorms 2(4bTh + 8bT + e·bTh) + MLP 8e·bTh + attention
+                           (+ residual dropout masks 2·bTh on GPUs, 2e·bTh on CPU, if p > 0)
+               ring:       c_attn's q|k|v output (q is a view of it) 3e·bTh, contiguous K, V
+                           2e·bTh, fp32 O 4bTh (also c_proj's input in fp32: the transpose
+                           back is a view) and L 4bHT, and under bf16 O's cast for c_proj e·bTh
+               ulysses:    the all-to-all'd q, k, v 3e·bTh, SDPA's output e·bTh and its
+                           logsumexp 4b(H/C)s = 4bHT (padded to 32 in fp32 on GPUs),
+                           c_proj's input, back in [b, T, h], e·bTh
+               C = 1:      SDPA as in 01, 4e·bsh + 4bHs (never attention dropout, so never
+                           CPU's math kernel)
+             i.e. per block with dropout 0: ring 72bTh (fp32) / 44bTh (bf16), Ulysses 68bTh /
+             38bTh, each + 16bT + 4bHT; plus the embedding's dropout mask and the head
+             (ln_f 4bTh + 8bT, its output e·bTh, the fp32 log-softmax 4bTV, 4): L·block +
+             embedding + head. --recompute keeps each block's input 4bTh: embedding +
+             max(L·4bTh + head, (L-1)·4bTh + block). The ring also holds, transiently and not
+             for backward, one K/V block in flight and the fp32 scores of one block,
+             b·H·(s/2C)²·4 (this version writes each block out for clarity; a FlashAttention
+             kernel would not)
     ring:    per layer per micro-batch, A = b·(s/C)·h·e (one rank's K, or V):
                forward  K and V, C-1 hops each:            2(C-1)·A
                backward K and V again, C-1 hops each:      2(C-1)·A
                         dK and dV (fp32), C hops each:      2C·b·(s/C)·h·4
              send = recv = m·L·(4(C-1)·A + 8C·b·(s/C)·h)   (0 when C = 1)
+             --recompute: the recomputed forward sends K and V again, + m·L·2(C-1)·A
     ulysses: four all-to-alls per layer forward (q, k, v, out) and four backward, each of
              A bytes in:  all_to_all = m·L·8·A              (0 when C = 1)
+             --recompute: the recomputed forward's four again, m·L·12·A
     both:    all-reduce of every gradient over the world, 4Ψ, and 4 bytes of loss
 """
 
 import math
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (autocast, build_model, check, check_batch, count_params, Data, decay_groups, dry_run,
+from common import (activation_device_type, activation_terms, ActivationMeter, activations_of_layers,
+                    autocast, build_model, check, check_batch, count_params, Data, decay_groups, dry_run,
                     flops_per_token, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
                     Metrics, model_block_size, model_config, param_pieces, parse_args, planned_dtype,
-                    print_ledger, progress, resume_checkpoint, run_config, save_checkpoint, setup, state_bytes,
-                    synchronize, teardown, to_device)
+                    print_ledger, progress, recomputed, resume_checkpoint, run_config, save_checkpoint,
+                    sdpa_logsumexp_bytes, setup, state_bytes, synchronize, teardown, to_device)
 
 
 def add_flags(parser):
@@ -343,6 +365,8 @@ def ulysses_attention(q, k, v, group, C):
 class ContextParallel:
     """This rank's CP group and the attention it runs over it."""
 
+    recompute = False  # --recompute: keep each block's input only (its ring / all-to-alls run again in backward)
+
     def __init__(self, group, ranks, rank, impl):
         self.group, self.C, self.impl = group, len(ranks), impl
         self.ring = Ring(group, ranks, rank)
@@ -367,14 +391,22 @@ def self_attention(attn, x, cp):
     return attn.resid_dropout(attn.c_proj(y))
 
 
+def transformer_block(block, cp, x):
+    """common.Block's body with the CP attention: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    x = x + self_attention(block.attn, block.ln_1(x), cp)
+    return x + block.mlp(block.ln_2(x))
+
+
 def loss_sum(model, idx, targets, positions, cp):
     """GPT.forward on this rank's tokens at their real positions; returns the *sum* of their
     cross-entropies (the caller divides by the global token count)."""
     tr = model.transformer
     x = tr.drop(tr.wte(idx) + tr.wpe(positions))
     for block in tr.h:
-        x = x + self_attention(block.attn, block.ln_1(x), cp)
-        x = x + block.mlp(block.ln_2(x))
+        if cp.recompute and torch.is_grad_enabled():  # only x is kept; backward runs the block
+            x = recomputed(partial(transformer_block, block, cp), x)  # again, collectives included
+        else:
+            x = transformer_block(block, cp, x)
     logits = model.lm_head(tr.ln_f(x))
     return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
 
@@ -402,8 +434,10 @@ def all_reduce_grads(params):
 # ----------------------------------------------------------------------------------------
 
 def costs(args, config, world_size, dtype):
-    """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step
-    (the layout is validated first, so --dry_run refuses what a launch would refuse)."""
+    """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step,
+    activations (the layout is validated first, so --dry_run refuses what a launch would
+    refuse). Activations: common.activation_terms on this rank's T = s/C tokens per
+    sequence, with the attention term replaced by what this script's attention saves."""
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     micro = args.micro_batch_size or args.global_batch_size // D
@@ -412,16 +446,36 @@ def costs(args, config, world_size, dtype):
     L, s, h = config.n_layer, config.block_size, config.n_embd
     A = micro * (s // C) * h * e  # one rank's K (or V, or q, or attention output) per layer
     sent = {"all_reduce": ("4Ψ grads + 4 loss", 4 * n_params + 4)}
+    recompute = args.recompute  # the recomputed forward sends its K/V (ring) or its 4 all-to-alls again
     if C > 1 and args.cp_impl == "ring":
-        ring = m * L * (4 * (C - 1) * A + 8 * C * micro * (s // C) * h)
-        formula = "m·L·(4(C-1)·b·(s/C)·h·e + 8C·b·(s/C)·h)"
+        ring = m * L * ((4 + 2 * recompute) * (C - 1) * A + 8 * C * micro * (s // C) * h)
+        formula = f"m·L·({6 if recompute else 4}(C-1)·b·(s/C)·h·e + 8C·b·(s/C)·h)"
         sent.update({"send": (formula, ring), "recv": (formula, ring)})
     elif C > 1:
-        sent["all_to_all_single[cp]"] = ("m·L·8·b·(s/C)·h·e", m * L * 8 * A)
+        sent["all_to_all_single[cp]"] = (f"m·L·{12 if recompute else 8}·b·(s/C)·h·e", m * L * (8 + 4 * recompute) * A)
+    # activations of one micro-batch of b sequences of T = s/C tokens, a = H heads
+    b, T, a = micro, s // C, config.n_head
+    device_type = activation_device_type(args)
+    if C == 1:  # plain SDPA without dropout: q, k, v (c_attn's output), its output = c_proj's input, logsumexp
+        attention = (f"{4 * e}bTh + 4baT", 4 * e * b * T * h + sdpa_logsumexp_bytes(b, a, T, dtype, device_type))
+    elif args.cp_impl == "ring":  # RingAttention saves q (a view of c_attn's whole q|k|v output),
+        # contiguous copies of k and v, its fp32 output O and log-sum-exp. O is allocated in
+        # q's memory order ([b, T, heads, d]: zeros_like keeps strides), so the transpose back
+        # to [b, T, h] is a view and c_proj's input is O itself in fp32, O's bf16 cast under autocast
+        cast = e * b * T * h if e != 4 else 0
+        attention = (f"3·{e}bTh + 2·{e}bTh + 4bTh + 4baT" + (f" + {e}bTh" if cast else ""),
+                     (5 * e + 4) * b * T * h + cast + 4 * b * a * T)
+    else:  # SDPA saves the all-to-all'd q, k, v (3 storages of b·(H/C)·s·d = b·T·h), its output
+        # and logsumexp (b·(H/C)·s); c_proj saves the output back in [b, T, h] (another storage)
+        attention = (f"3·{e}bTh + {e}bTh + 4b(a/C)s + {e}bTh",
+                     5 * e * b * T * h + sdpa_logsumexp_bytes(b, a // C, s, dtype, device_type))
+    terms = activation_terms(config, b, T, dtype, device_type, attention=attention)
+    act_formula, act_bytes = activations_of_layers(terms, L, recompute)
     return {"layout": {"cp": C, "dp": D, "cp_impl": args.cp_impl, "micro_batches": m},
             "held": {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
                      "optim": ("8Ψ", 8 * n_params)},
-            "sent": sent}
+            "sent": sent,
+            "activations": (f"{act_formula}, of T = s/C = {T} tokens per sequence", act_bytes)}
 
 
 @torch.no_grad()
@@ -449,8 +503,6 @@ def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     launch = launch_for(args)
-    check(not args.recompute, "--recompute is not implemented in 09_context_parallel.py yet: its ring "
-          "attention keeps its own blocks for the hand-written backward")
     if args.dry_run:
         config = model_config(args, Data.vocab_size_of(args.data))
         C, D = check_layout(args, config, launch.world_size)
@@ -468,6 +520,7 @@ def main():
 
     cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
     cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
+    cp.recompute = args.recompute
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
     run = run_config(args, config, {"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl})
@@ -493,6 +546,7 @@ def main():
                  "probabilities (not applied under context parallelism)")
     cost = costs(args, config, env.world_size, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
+    meter = ActivationMeter()  # the bytes autograd holds for backward, next to cost["activations"]
     tokens = args.global_batch_size * config.block_size  # the global mean's denominator
 
     def save(step):
@@ -514,12 +568,14 @@ def main():
         x, y = data.batch("train", step, args.global_batch_size, dp_rank, D)
         x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)  # our tokens only
         loss_total = torch.zeros((), device=env.device)
+        meter.start()
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
                 loss = loss_sum(model, x[rows], y[rows], device_positions, cp) / tokens
             loss.backward()  # this rank's tokens' share of the global mean
             loss_total += loss.detach().float()
+        activations = meter.stop()
         all_reduce_grads(model.parameters())  # gradients are now the global mean, on every rank
         dist.all_reduce(loss_total)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
@@ -528,12 +584,12 @@ def main():
 
         comm = LEDGER.take()
         if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost)
+            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost, activations)
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss_value = loss_total.item()
             synchronize(env)
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
-                         state_bytes(model.parameters(), optimizer), comm)
+                         state_bytes(model.parameters(), optimizer), comm, activations=activations)
         optimizer.zero_grad(set_to_none=True)
         if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)

@@ -348,7 +348,16 @@ def activation_device_type(args):
     return "cuda" if args.dry_run else pick_device("auto", 0)[0].type
 
 
-def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dtype=torch.float32):
+def sdpa_logsumexp_bytes(b, heads, s, dtype, device_type):
+    """The fp32 logsumexp SDPA's flash / memory-efficient kernels save for backward, b x heads
+    x s; in fp32 on GPUs the memory-efficient kernel pads s to a multiple of 32."""
+    gpu = device_type in ("cuda", "xpu")
+    e = torch.tensor([], dtype=dtype).element_size()
+    return 4 * b * heads * (s if (not gpu or e == 2) else 32 * math.ceil(s / 32))
+
+
+def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dtype=torch.float32,
+                     attention=None):
     """Bytes this model's ops save for backward for one micro-batch of b sequences of s
     tokens (h = n_embd, a = n_head, V = vocab), counted op by op for common.py's model and
     PyTorch's kernels, with tensor parallelism over tp ranks (Megatron's split: the
@@ -372,14 +381,16 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
                     input's dtype on CPU; attention dropout on CPU falls back to the math
                     kernel: q, k, v copies 12bsh and three s x s tensors 12bas^2 (softmax,
                     mask, dropped) instead of q, k, v, output and logsumexp
-      fp32, dropout 0:  68bsh + 16bs + 4bas   (Korthikanti et al.'s 34sbh + 5as^2b in 16 bits)
-      bf16, dropout 0:  36bsh + 16bs + 4bas"""
+      fp32, dropout 0:  64bsh + 16bs + 4bas   (Korthikanti et al.'s 34sbh + 5as^2b in 16 bits)
+      bf16, dropout 0:  36bsh + 16bs + 4bas
+    `attention`, a (formula, bytes), replaces the attention term where a script runs another
+    attention than common's (09's ring attention and Ulysses, which also apply no dropout
+    to the attention probabilities)."""
     h, a, V = config.n_embd, config.n_head, config.vocab_size
     e = torch.tensor([], dtype=dtype).element_size()
     gpu = device_type in ("cuda", "xpu")
     dropout = config.dropout > 0
     rep = tp if sp else 1  # the divisor of the replicated parts (sequence parallelism)
-    lse_len = s if (not gpu or e == 2) else 32 * math.ceil(s / 32)  # fp32 on GPUs: memory-efficient kernel
     r = torch.tensor([], dtype=param_dtype).element_size()  # the residual stream's bytes
     n = 4 if gpu else r  # what a LayerNorm saves of its input, and of its mean and rstd
     terms = {}
@@ -390,11 +401,14 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
     else:
         ln = 2 * (n * b * s * h + 2 * n * b * s + e * b * s * h)
         terms["layernorms"] = (f"2({n}bsh + {2 * n}bs + {e}bsh)", ln)
-    if dropout and not gpu:
+    if attention is not None:
+        terms["attention"] = attention
+        attn = attention[1]
+    elif dropout and not gpu:
         attn = (12 * b * s * h + 12 * b * a * s * s) // tp + e * b * s * h // tp
         terms["attention"] = (f"(12bsh + 12bas² + {e}bsh)/T (CPU math kernel, dropout)", attn)
     else:
-        attn = (4 * e * b * s * h + 4 * b * a * lse_len) // tp
+        attn = (4 * e * b * s * h + sdpa_logsumexp_bytes(b, a, s, dtype, device_type)) // tp
         terms["attention"] = (f"({4 * e}bsh + 4bas)/T", attn)
     mlp = 8 * e * b * s * h // tp
     terms["mlp"] = (f"{8 * e}bsh/T", mlp)
@@ -1412,7 +1426,7 @@ class Metrics:
     def __init__(self, args, env, flops_per_tok, cost):
         self.env, self.flops_per_tok = env, flops_per_tok
         self.state_theory, self.comm_theory = theory_bytes(cost)  # the script's costs()
-        # None where a script has no activation formula yet (09_context_parallel.py)
+        # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
         self.tokens_per_step = args.global_batch_size * model_block_size(args)
         self.peak = peak_flops(env)

@@ -1,7 +1,7 @@
 """09_context_parallel.py: ring and Ulysses attention equal SDPA (outputs and the three
 gradients, real ranks); the same losses as 01 for ring and Ulysses at cp 2 and 4 and for
 cp x dp = 2 x 2, with gradient accumulation and active clipping, and at a context of 256;
-evaluation and resume; the ledger equals the formulas; the zigzag layout balances the causal work; bad input."""
+evaluation and resume; the ledger and the activations measured equal the formulas; the zigzag layout balances the causal work; bad input."""
 
 import importlib
 
@@ -68,6 +68,7 @@ def test_losses_equal_single_gpu(reference, impl, cp, ranks, micro, long):
     for step in run.steps:
         assert step["comm_bytes"] == expected_sent(impl, cp, ranks, micro, *shape, n_params)
         assert step["state_bytes"] == ref.steps[0]["state_bytes"]  # a full replica
+        assert step["activation_bytes"] == step["activation_bytes_theory"] > 0  # the meter = costs()
     assert "ledger (rank 0)" in run.stdout
 
 
@@ -82,7 +83,8 @@ def test_bfloat16_ledger_and_cost_function():
         run = launch("09_context_parallel.py", flags, nprocs=2).ok()
         n_params = run.steps[0]["state_bytes"]["params"] // 4
         assert run.steps[0]["comm_bytes"] == expected_sent(impl, 2, 2, 8, 64, 64, 4, n_params, e=2)
-        args = argparse.Namespace(cp=2, cp_impl=impl, global_batch_size=8, micro_batch_size=None)
+        args = argparse.Namespace(cp=2, cp_impl=impl, global_batch_size=8, micro_batch_size=None,
+                                  recompute=False, device="cpu", dry_run=False)
         cost = cp_module.costs(args, GPTConfig(vocab_size=65, **PRESETS["tiny"]), 2, torch.bfloat16)
         assert {op: b for op, (_, b) in cost["sent"].items()} == run.steps[0]["comm_bytes"]
 

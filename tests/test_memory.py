@@ -41,14 +41,19 @@ ORACLE = [
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"]),
     ("07_pipeline.py", 2, ["--micro_batch_size", "2"]),
     ("08_3d.py", 4, ["--tp", "2", "--pp", "2"]),
+    ("09_context_parallel.py", 2, ["--cp_impl", "ring"]),  # the ring's K/V go around again
+    ("09_context_parallel.py", 2, ["--cp_impl", "ulysses"]),  # the four all-to-alls again
 ]
 
 
-@pytest.mark.parametrize("script, ranks, flags", ORACLE, ids=[c[0][:2] for c in ORACLE])
+@pytest.mark.parametrize("script, ranks, flags", ORACLE, ids=[c[0][:2] + (c[2][1] if c[0].startswith("09") else "")
+                                                              for c in ORACLE])
 def test_recompute_matches_01_and_activations_exact(reference, script, ranks, flags):
     run = launch(script, SHORT + flags + ["--recompute"], nprocs=ranks).ok()
     assert_losses_match(reference, run, what=f"{script} --recompute")
     assert_activations_exact(run, f"{script} x{ranks} {flags} --recompute")
+    for row in run.steps:  # the recomputed forward's collectives (06, 08's TP, 09) are in the formula
+        assert row["comm_bytes"] == row["comm_bytes_theory"], f"{script} {flags} --recompute"
     # recompute keeps block inputs only: far less than the reference's full activations
     assert run.steps[0]["activation_bytes"] < reference.steps[0]["activation_bytes"]
 
@@ -60,6 +65,7 @@ EXACT = [
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"]),
     ("07_pipeline.py", 3, ["--schedule", "gpipe", "--n_layer", "5", "--micro_batch_size", "2"] + BF16 + DROP),
     ("08_3d.py", 4, ["--pp", "2", "--zero1", "--micro_batch_size", "1"] + BF16 + DROP),
+    ("09_context_parallel.py", 2, ["--cp_impl", "ulysses"] + BF16 + DROP),  # SDPA on all-to-all'd heads
 ]
 
 
@@ -72,7 +78,8 @@ def test_activations_exact(script, ranks, flags):
 @pytest.mark.parametrize("script, ranks, flags", [
     ("01_single_gpu.py", 1, ["--sample_tokens", "0"]),
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"] + BF16),  # the rank's own dropout stream too
-], ids=["01", "06sp"])
+    ("09_context_parallel.py", 2, ["--cp_impl", "ring"] + BF16),  # a stream per rank, ring attention
+], ids=["01", "06sp", "09ring"])
 def test_recompute_redraws_the_same_dropout_masks(script, ranks, flags):
     plain = launch(script, SHORT + flags + DROP, nprocs=ranks).ok()
     again = launch(script, SHORT + flags + DROP + ["--recompute"], nprocs=ranks).ok()

@@ -41,7 +41,7 @@ def candidate(tiny_plan, label, micro=None):
 
 
 @pytest.mark.parametrize("gpus, label, micro", [(2, "ZeRO-2", 1), (2, "FSDP", None), (2, "3D dp 1 pp 1 tp 2", None),
-                                               (4, "HSDP 2 x 2", 1)])
+                                               (4, "HSDP 2 x 2", 1), (2, "CP ulysses cp 2 dp 1", None)])
 def test_the_plans_commands_hold_and_send_what_the_plan_says(tiny_plan, gpus, label, micro):
     c = candidate(tiny_plan if gpus == 2 else make_plan(gpus), label, micro)
     assert c["priced_rank"] == 0 and c["command"].startswith(f"mpiexec -n {gpus} ")
