@@ -2,7 +2,7 @@
 sequences need: ring attention and DeepSpeed-Ulysses, by hand.
 
 The C ranks of a context-parallel (CP) group split every sequence: each holds s/C of the
-tokens of every sequence, and so s/C of every activation. Everything in a transformer but
+tokens of every sequence, and so 1/C of every activation. Everything in a transformer but
 attention is position-wise, so each rank runs it on its own tokens with the full, replicated
 weights; attention is the one place where a token needs the others. Data parallelism runs
 over the rest: D = world / C replicas of the CP group, each on its slice of the global batch.
@@ -61,8 +61,9 @@ attention runs as usual on whole sequences, and one all-to-all turns the output 
 Positions: each rank embeds its tokens at their real positions (wpe of its chunk indices).
 
 Dropout: embedding, residual and MLP dropout act on each rank's own tokens (a stream per
-rank). Dropout of the attention probabilities is not applied under context parallelism (the
-ring's softmax is never materialised whole); with --dropout > 0 this is said once at start.
+rank). Dropout of the attention probabilities is not applied in this script, at any C (the
+ring's softmax is never materialised whole; C = 1 keeps the same model, so that --cp 1 and
+--cp 2 train the same thing); with --dropout > 0 this is said once at start.
 
 Run:
 
@@ -117,7 +118,7 @@ from torch.nn import functional as F
 
 from common import (activation_device_type, activation_terms, ActivationMeter, activations_of_layers,
                     autocast, build_model, check, check_batch, count_params, Data, decay_groups, dry_run,
-                    flops_per_token, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
+                    flops_per_token, Guard, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
                     Metrics, model_block_size, model_config, param_pieces, parse_args, planned_dtype,
                     print_ledger, progress, recomputed, resume_checkpoint, run_config, save_checkpoint,
                     sdpa_logsumexp_bytes, setup, state_bytes, synchronize, teardown, to_device)
@@ -511,11 +512,12 @@ def main():
                 [f"layout: {D} data-parallel x {C} context-parallel ({args.cp_impl}; groups of {C} consecutive "
                  f"ranks), {config.block_size // C} of {config.block_size} tokens per sequence per rank, "
                  f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step"])
-    data = Data(args.data, args.seed, model_block_size(args))
+    env = setup(args, launch)
+    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
+    data = Data(args.data, args.seed, model_block_size(args))  # after setup: a bad --data is agreed on
     config = model_config(args, data.vocab_size)
     C, D = check_layout(args, config, launch.world_size)
     accum_steps = check_batch(args, dp_size=D)
-    env = setup(args, launch)
     torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
 
     cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
@@ -541,9 +543,9 @@ def main():
              f"{D} data-parallel x {C} context-parallel ({args.cp_impl}), "
              f"{config.block_size // C} of {config.block_size} tokens per sequence per rank, "
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step")
-    if config.dropout > 0 and C > 1:
+    if config.dropout > 0:
         log(env, f"dropout {config.dropout}: on embeddings, residuals and MLP; not on the attention "
-                 "probabilities (not applied under context parallelism)")
+                 "probabilities (not applied in 09_context_parallel.py)")
     cost = costs(args, config, env.world_size, env.dtype)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
     meter = ActivationMeter()  # the bytes autograd holds for backward, next to cost["activations"]
@@ -580,6 +582,9 @@ def main():
         dist.all_reduce(loss_total)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
+        # a stop signal or --time_limit ends it after this step's checkpoint
+        stop = guard.check(step, loss_total, (p.grad for p in model.parameters()))
         optimizer.step()
 
         comm = LEDGER.take()
@@ -591,8 +596,10 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), comm, activations=activations)
         optimizer.zero_grad(set_to_none=True)
-        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             save(step + 1)
+        if stop:
+            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
         losses = evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp)

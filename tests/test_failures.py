@@ -139,6 +139,13 @@ def test_non_finite_loss_stops_before_the_update(tmp_path):
     refused(again, "non-finite loss or gradient at step 1", status=common.NONFINITE_EXIT)
 
 
+@pytest.mark.parametrize("script, extra", [("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"])])
+def test_non_finite_loss_stops_every_strategy(tmp_path, script, extra):
+    """The same stop in a script whose loop was written apart from 04's (09's ring)."""
+    run = launch(script, TINY + extra + ["--lr", "1e6", "--out_dir", tmp_path / "out"], nprocs=2)
+    refused(run, "non-finite loss or gradient at step 1", status=common.NONFINITE_EXIT)
+
+
 def test_metrics_rows_are_strict_json():
     row = common.finite_or_null({"loss": float("nan"), "val": [float("inf"), 1.0], "x": {"y": -float("inf")}})
     assert json.dumps(row, allow_nan=False) == '{"loss": null, "val": [null, 1.0], "x": {"y": null}}'
