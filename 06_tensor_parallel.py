@@ -22,12 +22,22 @@ cross-entropy never gathers them: all-reduce the max (for stability), the sum of
 and the target's logit, each b·s numbers instead of b·s·V. The vocabulary is padded to a
 multiple of T; padded logits are -inf, so they never win and never count.
 
---sequence_parallel: LayerNorm and dropout, replicated in plain TP, are instead split along
-the sequence. f becomes an all-gather of the sequence and g a reduce-scatter to sequence
-shards: the same bytes on the wire as the all-reduce (= reduce-scatter + all-gather), but the
-activations between layers are 1/T as large. The replicated parameters used on sequence
-shards (LayerNorms, row-parallel biases, position embedding) then get only partial
-gradients, which are all-reduced across the group.
+--sequence_parallel (Korthikanti et al. 2022): LayerNorm and dropout, replicated in plain
+TP, are instead split along the sequence. f becomes an all-gather of the sequence and g a
+reduce-scatter to sequence shards: the same bytes on the wire as the all-reduce
+(= reduce-scatter + all-gather), but the activations between layers are 1/T as large.
+
+    X_t ──all-gather──> X ── X A_t ── ... ── (.) B_t ──reduce-scatter──> Y_t
+    [b, s/T, h]        [b, s, h]                                     [b, s/T, h]: chunk t of the sum
+    kept for backward: X_t only, all-gathered again there
+
+A column-parallel Linear (c_attn, c_fc, and the head) keeps only its input's sequence shard
+X_t for backward, not the gathered X (the paper's Sec. 4.2.2): backward all-gathers X again
+for the weight gradient and reduce-scatters the input gradient (GatherSequenceLinear). So
+every tensor a block keeps for backward is split T ways, at the price of one more
+all-gather of b·s·h per column-parallel Linear in backward. The replicated parameters used
+on sequence shards (LayerNorms, row-parallel biases, position embedding) then get only
+partial gradients, which are all-reduced across the group.
 
 Dropout randomness: in replicated regions (embedding dropout and residual dropout without
 sequence parallelism) every rank must drop the same elements, so they share one stream
@@ -50,7 +60,11 @@ Cost per rank, T ranks, L layers, h width, b micro-batch, s sequence, bytes in f
     communication per micro-batch: 4 all-reduces of b·s·h per layer (2 forward, 2 backward)
             + 2 of b·s·h for the embedding and the head + 3 of b·s for the loss. With
             --sequence_parallel each all-reduce becomes an all-gather + a reduce-scatter of
-            the same b·s·h, plus one all-reduce of the replicated parameters' gradients per step
+            the same b·s·h, plus 2 more all-gathers of b·s·h per layer and 1 for the head in
+            backward (the column-parallel inputs gathered again), plus one all-reduce of the
+            replicated parameters' gradients per step
+    activations per micro-batch: the attention and MLP parts of a block /T; with
+            --sequence_parallel every term /T (common.activation_terms; costs() below)
 """
 
 import math
@@ -500,7 +514,8 @@ def costs(args, config, world_size, dtype):
     fp32. Activations: b·s·h elements each; under autocast the row-parallel outputs (g's
     forward) are in the compute dtype (b_c bytes) while LayerNorm outputs, the embedding and
     the gradients flowing into f are fp32, so f's backward and the embedding/head all-reduces
-    move 4 bytes an element."""
+    move 4 bytes an element. With --sequence_parallel f's all-gathers (in forward, and again
+    in backward) move the LayerNorm output cast to the compute dtype: b_c bytes."""
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     with torch.device("meta"):
         model = TPGPT(config, T, 0, sp, None)  # shapes only
