@@ -22,12 +22,22 @@ cross-entropy never gathers them: all-reduce the max (for stability), the sum of
 and the target's logit, each b·s numbers instead of b·s·V. The vocabulary is padded to a
 multiple of T; padded logits are -inf, so they never win and never count.
 
---sequence_parallel: LayerNorm and dropout, replicated in plain TP, are instead split along
-the sequence. f becomes an all-gather of the sequence and g a reduce-scatter to sequence
-shards: the same bytes on the wire as the all-reduce (= reduce-scatter + all-gather), but the
-activations between layers are 1/T as large. The replicated parameters used on sequence
-shards (LayerNorms, row-parallel biases, position embedding) then get only partial
-gradients, which are all-reduced across the group.
+--sequence_parallel (Korthikanti et al. 2022): LayerNorm and dropout, replicated in plain
+TP, are instead split along the sequence. f becomes an all-gather of the sequence and g a
+reduce-scatter to sequence shards: the same bytes on the wire as the all-reduce
+(= reduce-scatter + all-gather), but the activations between layers are 1/T as large.
+
+    X_t ──all-gather──> X ── X A_t ── ... ── (.) B_t ──reduce-scatter──> Y_t
+    [b, s/T, h]        [b, s, h]                                     [b, s/T, h]: chunk t of the sum
+    kept for backward: X_t only, all-gathered again there
+
+A column-parallel Linear (c_attn, c_fc, and the head) keeps only its input's sequence shard
+X_t for backward, not the gathered X (the paper's Sec. 4.2.2): backward all-gathers X again
+for the weight gradient and reduce-scatters the input gradient (GatherSequenceLinear). So
+every tensor a block keeps for backward is split T ways, at the price of one more
+all-gather of b·s·h per column-parallel Linear in backward. The replicated parameters used
+on sequence shards (LayerNorms, row-parallel biases, position embedding) then get only
+partial gradients, which are all-reduced across the group.
 
 Dropout randomness: in replicated regions (embedding dropout and residual dropout without
 sequence parallelism) every rank must drop the same elements, so they share one stream
@@ -50,7 +60,11 @@ Cost per rank, T ranks, L layers, h width, b micro-batch, s sequence, bytes in f
     communication per micro-batch: 4 all-reduces of b·s·h per layer (2 forward, 2 backward)
             + 2 of b·s·h for the embedding and the head + 3 of b·s for the loss. With
             --sequence_parallel each all-reduce becomes an all-gather + a reduce-scatter of
-            the same b·s·h, plus one all-reduce of the replicated parameters' gradients per step
+            the same b·s·h, plus 2 more all-gathers of b·s·h per layer and 1 for the head in
+            backward (the column-parallel inputs gathered again), plus one all-reduce of the
+            replicated parameters' gradients per step
+    activations per micro-batch: the attention and MLP parts of a block /T; with
+            --sequence_parallel every term /T (common.activation_terms; costs() below)
 """
 
 import math
@@ -133,17 +147,40 @@ def _reduce_scatter_seq(x, group):
     return out
 
 
-class GatherSequence(torch.autograd.Function):
-    """f with sequence parallelism: all-gather the sequence forward, reduce-scatter back."""
+class GatherSequenceLinear(torch.autograd.Function):
+    """f and a column-parallel Linear with sequence parallelism, Y_t = all-gather(X) A_t^T +
+    b_t, keeping only this rank's sequence shard of X for backward (Korthikanti et al. 2022,
+    Sec. 4.2.2; Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication). Autograd
+    through an all-gather and F.linear would keep the gathered [b, s, h] input, T times the
+    shard; instead backward all-gathers the shard again for the weight gradient (one more
+    all-gather of b·s·h, in the compute dtype) and reduce-scatters the input gradient.
+    Megatron overlaps both collectives with the matmuls; here they run in order, for clarity.
+
+    Under autocast the Linear runs in the compute dtype, as F.linear would: the shard is cast
+    before the gather (the same values as gathering and then casting, half the bytes in bf16),
+    and that cast shard is what is kept, as autocast would keep its cast input."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
+    def forward(ctx, x, weight, bias, group):
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        shard = x.to(dtype)
+        out = F.linear(_all_gather_seq(shard, group), weight.to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(shard, weight)  # [b, s/T, h], not the gathered [b, s, h]
+        ctx.has_bias, ctx.x_dtype, ctx.group = bias is not None, x.dtype, group
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        shard, weight = ctx.saved_tensors
+        total = _all_gather_seq(shard, ctx.group)  # the whole sequence again, for the weight gradient
+        grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
+        # sum the parts of every rank's weight shard, keep this rank's sequence shard (the
+        # gradient in the input's dtype, as autocast's cast back would hand it to f)
+        grad_x = _reduce_scatter_seq(grad_x.to(ctx.x_dtype), ctx.group)
+        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_t^T X
+        grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None
 
 
 class ScatterSequence(torch.autograd.Function):
@@ -197,8 +234,9 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        x = GatherSequence.apply(x, self.group) if self.sequence_parallel else CopyToTP.apply(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:  # keeps only the sequence shard of x for backward
+            return GatherSequenceLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -361,8 +399,10 @@ class TPGPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        x = GatherSequence.apply(x, self.group) if self.sp else CopyToTP.apply(x, self.group)
-        logits = F.linear(x, self.transformer.wte.weight)  # the tied head: this rank's vocabulary
+        if self.sp:  # the tied head, a column-parallel Linear too: this rank's vocabulary
+            logits = GatherSequenceLinear.apply(x, self.transformer.wte.weight, None, self.group)
+        else:
+            logits = F.linear(CopyToTP.apply(x, self.group), self.transformer.wte.weight)  # the tied head
         return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),
                                                self.tp_rank * self.vocab_local, self.config.vocab_size, self.group)
 
@@ -481,7 +521,8 @@ def costs(args, config, world_size, dtype):
     fp32. Activations: b·s·h elements each; under autocast the row-parallel outputs (g's
     forward) are in the compute dtype (b_c bytes) while LayerNorm outputs, the embedding and
     the gradients flowing into f are fp32, so f's backward and the embedding/head all-reduces
-    move 4 bytes an element."""
+    move 4 bytes an element. With --sequence_parallel f's all-gathers (in forward, and again
+    in backward) move the LayerNorm output cast to the compute dtype: b_c bytes."""
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     with torch.device("meta"):
         model = TPGPT(config, T, 0, sp, None, None)  # shapes only
@@ -496,10 +537,12 @@ def costs(args, config, world_size, dtype):
     bs = args.micro_batch_size * config.block_size
     bc, clip = dtype.itemsize, 4 * (args.grad_clip > 0)
     if sp:
-        # f = all-gather (forward, fp32 LayerNorm output; backward of g: a b_c gradient),
-        # g = reduce-scatter (forward, b_c; backward of f: fp32); + embedding and head
-        sent = {"all_gather_into_tensor": (f"{accum} micro x (L(2·4 + 2·{bc}) + 2·4) b·s·h",
-                                           accum * (L * (8 + 2 * bc) + 8) * bsh),
+        # all-gather: f of c_attn, c_fc and the head, of the LayerNorm output cast to b_c,
+        # twice each (forward, and again in backward: only the shard was kept); the backward
+        # of g (a b_c gradient) and of the embedding's reduce-scatter (fp32).
+        # reduce-scatter: g (forward, b_c; the embedding's fp32), the backward of f (fp32)
+        sent = {"all_gather_into_tensor": (f"{accum} micro x (L(2·2·{bc} + 2·{bc}) + 2·{bc} + 4) b·s·h",
+                                           accum * (L * 6 * bc + 2 * bc + 4) * bsh),
                 "reduce_scatter_tensor": (f"{accum} micro x (L(2·{bc} + 2·4) + 2·4) b·s·h",
                                           accum * (L * (2 * bc + 8) + 8) * bsh),
                 "all_reduce": ("3·4 b·s per micro (loss) + 4Ψ_replicated grads + norm",
@@ -508,7 +551,7 @@ def costs(args, config, world_size, dtype):
         sent = {"all_reduce": (f"{accum} micro x ((L(2·{bc} + 2·4) + 2·4) b·s·h + 3·4 b·s) + norm",
                                accum * ((L * (2 * bc + 8) + 8) * bsh + 12 * bs) + clip)}
     if args.recompute:  # backward runs each block's forward again, its f and g collectives too
-        for op, formula, nbytes in ((["all_gather_into_tensor", "L·2·4", 8], ["reduce_scatter_tensor", f"L·2·{bc}", 2 * bc])
+        for op, formula, nbytes in ((["all_gather_into_tensor", f"L·2·{bc}", 2 * bc], ["reduce_scatter_tensor", f"L·2·{bc}", 2 * bc])
                                     if sp else [["all_reduce", f"L·2·{bc}", 2 * bc]]):
             f, v = sent[op]
             sent[op] = (f"{f} + {accum} micro x {formula} b·s·h recomputed", v + accum * L * nbytes * bsh)
@@ -527,9 +570,9 @@ def costs(args, config, world_size, dtype):
         # dropout masks (in their input's dtype) are then fp32
         layer_f, layer = terms["layer"]
         terms["layer"] = (f"{layer_f} + 2·{4 - e}bsh{'/T' if sp else ''}", layer + 2 * (4 - e) * b * s * h // rep)
-    sp_div = "/T" if sp else ""
-    terms["head"] = (f"({n}bsh + {2 * n}bs){sp_div} + {e}bsh + 4bsV/T + bs",
-                     (n * b * s * h + 2 * n * b * s) // rep + e * b * s * h + 4 * b * s * model.vocab_local + b * s)
+    sp_div = "/T" if sp else ""  # with SP the head keeps only its input's sequence shard too
+    terms["head"] = (f"({n}bsh + {2 * n}bs + {e}bsh){sp_div} + 4bsV/T + bs",
+                     (n * b * s * h + 2 * n * b * s + e * b * s * h) // rep + 4 * b * s * model.vocab_local + b * s)
     return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
             "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated),
             "activations": activations_of_layers(terms, L, args.recompute)}

@@ -362,8 +362,9 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
     tokens (h = n_embd, a = n_head, V = vocab), counted op by op for common.py's model and
     PyTorch's kernels, with tensor parallelism over tp ranks (Megatron's split: the
     attention heads and the MLP's 4h are sharded, LayerNorms and the residual stream are
-    not) and sequence parallelism (the replicated parts are sharded along s instead, except
-    the gathered inputs that the column-parallel Linears keep).
+    not) and sequence parallelism (the replicated parts are sharded along s instead, and the
+    column-parallel Linears keep only their input's sequence shard: every term of a block is
+    /T, so a block holds 1/T of what it holds without tensor parallelism).
     Returns {term: (formula, bytes)} with `layer` (one transformer block), `block_input`
     (what --recompute keeps of a block), `embedding` (dropout's mask) and `head` (ln_f,
     the head's input, the log-softmax of the logits; with tp the caller adds its own
@@ -394,13 +395,11 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
     r = torch.tensor([], dtype=param_dtype).element_size()  # the residual stream's bytes
     n = 4 if gpu else r  # what a LayerNorm saves of its input, and of its mean and rstd
     terms = {}
-    if sp:  # the LayerNorms work on sequence shards; the column-parallel Linears after them
-        # keep the all-gathered whole sequence they multiply
-        ln = 2 * (n * b * s * h + 2 * n * b * s) // tp + 2 * e * b * s * h
-        terms["layernorms"] = (f"2({n}bsh + {2 * n}bs)/T + 2·{e}bsh gathered", ln)
-    else:
-        ln = 2 * (n * b * s * h + 2 * n * b * s + e * b * s * h)
-        terms["layernorms"] = (f"2({n}bsh + {2 * n}bs + {e}bsh)", ln)
+    # with sequence parallelism the LayerNorms work on sequence shards, and the
+    # column-parallel Linears after them keep only that shard of their input (they gather
+    # it again in backward), so the whole term is /T
+    ln = 2 * (n * b * s * h + 2 * n * b * s + e * b * s * h) // rep
+    terms["layernorms"] = (f"2({n}bsh + {2 * n}bs + {e}bsh){'/T' if sp else ''}", ln)
     if attention is not None:
         terms["attention"] = attention
         attn = attention[1]

@@ -1,5 +1,6 @@
 """Run under N ranks by test_tensor_parallel.py: 06's column- and row-parallel layers equal
-nn.Linear in outputs and gradients, and its vocab-parallel cross-entropy equals
+nn.Linear in outputs and gradients (the sequence-parallel column-parallel Linear in fp32 and
+under bf16 autocast, keeping only its sequence shard), and its vocab-parallel cross-entropy equals
 F.cross_entropy in value and gradient (padded vocabulary included). Exits non-zero on any
 mismatch (an assertion ends the job)."""
 
@@ -11,13 +12,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import setup, teardown
+from common import ActivationMeter, setup, teardown
 
 tp_module = importlib.import_module("06_tensor_parallel")
 
 
-def close(a, b):
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+def close(a, b, rtol=1e-5, atol=1e-6):
+    assert torch.allclose(a, b, rtol=rtol, atol=atol), (a - b).abs().max()
 
 
 def main():
@@ -41,6 +42,32 @@ def main():
     close(x_col.grad, x.grad)  # f's backward all-reduce gives the whole input gradient
     close(col.weight.grad, full.weight.grad.chunk(tp)[r])
     close(col.bias.grad, full.bias.grad.chunk(tp)[r])
+
+    # column-parallel with sequence parallelism: the input is this rank's sequence shard, the
+    # output this rank's columns of the whole sequence; only the shard is kept for backward
+    # (in the compute dtype under autocast), and the gradients equal nn.Linear's
+    for dtype, tol in ((torch.float32, {}), (torch.bfloat16, {"rtol": 1e-2, "atol": 1e-2})):
+        autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+        x = torch.randn(3, 2 * tp, 8, requires_grad=True)
+        w = torch.randn(3, 2 * tp, 6 * tp)
+        full.zero_grad()
+        with autocast:
+            (full(x).float() * w).sum().backward()
+        col = tp_module.ColumnParallelLinear(8, 6, True, dist.group.WORLD, True)
+        with torch.no_grad():
+            col.weight.copy_(full.weight.chunk(tp)[r])
+            col.bias.copy_(full.bias.chunk(tp)[r])
+        x_seq = x.detach().chunk(tp, dim=1)[r].clone().requires_grad_()
+        with ActivationMeter() as meter, autocast:
+            y = col(x_seq)
+            assert meter.current == x_seq.numel() * dtype.itemsize, (meter.current, dtype)  # the shard only
+            (y.float() * w.chunk(tp, dim=-1)[r]).sum().backward()
+        assert y.dtype == dtype and col.weight.grad.dtype == torch.float32
+        with torch.no_grad(), autocast:
+            close(y.float(), full(x).float().chunk(tp, dim=-1)[r], **tol)
+        close(x_seq.grad, x.grad.chunk(tp, dim=1)[r], **tol)  # all ranks' parts, this rank's shard
+        close(col.weight.grad, full.weight.grad.chunk(tp)[r], **tol)
+        close(col.bias.grad, full.bias.grad.chunk(tp)[r], **tol)
 
     # row-parallel: this rank's input rows; the output is the full product
     full_row = nn.Linear(4 * tp, 7)
