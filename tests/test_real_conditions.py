@@ -3,6 +3,10 @@ the default preset's shape (24 heads, no bias) against 01, the ledger exact in f
 bfloat16 for every training script, --dry_run for every script up to GPT-3 175B, float16
 refused."""
 
+import contextlib
+import io
+import os
+import runpy
 import subprocess
 import sys
 
@@ -57,8 +61,20 @@ def test_single_gpu_ledger_in_bfloat16():
 
 
 def dry(script, *flags):
-    return subprocess.run([sys.executable, script, "--dry_run", *map(str, flags)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    """`python script --dry_run flags`, run in this process (a dry run starts no process and
+    touches no device; importing torch once instead of once per run keeps this file fast).
+    Returns what the command would: its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    argv, sys.argv = sys.argv, [script, "--dry_run", *map(str, flags)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
 
 
 NODE_SIZES = [1, 2, 4, 8, 12, 16, 24]  # one and two nodes of Polaris/Perlmutter (4), Frontier (8), Aurora (12)
@@ -77,7 +93,7 @@ def test_defaults_fit_every_node_size(script):
         assert f"on {n} rank(s)" in p.stdout and "holds model state in all" in p.stdout
 
 
-@pytest.mark.parametrize("script, ranks", [("06_tensor_parallel.py", 8), ("07_pipeline.py", 12), ("04_zero.py", 12)])
+@pytest.mark.parametrize("script, ranks", [("06_tensor_parallel.py", 8), ("07_pipeline.py", 12)])
 def test_bare_commands_really_run(script, ranks):
     """The design card's command, `mpiexec -n 8 python 06_tensor_parallel.py`, with the
     default preset and batch, for one step on CPU (shorter context, to fit two cores)."""
