@@ -50,8 +50,8 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
     DP:      all-reduce of this rank's 4·Ψ_rank gradient bytes per step (--zero1:
              reduce-scatter + all-gather of the padded 4Ψ_rank)
     logging: the loss all-reduced over the stages and the replicas (4 bytes each) and, with
-             clipping, the squared norm over the replica (4 bytes); the exact terms are
-             costs() below
+             clipping, the squared norm over the replica (over the world with --zero1; 4
+             bytes); the exact terms are costs() below
 """
 
 import math
@@ -278,7 +278,7 @@ class TPBlock(nn.Module):
         self.n_head_local, self.dropout = config.n_head // tp_size, nn.Dropout(config.dropout)
         self.p_attn = config.dropout
 
-    recompute = False  # --recompute: keep the block's input only (its f/g run again in backward)
+    recompute = False  # --recompute: keep the block's input only (its g all-reduces run again in backward)
 
     def forward(self, x, rng):
         if self.recompute and torch.is_grad_enabled():
@@ -352,26 +352,27 @@ class Stage(nn.Module):
 
     def shard(self, name, full):
         """This TP rank's piece of the full parameter `full` (01's value)."""
-        t, r, h = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd
+        T, t, h = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd
         if name.endswith(("wte.weight", "lm_head.weight")):
             padded = torch.zeros(self.padded_vocab, h)
             padded[:full.shape[0]] = full
             return padded[self.vocab_start:self.vocab_start + self.vocab_local]
         if "c_attn" in name:  # [Q; K; V] rows: this rank's heads of each
-            return torch.cat([part.chunk(t)[r] for part in full.chunk(3)])
+            return torch.cat([part.chunk(T)[t] for part in full.chunk(3)])
         if "c_fc" in name:
-            return full.chunk(t)[r]
+            return full.chunk(T)[t]
         if name.endswith("c_proj.weight"):
-            return full.chunk(t, dim=1)[r]
+            return full.chunk(T, dim=1)[t]
         return full  # replicated
 
     def checkpoint_pieces(self, name, p, optimizer, write):
         """Where this rank's TP shard of parameter `name` sits in 01's full parameter (as
         06_tensor_parallel.py says it), as pieces of common.py's format: vocab rows without
         the padding, [Q_t; K_t; V_t] rows as three pieces, c_fc rows, c_proj columns;
-        replicated parameters (and the last stage's copy of the tied embedding) are written
-        by TP rank 0 (the first stage) only. With the optimizer: the AdamW moments too."""
-        t, r, h, full = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd, self.full_name(name)
+        replicated parameters are written by TP rank 0 of each stage, the tied embedding's
+        rows by the first stage only (the last stage's copy is read, never written). With
+        the optimizer: the AdamW moments too."""
+        T, t, h, full = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd, self.full_name(name)
         rest = [[0, s] for s in p.shape[1:]]
         if name in ("wte.weight", "lm_head.weight"):
             lo, hi = self.vocab_start, min(self.vocab_start + self.vocab_local, self.config.vocab_size)
@@ -380,16 +381,16 @@ class Stage(nn.Module):
         if "c_attn" in name:  # rows j·h + [t·h/T, (t+1)·h/T) for Q, K, V
             n = p.shape[0] // 3
             return [piece for j in range(3) for piece in param_pieces(
-                full, (3 * h,) + tuple(p.shape[1:]), p, optimizer, box=[[j * h + r * n, j * h + (r + 1) * n]] + rest,
+                full, (3 * h,) + tuple(p.shape[1:]), p, optimizer, box=[[j * h + t * n, j * h + (t + 1) * n]] + rest,
                 index=slice(j * n, (j + 1) * n), write=write)]
         if "c_fc" in name:
-            return param_pieces(full, (p.shape[0] * t,) + tuple(p.shape[1:]), p, optimizer,
-                                box=[[r * p.shape[0], (r + 1) * p.shape[0]]] + rest, write=write)
+            return param_pieces(full, (p.shape[0] * T,) + tuple(p.shape[1:]), p, optimizer,
+                                box=[[t * p.shape[0], (t + 1) * p.shape[0]]] + rest, write=write)
         if name.endswith("c_proj.weight"):
             cols = p.shape[1]
-            return param_pieces(full, (p.shape[0], cols * t), p, optimizer,
-                                box=[[0, p.shape[0]], [r * cols, (r + 1) * cols]], write=write)
-        return param_pieces(full, p.shape, p, optimizer, write=write and r == 0)  # replicated
+            return param_pieces(full, (p.shape[0], cols * T), p, optimizer,
+                                box=[[0, p.shape[0]], [t * cols, (t + 1) * cols]], write=write)
+        return param_pieces(full, p.shape, p, optimizer, write=write and t == 0)  # replicated
 
     @torch.no_grad()
     def init_weights(self, seed):
