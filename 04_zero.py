@@ -24,12 +24,29 @@ a time. (The alternative, per-parameter dim-0 shards, is FSDP2's; see 05_fsdp.py
 One optimizer step, per rank:
 
     stage 1: forward/backward on full params -> full grads (kept) -> reduce-scatter grads
-             (rank r gets the mean of shard r) -> AdamW on shard r -> all-gather params
-    stage 2: as stage 1, but each block's grads are reduce-scattered as soon as backward
-             has produced them, and the full grads freed at once
+             (rank r gets the mean of shard r) -> AdamW on shard r -> all-gather params.
+             The reduce-scatters overlap the last micro-batch's backward (below)
+    stage 2: as stage 1, but the grads are reduce-scattered in every micro-batch's backward
+             (nothing is kept to accumulate), and each unit's full grads freed at once
     stage 3: before each block's forward (and again before its backward): all-gather its
              params; after: free them. Gradients as in stage 2. After AdamW: nothing to
              gather, the next forward gathers on demand
+
+Overlap (every stage). Backward produces the gradients from the last block to the first, so
+most units' gradients are complete long before backward ends. A post-accumulate-grad hook on
+each parameter counts its unit's gradients in; at the unit's last one, the unit's
+reduce-scatter is launched asynchronously and runs while backward goes on to the earlier
+blocks (PyTorch DDP's gradient bucketing, Li et al. 2020, with the units as the buckets). The
+handles are waited on right after backward, before clipping and the optimizer step. Stage 1
+communicates once per step: the micro-batches before the last only accumulate into the full
+gradients (no communication), and the last micro-batch's backward reduce-scatters each unit's
+accumulated full gradients (kept, as stage 1 keeps them) as soon as they are complete: the
+same ops and bytes as reducing after backward, only earlier. Stages 2-3 do so in every
+micro-batch's backward:
+
+    backward, last micro-batch   [ block 3 ][ block 2 ][ block 1 ][ block 0 ][ root ]
+    reduce-scatters (async)                 [ rs 3 ]   [ rs 2 ]   [ rs 1 ]   [ rs 0 ][ rs root ]
+                                                                 wait for all -> clip, AdamW
 
 Gradient clipping uses the global norm: every rank squares its gradient shard, one
 all-reduce sums them. Precision: fp32 on CPU. With --dtype bfloat16 (the default on GPUs) the
@@ -81,7 +98,7 @@ import torch
 import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, autocast, build_model, check_batch, Data, dry_run,
+                    activations_of_layers, autocast, build_model, check, check_batch, Data, dry_run,
                     flops_per_token, GPT, Guard, is_decayed, launch_for, LEDGER, log, lr_at,
                     make_adamw, make_parser, Metrics, model_block_size, model_config,
                     optimizer_state_tensors, param_pieces, parse_args, planned_dtype, print_ledger,
@@ -193,10 +210,12 @@ class ZeRO:
                 unit.grad_full = torch.zeros_like(unit.full)
                 for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets):
                     p.grad = unit.grad_full[offset:offset + shape.numel()].view(shape)
-        else:  # reduce-scatter a unit as soon as backward has produced all its gradients
-            for p in self.unit_of:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-            self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
+        # reduce-scatter a unit as soon as backward has produced all its gradients (stage 1:
+        # only in the last micro-batch's backward; see sync)
+        for p in self.unit_of:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.sync = stage > 1
+        self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
         if stage == 3:
             for block, unit in zip(model.transformer.h, self.blocks):
                 block.register_forward_pre_hook(lambda module, args, unit=unit: self.gather(unit))
@@ -227,16 +246,26 @@ class ZeRO:
         if self.stage == 3:
             self.root.release()
 
-    # -- stages 2 and 3: gradients reduce-scattered while backward runs --------------------
+    # -- gradients reduce-scattered while backward runs -----------------------------------
+    def before_backward(self, last):
+        """Stage 1 reduces the accumulated gradients once, during the last micro-batch's
+        backward; stages 2-3 reduce in every micro-batch's backward."""
+        self.sync = self.stage > 1 or last
+
     def _grad_ready(self, param):
+        if not self.sync:  # stage 1, a micro-batch before the last: keep accumulating locally
+            return
         unit = self.unit_of[param]
         self.waiting[unit] -= 1
         if self.waiting[unit] > 0:
             return
-        flat = torch.zeros(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
-        for p, offset in zip(unit.params, unit.offsets):
-            flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
-            p.grad = None  # the full gradient is freed at once: only the shard is kept
+        if self.stage == 1:  # the full gradients, accumulated in place, stay (stage 1 keeps them)
+            flat = unit.grad_full
+        else:
+            flat = torch.zeros(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
+            for p, offset in zip(unit.params, unit.offsets):
+                flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
+                p.grad = None  # the full gradient is freed at once: only the shard is kept
         flat.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
         shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
@@ -247,24 +276,15 @@ class ZeRO:
             unit.release()  # its backward is over: drop the gathered parameters
 
     def after_backward(self):
-        """After each micro-batch's backward (stages 2-3): add the reduced shards."""
-        if self.stage == 1:
-            return
+        """After each micro-batch's backward: wait for its reduce-scatters (stage 1: none but
+        in the last) and add the reduced shards (zero before: stage 1 receives its sum here)."""
+        if self.sync:
+            check(all(w == 0 for w in self.waiting.values()),
+                  "a gradient never arrived (a parameter unused in forward?)")
         for handle, unit, shard, _ in self.pending:
             handle.wait()
             unit.grad_shard += shard.float().to(unit.grad_shard.device)  # --offload: down to the host
         self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
-
-    def reduce_gradients(self):
-        """Stage 1, after the last micro-batch: reduce-scatter the full gradients."""
-        if self.stage != 1:
-            return
-        for unit in self.units:
-            unit.grad_full.div_(self.world_size)  # sum of g/N = the mean
-            shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            # sum every rank's full gradients of this unit; rank r receives shard r
-            dist.reduce_scatter_tensor(shard, unit.grad_full)
-            unit.grad_shard.copy_(shard)
 
     # -- the update ----------------------------------------------------------------------
     def clip_grad_norm(self, max_norm):
@@ -481,12 +501,12 @@ def main():
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
                 _, loss = train_model(x[rows], y[rows])
+            zero.before_backward(last=micro == accum_steps - 1)  # stage 1 communicates in the last only
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
-            zero.after_backward()  # stages 2-3: this micro-batch's gradient shards are in
+            zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
             loss_sum += loss.detach().float()
         activations = meter.stop()
         zero.release_root()
-        zero.reduce_gradients()  # stage 1: reduce-scatter the accumulated full gradients
         loss_sum /= accum_steps * env.world_size
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
