@@ -87,7 +87,7 @@ def test_compile_gives_the_same_losses():
     (["--model", "gpt5"], "invalid choice: 'gpt5'"),
     (["--micro_batch_size", "3"], "not divisible by micro_batch_size 3"),
     (["--n_embd", "30"], "n_embd 30 is not divisible by n_head 4"),
-    (["--data", "/nonexistent"], "no such directory"),
+    (["--data", "/nonexistent/corpus"], "no such directory"),
     (["--max_iters", "0"], "--max_iters must be positive"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
     (["--sample_tokens", "-1"], "--sample_tokens must not be negative"),
