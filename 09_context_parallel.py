@@ -35,7 +35,8 @@ every rank has one early and one late chunk and the causal work is the same on a
     j > r:                 q chunk r      .       .
                            q 2C-1-r       ■       ■        2 blocks
 
-  so every rank computes the same 2 blocks of (s/2C)² scores in every step.
+  so in every step every rank does the same work as every other: 2 blocks of (s/2C)²
+  scores (in step 0 one block and the two diagonal ones, computed whole and half masked).
   Each block gives its output O_b (already softmax-normalised over the block's keys) and the
   log-sum-exp of its scores, L_b = log Σ_keys exp(q·k/√d). Two partial results over
   disjoint key sets merge exactly (the online softmax of FlashAttention):
@@ -127,19 +128,34 @@ from common import (activation_device_type, activation_terms, ActivationMeter, a
 def add_flags(parser):
     g = parser.add_argument_group("09_context_parallel")
     g.add_argument("--cp", type=int, default=None,
-                   help="context-parallel ranks that split every sequence (default: the world size)")
+                   help="context-parallel ranks that split every sequence (default: the largest divisor of "
+                        "the world size that splits the sequence, and for Ulysses the heads; the rest is data parallel)")
     g.add_argument("--cp_impl", default="ring", choices=["ring", "ulysses"],
                    help="ring attention (zigzag, K/V around the ring) or Ulysses (all-to-all over heads)")
     return parser
 
 
+def splits(C, config, impl):
+    """Whether C context-parallel ranks can split this model's sequence (and heads)."""
+    if C == 1:  # nothing to split: plain attention
+        return True
+    if impl == "ring":
+        return config.block_size % (2 * C) == 0
+    return config.block_size % C == 0 and config.n_head % C == 0
+
+
 def check_layout(args, config, world_size):
-    """--cp divides the world (the rest is data parallel) and the sequence; Ulysses: the heads."""
-    C = world_size if args.cp is None else args.cp
+    """--cp divides the world (the rest is data parallel) and the sequence; Ulysses: the heads.
+    Without --cp, the largest C that does (12 ranks of the 256-token default: cp 4 x dp 3)."""
+    C = args.cp
+    if C is None:
+        C = max(c for c in range(1, world_size + 1) if world_size % c == 0 and splits(c, config, args.cp_impl))
     check(C >= 1, f"--cp must be positive, got {C}")
     check(world_size % C == 0, f"--cp {C} does not divide the world size {world_size}")
     s = config.block_size
-    if args.cp_impl == "ring":
+    if C == 1:
+        pass
+    elif args.cp_impl == "ring":
         check(s % (2 * C) == 0, f"block_size {s} is not divisible by 2 x cp = {2 * C} "
               "(ring attention cuts every sequence into 2·cp chunks)")
     else:
@@ -160,7 +176,7 @@ def zigzag_chunks(rank, C):
 def token_positions(s, C, cp_rank, impl):
     """Positions (into the sequence of length s) of the tokens this CP rank holds, in the
     order it holds them: ring, chunks r and 2C-1-r of length s/2C; Ulysses, a contiguous s/C."""
-    if impl == "ulysses":
+    if impl == "ulysses" or C == 1:
         return torch.arange(cp_rank * s // C, (cp_rank + 1) * s // C)
     c = s // (2 * C)
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunks(cp_rank, C)])
@@ -472,7 +488,7 @@ def costs(args, config, world_size, dtype):
                      5 * e * b * T * h + sdpa_logsumexp_bytes(b, a // C, s, dtype, device_type))
     terms = activation_terms(config, b, T, dtype, device_type, attention=attention)
     act_formula, act_bytes = activations_of_layers(terms, L, recompute)
-    return {"layout": {"cp": C, "dp": D, "cp_impl": args.cp_impl, "micro_batches": m},
+    return {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
             "held": {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
                      "optim": ("8Ψ", 8 * n_params)},
             "sent": sent,

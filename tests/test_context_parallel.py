@@ -81,6 +81,7 @@ def test_bfloat16_ledger_and_cost_function():
     for impl in ("ring", "ulysses"):
         flags = BASE + ["--dtype", "bfloat16", "--max_iters", "1", "--cp", 2, "--cp_impl", impl]
         run = launch("09_context_parallel.py", flags, nprocs=2).ok()
+        assert run.steps[0]["state_bytes"] == run.steps[0]["state_bytes_theory"]
         n_params = run.steps[0]["state_bytes"]["params"] // 4
         assert run.steps[0]["comm_bytes"] == expected_sent(impl, 2, 2, 8, 64, 64, 4, n_params, e=2)
         args = argparse.Namespace(cp=2, cp_impl=impl, global_batch_size=8, micro_batch_size=None,

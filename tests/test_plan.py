@@ -61,7 +61,7 @@ def test_json_schema(tiny_plan):
     for c in tiny_plan["candidates"]:
         assert set(c["per_gpu_bytes"]) >= {"params", "grads", "optim", "activations", "total"}
         assert c["per_gpu_bytes"]["total"] == sum(v for k, v in c["per_gpu_bytes"].items() if k != "total" and v)
-        assert isinstance(c["flags"], list) and c["script"].endswith(".py") and c["layout"]
+        assert isinstance(c["flags"], list) and c["script"].endswith(".py") and isinstance(c["layout"], str) and c["layout"]
         assert c["step_time_s"] > 0 and 0 < c["mfu"] <= 1 and isinstance(c["fits"], bool)
         assert all(isinstance(v, int) for v in c["comm_bytes_per_step"].values())
     times = [c["step_time_s"] for c in tiny_plan["candidates"] if c["fits"]]

@@ -81,10 +81,11 @@ NODE_SIZES = [1, 2, 4, 8, 12, 16, 24]  # one and two nodes of Polaris/Perlmutter
 
 
 @pytest.mark.parametrize("script", ["03_ddp.py", "04_zero.py", "05_fsdp.py", "06_tensor_parallel.py",
-                                    "07_pipeline.py", "08_3d.py"])
+                                    "07_pipeline.py", "08_3d.py", "09_context_parallel.py"])
 def test_defaults_fit_every_node_size(script):
     """The bare command (no flag but the rank count) is a valid configuration at every node
-    size: 06 at tp = N, 07 at pp = N; validated by the script itself in a dry run."""
+    size: 06 at tp = N, 07 at pp = N, 09 at the largest cp that splits the sequence;
+    validated by the script itself in a dry run."""
     for n in NODE_SIZES:
         if script in ("06_tensor_parallel.py", "07_pipeline.py") and n > 12:
             continue  # one group spanning two nodes: see test_bare_commands_really_run for 8 and 12
