@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -583,8 +584,27 @@ class Data:
             return len(set(open(SHAKESPEARE_TXT, encoding="utf-8").read()))
         if spec == "synthetic":
             return SYNTHETIC_VOCAB
+        vocab, _, problem = Data.vocabulary(spec)
+        check(problem is None, problem)  # a dry run reads it before anything else is checked
+        return vocab
+
+    @staticmethod
+    def vocabulary(spec):
+        """(vocab_size, where it comes from, None) of a --data directory, or (None, None, the
+        problem): meta.pkl's vocab_size, or GPT-2's padded 50304 without one."""
+        if not os.path.isdir(spec):
+            return None, None, (f"--data {spec}: no such directory (expected shakespeare_char, synthetic, "
+                                "or a directory with train.bin and val.bin)")
         meta = os.path.join(spec, "meta.pkl")
-        return read_vocab_size(meta) if os.path.exists(meta) else 50304  # GPT-2's, padded
+        if not os.path.exists(meta):
+            return 50304, "GPT-2's padded vocabulary (there is no meta.pkl)", None
+        try:
+            vocab = read_vocab_size(meta)
+        except Exception as e:  # a damaged or foreign meta.pkl
+            return None, None, f"--data {spec}: cannot read vocab_size from {meta} ({e})"
+        if not 0 < vocab <= 65536:
+            return None, None, f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..65536 (uint16 tokens)"
+        return vocab, f"{meta}'s vocab_size", None
 
     @staticmethod
     def problem(spec, block_size, rank=0, world_size=1):
@@ -605,17 +625,9 @@ class Data:
                     return (f"--data {spec}: its {split} split holds {n} tokens; block_size {block_size} "
                             f"needs at least block_size+2 = {block_size + 2} (lower --block_size)")
             return None
-        if not os.path.isdir(spec):
-            return f"--data {spec}: no such directory (expected shakespeare_char, synthetic, or a directory with train.bin and val.bin)"
-        meta = os.path.join(spec, "meta.pkl")
-        vocab, source = 50304, "GPT-2's padded vocabulary (there is no meta.pkl)"
-        if os.path.exists(meta):
-            try:
-                vocab, source = read_vocab_size(meta), f"{meta}'s vocab_size"
-            except Exception as e:  # a damaged or foreign meta.pkl
-                return f"--data {spec}: cannot read vocab_size from {meta} ({e})"
-            if not 0 < vocab <= 65536:
-                return f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..65536 (uint16 tokens)"
+        vocab, source, problem = Data.vocabulary(spec)
+        if problem:
+            return problem
         for split in SPLITS:
             path = os.path.join(spec, f"{split}.bin")
             if not os.path.isfile(path):
@@ -626,7 +638,10 @@ class Data:
             if size // 2 < block_size + 2:
                 return (f"{path} holds {size // 2} tokens, fewer than block_size+2 = {block_size + 2} "
                         "(the batch sampler needs one window of block_size+1 tokens and a choice of start)")
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            try:
+                tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            except OSError as e:  # unreadable: permissions, a stale network mount
+                return f"{path} cannot be read: {e.strerror or e}"
             lo, hi = rank * len(tokens) // world_size, (rank + 1) * len(tokens) // world_size
             for a in range(lo, hi, DATA_SCAN_CHUNK):
                 chunk = np.asarray(tokens[a:min(hi, a + DATA_SCAN_CHUNK)])
@@ -998,20 +1013,51 @@ def leave(env, status):
 
 def startup_problem(args, env):
     """This rank's first problem with the files of the run, or None: --data (this rank's
-    slice of the token scan), and on rank 0, which writes them, --metrics and --out_dir
-    (created, checked writable and locked for this job)."""
+    slice of the token scan), and on rank 0, which writes them, --metrics, --export and
+    --out_dir (created, checked writable, locked for this job and cleared of the leftovers of
+    interrupted writes)."""
     problem = Data.problem(args.data, model_block_size(args), env.rank, env.world_size)
     if problem or not env.master:
         return problem
-    if args.metrics:
-        folder = os.path.dirname(os.path.abspath(args.metrics))
-        if not os.path.isdir(folder):
-            return f"--metrics {args.metrics}: the directory {folder} does not exist"
+    problem = output_problems(args)
+    if problem is None and args.metrics:
         try:
             open(args.metrics, "a").close()
         except OSError as e:
             return f"--metrics {args.metrics} cannot be written: {e.strerror}"
-    return lock_out_dir(args.out_dir)
+    # the other ranks wait in `agree` meanwhile: never longer than half the collective timeout
+    problem = problem or lock_out_dir(args.out_dir, wait_s=min(LOCK_STALE_S, args.timeout / 2))
+    if problem is None:  # ours now: remove what interrupted writes of earlier jobs left
+        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir))
+    return problem
+
+
+def output_problems(args):
+    """The first reason the files this run would write cannot be written, or None, found
+    without writing anything (a dry run calls it too): --metrics and --export need an
+    existing, writable directory; --out_dir must be a writable directory or creatable (a
+    directory is made and removed in it, or in the deepest part of its path that exists)."""
+    for flag, path in (("--metrics", args.metrics), ("--export", getattr(args, "export", None))):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return f"{flag} {path}: the directory {folder} does not exist"
+        if os.path.isdir(path):
+            return f"{flag} {path} is a directory"
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            return f"{flag} {path} cannot be written: permission denied"
+    existing = os.path.abspath(args.out_dir)
+    while not os.path.exists(existing):  # the deepest part of the path that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"--out_dir {args.out_dir}: {existing} exists and is not a directory"
+    try:  # permission bits do not tell (root, read-only mounts): make and remove a directory there
+        os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=existing))
+    except OSError as e:
+        verb = "is not writable" if existing == os.path.abspath(args.out_dir) else f"cannot be created in {existing}"
+        return f"--out_dir {args.out_dir} {verb}: {e.strerror}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -1044,10 +1090,12 @@ def _lock_is_stale(path, holder):
         return True
 
 
-def lock_out_dir(out_dir):
+def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
     """Create out_dir, check that it is writable, and take its lock (out_dir/LOCK, holding
     host, pid and scheduler job id; a daemon thread touches it every LOCK_HEARTBEAT_S).
-    Returns the problem, or None. A stale lock of a dead job is replaced, with a note."""
+    Returns the problem, or None. A stale lock of a dead job is replaced, with a note. A
+    live-looking lock of another host may be a job killed seconds ago (a chained job starts
+    right after it): this waits up to `wait_s` for its heartbeat to stop before refusing."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except FileExistsError:
@@ -1066,6 +1114,16 @@ def lock_out_dir(out_dir):
                 holder = json.load(open(path))
             except (OSError, ValueError):
                 holder = {}
+            if not _lock_is_stale(path, holder) and holder.get("host") != socket.gethostname() and wait_s > 0:
+                print(f"note: --out_dir {out_dir} is locked by job {holder.get('job')} on host {holder.get('host')}; "
+                      f"waiting up to {wait_s:.0f} s to see whether its heartbeat stops (a killed job's)",
+                      file=sys.stderr, flush=True)
+                deadline = time.time() + wait_s
+                while time.time() < deadline and os.path.exists(path) and not _lock_is_stale(path, holder):
+                    time.sleep(min(1.0, max(0.0, deadline - time.time())))
+                wait_s = 0
+                if not os.path.exists(path):
+                    continue  # released while we waited: take it
             if not _lock_is_stale(path, holder):
                 age = time.time() - os.path.getmtime(path)
                 return (f"--out_dir {out_dir} is in use by another job (host {holder.get('host')}, "
@@ -1528,8 +1586,13 @@ def dry_run(args, script, config, cost, layout_lines=()):
     """--dry_run: the configuration has been validated for args.world_size ranks; print
     the layout and what one rank holds and sends per step, from the same cost function the
     live ledger checks, then exit 0."""
-    problem = Data.problem(args.data, config.block_size)  # a launch checks it in setup()
+    problem = Data.problem(args.data, config.block_size) or output_problems(args)  # a launch checks these in setup()
     check(problem is None, problem)
+    if args.resume:  # the newest checkpoint, opened and checked against this run as a launch would
+        try:
+            open_checkpoint(args.out_dir, run_config(args, config, None))
+        except CheckpointError as e:
+            fail(str(e))
     n, per_node = args.world_size, args.ranks_per_node
     psi, nano = count_params(config)
     held = sum(value for _, value in cost["held"].values())
@@ -1720,6 +1783,18 @@ def _read_metadata(path):
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not the metadata of a checkpoint of these scripts "
                               f"(no \"format\": \"{CHECKPOINT_FORMAT}\")")
+    kinds = {"step": int, "optimizer_step": int, "run": dict, "layout": dict, "tensors": dict}
+    damaged = [key for key, kind in kinds.items() if not isinstance(meta.get(key), kind)]
+    entries = meta.get("tensors") if isinstance(meta.get("tensors"), dict) else {}
+    damaged += [f"tensors/{name}" for name, entry in entries.items()
+                if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+                        and isinstance(entry.get("dtype"), str) and isinstance(entry.get("pieces"), list)
+                        and all(isinstance(piece, dict) and isinstance(piece.get("rank"), int)
+                                and isinstance(piece.get("key"), str) and isinstance(piece.get("box"), list)
+                                for piece in entry["pieces"]))]
+    if damaged:
+        raise CheckpointError(f"checkpoint metadata {path} is damaged: {', '.join(damaged[:3])} "
+                              f"missing or malformed")
     return meta
 
 
@@ -1825,11 +1900,14 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
     log(env, f"checkpoint step {step} committed to {directory}: {format_bytes(min(sizes))} to "
              f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
     if getattr(args, "export", None) and step == args.max_iters:
+        problem = None
         if env.master:
-            export_checkpoint(args.out_dir, args.export)
-            log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                export_checkpoint(args.out_dir, args.export)
+                log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
+            except OSError as e:  # checked at start; the disk may have filled since
+                problem = f"cannot write --export {args.export}: {e}; the checkpoint {directory} is committed"
+        agree(env, problem)
 
 
 def _optimizer_step(optimizer, default):
@@ -1920,11 +1998,7 @@ def resume_checkpoint(out_dir, env, pieces, run, optimizer):
     """Load every piece this rank holds from the newest committed set in out_dir, whatever
     the layout (and script) that wrote it; the RNG states too when the layout is the same
     (then the run continues bit for bit). Returns (step, the extra RNG states or None)."""
-    t0 = time.perf_counter()
-    if env.master and os.path.isdir(checkpoint_root(out_dir)):
-        clean_checkpoints(out_dir, keep=latest_checkpoint(out_dir))  # leftovers of interrupted writes
-    if dist.is_initialized():
-        dist.barrier()
+    t0 = time.perf_counter()  # (setup() removed the leftovers of interrupted writes)
 
     def load():
         ckpt = open_checkpoint(out_dir, run)

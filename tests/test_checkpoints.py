@@ -54,7 +54,8 @@ def chain_a(tmp_path_factory):
 def chain_b(tmp_path_factory):
     out = tmp_path_factory.mktemp("chain_b")
     legs = [("01_single_gpu.py", [], 1, 2), ("04_zero.py", ["--stage", "3"], 4, 4),
-            ("04_zero.py", ["--stage", "1"], 3, 6), ("06_tensor_parallel.py", [], 2, 7)]
+            ("04_zero.py", ["--stage", "1"], 3, 5), ("09_context_parallel.py", ["--cp", "2"], 2, 6),
+            ("06_tensor_parallel.py", [], 2, 7)]
     runs = run_chain(out, legs)
     saved = out.parent / (out.name + "_06_set")  # the 06 set, kept for the damage tests below
     shutil.copytree(out, saved)
@@ -82,7 +83,7 @@ def test_any_script_resumes_any_other_at_any_layout_chain_a(reference, chain_a):
 
 def test_any_script_resumes_any_other_at_any_layout_chain_b(reference, chain_b):
     _, runs, _ = chain_b
-    check_chain(reference, runs, [0, 2, 4, 6, 7])
+    check_chain(reference, runs, [0, 2, 4, 5, 6, 7])
 
 
 def test_metadata_names_every_piece_and_each_rank_file_holds_its_share(chain_b):
@@ -93,6 +94,11 @@ def test_metadata_names_every_piece_and_each_rank_file_holds_its_share(chain_b):
     wte = meta["tensors"]["model/transformer.wte.weight"]
     assert wte["shape"] == [65, 64]  # the unpadded vocabulary, though tp 2 pads it to 66
     assert sorted(p["box"][0] for p in wte["pieces"]) == [[0, 33], [33, 65]]
+    # a reader opens only the rank files whose pieces overlap what it asks for
+    ckpt = common.Checkpoint(str(saved / "ckpt" / directory))
+    (first,) = [p["rank"] for p in wte["pieces"] if p["box"][0] == [0, 33]]
+    ckpt.read("model/transformer.wte.weight", [65, 64], [[0, 20], [0, 64]])
+    assert list(ckpt.files) == [first]
     c_attn = meta["tensors"]["optim/exp_avg/transformer.h.0.attn.c_attn.weight"]
     assert len(c_attn["pieces"]) == 6  # [Q_t; K_t; V_t] on each of 2 ranks
     assert "lm_head.weight" not in str(meta["tensors"])  # the tied head is wte
@@ -129,6 +135,11 @@ def test_half_written_set_is_ignored_and_leftovers_are_removed(reference, tmp_pa
     assert resumed.steps[0]["step"] == 2
     assert_losses_match(type(reference)(reference.cmd, 0, "", "", 0, reference.steps[2:3]), resumed)
     assert os.listdir(root) == ["step_2"] and sorted(os.listdir(root / "step_2")) == ["metadata.json", "rank0.pt"]
+    # a fresh start that writes no checkpoint cleans up too, as soon as it holds the out_dir
+    (root / "step_5").mkdir()
+    (root / "step_2" / "rank0.pt.tmp.4243").write_bytes(b"")
+    launch("01_single_gpu.py", FLAGS + ["--out_dir", out, "--max_iters", "1", "--sample_tokens", "0"]).ok()
+    assert os.listdir(root) == ["step_2"] and sorted(os.listdir(root / "step_2")) == ["metadata.json", "rank0.pt"]
 
 
 def test_refusals_are_one_line(tmp_path):
@@ -164,6 +175,14 @@ def test_refusals_are_one_line(tmp_path):
     refused(FLAGS + ["--out_dir", nano, "--resume", "--sample_tokens", "0"], "ckpt.pt", "not a checkpoint of this format")
     torch.save(torch.zeros(3), nano / "tensor.pt")
     refused(FLAGS + ["--init_from", nano / "tensor.pt", "--sample_tokens", "0"], "not a one-file model", "Tensor")
+    # the dry run opens the checkpoint as the launch would: the same refusal, before queueing
+    refused(base + ["--resume", "--n_layer", "2", "--dry_run", "--world_size", "1"], "another model", "n_layer")
+    metadata = out / "ckpt" / "step_2" / "metadata.json"
+    damaged = json.load(open(metadata))
+    del damaged["tensors"]["model/transformer.wte.weight"]["pieces"], damaged["layout"]
+    metadata.write_text(json.dumps(damaged))
+    says(lambda: common.open_checkpoint(str(out), run), str(metadata), "damaged", "layout",
+         "tensors/model/transformer.wte.weight")
     (out / "ckpt" / "step_2" / "metadata.json").write_text("[1, 2]")
     says(lambda: common.open_checkpoint(str(out), run), "metadata.json", "not the metadata")
     says(lambda: common.open_checkpoint(str(tmp_path / "none"), run), "no checkpoint")

@@ -18,6 +18,7 @@ import torch
 
 import common
 from harness import LAUNCHER_ENV, ROOT, TINY, command, launch
+from test_real_conditions import dry
 from test_reliability import rank_pids
 
 QUICK = 60  # seconds: every refusal below ends the job well within this
@@ -59,15 +60,27 @@ def test_token_ids_outside_the_vocabulary(tmp_path, script, nprocs, extra):
     ("odd", "not a whole number of uint16 tokens"),
     ("exact", "holds 65 tokens, fewer than block_size+2 = 66"),
     ("vocab0", "says vocab_size 0"),
+    ("junk", "cannot read vocab_size from"),
 ])
 def test_damaged_data_directory(tmp_path, damage, message):
+    """Refused by the launch, and by a dry run of the same command (one line, status 2)."""
     d = dataset(tmp_path / "data", n_val=65 if damage == "exact" else 400)  # tiny: block_size 64
     if damage == "odd":
         with open(d / "val.bin", "ab") as f:
             f.write(b"\x01")
     if damage == "vocab0":
         (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 0}))
+    if damage == "junk":
+        (d / "meta.pkl").write_bytes(b"not a pickle at all")
     refused(launch("03_ddp.py", TINY + ["--data", d], nprocs=2), message)
+    dry_refused(["--data", d], message)
+
+
+def dry_refused(flags, message):
+    """`03_ddp.py --dry_run --world_size 2` with these flags: one error line naming the cause."""
+    p = dry("03_ddp.py", "--world_size", 2, *TINY, *flags)
+    errors = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(errors) == 1 and message in errors[0], p.stderr
 
 
 @pytest.mark.parametrize("script, nprocs, data, block", [("03_ddp.py", 2, "synthetic", 1 << 17),
@@ -105,20 +118,26 @@ def read_only_dir(tmp_path):
 @pytest.mark.parametrize("where, message", [
     ("file", "exists and is not a directory"),
     ("read-only", "cannot be created"),
-    ("metrics", "the directory"),
+    ("metrics", "--metrics"),
+    ("export", "--export"),
 ])
-def test_unusable_out_dir_or_metrics_refused_before_training(tmp_path, where, message):
-    flags = TINY + ["--max_iters", "2"]
+def test_unusable_out_dir_metrics_or_export_refused_before_training(tmp_path, where, message):
+    """Found before the first step (not at the first write), and by a dry run, which writes nothing."""
+    flags = ["--max_iters", "2"]
     if where == "file":
         (tmp_path / "afile").write_text("not a directory")
         flags += ["--out_dir", tmp_path / "afile"]
     elif where == "read-only":
         flags += ["--out_dir", read_only_dir(tmp_path)]
-    else:
+    elif where == "metrics":
         flags += ["--metrics", tmp_path / "missing" / "m.jsonl"]
-    run = launch("03_ddp.py", flags, nprocs=2)
+    else:
+        flags += ["--ckpt_interval", "2", "--export", tmp_path / "missing" / "model.pt"]
+    dry_refused(flags, message)
+    assert not (tmp_path / "missing").exists() and not os.path.isdir(tmp_path / "afile")
+    run = launch("03_ddp.py", TINY + flags, nprocs=2)
     refused(run, message)
-    assert "step 0" not in run.stdout  # found before the first step, not at the first write
+    assert "step 0" not in run.stdout
 
 
 # ---- non-finite loss ---------------------------------------------------------------------
@@ -201,6 +220,37 @@ def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path):
     old = time.time() - common.LOCK_STALE_S - 1
     os.utime(lock, (old, old))
     assert common._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
+
+
+def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monkeypatch):
+    """A chained job may start seconds after the last one was killed on another host: its
+    lock still looks alive. The new job waits for the heartbeat to stop (LOCK_STALE_S, here
+    shortened), then takes the lock; a lock whose heartbeat goes on is refused after the wait."""
+    import threading
+    monkeypatch.setattr(common, "LOCK_STALE_S", 2)
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / "LOCK"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "41"}))  # killed: no heartbeat
+    t0 = time.time()
+    assert common.lock_out_dir(str(out), wait_s=10) is None
+    assert 1.5 < time.time() - t0 < 6 and json.loads(lock.read_text())["pid"] == os.getpid()
+    common.release_out_dir()
+    assert not lock.exists()
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "42"}))  # alive: it beats on
+    alive = threading.Event()
+
+    def heartbeat():
+        while not alive.wait(0.3):
+            os.utime(lock)
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        t0 = time.time()
+        problem = common.lock_out_dir(str(out), wait_s=3)
+        assert problem and "is in use by another job" in problem and "job 42" in problem
+        assert 2.5 < time.time() - t0 < 8
+    finally:
+        alive.set()
 
 
 def committed(out):
