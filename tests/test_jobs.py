@@ -7,6 +7,7 @@ trains."""
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from harness import ROOT
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "jobs", "*.sh")))
 STUB = """#!/bin/bash
 echo "$(basename "$0") $* | MASTER_ADDR=${MASTER_ADDR:-} MASTER_PORT=${MASTER_PORT:-}" >> "$RECORD"
-[ "$(basename "$0")" != scontrol ] || printf 'nid001\\nnid002\\n'
+[ "$(basename "$0")" != scontrol ] || for i in $(seq 1 "$NODES"); do printf 'nid%03d\\n' "$i"; done
 """
 # mpiexec / srun: record the line, then dry-run the python command it launches at its size
 LAUNCHER = """#!{python}
@@ -53,16 +54,17 @@ def scheduler(tmp_path):
         (stubs / name).write_text(LAUNCHER.format(python=sys.executable) if name in ("mpiexec", "srun") else STUB)
         (stubs / name).chmod(0o755)
     nodefile = tmp_path / "nodefile"
-    nodefile.write_text("x3001c0s13b0n0\nx3001c0s13b1n0\n")
     record = tmp_path / "record"
 
     def run(script, *args, kind="pbs"):
+        nodes = nodes_asked(script)  # the scheduler grants what the job's header asks for
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PBS_", "SLURM_"))}
-        env.update(PATH=f"{stubs}:{env['PATH']}", RECORD=str(record), USER="tester")
+        env.update(PATH=f"{stubs}:{env['PATH']}", RECORD=str(record), USER="tester", NODES=str(nodes))
         if kind == "pbs":
+            nodefile.write_text("".join(f"x3001c0s13b{i}n0\n" for i in range(nodes)))
             env.update(PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=ROOT, PBS_JOBID="1234.polaris-pbs")
         else:
-            env.update(SLURM_SUBMIT_DIR=ROOT, SLURM_NNODES="2", SLURM_JOB_NODELIST="nid[001-002]",
+            env.update(SLURM_SUBMIT_DIR=ROOT, SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"nid[001-{nodes:03d}]",
                        SLURM_JOB_ID="4242")
         p = subprocess.run(["bash", os.path.join(ROOT, "jobs", script), *args], env=env, cwd=str(tmp_path),
                            capture_output=True, text=True, timeout=60)
@@ -70,6 +72,14 @@ def scheduler(tmp_path):
         record.unlink(missing_ok=True)
         return p, lines
     return run
+
+
+def nodes_asked(script):
+    """The node count of a job script's header: `#PBS -l select=N` or `#SBATCH -N N`."""
+    header = open(os.path.join(ROOT, "jobs", script)).read()
+    found = re.findall(r"^#PBS -l select=(\d+)|^#SBATCH (?:-N|--nodes[= ])\s*(\d+)", header, re.M)
+    assert len(found) == 1, f"{script}: expected one node count in its header, found {found}"
+    return int(found[0][0] or found[0][1])
 
 
 def launch_line(lines, launcher):
@@ -118,9 +128,9 @@ def test_named_scripts(scheduler):
     assert p.returncode == 0, p.stderr
     assert "python 03_ddp.py --model gpt2 --data synthetic --global_batch_size 96 --micro_batch_size 12 " \
            "--max_iters 500 --max_iters 7 |" in launch_line(lines, "mpiexec")
-    p, lines = scheduler("perlmutter_fsdp.sh", kind="slurm")
+    p, lines = scheduler("perlmutter_fsdp.sh", kind="slurm")  # 4 nodes
     assert p.returncode == 0, p.stderr
-    assert "-n 8 " in launch_line(lines, "srun") and "python 05_fsdp.py --model gpt2-xl --replicate 4" in p.stdout + launch_line(lines, "srun")
+    assert "-N 4 -n 16 " in launch_line(lines, "srun") and "python 05_fsdp.py --model gpt2-xl --replicate 4" in p.stdout + launch_line(lines, "srun")
     if os.path.exists(os.path.join(ROOT, "08_3d.py")):
         p, lines = scheduler("frontier_3d.sh", kind="slurm")
         assert p.returncode == 0, p.stderr
@@ -131,9 +141,13 @@ def test_named_scripts(scheduler):
 
 JOBS = [  # every named job, and every machine script with its default ARGS
     ("polaris.sh", "pbs", 8), ("aurora.sh", "pbs", 24), ("frontier.sh", "slurm", 16),
-    ("perlmutter.sh", "slurm", 8), ("polaris_ddp.sh", "pbs", 8), ("perlmutter_fsdp.sh", "slurm", 8),
-    ("frontier_3d.sh", "slurm", 16),
+    ("perlmutter.sh", "slurm", 8), ("polaris_ddp.sh", "pbs", 8), ("perlmutter_fsdp.sh", "slurm", 16),
+    ("frontier_3d.sh", "slurm", 16), ("polaris_cp.sh", "pbs", 8),
 ]
+
+
+def test_every_job_is_listed():
+    assert sorted(j[0] for j in JOBS) == sorted(os.path.basename(s) for s in SCRIPTS if not s.endswith(("lib.sh", "local.sh")))
 
 
 @pytest.mark.parametrize("script, kind, world", JOBS, ids=[j[0] for j in JOBS])
