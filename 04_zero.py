@@ -89,6 +89,9 @@ reduce-scatter or all-gather, so equal wire traffic shows here as 2bΨ against D
              micro-batch: 3bΨ where DDP has 2bΨ of wire traffic, the paper's 1.5x
     and every stage: an all-reduce of the logged loss (4 bytes) and, with clipping, of the
     squared gradient norm (4 bytes)
+  03_ddp.py all-reduces fp32 gradients under bf16 too (autocast keeps the parameters, hence
+  the gradients, fp32): 4Ψ. So in bf16, stage 1's 2·2Ψ equals 03's 4Ψ in message bytes and
+  moves twice its wire traffic; the paper compares against a DDP that reduces bf16 gradients.
 """
 
 import math
@@ -98,7 +101,7 @@ import torch
 import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, autocast, build_model, check, check_batch, Data, dry_run,
+                    activations_of_layers, autocast, build_model, check, check_batch, count_params, Data, dry_run,
                     flops_per_token, GPT, Guard, is_decayed, launch_for, LEDGER, log, lr_at,
                     make_adamw, make_parser, Metrics, model_block_size, model_config,
                     optimizer_state_tensors, param_pieces, parse_args, planned_dtype, print_ledger,
@@ -457,7 +460,7 @@ def main():
     model = build_model(config, args.seed, env.device)  # every rank builds the same model ...
     for block in model.transformer.h:
         block.recompute = args.recompute
-    nano_params, n_params = model.num_params(), sum(p.numel() for p in model.parameters())
+    n_params, nano_params = count_params(config)
     zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
     optimizer = zero.optimizer
     run = run_config(args, config, {"strategy": "zero", "stage": args.stage})
@@ -465,7 +468,6 @@ def main():
     if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shard
         start_step, _ = resume_checkpoint(args.out_dir, env, zero.checkpoint_pieces(), run, optimizer)
         zero.after_load()
-    train_model = model
 
     log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), "
              f"device {env.device}, {str(env.dtype).replace('torch.', '')}, ZeRO stage {args.stage} over "
@@ -483,7 +485,7 @@ def main():
 
     for step in progress(env, start_step, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(train_model, zero, data, args, env, accum_steps)
+            losses = evaluate(model, zero, data, args, env, accum_steps)
             log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
             LEDGER.take()
@@ -500,7 +502,7 @@ def main():
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
-                _, loss = train_model(x[rows], y[rows])
+                _, loss = model(x[rows], y[rows])
             zero.before_backward(last=micro == accum_steps - 1)  # stage 1 communicates in the last only
             (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
             zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
@@ -531,7 +533,7 @@ def main():
             guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(train_model, zero, data, args, env, accum_steps)
+        losses = evaluate(model, zero, data, args, env, accum_steps)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)

@@ -62,9 +62,13 @@ Cost per rank, T ranks, L layers, h width, b micro-batch, s sequence, bytes in f
             --sequence_parallel each all-reduce becomes an all-gather + a reduce-scatter of
             the same b·s·h, plus 2 more all-gathers of b·s·h per layer and 1 for the head in
             backward (the column-parallel inputs gathered again), plus one all-reduce of the
-            replicated parameters' gradients per step
+            replicated parameters' gradients per step. --recompute runs each block's
+            forward again in backward, and its forward collectives with it: + 2 all-reduces
+            of b·s·h per layer (with --sequence_parallel, + 2 all-gathers and 2
+            reduce-scatters)
     activations per micro-batch: the attention and MLP parts of a block /T; with
-            --sequence_parallel every term /T (common.activation_terms; costs() below)
+            --sequence_parallel every term /T (common.activation_terms; costs() below);
+            --recompute keeps each block's input only
 """
 
 import math
@@ -628,15 +632,15 @@ def main():
         start_step, extra_rng = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
         if extra_rng is not None:  # the same layout: this rank's own dropout stream too
             rng.state = extra_rng["tp"]
-    train_model = model
 
     cost = costs(args, config, tp_size, env.dtype)
     n_sharded, n_replicated = cost["params_per_rank"]
-    log(env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
+    nano_params = count_params(config)[1]
+    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
              f"{str(env.dtype).replace('torch.', '')}, tensor parallel over {tp_size} ranks"
              f"{' with sequence parallelism' if args.sequence_parallel else ''}, vocabulary {config.vocab_size} "
              f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
-    metrics = Metrics(args, env, flops_per_token(config, count_params(config)[1]), cost)
+    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
     meter = ActivationMeter()
     log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp_size} of {n_sharded * tp_size:,}) + "
              f"{n_replicated:,} replicated")
@@ -647,7 +651,7 @@ def main():
 
     for step in progress(env, start_step, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(train_model, data, args, env, accum_steps)
+            losses = evaluate(model, data, args, env, accum_steps)
             log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
             LEDGER.take()
@@ -663,7 +667,7 @@ def main():
         for micro in range(accum_steps):
             rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
             with autocast(env):
-                loss = train_model(x[rows], y[rows])
+                loss = model(x[rows], y[rows])
             (loss / accum_steps).backward()  # accumulate the mean over the global batch
             loss_sum += loss.detach().float()
         activations = meter.stop()
@@ -691,7 +695,7 @@ def main():
             guard.stop(step + 1)  # say how to resume, exit 0 on every rank
 
     if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(train_model, data, args, env, accum_steps)
+        losses = evaluate(model, data, args, env, accum_steps)
         log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
     teardown(env)

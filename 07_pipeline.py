@@ -496,7 +496,7 @@ def main():
     first, last = chunks[0].is_first, chunks[-1].is_last
     chunks.to(env.device)
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
-    tied = [t for t in ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])]
+    tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
     optimizer = make_adamw(*decay_groups(chunks.parameters()), args, env.device.type)
     pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))

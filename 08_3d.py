@@ -680,9 +680,12 @@ def costs(args, config, world_size, dtype, rank=0):
     stage's, TP-sharded, fp32). TP: per micro-batch and layer two all-reduces of b·s·h in the
     compute dtype (the row-parallel outputs, b_c bytes) and two in fp32 (the gradients
     entering f), + the embedding's (fp32) on the first stage, the head's (fp32) and 3 b·s of
-    loss statistics on the last. PP: b·s·h fp32 (the residual stream) per micro-batch per
-    boundary each way. DP: 4Ψ_rank of gradients (--zero1: reduce-scatter + all-gather of the
-    flat buffer padded to D)."""
+    loss statistics on the last; --recompute repeats the two compute-dtype all-reduces (g in
+    the recomputed forward). PP: b·s·h fp32 (the residual stream) per micro-batch per
+    boundary each way, and the tied embedding's gradient shard between the first and last
+    stage. DP: 4Ψ_rank of gradients (--zero1: reduce-scatter + all-gather of the flat buffer
+    padded to D). Control: the logged loss, 4 bytes over pp and over dp; with clipping, the
+    squared norm, 4 bytes over the model group (--zero1: over the world, the shards' sum)."""
     T, P = args.tp, args.pp
     D = world_size // (T * P)
     mesh = Mesh(rank, world_size, T, P)  # coordinates only, no groups
