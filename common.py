@@ -1305,7 +1305,8 @@ def teardown(env):
 
 
 def autocast(env):
-    """bf16/fp16 autocast on GPUs (weights and optimizer stay fp32); nothing in fp32."""
+    """bf16 autocast (weights and optimizer stay fp32; float16 is refused at start: no loss
+    scaling here); nothing in fp32."""
     if env.dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=env.device.type, dtype=env.dtype)
@@ -1989,8 +1990,10 @@ def open_checkpoint(out_dir, run):
             continue
         if saved.get(key) != run[key]:
             what = "another model" if key == "model" else "another run"
+            hint = (f" (to train on with the same schedule, pass --lr_decay_iters {saved.get(key)}: "
+                    "its default is --max_iters)") if key == "lr_decay_iters" else ""
             raise CheckpointError(f"checkpoint {directory} holds {what}: it was written with {key}="
-                                  f"{saved.get(key)}, this run has {key}={run[key]}")
+                                  f"{saved.get(key)}, this run has {key}={run[key]}{hint}")
     return ckpt
 
 

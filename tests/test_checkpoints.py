@@ -162,6 +162,8 @@ def test_refusals_are_one_line(tmp_path):
     run = json.load(open(out / "ckpt" / "step_2" / "metadata.json"))["run"]  # what 01 wrote: this run
     common.open_checkpoint(str(out), run)  # opens
     says(lambda: common.open_checkpoint(str(out), {**run, "seed": 7}), "another run", "seed")
+    says(lambda: common.open_checkpoint(str(out), {**run, "lr_decay_iters": 20}), "lr_decay_iters=20",
+         f"pass --lr_decay_iters {run['lr_decay_iters']}")
     rank0 = out / "ckpt" / "step_2" / "rank0.pt"
     good = rank0.read_bytes()
     torch.save(torch.zeros(3), rank0)  # a plain tensor (another file renamed into place)
