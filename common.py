@@ -1559,6 +1559,15 @@ def print_ledger(env, held, comm, cost, activations=None):
     if not comm and not cost["sent"]:
         lines.append("  communication: none")
     log(env, "\n".join(lines))
+    # rank 0 prints its ledger; every rank checks its own (a pipeline's last stage, a 3D
+    # mesh's other coordinates hold and send other amounts) and says where it differs
+    measured = {**{f"held {k}": held[k] for k in cost["held"]}, **{f"sent {op}": comm.get(op, 0) for op in comm}}
+    theory = {**{f"held {k}": v for k, (_, v) in cost["held"].items()},
+              **{f"sent {op}": v for op, (_, v) in cost["sent"].items()}}
+    differ = [f"{key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
+              for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
+    if differ:
+        print(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", file=sys.stderr, flush=True)
 
 
 def theory_bytes(cost):

@@ -41,6 +41,7 @@ def reference():
 
 def assert_ledger_exact(run, what):
     assert run.steps, what
+    assert "ledger mismatch" not in run.stderr, f"{what}: {run.stderr[-2000:]}"  # any rank's own check
     for row in run.steps:
         assert row["state_bytes"] == row["state_bytes_theory"], f"{what}: held {row['state_bytes']} vs {row['state_bytes_theory']}"
         assert row["comm_bytes"] == row["comm_bytes_theory"], f"{what}: sent {row['comm_bytes']} vs {row['comm_bytes_theory']}"
