@@ -1,6 +1,7 @@
 """Activation memory: the bytes autograd holds for backward (common.ActivationMeter, through
 saved-tensor hooks) equal each script's costs()["activations"] to the byte, in fp32 and
-bf16, with dropout and without, with and without --recompute; --recompute leaves the
+bf16, with dropout and without, with and without --recompute (without it and without
+dropout, for every strategy: test_real_conditions.py); --recompute leaves the
 losses unchanged (01's oracle in fp32 with dropout 0, and the same dropout masks with
 dropout on). --offload (04 at every stage, 05) leaves the losses unchanged and the ledger,
 split into device and host bytes, exact."""
@@ -36,18 +37,20 @@ def test_reference_activations_exact(reference):
 ORACLE = [
     ("01_single_gpu.py", 1, ["--sample_tokens", "0"]),
     ("03_ddp.py", 2, ["--micro_batch_size", "2"]),
+    ("04_zero.py", 2, ["--stage", "1"]),
     ("04_zero.py", 2, ["--stage", "3"]),
     ("05_fsdp.py", 2, []),
+    ("06_tensor_parallel.py", 2, []),
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"]),
     ("07_pipeline.py", 2, ["--micro_batch_size", "2"]),
+    ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"]),
     ("08_3d.py", 4, ["--tp", "2", "--pp", "2"]),
     ("09_context_parallel.py", 2, ["--cp_impl", "ring"]),  # the ring's K/V go around again
     ("09_context_parallel.py", 2, ["--cp_impl", "ulysses"]),  # the four all-to-alls again
 ]
 
 
-@pytest.mark.parametrize("script, ranks, flags", ORACLE, ids=[c[0][:2] + (c[2][1] if c[0].startswith("09") else "")
-                                                              for c in ORACLE])
+@pytest.mark.parametrize("script, ranks, flags", ORACLE, ids=[c[0][:2] + "".join(c[2][:2]) for c in ORACLE])
 def test_recompute_matches_01_and_activations_exact(reference, script, ranks, flags):
     run = launch(script, SHORT + flags + ["--recompute"], nprocs=ranks).ok()
     assert_losses_match(reference, run, what=f"{script} --recompute")

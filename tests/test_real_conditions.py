@@ -1,7 +1,7 @@
 """The scripts as their users run them: the bare commands at the rank counts of real nodes,
-the default preset's shape (24 heads, no bias) against 01, the ledger exact in float32 *and*
-bfloat16 for every training script, --dry_run for every script up to GPT-3 175B, float16
-refused."""
+the default preset's shape (24 heads, no bias) against 01, the ledger (model state, messages
+and activations) exact in float32 *and* bfloat16 for every training script, --dry_run for
+every script up to GPT-3 175B, float16 refused."""
 
 import contextlib
 import io
@@ -45,6 +45,8 @@ def assert_ledger_exact(run, what):
     for row in run.steps:
         assert row["state_bytes"] == row["state_bytes_theory"], f"{what}: held {row['state_bytes']} vs {row['state_bytes_theory']}"
         assert row["comm_bytes"] == row["comm_bytes_theory"], f"{what}: sent {row['comm_bytes']} vs {row['comm_bytes_theory']}"
+        assert row["activation_bytes"] == row["activation_bytes_theory"] > 0, \
+            f"{what}: activations {row['activation_bytes']} vs {row['activation_bytes_theory']}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
