@@ -45,7 +45,7 @@ def dataset(path, n_train=4000, n_val=400, vocab=65, meta=True):
 # ---- data -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("script, nprocs, extra", [("06_tensor_parallel.py", 2, []), ("01_single_gpu.py", 1, []),
-                                                    ("08_3d.py", 2, ["--tp", "2"])])
+                                                    ("08_3d.py", 2, ["--tp", "2"]), ("07_pipeline.py", 2, [])])
 def test_token_ids_outside_the_vocabulary(tmp_path, script, nprocs, extra):
     d = dataset(tmp_path / "data")  # meta.pkl says 65; the last train token is 199: rank 1's slice
     tokens = np.fromfile(d / "train.bin", dtype=np.uint16)
@@ -211,6 +211,33 @@ def test_second_job_refused_then_sigterm_checkpoints_and_resume_takes_a_stale_lo
                                                 "--out_dir", out, "--resume"], nprocs=2).ok()
     assert "removing the stale lock" in resumed.stderr
     assert [row["step"] for row in resumed.steps] == [step, step + 1]
+
+
+def test_sigusr1_to_rank_0_of_a_pipeline_checkpoints_and_exits_0(tmp_path):
+    """Slurm's `--signal=USR1@180`, here to rank 0 of 07 (a loop written apart from 03's):
+    every rank finishes the step, a checkpoint is committed, every rank exits 0."""
+    out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
+    marker = f"--out_dir={out}"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, marker]
+    job = subprocess.Popen(command("07_pipeline.py", 2, None) + list(map(str, flags)), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        pids = rank_pids(marker)
+        assert 0 in pids, f"rank 0 not found among {pids}"
+        os.kill(pids[0], signal.SIGUSR1)
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    stopped = [line for line in stdout.splitlines() if line.startswith("stopped after step")]
+    assert len(stopped) == 1 and "(SIGUSR1)" in stopped[0] and "--resume" in stopped[0], stdout[-2000:]
+    assert committed(out) and "LOCK" not in os.listdir(out)
 
 
 def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path):
