@@ -71,10 +71,7 @@ def test_resume_and_export(reference, tmp_path):
                                             "--eval_interval", "6", "--sample_tokens", "0",
                                             "--init_from", tmp_path / "full.pt"]).ok()
     assert ev.evals[0]["val_loss"] == pytest.approx(whole.evals[-1]["val_loss"], rel=1e-5)
-    # dp2 x pp2 x tp2 with ZeRO-1 resumes as dp2 x tp4 (resharded; test_checkpoints.py checks the losses)
-    other = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--resume", "--tp", "4", "--pp", "1"],
-                   nprocs=8, timeout=400).ok()
-    assert "resharded" in other.stdout and len(other.losses) == 3
+    # (resuming at another layout, resharded, with the losses checked: test_checkpoints.py)
 
 
 @pytest.mark.parametrize("ranks, flags, message", [

@@ -50,21 +50,14 @@ def test_eval_losses_are_the_global_mean(reference):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
 
 
-def test_resume_is_bit_exact_and_works_at_another_world_size(tmp_path):
+def test_resume_is_bit_exact(tmp_path):
     flags = BASE + CLIP + ["--max_iters", "8", "--lr_decay_iters", "8", "--dropout", "0.1"]
     whole = launch("03_ddp.py", flags + ["--out_dir", tmp_path / "whole"], nprocs=2).ok()
     first = launch("03_ddp.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4",
                                          "--ckpt_interval", "4"], nprocs=2).ok()
     second = launch("03_ddp.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses  # bit for bit, dropout streams included
-    # without dropout, the replicated state resumes at any world size
-    flags[flags.index("--dropout") + 1] = "0"
-    whole = launch("03_ddp.py", flags + ["--out_dir", tmp_path / "w0"], nprocs=2).ok()
-    launch("03_ddp.py", flags + ["--out_dir", tmp_path / "b", "--max_iters", "4", "--ckpt_interval", "4"],
-           nprocs=2).ok()
-    third = launch("03_ddp.py", flags + ["--out_dir", tmp_path / "b", "--resume"], nprocs=3).ok()
-    assert "dropout streams start afresh" in third.stdout
-    assert third.losses == pytest.approx(whole.losses[4:], rel=2e-5)
+    # (at another world size or by another script: test_checkpoints.py's chains, losses checked)
 
 
 @pytest.mark.parametrize("flags, message", [

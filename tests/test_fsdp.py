@@ -71,9 +71,7 @@ def test_resume_is_bit_exact_and_export_loads_in_01(tmp_path):
                                             "--eval_interval", "8", "--sample_tokens", "0",
                                             "--init_from", tmp_path / "full.pt"]).ok()
     assert ev.evals[0]["val_loss"] == pytest.approx(whole.evals[-1]["val_loss"], rel=1e-5)
-    # HSDP 2 x 2 resumes as FSDP over 4 (resharded; tests/test_checkpoints.py checks the losses)
-    other = launch("05_fsdp.py", flags[:-2] + ["--out_dir", tmp_path / "a", "--resume"], nprocs=4).ok()
-    assert "resharded" in other.stdout and len(other.losses) == 4
+    # (resuming at another layout, resharded, with the losses checked: test_checkpoints.py)
 
 
 @pytest.mark.parametrize("ranks, flags, message", [
