@@ -19,6 +19,7 @@ import torch
 
 import common
 from harness import TINY, assert_losses_match, launch
+from test_real_conditions import dry
 
 FLAGS = TINY + ["--global_batch_size", "12", "--lr_decay_iters", "8", "--dropout", "0"]
 STEPS = 8
@@ -178,7 +179,8 @@ def test_refusals_are_one_line(tmp_path):
     torch.save(torch.zeros(3), nano / "tensor.pt")
     refused(FLAGS + ["--init_from", nano / "tensor.pt", "--sample_tokens", "0"], "not a one-file model", "Tensor")
     # the dry run opens the checkpoint as the launch would: the same refusal, before queueing
-    refused(base + ["--resume", "--n_layer", "2", "--dry_run", "--world_size", "1"], "another model", "n_layer")
+    p = dry("01_single_gpu.py", "--world_size", 1, *base, "--resume", "--n_layer", 2)
+    assert p.returncode == 2 and "another model" in p.stderr and "n_layer" in p.stderr and len(p.stderr.splitlines()) == 1
     metadata = out / "ckpt" / "step_2" / "metadata.json"
     damaged = json.load(open(metadata))
     del damaged["tensors"]["model/transformer.wte.weight"]["pieces"], damaged["layout"]

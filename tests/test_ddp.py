@@ -22,7 +22,6 @@ CASES = [  # (ranks, micro_batch_size or None, overlap, clipping, bucket MiB)
     (2, None, False, "no_clip", 25),
     (3, None, True, "no_clip", 0.05),
     (3, 2, False, "clip", 25),
-    (4, 3, True, "clip", 0.1),
     (4, None, True, "no_clip", 25),
 ]
 

@@ -17,7 +17,7 @@ def reference():
 
 CASES = [  # (ranks, flags, micro-batch)
     (2, [], 4), (2, ["--no_prefetch", "--no_reshard"], 12), (3, ["--no_prefetch"], 2), (3, ["--no_reshard"], 8),
-    (4, [], 3), (4, ["--no_reshard"], 2), (4, ["--replicate", "2"], 3), (4, ["--replicate", "2", "--no_prefetch"], 6),
+    (4, ["--no_reshard"], 2), (4, ["--replicate", "2", "--no_prefetch"], 6),  # HSDP 2 x 2: test_real_conditions.py too
 ]
 
 

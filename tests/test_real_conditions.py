@@ -29,7 +29,7 @@ CASES = [  # (script, ranks, strategy flags) for each dtype
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"]),
     ("07_pipeline.py", 3, []),  # 5 layers on 3 stages: 1, 2, 2
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "3"]),
-    ("08_3d.py", 8, ["--tp", "2", "--pp", "2"]),
+    ("08_3d.py", 4, ["--tp", "2", "--pp", "2"]),  # dp 2 x pp 2 x tp 2: test_3d.py, test_checkpoints.py
     ("08_3d.py", 6, ["--pp", "3", "--zero1"]),
 ]
 
@@ -49,8 +49,14 @@ def assert_ledger_exact(run, what):
             f"{what}: activations {row['activation_bytes']} vs {row['activation_bytes_theory']}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("script, ranks, flags", CASES, ids=[f"{c[0][:2]}x{c[1]}{''.join(c[2][:2])}" for c in CASES])
+# bf16 for every case but two whose bf16 traffic another case already has (03 all-reduces fp32
+# gradients in both; 07's boundaries run bf16 in the interleaved case)
+RUNS = [(*case, dtype) for case in CASES for dtype in ("float32", "bfloat16")
+        if not (dtype == "bfloat16" and case[:2] in (("03_ddp.py", 3), ("07_pipeline.py", 3)))]
+
+
+@pytest.mark.parametrize("script, ranks, flags, dtype", RUNS,
+                         ids=[f"{c[0][:2]}x{c[1]}{''.join(c[2][:2])}-{c[3]}" for c in RUNS])
 def test_default_shape_matches_01_and_the_ledger_is_exact(reference, script, ranks, flags, dtype):
     run = launch(script, BABY + flags + ["--dtype", dtype], nprocs=ranks).ok()
     assert_ledger_exact(run, f"{script} x{ranks} {flags} {dtype}")
@@ -91,13 +97,13 @@ def test_defaults_fit_every_node_size(script):
     validated by the script itself in a dry run."""
     for n in NODE_SIZES:
         if script in ("06_tensor_parallel.py", "07_pipeline.py") and n > 12:
-            continue  # one group spanning two nodes: see test_bare_commands_really_run for 8 and 12
+            continue  # one group spanning two nodes: see test_bare_commands_really_run (06 at 8, 07 at 4)
         p = dry(script, "--world_size", n)
         assert p.returncode == 0, f"{script} at {n} ranks: {p.stdout}{p.stderr}"
         assert f"on {n} rank(s)" in p.stdout and "holds model state in all" in p.stdout
 
 
-@pytest.mark.parametrize("script, ranks", [("06_tensor_parallel.py", 8), ("07_pipeline.py", 12)])
+@pytest.mark.parametrize("script, ranks", [("06_tensor_parallel.py", 8), ("07_pipeline.py", 4)])
 def test_bare_commands_really_run(script, ranks):
     """The design card's command, `mpiexec -n 8 python 06_tensor_parallel.py`, with the
     default preset and batch, for one step on CPU (shorter context, to fit two cores)."""

@@ -23,7 +23,7 @@ def reference():
 
 
 CASES = [  # (tp, model, sequence parallel, micro-batch)
-    (2, "tiny", False, 4), (2, "tiny", True, None), (4, "tiny", False, None), (4, "tiny", True, 4),
+    (2, "tiny", False, 4), (2, "tiny", True, None), (4, "tiny", True, 4),  # tp 4 without SP: test_real_conditions.py
     (3, "six", False, None), (3, "six", True, 4),
 ]
 
@@ -66,9 +66,7 @@ def test_resume_is_bit_exact(tmp_path):
                                                      "--ckpt_interval", "4"], nprocs=2).ok()
     second = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses  # both dropout streams resume too
-    # tp 2's shards resume at tp 4 (resharded; tests/test_checkpoints.py checks the losses)
-    other = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=4).ok()
-    assert "resharded" in other.stdout and len(other.losses) == 4
+    # (resuming at another layout, resharded, with the losses checked: test_checkpoints.py)
 
 
 @pytest.mark.parametrize("ranks, flags, message", [

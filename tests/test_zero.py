@@ -32,8 +32,8 @@ def padded_units(n):
 
 
 CASES = [  # (stage, ranks, micro_batch_size or None, clipping)
-    (1, 2, None, "clip"), (1, 3, 4, "no_clip"), (1, 4, 3, "clip"),
-    (2, 2, 2, "no_clip"), (2, 3, None, "clip"), (2, 4, 3, "clip"),
+    (1, 2, None, "clip"), (1, 3, 4, "no_clip"),
+    (2, 2, 2, "no_clip"), (2, 3, None, "clip"),
     (3, 2, 4, "clip"), (3, 3, 2, "no_clip"), (3, 4, None, "clip"),
 ]
 
@@ -88,9 +88,7 @@ def test_resume_is_bit_exact_and_export_loads_in_01(tmp_path, stage):
                                             "--eval_interval", "8", "--sample_tokens", "0",
                                             "--init_from", tmp_path / "full.pt"]).ok()
     assert ev.evals[0]["val_loss"] == pytest.approx(whole.evals[-1]["val_loss"], rel=1e-5)
-    # the shards of 3 ranks resume on 2 (resharded; tests/test_checkpoints.py checks the losses)
-    other = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
-    assert "resharded" in other.stdout and len(other.losses) == 4
+    # (resuming at another layout, resharded, with the losses checked: test_checkpoints.py)
 
 
 def test_bf16_trains_and_keeps_fp32_masters():
