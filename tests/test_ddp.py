@@ -18,7 +18,6 @@ def reference():
 
 CASES = [  # (ranks, micro_batch_size or None, overlap, clipping, bucket MiB)
     (1, 6, True, "clip", 0.05),
-    (2, 2, True, "clip", 0.05),
     (2, None, False, "no_clip", 25),
     (3, None, True, "no_clip", 0.05),
     (3, 2, False, "clip", 25),

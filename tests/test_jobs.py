@@ -128,15 +128,7 @@ def test_named_scripts(scheduler):
     assert p.returncode == 0, p.stderr
     assert "python 03_ddp.py --model gpt2 --data synthetic --global_batch_size 96 --micro_batch_size 12 " \
            "--max_iters 500 --max_iters 7 |" in launch_line(lines, "mpiexec")
-    p, lines = scheduler("perlmutter_fsdp.sh", kind="slurm")  # 4 nodes
-    assert p.returncode == 0, p.stderr
-    assert "-N 4 -n 16 " in launch_line(lines, "srun") and "python 05_fsdp.py --model gpt2-xl --replicate 4" in p.stdout + launch_line(lines, "srun")
-    if os.path.exists(os.path.join(ROOT, "08_3d.py")):
-        p, lines = scheduler("frontier_3d.sh", kind="slurm")
-        assert p.returncode == 0, p.stderr
-        line = launch_line(lines, "srun")
-        assert "-n 16 " in line and "python 08_3d.py --tp 4 --pp 2 --model gpt3-xl" in line
-        assert "16 ranks = 2 data-parallel x 2 pipeline x 4 tensor-parallel" in p.stdout
+    # perlmutter_fsdp.sh and frontier_3d.sh: their launch lines in the test below
 
 
 JOBS = [  # every named job, and every machine script with its default ARGS
@@ -159,6 +151,15 @@ def test_every_job_configuration_dry_runs_clean(scheduler, script, kind, world):
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"dry run: " in p.stdout and f"on {world} rank(s)" in p.stdout, p.stdout
     assert "per rank:" in p.stdout and "holds model state in all" in p.stdout
+    for expected in LAUNCHED.get(script, ()):
+        assert expected in launch_line(lines, "srun" if kind == "slurm" else "mpiexec") + p.stdout, expected
+
+
+LAUNCHED = {  # what some jobs' launch lines and dry runs must say
+    "perlmutter_fsdp.sh": ["srun -N 4 -n 16 ", "python 05_fsdp.py --model gpt2-xl --replicate 4"],  # 4 nodes
+    "frontier_3d.sh": ["-n 16 ", "python 08_3d.py --tp 4 --pp 2 --model gpt3-xl",
+                       "16 ranks = 2 data-parallel x 2 pipeline x 4 tensor-parallel"],
+}
 
 
 def test_a_job_whose_configuration_does_not_fit_fails_in_its_dry_run(scheduler):

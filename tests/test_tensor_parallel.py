@@ -23,7 +23,7 @@ def reference():
 
 
 CASES = [  # (tp, model, sequence parallel, micro-batch)
-    (2, "tiny", False, 4), (2, "tiny", True, None), (4, "tiny", True, 4),  # tp 4 without SP: test_real_conditions.py
+    (2, "tiny", False, 4), (4, "tiny", True, 4),  # tp 4 without SP, tp 2 with: test_real_conditions.py
     (3, "six", False, None), (3, "six", True, 4),
 ]
 

@@ -32,9 +32,9 @@ def padded_units(n):
 
 
 CASES = [  # (stage, ranks, micro_batch_size or None, clipping)
-    (1, 2, None, "clip"), (1, 3, 4, "no_clip"),
-    (2, 2, 2, "no_clip"), (2, 3, None, "clip"),
+    (1, 3, 4, "no_clip"), (2, 2, 2, "no_clip"),
     (3, 2, 4, "clip"), (3, 3, 2, "no_clip"), (3, 4, None, "clip"),
+    # with clipping, stage 1 at 2 ranks and stage 2 at 3: test_real_conditions.py
 ]
 
 
@@ -76,13 +76,13 @@ def test_resume_is_bit_exact_and_export_loads_in_01(tmp_path, stage):
     flags = BASE + CLIP + ["--stage", stage, "--max_iters", "8", "--lr_decay_iters", "8", "--dropout", "0.1",
                            "--eval_interval", "8", "--eval_iters", "2"]
     whole = launch("04_zero.py", flags + ["--out_dir", tmp_path / "w", "--export", tmp_path / "full.pt",
-                                          "--ckpt_interval", "8"], nprocs=3).ok()
+                                          "--ckpt_interval", "8"], nprocs=2).ok()
     first = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4", "--ckpt_interval", "2"],
-                   nprocs=3).ok()
-    second = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=3).ok()
+                   nprocs=2).ok()
+    second = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses  # bit for bit, dropout included
     assert os.listdir(tmp_path / "a" / "ckpt") == ["step_4"]  # step 2's set removed once step 4's was committed
-    assert sorted(os.listdir(tmp_path / "a" / "ckpt" / "step_4")) == ["metadata.json"] + [f"rank{r}.pt" for r in range(3)]
+    assert sorted(os.listdir(tmp_path / "a" / "ckpt" / "step_4")) == ["metadata.json"] + [f"rank{r}.pt" for r in range(2)]
     # the consolidated export evaluates in 01 exactly as in the run that wrote it
     ev = launch("01_single_gpu.py", TINY + ["--global_batch_size", "24", "--eval_only", "--eval_iters", "2",
                                             "--eval_interval", "8", "--sample_tokens", "0",
