@@ -45,7 +45,6 @@ def expected_sent(impl, cp, ranks, micro, block_size, n_embd, n_layer, n_params,
 
 
 CASES = [  # (impl, cp, ranks, micro_batch_size, long context)
-    ("ring", 2, 2, 4, False),
     ("ring", 2, 4, 2, False),  # cp 2 x dp 2
     ("ulysses", 2, 4, 4, False),  # cp 2 x dp 2
     ("ring", 2, 2, 4, True),  # context 256

@@ -63,7 +63,6 @@ def test_recompute_matches_01_and_activations_exact(reference, script, ranks, fl
 
 # without --recompute, in bf16 and with dropout (CPU's masks, the math attention kernel)
 EXACT = [
-    ("01_single_gpu.py", 1, ["--sample_tokens", "0"] + BF16 + DROP),
     ("04_zero.py", 2, ["--stage", "1", "--recompute"] + BF16 + DROP),
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"]),
     ("07_pipeline.py", 3, ["--schedule", "gpipe", "--n_layer", "5", "--micro_batch_size", "2"] + BF16 + DROP),
@@ -79,10 +78,9 @@ def test_activations_exact(script, ranks, flags):
 
 
 @pytest.mark.parametrize("script, ranks, flags", [
-    ("01_single_gpu.py", 1, ["--sample_tokens", "0"]),
-    ("06_tensor_parallel.py", 2, ["--sequence_parallel"] + BF16),  # the rank's own dropout stream too
+    ("06_tensor_parallel.py", 2, ["--sequence_parallel"] + BF16),  # the shared and the rank's own stream
     ("09_context_parallel.py", 2, ["--cp_impl", "ring"] + BF16),  # a stream per rank, ring attention
-], ids=["01", "06sp", "09ring"])
+], ids=["06sp", "09ring"])
 def test_recompute_redraws_the_same_dropout_masks(script, ranks, flags):
     plain = launch(script, SHORT + flags + DROP, nprocs=ranks).ok()
     again = launch(script, SHORT + flags + DROP + ["--recompute"], nprocs=ranks).ok()
