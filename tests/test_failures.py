@@ -14,12 +14,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 import common
-from harness import LAUNCHER_ENV, ROOT, TINY, command, launch
+from harness import TINY, launch
 from test_real_conditions import dry
-from test_reliability import rank_pids
+from test_reliability import background_job, rank_pids, wait_for_rows
 
 QUICK = 60  # seconds: every refusal below ends the job well within this
 
@@ -176,14 +175,9 @@ def test_second_job_refused_then_sigterm_checkpoints_and_resume_takes_a_stale_lo
     out, metrics = tmp_path / "out", tmp_path / "a.jsonl"
     marker = f"--out_dir={out}"
     flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000"]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-    job = subprocess.Popen(command("03_ddp.py", 2, None) + list(map(str, flags)) + ["--metrics", str(metrics), marker],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    job = background_job("03_ddp.py", 2, None, flags + ["--metrics", metrics, marker], tmp_path)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            time.sleep(0.2)
+        wait_for_rows(metrics, 3)
         # a second job on the same out_dir: refused in one line, the first one untouched
         second = launch("03_ddp.py", TINY + ["--out_dir", out], nprocs=2)
         refused(second, f"--out_dir {out} is in use by another job (host {socket.gethostname()}")
@@ -218,15 +212,10 @@ def test_sigusr1_to_rank_0_of_a_pipeline_checkpoints_and_exits_0(tmp_path):
     every rank finishes the step, a checkpoint is committed, every rank exits 0."""
     out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
     marker = f"--out_dir={out}"
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, marker]
-    job = subprocess.Popen(command("07_pipeline.py", 2, None) + list(map(str, flags)), env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    job = background_job("07_pipeline.py", 2, None, flags, tmp_path)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.2)
+        wait_for_rows(metrics, 2)
         pids = rank_pids(marker)
         assert 0 in pids, f"rank 0 not found among {pids}"
         os.kill(pids[0], signal.SIGUSR1)

@@ -20,6 +20,21 @@ from harness import LAUNCHER_ENV, ROOT, TINY, command, default_launcher, launch
 LAUNCHERS = [l for l in ("mpiexec", "torchrun") if l != "mpiexec" or default_launcher() == "mpiexec"]
 
 
+def background_job(script, nprocs, launcher, args, cwd):
+    """Start `script` on `nprocs` ranks without waiting (for a test to signal or kill a rank)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(command(script, nprocs, launcher) + list(map(str, args)), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd))
+
+
+def wait_for_rows(metrics, rows, seconds=120):
+    """Until the metrics file holds `rows` lines (the job is training) or `seconds` pass."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        time.sleep(0.2)
+
+
 def rank_pids(marker):
     """{rank: pid} of the processes whose command line holds `marker` (from /proc)."""
     found = {}
@@ -53,14 +68,9 @@ def test_sigkill_ends_the_job_and_resume_reproduces_the_run(tmp_path, launcher, 
     marker = f"--out_dir={tmp_path / ('killed-' + uuid.uuid4().hex[:8])}"
     out_dir = marker.split("=", 1)[1]
     metrics = tmp_path / "killed.jsonl"
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    job = subprocess.Popen(command(script, 2, launcher) + list(map(str, flags)) + [
-        "--max_iters", "100000", "--metrics", str(metrics), marker], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
-        time.sleep(0.2)
+    job = background_job(script, 2, launcher, flags + ["--max_iters", "100000", "--metrics", metrics, marker],
+                         tmp_path)
+    wait_for_rows(metrics, 10)
     pids = rank_pids(marker)
     assert 1 in pids, f"rank 1 not found among {pids}"
     os.kill(pids[1], signal.SIGKILL)
