@@ -39,13 +39,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, autocast, build_model, check, check_batch, count_params,
-                    Data, decay_groups, dry_run, flops_per_token, Guard, launch_for, LEDGER, log,
-                    lr_at, make_adamw, make_parser, Metrics, model_block_size, model_config,
-                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
-                    resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
-                    teardown, to_device)
+from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
+                    check, check_batch, count_params, Data, decay_groups, LEDGER, make_adamw, make_parser,
+                    model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
 
 
 def add_flags(parser):
@@ -139,20 +135,6 @@ class GradientBuckets:
             buffer.zero_()
 
 
-def costs(args, config, world_size, dtype):
-    """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
-    replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
-    all-reduce of every gradient per step plus the logged loss, whatever N."""
-    psi, _ = count_params(config)
-    # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
-    b = args.micro_batch_size or args.global_batch_size // world_size
-    terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
-    return {"layout": f"{world_size} replicas",
-            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
-            "sent": {"all_reduce": ("4Ψ grads + 4 loss", 4 * psi + 4)},
-            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
-
-
 @torch.no_grad()
 def evaluate(model, data, args, env, accum_steps):
     """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
@@ -178,107 +160,81 @@ def evaluate(model, data, args, env, accum_steps):
 
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
-    launch = launch_for(args)
+    run = Run(args, __file__)
     check(args.bucket_mb > 0, f"--bucket_mb must be positive, got {args.bucket_mb}")
-    accum_steps = check_batch(args, dp_size=launch.world_size)
-    if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        dry_run(args, "03_ddp.py", config, costs(args, config, launch.world_size, planned_dtype(args)),
-                [f"layout: {launch.world_size} replicas, each {accum_steps} micro-batch(es) of "
-                 f"{args.micro_batch_size} per step"])
-    env = setup(args, launch)
-    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
+    accum_steps = check_batch(args, dp_size=run.world_size)
+    run.dry_run(costs, [f"layout: {run.world_size} replicas, each {accum_steps} micro-batch(es) of "
+                        f"{args.micro_batch_size} per step"])
+    env = run.setup()
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every replica
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
-    model = build_model(config, args.seed, env.device)
-    for block in model.transformer.h:
-        block.recompute = args.recompute
-    run = run_config(args, config, {"strategy": "data parallel"})
-    start_step = 0
+    model = build_model(config, args.seed, env.device, recompute=args.recompute)
     # every replica starts from rank 0's weights (identical here by construction, but this
     # is what makes any initialisation or checkpoint safe)
     for tensor in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(tensor.data, src=0)  # rank 0's values to every rank
-    log(env, f"broadcast the initial weights from rank 0: {LEDGER.take()}")
+    run.log(f"broadcast the initial weights from rank 0: {LEDGER.take()}")
     buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, env.world_size,
                               overlap=not args.no_overlap)
     optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype), layout={"strategy": "data parallel"},
+              pieces=lambda: checkpoint_pieces(model, optimizer, env),
+              held=lambda: state_bytes(model.parameters(), optimizer),
+              evaluate=lambda: evaluate(model, data, args, env, accum_steps),
+              describe=f"{env.world_size} replicas, {accum_steps} micro-batch(es) of {args.micro_batch_size} "
+                       f"per rank per step, {len(buckets.buffers)} gradient bucket(s)"
+                       + (" (not overlapped)" if args.no_overlap else ""))
 
-    def checkpoint_pieces():
-        """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
-        writes them; every rank reads them (common.py's format, any script resumes it)."""
-        return [piece for name, p in model.named_parameters()
-                for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
-
-    if args.resume:  # a checkpoint of any script, at any layout
-        start_step, _ = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
-
-    log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
-             f"device {env.device}, {str(env.dtype).replace('torch.', '')}, {env.world_size} replicas, "
-             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step, "
-             f"{len(buckets.buffers)} gradient bucket(s)" + (" (not overlapped)" if args.no_overlap else ""))
-    cost = costs(args, config, env.world_size, env.dtype)
-    metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
-    meter = ActivationMeter()
-
-    def save(step):
-        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)  # RNG: every rank its own
-        LEDGER.take()  # checkpointing traffic is not part of a training step
-
-    for step in progress(env, start_step, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(model, data, args, env, accum_steps)
-            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-            LEDGER.take()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-
+    for step in run.steps():
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
-        meter.start()
-        for micro in range(accum_steps):
-            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-            buckets.sync = micro == accum_steps - 1  # communicate only on the last micro-step
-            with autocast(env):
-                _, loss = model(x[rows], y[rows])
-            (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
-            loss_sum += loss.detach().float()
-        activations = meter.stop()
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                buckets.sync = micro == accum_steps - 1  # communicate only on the last micro-step
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                loss_sum += loss.detach().float()
         buckets.finish()  # gradients are now the mean over the global batch, on every rank
         loss_sum /= accum_steps * env.world_size
         dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
-        # a stop signal or --time_limit ends it after this step's checkpoint
-        stop = guard.check(step, loss_sum, (p.grad for p in model.parameters()))
+        run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
         optimizer.step()
-
-        comm = LEDGER.take()
-        if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost, activations)
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
-            loss_value = loss_sum.item()
-            synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0,
-                         state_bytes(model.parameters(), optimizer), comm, activations=activations)
+        run.end_step(loss_sum)  # ledger, metrics, checkpoint, stop
         buckets.zero_grad()
-        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            save(step + 1)
-        if stop:
-            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
+    run.finish()
 
-    if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(model, data, args, env, accum_steps)
-        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    teardown(env)
+
+# ----------------------------------------------------------------------------------------
+# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces
+# ----------------------------------------------------------------------------------------
+
+def costs(args, config, world_size, dtype):
+    """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
+    replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
+    all-reduce of every gradient per step plus the logged loss, whatever N."""
+    psi, _ = count_params(config)
+    # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
+    b = args.micro_batch_size or args.global_batch_size // world_size
+    terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
+    return {"layout": f"{world_size} replicas",
+            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
+            "sent": {"all_reduce": ("4Ψ grads + 4 loss", 4 * psi + 4)},
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
+
+
+
+def checkpoint_pieces(model, optimizer, env):
+    """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
+    writes them; every rank reads them (common.py's format, any script resumes it)."""
+    return [piece for name, p in model.named_parameters()
+            for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
 
 
 if __name__ == "__main__":

@@ -47,6 +47,13 @@ warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into
 SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 
+# ========================================================================================
+# PART I: the model, the optimizer, the data, the command line, launch and device.
+# Self-contained: cut the file at Part II's banner and this still trains 01's model with a
+# plain loop (tests/test_model.py executes only this part and does).
+# ========================================================================================
+
+
 # ----------------------------------------------------------------------------------------
 # The GPT model (nanoGPT's, with the same module names)
 # ----------------------------------------------------------------------------------------
@@ -83,10 +90,14 @@ PRESETS = {
     "gpt3-13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, dropout=0.0, bias=True),
     "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288, block_size=2048, dropout=0.0, bias=True),
 }
+
+
 # the default: nanoGPT's baby GPT twice as deep, with 24 heads of 16, so that the bare
 # commands run at every node size: 24 heads divide tp = 1, 2, 3, 4, 6, 8, 12, 24 and 12
 # layers give pp up to 12 (stages may differ by one layer)
 DEFAULT_MODEL = "baby"
+
+
 PRESETS[DEFAULT_MODEL] = dict(n_layer=12, n_head=24, n_embd=384, block_size=256, dropout=0.2, bias=False)
 
 
@@ -212,10 +223,6 @@ class GPT(nn.Module):
         return idx
 
 
-# ----------------------------------------------------------------------------------------
-# Activation memory: recomputation, the meter, and what this model saves for backward
-# ----------------------------------------------------------------------------------------
-
 class _Recompute(torch.autograd.Function):
     """Activation recomputation (Chen et al. 2016, "Training deep nets with sublinear memory
     cost"): forward runs `fn` without recording a graph and saves only its input; backward
@@ -258,6 +265,1245 @@ def recomputed(fn, x, trackers=()):
     """fn(x) with activation recomputation: only x is held for backward (see _Recompute)."""
     return _Recompute.apply(fn, tuple(trackers), x)
 
+
+def preset_config(args):
+    """The --model preset with the per-dimension overrides (--n_layer ... --bias) applied."""
+    cfg = dict(PRESETS[args.model])
+    cfg.update({key: getattr(args, key) for key in cfg if getattr(args, key, None) is not None})
+    return cfg
+
+
+def model_block_size(args):
+    """The context length of --model with its overrides (what the data loader needs before
+    the vocabulary, and so the whole config, is known)."""
+    return preset_config(args)["block_size"]
+
+
+def model_config(args, vocab_size):
+    """GPTConfig from --model and the per-dimension overrides."""
+    return GPTConfig(vocab_size=vocab_size, **preset_config(args))
+
+
+def count_params(config):
+    """(Ψ, nanoGPT's count) for `config`, from a model built on the meta device: shapes only,
+    no memory, so it answers in milliseconds for GPT-3 175B. Ψ counts every parameter once
+    (the tied embedding/head once); nanoGPT's count leaves out the position embedding."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return sum(p.numel() for p in model.parameters()), model.num_params()
+
+
+def build_model(config, seed, device, recompute=False):
+    """The full model, initialised by `param_init`, on `device`; with `recompute`, every
+    block keeps only its input for backward."""
+    model = GPT(config).init_weights(seed).to(device)
+    for block in model.transformer.h:
+        block.recompute = recompute
+    return model
+
+
+def flops_per_token(config, n_params):
+    """Training FLOPs per token, PaLM appendix B (as nanoGPT's estimate_mfu): 6N for the
+    matrix multiplies forward and backward, plus 12·L·H·Q·T for attention."""
+    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
+    return 6 * n_params + 12 * L * H * Q * T
+
+
+# ----------------------------------------------------------------------------------------
+# The optimizer and the learning-rate schedule (nanoGPT's)
+# ----------------------------------------------------------------------------------------
+
+def is_decayed(shape):
+    """nanoGPT's rule: weight decay on matrices (Linear weights, embeddings), not on biases
+    and LayerNorm weights. By shape, so that a flat shard of a parameter gets its rule too."""
+    return len(shape) >= 2
+
+
+ADAM_BETAS = (0.9, 0.95)
+
+
+def decay_groups(params):
+    """(decayed, not decayed): the parameters that train, split by `is_decayed`."""
+    params = [p for p in params if p.requires_grad]
+    return [p for p in params if is_decayed(p.shape)], [p for p in params if not is_decayed(p.shape)]
+
+
+def make_adamw(decayed, not_decayed, args, device_type):
+    """AdamW with nanoGPT's two parameter groups (weight decay on `decayed` only); the fused
+    kernel on GPUs."""
+    groups = [{"params": list(decayed), "weight_decay": args.weight_decay},
+              {"params": list(not_decayed), "weight_decay": 0.0}]
+    fused = device_type in ("cuda", "xpu")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS, **({"fused": True} if fused else {}))
+
+
+def lr_at(step, args):
+    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters (nanoGPT's get_lr)."""
+    if step < args.warmup_iters:
+        return args.lr * (step + 1) / (args.warmup_iters + 1)
+    if step >= args.lr_decay_iters:
+        return args.min_lr
+    ratio = (step - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------
+
+SPLITS = {"train": 0, "val": 1}
+
+
+SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the text is train, the rest val (nanoGPT's split)
+
+
+EVAL_KEY = 2  # evaluation batches: streams of their own, the same at every evaluation
+
+
+def read_vocab_size(meta_path):
+    """vocab_size from a nanoGPT meta.pkl *without unpickling it*: walk the pickle's opcodes
+    (pickletools.genops executes nothing) and take the integer stored after 'vocab_size'."""
+    with open(meta_path, "rb") as f:
+        ops = list(pickletools.genops(f))
+    for i, (op, arg, _) in enumerate(ops):
+        if arg == "vocab_size":
+            for op2, arg2, _ in ops[i + 1:]:
+                if op2.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    continue
+                if isinstance(arg2, int) and op2.name in ("BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"):
+                    return int(arg2)
+                break
+    raise ValueError(f"{meta_path} has no integer vocab_size")
+
+
+DATA_SCAN_CHUNK = 1 << 24  # tokens per read when scanning a file for out-of-vocabulary ids (32 MiB)
+
+
+class Data:
+    """Token streams for the train and val splits and the deterministic batches drawn from
+    them.
+
+    The batch of step t is the same set of global_batch_size windows whatever the world size:
+    the window offsets come from a generator seeded by (seed, split, t); data-parallel rank r
+    of D takes rows [r·B/D, (r+1)·B/D). Concatenating every rank's rows gives 01's batch."""
+
+    def __init__(self, spec, seed, block_size):
+        self.seed, self.block_size, self.itos = seed, block_size, None
+        if spec == "shakespeare_char":
+            text = open(SHAKESPEARE_TXT, encoding="utf-8").read()
+            chars = sorted(set(text))
+            self.itos = chars
+            lut = np.zeros(max(map(ord, chars)) + 1, dtype=np.uint16)
+            lut[[ord(c) for c in chars]] = np.arange(len(chars), dtype=np.uint16)
+            tokens = lut[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
+            n = int(SHAKESPEARE_TRAIN_FRACTION * len(tokens))
+            self.splits, self.vocab_size = {"train": tokens[:n], "val": tokens[n:]}, len(chars)
+        elif spec == "synthetic":
+            self.splits, self.vocab_size = synthetic_corpus(), SYNTHETIC_VOCAB
+        else:
+            self.splits = {s: np.memmap(os.path.join(spec, f"{s}.bin"), dtype=np.uint16, mode="r")
+                           for s in SPLITS}
+            self.vocab_size = Data.vocab_size_of(spec)
+
+    @staticmethod
+    def vocab_size_of(spec):
+        """The vocabulary size of --data, without building its token streams (--dry_run)."""
+        if spec == "shakespeare_char":
+            return len(set(open(SHAKESPEARE_TXT, encoding="utf-8").read()))
+        if spec == "synthetic":
+            return SYNTHETIC_VOCAB
+        vocab, _, problem = Data.vocabulary(spec)
+        check(problem is None, problem)  # a dry run reads it before anything else is checked
+        return vocab
+
+    @staticmethod
+    def vocabulary(spec):
+        """(vocab_size, where it comes from, None) of a --data directory, or (None, None, the
+        problem): meta.pkl's vocab_size, or GPT-2's padded 50304 without one."""
+        if not os.path.isdir(spec):
+            return None, None, (f"--data {spec}: no such directory (expected shakespeare_char, synthetic, "
+                                "or a directory with train.bin and val.bin)")
+        meta = os.path.join(spec, "meta.pkl")
+        if not os.path.exists(meta):
+            return 50304, "GPT-2's padded vocabulary (there is no meta.pkl)", None
+        try:
+            vocab = read_vocab_size(meta)
+        except Exception as e:  # a damaged or foreign meta.pkl
+            return None, None, f"--data {spec}: cannot read vocab_size from {meta} ({e})"
+        if not 0 < vocab <= 65536:
+            return None, None, f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..65536 (uint16 tokens)"
+        return vocab, f"{meta}'s vocab_size", None
+
+    @staticmethod
+    def problem(spec, block_size, rank=0, world_size=1):
+        """The reason this --data cannot be used with this block size, or None. Each rank
+        scans its 1/world_size slice of every token file once for ids outside the vocabulary
+        (a chunked pass over the memmap), so the whole of every file is checked once per job;
+        `agree` then makes every rank act on whatever any rank found."""
+        if spec in ("shakespeare_char", "synthetic"):
+            if spec == "shakespeare_char" and not os.path.exists(SHAKESPEARE_TXT):
+                return f"the embedded corpus {SHAKESPEARE_TXT} is missing"
+            if spec == "synthetic":
+                lengths = SYNTHETIC_TOKENS
+            else:
+                n = len(open(SHAKESPEARE_TXT, encoding="utf-8").read())
+                lengths = {"train": int(SHAKESPEARE_TRAIN_FRACTION * n), "val": n - int(SHAKESPEARE_TRAIN_FRACTION * n)}
+            for split, n in lengths.items():
+                if n < block_size + 2:
+                    return (f"--data {spec}: its {split} split holds {n} tokens; block_size {block_size} "
+                            f"needs at least block_size+2 = {block_size + 2} (lower --block_size)")
+            return None
+        vocab, source, problem = Data.vocabulary(spec)
+        if problem:
+            return problem
+        for split in SPLITS:
+            path = os.path.join(spec, f"{split}.bin")
+            if not os.path.isfile(path):
+                return f"--data {spec}: {split}.bin is missing"
+            size = os.path.getsize(path)
+            if size % 2:
+                return f"{path} is {size} bytes, not a whole number of uint16 tokens (truncated or not nanoGPT's format?)"
+            if size // 2 < block_size + 2:
+                return (f"{path} holds {size // 2} tokens, fewer than block_size+2 = {block_size + 2} "
+                        "(the batch sampler needs one window of block_size+1 tokens and a choice of start)")
+            try:
+                tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            except OSError as e:  # unreadable: permissions, a stale network mount
+                return f"{path} cannot be read: {e.strerror or e}"
+            lo, hi = rank * len(tokens) // world_size, (rank + 1) * len(tokens) // world_size
+            for a in range(lo, hi, DATA_SCAN_CHUNK):
+                chunk = np.asarray(tokens[a:min(hi, a + DATA_SCAN_CHUNK)])
+                if chunk.max() >= vocab:
+                    at = a + int(np.argmax(chunk >= vocab))
+                    return (f"{path} holds token id {int(tokens[at])} at position {at}, outside the vocabulary: "
+                            f"ids must be below {vocab}, {source}")
+        return None
+
+    def batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
+        """(x, y) int64 CPU tensors of shape (global_batch_size/dp_size, block_size): this
+        data-parallel rank's contiguous slice of the global batch of `step` (for evaluation
+        batches, eval_split=True and `step` is the evaluation iteration)."""
+        tokens = self.splits[split]
+        stream = SPLITS[split] + (EVAL_KEY if eval_split else 0)
+        rng = np.random.default_rng([self.seed, stream, step])
+        starts = rng.integers(0, len(tokens) - self.block_size - 1, size=global_batch_size)
+        per_rank = global_batch_size // dp_size
+        starts = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        window = np.arange(self.block_size + 1)
+        xy = torch.from_numpy(np.asarray(tokens[starts[:, None] + window], dtype=np.int64))
+        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+    def decode(self, ids):
+        if self.itos is None:
+            return " ".join(map(str, ids))
+        return "".join(self.itos[i] for i in ids)
+
+
+SYNTHETIC_VOCAB = 256
+
+
+SYNTHETIC_TOKENS = {"train": 1 << 21, "val": 1 << 17}
+
+
+def synthetic_corpus(n_train=SYNTHETIC_TOKENS["train"], n_val=SYNTHETIC_TOKENS["val"]):
+    """A learnable stream for offline benchmarks: a fixed random first-order Markov chain in
+    which every token has 4 likely successors (so the loss can fall to about log 4)."""
+    rng = np.random.default_rng(1234)
+    successors = rng.integers(0, SYNTHETIC_VOCAB, size=(SYNTHETIC_VOCAB, 4))
+    choice = rng.integers(0, 4, size=n_train + n_val)
+    stream = np.empty(n_train + n_val, dtype=np.uint16)
+    stream[0] = 0
+    for i in range(1, len(stream)):  # ~0.5 s for 2M tokens
+        stream[i] = successors[stream[i - 1], choice[i]]
+    return {"train": stream[:n_train], "val": stream[n_train:]}
+
+
+def to_device(t, env):
+    """Host-to-device copy; pinned and non-blocking on GPUs so it overlaps compute."""
+    if env.device.type in ("cuda", "xpu"):
+        return t.pin_memory().to(env.device, non_blocking=True)
+    return t.to(env.device)
+
+
+# ----------------------------------------------------------------------------------------
+# The command line and validation
+# ----------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(message)
+
+
+def base_parser(doc):
+    """An argparse parser whose errors are one line from rank 0 and exit 2 on every rank."""
+    return _Parser(description=doc.split("\n\n")[0] if doc else None,
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def make_parser(doc):
+    """The shared flags (DESIGN.md); each script adds its own strategy flags."""
+    p = base_parser(doc)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS), help="preset")
+    g.add_argument("--n_layer", type=int)
+    g.add_argument("--n_head", type=int)
+    g.add_argument("--n_embd", type=int)
+    g.add_argument("--block_size", type=int)
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases in Linear and LayerNorm (preset's choice by default)")
+    g = p.add_argument_group("data and batch")
+    g.add_argument("--data", default="shakespeare_char",
+                   help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
+    # 48 divides every data-parallel size of one or two nodes: 1, 2, 3, 4, 6, 8, 12, 16, 24
+    g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
+    g.add_argument("--micro_batch_size", type=int, default=None,
+                   help="sequences per forward per data-parallel rank (default: global / data-parallel size, no accumulation)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max_iters", type=int, default=5000)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min_lr", type=float, default=1e-4)
+    g.add_argument("--warmup_iters", type=int, default=100)
+    g.add_argument("--lr_decay_iters", type=int, default=None,
+                   help="end of the cosine decay (default: max_iters)")
+    g.add_argument("--weight_decay", type=float, default=0.1)
+    g.add_argument("--grad_clip", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--seed", type=int, default=1337)
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval_interval", type=int, default=250, help="0 disables evaluation")
+    g.add_argument("--eval_iters", type=int, default=20)
+    g.add_argument("--log_interval", type=int, default=10)
+    g.add_argument("--metrics", default=None, help="JSONL file, one object per logged step")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "mps", "cpu"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on GPUs that support it, float32 elsewhere (float16 is refused)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
+    g.add_argument("--recompute", action="store_true",
+                   help="activation recomputation: keep only each transformer block's input for backward "
+                        "and run the block's forward again there (Chen et al. 2016)")
+    g.add_argument("--out_dir", default="out")
+    g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from out_dir's newest checkpoint, written by any script at any layout")
+    g.add_argument("--export", default=None, metavar="FILE",
+                   help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
+    g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
+                   help="stop cleanly, with a checkpoint, before this many minutes from the start "
+                        "(the job's walltime less a margin)")
+    g = p.add_argument_group("dry run (no launcher, network or accelerator needed)")
+    g.add_argument("--dry_run", action="store_true",
+                   help="validate the configuration for --world_size ranks, print the layout and what "
+                        "one rank holds and sends per step, and exit")
+    g.add_argument("--world_size", type=int, default=None, help="ranks of the dry run")
+    g.add_argument("--ranks_per_node", type=int, default=None,
+                   help="ranks per node of the dry run's mesh (default: all on one node)")
+    return p
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer than any job, within what the process group accepts
+
+
+def parse_args(parser, argv=None):
+    """Parse and validate the shared flags (every rank reaches the same verdict from the same
+    command line); the script validates its own afterwards. What depends on files (--data,
+    --out_dir, --metrics) is checked by `setup`, once the ranks can agree."""
+    args = parser.parse_args(argv)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    cfg = preset_config(args)
+    # float16 needs dynamic loss scaling whose overflow check every rank agrees on, over
+    # sharded gradients too; bfloat16 has float32's exponent range and needs none, and every
+    # GPU these scripts are for (A100, H100/H200, MI250X, Max 1550) computes in it
+    check(args.dtype != "float16", "--dtype float16 is not supported: it needs loss scaling, "
+          "which these scripts leave out; use --dtype bfloat16 (float32's range, no scaling needed)")
+    if args.dry_run:
+        check(args.world_size is not None and args.world_size > 0,
+              "--dry_run needs --world_size N (the number of ranks to plan for), N > 0")
+        args.ranks_per_node = args.ranks_per_node or args.world_size
+        check(args.ranks_per_node > 0, f"--ranks_per_node must be positive, got {args.ranks_per_node}")
+    else:
+        check(args.world_size is None and args.ranks_per_node is None,
+              "--world_size and --ranks_per_node belong to --dry_run (a launch takes its size from the launcher)")
+    for name, value in vars(args).items():  # nan and inf pass no range check below: refuse them here
+        check(not isinstance(value, float) or math.isfinite(value), f"--{name} must be a finite number, got {value}")
+    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval", "time_limit"]
+    for name in positive:
+        value = getattr(args, name)
+        check(value is None or value > 0, f"--{name} must be positive, got {value}")
+    for name in ("n_layer", "n_head", "n_embd", "block_size"):
+        check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
+    for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip",
+                 "lr", "min_lr"):
+        check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
+    check(0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")
+    check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
+    check(cfg["n_embd"] % cfg["n_head"] == 0,
+          f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
+    check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
+    check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
+          "it needs --ckpt_interval (the final step is always saved)")
+    return args
+
+
+def check_batch(args, dp_size):
+    """Gradient-accumulation steps = global / (micro · dp) must be a whole number. Without
+    --micro_batch_size there is no accumulation: micro = global / dp."""
+    if args.micro_batch_size is None:
+        check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
+              f"is not divisible by the data-parallel size {dp_size}")
+        args.micro_batch_size = args.global_batch_size // dp_size
+    check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
+          f"--global_batch_size {args.global_batch_size} is not divisible by "
+          f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
+    return args.global_batch_size // (args.micro_batch_size * dp_size)
+
+
+def check(condition, message):
+    if not condition:
+        fail(message)
+
+
+def fail(message):
+    """Invalid configuration: every rank reaches the same verdict from the same flags and
+    environment, so no communication is needed: rank 0 prints one line, all exit with 2."""
+    if detect_launcher(os.environ).rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers, devices, process groups, random streams
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Launch:
+    kind: str  # torchrun | mpi | slurm | single
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+
+def detect_launcher(environ):
+    """Rank, local rank and world size from the launcher's environment, in DESIGN.md's order:
+    torchrun, MPI (MPICH/Hydra and Intel MPI: PMI_*; Cray PALS: PALS_*; Open MPI:
+    OMPI_COMM_WORLD_*), Slurm. Local sizes that a launcher does not export are None here and
+    are asked of MPI later."""
+    e = environ
+
+    def geti(*names):
+        for n in names:
+            if e.get(n, "") != "":
+                return int(e[n])
+        return None
+
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return Launch("torchrun", int(e["RANK"]), geti("LOCAL_RANK") or 0, int(e["WORLD_SIZE"]),
+                      geti("LOCAL_WORLD_SIZE") or int(e["WORLD_SIZE"]))
+    if "OMPI_COMM_WORLD_RANK" in e:
+        return Launch("mpi", geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_LOCAL_RANK"),
+                      geti("OMPI_COMM_WORLD_SIZE"), geti("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    if "PALS_RANKID" in e:  # Cray PALS (Polaris, Aurora)
+        return Launch("mpi", geti("PALS_RANKID"), geti("PALS_LOCAL_RANKID"),
+                      geti("PMI_SIZE", "PALS_SIZE"), geti("PALS_LOCAL_SIZE", "MPI_LOCALNRANKS"))
+    if "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH Hydra, Intel MPI (and Cray MPICH under srun)
+        return Launch("mpi", geti("PMI_RANK"), geti("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"),
+                      geti("PMI_SIZE"), geti("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"))
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        ntasks, nnodes = geti("SLURM_NTASKS"), geti("SLURM_NNODES") or 1
+        per_node = geti("SLURM_NTASKS_PER_NODE") or (ntasks // nnodes if ntasks % nnodes == 0 else None)
+        return Launch("slurm", geti("SLURM_PROCID"), geti("SLURM_LOCALID") or 0, ntasks, per_node)
+    return Launch("single")
+
+
+def first_slurm_host(nodelist):
+    """'nid[001-004,010],x' -> 'nid001' (what `scontrol show hostnames | head -1` prints)."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0] + "]"
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[")
+    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+
+
+@dataclass
+class Env:
+    launch: Launch
+    device: torch.device
+    backend: str
+    dtype: torch.dtype
+
+    @property
+    def rank(self):
+        return self.launch.rank
+
+    @property
+    def world_size(self):
+        return self.launch.world_size
+
+    @property
+    def master(self):
+        return self.launch.rank == 0
+
+
+def pick_device(requested, local_rank):
+    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend."""
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    if requested in ("auto", "xpu") and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", local_rank % torch.xpu.device_count()), "xccl"
+    if requested in ("auto", "mps") and torch.backends.mps.is_available():
+        return torch.device("mps"), "gloo"
+    check(requested in ("auto", "cpu"), f"--device {requested} is not available on this machine")
+    return torch.device("cpu"), "gloo"
+
+
+def pick_dtype(requested, device):
+    if requested == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu"
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, requested)
+
+
+_MPI_COMM = None
+
+
+def mpi_comm():
+    """mpi4py's COMM_WORLD when the job was launched by mpiexec, else None."""
+    return _MPI_COMM
+
+
+def setup(args, launch=None, distributed=True):
+    """Detect the launcher, choose the device, create the process group (a one-rank group
+    when a distributed script runs as one process, so its collectives still work), install
+    the abort-on-exception hook. Returns an Env. (A training script calls it through
+    Run.setup, which adds the ledger, the start-up checks, the out_dir lock and the guard.)"""
+    global _MPI_COMM
+    launch = launch or detect_launcher(os.environ)
+    if launch.kind == "mpi":
+        # mpi4py only under mpiexec: importing it calls MPI_Init
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            # srun on Cray systems exports PMI_* too; without mpi4py, use Slurm's rendezvous
+            check("SLURM_PROCID" in os.environ, "launched by mpiexec, but mpi4py is not installed "
+                  "(pip install mpi4py, built against this MPI)")
+            launch = detect_launcher({k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PALS_", "OMPI_"))})
+    if launch.kind == "mpi":
+        _MPI_COMM = MPI.COMM_WORLD
+        if launch.local_rank is None or launch.local_world_size is None:
+            node = _MPI_COMM.Split_type(MPI.COMM_TYPE_SHARED)
+            launch.local_rank, launch.local_world_size = node.Get_rank(), node.Get_size()
+    device, backend = pick_device(args.device, launch.local_rank)
+    dtype = pick_dtype(args.dtype, device)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # split the cores among the ranks on this node
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
+    elif device.type == "xpu":
+        torch.xpu.set_device(device)
+    if distributed:
+        timeout = datetime.timedelta(seconds=args.timeout)
+        init_method = _rendezvous(launch)
+        dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+    _install_abort_hook(launch)  # after init_process_group, whose own hook it wraps
+    return Env(launch, device, backend, dtype)
+
+
+def _rendezvous(launch):
+    """The init_method URL. torchrun exports MASTER_ADDR/PORT; under MPI, rank 0 picks its
+    host name and a free port and broadcasts them; under plain srun the job script exports
+    MASTER_ADDR (else the first host of the allocation) and MASTER_PORT."""
+    if launch.kind == "torchrun":
+        return "env://"
+    if launch.kind == "single":
+        return f"tcp://127.0.0.1:{_free_port()}"
+    if launch.kind == "mpi":
+        addr = port = None
+        if launch.rank == 0:
+            addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
+            port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
+        addr, port = _MPI_COMM.bcast((addr, port), root=0)
+        return f"tcp://{addr}:{port}"
+    addr = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ.get("SLURM_NODELIST", "localhost"))
+    port = os.environ.get("MASTER_PORT") or str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
+    return f"tcp://{addr}:{port}"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _install_abort_hook(launch):
+    """An uncaught exception on any rank ends the whole job instead of leaving the others
+    blocked in a collective: print the traceback, then MPI_Abort under MPI (mpiexec kills
+    every rank), else exit at once (torchrun and srun --kill-on-bad-exit end the rest; gloo
+    and NCCL peers see the closed connection or hit --timeout). torch's own hook, installed
+    by init_process_group, still prints the rank-prefixed traceback first."""
+    if launch.world_size == 1:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        sys.stderr.write(f"[rank {launch.rank}] uncaught {kind.__name__}; ending the job\n")
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        time.sleep(1.0)  # let the launcher forward the traceback before the job is torn down
+        if _MPI_COMM is not None:
+            _MPI_COMM.Abort(1)
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def teardown(env):
+    """End the process group in step: nobody destroys it while another rank may still talk
+    to it, and under mpiexec rank 0, which hosts the rendezvous store, leaves last."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if _MPI_COMM is not None:
+        _MPI_COMM.Barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def autocast(env):
+    """bf16 autocast (weights and optimizer stay fp32; float16 is refused at start: no loss
+    scaling here); nothing in fp32."""
+    if env.dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=env.device.type, dtype=env.dtype)
+
+
+def synchronize(env):
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    elif env.device.type == "xpu":
+        torch.xpu.synchronize()
+
+
+def device_rng_state(device):
+    """The state of the generator that random ops on `device` (dropout) draw from: the CPU
+    generator on CPU, the device's own on cuda (NVIDIA, ROCm), xpu (Intel) and mps."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    if device.type == "xpu":
+        return torch.xpu.get_rng_state(device)
+    if device.type == "mps":
+        return torch.mps.get_rng_state()
+    return torch.get_rng_state()
+
+
+def set_device_rng_state(device, state):
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    elif device.type == "xpu":
+        torch.xpu.set_rng_state(state, device)
+    elif device.type == "mps":
+        torch.mps.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def seeded_rng_state(device, seed):
+    """A fresh generator state for `device` seeded with `seed`, made without touching the
+    default generators (torch.manual_seed would reseed every device's)."""
+    return torch.Generator(device=device).manual_seed(seed).get_state()
+
+
+def rng_state(env):
+    """This rank's random streams: the CPU generator and, on an accelerator, the device's."""
+    state = {"cpu": torch.get_rng_state()}
+    if env.device.type != "cpu":
+        state["device"] = device_rng_state(env.device)
+    return state
+
+
+def set_rng_state(env, state):
+    torch.set_rng_state(state["cpu"])
+    if "device" in state and env.device.type != "cpu":
+        set_device_rng_state(env.device, state["device"])
+
+
+# ========================================================================================
+# PART II: the run infrastructure. One run protocol (`Run`) that every main() calls at a
+# handful of points, and beneath it what it is made of: start-up checks and the out_dir
+# lock, the guard, the communication ledger, the activation meter, metrics, the dry run,
+# checkpoint files.
+# ========================================================================================
+
+
+# ----------------------------------------------------------------------------------------
+# The run protocol
+# ----------------------------------------------------------------------------------------
+
+class Run:
+    """The run protocol: what every training script's main() does the same way, in one
+    place, so that main() shows its strategy. The training loop stays in the script:
+
+        run = Run(args, __file__)                   # who this process is (or plans to be)
+        run.dry_run(costs, layout_lines)            # --dry_run: print the plan, exit 0
+        env = run.setup()                           # process group and device; the files
+                                                    # checked, out_dir locked, signals armed
+        ... the model, the strategy, the optimizer ...
+        run.begin(config, optimizer, cost, ...)     # resume; the ledger's formulas; metrics
+        for step in run.steps():                    # lr set; evaluations at --eval_interval
+            with run.meter:                         # the activations autograd holds
+                ... forwards and backwards ...
+            run.check(loss, grads)                  # non-finite? asked to stop? (every rank)
+            optimizer.step()
+            run.end_step(loss)                      # ledger, metrics, checkpoint, stop
+        run.finish()                                # end the process group in step
+
+    The ledger's window: a step's traffic is what the torch.distributed calls between the
+    yield of steps() and end_step() send. Evaluation and checkpoint traffic is taken out
+    after each, and control messages (agreement, the guard's flags) are never counted."""
+
+    def __init__(self, args, script):
+        self.args, self.script = args, os.path.basename(script)
+        self.launch = launch_for(args)  # for --dry_run: rank 0 of --world_size planned ranks
+        self.world_size = self.launch.world_size
+        self.meter = ActivationMeter()  # `with run.meter:` around a step's forwards and backwards
+        self.env = None
+
+    def dry_run(self, costs, layout_lines=()):
+        """With --dry_run: print the layout and what one rank holds and sends, from the
+        script's costs(), with the checks a launch makes; exit 0. Otherwise nothing."""
+        if self.args.dry_run:
+            args = self.args
+            config = model_config(args, Data.vocab_size_of(args.data))
+            dry_run(args, self.script, config, costs(args, config, self.world_size, planned_dtype(args)),
+                    layout_lines)
+
+    def setup(self):
+        """The process group and device (Part I's setup), the ledger installed, the run's files
+        checked and out_dir locked (agreed by every rank, before anything heavy), and the
+        guard armed (SIGTERM / SIGUSR1 / --time_limit). Returns the Env."""
+        self.env = setup(self.args, self.launch)
+        LEDGER.install()
+        agree(self.env, startup_problem(self.args, self.env))
+        self.guard = Guard(self.args, self.env)
+        return self.env
+
+    def begin(self, config, optimizer, cost, layout, pieces, held, evaluate, describe, extra_rng=None):
+        """After the model, the strategy and the optimizer exist. `cost`: the script's costs()
+        for this rank, the ledger's theory column. `layout`: what a checkpoint records of
+        this strategy's layout (the same layout resumes bit for bit). `pieces()`: this rank's
+        checkpoint pieces; `held()`: the model-state bytes it holds, by kind; `evaluate()`:
+        {"train": loss, "val": loss} over --eval_iters batches; `extra_rng()`: random streams
+        besides the default ones (a TP rank's own dropout stream). Resumes from --resume (a
+        checkpoint of any script at any layout) and returns the extra streams read back
+        (same layout only; else None)."""
+        args, env = self.args, self.env
+        self.optimizer, self.cost, self.pieces, self.held = optimizer, cost, pieces, held
+        self._evaluate, self.extra_rng = evaluate, extra_rng
+        self.run_config = run_config(args, config, layout)
+        self.start_step, extra = 0, None
+        if args.resume:
+            self.start_step, extra = resume_checkpoint(args.out_dir, env, pieces(), self.run_config, optimizer)
+        nano_params = count_params(config)[1]
+        log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
+                 f"{str(env.dtype).replace('torch.', '')}, {describe}")
+        self.metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+        LEDGER.take()  # the set-up's traffic (weights broadcast, groups made) is not a step's
+        return extra
+
+    def steps(self):
+        """The optimizer steps, from the resumed one to --max_iters: evaluates at
+        --eval_interval (and after the last step), sets the learning rate, starts the clock."""
+        args = self.args
+        for step in progress(self.env, self.start_step, args.max_iters):
+            if args.eval_interval and step % args.eval_interval == 0:
+                self.evaluate(step)
+            self.step, self.lr = step, lr_at(step, args)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
+            self.stopping, self.t0 = False, time.perf_counter()
+            yield step
+        if args.eval_interval and args.max_iters > self.start_step:
+            self.evaluate(args.max_iters)
+
+    def evaluate(self, step):
+        losses = self._evaluate()
+        log(self.env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        self.metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
+        LEDGER.take()  # evaluation traffic is not a training step's
+
+    def check(self, loss, grads):
+        """Right before the optimizer step, with this rank's loss and gradient tensors: every
+        rank agrees (one small all-reduce) whether any holds a non-finite value, which ends
+        the run here before the update, and whether any was asked to stop (a signal,
+        --time_limit), which ends it after this step's checkpoint."""
+        self.stopping = self.guard.check(self.step, loss, grads)
+
+    def end_step(self, loss, extra=None):
+        """After the optimizer step, with the global batch's mean loss (a tensor, read only
+        when logged): the ledger (printed once, next to the formulas), the metrics row at
+        --log_interval (`extra`: the script's own keys, a dict or a function making one),
+        the checkpoint at --ckpt_interval, and the stop when one was agreed."""
+        args, env, step = self.args, self.env, self.step
+        comm = LEDGER.take()
+        if step == self.start_step:
+            print_ledger(env, self.held(), comm, self.cost, self.meter.peak)
+        if step % args.log_interval == 0 or step == args.max_iters - 1:
+            loss = loss.item()
+            synchronize(env)
+            self.metrics.step(step, loss, self.lr, time.perf_counter() - self.t0, self.held(), comm,
+                              extra() if callable(extra) else extra, activations=self.meter.peak)
+        if self.stopping or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            self.save(step + 1)
+        if self.stopping:
+            self.guard.stop(step + 1)  # says how to resume; exits 0 on every rank
+
+    def save(self, step):
+        save_checkpoint(self.args, step, self.env, self.pieces(), self.run_config, self.optimizer,
+                        extra_rng=self.extra_rng() if self.extra_rng else None)
+        LEDGER.take()  # checkpoint traffic is not a training step's
+
+    def log(self, message):
+        log(self.env, message)
+
+    def finish(self):
+        """Release out_dir and end the process group in step (Part I's teardown)."""
+        release_out_dir()
+        teardown(self.env)
+
+
+# ----------------------------------------------------------------------------------------
+# Starting: start-up checks agreed by every rank, the out_dir lock
+# ----------------------------------------------------------------------------------------
+
+def agree(env, problem):
+    """Every rank passes the problem it found (a one-line string) or None; if any rank found
+    one, the first in rank order is printed once as `error: ...` and every rank exits with
+    status 2. A problem only some ranks can see (a file missing on one node, a slice of the
+    data) thus ends the whole job within seconds instead of hanging the others."""
+    if env.world_size > 1 and dist.is_initialized():
+        with LEDGER.paused():  # control traffic, not the strategy's
+            found = torch.tensor([1.0 if problem else 0.0], device=env.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # did any rank find a problem?
+            if found.item():
+                problems = [None] * env.world_size
+                dist.all_gather_object(problems, problem)  # every rank's message
+                problem = next(p for p in problems if p)
+    if problem:
+        if env.master:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+        leave(env, 2)
+
+
+def leave(env, status):
+    """Release the out_dir lock, end the process group in step, exit with `status`."""
+    release_out_dir()
+    teardown(env)
+    sys.exit(status)
+
+
+def startup_problem(args, env):
+    """This rank's first problem with the files of the run, or None: --data (this rank's
+    slice of the token scan), and on rank 0, which writes them, --metrics, --export and
+    --out_dir (created, checked writable, locked for this job and cleared of the leftovers of
+    interrupted writes)."""
+    problem = Data.problem(args.data, model_block_size(args), env.rank, env.world_size)
+    if problem or not env.master:
+        return problem
+    problem = output_problems(args)
+    if problem is None and args.metrics:
+        try:
+            open(args.metrics, "a").close()
+        except OSError as e:
+            return f"--metrics {args.metrics} cannot be written: {e.strerror}"
+    # the other ranks wait in `agree` meanwhile: never longer than half the collective timeout
+    problem = problem or lock_out_dir(args.out_dir, wait_s=min(LOCK_STALE_S, args.timeout / 2))
+    if problem is None:  # ours now: remove what interrupted writes of earlier jobs left
+        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir))
+    return problem
+
+
+def output_problems(args):
+    """The first reason the files this run would write cannot be written, or None, found
+    without writing anything (a dry run calls it too): --metrics and --export need an
+    existing, writable directory; --out_dir must be a writable directory or creatable (a
+    directory is made and removed in it, or in the deepest part of its path that exists)."""
+    for flag, path in (("--metrics", args.metrics), ("--export", getattr(args, "export", None))):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return f"{flag} {path}: the directory {folder} does not exist"
+        if os.path.isdir(path):
+            return f"{flag} {path} is a directory"
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            return f"{flag} {path} cannot be written: permission denied"
+    existing = os.path.abspath(args.out_dir)
+    while not os.path.exists(existing):  # the deepest part of the path that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"--out_dir {args.out_dir}: {existing} exists and is not a directory"
+    try:  # permission bits do not tell (root, read-only mounts): make and remove a directory there
+        os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=existing))
+    except OSError as e:
+        verb = "is not writable" if existing == os.path.abspath(args.out_dir) else f"cannot be created in {existing}"
+        return f"--out_dir {args.out_dir} {verb}: {e.strerror}"
+    return None
+
+
+LOCK_NAME = "LOCK"
+
+
+LOCK_HEARTBEAT_S = 10  # rank 0 touches the lock this often while the job lives
+
+
+LOCK_STALE_S = 60  # a lock untouched this long, or whose process is gone from this host, is stale
+
+
+_LOCK = {}  # path, the holder record, and the heartbeat's stop event, while this process holds one
+
+
+def _lock_holder():
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")}
+
+
+def _lock_is_stale(path, holder):
+    """A dead job's lock: its process is gone (same host), or its heartbeat stopped."""
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(int(holder.get("pid")), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, TypeError, ValueError):
+            pass
+    try:
+        return time.time() - os.path.getmtime(path) > LOCK_STALE_S
+    except FileNotFoundError:
+        return True
+
+
+def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
+    """Create out_dir, check that it is writable, and take its lock (out_dir/LOCK, holding
+    host, pid and scheduler job id; a daemon thread touches it every LOCK_HEARTBEAT_S).
+    Returns the problem, or None. A stale lock of a dead job is replaced, with a note. A
+    live-looking lock of another host may be a job killed seconds ago (a chained job starts
+    right after it): this waits up to `wait_s` for its heartbeat to stop before refusing."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except FileExistsError:
+        return f"--out_dir {out_dir} exists and is not a directory"
+    except OSError as e:
+        return f"--out_dir {out_dir} cannot be created: {e.strerror}"
+    if not os.path.isdir(out_dir):
+        return f"--out_dir {out_dir} exists and is not a directory"
+    path = os.path.join(out_dir, LOCK_NAME)
+    me = _lock_holder()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # atomic: one job wins
+        except FileExistsError:
+            try:
+                holder = json.load(open(path))
+            except (OSError, ValueError):
+                holder = {}
+            if not _lock_is_stale(path, holder) and holder.get("host") != socket.gethostname() and wait_s > 0:
+                print(f"note: --out_dir {out_dir} is locked by job {holder.get('job')} on host {holder.get('host')}; "
+                      f"waiting up to {wait_s:.0f} s to see whether its heartbeat stops (a killed job's)",
+                      file=sys.stderr, flush=True)
+                deadline = time.time() + wait_s
+                while time.time() < deadline and os.path.exists(path) and not _lock_is_stale(path, holder):
+                    time.sleep(min(1.0, max(0.0, deadline - time.time())))
+                wait_s = 0
+                if not os.path.exists(path):
+                    continue  # released while we waited: take it
+            if not _lock_is_stale(path, holder):
+                age = time.time() - os.path.getmtime(path)
+                return (f"--out_dir {out_dir} is in use by another job (host {holder.get('host')}, "
+                        f"pid {holder.get('pid')}, job {holder.get('job')}; its lock {path} was renewed "
+                        f"{age:.0f} s ago): give this run its own --out_dir, or wait for that job to end")
+            print(f"note: removing the stale lock of a job that is gone ({path}: {holder})", file=sys.stderr, flush=True)
+            stale = f"{path}.stale.{os.getpid()}"
+            try:
+                os.replace(path, stale)  # only one of two racing jobs moves it away
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
+            continue
+        except OSError as e:
+            return f"--out_dir {out_dir} is not writable: {e.strerror}"
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        stop = threading.Event()
+
+        def heartbeat():
+            while not stop.wait(LOCK_HEARTBEAT_S):
+                try:
+                    os.utime(path)
+                except OSError:
+                    return
+        threading.Thread(target=heartbeat, daemon=True, name="out_dir lock heartbeat").start()
+        _LOCK.update(path=path, holder=me, stop=stop)
+        atexit.register(release_out_dir)
+        return None
+    return f"--out_dir {out_dir}: could not take its lock {path} (another job keeps taking it)"
+
+
+def release_out_dir():
+    """Remove this job's lock (if it is still ours); safe to call more than once."""
+    if not _LOCK:
+        return
+    _LOCK["stop"].set()
+    try:
+        if json.load(open(_LOCK["path"])) == _LOCK["holder"]:
+            os.remove(_LOCK["path"])
+    except (OSError, ValueError):
+        pass
+    _LOCK.clear()
+
+
+# ----------------------------------------------------------------------------------------
+# Stopping: non-finite loss or gradients, walltime and signals, agreed by every rank
+# ----------------------------------------------------------------------------------------
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what PBS and Slurm send at walltime or preemption
+
+
+NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite loss or gradient
+
+
+class Guard:
+    """One small all-reduce per optimizer step, before the update, in which every rank says
+    (1) whether its loss or gradients hold a non-finite number, and (2) whether it has been
+    asked to stop: a SIGTERM / SIGUSR1 reached it, or --time_limit is near (elapsed time +
+    twice the slowest step seen, i.e. one more step and a checkpoint, would pass it).
+
+    (1) on any rank: one `error:` line naming the step, every rank exits with NONFINITE_EXIT
+        before the optimizer step, so no non-finite weights exist and no checkpoint of them
+        is written; the last good checkpoint is untouched.
+    (2) on any rank: `check` returns True on every rank, which finish this step, write a
+        checkpoint and call `stop`."""
+
+    def __init__(self, args, env):
+        self.args, self.env = args, env
+        self.signal = None
+        self.last, self.slowest = time.monotonic(), 0.0
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        if self.signal:  # a second signal: the sender insists, end now (the default action)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signal = signal.Signals(signum).name  # acted on at the next step's check
+
+    def _time_is_up(self):
+        if not self.args.time_limit:
+            return False
+        now = time.monotonic()
+        self.slowest, self.last = max(self.slowest, now - self.last), now  # a step, with its eval and saves
+        return now - STARTED + 2 * self.slowest > self.args.time_limit * 60
+
+    def check(self, step, loss, grads):
+        """Call after backward (and clipping), right before optimizer.step(), with this rank's
+        loss and its gradient tensors. Returns True when every rank should stop after this step."""
+        env, rank = self.env, self.env.rank
+        grads = [g for g in grads if g is not None]
+        values = torch.stack([loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads])
+        bad = not bool(torch.isfinite(values).all())
+        asked = 2 if self.signal else 1 if self._time_is_up() else 0
+        # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop)
+        flags = torch.tensor([env.world_size - rank if bad else 0, asked], dtype=torch.float32, device=env.device)
+        if env.world_size > 1 and dist.is_initialized():
+            with LEDGER.paused():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        first_bad, asked = int(flags[0].item()), int(flags[1].item())
+        if first_bad:
+            if env.master:
+                print(f"error: non-finite loss or gradient at step {step} (first seen on rank "
+                      f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
+                      f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
+                      file=sys.stderr, flush=True)
+            leave(env, NONFINITE_EXIT)
+        self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
+                       2: self.signal or "a SIGTERM or SIGUSR1 on another rank"}.get(asked)
+        return bool(asked) and step + 1 < self.args.max_iters
+
+    def stop(self, step):
+        """After this step's checkpoint: say where the run stopped and how to continue, then
+        end every rank with status 0 (the run is healthy; a chained job resumes it)."""
+        log(self.env, f"stopped after step {step} of {self.args.max_iters} ({self.reason}): checkpoint in "
+                      f"{self.args.out_dir}; continue with the same command and --resume")
+        leave(self.env, 0)
+
+
+# ----------------------------------------------------------------------------------------
+# The ledger: bytes sent by operation, model-state bytes held, next to the formulas
+# ----------------------------------------------------------------------------------------
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class CommLedger:
+    """Counts the bytes each torch.distributed collective moves on this rank, by operation,
+    by wrapping the functions of the torch.distributed module (scripts keep calling
+    `dist.all_reduce` literally). The count is the message size in nccl-tests' convention:
+    the tensor for all_reduce / broadcast / reduce / send / recv, the *input* for
+    reduce_scatter and all_to_all, the *output* for all_gather; not the wire traffic of the
+    algorithm (a ring all-reduce puts 2(N-1)/N of it on every link)."""
+
+    # op: the argument whose size is counted (a tensor, or a list of tensors)
+    COUNTED = {
+        "all_reduce": "tensor", "reduce": "tensor", "broadcast": "tensor",
+        "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
+        "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
+        "all_to_all": "input_tensor_list", "all_to_all_single": "input",
+        "gather": "tensor", "scatter": "tensor",
+        "send": "tensor", "isend": "tensor", "recv": "tensor", "irecv": "tensor",
+        # torch >= 2.13's names for all_gather_into_tensor and reduce_scatter_tensor
+        "all_gather_single": "output_tensor", "reduce_scatter_single": "input",
+    }
+
+    def __init__(self):
+        self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
+
+    @contextmanager
+    def paused(self):
+        """Collectives inside are not counted (control messages: agreement, stop flags)."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def name_group(self, group, name):
+        """Count this process group's collectives as "op[name]" (e.g. all_reduce[tp])."""
+        self.group_names[group] = name
+        return group
+
+    def add(self, op, nbytes):
+        op = {"isend": "send", "irecv": "recv"}.get(op, op)  # p2p: by direction
+        self.bytes[op] = self.bytes.get(op, 0) + nbytes
+
+    def install(self):
+        if self.installed:
+            return
+        self.installed = True
+        for op, argument in self.COUNTED.items():
+            if hasattr(dist, op):
+                setattr(dist, op, self._wrap(op, getattr(dist, op), argument))
+        class P2POp(dist.P2POp):
+            """P2POp checks that its op *is* torch's isend/irecv: hand it the unwrapped ones."""
+
+            def __new__(cls, op, *args, **kwargs):
+                return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+            def __init__(self, op, *args, **kwargs):
+                super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+        dist.P2POp = P2POp
+        original = dist.batch_isend_irecv
+
+        @wraps(original)
+        def batch_isend_irecv(p2p_ops):
+            for p2p in p2p_ops:
+                self.add(p2p.op.__name__, _nbytes(p2p.tensor))
+            return original(p2p_ops)
+        dist.batch_isend_irecv = batch_isend_irecv
+
+    def _wrap(self, op, fn, argument):
+        signature = inspect.signature(fn)
+
+        @wraps(fn)
+        def counted(*args, **kwargs):
+            if not self.counting:
+                return fn(*args, **kwargs)
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            value = bound[argument]
+            name = self.group_names.get(bound.get("group"))
+            self.add(f"{op}[{name}]" if name else op,
+                     sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
+            return fn(*args, **kwargs)
+        return counted
+
+    def take(self):
+        """The bytes counted since the last take (one optimizer step's worth)."""
+        counted, self.bytes = self.bytes, {}
+        return counted
+
+
+LEDGER = CommLedger()
+
+
+def tensor_bytes(tensors):
+    """Bytes of distinct storages among `tensors` (a tied weight counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer):
+    return [v for state in optimizer.state.values() for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0]
+
+
+def state_bytes(params, optimizer):
+    """Model-state bytes this rank holds, counted from the live tensors: parameters,
+    gradients, optimizer state (AdamW: exp_avg and exp_avg_sq)."""
+    params = list(params)
+    return {"params": tensor_bytes(params),
+            "grads": tensor_bytes([p.grad for p in params]),
+            "optim": tensor_bytes(optimizer_state_tensors(optimizer))}
+
+
+def print_ledger(env, held, comm, cost, activations=None):
+    """Once, after the first step: what this rank holds and sends, measured next to the
+    strategy's formula (`cost` is the script's costs(): each value is (formula, bytes));
+    `activations`: the ActivationMeter's peak over the step."""
+    lines = [f"ledger (rank {env.rank}): measured | theory"]
+    for kind in cost["held"]:  # params, grads, optim (and with --offload their host parts)
+        formula, value = cost["held"][kind]
+        lines.append(f"  held {kind:<24} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
+    if "activations" in cost:
+        formula, value = cost["activations"]
+        measured = format_bytes(activations) if activations is not None else "-"
+        lines.append(f"  held {'activations (peak)':<24} {measured:>11} | {formula} = {format_bytes(value)}")
+    for op in sorted(set(comm) | set(cost["sent"])):
+        formula, value = cost["sent"].get(op, ("0", 0))
+        lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
+    if not comm and not cost["sent"]:
+        lines.append("  communication: none")
+    log(env, "\n".join(lines))
+    # rank 0 prints its ledger; every rank checks its own (a pipeline's last stage, a 3D
+    # mesh's other coordinates hold and send other amounts) and says where it differs
+    measured = {**{f"held {k}": held[k] for k in cost["held"]}, **{f"sent {op}": comm.get(op, 0) for op in comm}}
+    theory = {**{f"held {k}": v for k, (_, v) in cost["held"].items()},
+              **{f"sent {op}": v for op, (_, v) in cost["sent"].items()}}
+    differ = [f"{key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
+              for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
+    if differ:
+        print(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", file=sys.stderr, flush=True)
+
+
+def theory_bytes(cost):
+    """The byte values of a costs() result, keyed as the metrics' measured columns."""
+    return ({kind: value for kind, (_, value) in cost["held"].items()},
+            {op: value for op, (_, value) in cost["sent"].items()})
+
+
+# ----------------------------------------------------------------------------------------
+# Activation memory: the meter, and what this model saves for backward
+# ----------------------------------------------------------------------------------------
 
 # a saved tensor reached from a parameter through these (views, transposes, autocast's
 # casts) is the parameter, not an activation
@@ -450,1000 +1696,9 @@ def activations_of_layers(terms, n_layers, recompute, first=True, last=True):
     return f"embedding + max({n_layers}·input + head, {n_layers - 1}·input + layer)", max(kept, during)
 
 
-def preset_config(args):
-    """The --model preset with the per-dimension overrides (--n_layer ... --bias) applied."""
-    cfg = dict(PRESETS[args.model])
-    cfg.update({key: getattr(args, key) for key in cfg if getattr(args, key, None) is not None})
-    return cfg
-
-
-def model_block_size(args):
-    """The context length of --model with its overrides (what the data loader needs before
-    the vocabulary, and so the whole config, is known)."""
-    return preset_config(args)["block_size"]
-
-
-def model_config(args, vocab_size):
-    """GPTConfig from --model and the per-dimension overrides."""
-    return GPTConfig(vocab_size=vocab_size, **preset_config(args))
-
-
-def count_params(config):
-    """(Ψ, nanoGPT's count) for `config`, from a model built on the meta device: shapes only,
-    no memory, so it answers in milliseconds for GPT-3 175B. Ψ counts every parameter once
-    (the tied embedding/head once); nanoGPT's count leaves out the position embedding."""
-    with torch.device("meta"):
-        model = GPT(config)
-    return sum(p.numel() for p in model.parameters()), model.num_params()
-
-
-def build_model(config, seed, device):
-    """The full model, initialised by `param_init`, on `device`."""
-    return GPT(config).init_weights(seed).to(device)
-
-
-def flops_per_token(config, n_params):
-    """Training FLOPs per token, PaLM appendix B (as nanoGPT's estimate_mfu): 6N for the
-    matrix multiplies forward and backward, plus 12·L·H·Q·T for attention."""
-    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
-    return 6 * n_params + 12 * L * H * Q * T
-
-
-def is_decayed(shape):
-    """nanoGPT's rule: weight decay on matrices (Linear weights, embeddings), not on biases
-    and LayerNorm weights. By shape, so that a flat shard of a parameter gets its rule too."""
-    return len(shape) >= 2
-
-
-ADAM_BETAS = (0.9, 0.95)
-
-
-def decay_groups(params):
-    """(decayed, not decayed): the parameters that train, split by `is_decayed`."""
-    params = [p for p in params if p.requires_grad]
-    return [p for p in params if is_decayed(p.shape)], [p for p in params if not is_decayed(p.shape)]
-
-
-def make_adamw(decayed, not_decayed, args, device_type):
-    """AdamW with nanoGPT's two parameter groups (weight decay on `decayed` only); the fused
-    kernel on GPUs."""
-    groups = [{"params": list(decayed), "weight_decay": args.weight_decay},
-              {"params": list(not_decayed), "weight_decay": 0.0}]
-    fused = device_type in ("cuda", "xpu")
-    return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS, **({"fused": True} if fused else {}))
-
-
-def lr_at(step, args):
-    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters (nanoGPT's get_lr)."""
-    if step < args.warmup_iters:
-        return args.lr * (step + 1) / (args.warmup_iters + 1)
-    if step >= args.lr_decay_iters:
-        return args.min_lr
-    ratio = (step - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
-
-
 # ----------------------------------------------------------------------------------------
-# Data
+# Metrics and logging: tokens/s, MFU, memory, JSONL
 # ----------------------------------------------------------------------------------------
-
-SPLITS = {"train": 0, "val": 1}
-SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the text is train, the rest val (nanoGPT's split)
-EVAL_KEY = 2  # evaluation batches: streams of their own, the same at every evaluation
-
-
-def read_vocab_size(meta_path):
-    """vocab_size from a nanoGPT meta.pkl *without unpickling it*: walk the pickle's opcodes
-    (pickletools.genops executes nothing) and take the integer stored after 'vocab_size'."""
-    with open(meta_path, "rb") as f:
-        ops = list(pickletools.genops(f))
-    for i, (op, arg, _) in enumerate(ops):
-        if arg == "vocab_size":
-            for op2, arg2, _ in ops[i + 1:]:
-                if op2.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-                    continue
-                if isinstance(arg2, int) and op2.name in ("BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"):
-                    return int(arg2)
-                break
-    raise ValueError(f"{meta_path} has no integer vocab_size")
-
-
-DATA_SCAN_CHUNK = 1 << 24  # tokens per read when scanning a file for out-of-vocabulary ids (32 MiB)
-
-
-class Data:
-    """Token streams for the train and val splits and the deterministic batches drawn from
-    them.
-
-    The batch of step t is the same set of global_batch_size windows whatever the world size:
-    the window offsets come from a generator seeded by (seed, split, t); data-parallel rank r
-    of D takes rows [r·B/D, (r+1)·B/D). Concatenating every rank's rows gives 01's batch."""
-
-    def __init__(self, spec, seed, block_size):
-        self.seed, self.block_size, self.itos = seed, block_size, None
-        if spec == "shakespeare_char":
-            text = open(SHAKESPEARE_TXT, encoding="utf-8").read()
-            chars = sorted(set(text))
-            self.itos = chars
-            lut = np.zeros(max(map(ord, chars)) + 1, dtype=np.uint16)
-            lut[[ord(c) for c in chars]] = np.arange(len(chars), dtype=np.uint16)
-            tokens = lut[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
-            n = int(SHAKESPEARE_TRAIN_FRACTION * len(tokens))
-            self.splits, self.vocab_size = {"train": tokens[:n], "val": tokens[n:]}, len(chars)
-        elif spec == "synthetic":
-            self.splits, self.vocab_size = synthetic_corpus(), SYNTHETIC_VOCAB
-        else:
-            self.splits = {s: np.memmap(os.path.join(spec, f"{s}.bin"), dtype=np.uint16, mode="r")
-                           for s in SPLITS}
-            self.vocab_size = Data.vocab_size_of(spec)
-
-    @staticmethod
-    def vocab_size_of(spec):
-        """The vocabulary size of --data, without building its token streams (--dry_run)."""
-        if spec == "shakespeare_char":
-            return len(set(open(SHAKESPEARE_TXT, encoding="utf-8").read()))
-        if spec == "synthetic":
-            return SYNTHETIC_VOCAB
-        vocab, _, problem = Data.vocabulary(spec)
-        check(problem is None, problem)  # a dry run reads it before anything else is checked
-        return vocab
-
-    @staticmethod
-    def vocabulary(spec):
-        """(vocab_size, where it comes from, None) of a --data directory, or (None, None, the
-        problem): meta.pkl's vocab_size, or GPT-2's padded 50304 without one."""
-        if not os.path.isdir(spec):
-            return None, None, (f"--data {spec}: no such directory (expected shakespeare_char, synthetic, "
-                                "or a directory with train.bin and val.bin)")
-        meta = os.path.join(spec, "meta.pkl")
-        if not os.path.exists(meta):
-            return 50304, "GPT-2's padded vocabulary (there is no meta.pkl)", None
-        try:
-            vocab = read_vocab_size(meta)
-        except Exception as e:  # a damaged or foreign meta.pkl
-            return None, None, f"--data {spec}: cannot read vocab_size from {meta} ({e})"
-        if not 0 < vocab <= 65536:
-            return None, None, f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..65536 (uint16 tokens)"
-        return vocab, f"{meta}'s vocab_size", None
-
-    @staticmethod
-    def problem(spec, block_size, rank=0, world_size=1):
-        """The reason this --data cannot be used with this block size, or None. Each rank
-        scans its 1/world_size slice of every token file once for ids outside the vocabulary
-        (a chunked pass over the memmap), so the whole of every file is checked once per job;
-        `agree` then makes every rank act on whatever any rank found."""
-        if spec in ("shakespeare_char", "synthetic"):
-            if spec == "shakespeare_char" and not os.path.exists(SHAKESPEARE_TXT):
-                return f"the embedded corpus {SHAKESPEARE_TXT} is missing"
-            if spec == "synthetic":
-                lengths = SYNTHETIC_TOKENS
-            else:
-                n = len(open(SHAKESPEARE_TXT, encoding="utf-8").read())
-                lengths = {"train": int(SHAKESPEARE_TRAIN_FRACTION * n), "val": n - int(SHAKESPEARE_TRAIN_FRACTION * n)}
-            for split, n in lengths.items():
-                if n < block_size + 2:
-                    return (f"--data {spec}: its {split} split holds {n} tokens; block_size {block_size} "
-                            f"needs at least block_size+2 = {block_size + 2} (lower --block_size)")
-            return None
-        vocab, source, problem = Data.vocabulary(spec)
-        if problem:
-            return problem
-        for split in SPLITS:
-            path = os.path.join(spec, f"{split}.bin")
-            if not os.path.isfile(path):
-                return f"--data {spec}: {split}.bin is missing"
-            size = os.path.getsize(path)
-            if size % 2:
-                return f"{path} is {size} bytes, not a whole number of uint16 tokens (truncated or not nanoGPT's format?)"
-            if size // 2 < block_size + 2:
-                return (f"{path} holds {size // 2} tokens, fewer than block_size+2 = {block_size + 2} "
-                        "(the batch sampler needs one window of block_size+1 tokens and a choice of start)")
-            try:
-                tokens = np.memmap(path, dtype=np.uint16, mode="r")
-            except OSError as e:  # unreadable: permissions, a stale network mount
-                return f"{path} cannot be read: {e.strerror or e}"
-            lo, hi = rank * len(tokens) // world_size, (rank + 1) * len(tokens) // world_size
-            for a in range(lo, hi, DATA_SCAN_CHUNK):
-                chunk = np.asarray(tokens[a:min(hi, a + DATA_SCAN_CHUNK)])
-                if chunk.max() >= vocab:
-                    at = a + int(np.argmax(chunk >= vocab))
-                    return (f"{path} holds token id {int(tokens[at])} at position {at}, outside the vocabulary: "
-                            f"ids must be below {vocab}, {source}")
-        return None
-
-    def batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
-        """(x, y) int64 CPU tensors of shape (global_batch_size/dp_size, block_size): this
-        data-parallel rank's contiguous slice of the global batch of `step` (for evaluation
-        batches, eval_split=True and `step` is the evaluation iteration)."""
-        tokens = self.splits[split]
-        stream = SPLITS[split] + (EVAL_KEY if eval_split else 0)
-        rng = np.random.default_rng([self.seed, stream, step])
-        starts = rng.integers(0, len(tokens) - self.block_size - 1, size=global_batch_size)
-        per_rank = global_batch_size // dp_size
-        starts = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        window = np.arange(self.block_size + 1)
-        xy = torch.from_numpy(np.asarray(tokens[starts[:, None] + window], dtype=np.int64))
-        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
-
-    def decode(self, ids):
-        if self.itos is None:
-            return " ".join(map(str, ids))
-        return "".join(self.itos[i] for i in ids)
-
-
-SYNTHETIC_VOCAB = 256
-SYNTHETIC_TOKENS = {"train": 1 << 21, "val": 1 << 17}
-
-
-def synthetic_corpus(n_train=SYNTHETIC_TOKENS["train"], n_val=SYNTHETIC_TOKENS["val"]):
-    """A learnable stream for offline benchmarks: a fixed random first-order Markov chain in
-    which every token has 4 likely successors (so the loss can fall to about log 4)."""
-    rng = np.random.default_rng(1234)
-    successors = rng.integers(0, SYNTHETIC_VOCAB, size=(SYNTHETIC_VOCAB, 4))
-    choice = rng.integers(0, 4, size=n_train + n_val)
-    stream = np.empty(n_train + n_val, dtype=np.uint16)
-    stream[0] = 0
-    for i in range(1, len(stream)):  # ~0.5 s for 2M tokens
-        stream[i] = successors[stream[i - 1], choice[i]]
-    return {"train": stream[:n_train], "val": stream[n_train:]}
-
-
-def to_device(t, env):
-    """Host-to-device copy; pinned and non-blocking on GPUs so it overlaps compute."""
-    if env.device.type in ("cuda", "xpu"):
-        return t.pin_memory().to(env.device, non_blocking=True)
-    return t.to(env.device)
-
-
-# ----------------------------------------------------------------------------------------
-# Command line and validation
-# ----------------------------------------------------------------------------------------
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message)
-
-
-def base_parser(doc):
-    """An argparse parser whose errors are one line from rank 0 and exit 2 on every rank."""
-    return _Parser(description=doc.split("\n\n")[0] if doc else None,
-                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-
-
-def make_parser(doc):
-    """The shared flags (DESIGN.md); each script adds its own strategy flags."""
-    p = base_parser(doc)
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS), help="preset")
-    g.add_argument("--n_layer", type=int)
-    g.add_argument("--n_head", type=int)
-    g.add_argument("--n_embd", type=int)
-    g.add_argument("--block_size", type=int)
-    g.add_argument("--dropout", type=float)
-    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
-                   help="biases in Linear and LayerNorm (preset's choice by default)")
-    g = p.add_argument_group("data and batch")
-    g.add_argument("--data", default="shakespeare_char",
-                   help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
-    # 48 divides every data-parallel size of one or two nodes: 1, 2, 3, 4, 6, 8, 12, 16, 24
-    g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
-    g.add_argument("--micro_batch_size", type=int, default=None,
-                   help="sequences per forward per data-parallel rank (default: global / data-parallel size, no accumulation)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--max_iters", type=int, default=5000)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min_lr", type=float, default=1e-4)
-    g.add_argument("--warmup_iters", type=int, default=100)
-    g.add_argument("--lr_decay_iters", type=int, default=None,
-                   help="end of the cosine decay (default: max_iters)")
-    g.add_argument("--weight_decay", type=float, default=0.1)
-    g.add_argument("--grad_clip", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--seed", type=int, default=1337)
-    g = p.add_argument_group("evaluation and logging")
-    g.add_argument("--eval_interval", type=int, default=250, help="0 disables evaluation")
-    g.add_argument("--eval_iters", type=int, default=20)
-    g.add_argument("--log_interval", type=int, default=10)
-    g.add_argument("--metrics", default=None, help="JSONL file, one object per logged step")
-    g = p.add_argument_group("system")
-    g.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "mps", "cpu"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on GPUs that support it, float32 elsewhere (float16 is refused)")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
-    g.add_argument("--recompute", action="store_true",
-                   help="activation recomputation: keep only each transformer block's input for backward "
-                        "and run the block's forward again there (Chen et al. 2016)")
-    g.add_argument("--out_dir", default="out")
-    g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from out_dir's newest checkpoint, written by any script at any layout")
-    g.add_argument("--export", default=None, metavar="FILE",
-                   help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
-    g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
-                   help="stop cleanly, with a checkpoint, before this many minutes from the start "
-                        "(the job's walltime less a margin)")
-    g = p.add_argument_group("dry run (no launcher, network or accelerator needed)")
-    g.add_argument("--dry_run", action="store_true",
-                   help="validate the configuration for --world_size ranks, print the layout and what "
-                        "one rank holds and sends per step, and exit")
-    g.add_argument("--world_size", type=int, default=None, help="ranks of the dry run")
-    g.add_argument("--ranks_per_node", type=int, default=None,
-                   help="ranks per node of the dry run's mesh (default: all on one node)")
-    return p
-
-
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer than any job, within what the process group accepts
-
-
-def parse_args(parser, argv=None):
-    """Parse and validate the shared flags (every rank reaches the same verdict from the same
-    command line); the script validates its own afterwards. What depends on files (--data,
-    --out_dir, --metrics) is checked by `setup`, once the ranks can agree."""
-    args = parser.parse_args(argv)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.max_iters
-    cfg = preset_config(args)
-    # float16 needs dynamic loss scaling whose overflow check every rank agrees on, over
-    # sharded gradients too; bfloat16 has float32's exponent range and needs none, and every
-    # GPU these scripts are for (A100, H100/H200, MI250X, Max 1550) computes in it
-    check(args.dtype != "float16", "--dtype float16 is not supported: it needs loss scaling, "
-          "which these scripts leave out; use --dtype bfloat16 (float32's range, no scaling needed)")
-    if args.dry_run:
-        check(args.world_size is not None and args.world_size > 0,
-              "--dry_run needs --world_size N (the number of ranks to plan for), N > 0")
-        args.ranks_per_node = args.ranks_per_node or args.world_size
-        check(args.ranks_per_node > 0, f"--ranks_per_node must be positive, got {args.ranks_per_node}")
-    else:
-        check(args.world_size is None and args.ranks_per_node is None,
-              "--world_size and --ranks_per_node belong to --dry_run (a launch takes its size from the launcher)")
-    for name, value in vars(args).items():  # nan and inf pass no range check below: refuse them here
-        check(not isinstance(value, float) or math.isfinite(value), f"--{name} must be a finite number, got {value}")
-    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval", "time_limit"]
-    for name in positive:
-        value = getattr(args, name)
-        check(value is None or value > 0, f"--{name} must be positive, got {value}")
-    for name in ("n_layer", "n_head", "n_embd", "block_size"):
-        check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
-    for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip",
-                 "lr", "min_lr"):
-        check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
-    check(0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")
-    check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
-    check(cfg["n_embd"] % cfg["n_head"] == 0,
-          f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
-    check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
-    check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
-          "it needs --ckpt_interval (the final step is always saved)")
-    return args
-
-
-def check_batch(args, dp_size):
-    """Gradient-accumulation steps = global / (micro · dp) must be a whole number. Without
-    --micro_batch_size there is no accumulation: micro = global / dp."""
-    if args.micro_batch_size is None:
-        check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
-              f"is not divisible by the data-parallel size {dp_size}")
-        args.micro_batch_size = args.global_batch_size // dp_size
-    check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
-          f"--global_batch_size {args.global_batch_size} is not divisible by "
-          f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
-    return args.global_batch_size // (args.micro_batch_size * dp_size)
-
-
-def check(condition, message):
-    if not condition:
-        fail(message)
-
-
-def fail(message):
-    """Invalid configuration: every rank reaches the same verdict from the same flags and
-    environment, so no communication is needed: rank 0 prints one line, all exit with 2."""
-    if detect_launcher(os.environ).rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-# ----------------------------------------------------------------------------------------
-# Launchers, devices, process groups
-# ----------------------------------------------------------------------------------------
-
-@dataclass
-class Launch:
-    kind: str  # torchrun | mpi | slurm | single
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-
-
-def detect_launcher(environ):
-    """Rank, local rank and world size from the launcher's environment, in DESIGN.md's order:
-    torchrun, MPI (MPICH/Hydra and Intel MPI: PMI_*; Cray PALS: PALS_*; Open MPI:
-    OMPI_COMM_WORLD_*), Slurm. Local sizes that a launcher does not export are None here and
-    are asked of MPI later."""
-    e = environ
-
-    def geti(*names):
-        for n in names:
-            if e.get(n, "") != "":
-                return int(e[n])
-        return None
-
-    if "RANK" in e and "WORLD_SIZE" in e:
-        return Launch("torchrun", int(e["RANK"]), geti("LOCAL_RANK") or 0, int(e["WORLD_SIZE"]),
-                      geti("LOCAL_WORLD_SIZE") or int(e["WORLD_SIZE"]))
-    if "OMPI_COMM_WORLD_RANK" in e:
-        return Launch("mpi", geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_LOCAL_RANK"),
-                      geti("OMPI_COMM_WORLD_SIZE"), geti("OMPI_COMM_WORLD_LOCAL_SIZE"))
-    if "PALS_RANKID" in e:  # Cray PALS (Polaris, Aurora)
-        return Launch("mpi", geti("PALS_RANKID"), geti("PALS_LOCAL_RANKID"),
-                      geti("PMI_SIZE", "PALS_SIZE"), geti("PALS_LOCAL_SIZE", "MPI_LOCALNRANKS"))
-    if "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH Hydra, Intel MPI (and Cray MPICH under srun)
-        return Launch("mpi", geti("PMI_RANK"), geti("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"),
-                      geti("PMI_SIZE"), geti("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"))
-    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
-        ntasks, nnodes = geti("SLURM_NTASKS"), geti("SLURM_NNODES") or 1
-        per_node = geti("SLURM_NTASKS_PER_NODE") or (ntasks // nnodes if ntasks % nnodes == 0 else None)
-        return Launch("slurm", geti("SLURM_PROCID"), geti("SLURM_LOCALID") or 0, ntasks, per_node)
-    return Launch("single")
-
-
-def first_slurm_host(nodelist):
-    """'nid[001-004,010],x' -> 'nid001' (what `scontrol show hostnames | head -1` prints)."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0] + "]"
-    if "[" not in head:
-        return head
-    prefix, ranges = head.split("[")
-    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
-
-
-@dataclass
-class Env:
-    launch: Launch
-    device: torch.device
-    backend: str
-    dtype: torch.dtype
-
-    @property
-    def rank(self):
-        return self.launch.rank
-
-    @property
-    def world_size(self):
-        return self.launch.world_size
-
-    @property
-    def master(self):
-        return self.launch.rank == 0
-
-
-def pick_device(requested, local_rank):
-    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend."""
-    if requested in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
-    if requested in ("auto", "xpu") and hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", local_rank % torch.xpu.device_count()), "xccl"
-    if requested in ("auto", "mps") and torch.backends.mps.is_available():
-        return torch.device("mps"), "gloo"
-    check(requested in ("auto", "cpu"), f"--device {requested} is not available on this machine")
-    return torch.device("cpu"), "gloo"
-
-
-def pick_dtype(requested, device):
-    if requested == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu"
-        return torch.bfloat16 if bf16 else torch.float32
-    return getattr(torch, requested)
-
-
-_MPI_COMM = None
-
-
-def mpi_comm():
-    """mpi4py's COMM_WORLD when the job was launched by mpiexec, else None."""
-    return _MPI_COMM
-
-
-def setup(args, launch=None, distributed=True):
-    """Detect the launcher, choose the device, create the process group (a one-rank group
-    when a distributed script runs as one process, so its collectives still work), install
-    the abort-on-exception hook and the communication ledger. Returns an Env."""
-    global _MPI_COMM
-    launch = launch or detect_launcher(os.environ)
-    if launch.kind == "mpi":
-        # mpi4py only under mpiexec: importing it calls MPI_Init
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            # srun on Cray systems exports PMI_* too; without mpi4py, use Slurm's rendezvous
-            check("SLURM_PROCID" in os.environ, "launched by mpiexec, but mpi4py is not installed "
-                  "(pip install mpi4py, built against this MPI)")
-            launch = detect_launcher({k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PALS_", "OMPI_"))})
-    if launch.kind == "mpi":
-        _MPI_COMM = MPI.COMM_WORLD
-        if launch.local_rank is None or launch.local_world_size is None:
-            node = _MPI_COMM.Split_type(MPI.COMM_TYPE_SHARED)
-            launch.local_rank, launch.local_world_size = node.Get_rank(), node.Get_size()
-    device, backend = pick_device(args.device, launch.local_rank)
-    dtype = pick_dtype(args.dtype, device)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # split the cores among the ranks on this node
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
-    elif device.type == "xpu":
-        torch.xpu.set_device(device)
-    if distributed:
-        timeout = datetime.timedelta(seconds=args.timeout)
-        init_method = _rendezvous(launch)
-        dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
-    _install_abort_hook(launch)  # after init_process_group, whose own hook it wraps
-    LEDGER.install()
-    env = Env(launch, device, backend, dtype)
-    if hasattr(args, "out_dir"):  # a training script: its files, before anything heavy
-        agree(env, startup_problem(args, env))
-    return env
-
-
-def agree(env, problem):
-    """Every rank passes the problem it found (a one-line string) or None; if any rank found
-    one, the first in rank order is printed once as `error: ...` and every rank exits with
-    status 2. A problem only some ranks can see (a file missing on one node, a slice of the
-    data) thus ends the whole job within seconds instead of hanging the others."""
-    if env.world_size > 1 and dist.is_initialized():
-        with LEDGER.paused():  # control traffic, not the strategy's
-            found = torch.tensor([1.0 if problem else 0.0], device=env.device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # did any rank find a problem?
-            if found.item():
-                problems = [None] * env.world_size
-                dist.all_gather_object(problems, problem)  # every rank's message
-                problem = next(p for p in problems if p)
-    if problem:
-        if env.master:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
-        leave(env, 2)
-
-
-def leave(env, status):
-    """Release the out_dir lock, end the process group in step, exit with `status`."""
-    release_out_dir()
-    teardown(env)
-    sys.exit(status)
-
-
-def startup_problem(args, env):
-    """This rank's first problem with the files of the run, or None: --data (this rank's
-    slice of the token scan), and on rank 0, which writes them, --metrics, --export and
-    --out_dir (created, checked writable, locked for this job and cleared of the leftovers of
-    interrupted writes)."""
-    problem = Data.problem(args.data, model_block_size(args), env.rank, env.world_size)
-    if problem or not env.master:
-        return problem
-    problem = output_problems(args)
-    if problem is None and args.metrics:
-        try:
-            open(args.metrics, "a").close()
-        except OSError as e:
-            return f"--metrics {args.metrics} cannot be written: {e.strerror}"
-    # the other ranks wait in `agree` meanwhile: never longer than half the collective timeout
-    problem = problem or lock_out_dir(args.out_dir, wait_s=min(LOCK_STALE_S, args.timeout / 2))
-    if problem is None:  # ours now: remove what interrupted writes of earlier jobs left
-        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir))
-    return problem
-
-
-def output_problems(args):
-    """The first reason the files this run would write cannot be written, or None, found
-    without writing anything (a dry run calls it too): --metrics and --export need an
-    existing, writable directory; --out_dir must be a writable directory or creatable (a
-    directory is made and removed in it, or in the deepest part of its path that exists)."""
-    for flag, path in (("--metrics", args.metrics), ("--export", getattr(args, "export", None))):
-        if not path:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            return f"{flag} {path}: the directory {folder} does not exist"
-        if os.path.isdir(path):
-            return f"{flag} {path} is a directory"
-        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-            return f"{flag} {path} cannot be written: permission denied"
-    existing = os.path.abspath(args.out_dir)
-    while not os.path.exists(existing):  # the deepest part of the path that exists
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"--out_dir {args.out_dir}: {existing} exists and is not a directory"
-    try:  # permission bits do not tell (root, read-only mounts): make and remove a directory there
-        os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=existing))
-    except OSError as e:
-        verb = "is not writable" if existing == os.path.abspath(args.out_dir) else f"cannot be created in {existing}"
-        return f"--out_dir {args.out_dir} {verb}: {e.strerror}"
-    return None
-
-
-# ----------------------------------------------------------------------------------------
-# One job per out_dir: a lock file with a heartbeat
-# ----------------------------------------------------------------------------------------
-
-LOCK_NAME = "LOCK"
-LOCK_HEARTBEAT_S = 10  # rank 0 touches the lock this often while the job lives
-LOCK_STALE_S = 60  # a lock untouched this long, or whose process is gone from this host, is stale
-_LOCK = {}  # path, the holder record, and the heartbeat's stop event, while this process holds one
-
-
-def _lock_holder():
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")}
-
-
-def _lock_is_stale(path, holder):
-    """A dead job's lock: its process is gone (same host), or its heartbeat stopped."""
-    if holder.get("host") == socket.gethostname():
-        try:
-            os.kill(int(holder.get("pid")), 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, TypeError, ValueError):
-            pass
-    try:
-        return time.time() - os.path.getmtime(path) > LOCK_STALE_S
-    except FileNotFoundError:
-        return True
-
-
-def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
-    """Create out_dir, check that it is writable, and take its lock (out_dir/LOCK, holding
-    host, pid and scheduler job id; a daemon thread touches it every LOCK_HEARTBEAT_S).
-    Returns the problem, or None. A stale lock of a dead job is replaced, with a note. A
-    live-looking lock of another host may be a job killed seconds ago (a chained job starts
-    right after it): this waits up to `wait_s` for its heartbeat to stop before refusing."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except FileExistsError:
-        return f"--out_dir {out_dir} exists and is not a directory"
-    except OSError as e:
-        return f"--out_dir {out_dir} cannot be created: {e.strerror}"
-    if not os.path.isdir(out_dir):
-        return f"--out_dir {out_dir} exists and is not a directory"
-    path = os.path.join(out_dir, LOCK_NAME)
-    me = _lock_holder()
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # atomic: one job wins
-        except FileExistsError:
-            try:
-                holder = json.load(open(path))
-            except (OSError, ValueError):
-                holder = {}
-            if not _lock_is_stale(path, holder) and holder.get("host") != socket.gethostname() and wait_s > 0:
-                print(f"note: --out_dir {out_dir} is locked by job {holder.get('job')} on host {holder.get('host')}; "
-                      f"waiting up to {wait_s:.0f} s to see whether its heartbeat stops (a killed job's)",
-                      file=sys.stderr, flush=True)
-                deadline = time.time() + wait_s
-                while time.time() < deadline and os.path.exists(path) and not _lock_is_stale(path, holder):
-                    time.sleep(min(1.0, max(0.0, deadline - time.time())))
-                wait_s = 0
-                if not os.path.exists(path):
-                    continue  # released while we waited: take it
-            if not _lock_is_stale(path, holder):
-                age = time.time() - os.path.getmtime(path)
-                return (f"--out_dir {out_dir} is in use by another job (host {holder.get('host')}, "
-                        f"pid {holder.get('pid')}, job {holder.get('job')}; its lock {path} was renewed "
-                        f"{age:.0f} s ago): give this run its own --out_dir, or wait for that job to end")
-            print(f"note: removing the stale lock of a job that is gone ({path}: {holder})", file=sys.stderr, flush=True)
-            stale = f"{path}.stale.{os.getpid()}"
-            try:
-                os.replace(path, stale)  # only one of two racing jobs moves it away
-                os.remove(stale)
-            except FileNotFoundError:
-                pass
-            continue
-        except OSError as e:
-            return f"--out_dir {out_dir} is not writable: {e.strerror}"
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        stop = threading.Event()
-
-        def heartbeat():
-            while not stop.wait(LOCK_HEARTBEAT_S):
-                try:
-                    os.utime(path)
-                except OSError:
-                    return
-        threading.Thread(target=heartbeat, daemon=True, name="out_dir lock heartbeat").start()
-        _LOCK.update(path=path, holder=me, stop=stop)
-        atexit.register(release_out_dir)
-        return None
-    return f"--out_dir {out_dir}: could not take its lock {path} (another job keeps taking it)"
-
-
-def release_out_dir():
-    """Remove this job's lock (if it is still ours); safe to call more than once."""
-    if not _LOCK:
-        return
-    _LOCK["stop"].set()
-    try:
-        if json.load(open(_LOCK["path"])) == _LOCK["holder"]:
-            os.remove(_LOCK["path"])
-    except (OSError, ValueError):
-        pass
-    _LOCK.clear()
-
-
-# ----------------------------------------------------------------------------------------
-# Stopping: non-finite loss or gradients, walltime and signals, agreed by every rank
-# ----------------------------------------------------------------------------------------
-
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what PBS and Slurm send at walltime or preemption
-NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite loss or gradient
-
-
-class Guard:
-    """One small all-reduce per optimizer step, before the update, in which every rank says
-    (1) whether its loss or gradients hold a non-finite number, and (2) whether it has been
-    asked to stop: a SIGTERM / SIGUSR1 reached it, or --time_limit is near (elapsed time +
-    twice the slowest step seen, i.e. one more step and a checkpoint, would pass it).
-
-    (1) on any rank: one `error:` line naming the step, every rank exits with NONFINITE_EXIT
-        before the optimizer step, so no non-finite weights exist and no checkpoint of them
-        is written; the last good checkpoint is untouched.
-    (2) on any rank: `check` returns True on every rank, which finish this step, write a
-        checkpoint and call `stop`."""
-
-    def __init__(self, args, env):
-        self.args, self.env = args, env
-        self.signal = None
-        self.last, self.slowest = time.monotonic(), 0.0
-        for name in STOP_SIGNALS:
-            signal.signal(getattr(signal, name), self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        if self.signal:  # a second signal: the sender insists, end now (the default action)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.signal = signal.Signals(signum).name  # acted on at the next step's check
-
-    def _time_is_up(self):
-        if not self.args.time_limit:
-            return False
-        now = time.monotonic()
-        self.slowest, self.last = max(self.slowest, now - self.last), now  # a step, with its eval and saves
-        return now - STARTED + 2 * self.slowest > self.args.time_limit * 60
-
-    def check(self, step, loss, grads):
-        """Call after backward (and clipping), right before optimizer.step(), with this rank's
-        loss and its gradient tensors. Returns True when every rank should stop after this step."""
-        env, rank = self.env, self.env.rank
-        grads = [g for g in grads if g is not None]
-        values = torch.stack([loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads])
-        bad = not bool(torch.isfinite(values).all())
-        asked = 2 if self.signal else 1 if self._time_is_up() else 0
-        # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop)
-        flags = torch.tensor([env.world_size - rank if bad else 0, asked], dtype=torch.float32, device=env.device)
-        if env.world_size > 1 and dist.is_initialized():
-            with LEDGER.paused():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        first_bad, asked = int(flags[0].item()), int(flags[1].item())
-        if first_bad:
-            if env.master:
-                print(f"error: non-finite loss or gradient at step {step} (first seen on rank "
-                      f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
-                      f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
-                      file=sys.stderr, flush=True)
-            leave(env, NONFINITE_EXIT)
-        self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
-                       2: self.signal or "a SIGTERM or SIGUSR1 on another rank"}.get(asked)
-        return bool(asked) and step + 1 < self.args.max_iters
-
-    def stop(self, step):
-        """After this step's checkpoint: say where the run stopped and how to continue, then
-        end every rank with status 0 (the run is healthy; a chained job resumes it)."""
-        log(self.env, f"stopped after step {step} of {self.args.max_iters} ({self.reason}): checkpoint in "
-                      f"{self.args.out_dir}; continue with the same command and --resume")
-        leave(self.env, 0)
-
-
-def _rendezvous(launch):
-    """The init_method URL. torchrun exports MASTER_ADDR/PORT; under MPI, rank 0 picks its
-    host name and a free port and broadcasts them; under plain srun the job script exports
-    MASTER_ADDR (else the first host of the allocation) and MASTER_PORT."""
-    if launch.kind == "torchrun":
-        return "env://"
-    if launch.kind == "single":
-        return f"tcp://127.0.0.1:{_free_port()}"
-    if launch.kind == "mpi":
-        addr = port = None
-        if launch.rank == 0:
-            addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
-        addr, port = _MPI_COMM.bcast((addr, port), root=0)
-        return f"tcp://{addr}:{port}"
-    addr = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ.get("SLURM_NODELIST", "localhost"))
-    port = os.environ.get("MASTER_PORT") or str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
-    return f"tcp://{addr}:{port}"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _install_abort_hook(launch):
-    """An uncaught exception on any rank ends the whole job instead of leaving the others
-    blocked in a collective: print the traceback, then MPI_Abort under MPI (mpiexec kills
-    every rank), else exit at once (torchrun and srun --kill-on-bad-exit end the rest; gloo
-    and NCCL peers see the closed connection or hit --timeout). torch's own hook, installed
-    by init_process_group, still prints the rank-prefixed traceback first."""
-    if launch.world_size == 1:
-        return
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        sys.stderr.write(f"[rank {launch.rank}] uncaught {kind.__name__}; ending the job\n")
-        previous(kind, value, tb)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        time.sleep(1.0)  # let the launcher forward the traceback before the job is torn down
-        if _MPI_COMM is not None:
-            _MPI_COMM.Abort(1)
-        os._exit(1)
-
-    sys.excepthook = hook
-
-
-def teardown(env):
-    """End the process group in step: nobody destroys it while another rank may still talk
-    to it, and under mpiexec rank 0, which hosts the rendezvous store, leaves last."""
-    release_out_dir()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    if _MPI_COMM is not None:
-        _MPI_COMM.Barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
-def autocast(env):
-    """bf16 autocast (weights and optimizer stay fp32; float16 is refused at start: no loss
-    scaling here); nothing in fp32."""
-    if env.dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=env.device.type, dtype=env.dtype)
-
-
-def synchronize(env):
-    if env.device.type == "cuda":
-        torch.cuda.synchronize()
-    elif env.device.type == "xpu":
-        torch.xpu.synchronize()
-
-
-# ----------------------------------------------------------------------------------------
-# Metrics: the communication ledger, model-state bytes, tokens/s, MFU, JSONL
-# ----------------------------------------------------------------------------------------
-
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
-class CommLedger:
-    """Counts the bytes each torch.distributed collective moves on this rank, by operation,
-    by wrapping the functions of the torch.distributed module (scripts keep calling
-    `dist.all_reduce` literally). The count is the message size in nccl-tests' convention:
-    the tensor for all_reduce / broadcast / reduce / send / recv, the *input* for
-    reduce_scatter and all_to_all, the *output* for all_gather; not the wire traffic of the
-    algorithm (a ring all-reduce puts 2(N-1)/N of it on every link)."""
-
-    # op: the argument whose size is counted (a tensor, or a list of tensors)
-    COUNTED = {
-        "all_reduce": "tensor", "reduce": "tensor", "broadcast": "tensor",
-        "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
-        "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
-        "all_to_all": "input_tensor_list", "all_to_all_single": "input",
-        "gather": "tensor", "scatter": "tensor",
-        "send": "tensor", "isend": "tensor", "recv": "tensor", "irecv": "tensor",
-        # torch >= 2.13's names for all_gather_into_tensor and reduce_scatter_tensor
-        "all_gather_single": "output_tensor", "reduce_scatter_single": "input",
-    }
-
-    def __init__(self):
-        self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
-
-    @contextmanager
-    def paused(self):
-        """Collectives inside are not counted (control messages: agreement, stop flags)."""
-        self.counting = False
-        try:
-            yield
-        finally:
-            self.counting = True
-
-    def name_group(self, group, name):
-        """Count this process group's collectives as "op[name]" (e.g. all_reduce[tp])."""
-        self.group_names[group] = name
-        return group
-
-    def add(self, op, nbytes):
-        op = {"isend": "send", "irecv": "recv"}.get(op, op)  # p2p: by direction
-        self.bytes[op] = self.bytes.get(op, 0) + nbytes
-
-    def install(self):
-        if self.installed:
-            return
-        self.installed = True
-        for op, argument in self.COUNTED.items():
-            if hasattr(dist, op):
-                setattr(dist, op, self._wrap(op, getattr(dist, op), argument))
-        class P2POp(dist.P2POp):
-            """P2POp checks that its op *is* torch's isend/irecv: hand it the unwrapped ones."""
-
-            def __new__(cls, op, *args, **kwargs):
-                return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
-
-            def __init__(self, op, *args, **kwargs):
-                super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
-        dist.P2POp = P2POp
-        original = dist.batch_isend_irecv
-
-        @wraps(original)
-        def batch_isend_irecv(p2p_ops):
-            for p2p in p2p_ops:
-                self.add(p2p.op.__name__, _nbytes(p2p.tensor))
-            return original(p2p_ops)
-        dist.batch_isend_irecv = batch_isend_irecv
-
-    def _wrap(self, op, fn, argument):
-        signature = inspect.signature(fn)
-
-        @wraps(fn)
-        def counted(*args, **kwargs):
-            if not self.counting:
-                return fn(*args, **kwargs)
-            bound = signature.bind_partial(*args, **kwargs).arguments
-            value = bound[argument]
-            name = self.group_names.get(bound.get("group"))
-            self.add(f"{op}[{name}]" if name else op,
-                     sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
-            return fn(*args, **kwargs)
-        return counted
-
-    def take(self):
-        """The bytes counted since the last take (one optimizer step's worth)."""
-        counted, self.bytes = self.bytes, {}
-        return counted
-
-
-LEDGER = CommLedger()
-
-
-def tensor_bytes(tensors):
-    """Bytes of distinct storages among `tensors` (a tied weight counts once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or t.device.type == "meta":
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        key = (t.untyped_storage().data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def optimizer_state_tensors(optimizer):
-    return [v for state in optimizer.state.values() for v in state.values()
-            if torch.is_tensor(v) and v.dim() > 0]
-
-
-def state_bytes(params, optimizer):
-    """Model-state bytes this rank holds, counted from the live tensors: parameters,
-    gradients, optimizer state (AdamW: exp_avg and exp_avg_sq)."""
-    params = list(params)
-    return {"params": tensor_bytes(params),
-            "grads": tensor_bytes([p.grad for p in params]),
-            "optim": tensor_bytes(optimizer_state_tensors(optimizer))}
-
 
 # Dense peak FLOP/s per device (one GCD of an MI250X, one tile of a Max 1550), for MFU:
 # (bf16/fp16 tensor-core peak, fp32 peak). From the vendors' data sheets.
@@ -1541,40 +1796,16 @@ def progress(env, start, stop):
                 dynamic_ncols=True, mininterval=2.0, leave=False)
 
 
-def print_ledger(env, held, comm, cost, activations=None):
-    """Once, after the first step: what this rank holds and sends, measured next to the
-    strategy's formula (`cost` is the script's costs(): each value is (formula, bytes));
-    `activations`: the ActivationMeter's peak over the step."""
-    lines = [f"ledger (rank {env.rank}): measured | theory"]
-    for kind in cost["held"]:  # params, grads, optim (and with --offload their host parts)
-        formula, value = cost["held"][kind]
-        lines.append(f"  held {kind:<24} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
-    if "activations" in cost:
-        formula, value = cost["activations"]
-        measured = format_bytes(activations) if activations is not None else "-"
-        lines.append(f"  held {'activations (peak)':<24} {measured:>11} | {formula} = {format_bytes(value)}")
-    for op in sorted(set(comm) | set(cost["sent"])):
-        formula, value = cost["sent"].get(op, ("0", 0))
-        lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
-    if not comm and not cost["sent"]:
-        lines.append("  communication: none")
-    log(env, "\n".join(lines))
-    # rank 0 prints its ledger; every rank checks its own (a pipeline's last stage, a 3D
-    # mesh's other coordinates hold and send other amounts) and says where it differs
-    measured = {**{f"held {k}": held[k] for k in cost["held"]}, **{f"sent {op}": comm.get(op, 0) for op in comm}}
-    theory = {**{f"held {k}": v for k, (_, v) in cost["held"].items()},
-              **{f"sent {op}": v for op, (_, v) in cost["sent"].items()}}
-    differ = [f"{key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
-              for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
-    if differ:
-        print(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", file=sys.stderr, flush=True)
+def format_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
 
 
-def theory_bytes(cost):
-    """The byte values of a costs() result, keyed as the metrics' measured columns."""
-    return ({kind: value for kind, (_, value) in cost["held"].items()},
-            {op: value for op, (_, value) in cost["sent"].items()})
-
+# ----------------------------------------------------------------------------------------
+# The dry run: validate and price a layout without launching it
+# ----------------------------------------------------------------------------------------
 
 def launch_for(args):
     """Who this process is: from the launcher's environment, or, for --dry_run, rank 0 of
@@ -1622,14 +1853,6 @@ def dry_run(args, script, config, cost, layout_lines=()):
         lines.append("  sends nothing")
     print("\n".join(lines), flush=True)
     sys.exit(0)
-
-
-
-def format_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
 
 
 # ----------------------------------------------------------------------------------------
@@ -2074,49 +2297,6 @@ def load_model_file(path, config):
           f"model: {architecture(obj['model_args'])}, this run builds {architecture(asdict(config))}")
     state = {k.removeprefix("_orig_mod."): v for k, v in obj["model"].items()}  # nanoGPT's compiled names
     return {k: v for k, v in state.items() if not (k.endswith(".attn.bias") and v.dim() == 4)}  # nanoGPT's mask
-
-
-def device_rng_state(device):
-    """The state of the generator that random ops on `device` (dropout) draw from: the CPU
-    generator on CPU, the device's own on cuda (NVIDIA, ROCm), xpu (Intel) and mps."""
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    if device.type == "xpu":
-        return torch.xpu.get_rng_state(device)
-    if device.type == "mps":
-        return torch.mps.get_rng_state()
-    return torch.get_rng_state()
-
-
-def set_device_rng_state(device, state):
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    elif device.type == "xpu":
-        torch.xpu.set_rng_state(state, device)
-    elif device.type == "mps":
-        torch.mps.set_rng_state(state)
-    else:
-        torch.set_rng_state(state)
-
-
-def seeded_rng_state(device, seed):
-    """A fresh generator state for `device` seeded with `seed`, made without touching the
-    default generators (torch.manual_seed would reseed every device's)."""
-    return torch.Generator(device=device).manual_seed(seed).get_state()
-
-
-def rng_state(env):
-    """This rank's random streams: the CPU generator and, on an accelerator, the device's."""
-    state = {"cpu": torch.get_rng_state()}
-    if env.device.type != "cpu":
-        state["device"] = device_rng_state(env.device)
-    return state
-
-
-def set_rng_state(env, state):
-    torch.set_rng_state(state["cpu"])
-    if "device" in state and env.device.type != "cpu":
-        set_device_rng_state(env.device, state["device"])
 
 
 def run_config(args, config, world_layout):

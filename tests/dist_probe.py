@@ -18,6 +18,7 @@ def main():
     parser.add_argument("--raise_on_rank", type=int, default=-1)
     args = parse_args(parser)
     env = setup(args)
+    LEDGER.install()  # count what this probe sends (a training script's Run.setup does this)
     value = torch.tensor([float(env.rank)])
     dist.all_reduce(value)  # the sum of all ranks
     report = dict(kind=env.launch.kind, rank=env.rank, world_size=env.world_size,
