@@ -78,3 +78,40 @@ def test_vocab_size_is_read_without_unpickling(tmp_path):
     meta.write_bytes(pickle.dumps({"itos": {}}))
     with pytest.raises(ValueError):
         read_vocab_size(str(meta))
+
+
+def test_part_one_alone_trains_the_model(tmp_path):
+    """common.py's Part I is self-contained: cut the file at Part II's banner, execute only
+    what is above it, and a plain loop (model, data, AdamW, schedule) trains 01's model and
+    matches the whole file's loop step for step."""
+    import common
+    source = open(common.__file__).read()
+    cut = source.index("# PART II")
+    part_one = source[:source.rindex("\n# =====", 0, cut)]
+    assert "class Run" not in part_one and "LEDGER" not in part_one and "def save_checkpoint" not in part_one
+    namespace = {"__file__": common.__file__, "__name__": "common_part_one"}
+    exec(compile(part_one, "common.py (Part I)", "exec"), namespace)
+
+    def train(ns):
+        args = ns["parse_args"](ns["make_parser"]("plain loop"), ["--model", "tiny", "--device", "cpu",
+                                "--global_batch_size", "8", "--max_iters", "8", "--dropout", "0",
+                                "--lr", "3e-3", "--warmup_iters", "2"])
+        data = ns["Data"](args.data, args.seed, ns["model_block_size"](args))
+        config = ns["model_config"](args, data.vocab_size)
+        model = ns["build_model"](config, args.seed, "cpu")
+        optimizer = ns["make_adamw"](*ns["decay_groups"](model.parameters()), args, "cpu")
+        losses = []
+        for step in range(args.max_iters):
+            for group in optimizer.param_groups:
+                group["lr"] = ns["lr_at"](step, args)
+            x, y = data.batch("train", step, args.global_batch_size)
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    alone = train(namespace)
+    assert len(alone) == 8 and all(math.isfinite(v) for v in alone) and alone[-1] < alone[0]
+    assert alone == train(vars(common))
