@@ -95,27 +95,13 @@ reduce-scatter or all-gather, so equal wire traffic shows here as 2bΨ against D
 """
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
-from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, autocast, build_model, check, check_batch, count_params, Data, dry_run,
-                    flops_per_token, GPT, Guard, is_decayed, launch_for, LEDGER, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_block_size, model_config,
-                    optimizer_state_tensors, param_pieces, parse_args, planned_dtype, print_ledger,
-                    progress, resume_checkpoint, run_config, save_checkpoint, setup, synchronize,
-                    teardown, tensor_bytes, to_device)
-
-
-def add_flags(parser):
-    g = parser.add_argument_group("04_zero")
-    g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
-    g.add_argument("--offload", action="store_true",
-                   help="ZeRO-Offload: fp32 master shard, gradient shard and AdamW state in (pinned) host "
-                        "memory, the optimizer steps on the CPU")
-    return parser
+from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
+                    check, check_batch, Data, GPT, is_decayed, LEDGER, make_adamw, make_parser,
+                    model_block_size, model_config, param_pieces, parse_args, Run, tensor_bytes, to_device)
 
 
 class Unit:
@@ -306,9 +292,13 @@ class ZeRO:
 
     def step(self):
         self.optimizer.step()  # AdamW on this rank's shards only (--offload: on the CPU)
-        if self.stage < 3:  # stage 3 gathers from the updated masters at the next forward
+        self.gather_params()
+
+    def gather_params(self):
+        """Stages 1-2: every rank's updated (or loaded) master shard -> the whole unit, on every
+        rank, in the compute dtype. Stage 3 gathers from the masters at the next forward."""
+        if self.stage < 3:
             for unit in self.units:
-                # every rank's updated shard -> the whole unit, on every rank
                 dist.all_gather_into_tensor(unit.full, self.working_shard(unit))
 
     def zero_grad(self):
@@ -317,54 +307,102 @@ class ZeRO:
             if unit.grad_full is not None:
                 unit.grad_full.zero_()
 
-    # -- the ledger ----------------------------------------------------------------------
+    def numel(self):
+        """Ψ: the model's parameters (the tied embedding and head once)."""
+        return sum(shape.numel() for u in self.units for shape in u.shapes)
+
     def padded_numel(self):
+        """Ψ with every unit padded to a multiple of N, as the flat shards are."""
         return sum(u.shard_numel for u in self.units) * self.world_size
 
-    def held_bytes(self):
-        """Model-state bytes this rank holds, counted from the live tensors (the fp32
-        master counts as optimizer state when it is a separate copy, as in the paper)."""
-        masters = [u.master for u in self.units]
-        moments = optimizer_state_tensors(self.optimizer)
-        if self.offload:  # the device keeps the working parameters (and stage 1's full grads)
-            return {"params": tensor_bytes([u.full for u in self.units]) if self.stage < 3 else 0,
-                    "grads": tensor_bytes([u.grad_full for u in self.units if u.grad_full is not None]),
-                    "optim": 0, "grads (host)": tensor_bytes([u.grad_shard for u in self.units]),
-                    "optim (host)": tensor_bytes(moments + masters)}
-        if self.stage < 3:
-            params = tensor_bytes([u.full for u in self.units])
-            separate_master = tensor_bytes(masters + [u.full for u in self.units]) - params
-        else:
-            params = tensor_bytes(masters) if self.compute_dtype == torch.float32 else 0
-            separate_master = 0 if self.compute_dtype == torch.float32 else tensor_bytes(masters)
-        grads = tensor_bytes([u.grad_full for u in self.units if u.grad_full is not None]
-                             + [u.grad_shard for u in self.units])
-        return {"params": params, "grads": grads, "optim": tensor_bytes(moments) + separate_master}
 
-    # -- checkpoints ---------------------------------------------------------------------
-    def checkpoint_pieces(self):
-        """This rank's flat shard of every unit cut at parameter boundaries: each piece is the
-        elements [a, b) of one parameter flattened (ZeRO's P_os, and P_p in stage 3), with
-        its AdamW moments; the padding is not saved. In common.py's format, so any script
-        resumes it at any layout, and this script resumes any other's."""
-        pieces = []
-        for unit in self.units:
-            optimizer_tensors = iter(unit.pieces)  # one per parameter this shard overlaps
-            for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets):
-                a, b = max(offset, unit.lo), min(offset + shape.numel(), unit.hi)
-                if a < b:
-                    full_name = name if unit is self.root else unit.name + name
-                    pieces += param_pieces(full_name, shape, next(optimizer_tensors), self.optimizer,
-                                           flat=(a - offset, b - offset))
-        return pieces
+def add_flags(parser):
+    g = parser.add_argument_group("04_zero")
+    g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
+    g.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: fp32 master shard, gradient shard and AdamW state in (pinned) host "
+                        "memory, the optimizer steps on the CPU")
+    return parser
 
-    def after_load(self):
-        """After the masters were loaded: rebuild the full replicas from the shards."""
-        for unit in self.units:
-            if self.stage < 3:
-                # every rank's loaded shard -> the whole unit, on every rank
-                dist.all_gather_into_tensor(unit.full, unit.master.to(unit.dtype, copy=True))
 
+@torch.no_grad()
+def evaluate(model, zero, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
+    slice, then the means are averaged across ranks."""
+    model.eval()
+    zero.gather_root()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total)  # the sum of every rank's mean/N: the global mean
+        losses[split] = total.item()
+    zero.release_root()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    run = Run(args, __file__)
+    accum_steps = check_batch(args, dp_size=run.world_size)
+    if args.dry_run:  # the plan from costs(), then exit 0
+        run.dry_run(costs, layout_lines(args, run.world_size, accum_steps))
+    env = run.setup()
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    model = build_model(config, args.seed, env.device, recompute=args.recompute)  # every rank builds it all ...
+    zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
+    run.begin(config, zero.optimizer, costs(args, config, env.world_size, env.dtype),
+              layout={"strategy": "zero", "stage": args.stage},
+              pieces=lambda: checkpoint_pieces(zero), held=lambda: held_bytes(zero),
+              evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps),
+              describe=f"ZeRO stage {args.stage} over {env.world_size} ranks, {len(zero.units)} units, "
+                       f"Ψ = {zero.numel():,} padded to {zero.padded_numel():,}, "
+                       f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
+    if args.resume:  # each rank read its shards: the full parameters from them (not a step's traffic)
+        zero.gather_params()
+        LEDGER.take()
+
+    for step in run.steps():
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        zero.gather_root()  # stage 3: the embeddings (= the head) stay gathered for the step
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                zero.before_backward(last=micro == accum_steps - 1)  # stage 1 communicates in the last only
+                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
+                loss_sum += loss.detach().float()
+        zero.release_root()
+        loss_sum /= accum_steps * env.world_size
+        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        if args.grad_clip > 0:
+            zero.clip_grad_norm(args.grad_clip)
+        run.check(loss_sum, (u.grad_shard for u in zero.units))  # non-finite? asked to stop?
+        zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
+        run.end_step(loss_sum)  # ledger, metrics, checkpoint, stop
+        zero.zero_grad()
+    run.finish()
+
+
+# ----------------------------------------------------------------------------------------
+# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
+# ----------------------------------------------------------------------------------------
 
 def unit_numels(config):
     """Elements of the root unit and of each block, as ZeRO groups them (from shapes only)."""
@@ -416,127 +454,52 @@ def costs(args, config, world_size, dtype):
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
-@torch.no_grad()
-def evaluate(model, zero, data, args, env, accum_steps):
-    """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
-    slice, then the means are averaged across ranks."""
-    model.eval()
-    zero.gather_root()
-    losses = {}
-    for split in ("train", "val"):
-        total = torch.zeros((), device=env.device)
-        for k in range(args.eval_iters):
-            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
-            x, y = to_device(x, env), to_device(y, env)
-            for micro in range(accum_steps):
-                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                with autocast(env):
-                    _, loss = model(x[rows], y[rows])
-                total += loss.float()
-        total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total)  # the sum of every rank's mean/N: the global mean
-        losses[split] = total.item()
-    zero.release_root()
-    model.train()
-    return losses
+def layout_lines(args, world_size, accum_steps):
+    """The dry run's layout line."""
+    config = model_config(args, Data.vocab_size_of(args.data))
+    return [f"layout: ZeRO stage {args.stage} over {world_size} ranks (units: root + {config.n_layer} blocks, "
+            f"each cut into {world_size} shards), {accum_steps} micro-batch(es) of {args.micro_batch_size} "
+            "per rank per step"]
 
 
-def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    launch = launch_for(args)
-    accum_steps = check_batch(args, dp_size=launch.world_size)
-    if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        dry_run(args, "04_zero.py", config, costs(args, config, launch.world_size, planned_dtype(args)),
-                [f"layout: ZeRO stage {args.stage} over {launch.world_size} ranks (units: root + "
-                 f"{config.n_layer} blocks, each cut into {launch.world_size} shards), {accum_steps} "
-                 f"micro-batch(es) of {args.micro_batch_size} per rank per step"])
-    env = setup(args, launch)
-    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
-    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+def held_bytes(zero):
+    """Model-state bytes this rank holds, counted from the live tensors (the fp32 master
+    counts as optimizer state when it is a separate copy, as in the paper)."""
+    units = zero.units
+    masters = [u.master for u in units]
+    moments = [v for state in zero.optimizer.state.values() for k, v in state.items() if k.startswith("exp_")]
+    full_grads = [u.grad_full for u in units if u.grad_full is not None]
+    if zero.offload:  # the device keeps the working parameters (and stage 1's full grads)
+        return {"params": tensor_bytes([u.full for u in units]) if zero.stage < 3 else 0,
+                "grads": tensor_bytes(full_grads), "optim": 0,
+                "grads (host)": tensor_bytes([u.grad_shard for u in units]),
+                "optim (host)": tensor_bytes(moments + masters)}
+    if zero.stage < 3:
+        params = tensor_bytes([u.full for u in units])
+        separate_master = tensor_bytes(masters + [u.full for u in units]) - params  # 0 when a view
+    else:
+        params = tensor_bytes(masters) if zero.compute_dtype == torch.float32 else 0
+        separate_master = 0 if zero.compute_dtype == torch.float32 else tensor_bytes(masters)
+    grads = tensor_bytes(full_grads + [u.grad_shard for u in units])
+    return {"params": params, "grads": grads, "optim": tensor_bytes(moments) + separate_master}
 
-    data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
-    model = build_model(config, args.seed, env.device)  # every rank builds the same model ...
-    for block in model.transformer.h:
-        block.recompute = args.recompute
-    n_params, nano_params = count_params(config)
-    zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
-    optimizer = zero.optimizer
-    run = run_config(args, config, {"strategy": "zero", "stage": args.stage})
-    start_step = 0
-    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shard
-        start_step, _ = resume_checkpoint(args.out_dir, env, zero.checkpoint_pieces(), run, optimizer)
-        zero.after_load()
 
-    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), "
-             f"device {env.device}, {str(env.dtype).replace('torch.', '')}, ZeRO stage {args.stage} over "
-             f"{env.world_size} ranks, {len(zero.units)} units, Ψ = {n_params:,} padded to {zero.padded_numel():,}, "
-             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
-    cost = costs(args, config, env.world_size, env.dtype)
-    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
-    meter = ActivationMeter()
-    LEDGER.take()
-
-    def save(step):
-        """Every rank writes its shard; rank 0 commits the set with a metadata file, last."""
-        save_checkpoint(args, step, env, zero.checkpoint_pieces(), run, optimizer)
-        LEDGER.take()  # checkpointing traffic is not part of a training step
-
-    for step in progress(env, start_step, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(model, zero, data, args, env, accum_steps)
-            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-            LEDGER.take()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-
-        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
-        x, y = to_device(x, env), to_device(y, env)
-        loss_sum = torch.zeros((), device=env.device)
-        zero.gather_root()
-        meter.start()
-        for micro in range(accum_steps):
-            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-            with autocast(env):
-                _, loss = model(x[rows], y[rows])
-            zero.before_backward(last=micro == accum_steps - 1)  # stage 1 communicates in the last only
-            (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
-            zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
-            loss_sum += loss.detach().float()
-        activations = meter.stop()
-        zero.release_root()
-        loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
-        if args.grad_clip > 0:
-            zero.clip_grad_norm(args.grad_clip)
-        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
-        # a stop signal or --time_limit ends it after this step's checkpoint
-        stop = guard.check(step, loss_sum, (u.grad_shard for u in zero.units))
-        zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
-
-        comm = LEDGER.take()
-        if step == start_step:
-            print_ledger(env, zero.held_bytes(), comm, cost, activations)
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
-            loss_value = loss_sum.item()
-            synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0, zero.held_bytes(), comm,
-                         activations=activations)
-        zero.zero_grad()
-        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            save(step + 1)
-        if stop:
-            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
-
-    if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(model, zero, data, args, env, accum_steps)
-        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    teardown(env)
+def checkpoint_pieces(zero):
+    """This rank's flat shard of every unit cut at parameter boundaries: each piece is the
+    elements [a, b) of one parameter flattened (ZeRO's P_os, and P_p in stage 3), with its
+    AdamW moments; the padding is not saved. In common.py's format, so any script resumes
+    it at any layout, and this script resumes any other's. Every rank writes its shard;
+    rank 0 commits the set with a metadata file, last."""
+    pieces = []
+    for unit in zero.units:
+        optimizer_tensors = iter(unit.pieces)  # one per parameter this shard overlaps
+        for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets):
+            a, b = max(offset, unit.lo), min(offset + shape.numel(), unit.hi)
+            if a < b:
+                full_name = name if unit is zero.root else unit.name + name
+                pieces += param_pieces(full_name, shape, next(optimizer_tensors), zero.optimizer,
+                                       flat=(a - offset, b - offset))
+    return pieces
 
 
 if __name__ == "__main__":

@@ -49,33 +49,15 @@ Cost per rank, Ψ parameters, S ranks per shard group, e bytes of the compute dt
 """
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, autocast, check, check_batch, count_params, Data,
-                    decay_groups, dry_run, flops_per_token, format_bytes, GPT, Guard, launch_for,
-                    LEDGER, log, lr_at, make_adamw, make_parser, Metrics, model_block_size,
-                    model_config, param_init, param_pieces, parse_args, planned_dtype, print_ledger,
-                    progress, resume_checkpoint, run_config, save_checkpoint, setup, state_bytes,
-                    synchronize, teardown, to_device)
-
-
-def add_flags(parser):
-    g = parser.add_argument_group("05_fsdp")
-    g.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
-    g.add_argument("--no_reshard", action="store_true",
-                   help="keep blocks gathered from forward to backward (ZeRO-2 behaviour)")
-    g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of the gradient reduce-scatter")
-    g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
-    g.add_argument("--offload", action="store_true",
-                   help="CPU offload: the fp32 shards, their gradients and AdamW state in (pinned) host memory, "
-                        "the optimizer steps on the CPU")
-    return parser
+from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
+                    check_batch, Data, decay_groups, format_bytes, GPT, LEDGER, make_adamw, make_parser,
+                    model_config, param_init, param_pieces, parse_args, planned_dtype, Run, state_bytes,
+                    to_device)
 
 
 class Unit:
@@ -273,18 +255,15 @@ class FSDP:
         for s in self.shards():
             s.grad.mul_(coef)
 
-    def checkpoint_pieces(self, optimizer):
-        """This rank's rows of every parameter (dim-0 shards, without the padding rows) and
-        their AdamW moments, in common.py's format: any script resumes it at any layout. With
-        HSDP the replicas hold equal shards: replica 0 writes them; every replica reads."""
-        pieces = []
-        for unit in self.units:
-            for name, shape, rows, shard in zip(unit.names, unit.shapes, unit.rows, unit.shards):
-                lo, hi = self.shard_rank * rows, min((self.shard_rank + 1) * rows, shape[0])
-                if lo < hi:  # the last ranks may hold padding only
-                    pieces += param_pieces(name, shape, shard, optimizer, box=[[lo, hi]] + [[0, s] for s in shape[1:]],
-                                           index=slice(0, hi - lo), write=self.replica == 0)
-        return pieces
+    def __str__(self):
+        return (f"built on the meta device; reduce {str(self.reduce_dtype).replace('torch.', '')}; "
+                f"{len(self.units)} units sharded over {self.shard_size} ranks"
+                + (f" x {self.world_size // self.shard_size} replicas (HSDP)" if self.replicate_group else "")
+                + f"; prefetch {'on' if self.prefetch else 'off'}, reshard {'on' if self.reshard else 'off'}")
+
+    def numel(self):
+        """Ψ: the model's parameters (the tied embedding and head once), unpadded."""
+        return sum(shape.numel() for unit in self.units for shape in unit.shapes)
 
 
 def materialize(model, device, dtype):
@@ -297,6 +276,105 @@ def materialize(model, device, dtype):
                     new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
                 module._parameters[name] = new[id(p)]
 
+
+def add_flags(parser):
+    g = parser.add_argument_group("05_fsdp")
+    g.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
+    g.add_argument("--no_reshard", action="store_true",
+                   help="keep blocks gathered from forward to backward (ZeRO-2 behaviour)")
+    g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the gradient reduce-scatter")
+    g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
+    g.add_argument("--offload", action="store_true",
+                   help="CPU offload: the fp32 shards, their gradients and AdamW state in (pinned) host memory, "
+                        "the optimizer steps on the CPU")
+    return parser
+
+
+@torch.no_grad()
+def evaluate(model, fsdp, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches (each rank its slice)."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                fsdp.begin()
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total)  # the global mean
+        losses[split] = total.item()
+    fsdp.end()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    run = Run(args, __file__)
+    check(args.replicate >= 1 and run.world_size % args.replicate == 0,
+          f"--replicate {args.replicate} does not divide the world size {run.world_size}")
+    accum_steps = check_batch(args, dp_size=run.world_size)
+    if args.dry_run:  # the plan from costs(), then exit 0
+        run.dry_run(costs, layout_lines(args, run.world_size, accum_steps))
+    env = run.setup()
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+
+    config = model_config(args, Data.vocab_size_of(args.data))
+    data = Data(args.data, args.seed, config.block_size)
+    with torch.device("meta"):
+        model = GPT(config)  # no memory: shapes only
+    for block in model.transformer.h:
+        block.recompute = args.recompute
+    fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
+    # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
+    optimizer = make_adamw(*decay_groups(fsdp.shards()), args, "cpu" if args.offload else env.device.type)
+    cost = costs(args, config, env.world_size, env.dtype)
+    run.begin(config, optimizer, cost, layout={"strategy": "fsdp", "replicate": args.replicate},
+              pieces=lambda: checkpoint_pieces(fsdp, optimizer), held=lambda: held_bytes(fsdp, optimizer),
+              evaluate=lambda: evaluate(model, fsdp, data, args, env, accum_steps),
+              describe=f"{fsdp}; {accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
+    gathered_formula, gathered_bound = cost["gathered"]
+
+    for step in run.steps():
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                fsdp.finish_reductions()  # this micro-batch's gradient shards are in
+                loss_sum += loss.detach().float()
+        fsdp.end()  # free the root (and, with --no_reshard, every block)
+        loss_sum /= accum_steps * env.world_size
+        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        if args.grad_clip > 0:
+            fsdp.clip_grad_norm(args.grad_clip)
+        run.check(loss_sum, (s.grad for s in fsdp.shards()))  # non-finite? asked to stop?
+        optimizer.step()  # AdamW on this rank's fp32 rows only
+        if step == run.start_step:  # next to the ledger: the gathered parameters against their bound
+            run.log(f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: "
+                    f"{gathered_formula} = {format_bytes(gathered_bound)}); full model "
+                    f"{format_bytes(4 * fsdp.numel())} in fp32")
+        run.end_step(loss_sum, {"gathered_peak_bytes": fsdp.gathered_peak,  # ledger, metrics, checkpoint, stop
+                                "gathered_bound_bytes": gathered_bound})
+        optimizer.zero_grad(set_to_none=True)
+    run.finish()
+
+
+# ----------------------------------------------------------------------------------------
+# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
+# ----------------------------------------------------------------------------------------
 
 def costs(args, config, world_size, dtype):
     """The docstring's formulas in bytes per rank. S = N/R ranks per shard group; Ψ counts
@@ -339,141 +417,40 @@ def costs(args, config, world_size, dtype):
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
-@torch.no_grad()
-def evaluate(model, fsdp, data, args, env, accum_steps):
-    """Mean loss of each split over eval_iters fixed global batches (each rank its slice)."""
-    model.eval()
-    losses = {}
-    for split in ("train", "val"):
-        total = torch.zeros((), device=env.device)
-        for k in range(args.eval_iters):
-            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
-            x, y = to_device(x, env), to_device(y, env)
-            for micro in range(accum_steps):
-                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                fsdp.begin()
-                with autocast(env):
-                    _, loss = model(x[rows], y[rows])
-                total += loss.float()
-        total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total)  # the global mean
-        losses[split] = total.item()
-    fsdp.end()
-    model.train()
-    return losses
+def layout_lines(args, world_size, accum_steps):
+    """The dry run's layout lines: the shard groups, and the gathered parameters at the peak."""
+    config = model_config(args, Data.vocab_size_of(args.data))
+    formula, value = costs(args, config, world_size, planned_dtype(args))["gathered"]
+    S = world_size // args.replicate
+    return ([f"layout: shard groups of {S} consecutive ranks x {args.replicate} replica(s); "
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
+             f"  gathered parameters at the peak: {format_bytes(value)} ({formula})"]
+            + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
+                "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else []))
 
 
-def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    launch = launch_for(args)
-    check(args.replicate >= 1 and launch.world_size % args.replicate == 0,
-          f"--replicate {args.replicate} does not divide the world size {launch.world_size}")
-    accum_steps = check_batch(args, dp_size=launch.world_size)
-    if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        cost = costs(args, config, launch.world_size, planned_dtype(args))
-        S = launch.world_size // args.replicate
-        dry_run(args, "05_fsdp.py", config, cost,
-                [f"layout: shard groups of {S} consecutive ranks x {args.replicate} replica(s); "
-                 f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
-                 f"  gathered parameters at the peak: {format_bytes(cost['gathered'][1])} ({cost['gathered'][0]})"]
-                + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
-                    "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else []))
-    env = setup(args, launch)
-    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
-    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+def held_bytes(fsdp, optimizer):
+    """Model-state bytes this rank holds, counted from the live tensors: the fp32 shards,
+    their gradients and AdamW's moments; with --offload all of it in host memory (the
+    device has the gathered units only)."""
+    held = state_bytes(fsdp.shards(), optimizer)
+    if fsdp.offload:
+        held = {"params": 0, "grads": 0, "optim": 0, **{f"{k} (host)": v for k, v in held.items()}}
+    return held
 
-    data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
-    with torch.device("meta"):
-        model = GPT(config)  # no memory: shapes only
-    for block in model.transformer.h:
-        block.recompute = args.recompute
-    n_params, nano_params = count_params(config)  # Ψ, and nanoGPT's count
-    fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
-    # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
-    optimizer = make_adamw(*decay_groups(fsdp.shards()), args, "cpu" if args.offload else env.device.type)
-    run = run_config(args, config, {"strategy": "fsdp", "replicate": args.replicate})
-    start_step = 0
-    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its rows
-        start_step, _ = resume_checkpoint(args.out_dir, env, fsdp.checkpoint_pieces(optimizer), run, optimizer)
 
-    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), built on the meta device; "
-             f"device {env.device}, compute {str(env.dtype).replace('torch.', '')}, reduce {args.reduce_dtype}; "
-             f"{len(fsdp.units)} units sharded over {fsdp.shard_size} ranks"
-             + (f" x {args.replicate} replicas (HSDP)" if args.replicate > 1 else "")
-             + f"; prefetch {'on' if fsdp.prefetch else 'off'}, reshard {'on' if fsdp.reshard else 'off'}; "
-             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
-    cost = costs(args, config, env.world_size, env.dtype)
-    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
-    meter = ActivationMeter()
-    gathered_formula, gathered_bound = cost["gathered"]
-
-    def save(step):
-        save_checkpoint(args, step, env, fsdp.checkpoint_pieces(optimizer), run, optimizer)
-        LEDGER.take()
-
-    LEDGER.take()
-    for step in progress(env, start_step, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(model, fsdp, data, args, env, accum_steps)
-            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-            LEDGER.take()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-
-        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
-        x, y = to_device(x, env), to_device(y, env)
-        loss_sum = torch.zeros((), device=env.device)
-        meter.start()
-        for micro in range(accum_steps):
-            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-            fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
-            with autocast(env):
-                _, loss = model(x[rows], y[rows])
-            (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
-            fsdp.finish_reductions()  # this micro-batch's gradient shards are in
-            loss_sum += loss.detach().float()
-        activations = meter.stop()
-        fsdp.end()  # free the root (and, with --no_reshard, every block)
-        loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
-        if args.grad_clip > 0:
-            fsdp.clip_grad_norm(args.grad_clip)
-        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
-        # a stop signal or --time_limit ends it after this step's checkpoint
-        stop = guard.check(step, loss_sum, (s.grad for s in fsdp.shards()))
-        optimizer.step()  # AdamW on this rank's fp32 rows only
-
-        comm = LEDGER.take()
-        held = state_bytes(fsdp.shards(), optimizer)
-        if args.offload:  # all of it in host memory; the device has the gathered units only
-            held = {"params": 0, "grads": 0, "optim": 0, **{f"{k} (host)": v for k, v in held.items()}}
-        if step == start_step:
-            print_ledger(env, held, comm, cost, activations)
-            log(env, f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: "
-                     f"{gathered_formula} = {format_bytes(gathered_bound)}); full model "
-                     f"{format_bytes(4 * n_params)} in fp32")
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
-            loss_value = loss_sum.item()
-            synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm,
-                         {"gathered_peak_bytes": fsdp.gathered_peak, "gathered_bound_bytes": gathered_bound},
-                         activations=activations)
-        optimizer.zero_grad(set_to_none=True)
-        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            save(step + 1)
-        if stop:
-            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
-
-    if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(model, fsdp, data, args, env, accum_steps)
-        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    teardown(env)
+def checkpoint_pieces(fsdp, optimizer):
+    """This rank's rows of every parameter (dim-0 shards, without the padding rows) and
+    their AdamW moments, in common.py's format: any script resumes it at any layout. With
+    HSDP the replicas hold equal shards: replica 0 writes them; every replica reads."""
+    pieces = []
+    for unit in fsdp.units:
+        for name, shape, rows, shard in zip(unit.names, unit.shapes, unit.rows, unit.shards):
+            lo, hi = fsdp.shard_rank * rows, min((fsdp.shard_rank + 1) * rows, shape[0])
+            if lo < hi:  # the last ranks may hold padding only
+                pieces += param_pieces(name, shape, shard, optimizer, box=[[lo, hi]] + [[0, s] for s in shape[1:]],
+                                       index=slice(0, hi - lo), write=fsdp.replica == 0)
+    return pieces
 
 
 if __name__ == "__main__":
