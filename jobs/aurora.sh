@@ -28,20 +28,49 @@ WORLD=$((NNODES * RANKS_PER_NODE))
 check_layout "$RANKS_PER_NODE" "$WORLD" "$@"
 TIME_LIMIT_MINUTES=$(pbs_time_limit)   # stop with a checkpoint before the walltime
 run_args "$@"                          # + --resume when out_dir holds a checkpoint
-# 8 cores per rank, skipping cores 0 and 52 (one per socket) that ALCF keeps for the OS
-CPU_BIND=list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100
+# CPU binding from ALCF's PyTorch-on-Aurora page: 4 cores per rank, ranks 0-5 on socket 0 and
+# 6-11 on socket 1, clear of cores 0 and 52 (kept for the OS) and of the last cores of each
+# socket, where oneCCL puts its worker threads when CCL_WORKER_AFFINITY is unset.
+CPU_BIND=list:4-7:8-11:12-15:16-19:20-23:24-27:56-59:60-63:64-67:68-71:72-75:76-79
+# GPU affinity: no wrapper. With the flat hierarchy each rank sees all 12 tiles and common.py
+# takes xpu:(local rank), and in PCI order tile t is GPU t/2, tile t%2; GPUs 0-2 hang off
+# socket 0 and 3-5 off socket 1, so local rank r runs on the socket of its own tile. ALCF
+# advises against gpu_tile_compact.sh (ZE_AFFINITY_MASK per rank) with the frameworks module.
 
-export ZE_FLAT_DEVICE_HIERARCHY=FLAT       # each tile is its own XPU device
+export ZE_FLAT_DEVICE_HIERARCHY=FLAT       # each tile is its own XPU device (the frameworks module's default)
 export ZE_ENABLE_PCI_ID_DEVICE_ORDER=1     # device numbering follows the PCI order (and the CPU binding)
+# oneCCL: the set ALCF's oneCCL page gives for every run that scales (better performance, no
+# hangs or crashes at large scale; "experimental", re-check the page)
 export CCL_PROCESS_LAUNCHER=pmix           # oneCCL learns ranks from Cray PALS' PMIx
 export CCL_ATL_TRANSPORT=mpi               # oneCCL moves data across nodes over MPI (libfabric/CXI)
 export CCL_KVS_MODE=mpi                    # oneCCL's key-value store bootstraps over MPI
-export CCL_ALLREDUCE=topo                  # topology-aware all-reduce inside a node
-export CCL_ALLREDUCE_SCALEOUT=rabenseifner # bandwidth-optimal all-reduce across nodes
+export CCL_KVS_USE_MPI_RANKS=1             # the KVS numbers ranks as MPI does
+export CCL_KVS_CONNECTION_TIMEOUT=600      # seconds to set up the KVS connections (large jobs start slowly)
+export CCL_CONFIGURATION=cpu_gpu_dpcpp     # the oneCCL build with GPU (SYCL) support
+export CCL_CONFIGURATION_PATH=""           # with CCL_CONFIGURATION: no other oneCCL configuration file
+export CCL_ALLREDUCE=topo                  # topology-aware all-reduce inside a node (oneCCL's GPU default)
+export CCL_ALLREDUCE_SCALEOUT="direct:0-1048576;rabenseifner:1048577-max"  # across nodes: MPI's below 1 MiB, Rabenseifner above
+export CCL_BCAST=double_tree               # broadcast algorithm ALCF found best at large scale
+export CCL_ZE_CACHE_OPEN_IPC_HANDLES_THRESHOLD=1024  # more cached Level Zero IPC handles
+[ -z "${FI_PROVIDER:-}" ] || export MPI_PROVIDER=$FI_PROVIDER  # oneCCL's MPI transport uses the same libfabric provider as MPI
+unset MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE  # MPICH collective tuning files: ALCF unsets them for oneCCL
+unset MPIR_CVAR_CH4_COLL_SELECTION_TUNING_JSON_FILE        # (same)
+unset MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE            # (same)
+unset CCL_WORKER_AFFINITY                  # oneCCL picks its worker cores itself, outside CPU_BIND
+# libfabric/CXI and PALS settings from the same page's "might be application-dependent" list
 export FI_CXI_DEFAULT_CQ_SIZE=1048576      # larger completion queue for many-rank collectives
+export FI_CXI_OFLOW_BUF_SIZE=8388608       # larger CXI overflow buffers (unexpected messages at scale)
+export FI_CXI_CQ_FILL_PERCENT=30           # completion-queue fill level that triggers flow control
 export FI_CXI_RX_MATCH_MODE=hybrid         # fall back to software matching instead of failing
-export FI_MR_CACHE_MONITOR=userfaultfd     # memory-registration cache monitor recommended by ALCF
-export OMP_NUM_THREADS=8
+export FI_MR_CACHE_MONITOR=disabled        # no libfabric memory-registration cache monitor (ALCF's Aurora value)
+export FI_MR_ZE_CACHE_MONITOR_ENABLED=0    # nor its Level Zero (GPU memory) monitor
+export PALS_PING_PERIOD=240                # PALS heartbeat period (s): no false node-failure kills at scale
+export PALS_RPC_TIMEOUT=240                # PALS RPC timeout (s)
+# if a large run hangs in a collective, ALCF's page also suggests (slower):
+# export CCL_ATL_SYNC_COLL=1               # synchronous collectives in oneCCL's transport layer
+# export CCL_OP_SYNC=1                     # one oneCCL operation at a time
+export OMP_NUM_THREADS=4                   # threads per rank = cores bound to it
+# MASTER_ADDR/PORT are not needed: under mpiexec, rank 0 broadcasts them through mpi4py
 
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${PBS_JOBID:-local}")
 echo "aurora: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"

@@ -7,17 +7,26 @@
 #SBATCH -N 2
 #SBATCH -t 00:30:00
 #SBATCH --signal=USR1@180
+#SBATCH --network=disable_rdzv_get
 #SBATCH -o gpt-parallel-%j.out
 # --signal: Slurm sends SIGUSR1 to every rank 3 minutes before the walltime; they finish the
 # step, write a checkpoint and exit 0 (resubmitting the job resumes it)
+# --network=disable_rdzv_get: the network half of RCCL's alternative rendezvous protocol
+# (FI_CXI_RDZV_PROTO=alt_read below; OLCF: both or neither)
 set -euo pipefail
 source "${SLURM_SUBMIT_DIR:-$PWD}/jobs/lib.sh"
 ROOT=$(gpt_root)
 cd "$ROOT"
 [ $# -gt 0 ] || set -- 03_ddp.py
 
-# environment, as OLCF documents it: a ROCm build of PyTorch in your own environment
-module load PrgEnv-gnu rocm craype-accel-amd-gfx90a miniforge3
+# environment, as OLCF's PyTorch-on-Frontier guide gives it: a ROCm build of PyTorch in your
+# own environment (ROCM_VERSION: the ROCm your torch wheel was built for), then the RCCL
+# network plugin module, which must come after rocm
+module load PrgEnv-gnu
+module load miniforge3
+module load "rocm/${ROCM_VERSION:-7.1.1}"
+module load rccl-net-plugin
+module load craype-accel-amd-gfx90a
 [ -z "${VENV:-}" ] || source "$VENV/bin/activate"
 
 NNODES=$SLURM_NNODES
@@ -28,11 +37,38 @@ run_args "$@"             # + --resume when out_dir holds a checkpoint
 
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # rank 0's node
 export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                                # per job, no clashes
-export NCCL_SOCKET_IFNAME=hsn0             # RCCL bootstrap over the Slingshot interface
-export NCCL_NET_GDR_LEVEL=3                # GPUDirect RDMA between GCDs and NICs
+# RCCL's network plugin (aws-ofi-rccl): without it RCCL talks TCP sockets between nodes. It is
+# your own build when RCCL_NET_PLUGIN_DIR is set (its install prefix or lib directory), else
+# what the rccl-net-plugin module set up (NCCL_NET_PLUGIN as a path, or LD_LIBRARY_PATH)
+PLUGIN_DIR=${RCCL_NET_PLUGIN_DIR:-}
+[ -z "$PLUGIN_DIR" ] || [ ! -d "$PLUGIN_DIR/lib" ] || PLUGIN_DIR=$PLUGIN_DIR/lib
+[ -n "$PLUGIN_DIR" ] || [ ! -f "${NCCL_NET_PLUGIN:-}" ] || PLUGIN_DIR=$(dirname "$NCCL_NET_PLUGIN")
+[ -n "$PLUGIN_DIR" ] || PLUGIN_DIR=$(find_lib_dir 'librccl-net*.so') || PLUGIN_DIR=""
+PLUGIN_LIB=$(compgen -G "$PLUGIN_DIR/librccl-net.so" || compgen -G "$PLUGIN_DIR/librccl-net*.so" | head -n 1) || PLUGIN_LIB=""
+if [ -n "$PLUGIN_DIR" ] && [ -n "$PLUGIN_LIB" ]; then
+    export NCCL_NET_PLUGIN=$PLUGIN_LIB                        # RCCL loads this plugin (OLCF's preferred way)
+    export LD_LIBRARY_PATH=$PLUGIN_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # and finds it on the library path (the other way)
+elif [ "$NNODES" -gt 1 ]; then
+    echo "warning: no aws-ofi-rccl plugin (librccl-net*.so): load rccl-net-plugin or set RCCL_NET_PLUGIN_DIR; with NCCL_NET=OFI RCCL will stop instead of using TCP" >&2
+fi
+if [ "$NNODES" -gt 1 ]; then
+    export NCCL_NET=OFI                    # the plugin or nothing: RCCL stops rather than fall back to TCP sockets
+else
+    export NCCL_NET=Socket                 # one node: OLCF's network is not set up for the plugin there (nothing leaves the node)
+fi
+export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3  # RCCL bootstrap over the Slingshot interfaces (if it hangs: hsn0 alone)
+export NCCL_NET_GDR_LEVEL=PHB              # GPUDirect RDMA between a GCD and a NIC under the same PCIe host bridge
 export NCCL_CROSS_NIC=1                    # rings may leave through a different NIC than they enter
-export FI_CXI_ATS=0                        # required by the aws-ofi-rccl plugin on Frontier
-export FI_MR_CACHE_MONITOR=kdreg2          # memory-registration cache monitor recommended by OLCF
+export HSA_FORCE_FINE_GRAIN_PCIE=1         # fine-grained PCIe memory, which the NIC's direct GPU access needs
+export FI_MR_CACHE_MONITOR=kdreg2          # Frontier's default registration-cache monitor, safe with the plugin (never memhooks)
+export FI_CXI_DISABLE_HOST_REGISTER=1      # avoids CXI registration-cache hangs with GPU memory
+export FI_CXI_DEFAULT_CQ_SIZE=131072       # larger completion queue for many-rank collectives
+export FI_CXI_DEFAULT_TX_SIZE=2048         # larger transmit queue
+export FI_CXI_RX_MATCH_MODE=hybrid         # fall back to software matching instead of failing
+export FI_CXI_RDZV_PROTO=alt_read          # alternative rendezvous protocol (needs #SBATCH --network=disable_rdzv_get)
+export FI_CXI_RDZV_EAGER_SIZE=0            # rendezvous messages carry no eager data
+export FI_CXI_RDZV_THRESHOLD=0             # every message larger than 0 bytes goes by rendezvous
+export FI_CXI_RDZV_GET_MIN=0               # and is fetched by a get, whatever its size
 export MIOPEN_USER_DB_PATH=/tmp/${USER:-$(id -un)}-miopen  # MIOpen's kernel database on node-local storage
 export MIOPEN_CUSTOM_CACHE_DIR=$MIOPEN_USER_DB_PATH
 export OMP_NUM_THREADS=7

@@ -97,3 +97,18 @@ pbs_time_limit() {
     local minutes=$(( (seconds - SECONDS) / 60 - ${WALLTIME_MARGIN_MIN:-5} ))
     echo $(( minutes > 1 ? minutes : 1 ))
 }
+
+# find_lib_dir GLOB: the first directory on LD_LIBRARY_PATH holding a file that matches GLOB
+# (e.g. 'librccl-net*.so'); prints it, or fails when there is none. Used to check that a
+# network plugin the facility's module should have put on the path is really there.
+find_lib_dir() {
+    local dir dirs
+    IFS=: read -ra dirs <<< "${LD_LIBRARY_PATH:-}"
+    for dir in "${dirs[@]}"; do
+        if [ -n "$dir" ] && compgen -G "$dir/$1" > /dev/null; then
+            echo "$dir"
+            return 0
+        fi
+    done
+    return 1
+}

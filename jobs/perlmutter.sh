@@ -32,12 +32,17 @@ run_args "$@"             # + --resume when out_dir holds a checkpoint
 
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # rank 0's node
 export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                                # per job, no clashes
-export NCCL_NET_GDR_LEVEL=PHB              # GPUDirect RDMA when GPU and NIC share a PCIe host bridge
-export NCCL_SOCKET_IFNAME=hsn              # bootstrap over the Slingshot interfaces
-export FI_MR_CACHE_MONITOR=userfaultfd     # memory-registration cache monitor recommended by NERSC
-export OMP_NUM_THREADS=16
+export NCCL_NET_GDR_LEVEL=PHB              # GPUDirect RDMA when GPU and NIC share a PCIe host bridge (not in NERSC's sources found: unverified)
+export NCCL_SOCKET_IFNAME=hsn              # bootstrap over the Slingshot interfaces hsn0-3 (a prefix; unverified, as above)
+export FI_MR_CACHE_MONITOR=userfaultfd     # memory-registration cache monitor NERSC's own job scripts set
+# GPU affinity: `-c 32 --cpu-bind=cores` puts local rank r on cores 16r..16r+15 (NUMA domain r),
+# whose GPU is 3 - r: NERSC's scripts reverse the GPU order "to match default CPU affinities
+# from Slurm". Every rank sees all four GPUs (--gpu-bind=none, as NERSC's scripts do) and
+# common.py takes cuda:(local rank), which this order makes physical GPU 3 - r.
+export CUDA_VISIBLE_DEVICES=3,2,1,0
+export OMP_NUM_THREADS=16                  # threads per rank = physical cores bound to it
 
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${SLURM_JOB_ID}")
 echo "perlmutter: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
 srun -N "$NNODES" -n "$WORLD" --ntasks-per-node "$RANKS_PER_NODE" -c 32 --cpu-bind=cores \
-    --gpus-per-node 4 --kill-on-bad-exit=1 python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"
+    --gpus-per-node 4 --gpu-bind=none --kill-on-bad-exit=1 python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"

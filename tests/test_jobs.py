@@ -1,11 +1,14 @@
 """jobs/: every submit script parses, launches the right line under a fabricated scheduler
 environment (module, conda and scontrol replaced by stubs that record their arguments;
-mpiexec and srun by a stand-in that records its line and then really runs the job's python
+mpiexec and srun by a stand-in that records its line and the environment it launches with,
+emulates each local rank's CPU binding and GPU wrapper, and then really runs the job's python
 command as `--dry_run --world_size N --ranks_per_node R`, so the job's own configuration is
-validated by the script itself), refuses layouts that do not fit, and jobs/local.sh really
-trains."""
+validated by the script itself), refuses layouts that do not fit, binds every rank to the
+CPU cores next to its GPU, sets the communication variables the facilities document
+(jobs/README.md cites each), and jobs/local.sh really trains."""
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -20,21 +23,58 @@ STUB = """#!/bin/bash
 echo "$(basename "$0") $* | MASTER_ADDR=${MASTER_ADDR:-} MASTER_PORT=${MASTER_PORT:-}" >> "$RECORD"
 [ "$(basename "$0")" != scontrol ] || for i in $(seq 1 "$NODES"); do printf 'nid%03d\\n' "$i"; done
 """
-# mpiexec / srun: record the line, then dry-run the python command it launches at its size
+# mpiexec / srun: record the line and the environment; emulate each local rank (its CPU
+# binding as the launcher's flags give it, and the GPU wrapper before `python`, if any, run
+# with that rank's PALS/PMI/Slurm local rank); then dry-run the python command at its size
 LAUNCHER = """#!{python}
-import os, subprocess, sys
+import json, os, subprocess, sys
 name, argv = os.path.basename(sys.argv[0]), sys.argv[1:]
 with open(os.environ["RECORD"], "a") as f:
     f.write(f"{{name}} {{' '.join(argv)}} | MASTER_ADDR={{os.environ.get('MASTER_ADDR', '')}} "
             f"MASTER_PORT={{os.environ.get('MASTER_PORT', '')}}\\n")
 command = argv[argv.index("python") + 1:]
 launcher = argv[:argv.index("python")]
-def value(*flags):
+def option(*flags):
     for i, a in enumerate(launcher):
-        if a in flags:
-            return int(launcher[i + 1])
-world = value("-n", "--ntasks")
+        for f in flags:
+            if a == f:
+                return launcher[i + 1]
+            if a.startswith(f + "=") or (not f.startswith("--") and a[len(f):].isdigit() and a.startswith(f)):
+                return a[len(f):].lstrip("=")
+def value(*flags):
+    v = option(*flags)
+    return None if v is None else int(v)
+world = value("-n", "--ntasks", "--np")
 per_node = value("--ppn", "--ntasks-per-node") or world // (value("-N", "--nodes") or 1)
+def cores(r):  # physical cores of local rank r: PALS' depth/list binding, Slurm's -c N --cpu-bind=cores (2 threads a core)
+    bind = (option("--cpu-bind") or "").replace("verbose,", "")
+    if bind == "depth":
+        d = value("--depth", "-d")
+        return list(range(d * r, d * r + d))
+    if bind.startswith("list:"):
+        out = []
+        for part in bind[len("list:"):].split(":")[r].split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+        return out
+    if bind == "cores" and value("-c", "--cpus-per-task"):
+        n = value("-c", "--cpus-per-task") // 2
+        return list(range(n * r, n * r + n))
+    return None
+wrapper = [a for a in launcher if a.endswith(".sh")]
+ranks = []
+for r in range(per_node):
+    env = dict(os.environ, PALS_LOCAL_RANKID=str(r), PMI_LOCAL_RANK=str(r), SLURM_LOCALID=str(r))
+    if wrapper:
+        out = subprocess.run(["bash", *wrapper, "env", "-0"], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        env = dict(kv.split("=", 1) for kv in out.stdout.split("\\0") if "=" in kv)
+    ranks.append({{"local_rank": r, "cores": cores(r),
+                   "env": {{k: env.get(k) for k in ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK", "ROCR_VISIBLE_DEVICES")}}}})
+with open(os.environ["RECORD"] + ".launch.json", "w") as f:
+    json.dump({{"env": dict(os.environ), "ranks": ranks}}, f)
+if os.environ.get("LAUNCH_ONLY"):
+    sys.exit(0)
 sys.exit(subprocess.call([sys.executable, *command, "--dry_run", "--world_size", str(world),
                           "--ranks_per_node", str(per_node)]))
 """
@@ -56,20 +96,30 @@ def scheduler(tmp_path):
     nodefile = tmp_path / "nodefile"
     record = tmp_path / "record"
 
-    def run(script, *args, kind="pbs"):
-        nodes = nodes_asked(script)  # the scheduler grants what the job's header asks for
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PBS_", "SLURM_"))}
-        env.update(PATH=f"{stubs}:{env['PATH']}", RECORD=str(record), USER="tester", NODES=str(nodes))
+    def run(script, *args, kind="pbs", nodes=None, env=None, launch_only=False):
+        """Run a job script; returns the process and the recorded stub lines, and leaves the
+        launch's environment and emulated ranks in run.launch (None when nothing launched).
+        nodes: as granted (default: what the header asks); env: extra variables, as a
+        facility module would have set them; launch_only: record the launch, skip the dry run."""
+        nodes = nodes or nodes_asked(script)  # the scheduler grants what the job's header asks for
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("PBS_", "SLURM_"))}
+        environ.update(PATH=f"{stubs}:{environ['PATH']}", RECORD=str(record), USER="tester", NODES=str(nodes))
+        environ.update(env or {})
+        if launch_only:
+            environ["LAUNCH_ONLY"] = "1"
         if kind == "pbs":
             nodefile.write_text("".join(f"x3001c0s13b{i}n0\n" for i in range(nodes)))
-            env.update(PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=ROOT, PBS_JOBID="1234.polaris-pbs")
+            environ.update(PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=ROOT, PBS_JOBID="1234.polaris-pbs")
         else:
-            env.update(SLURM_SUBMIT_DIR=ROOT, SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"nid[001-{nodes:03d}]",
-                       SLURM_JOB_ID="4242")
-        p = subprocess.run(["bash", os.path.join(ROOT, "jobs", script), *args], env=env, cwd=str(tmp_path),
+            environ.update(SLURM_SUBMIT_DIR=ROOT, SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"nid[001-{nodes:03d}]",
+                           SLURM_JOB_ID="4242")
+        p = subprocess.run(["bash", os.path.join(ROOT, "jobs", script), *args], env=environ, cwd=str(tmp_path),
                            capture_output=True, text=True, timeout=60)
         lines = record.read_text().splitlines() if record.exists() else []
         record.unlink(missing_ok=True)
+        launched = tmp_path / "record.launch.json"
+        run.launch = json.loads(launched.read_text()) if launched.exists() else None
+        launched.unlink(missing_ok=True)
         return p, lines
     return run
 
@@ -88,39 +138,205 @@ def launch_line(lines, launcher):
     return found[0]
 
 
-def test_polaris(scheduler):
-    p, lines = scheduler("polaris.sh", "03_ddp.py", "--model", "tiny")
+# Which physical cores are local to which device, as the facilities document it (jobs/README.md)
+def _cores(lo, hi):
+    return set(range(lo, hi + 1))
+
+
+NEAR = {
+    # ALCF Polaris device affinity table: GPU 0 on NUMA 3 (cores 24-31) ... GPU 3 on NUMA 0 (0-7)
+    "polaris": {0: _cores(24, 31), 1: _cores(16, 23), 2: _cores(8, 15), 3: _cores(0, 7)},
+    # NERSC: Perlmutter's GPUs in reverse of Slurm's default CPU affinity (64 cores, 4 NUMA domains)
+    "perlmutter": {g: _cores(16 * (3 - g), 16 * (3 - g) + 15) for g in range(4)},
+    # ALCF Aurora: tile t (flat hierarchy, PCI order) is on GPU t // 2; GPUs 0-2 on socket 0
+    # (cores 0-51), 3-5 on socket 1 (52-103); cores 0 and 52 are kept for the OS
+    "aurora": {t: (_cores(1, 51) if t // 2 < 3 else _cores(53, 103)) for t in range(12)},
+}
+
+
+def device_of(machine, rank):
+    """The physical device a rank computes on: common.py takes device (local rank % visible
+    count) of those the rank's environment leaves visible."""
+    env = rank["env"]
+    if machine == "aurora":
+        visible = env["ZE_AFFINITY_MASK"].split(",") if env["ZE_AFFINITY_MASK"] else [str(t) for t in range(12)]
+    else:
+        visible = env["CUDA_VISIBLE_DEVICES"].split(",") if env["CUDA_VISIBLE_DEVICES"] else ["0", "1", "2", "3"]
+    return int(visible[rank["local_rank"] % len(visible)])
+
+
+def assert_ranks_sit_next_to_their_devices(machine, launch):
+    ranks = launch["ranks"]
+    assert len(ranks) == {"aurora": 12}.get(machine, 4)
+    devices = [device_of(machine, r) for r in ranks]
+    assert sorted(devices) == sorted(NEAR[machine]), devices  # every device used once per node
+    for rank, device in zip(ranks, devices):
+        assert rank["cores"] and set(rank["cores"]) <= NEAR[machine][device], (machine, rank, device)
+    others = [set(r["cores"]) for r in ranks]
+    assert all(not (a & b) for i, a in enumerate(others) for b in others[i + 1:]), others  # no core shared
+
+
+def test_the_affinity_check_catches_the_polaris_default():
+    # without the wrapper every Polaris rank sees all four GPUs and drives cuda:(local rank),
+    # the GPU farthest from its cores: the check above must reject that
+    launch = {"ranks": [{"local_rank": r, "cores": list(range(8 * r, 8 * r + 8)), "env": {"CUDA_VISIBLE_DEVICES": None}}
+                        for r in range(4)]}
+    with pytest.raises(AssertionError):
+        assert_ranks_sit_next_to_their_devices("polaris", launch)
+
+
+def test_polaris_gpu_affinity_wrapper():
+    """ALCF's set_affinity_gpu_polaris.sh: local rank r drives GPU 3 - r (round robin past 4)."""
+    wrapper = os.path.join(ROOT, "jobs", "polaris_gpu_affinity.sh")
+    base = {k: v for k, v in os.environ.items() if k not in ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
+    show = ["sh", "-c", "echo $CUDA_VISIBLE_DEVICES \"$@\"", "sh", "and", "its args"]
+    for name in ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"):
+        for r in range(8):
+            p = subprocess.run(["bash", wrapper, *show], env=dict(base, **{name: str(r)}), capture_output=True, text=True)
+            assert p.returncode == 0 and p.stdout == f"{3 - r % 4} and its args\n", (name, r, p.stdout, p.stderr)
+    p = subprocess.run(["bash", wrapper, "true"], env=base, capture_output=True, text=True)
+    assert p.returncode == 2 and "no PALS_LOCAL_RANKID or PMI_LOCAL_RANK" in p.stderr
+    assert os.access(wrapper, os.X_OK)  # mpiexec runs it directly
+
+
+def test_polaris(scheduler, tmp_path):
+    plugin = tmp_path / "aws-ofi-nccl" / "lib"
+    plugin.mkdir(parents=True)
+    (plugin / "libnccl-net.so").write_text("")
+    p, lines = scheduler("polaris.sh", "03_ddp.py", "--model", "tiny", env={"LD_LIBRARY_PATH": str(plugin)})
     assert p.returncode == 0, p.stderr
     assert "module use /soft/modulefiles" in lines[0] and "module load conda" in lines[1]
     line = launch_line(lines, "mpiexec")
-    assert line.startswith("mpiexec -n 8 --ppn 4 --depth 8 --cpu-bind depth python 03_ddp.py --model tiny |")
+    assert line.startswith(f"mpiexec -n 8 --ppn 4 --depth 8 --cpu-bind depth {ROOT}/jobs/polaris_gpu_affinity.sh "
+                           "python 03_ddp.py --model tiny |")
     assert "layout: 8 ranks = 8 data-parallel x 1 pipeline x 1 tensor-parallel" in p.stdout
+    assert_ranks_sit_next_to_their_devices("polaris", scheduler.launch)
+    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in scheduler.launch["ranks"]] == ["3", "2", "1", "0"]
+    env = scheduler.launch["env"]
+    assert {k: env.get(k) for k in POLARIS_ENV} == POLARIS_ENV
+    assert "warning" not in p.stderr
+    # the conda module puts the aws-ofi-nccl plugin on LD_LIBRARY_PATH; without it: a warning
+    p, _ = scheduler("polaris.sh", "03_ddp.py", env={"LD_LIBRARY_PATH": ""}, launch_only=True)
+    assert p.returncode == 0 and "warning: no aws-ofi-nccl plugin (libnccl-net*.so) on LD_LIBRARY_PATH" in p.stderr
+
+
+POLARIS_ENV = {  # ALCF's NCCL page for Polaris
+    "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_CROSS_NIC": "1", "NCCL_COLLNET_ENABLE": "1", "NCCL_NET": "AWS Libfabric",
+    "FI_CXI_DISABLE_HOST_REGISTER": "1", "FI_MR_CACHE_MONITOR": "userfaultfd", "FI_CXI_DEFAULT_CQ_SIZE": "131072",
+}
+
+AURORA_ENV = {  # ALCF's oneCCL page for Aurora (the set for runs at scale, and the CXI/PALS list)
+    "CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "CCL_KVS_MODE": "mpi", "CCL_KVS_USE_MPI_RANKS": "1",
+    "CCL_KVS_CONNECTION_TIMEOUT": "600", "CCL_CONFIGURATION": "cpu_gpu_dpcpp", "CCL_CONFIGURATION_PATH": "",
+    "CCL_ALLREDUCE": "topo", "CCL_ALLREDUCE_SCALEOUT": "direct:0-1048576;rabenseifner:1048577-max",
+    "CCL_BCAST": "double_tree", "CCL_ZE_CACHE_OPEN_IPC_HANDLES_THRESHOLD": "1024", "MPI_PROVIDER": "cxi",
+    "FI_CXI_DEFAULT_CQ_SIZE": "1048576", "FI_CXI_OFLOW_BUF_SIZE": "8388608", "FI_CXI_CQ_FILL_PERCENT": "30",
+    "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_MR_CACHE_MONITOR": "disabled", "FI_MR_ZE_CACHE_MONITOR_ENABLED": "0",
+    "PALS_PING_PERIOD": "240", "PALS_RPC_TIMEOUT": "240",
+    "ZE_FLAT_DEVICE_HIERARCHY": "FLAT", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1",  # tile t = GPU t // 2, in PCI order
+}
+AURORA_UNSET = ["MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE", "MPIR_CVAR_CH4_COLL_SELECTION_TUNING_JSON_FILE",
+                "MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE", "CCL_WORKER_AFFINITY", "ZE_AFFINITY_MASK"]
 
 
 def test_aurora(scheduler):
-    p, lines = scheduler("aurora.sh", "03_ddp.py", "--model", "gpt2")
+    # as the frameworks module leaves them: FI_PROVIDER set, MPICH's tuning files and oneCCL's
+    # worker affinity that ALCF's page unsets
+    module_env = {"FI_PROVIDER": "cxi", "CCL_WORKER_AFFINITY": "1,2,3", **{k: "/x.json" for k in AURORA_UNSET[:3]}}
+    p, lines = scheduler("aurora.sh", "03_ddp.py", "--model", "gpt2", env=module_env)
     assert p.returncode == 0, p.stderr
     assert any("module load frameworks" in line for line in lines)
     line = launch_line(lines, "mpiexec")
-    assert line.startswith("mpiexec -n 24 --ppn 12 --cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:"
-                           "53-60:61-68:69-76:77-84:85-92:93-100 python 03_ddp.py --model gpt2 |")
+    assert line.startswith("mpiexec -n 24 --ppn 12 --cpu-bind list:4-7:8-11:12-15:16-19:20-23:24-27:"
+                           "56-59:60-63:64-67:68-71:72-75:76-79 python 03_ddp.py --model gpt2 |")
+    env = scheduler.launch["env"]
+    assert {k: env.get(k) for k in AURORA_ENV} == AURORA_ENV
+    assert [k for k in AURORA_UNSET if k in env] == []
+    assert_ranks_sit_next_to_their_devices("aurora", scheduler.launch)
+    # oneCCL's workers go to the last cores of each socket when CCL_WORKER_AFFINITY is unset:
+    # no rank is bound there
+    assert max(max(r["cores"]) for r in scheduler.launch["ranks"]) < 80
 
 
-def test_frontier(scheduler):
-    p, lines = scheduler("frontier.sh", "03_ddp.py", "--model", "gpt2", kind="slurm")
+FRONTIER_ENV = {  # OLCF's PyTorch-on-Frontier guide, "RCCL Environment Variables"
+    "NCCL_CROSS_NIC": "1", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3",
+    "HSA_FORCE_FINE_GRAIN_PCIE": "1", "FI_MR_CACHE_MONITOR": "kdreg2", "FI_CXI_DISABLE_HOST_REGISTER": "1",
+    "FI_CXI_DEFAULT_CQ_SIZE": "131072", "FI_CXI_RDZV_PROTO": "alt_read", "FI_CXI_RDZV_EAGER_SIZE": "0",
+    "FI_CXI_RDZV_THRESHOLD": "0", "FI_CXI_RDZV_GET_MIN": "0", "FI_CXI_DEFAULT_TX_SIZE": "2048",
+    "FI_CXI_RX_MATCH_MODE": "hybrid",
+}
+
+
+def test_frontier(scheduler, tmp_path):
+    # the rccl-net-plugin module puts the plugin on LD_LIBRARY_PATH (emulated here)
+    plugin = tmp_path / "rccl-net-plugin" / "lib"
+    plugin.mkdir(parents=True)
+    (plugin / "librccl-net.so").write_text("")
+    p, lines = scheduler("frontier.sh", "03_ddp.py", "--model", "gpt2", kind="slurm",
+                         env={"LD_LIBRARY_PATH": f"/opt/rocm/lib:{plugin}"})
     assert p.returncode == 0, p.stderr
+    modules = [line.split(" |")[0] for line in lines if line.startswith("module load")]
+    assert modules.index("module load rocm/7.1.1") < modules.index("module load rccl-net-plugin"), modules
     line = launch_line(lines, "srun")
     assert line.startswith("srun -N 2 -n 16 -c7 --gpus-per-task=1 --gpu-bind=closest --kill-on-bad-exit=1 "
                            "python 03_ddp.py --model gpt2 |")
     assert line.endswith("MASTER_ADDR=nid001 MASTER_PORT=29742")
+    env = scheduler.launch["env"]
+    assert {k: env.get(k) for k in FRONTIER_ENV} == FRONTIER_ENV
+    assert env["NCCL_NET_PLUGIN"] == f"{plugin}/librccl-net.so"
+    assert str(plugin) in env["LD_LIBRARY_PATH"].split(":")
+    assert env["NCCL_NET"] == "OFI" and "warning" not in p.stderr  # 2 nodes: the plugin or a refusal, never TCP
+
+
+def test_frontier_plugin_of_your_own_and_none(scheduler, tmp_path):
+    # RCCL_NET_PLUGIN_DIR: your own build's install prefix (OLCF's manual build)
+    (tmp_path / "aws-ofi-nccl" / "lib").mkdir(parents=True)
+    (tmp_path / "aws-ofi-nccl" / "lib" / "librccl-net.so").write_text("")
+    p, _ = scheduler("frontier.sh", "03_ddp.py", kind="slurm", launch_only=True,
+                     env={"RCCL_NET_PLUGIN_DIR": str(tmp_path / "aws-ofi-nccl"), "LD_LIBRARY_PATH": ""})
+    env = scheduler.launch["env"]
+    assert p.returncode == 0 and env["LD_LIBRARY_PATH"].split(":")[0] == str(tmp_path / "aws-ofi-nccl" / "lib")
+    assert env["NCCL_NET_PLUGIN"] == str(tmp_path / "aws-ofi-nccl" / "lib" / "librccl-net.so")
+    assert "" not in env["LD_LIBRARY_PATH"].split(":")  # an empty entry would mean the working directory
+    # no plugin anywhere: a warning, and NCCL_NET=OFI makes RCCL stop rather than use TCP sockets
+    p, _ = scheduler("frontier.sh", "03_ddp.py", kind="slurm", launch_only=True, env={"LD_LIBRARY_PATH": ""})
+    assert p.returncode == 0 and "warning: no aws-ofi-rccl plugin" in p.stderr
+    assert scheduler.launch["env"]["NCCL_NET"] == "OFI" and "NCCL_NET_PLUGIN" not in scheduler.launch["env"]
+    # one node: nothing leaves it, and OLCF's network does not set the plugin up there
+    p, lines = scheduler("frontier.sh", "03_ddp.py", kind="slurm", nodes=1, launch_only=True, env={"LD_LIBRARY_PATH": ""})
+    assert p.returncode == 0 and "warning" not in p.stderr and scheduler.launch["env"]["NCCL_NET"] == "Socket"
+    assert launch_line(lines, "srun").startswith("srun -N 1 -n 8 ")
+
+
+def test_frontier_jobs_ask_for_the_rendezvous_network():
+    """FI_CXI_RDZV_PROTO=alt_read needs `#SBATCH --network=disable_rdzv_get` in the header
+    Slurm reads, which for frontier_3d.sh is its own, not frontier.sh's."""
+    for script in ("frontier.sh", "frontier_3d.sh"):
+        assert "\n#SBATCH --network=disable_rdzv_get\n" in open(os.path.join(ROOT, "jobs", script)).read(), script
 
 
 def test_perlmutter(scheduler):
     p, lines = scheduler("perlmutter.sh", "03_ddp.py", kind="slurm")
     assert p.returncode == 0, p.stderr
+    assert any("module load pytorch" in line for line in lines)
     line = launch_line(lines, "srun")
     assert line.startswith("srun -N 2 -n 8 --ntasks-per-node 4 -c 32 --cpu-bind=cores --gpus-per-node 4 "
-                           "--kill-on-bad-exit=1 python 03_ddp.py |")
+                           "--gpu-bind=none --kill-on-bad-exit=1 python 03_ddp.py |")
+    assert line.endswith("MASTER_ADDR=nid001 MASTER_PORT=29742")
+    env = scheduler.launch["env"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,2,1,0" and env["FI_MR_CACHE_MONITOR"] == "userfaultfd"
+    assert_ranks_sit_next_to_their_devices("perlmutter", scheduler.launch)
+
+
+COMMUNICATION = re.compile(r"^\s*(?:export|unset)\s+(NCCL_|RCCL_|FI_|CCL_|MPIR_|MPI_|PALS_|ZE_|HSA_|MASTER_|CUDA_VISIBLE)")
+
+
+@pytest.mark.parametrize("script", ["polaris.sh", "aurora.sh", "frontier.sh", "perlmutter.sh", "polaris_gpu_affinity.sh"])
+def test_every_communication_variable_has_its_comment(script):
+    lines = open(os.path.join(ROOT, "jobs", script)).read().splitlines()
+    for i, line in enumerate(lines):
+        if COMMUNICATION.match(line) or COMMUNICATION.match(line.split("|| ")[-1]):
+            assert " # " in line or lines[i - 1].lstrip().startswith("#"), f"{script}: {line}"
 
 
 def test_named_scripts(scheduler):
@@ -138,8 +354,11 @@ JOBS = [  # every named job, and every machine script with its default ARGS
 ]
 
 
+HELPERS = ("lib.sh", "local.sh", "polaris_gpu_affinity.sh")  # sourced, local, or run by mpiexec per rank
+
+
 def test_every_job_is_listed():
-    assert sorted(j[0] for j in JOBS) == sorted(os.path.basename(s) for s in SCRIPTS if not s.endswith(("lib.sh", "local.sh")))
+    assert sorted(j[0] for j in JOBS) == sorted(os.path.basename(s) for s in SCRIPTS if not s.endswith(HELPERS))
 
 
 @pytest.mark.parametrize("script, kind, world", JOBS, ids=[j[0] for j in JOBS])
@@ -189,6 +408,7 @@ def test_missing_script_is_refused(scheduler):
 
 def test_local_really_trains(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # the venv's python, mpiexec/torchrun
     p = subprocess.run(["bash", os.path.join(ROOT, "jobs", "local.sh"), "2", "03_ddp.py", "--model", "tiny",
                         "--device", "cpu", "--max_iters", "3", "--eval_interval", "0", "--log_interval", "1",
                         "--global_batch_size", "4", "--out_dir", str(tmp_path / "out")],
