@@ -16,11 +16,13 @@ pipeline and averages gradients once per step, outermost, across nodes.
                      0-4, 1-5, 2-6, 3-7: data-parallel groups (gradient all-reduce)
 
 Inside a stage: Megatron TP as in 06_tensor_parallel.py (column/row-parallel linears with the
-f and g operators, vocab-parallel embedding and cross-entropy). Across stages: 1F1B as in
-07_pipeline.py, each TP rank exchanging with the same TP rank of the next stage. Across
-replicas: gradients all-reduced in each DP group, or with --zero1 reduce-scattered, each DP
-rank updating its 1/D of the optimizer state and all-gathering the parameters (ZeRO stage 1,
-as in 04_zero.py). Only what is needed is restated here: this file does not import the others.
+f and g operators, vocab-parallel embedding and cross-entropy), which parameter is split along
+which dimension written once, in the table TP_PLAN. Across stages: 1F1B as in 07_pipeline.py,
+each TP rank exchanging with the same TP rank of the next stage. Across replicas: gradients
+all-reduced in each DP group (DataParallel), or with --zero1 reduce-scattered, each DP rank
+updating its 1/D of the optimizer state and all-gathering the parameters (ZeRO1: ZeRO stage 1,
+as in 04_zero.py); the two have one interface, so the training step is the same for both.
+Only what is needed is restated here: this file does not import the others.
 
 The hard parts:
   * the tied embedding: the first stage's wte shard and the last stage's head shard (the
@@ -55,7 +57,6 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
 """
 
 import math
-import time
 from contextlib import contextmanager
 
 import torch
@@ -64,22 +65,11 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_phases, activation_terms, ActivationMeter,
-                    autocast, check, check_batch, count_params, Data, decay_groups,
-                    device_rng_state, dry_run, flops_per_token, format_bytes, Guard, is_decayed,
-                    launch_for, LEDGER, log, lr_at, make_adamw, make_parser, Metrics,
-                    model_block_size, model_config, param_init, param_pieces, parse_args,
-                    planned_dtype, print_ledger, progress, recomputed, resume_checkpoint,
-                    run_config, save_checkpoint, seeded_rng_state, set_device_rng_state, setup,
-                    state_bytes, synchronize, teardown, tensor_bytes, to_device)
-
-
-def add_flags(parser):
-    g = parser.add_argument_group("08_3d")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    g.add_argument("--zero1", action="store_true", help="shard the optimizer state across each DP group")
-    return parser
+from common import (activation_device_type, activation_phases, activation_terms, autocast, check,
+                    check_batch, Data, decay_groups, device_rng_state, format_bytes, is_decayed, LEDGER,
+                    make_adamw, make_parser, model_config, param_init, param_pieces, parse_args,
+                    planned_dtype, recomputed, Run, seeded_rng_state, set_device_rng_state, state_bytes,
+                    to_device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -92,9 +82,11 @@ class Mesh:
     def __init__(self, rank, world, tp_size, pp_size):
         self.tp_size, self.pp_size, self.dp_size = tp_size, pp_size, world // (tp_size * pp_size)
         self.dp_rank, self.pp_rank, self.tp_rank = self.coordinates(rank)
-        self.next = self.rank_of(self.dp_rank, self.pp_rank + 1, self.tp_rank) if self.pp_rank < pp_size - 1 else None
+        last = self.pp_rank == pp_size - 1
+        self.next = None if last else self.rank_of(self.dp_rank, self.pp_rank + 1, self.tp_rank)
         self.prev = self.rank_of(self.dp_rank, self.pp_rank - 1, self.tp_rank) if self.pp_rank > 0 else None
-        self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.embedding_group = None  # make_groups()
+        self.tp_group = self.pp_group = self.dp_group = self.mp_group = None  # make_groups()
+        self.embedding_group = None
 
     def rank_of(self, dp_rank, pp_rank, tp_rank):
         return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
@@ -145,14 +137,41 @@ class Mesh:
             nodes = lambda ranks: sorted({r // ranks_per_node for r in ranks})  # noqa: E731
             tp_nodes = max(len(nodes([self.rank_of(d, s, t) for t in range(self.tp_size)]))
                            for d in range(self.dp_size) for s in range(self.pp_size))
-            lines.append(f"  {ranks_per_node} ranks per node: every TP group "
-                         + ("inside one node" if tp_nodes == 1 else f"spans {tp_nodes} nodes (slow: keep tp <= ranks per node)"))
+            lines.append(f"  {ranks_per_node} ranks per node: every TP group " + (
+                "inside one node" if tp_nodes == 1 else f"spans {tp_nodes} nodes (slow: keep tp <= ranks per node)"))
         return "\n".join(lines)
+
+
+def check_layout(config, T, P):
+    check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
+          "each TP rank must own whole attention heads")
+    check(config.n_layer >= P, f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
 
 
 # ---------------------------------------------------------------------------------------
 # Tensor parallelism inside a stage (restated from 06_tensor_parallel.py, on the TP group)
 # ---------------------------------------------------------------------------------------
+
+# The tensor-parallel plan (as torchtitan's parallelize plan): how the TP group splits each
+# parameter of a stage, by the end of its name; anything else is replicated (LayerNorms,
+# wpe, c_proj.bias: added once, after g). Read by the initialisation (Stage.tp_layout), the
+# checkpoint pieces, the gradient norm (counted_once) and costs(). T ranks, t this rank's.
+TP_PLAN = {
+    "wte.weight": "vocab",      # vocabulary rows [t·V'/T, (t+1)·V'/T), V' = V padded to a multiple of T
+    "lm_head.weight": "vocab",  # the tied head: the same rows (on the last stage, a copy)
+    "c_attn.weight": "qkv",     # column-parallel, dim 0, per head: rows t·h/T.. of each of Q, K, V
+    "c_attn.bias": "qkv",
+    "c_fc.weight": "column",    # column-parallel, dim 0: rows [t·4h/T, (t+1)·4h/T)
+    "c_fc.bias": "column",
+    "c_proj.weight": "row",     # row-parallel, dim 1: columns [t·k/T, (t+1)·k/T) (k = h, or 4h in the MLP)
+}
+
+
+def tp_split(name):
+    """How parameter `name` of a stage is split across the TP group: its TP_PLAN entry, or
+    "replicated"."""
+    return next((how for suffix, how in TP_PLAN.items() if name.endswith(suffix)), "replicated")
+
 
 class CopyToTP(torch.autograd.Function):
     """f: identity forward; backward all-reduce over the TP group, since every rank's
@@ -290,7 +309,8 @@ class TPBlock(nn.Module):
         B, T, C = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
         with rng.sharded():  # attention dropout acts inside this rank's heads: its own stream
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p_attn if self.training else 0.0)
+            p = self.p_attn if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         x = x + self.dropout(self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
         return x + self.dropout(self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)))))
 
@@ -319,7 +339,7 @@ class Stage(nn.Module):
     """This rank's pipeline stage, tensor-parallel: layers [first_layer, first_layer + n),
     the vocab-parallel embedding on the first stage, the final norm and head on the last."""
 
-    def __init__(self, config, mesh, first_layer, n_layers, rng):
+    def __init__(self, config, mesh, first_layer, n_layers, rng, recompute=False):
         super().__init__()
         tp_size, h, group = mesh.tp_size, config.n_embd, mesh.tp_group
         self.config, self.mesh, self.first_layer, self.rng = config, mesh, first_layer, rng
@@ -332,11 +352,13 @@ class Stage(nn.Module):
             self.wpe = nn.Embedding(config.block_size, h)
             self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([TPBlock(config, tp_size, group) for _ in range(n_layers)])
+        for block in self.h:
+            block.recompute = recompute
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
             # the tied head: the embedding itself, or (on another stage) a copy of its shard
-            self.lm_head = self.wte if self.is_first else VocabParallelEmbedding(self.vocab_local, h, self.vocab_start,
-                                                                                 group)
+            self.lm_head = self.wte if self.is_first else VocabParallelEmbedding(
+                self.vocab_local, h, self.vocab_start, group)
 
     def full_name(self, name):
         if name.startswith("h."):
@@ -344,64 +366,39 @@ class Stage(nn.Module):
             return f"transformer.h.{self.first_layer + int(index)}.{rest}"
         return {"lm_head.weight": "transformer.wte.weight"}.get(name, "transformer." + name)
 
-    @staticmethod
-    def tp_sharded(name):
-        """Split across the TP group (else replicated: LayerNorms, c_proj biases, wpe)."""
-        return name.endswith(("wte.weight", "lm_head.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight",
-                              "c_fc.bias", "c_proj.weight"))
-
-    def shard(self, name, full):
-        """This TP rank's piece of the full parameter `full` (01's value)."""
-        T, t, h = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd
-        if name.endswith(("wte.weight", "lm_head.weight")):
-            padded = torch.zeros(self.padded_vocab, h)
-            padded[:full.shape[0]] = full
-            return padded[self.vocab_start:self.vocab_start + self.vocab_local]
-        if "c_attn" in name:  # [Q; K; V] rows: this rank's heads of each
-            return torch.cat([part.chunk(T)[t] for part in full.chunk(3)])
-        if "c_fc" in name:
-            return full.chunk(T)[t]
-        if name.endswith("c_proj.weight"):
-            return full.chunk(T, dim=1)[t]
-        return full  # replicated
-
-    def checkpoint_pieces(self, name, p, optimizer, write):
-        """Where this rank's TP shard of parameter `name` sits in 01's full parameter (as
-        06_tensor_parallel.py says it), as pieces of common.py's format: vocab rows without
-        the padding, [Q_t; K_t; V_t] rows as three pieces, c_fc rows, c_proj columns;
-        replicated parameters are written by TP rank 0 of each stage, the tied embedding's
-        rows by the first stage only (the last stage's copy is read, never written). With
-        the optimizer: the AdamW moments too."""
-        T, t, h, full = self.mesh.tp_size, self.mesh.tp_rank, self.config.n_embd, self.full_name(name)
-        rest = [[0, s] for s in p.shape[1:]]
-        if name in ("wte.weight", "lm_head.weight"):
+    def tp_layout(self, name, p):
+        """Where this rank's `p`, its TP piece of parameter `name`, sits in 01's parameter, as
+        TP_PLAN says: (01's shape, [(box of 01's tensor, the rows of p holding it, None for
+        all of p)]). The vocabulary's padding rows are no part of 01's tensor."""
+        T, t, shape = self.mesh.tp_size, self.mesh.tp_rank, list(p.shape)
+        rest = [[0, s] for s in shape[1:]]
+        how = tp_split(name)
+        if how == "vocab":  # rows [lo, hi) of the vocabulary, those below V
             lo, hi = self.vocab_start, min(self.vocab_start + self.vocab_local, self.config.vocab_size)
-            return param_pieces(full, (self.config.vocab_size, h), p, optimizer, box=[[lo, hi]] + rest,
-                                index=slice(0, hi - lo), write=write and name == "wte.weight") if lo < hi else []
-        if "c_attn" in name:  # rows j·h + [t·h/T, (t+1)·h/T) for Q, K, V
-            n = p.shape[0] // 3
-            return [piece for j in range(3) for piece in param_pieces(
-                full, (3 * h,) + tuple(p.shape[1:]), p, optimizer, box=[[j * h + t * n, j * h + (t + 1) * n]] + rest,
-                index=slice(j * n, (j + 1) * n), write=write)]
-        if "c_fc" in name:
-            return param_pieces(full, (p.shape[0] * T,) + tuple(p.shape[1:]), p, optimizer,
-                                box=[[t * p.shape[0], (t + 1) * p.shape[0]]] + rest, write=write)
-        if name.endswith("c_proj.weight"):
-            cols = p.shape[1]
-            return param_pieces(full, (p.shape[0], cols * T), p, optimizer,
-                                box=[[0, p.shape[0]], [t * cols, (t + 1) * cols]], write=write)
-        return param_pieces(full, p.shape, p, optimizer, write=write and t == 0)  # replicated
+            boxes = [([[lo, hi]] + rest, slice(0, hi - lo))] if lo < hi else []
+            return [self.config.vocab_size] + shape[1:], boxes
+        if how == "qkv":  # [Q_t; K_t; V_t]: rows j·h + [t·n, (t+1)·n) of 01's, n = h/T, for j = Q, K, V
+            n = shape[0] // 3
+            return [3 * n * T] + shape[1:], [([[j * n * T + t * n, j * n * T + (t + 1) * n]] + rest,
+                                              slice(j * n, (j + 1) * n)) for j in range(3)]
+        if how == "column":  # rows [t·n, (t+1)·n)
+            n = shape[0]
+            return [n * T] + shape[1:], [([[t * n, (t + 1) * n]] + rest, None)]
+        if how == "row":  # columns [t·n, (t+1)·n)
+            n = shape[1]
+            return [shape[0], n * T], [([[0, shape[0]], [t * n, (t + 1) * n]], None)]
+        return shape, [(None, None)]  # replicated: all of it
 
     @torch.no_grad()
     def init_weights(self, seed):
-        c = self.config
-        full_shapes = {"wte.weight": (c.vocab_size, c.n_embd), "lm_head.weight": (c.vocab_size, c.n_embd),
-                       "c_attn.weight": (3 * c.n_embd, c.n_embd), "c_attn.bias": (3 * c.n_embd,),
-                       "c_fc.weight": (4 * c.n_embd, c.n_embd), "c_fc.bias": (4 * c.n_embd,),
-                       "mlp.c_proj.weight": (c.n_embd, 4 * c.n_embd), "attn.c_proj.weight": (c.n_embd, c.n_embd)}
+        """01's initial values (common.param_init: by name and full shape), each rank taking
+        its TP pieces of them (tp_layout); the vocabulary's padding rows zero."""
         for name, p in self.named_parameters():
-            shape = next((s for suffix, s in full_shapes.items() if name.endswith(suffix)), p.shape)
-            p.copy_(self.shard(name, param_init(self.full_name(name), shape, c, seed)))
+            shape, boxes = self.tp_layout(name, p)
+            full = param_init(self.full_name(name), tuple(shape), self.config, seed)
+            p.zero_()
+            for box, rows in boxes:
+                p[rows or slice(None)] = full[tuple(slice(a, b) for a, b in box)] if box else full
         return self
 
     def forward(self, x, targets=None):
@@ -418,9 +415,34 @@ class Stage(nn.Module):
         return x
 
 
+def counted_once(stage, name):
+    """Whether this rank's copy of parameter `name` is the one that counts, in the global
+    gradient norm and in the checkpoint written: the tied head's copy on the first stage
+    only, a TP-replicated parameter on TP rank 0 only (TP-split ones on every TP rank)."""
+    tied_copy = name == "lm_head.weight" and not stage.is_first
+    return not tied_copy and (tp_split(name) != "replicated" or stage.mesh.tp_rank == 0)
+
+
 # ---------------------------------------------------------------------------------------
 # Pipeline parallelism across stages (restated from 07_pipeline.py: 1F1B)
 # ---------------------------------------------------------------------------------------
+
+def stage_layers(n_layer, pp):
+    """(first layer, layer count) of each stage: as even as it goes, the last n_layer % pp
+    stages one layer more (under 1F1B the first stages hold the most activations)."""
+    base, extra = divmod(n_layer, pp)
+    sizes = [base + (s >= pp - extra) for s in range(pp)]
+    return [(sum(sizes[:s]), sizes[s]) for s in range(pp)]
+
+
+def default_micro_batch(args, dp, pp):
+    """Without --micro_batch_size, a pipeline (pp > 1) gets about 2·pp micro-batches per
+    replica (the largest divisor of the replica's batch at most batch/(2·pp)); pp = 1 none."""
+    if args.micro_batch_size is None and args.global_batch_size % dp == 0:
+        rows = args.global_batch_size // dp
+        target = max(1, rows // (2 * pp)) if pp > 1 else rows
+        args.micro_batch_size = max(b for b in range(1, target + 1) if rows % b == 0)
+
 
 def one_f_one_b(p, stage, m):
     """1F1B: p-stage-1 warm-up forwards, then one forward one backward, then cool-down."""
@@ -499,26 +521,77 @@ def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
 
 
 # ---------------------------------------------------------------------------------------
-# Data parallelism across replicas: plain all-reduce or ZeRO-1
+# Data parallelism across replicas: plain all-reduce or ZeRO-1, behind one interface
 # ---------------------------------------------------------------------------------------
 
-class ZeroOne:
-    """ZeRO stage 1 over the DP group (restated from 04_zero.py): this rank's parameters as
-    one flat buffer padded to a multiple of D; DP rank d owns shard d of it, with its AdamW
-    state; gradients are reduce-scattered, parameters all-gathered after the update."""
+class DataParallel:
+    """Plain data parallelism over the DP group: every replica holds its stage's TP pieces
+    whole, with their gradients and AdamW state, and averages the gradients with one
+    all-reduce per step. ZeRO1 below has the same interface: `optimizer`,
+    `reduce_gradients()`, `grad_tensors()` (for the guard and the norm), `squared_norm()`
+    with its `norm_group`, `step()`, `zero_grad()`, `held_bytes()`, `checkpoint_pieces()`."""
 
     def __init__(self, stage, mesh, args, device):
-        self.params = list(stage.parameters())
-        self.mesh, D = mesh, mesh.dp_size
+        self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
+        self.optimizer = make_adamw(*decay_groups(self.params), args, device.type)
+        self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: its gradients, each once
+
+    def reduce_gradients(self):
+        """The mean gradient on every replica: one all-reduce of this rank's flat gradients."""
+        for p in self.params:
+            p.grad.div_(self.mesh.dp_size)
+        flat = torch.cat([p.grad.view(-1) for p in self.params])
+        dist.all_reduce(flat, group=self.mesh.dp_group)  # sum over the replicas of this (pp, tp) rank
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def grad_tensors(self):
+        return [p.grad for p in self.params]
+
+    def squared_norm(self):
+        """Σ g² over this rank's gradients that count (counted_once), to be summed over norm_group."""
+        squares = torch.zeros((), device=self.params[0].device)
+        for name, p in self.stage.named_parameters():
+            if counted_once(self.stage, name):
+                squares += p.grad.float().pow(2).sum()
+        return squares
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def held_bytes(self):
+        """The model-state bytes this rank holds, counted from the live tensors."""
+        return state_bytes(self.params, self.optimizer)
+
+    def checkpoint_pieces(self):
+        """DP replica 0 writes the parameters (TP pieces of its stage) and their moments."""
+        return [piece for name, p in self.stage.named_parameters()
+                for piece in tp_pieces(self.stage, name, p, self.optimizer, write=self.mesh.dp_rank == 0)]
+
+
+class ZeRO1:
+    """ZeRO stage 1 over the DP group (restated from 04_zero.py), DataParallel's interface:
+    this rank's parameters as one flat buffer padded to a multiple of D; DP rank d owns
+    shard d of it, with its AdamW state (P_os); gradients are reduce-scattered, parameters
+    all-gathered after the update."""
+
+    def __init__(self, stage, mesh, args, device):
+        self.stage, self.mesh, self.params, D = stage, mesh, list(stage.parameters()), mesh.dp_size
         numel = sum(p.numel() for p in self.params)
         self.shard = math.ceil(numel / D)
         self.flat = torch.zeros(self.shard * D, device=device)
         self.flat_grad = torch.zeros_like(self.flat)
-        offset, pieces = 0, {True: [], False: []}
-        self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor), for checkpoints
-        lo, hi = mesh.dp_rank * self.shard, (mesh.dp_rank + 1) * self.shard
+        self.lo, self.hi = lo, hi = mesh.dp_rank * self.shard, (mesh.dp_rank + 1) * self.shard
         self.grad_shard = torch.zeros(self.shard, device=device)
-        for p in self.params:
+        self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor), for checkpoints
+        self.counted = []  # [a, b) of the shard whose gradients count in the norm (counted_once)
+        offset, pieces = 0, {True: [], False: []}
+        for name, p in stage.named_parameters():
             n = p.numel()
             self.flat[offset:offset + n].copy_(p.data.view(-1))
             p.data = self.flat[offset:offset + n].view_as(p)
@@ -529,18 +602,30 @@ class ZeroOne:
                 piece.grad = self.grad_shard[a - lo:b - lo]
                 pieces[is_decayed(p.shape)].append(piece)
                 self.segments.append((p, a - offset, b - offset, piece))
+                if counted_once(stage, name):
+                    self.counted.append((a - lo, b - lo))
             offset += n
         if offset < hi:  # padding: no decay, stays zero
             piece = self.flat[max(offset, lo):hi]
             piece.grad = self.grad_shard[max(offset, lo) - lo:]
             pieces[False].append(piece)
-        self.lo, self.hi = lo, hi
         self.optimizer = make_adamw(pieces[True], pieces[False], args, device.type)
+        self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
-    def reduce(self):
+    def reduce_gradients(self):
         self.flat_grad.div_(self.mesh.dp_size)
         # sum the replicas' gradients; DP rank d receives shard d
         dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=self.mesh.dp_group)
+
+    def grad_tensors(self):
+        return [self.grad_shard]
+
+    def squared_norm(self):
+        """Σ g² over this DP rank's shard of the gradients that count, to be summed over the world."""
+        weights = torch.zeros_like(self.grad_shard)
+        for a, b in self.counted:
+            weights[a:b] = 1.0
+        return (self.grad_shard.pow(2) * weights).sum()
 
     def step(self):
         self.optimizer.step()
@@ -551,13 +636,24 @@ class ZeroOne:
         self.flat_grad.zero_()
         self.grad_shard.zero_()
 
-    def checkpoint_pieces(self, tp_pieces):
-        """The AdamW moments this DP rank owns: each optimizer tensor holds elements [a, b)
-        of one parameter flattened; where that meets a TP piece of the parameter (elements
-        [s, e) of it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
-        pieces = []
+    def held_bytes(self):
+        """The model-state bytes this rank holds, counted from the live tensors: the flat
+        buffers (through the parameters' views of them), the reduced shard, AdamW's state."""
+        held = state_bytes(self.params, self.optimizer)
+        held["grads"] += self.grad_shard.untyped_storage().nbytes()
+        return held
+
+    def checkpoint_pieces(self):
+        """DP replica 0 writes the parameters (TP pieces of its stage); every DP rank writes
+        the AdamW moments it owns: each optimizer tensor holds elements [a, b) of one
+        parameter flattened; where that meets a TP piece of the parameter (elements [s, e) of
+        it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
+        named = list(self.stage.named_parameters())
+        pieces = [piece for name, p in named
+                  for piece in tp_pieces(self.stage, name, p, None, write=self.mesh.dp_rank == 0)]
+        whole = {p: tp_pieces(self.stage, name, p, None, write=True) for name, p in named}
         for p, a, b, segment in self.segments:
-            for piece in tp_pieces[p]:
+            for piece in whole[p]:
                 s = piece.tensor.storage_offset() - p.data.storage_offset()  # a dim-0 slice of p, or all of it
                 x, y = max(a, s), min(b, s + piece.tensor.numel())
                 if x < y:
@@ -567,8 +663,18 @@ class ZeroOne:
         return pieces
 
 
+def clip_grad_norm(replicas, max_norm):
+    """Scale the gradients so that their global norm, every parameter counted once over the
+    whole model, is at most max_norm."""
+    squares = replicas.squared_norm()
+    dist.all_reduce(squares, group=replicas.norm_group)  # over every rank holding distinct gradients
+    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+    for g in replicas.grad_tensors():
+        g.mul_(coef)
+
+
 # ---------------------------------------------------------------------------------------
-# One step's pieces: this replica's micro-batches, the loss, the gradients across replicas
+# One step's pieces: this replica's micro-batches, the loss
 # ---------------------------------------------------------------------------------------
 
 def micro_batches(data, split, step, stage, mesh, args, env, m, eval_split=False):
@@ -590,6 +696,14 @@ def global_mean(loss_sum, mesh, m):
     return loss_sum
 
 
+def add_flags(parser):
+    g = parser.add_argument_group("08_3d")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--zero1", action="store_true", help="shard the optimizer state across each DP group")
+    return parser
+
+
 @torch.no_grad()
 def evaluate(stage, mesh, data, args, env, m, act_shape):
     stage.eval()
@@ -598,101 +712,93 @@ def evaluate(stage, mesh, data, args, env, m, act_shape):
         total = 0.0
         for k in range(args.eval_iters):
             xs, ys = micro_batches(data, split, k, stage, mesh, args, env, m, eval_split=True)
-            total += global_mean(run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=False), mesh, m).item()
+            loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=False)
+            total += global_mean(loss_sum, mesh, m).item()
         losses[split] = total / args.eval_iters
     stage.train()
     return losses
 
 
-def average_over_replicas(stage, mesh):
-    """Plain DP: the mean gradient on every replica, one all-reduce of this rank's flat
-    gradients over its DP group."""
-    params = list(stage.parameters())
-    for p in params:
-        p.grad.div_(mesh.dp_size)
-    flat = torch.cat([p.grad.view(-1) for p in params])
-    dist.all_reduce(flat, group=mesh.dp_group)  # sum over the replicas of this (pp, tp) rank
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    run = Run(args, __file__)
+    world, T, P = run.world_size, args.tp, args.pp
+    check(T >= 1 and P >= 1, f"--tp and --pp must be positive, got {T} and {P}")
+    check(world % (T * P) == 0, f"world size {world} is not divisible by tp {T} x pp {P} = {T * P}")
+    D = world // (T * P)
+    default_micro_batch(args, D, P)
+    m = check_batch(args, dp_size=D)  # micro-batches per replica per step
+    if args.dry_run:  # the mesh and every stage's bytes; then rank 0's costs
+        run.dry_run(costs, plan(args, world, T, P, m))
+    env = run.setup()
+    mesh = Mesh(env.rank, world, T, P).make_groups()
+    config = model_config(args, Data.vocab_size_of(args.data))
+    data = Data(args.data, args.seed, config.block_size)
+    check_layout(config, T, P)
+    run.log(mesh.describe(world))
+    torch.manual_seed(args.seed + 1000 * mesh.dp_rank + mesh.pp_rank)  # shared by the TP group of a stage
+    rng = ShardedRNG(args.seed, env.rank, env.device)  # this TP rank's own stream (attention dropout)
+
+    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
+    stage = Stage(config, mesh, first_layer, n_layers, rng, args.recompute).init_weights(args.seed)
+    stage = stage.to(env.device)
+    ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's two copies: wte, the head
+    tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
+    replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # data parallelism
+    act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
+    extra_rng = run.begin(config, replicas.optimizer, costs(args, config, world, env.dtype, env.rank),
+                          layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1},
+                          pieces=replicas.checkpoint_pieces, held=replicas.held_bytes,
+                          evaluate=lambda: evaluate(stage, mesh, data, args, env, m, act_shape),
+                          extra_rng=lambda: {"tp": rng.state},
+                          describe=f"this stage: layers {first_layer}-{first_layer + n_layers - 1}, "
+                                   f"{sum(p.numel() for p in stage.parameters()):,} parameters on rank 0; "
+                                   f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step"
+                                   + (", ZeRO-1 over each DP group" if args.zero1 else ""))
+    if extra_rng is not None:  # resumed at the same layout: this rank's own dropout stream too
+        rng.state = extra_rng["tp"]
+
+    for step in run.steps():
+        xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)  # tokens first, targets last
+        with run.meter:
+            loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)  # 1F1B; TP inside each stage
+        loss = global_mean(loss_sum, mesh, m)
+        if tied is not None:  # the two copies of the wte shard stay equal: sum their gradients
+            dist.all_reduce(tied.grad, group=mesh.embedding_group)
+        replicas.reduce_gradients()  # the mean over the replicas (ZeRO-1: this DP rank's shard of it)
+        if args.grad_clip > 0:
+            clip_grad_norm(replicas, args.grad_clip)
+        run.check(loss, replicas.grad_tensors())  # non-finite? asked to stop?
+        replicas.step()  # AdamW (ZeRO-1: on this DP rank's shard, then the parameters all-gathered)
+        run.end_step(loss)  # ledger, metrics, checkpoint, stop
+        replicas.zero_grad()
+    run.finish()
 
 
-def counted_once(stage, mesh, name):
-    """Whether this rank's copy of parameter `name` counts in the global gradient norm: the
-    tied head's copy counts on the first stage only, a TP-replicated parameter on TP rank 0."""
-    tied_copy = name == "lm_head.weight" and not stage.is_first
-    return not tied_copy and (stage.tp_sharded(name) or mesh.tp_rank == 0)
-
-
-def clip_grad_norm(stage, zero, mesh, max_norm):
-    """Scale the gradients so that their global norm, every parameter counted once over the
-    whole model, is at most max_norm."""
-    if zero:
-        # the DP shard of this rank's flat gradients, weighted per element by counted_once
-        weights = torch.zeros_like(zero.flat_grad)
-        offset = 0
-        for name, p in stage.named_parameters():
-            weights[offset:offset + p.numel()] = float(counted_once(stage, mesh, name))
-            offset += p.numel()
-        squares = (zero.grad_shard.pow(2) * weights[zero.lo:zero.hi]).sum()
-        dist.all_reduce(squares)  # over the whole world: DP shards x stages x TP shards
-        grads = [zero.grad_shard]
-    else:
-        squares = torch.zeros((), device=next(stage.parameters()).device)
-        for name, p in stage.named_parameters():
-            if counted_once(stage, mesh, name):
-                squares += p.grad.float().pow(2).sum()
-        dist.all_reduce(squares, group=mesh.mp_group)  # every stage and TP shard of this replica
-        grads = [p.grad for p in stage.parameters()]
-    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef)
-
-
-def held_bytes(stage, optimizer, zero):
-    """The model-state bytes this rank holds, counted from the live tensors."""
-    if not zero:
-        return state_bytes(stage.parameters(), optimizer)
-    return {"params": tensor_bytes([zero.flat]), "grads": tensor_bytes([zero.flat_grad, zero.grad_shard]),
-            "optim": state_bytes([], optimizer)["optim"]}
-
-
-def stage_layers(n_layer, pp):
-    """(first layer, layer count) of each stage: as even as it goes, the last n_layer % pp
-    stages one layer more (under 1F1B the first stages hold the most activations)."""
-    base, extra = divmod(n_layer, pp)
-    sizes = [base + (s >= pp - extra) for s in range(pp)]
-    return [(sum(sizes[:s]), sizes[s]) for s in range(pp)]
-
-
-def default_micro_batch(args, dp, pp):
-    """Without --micro_batch_size, a pipeline (pp > 1) gets about 2·pp micro-batches per
-    replica (the largest divisor of the replica's batch at most batch/(2·pp)); pp = 1 none."""
-    if args.micro_batch_size is None and args.global_batch_size % dp == 0:
-        rows = args.global_batch_size // dp
-        target = max(1, rows // (2 * pp)) if pp > 1 else rows
-        args.micro_batch_size = max(b for b in range(1, target + 1) if rows % b == 0)
-
+# ----------------------------------------------------------------------------------------
+# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
+# ----------------------------------------------------------------------------------------
 
 def costs(args, config, world_size, dtype, rank=0):
     """The docstring's formulas in bytes for `rank`. Ψ_rank = this rank's parameters (its
-    stage's, TP-sharded, fp32). TP: per micro-batch and layer two all-reduces of b·s·h in the
-    compute dtype (the row-parallel outputs, b_c bytes) and two in fp32 (the gradients
-    entering f), + the embedding's (fp32) on the first stage, the head's (fp32) and 3 b·s of
-    loss statistics on the last; --recompute repeats the two compute-dtype all-reduces (g in
-    the recomputed forward). PP: b·s·h fp32 (the residual stream) per micro-batch per
-    boundary each way, and the tied embedding's gradient shard between the first and last
-    stage. DP: 4Ψ_rank of gradients (--zero1: reduce-scatter + all-gather of the flat buffer
-    padded to D). Control: the logged loss, 4 bytes over pp and over dp; with clipping, the
-    squared norm, 4 bytes over the model group (--zero1: over the world, the shards' sum)."""
+    stage's; those TP_PLAN splits 1/T each, the replicated ones whole; fp32). TP: per
+    micro-batch and layer two all-reduces of b·s·h in the compute dtype (the row-parallel
+    outputs, b_c bytes) and two in fp32 (the gradients entering f), + the embedding's (fp32)
+    on the first stage, the head's (fp32) and 3 b·s of loss statistics on the last;
+    --recompute repeats the two compute-dtype all-reduces (g in the recomputed forward). PP:
+    b·s·h fp32 (the residual stream) per micro-batch per boundary each way, and the tied
+    embedding's gradient shard between the first and last stage. DP: 4Ψ_rank of gradients
+    (--zero1: reduce-scatter + all-gather of the flat buffer padded to D). Control: the
+    logged loss, 4 bytes over pp and over dp; with clipping, the squared norm, 4 bytes over
+    the model group (--zero1: over the world, the shards' sum)."""
     T, P = args.tp, args.pp
     D = world_size // (T * P)
     mesh = Mesh(rank, world_size, T, P)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
     with torch.device("meta"):
         stage = Stage(config, mesh, first_layer, n_layers, None)
-    n_local = sum(p.numel() for p in stage.parameters())
+    split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) != "replicated")
+    n_local = sum(p.numel() for p in stage.parameters())  # Ψ_rank = split (Ψ_stage,sharded/T) + replicated
     m = args.global_batch_size // (args.micro_batch_size * D)
     if args.zero1:
         shard = math.ceil(n_local / D)
@@ -700,7 +806,8 @@ def costs(args, config, world_size, dtype, rank=0):
                 "grads": ("4Ψ_rank + its DP shard", 4 * (shard * D + shard)),
                 "optim": ("8Ψ_rank / D", 8 * shard)}
     else:
-        held = {"params": ("4Ψ_rank", 4 * n_local), "grads": ("4Ψ_rank", 4 * n_local), "optim": ("8Ψ_rank", 8 * n_local)}
+        held = {"params": ("4Ψ_rank", 4 * n_local), "grads": ("4Ψ_rank", 4 * n_local),
+                "optim": ("8Ψ_rank", 8 * n_local)}
     bsh = args.micro_batch_size * config.block_size * config.n_embd  # one activation, elements
     bs = args.micro_batch_size * config.block_size
     bc = dtype.itemsize
@@ -724,7 +831,8 @@ def costs(args, config, world_size, dtype, rank=0):
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = ("4 norm", 4)
     if args.recompute:  # backward runs each block's forward again, its g all-reduces too
         f, v = sent["all_reduce[tp]"]
-        sent["all_reduce[tp]"] = (f"{f} + {m} micro x {n_layers} x 2·{bc} b·s·h recomputed", v + m * n_layers * 2 * bc * bsh)
+        sent["all_reduce[tp]"] = (f"{f} + {m} micro x {n_layers} x 2·{bc} b·s·h recomputed",
+                                  v + m * n_layers * 2 * bc * bsh)
     # activations: Megatron's TP split of each micro-batch's (common.activation_terms with
     # tp), the vocabulary-parallel ends as in 06 (the embedding's out-of-slice mask, b·s
     # bool; the head's input, fp32 softmax of V/T and target mask), and 1F1B's micro-batches
@@ -747,154 +855,41 @@ def costs(args, config, world_size, dtype, rank=0):
         now += kept if kind == "F" else -kept
     per_stage = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
                  else "n·layer + embedding + head")
-    activations = (f"1F1B: {min(P - mesh.pp_rank, m)} micro-batch(es) in flight x ({per_stage}), TP-sharded", peak)
-    return {"layout": f"dp {mesh.dp_rank}, pp {mesh.pp_rank}, tp {mesh.tp_rank}: layers {first_layer}-{first_layer + n_layers - 1}",
+    activations = (f"1F1B: {min(P - mesh.pp_rank, m)} micro-batch(es) in flight x ({per_stage}), TP-sharded",
+                   peak)
+    return {"layout": f"dp {mesh.dp_rank}, pp {mesh.pp_rank}, tp {mesh.tp_rank}: layers {first_layer}-"
+                      f"{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} replicated",
             "held": held, "sent": {k: v for k, v in sent.items() if v[1]}, "activations": activations}
 
 
-def check_layout(config, T, P):
-    check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
-          "each TP rank must own whole attention heads")
-    check(config.n_layer >= P, f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
+def tp_pieces(stage, name, p, optimizer, write):
+    """Where this rank's TP piece `p` of parameter `name` sits in 01's full parameter
+    (Stage.tp_layout, from TP_PLAN), as pieces of common.py's format: vocabulary rows without
+    the padding, [Q_t; K_t; V_t] rows as three pieces, c_fc rows, c_proj columns, replicated
+    parameters whole. Written where they count once (counted_once: a replicated parameter by
+    TP rank 0 of each stage, the tied embedding by the first stage; the last stage's copy is
+    read, never written). With the optimizer: the AdamW moments too."""
+    shape, boxes = stage.tp_layout(name, p)
+    write = write and counted_once(stage, name)
+    return [piece for box, rows in boxes for piece in param_pieces(stage.full_name(name), shape, p, optimizer,
+                                                                   box=box, index=rows, write=write)]
 
 
 def plan(args, world, T, P, m):
-    """--dry_run: the mesh, the schedule and every stage's costs, without starting a process."""
+    """--dry_run: the mesh, the schedule and every stage's costs, without starting a process
+    (the lines Run.dry_run prints above rank 0's costs)."""
     config = model_config(args, Data.vocab_size_of(args.data))
     check_layout(config, T, P)
     dtype = planned_dtype(args)
     mesh = Mesh(0, world, T, P)
     per_stage = [costs(args, config, world, dtype, mesh.rank_of(0, s, 0)) for s in range(P)]
-    dry_run(args, "08_3d.py", config, per_stage[0],
-            [mesh.describe(world, args.ranks_per_node),
+    return ([mesh.describe(world, args.ranks_per_node),
              f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step (1F1B)"
              + (", ZeRO-1 over each DP group" if args.zero1 else "")]
             + [f"  stage {s} ({c['layout'].split(': ')[1]}): holds "
                f"{format_bytes(sum(v for _, v in c['held'].values()))}, sends+receives "
                f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step" for s, c in enumerate(per_stage)]
             + ["(below: rank 0)"])
-
-
-def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    launch = launch_for(args)
-    world, T, P = launch.world_size, args.tp, args.pp
-    check(T >= 1 and P >= 1, f"--tp and --pp must be positive, got {T} and {P}")
-    check(world % (T * P) == 0, f"world size {world} is not divisible by tp {T} x pp {P} = {T * P}")
-    D = world // (T * P)
-    default_micro_batch(args, D, P)
-    accum_steps = check_batch(args, dp_size=D)
-    m = accum_steps  # micro-batches per replica per step
-    if args.dry_run:
-        plan(args, world, T, P, m)
-    env = setup(args, launch)
-    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
-    mesh = Mesh(env.rank, world, T, P).make_groups()
-    data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
-    check_layout(config, T, P)
-    log(env, mesh.describe(world))
-    torch.manual_seed(args.seed + 1000 * mesh.dp_rank + mesh.pp_rank)  # shared by the TP group of a stage
-    rng = ShardedRNG(args.seed, env.rank, env.device)
-
-    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
-    stage = Stage(config, mesh, first_layer, n_layers, rng).init_weights(args.seed).to(env.device)
-    for block in stage.h:
-        block.recompute = args.recompute
-    zero = ZeroOne(stage, mesh, args, env.device) if args.zero1 else None
-    optimizer = zero.optimizer if zero else make_adamw(*decay_groups(stage.parameters()), args, env.device.type)
-    tied = [stage.wte.weight] if stage.is_first else []
-    tied += [stage.lm_head.weight] if stage.is_last and not stage.is_first else []
-
-    run = run_config(args, config, {"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1})
-
-    def checkpoint_pieces():
-        """Common.py's format, which any script resumes at any layout: DP replica 0 writes
-        the parameters (TP shards of its stage) and, without --zero1, their moments; with
-        --zero1 every DP rank writes the moments it owns."""
-        tp_pieces = {p: stage.checkpoint_pieces(name, p, None, write=True) for name, p in stage.named_parameters()}
-        pieces = [piece for name, p in stage.named_parameters()
-                  for piece in stage.checkpoint_pieces(name, p, None if zero else optimizer, write=mesh.dp_rank == 0)]
-        return pieces + (zero.checkpoint_pieces(tp_pieces) if zero else [])
-
-    start_step = 0
-    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shards
-        start_step, extra_rng = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
-        if extra_rng is not None:  # the same layout: this rank's own dropout stream too
-            rng.state = extra_rng["tp"]
-
-    nano_params = count_params(config)[1]
-    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-             f"{str(env.dtype).replace('torch.', '')}; this stage: layers {first_layer}-"
-             f"{first_layer + n_layers - 1}, {sum(p.numel() for p in stage.parameters()):,} parameters on rank 0; "
-             f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step"
-             f"{', ZeRO-1 over each DP group' if args.zero1 else ''}")
-    cost = costs(args, config, world, env.dtype, env.rank)
-    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
-    meter = ActivationMeter()
-
-    act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
-
-    def save(step):
-        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer, extra_rng={"tp": rng.state})
-        LEDGER.take()
-
-    LEDGER.take()
-    for step in progress(env, start_step, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(stage, mesh, data, args, env, m, act_shape)
-            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-            LEDGER.take()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-
-        xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)
-        meter.start()
-        loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)
-        activations = meter.stop()
-        loss_sum = global_mean(loss_sum, mesh, m)
-        if P > 1 and tied:
-            for weight in tied:  # the two copies of the wte shard stay equal
-                dist.all_reduce(weight.grad, group=mesh.embedding_group)
-        if zero:
-            zero.reduce()  # reduce-scatter: this DP rank's shard of the mean gradient
-        else:
-            average_over_replicas(stage, mesh)  # plain DP: all-reduce, the mean on every replica
-        if args.grad_clip > 0:
-            clip_grad_norm(stage, zero, mesh, args.grad_clip)
-        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
-        # a stop signal or --time_limit ends it after this step's checkpoint
-        stop = guard.check(step, loss_sum, [zero.grad_shard] if zero else (p.grad for p in stage.parameters()))
-        if zero:
-            zero.step()
-        else:
-            optimizer.step()
-
-        comm = LEDGER.take()
-        held = held_bytes(stage, optimizer, zero)
-        if step == start_step:
-            print_ledger(env, held, comm, cost, activations)
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
-            loss_value = loss_sum.item()
-            synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0, held, comm, activations=activations)
-        if zero:
-            zero.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            save(step + 1)
-        if stop:
-            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
-
-    if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(stage, mesh, data, args, env, m, act_shape)
-        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    teardown(env)
 
 
 if __name__ == "__main__":
