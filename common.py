@@ -1,9 +1,16 @@
-"""What every script shares, and no strategy: the GPT model, the data, the launcher and
-device setup, the shared command line, metrics (tokens/s, MFU, memory, the communication
-ledger), checkpoint files and rank-0 logging.
+"""What every script shares, and no strategy. Two parts:
+
+  Part I   the GPT model (nanoGPT's, dense), the optimizer and schedule, the data, the shared
+           command line, and launch / device / process-group setup. Self-contained: cut the
+           file at Part II's banner and Part I alone trains 01's model with a plain loop.
+  Part II  the run infrastructure: `Run`, the run protocol every main() calls at a handful
+           of points (dry run, setup and out_dir lock, guard, ledger windows, activation
+           meter, metrics, evaluation, resume and checkpoint cadence, stop, teardown), and
+           beneath it the start-up checks, the guard, the communication ledger, the
+           activation meter, metrics, the dry run and the checkpoint files.
 
 Read a numbered script first; come here when it calls something. The contract between the
-scripts (flags, determinism, metrics schema) is DESIGN.md's, summarised in README.md.
+scripts (flags, determinism, metrics schema) is docs/design.md's; README.md is the front page.
 
 Two rules make every strategy comparable with 01_single_gpu.py:
   * the initial value of every parameter is a pure function of (seed, parameter name)
@@ -541,7 +548,7 @@ def base_parser(doc):
 
 
 def make_parser(doc):
-    """The shared flags (DESIGN.md); each script adds its own strategy flags."""
+    """The shared flags (docs/design.md); each script adds its own strategy flags."""
     p = base_parser(doc)
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS), help="preset")
@@ -686,7 +693,7 @@ class Launch:
 
 
 def detect_launcher(environ):
-    """Rank, local rank and world size from the launcher's environment, in DESIGN.md's order:
+    """Rank, local rank and world size from the launcher's environment, in docs/design.md's order:
     torchrun, MPI (MPICH/Hydra and Intel MPI: PMI_*; Cray PALS: PALS_*; Open MPI:
     OMPI_COMM_WORLD_*), Slurm. Local sizes that a launcher does not export are None here and
     are asked of MPI later."""
@@ -746,15 +753,47 @@ class Env:
         return self.launch.rank == 0
 
 
+BATCH_JOB_VARIABLES = ("PBS_JOBID", "SLURM_JOB_ID")  # set inside a PBS or Slurm job
+
+
+def xpu_backend():
+    """Intel GPUs (Aurora): torch's native XPU and its xccl backend (torch >= 2.8), else the
+    IPEX era's stack: XPUs appear only once intel_extension_for_pytorch is imported, and
+    the collectives are oneCCL's "ccl" backend (oneccl_bindings_for_pytorch). None when no
+    XPU is visible either way."""
+    if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        try:
+            import intel_extension_for_pytorch  # noqa: F401  (registers the XPUs)
+        except ImportError:
+            return None
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            return None
+    if getattr(dist, "is_xccl_available", lambda: False)():
+        return "xccl"
+    try:
+        import oneccl_bindings_for_pytorch  # noqa: F401  (registers the "ccl" backend)
+        return "ccl"
+    except ImportError:
+        return "xccl"  # init_process_group names what is missing
+
+
 def pick_device(requested, local_rank):
-    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend."""
+    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend.
+    Inside a batch job, --device auto that finds no accelerator is an error, never a
+    silent CPU run: a GPU stack the job cannot see (the facility's module not loaded) would
+    otherwise train a whole allocation on CPU."""
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
-    if requested in ("auto", "xpu") and hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", local_rank % torch.xpu.device_count()), "xccl"
+    backend = xpu_backend() if requested in ("auto", "xpu") else None
+    if backend:
+        return torch.device("xpu", local_rank % torch.xpu.device_count()), backend
     if requested in ("auto", "mps") and torch.backends.mps.is_available():
         return torch.device("mps"), "gloo"
     check(requested in ("auto", "cpu"), f"--device {requested} is not available on this machine")
+    job = next((v for v in BATCH_JOB_VARIABLES if os.environ.get(v)), None)
+    check(requested == "cpu" or job is None,
+          f"no GPU visible in batch job {os.environ.get(job or '', '')} ({job} is set; torch finds no CUDA, ROCm "
+          "or XPU device): load the facility's PyTorch module, or pass --device cpu")
     return torch.device("cpu"), "gloo"
 
 
@@ -795,6 +834,10 @@ def setup(args, launch=None, distributed=True):
             node = _MPI_COMM.Split_type(MPI.COMM_TYPE_SHARED)
             launch.local_rank, launch.local_world_size = node.Get_rank(), node.Get_size()
     device, backend = pick_device(args.device, launch.local_rank)
+    # gloo takes CPU and CUDA tensors only, and MPS has no collective backend of its own
+    check(device.type != "mps" or launch.world_size == 1 or not distributed,
+          f"MPS has no collective backend ({launch.world_size} ranks asked): run 01_single_gpu.py on MPS, "
+          "or pass --device cpu")
     dtype = pick_dtype(args.dtype, device)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # split the cores among the ranks on this node
@@ -986,7 +1029,7 @@ class Run:
         checked and out_dir locked (agreed by every rank, before anything heavy), and the
         guard armed (SIGTERM / SIGUSR1 / --time_limit). Returns the Env."""
         self.env = setup(self.args, self.launch)
-        LEDGER.install()
+        LEDGER.install(self.env.device)
         agree(self.env, startup_problem(self.args, self.env))
         self.guard = Guard(self.args, self.env)
         return self.env
@@ -1024,6 +1067,7 @@ class Run:
             self.step, self.lr = step, lr_at(step, args)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr
+            reset_peak_memory(self.env)  # mem_peak_bytes: this step's, not since the start
             self.stopping, self.t0 = False, time.perf_counter()
             yield step
         if args.eval_interval and args.max_iters > self.start_step:
@@ -1071,6 +1115,7 @@ class Run:
 
     def finish(self):
         """Release out_dir and end the process group in step (Part I's teardown)."""
+        ignore_stop_signals()
         release_out_dir()
         teardown(self.env)
 
@@ -1100,6 +1145,7 @@ def agree(env, problem):
 
 def leave(env, status):
     """Release the out_dir lock, end the process group in step, exit with `status`."""
+    ignore_stop_signals()
     release_out_dir()
     teardown(env)
     sys.exit(status)
@@ -1269,10 +1315,23 @@ def release_out_dir():
 # Stopping: non-finite loss or gradients, walltime and signals, agreed by every rank
 # ----------------------------------------------------------------------------------------
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what PBS and Slurm send at walltime or preemption
+# what PBS and Slurm send at walltime or preemption, and a terminal's Ctrl-C
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
 NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite loss or gradient
+
+
+def ignore_stop_signals():
+    """On the way out: the copies of a stop signal still in flight (the launcher's forward
+    of the scheduler's SIGTERM, a second Ctrl-C) must not kill a rank that is already
+    ending well; an ignored signal stays ignored through the interpreter's shutdown, where
+    Python's own handlers are reset to the default action (death by the signal)."""
+    for name in STOP_SIGNALS:
+        try:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        except ValueError:  # not the main thread: nothing was installed from it either
+            pass
 
 
 class Guard:
@@ -1295,10 +1354,10 @@ class Guard:
             signal.signal(getattr(signal, name), self._on_signal)
 
     def _on_signal(self, signum, frame):
-        if self.signal:  # a second signal: the sender insists, end now (the default action)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.signal = signal.Signals(signum).name  # acted on at the next step's check
+        # Repeated stop signals are one request: PBS and Slurm signal every process of the
+        # job while mpiexec / srun forward the same signal to the ranks, and Ctrl-C reaches
+        # both the ranks and the launcher. A scheduler that insists sends SIGKILL.
+        self.signal = self.signal or signal.Signals(signum).name  # acted on at the next check
 
     def _time_is_up(self):
         if not self.args.time_limit:
@@ -1312,7 +1371,9 @@ class Guard:
         loss and its gradient tensors. Returns True when every rank should stop after this step."""
         env, rank = self.env, self.env.rank
         grads = [g for g in grads if g is not None]
-        values = torch.stack([loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads])
+        # on one device: with --offload the gradient shards live in (pinned) host memory
+        values = torch.stack([v.to(env.device) for v in
+                              [loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads]])
         bad = not bool(torch.isfinite(values).all())
         asked = 2 if self.signal else 1 if self._time_is_up() else 0
         # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop)
@@ -1329,7 +1390,7 @@ class Guard:
                       file=sys.stderr, flush=True)
             leave(env, NONFINITE_EXIT)
         self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
-                       2: self.signal or "a SIGTERM or SIGUSR1 on another rank"}.get(asked)
+                       2: self.signal or "a SIGTERM, SIGUSR1 or SIGINT on another rank"}.get(asked)
         return bool(asked) and step + 1 < self.args.max_iters
 
     def stop(self, step):
@@ -1368,8 +1429,13 @@ class CommLedger:
         "all_gather_single": "output_tensor", "reduce_scatter_single": "input",
     }
 
+    # every argument that hands tensors to a collective (checked against the run's device)
+    TENSOR_ARGUMENTS = {"tensor", "tensor_list", "output_tensor", "input_tensor", "output", "input", "input_list",
+                        "output_tensor_list", "input_tensor_list", "gather_list", "scatter_list"}
+
     def __init__(self):
         self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
+        self.device = None  # the run's device: every tensor handed to a collective must be on it
 
     @contextmanager
     def paused(self):
@@ -1389,7 +1455,19 @@ class CommLedger:
         op = {"isend": "send", "irecv": "recv"}.get(op, op)  # p2p: by direction
         self.bytes[op] = self.bytes.get(op, 0) + nbytes
 
-    def install(self):
+    def on_device(self, op, tensors):
+        """NCCL and XCCL take only tensors on the rank's own device (gloo takes any CPU or
+        CUDA tensor, so a CPU run would never notice a host tensor handed to a collective):
+        refuse any other here, on every backend, naming the operation."""
+        for t in tensors:
+            if self.device is not None and torch.is_tensor(t) and t.device != self.device:
+                raise RuntimeError(f"{op} was handed a tensor on {t.device}, but this run's device is "
+                                   f"{self.device}: NCCL and XCCL take only tensors on the rank's device")
+
+    def install(self, device=None):
+        """Wrap torch.distributed's collectives and point-to-point calls: count their bytes
+        and check that their tensors are on `device` (the run's)."""
+        self.device = torch.device(device) if device is not None else None
         if self.installed:
             return
         self.installed = True
@@ -1410,6 +1488,7 @@ class CommLedger:
         @wraps(original)
         def batch_isend_irecv(p2p_ops):
             for p2p in p2p_ops:
+                self.on_device(p2p.op.__name__, [p2p.tensor])
                 self.add(p2p.op.__name__, _nbytes(p2p.tensor))
             return original(p2p_ops)
         dist.batch_isend_irecv = batch_isend_irecv
@@ -1419,10 +1498,12 @@ class CommLedger:
 
         @wraps(fn)
         def counted(*args, **kwargs):
-            if not self.counting:
-                return fn(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs).arguments
             value = bound[argument]
+            self.on_device(op, [t for key, v in bound.items() if key in self.TENSOR_ARGUMENTS
+                                for t in (v if isinstance(v, (list, tuple)) else [v])])
+            if not self.counting:
+                return fn(*args, **kwargs)
             name = self.group_names.get(bound.get("group"))
             self.add(f"{op}[{name}]" if name else op,
                      sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
@@ -1725,6 +1806,14 @@ def peak_flops(env):
     return None
 
 
+def reset_peak_memory(env):
+    """Start a new high-water mark, so that each step's mem_peak_bytes is that step's."""
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    elif env.device.type == "xpu":
+        torch.xpu.reset_peak_memory_stats(env.device)
+
+
 def peak_memory(env):
     if env.device.type == "cuda":
         return torch.cuda.max_memory_allocated(env.device)
@@ -1734,7 +1823,7 @@ def peak_memory(env):
 
 
 class Metrics:
-    """Rank-0 console lines and the JSONL metrics file (schema in DESIGN.md)."""
+    """Rank-0 console lines and the JSONL metrics file (schema in docs/design.md)."""
 
     def __init__(self, args, env, flops_per_tok, cost):
         self.env, self.flops_per_tok = env, flops_per_tok

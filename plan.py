@@ -59,6 +59,7 @@ import math
 import os
 import sys
 
+import common
 from common import PEAK_FLOPS, PRESETS, count_params, flops_per_token, format_bytes, planned_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -153,8 +154,12 @@ def dry_run(name, flags, gpus, gpus_per_node):
         raise _DryRunDone
 
     argv = [name, *flags, "--dry_run", "--world_size", str(gpus), "--ranks_per_node", str(gpus_per_node)]
-    saved_argv, saved_dry_run = sys.argv, module.dry_run
-    sys.argv, module.dry_run = argv, capture
+    # the scripts print their plan through common.dry_run (Run.dry_run, or their own plan
+    # printing, which imports it): catch it in both places
+    saved_argv, saved = sys.argv, (common.dry_run, getattr(module, "dry_run", None))
+    sys.argv, common.dry_run = argv, capture
+    if saved[1] is not None:
+        module.dry_run = capture
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -164,7 +169,9 @@ def dry_run(name, flags, gpus, gpus_per_node):
     except SystemExit:
         return err.getvalue().strip().removeprefix("error: ") or "refused"
     finally:
-        sys.argv, module.dry_run = saved_argv, saved_dry_run
+        sys.argv, common.dry_run = saved_argv, saved[0]
+        if saved[1] is not None:
+            module.dry_run = saved[1]
     return "the dry run did not reach its cost function"
 
 
@@ -199,7 +206,7 @@ def candidates(n, gpus_per_node, n_layer):
                     yield ("08_3d.py", ["--tp", str(tp), "--pp", str(pp)] + (["--zero1"] if zero1 else []),
                            f"3D dp {n // (tp * pp)} pp {pp} tp {tp}" + (" + ZeRO-1" if zero1 else ""))
     cp_script = script_name("09")
-    if cp_script and n > 1 and hasattr(script(cp_script), "dry_run"):  # priced through its dry run only
+    if cp_script and n > 1:  # priced through its dry run only
         for cp in divisors(n)[1:]:
             for impl in ("ring", "ulysses"):
                 yield cp_script, ["--cp", str(cp), "--cp_impl", impl], f"CP {impl} cp {cp} dp {n // cp}"

@@ -1,4 +1,4 @@
-"""Launcher detection for every launcher in DESIGN.md (fabricated environments), then real
+"""Launcher detection for every launcher in docs/design.md (fabricated environments), then real
 multi-rank jobs through mpiexec and torchrun: rendezvous, the communication ledger, and a
 failing rank that ends the whole job instead of hanging it."""
 
@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from common import Launch, detect_launcher, first_slurm_host
 from harness import launch
@@ -76,3 +77,44 @@ def test_exception_on_one_rank_ends_the_job(launcher):
     assert run.seconds < 40, f"took {run.seconds:.0f} s: the others waited for the timeout"
     assert "deliberate failure on rank 1" in run.stderr
     assert "[rank 1] uncaught RuntimeError; ending the job" in run.stderr
+
+
+@pytest.mark.parametrize("variable", ["PBS_JOBID", "SLURM_JOB_ID"])
+def test_device_auto_in_a_batch_job_without_a_gpu_is_one_line(monkeypatch, capsys, variable):
+    """A batch job whose GPU stack is not visible must not train on CPU in silence."""
+    import common
+    monkeypatch.setenv(variable, "4242")
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    if common.pick_device("cpu", 0)[0].type != "cpu" or torch.cuda.is_available():
+        pytest.skip("this machine has an accelerator")
+    with pytest.raises(SystemExit) as exit:
+        common.pick_device("auto", 0)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "no GPU visible in batch job 4242" in err and "--device cpu" in err
+    assert common.pick_device("cpu", 0) == (torch.device("cpu"), "gloo")  # asked for: allowed
+
+
+def test_collectives_refuse_a_tensor_off_the_run_device():
+    """NCCL and XCCL take only tensors on the rank's device; gloo takes host tensors too, so
+    the ledger's wrapper checks every collective and send/recv on every backend."""
+    import common
+    ledger = common.CommLedger()
+    calls = []
+    all_reduce = ledger._wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: calls.append(1),
+                              "tensor")
+    all_gather = ledger._wrap("all_gather", lambda tensor_list, tensor, group=None, async_op=False: calls.append(1),
+                              "tensor_list")
+    ledger.device = torch.device("cpu")
+    all_reduce(torch.ones(3))
+    all_gather([torch.ones(2), torch.ones(2)], torch.ones(2))
+    assert calls == [1, 1] and ledger.take() == {"all_reduce": 12, "all_gather": 16}
+    ledger.device = torch.device("meta")  # stands for "cuda:0" on a machine without one
+    with pytest.raises(RuntimeError, match="all_reduce was handed a tensor on cpu, but this run's device is meta"):
+        all_reduce(torch.ones(3))
+    with pytest.raises(RuntimeError, match="all_gather was handed a tensor on cpu"):
+        all_gather([torch.ones(2, device="meta")], torch.ones(2))
+    with ledger.paused(), pytest.raises(RuntimeError):  # control messages are checked too
+        all_reduce(torch.ones(3))
+    assert calls == [1, 1]

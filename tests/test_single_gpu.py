@@ -9,7 +9,7 @@ from harness import TINY, launch
 
 SCRIPT = "01_single_gpu.py"
 KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu", "mem_peak_bytes", "state_bytes", "comm_bytes",
-        "state_bytes_theory", "comm_bytes_theory", "activation_bytes", "activation_bytes_theory"}  # DESIGN.md
+        "state_bytes_theory", "comm_bytes_theory", "activation_bytes", "activation_bytes_theory"}  # docs/design.md
 
 
 @pytest.fixture(scope="module")
