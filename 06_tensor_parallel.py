@@ -48,6 +48,10 @@ sequence-sharded dropouts with --sequence_parallel) each rank draws its own stre
 Weights are sliced from the same initial values as 01_single_gpu.py (common.param_init of the
 full parameter), so the losses are comparable.
 
+Which parameter is split along which dimension is said once, in the table TP_PLAN (as
+torchtitan's parallelize plan): the initialisation, the checkpoint pieces, the gradient norm
+and costs() all read it.
+
 Run:
 
     mpiexec -n 4 python 06_tensor_parallel.py --model gpt2
@@ -72,7 +76,6 @@ Cost per rank, T ranks, L layers, h width, b micro-batch, s sequence, bytes in f
 """
 
 import math
-import time
 from contextlib import contextmanager
 
 import torch
@@ -80,23 +83,59 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_terms, ActivationMeter,
-                    activations_of_layers, autocast, check, check_batch, count_params, Data,
-                    decay_groups, device_rng_state, dry_run, flops_per_token, Guard, launch_for,
-                    LEDGER, log, lr_at, make_adamw, make_parser, Metrics, model_block_size,
-                    model_config, param_init, param_pieces, parse_args, planned_dtype, print_ledger,
-                    progress, recomputed, resume_checkpoint, run_config, save_checkpoint,
-                    seeded_rng_state, set_device_rng_state, setup, state_bytes, synchronize,
-                    teardown, to_device)
+from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
+                    check_batch, Data, decay_groups, device_rng_state, make_adamw, make_parser,
+                    model_block_size, model_config, param_init, param_pieces, parse_args, recomputed, Run,
+                    set_device_rng_state, state_bytes, to_device)
 
 
-def add_flags(parser):
-    g = parser.add_argument_group("06_tensor_parallel")
-    g.add_argument("--tp", type=int, default=None, help="tensor-parallel size (= world size)")
-    g.add_argument("--sequence_parallel", action="store_true",
-                   help="shard LayerNorm/dropout regions along the sequence")
-    return parser
 
+# ---------------------------------------------------------------------------------------
+# The layout: which parameter the group splits, along which dimension (one table)
+# ---------------------------------------------------------------------------------------
+
+# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` of the
+# parameter T ways; with parts = 3 that dimension is three blocks stacked (c_attn's rows
+# [Q; K; V]) and each block is split, so that rank t holds its heads of Q, K and V. The
+# vocabulary is padded to a multiple of T first. Every parameter not named is replicated:
+# LayerNorms, the position embedding, the row-parallel biases (added once, after g).
+TP_PLAN = {
+    "wte.weight":         ("vocab", 0, 1),   # rows [t·V/T, (t+1)·V/T): the embedding and the tied head
+    "attn.c_attn.weight": ("column", 0, 3),  # column-parallel: output rows, this rank's heads of Q, K, V
+    "attn.c_attn.bias":   ("column", 0, 3),
+    "attn.c_proj.weight": ("row", 1, 1),     # row-parallel: input columns (this rank's heads' outputs)
+    "mlp.c_fc.weight":    ("column", 0, 1),  # column-parallel: output rows
+    "mlp.c_fc.bias":      ("column", 0, 1),
+    "mlp.c_proj.weight":  ("row", 1, 1),     # row-parallel: input columns
+}
+
+
+def tp_split(name):
+    """TP_PLAN's (how, dim, parts) for parameter `name`, or None: replicated."""
+    return next((split for suffix, split in TP_PLAN.items() if name.endswith(suffix)), None)
+
+
+def shard_boxes(name, shape, vocab_size, tp_size, tp_rank):
+    """Where the shard of parameter `name` (local `shape`) that rank `tp_rank` holds lies in
+    the full parameter, from TP_PLAN: (the full shape, [(box, index), ...]) where `box` is
+    the region of the full parameter ([start, stop) per dimension) that shard[index] holds.
+    One box per block of the split dimension (three for c_attn); the vocabulary's full shape
+    is the unpadded V, its padding rows in no box; a replicated parameter: one box, whole."""
+    full, whole = list(shape), [[0, s] for s in shape]
+    split = tp_split(name)
+    if split is None:
+        return tuple(full), [(whole, ...)]
+    how, dim, parts = split
+    n = shape[dim] // parts  # this rank's part of each block
+    full[dim] = vocab_size if how == "vocab" else shape[dim] * tp_size
+    boxes = []
+    for j in range(parts):
+        lo = j * n * tp_size + tp_rank * n  # block j of the full dimension starts at j·n·T
+        hi = min(lo + n, full[dim])  # shorter (or empty) only where the vocabulary's padding is
+        if lo < hi:
+            boxes.append((whole[:dim] + [[lo, hi]] + whole[dim + 1:],
+                          (slice(None),) * dim + (slice(j * n, j * n + hi - lo),)))
+    return tuple(full), boxes
 
 # ---------------------------------------------------------------------------------------
 # The conjugate operators (Megatron's f and g) and their sequence-parallel forms
@@ -210,8 +249,8 @@ class ShardedRNG:
     own stream and back."""
 
     def __init__(self, seed, rank, device):
-        self.device = device
-        self.state = seeded_rng_state(device, seed + 2718 + rank)
+        self.device = device  # a fresh generator's state, made without reseeding the default one
+        self.state = torch.Generator(device=device).manual_seed(seed + 2718 + rank).get_state()
 
     @contextmanager
     def sharded(self):
@@ -376,7 +415,7 @@ class TPBlock(nn.Module):
 
 
 class TPGPT(nn.Module):
-    def __init__(self, config, tp_size, tp_rank, sp, rng, group):
+    def __init__(self, config, tp_size, tp_rank, sp, rng, group, recompute=False):
         super().__init__()
         self.config, self.tp_size, self.tp_rank, self.sp, self.rng = config, tp_size, tp_rank, sp, rng
         self.group = group  # the tensor-parallel group (in this script: every rank)
@@ -389,6 +428,8 @@ class TPGPT(nn.Module):
             h=nn.ModuleList([TPBlock(config, tp_size, sp, rng, group) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
+        for block in self.transformer.h:
+            block.recompute = recompute
 
     def forward(self, idx, targets):
         t = idx.shape[1]
@@ -410,71 +451,28 @@ class TPGPT(nn.Module):
         return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),
                                                self.tp_rank * self.vocab_local, self.config.vocab_size, self.group)
 
-    def sharded(self, name):
-        """Whether parameter `name` is split across the group (else replicated)."""
-        return name == "transformer.wte.weight" or name.endswith(
-            ("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight"))
-
     @torch.no_grad()
     def init_from_full(self, seed):
-        """Each parameter's shard, cut from the full parameter as 01 initialises it (one full
-        parameter at a time: the whole model never exists on a rank)."""
-        config, t, r = self.config, self.tp_size, self.tp_rank
-        h = config.n_embd
+        """Each parameter's shard, cut by TP_PLAN from the full parameter as 01 initialises it
+        (one full parameter at a time: the whole model never exists on a rank); the
+        vocabulary's padding rows are zeros."""
         for name, p in self.named_parameters():
-            if name == "transformer.wte.weight":
-                full = torch.zeros(self.padded_vocab, h)
-                full[:config.vocab_size] = param_init(name, (config.vocab_size, h), config, seed)
-                p.copy_(full[r * self.vocab_local:(r + 1) * self.vocab_local])
-            elif "c_attn" in name:  # rows [Q; K; V]: take this rank's heads of each
-                full = param_init(name, (3 * h,) + tuple(p.shape[1:]), config, seed)
-                p.copy_(torch.cat([part.chunk(t)[r] for part in full.chunk(3)]))
-            elif name.endswith(("c_fc.weight", "c_fc.bias")):  # column-parallel: output rows
-                p.copy_(param_init(name, (4 * h,) + tuple(p.shape[1:]), config, seed).chunk(t)[r])
-            elif name.endswith("c_proj.weight"):  # row-parallel: input columns
-                full_in = p.shape[1] * t
-                p.copy_(param_init(name, (h, full_in), config, seed).chunk(t, dim=1)[r])
-            else:  # replicated: LayerNorms, position embedding, row-parallel biases
-                p.copy_(param_init(name, p.shape, config, seed))
+            full, boxes = shard_boxes(name, p.shape, self.config.vocab_size, self.tp_size, self.tp_rank)
+            value = param_init(name, full, self.config, seed)
+            p.zero_()
+            for box, index in boxes:
+                p[index] = value[tuple(slice(lo, hi) for lo, hi in box)]
         return self
 
 
-def tp_param_pieces(name, p, optimizer, config, tp_size, tp_rank, write_replicated, write_sharded=True):
-    """Where this rank's shard of parameter `name` sits in the full parameter, as pieces of
-    common.py's format (with its AdamW moments): the vocab-parallel embedding's rows (the
-    global shape is the unpadded vocabulary), the column-parallel rows ([Q_r; K_r; V_r] of
-    c_attn are three pieces), the row-parallel columns of c_proj; replicated parameters are
-    written by one rank only. Any layout of any script reads these pieces back."""
-    h, rest = config.n_embd, [[0, s] for s in p.shape[1:]]
-    if name == "transformer.wte.weight":
-        lo, hi = tp_rank * p.shape[0], min((tp_rank + 1) * p.shape[0], config.vocab_size)  # drop the padding rows
-        return param_pieces(name, (config.vocab_size, h), p, optimizer, box=[[lo, hi]] + rest,
-                            index=slice(0, hi - lo), write=write_sharded) if lo < hi else []
-    if "c_attn" in name:  # this rank's heads of Q, K and V: rows j·h + [r·h/T, (r+1)·h/T), r = tp_rank
-        n = p.shape[0] // 3
-        return [piece for j in range(3) for piece in param_pieces(
-            name, (3 * h,) + tuple(p.shape[1:]), p, optimizer,
-            box=[[j * h + tp_rank * n, j * h + (tp_rank + 1) * n]] + rest,
-            index=slice(j * n, (j + 1) * n), write=write_sharded)]
-    if name.endswith(("c_fc.weight", "c_fc.bias")):  # column-parallel: output rows
-        rows = p.shape[0]
-        return param_pieces(name, (rows * tp_size,) + tuple(p.shape[1:]), p, optimizer,
-                            box=[[tp_rank * rows, (tp_rank + 1) * rows]] + rest, write=write_sharded)
-    if name.endswith("c_proj.weight"):  # row-parallel: input columns
-        cols = p.shape[1]
-        return param_pieces(name, (p.shape[0], cols * tp_size), p, optimizer,
-                            box=[[0, p.shape[0]], [tp_rank * cols, (tp_rank + 1) * cols]], write=write_sharded)
-    return param_pieces(name, p.shape, p, optimizer, write=write_replicated)  # LayerNorms, wpe, c_proj biases
-
-
 def clip_grad_norm(model, max_norm):
-    """Global norm: sharded parameters' squares summed across the group, replicated ones
-    counted once (every rank holds the same copy)."""
+    """Global norm: the squares of the parameters TP_PLAN splits summed across the group,
+    the replicated ones counted once (every rank holds the same copy)."""
     device = next(model.parameters()).device
     sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     for name, p in model.named_parameters():
         square = p.grad.float().pow(2).sum()
-        if model.sharded(name):
+        if tp_split(name):
             sharded += square
         else:
             replicated += square
@@ -489,13 +487,28 @@ def clip_grad_norm(model, max_norm):
 def all_reduce_sequence_parallel_grads(model):
     """With sequence parallelism each rank saw only its sequence shard in the replicated
     regions, so the replicated parameters' gradients are partial: sum them."""
-    grads = [p.grad for name, p in model.named_parameters() if not model.sharded(name)]
+    grads = [p.grad for name, p in model.named_parameters() if tp_split(name) is None]
     flat = torch.cat([g.view(-1) for g in grads])
     dist.all_reduce(flat)  # sum of every rank's partial gradients of the replicated parameters
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("06_tensor_parallel")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel size (= world size)")
+    g.add_argument("--sequence_parallel", action="store_true",
+                   help="shard LayerNorm/dropout regions along the sequence")
+    return parser
+
+def check_layout(args, config, tp_size):
+    check(config.n_head % tp_size == 0,
+          f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp_size}: "
+          f"each rank must own whole attention heads")
+    check(not args.sequence_parallel or config.block_size % tp_size == 0,
+          f"--sequence_parallel needs block_size {config.block_size} divisible by the tensor-parallel size {tp_size}")
 
 
 @torch.no_grad()
@@ -519,6 +532,69 @@ def evaluate(model, data, args, env, accum_steps):
     return losses
 
 
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    run = Run(args, __file__)
+    tp_size = run.world_size  # one tensor-parallel group: every rank
+    check(args.tp in (None, tp_size), f"--tp {args.tp} must equal the world size {tp_size} in "
+          "06_tensor_parallel.py (08_3d.py combines TP with data and pipeline parallelism)")
+    accum_steps = check_batch(args, dp_size=1)
+    if args.dry_run:  # the plan names the heads per rank: the model's shape, checked first
+        config = model_config(args, Data.vocab_size_of(args.data))
+        check_layout(args, config, tp_size)
+        run.dry_run(costs, layout_lines(args, config, tp_size, accum_steps))
+    env = run.setup()
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    check_layout(args, config, tp_size)
+    torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
+    rng = ShardedRNG(args.seed, env.rank, env.device)  # this rank's own stream, for the sharded regions
+    model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, dist.group.WORLD,  # TP group: all
+                  recompute=args.recompute).init_from_full(args.seed).to(env.device)
+    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    cost = costs(args, config, tp_size, env.dtype)
+    sp = " with sequence parallelism" if args.sequence_parallel else ""
+    saved = run.begin(config, optimizer, cost, layout={"strategy": "tensor parallel",
+                                                       "sequence_parallel": args.sequence_parallel},
+                      pieces=lambda: checkpoint_pieces(model, optimizer, env),
+                      held=lambda: state_bytes(model.parameters(), optimizer),
+                      evaluate=lambda: evaluate(model, data, args, env, accum_steps),
+                      describe=f"tensor parallel over {tp_size} ranks{sp}, vocabulary {config.vocab_size} "
+                               f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of "
+                               f"{args.micro_batch_size} per step",
+                      extra_rng=lambda: {"tp": rng.state})  # this rank's own stream is checkpointed too
+    if saved is not None:  # the same layout: this rank's own dropout stream resumes too
+        rng.state = saved["tp"]
+    n_sharded, n_replicated = cost["params_per_rank"]
+    run.log(f"parameters on this rank: {n_sharded:,} sharded (1/{tp_size} of {n_sharded * tp_size:,}) + "
+            f"{n_replicated:,} replicated")
+
+    for step in run.steps():
+        x, y = data.batch("train", step, args.global_batch_size)  # every TP rank: the whole batch
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    loss = model(x[rows], y[rows])  # f and g in every block; the loss never gathers logits
+                (loss / accum_steps).backward()  # accumulate the mean over the global batch
+                loss_sum += loss.detach().float()
+        if args.sequence_parallel:  # the replicated parameters saw only this rank's sequence shard
+            all_reduce_sequence_parallel_grads(model)
+        if args.grad_clip > 0:
+            clip_grad_norm(model, args.grad_clip)  # the norm over every rank's shards
+        run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+        optimizer.step()
+        run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop
+        optimizer.zero_grad(set_to_none=True)
+    run.finish()
+
+
+# ----------------------------------------------------------------------------------------
+# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
+# ----------------------------------------------------------------------------------------
+
 def costs(args, config, world_size, dtype):
     """The docstring's formulas in bytes per rank, T = world_size. Parameters: the sharded
     ones (1/T each; the vocabulary padded to a multiple of T) and the replicated ones, all
@@ -530,8 +606,8 @@ def costs(args, config, world_size, dtype):
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     with torch.device("meta"):
         model = TPGPT(config, T, 0, sp, None, None)  # shapes only
-    n_sharded = sum(p.numel() for name, p in model.named_parameters() if model.sharded(name))
-    n_replicated = sum(p.numel() for name, p in model.named_parameters() if not model.sharded(name))
+    n_sharded = sum(p.numel() for name, p in model.named_parameters() if tp_split(name))  # 1/T of each
+    n_replicated = sum(p.numel() for name, p in model.named_parameters() if tp_split(name) is None)
     psi_local = n_sharded + n_replicated
     held = {"params": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
             "grads": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
@@ -582,123 +658,32 @@ def costs(args, config, world_size, dtype):
             "activations": activations_of_layers(terms, L, args.recompute)}
 
 
-def check_layout(args, config, tp_size):
-    check(config.n_head % tp_size == 0,
-          f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp_size}: "
-          f"each rank must own whole attention heads")
-    check(not args.sequence_parallel or config.block_size % tp_size == 0,
-          f"--sequence_parallel needs block_size {config.block_size} divisible by the tensor-parallel size {tp_size}")
+
+def checkpoint_pieces(model, optimizer, env):
+    """This rank's shard of every parameter and its AdamW moments, as pieces of common.py's
+    format placed in the full parameter by TP_PLAN (shard_boxes): the vocab-parallel rows
+    (the global shape is the unpadded vocabulary), the column-parallel rows ([Q_t; K_t; V_t]
+    of c_attn are three pieces), the row-parallel columns; the replicated parameters are
+    written by rank 0 only. Any layout of any script reads these pieces back."""
+    pieces = []
+    for name, p in model.named_parameters():
+        full, boxes = shard_boxes(name, p.shape, model.config.vocab_size, model.tp_size, model.tp_rank)
+        write = env.master or tp_split(name) is not None
+        pieces += [piece for box, index in boxes
+                   for piece in param_pieces(name, full, p, optimizer, box=box, index=index, write=write)]
+    return pieces
 
 
-def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    launch = launch_for(args)
-    tp_size = launch.world_size
-    check(args.tp in (None, tp_size), f"--tp {args.tp} must equal the world size {tp_size} in 06_tensor_parallel.py "
-          "(08_3d.py combines TP with data and pipeline parallelism)")
-    accum_steps = check_batch(args, dp_size=1)
-    if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        check_layout(args, config, tp_size)
-        dry_run(args, "06_tensor_parallel.py", config, costs(args, config, tp_size, planned_dtype(args)),
-                [f"layout: one tensor-parallel group of {tp_size} ranks"
-                 + (" with sequence parallelism" if args.sequence_parallel else "")
-                 + f", {config.n_head // tp_size} head(s) per rank; {accum_steps} micro-batch(es) of "
-                 f"{args.micro_batch_size} per step"]
-                + ([f"  warning: the group spans nodes of {args.ranks_per_node} ranks: keep TP inside a node "
-                    "(08_3d.py adds data and pipeline parallelism across nodes)"]
-                   if tp_size > args.ranks_per_node else []))
-    env = setup(args, launch)
-    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
-    data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
-    check_layout(args, config, tp_size)
-    torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
-    rng = ShardedRNG(args.seed, env.rank, env.device)
-    model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, dist.group.WORLD)  # the TP group: every rank
-    model.init_from_full(args.seed).to(env.device)
-    for block in model.transformer.h:
-        block.recompute = args.recompute
-    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
-    run = run_config(args, config, {"strategy": "tensor parallel", "sequence_parallel": args.sequence_parallel})
-
-    def checkpoint_pieces():
-        return [piece for name, p in model.named_parameters()
-                for piece in tp_param_pieces(name, p, optimizer, config, tp_size, env.rank,
-                                             write_replicated=env.master)]
-
-    start_step = 0
-    if args.resume:  # a checkpoint of any script, at any layout: each rank reads its shards
-        start_step, extra_rng = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
-        if extra_rng is not None:  # the same layout: this rank's own dropout stream too
-            rng.state = extra_rng["tp"]
-
-    cost = costs(args, config, tp_size, env.dtype)
-    n_sharded, n_replicated = cost["params_per_rank"]
-    nano_params = count_params(config)[1]
-    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-             f"{str(env.dtype).replace('torch.', '')}, tensor parallel over {tp_size} ranks"
-             f"{' with sequence parallelism' if args.sequence_parallel else ''}, vocabulary {config.vocab_size} "
-             f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
-    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
-    meter = ActivationMeter()
-    log(env, f"parameters on this rank: {n_sharded:,} sharded (1/{tp_size} of {n_sharded * tp_size:,}) + "
-             f"{n_replicated:,} replicated")
-
-    def save(step):
-        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer, extra_rng={"tp": rng.state})
-        LEDGER.take()
-
-    for step in progress(env, start_step, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(model, data, args, env, accum_steps)
-            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-            LEDGER.take()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-
-        x, y = data.batch("train", step, args.global_batch_size)  # every TP rank: the whole batch
-        x, y = to_device(x, env), to_device(y, env)
-        loss_sum = torch.zeros((), device=env.device)
-        meter.start()
-        for micro in range(accum_steps):
-            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-            with autocast(env):
-                loss = model(x[rows], y[rows])
-            (loss / accum_steps).backward()  # accumulate the mean over the global batch
-            loss_sum += loss.detach().float()
-        activations = meter.stop()
-        if args.sequence_parallel:
-            all_reduce_sequence_parallel_grads(model)
-        if args.grad_clip > 0:
-            clip_grad_norm(model, args.grad_clip)
-        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
-        # a stop signal or --time_limit ends it after this step's checkpoint
-        stop = guard.check(step, loss_sum, (p.grad for p in model.parameters()))
-        optimizer.step()
-
-        comm = LEDGER.take()
-        if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost, activations)
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
-            loss_value = (loss_sum / accum_steps).item()
-            synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0,
-                         state_bytes(model.parameters(), optimizer), comm, activations=activations)
-        optimizer.zero_grad(set_to_none=True)
-        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            save(step + 1)
-        if stop:
-            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
-
-    if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(model, data, args, env, accum_steps)
-        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    teardown(env)
+def layout_lines(args, config, tp_size, accum_steps):
+    """The dry run's layout: the group, heads per rank, micro-batches; and a warning when the
+    group spans nodes (TP's per-layer all-reduces want a node's fast links)."""
+    return ([f"layout: one tensor-parallel group of {tp_size} ranks"
+             + (" with sequence parallelism" if args.sequence_parallel else "")
+             + f", {config.n_head // tp_size} head(s) per rank; {accum_steps} micro-batch(es) of "
+             f"{args.micro_batch_size} per step"]
+            + ([f"  warning: the group spans nodes of {args.ranks_per_node} ranks: keep TP inside a node "
+                "(08_3d.py adds data and pipeline parallelism across nodes)"]
+               if tp_size > args.ranks_per_node else []))
 
 
 if __name__ == "__main__":
