@@ -21,10 +21,12 @@ LAUNCHERS = [l for l in ("mpiexec", "torchrun") if l != "mpiexec" or default_lau
 
 
 def background_job(script, nprocs, launcher, args, cwd):
-    """Start `script` on `nprocs` ranks without waiting (for a test to signal or kill a rank)."""
+    """Start `script` on `nprocs` ranks without waiting (for a test to signal or kill a rank).
+    Always through a real launcher (launcher None: default_launcher()), never the fork
+    server: the tests find each rank's pid by its command line and environment in /proc."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(command(script, nprocs, launcher) + list(map(str, args)), env=env,
+    return subprocess.Popen(command(script, nprocs, launcher or default_launcher()) + list(map(str, args)), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd))
 
 
