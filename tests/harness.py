@@ -1,12 +1,31 @@
 """Launch any script with N ranks on CPU and read back what it wrote.
 
-mpiexec when it is on the PATH (as on the clusters), torchrun otherwise; one thread per rank;
-the metrics JSONL parsed into a list of dicts. Start-up (importing torch in every rank)
-dominates on two cores, so tests share reference runs through module-scoped fixtures."""
+How ranks start (`launch(..., launcher=...)`):
+  * launcher=None (the default): through tests/forkserver.py, a server started once per
+    pytest session (at the first launch; restarted if it dies; stopped at exit) that has
+    imported torch, torch._dynamo, numpy and common.py once and forks every rank from
+    there, with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) for N > 1 and none for N = 1 (a plain `python script`). A rank
+    thus starts in milliseconds instead of the ~2 s each fresh interpreter spends importing
+    torch on two cores; the job ends, and reports its status, as under mpiexec or torchrun
+    (see forkserver.py).
+  * launcher="mpiexec" or "torchrun": that real launcher and a fresh interpreter per rank.
+    The tests whose point is the launcher itself (its environment, mpi4py, signals sent to
+    rank processes found by pid, a real `python script` start) name one.
+  * GPTPAR_TEST_LAUNCHER=mpiexec|torchrun|fork overrides the default for every launch that
+    names none, e.g. `GPTPAR_TEST_LAUNCHER=mpiexec python -m pytest tests` runs the whole
+    suite through real launchers (some 21 minutes on 2 cores instead of about 5). `default_launcher()` is
+    the real launcher the explicit tests use: that variable's, if it names one, else mpiexec
+    when it is on the PATH (as on the clusters), else torchrun.
 
+One thread per rank; stdin from /dev/null; the metrics JSONL parsed into a list of dicts.
+Tests still share reference runs through module-scoped fixtures."""
+
+import atexit
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +46,23 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
                 "SLURM_NTASKS")
 
 
+LAUNCHERS = ("mpiexec", "torchrun", "fork")
+
+
+def chosen_launcher():
+    """What a launch that names no launcher uses: GPTPAR_TEST_LAUNCHER, else the fork server."""
+    chosen = os.environ.get("GPTPAR_TEST_LAUNCHER", "fork") or "fork"
+    if chosen not in LAUNCHERS:
+        raise ValueError(f"GPTPAR_TEST_LAUNCHER={chosen}: expected one of {', '.join(LAUNCHERS)}")
+    return chosen
+
+
 def default_launcher():
+    """The real launcher of the tests that need one: GPTPAR_TEST_LAUNCHER's if it names a real
+    one, else mpiexec when it is on the PATH, else torchrun."""
+    chosen = chosen_launcher()
+    if chosen != "fork":
+        return chosen
     return "mpiexec" if shutil.which("mpiexec") else "torchrun"
 
 
@@ -62,6 +97,8 @@ class Run:
 
 
 def command(script, nprocs, launcher):
+    """The command line of a real launch (launcher None: the default real launcher, or plain
+    `python script` for one process)."""
     path = script if os.path.isabs(script) else os.path.join(ROOT, script)
     if nprocs == 1 and launcher is None:
         return [sys.executable, path]
@@ -77,7 +114,8 @@ def command(script, nprocs, launcher):
 def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, env=None, cwd=None,
            out_dir=True):
     """Run `script` with `nprocs` ranks and return a Run (metrics read from --metrics); a
-    temporary --metrics file and --out_dir are added unless given (or turned off)."""
+    temporary --metrics file and --out_dir are added unless given (or turned off). launcher:
+    None (GPTPAR_TEST_LAUNCHER, else the fork server), "fork", "mpiexec" or "torchrun"."""
     tmp = tempfile.mkdtemp(prefix="gptpar-")
     args = list(map(str, args))
     metrics_path = os.path.join(tmp, "metrics.jsonl")
@@ -85,22 +123,121 @@ def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, 
         args += ["--metrics", metrics_path]
     if out_dir and "--out_dir" not in args:
         args += ["--out_dir", os.path.join(tmp, "out")]
-    cmd = command(script, nprocs, launcher) + args
     run_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     run_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
     run_env.update(env or {})
+    how = launcher or chosen_launcher()
     t0 = time.time()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env,
-                           cwd=cwd or tmp, stdin=subprocess.DEVNULL)
-        code, out, err = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        code, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
+    if how == "fork":
+        path = script if os.path.isabs(script) else os.path.join(ROOT, script)
+        cmd = ["forkserver", "-n", str(nprocs), sys.executable, path] + args
+        code, out, err = FORK_SERVER.run(path, args, nprocs, run_env, cwd or tmp, timeout, tmp)
+    else:
+        cmd = command(script, nprocs, launcher) + args  # launcher None: GPTPAR_TEST_LAUNCHER's
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env,
+                               cwd=cwd or tmp, stdin=subprocess.DEVNULL)
+            code, out, err = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            code, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
     run = Run(cmd, code, out, err, time.time() - t0)
     path = args[args.index("--metrics") + 1] if "--metrics" in args else None
     if path and os.path.exists(path):
         run.metrics = [json.loads(line) for line in open(path) if line.strip()]
     return run
+
+
+class ForkServer:
+    """The client side of tests/forkserver.py: one server per process, started at the first
+    job, restarted if it has died, stopped at exit."""
+
+    def __init__(self):
+        self.proc = self.dir = self.log = None
+
+    def start(self):
+        self.stop()
+        self.dir = tempfile.mkdtemp(prefix="gptpar-forkserver-")
+        self.socket = os.path.join(self.dir, "socket")
+        self.log = os.path.join(self.dir, "server.log")
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)  # before torch is imported
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "forkserver.py"), self.socket],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                         cwd=ROOT, start_new_session=True)
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("ready"):
+            self.proc.wait(timeout=30)
+            raise RuntimeError(f"the fork server did not start: {line.strip()}\n{open(self.log).read()[-3000:]}"
+                               "\n(GPTPAR_TEST_LAUNCHER=mpiexec or torchrun runs the tests without it)")
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self):
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()  # the server ends at end of file
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+            self.proc = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def connect(self):
+        for attempt in range(2):
+            if not self.alive():
+                self.start()
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self.socket)
+                return conn
+            except OSError:
+                conn.close()
+                if attempt:
+                    raise
+                self.stop()
+
+    def run(self, script, args, nprocs, env, cwd, timeout, tmp):
+        """Run one job; (returncode or "timeout", stdout, stderr)."""
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out, err):
+            open(path, "w").close()
+        job = dict(script=script, args=args, nprocs=nprocs, world=nprocs > 1, env=env, cwd=cwd,
+                   timeout=timeout, stdout=out, stderr=err)
+        conn = self.connect()
+        data = b""
+        try:
+            conn.sendall((json.dumps(job) + "\n").encode())
+            conn.settimeout(timeout + 60)  # the supervisor ends the job at `timeout` already
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+        except socket.timeout:  # closing the connection makes the supervisor kill the job
+            data = b'{"returncode": "timeout"}\n'
+        finally:
+            conn.close()
+        if not data:
+            raise RuntimeError(f"the job's supervisor ended without a reply\n{open(self.log).read()[-3000:]}")
+        reply = json.loads(data)
+        if "error" in reply:
+            raise RuntimeError(f"fork server: {reply['error']}")
+        texts = []
+        for path in (out, err):
+            with open(path, errors="replace") as f:
+                texts.append(f.read())
+            os.remove(path)
+        return reply["returncode"], texts[0], texts[1]
+
+
+FORK_SERVER = ForkServer()
+atexit.register(FORK_SERVER.stop)
 
 
 def assert_losses_match(reference, candidate, rtol=2e-5, atol=2e-6, what=""):
