@@ -59,21 +59,9 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_phases, activation_terms, ActivationMeter,
-                    autocast, Block, check, decay_groups, check_batch, count_params, Data, dry_run,
-                    flops_per_token, format_bytes, Guard, launch_for, LEDGER, log, lr_at,
-                    make_adamw, make_parser, Metrics, model_block_size, model_config, param_init,
-                    param_pieces, parse_args, planned_dtype, print_ledger, progress,
-                    resume_checkpoint, run_config, save_checkpoint, setup, state_bytes, synchronize,
-                    teardown, to_device)
-
-
-def add_flags(parser):
-    g = parser.add_argument_group("07_pipeline")
-    g.add_argument("--pp", type=int, default=None, help="pipeline stages (= world size)")
-    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
-    g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
-    return parser
+from common import (activation_device_type, activation_phases, activation_terms, autocast, Block, check,
+                    check_batch, Data, decay_groups, format_bytes, make_adamw, make_parser, model_config,
+                    param_init, param_pieces, parse_args, Run, state_bytes, synchronize, to_device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -107,55 +95,6 @@ def schedule(kind, p, rank, m, v=1):
     for k in range(total - warmup):
         order += [forward_op(warmup + k), backward_op(k)]
     return order + [backward_op(k) for k in range(total - warmup, total)]
-
-
-def bubble_theory(kind, p, m, v):
-    return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
-
-
-def simulate(orders, p, v):
-    """Replay the executed orders with unit costs (a forward or backward of a whole stage
-    takes 1, of one of v chunks 1/v) and the pipeline's dependencies: returns, per rank, the
-    (start, op) of each operation. This is the timeline that is drawn."""
-    done, clock, starts, position = {}, [0.0] * p, [[] for _ in range(p)], [0] * p
-    cost = 1.0 / v
-    last_chunk = p * v - 1
-    while any(position[r] < len(orders[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            if position[r] == len(orders[r]):
-                continue
-            kind, i, c = orders[r][position[r]]
-            g = c * p + r  # global chunk index
-            if kind == "F":
-                needs = [("F", i, g - 1)] if g > 0 else []
-            else:
-                needs = [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]
-            if any(n not in done for n in needs):
-                continue
-            start = max([clock[r]] + [done[n] for n in needs])
-            clock[r] = done[(kind, i, g)] = start + cost
-            starts[r].append((start, (kind, i, c)))
-            position[r] += 1
-            progressed = True
-        assert progressed, "the schedule deadlocks"
-    return starts
-
-
-def draw(starts, p, v):
-    """An ASCII timeline, one row per stage, one cell per forward/backward (of one chunk),
-    labelled with its micro-batch; '.' is the bubble. Returns (text, bubble fraction)."""
-    width = round(max(s for row in starts for s, _ in row) * v) + 1
-    label = lambda kind, i, c: f"{kind}{i}" + ("" if v == 1 else "abcdefghijklmnop"[c])  # noqa: E731
-    cell = 1 + max(len(label(*op)) for row in starts for _, op in row)
-    rows, busy = [], 0
-    for r in range(p):
-        cells = [" " * (cell - 1) + "."] * width
-        for start, op in starts[r]:
-            cells[round(start * v)] = f"{label(*op):>{cell}}"
-            busy += 1
-        rows.append(f"  stage {r} " + "".join(cells))
-    return "\n".join(rows), 1 - busy / (p * width)
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,15 +154,20 @@ def chunk_layers(n_layer, n_chunks):
     return [(sum(sizes[:c]), sizes[c]) for c in range(n_chunks)]
 
 
-def build_chunks(config, p, v, rank):
-    """This rank's chunks r, r + p, ..., r + (v-1)p, uninitialised (on the current device)."""
+def build_chunks(config, p, v, rank, seed=None, recompute=False):
+    """This rank's chunks r, r + p, ..., r + (v-1)p (on the current device), with 01's
+    initial values for `seed` (uninitialised without one)."""
     layout = chunk_layers(config.n_layer, p * v)
     chunks = nn.ModuleList()
     for c in range(v):
         g = c * p + rank
         chunks.append(Chunk(config, *layout[g], g == 0, g == p * v - 1))
-    if chunks[0].is_first and chunks[-1].is_last and v > 1:  # one rank holds both ends: the head *is* the embedding
+        for block in chunks[-1].h:
+            block.recompute = recompute
+    if chunks[0].is_first and chunks[-1].is_last and v > 1:  # one rank holds both ends: the head *is* wte
         chunks[-1].lm_head = chunks[0].wte
+    for chunk in chunks if seed is not None else ():
+        chunk.init_weights(seed)
     return chunks
 
 
@@ -237,52 +181,6 @@ def default_micro_batch(args, p):
         if args.schedule == "interleaved":  # else the check in main() would refuse the default
             fits = [b for b in fits if (args.global_batch_size // b) % p == 0] or fits
         args.micro_batch_size = max(fits)
-
-
-def costs(args, config, world_size, dtype, rank=0):
-    """The docstring's formulas in bytes for stage `rank`: its parameters (the tied wte
-    counted on the first and on the last stage), and per step the b·s·h activations and
-    gradients it sends and receives across stage boundaries, which stay fp32 under autocast
-    (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
-    all-reduced between the first and last stage, the norm and the logged loss."""
-    p, v = world_size, args.virtual_stages if args.schedule == "interleaved" else 1
-    m = args.global_batch_size // args.micro_batch_size
-    with torch.device("meta"):
-        chunks = build_chunks(config, p, v, rank)
-    psi = sum(t.numel() for t in chunks.parameters())
-    first, last = chunks[0].is_first, chunks[-1].is_last
-    order = schedule(args.schedule, p, rank, m, v)
-    sends = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
-    recvs = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
-    if p == 1:  # one rank holds every chunk: activations pass between chunks in memory
-        sends = recvs = 0
-    act_bytes = 4 * args.micro_batch_size * config.block_size * config.n_embd  # one fp32 b·s·h tensor
-    tied = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
-    sent = {"send": (f"{sends} x 4 b·s·h", sends * act_bytes), "recv": (f"{recvs} x 4 b·s·h", recvs * act_bytes),
-            "broadcast": ("4 loss", 4),
-            "all_reduce": ("4V·h wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
-                           tied + 4 * (args.grad_clip > 0 and p > 1))}
-    # activations: each micro-batch chunk holds 01's count for its layers (common's
-    # activation_terms) from its forward to its backward; walking this rank's schedule
-    # gives the peak: m chunks in flight for GPipe, p - rank for 1F1B, the interleaved
-    # warm-up's count (in_flight below), each with the size of its own chunk
-    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args))
-    layout, now, peak = chunk_layers(config.n_layer, p * v), 0, 0
-    for kind, i, c in order:
-        g = c * p + rank
-        kept, during = activation_phases(terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
-        peak = max(peak, now + kept if kind == "F" else now - kept + during)
-        now += kept if kind == "F" else -kept
-    in_flight = {"gpipe": m, "1f1b": min(p - rank, m),
-                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
-    per_chunk = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
-                 else "n·layer + embedding + head")
-    activations = (f"{args.schedule}: up to {in_flight} micro-batch chunk(s) in flight x ({per_chunk})", peak)
-    return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
-            "held": {"params": ("4 x stage parameters", 4 * psi), "grads": ("4 x stage parameters", 4 * psi),
-                     "optim": ("8 x stage parameters", 8 * psi)},
-            "sent": {k: val for k, val in sent.items() if val[1]},
-            "in_flight": in_flight, "activations": activations}
 
 
 def check_layout(args, config, p):
@@ -418,6 +316,27 @@ def forward_order(p, m, v):
     return [("F", i, c) for group in range(0, m, p) for c in range(v) for i in range(group, min(group + p, m))]
 
 
+def clip_grad_norm(chunks, max_norm, p):
+    """Scale the gradients so that the global norm over every stage, the tied embedding
+    counted once (on the first stage), is at most max_norm."""
+    head_copy = chunks[-1].is_last and not chunks[0].is_first  # the last stage's copy of wte
+    squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
+                  if not (head_copy and n.endswith("lm_head.weight")))
+    if p > 1:
+        dist.all_reduce(squares)  # every stage's squared gradient norm
+    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+    for t in chunks.parameters():
+        t.grad.mul_(coef)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("07_pipeline")
+    g.add_argument("--pp", type=int, default=None, help="pipeline stages (= world size)")
+    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
+    return parser
+
+
 @torch.no_grad()
 def evaluate(pipeline, chunks, data, args, env, p, m, v):
     chunks.eval()
@@ -433,29 +352,198 @@ def evaluate(pipeline, chunks, data, args, env, p, m, v):
     return losses
 
 
-def clip_grad_norm(chunks, max_norm, p):
-    """Scale the gradients so that the global norm over every stage, the tied embedding
-    counted once (on the first stage), is at most max_norm."""
-    head_copy = chunks[-1].is_last and not chunks[0].is_first  # the last stage's copy of wte
-    squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
-                  if not (head_copy and n.endswith("lm_head.weight")))
-    if p > 1:
-        dist.all_reduce(squares)  # every stage's squared gradient norm
-    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-    for t in chunks.parameters():
-        t.grad.mul_(coef)
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    run = Run(args, __file__)
+    p = run.world_size
+    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
+          "(08_3d.py combines PP with data and tensor parallelism)")
+    check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
+    default_micro_batch(args, p)
+    m = check_batch(args, dp_size=1)  # micro-batches per step
+    check(args.schedule != "interleaved" or m % p == 0,
+          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    if args.dry_run:  # every stage's layers, bytes and activations in flight; then stage 0's costs
+        run.dry_run(costs, plan(args, p, v, m))
+    env = run.setup()
+    config = model_config(args, Data.vocab_size_of(args.data))
+    data = Data(args.data, args.seed, config.block_size)
+    check_layout(args, config, p)
+    torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
+
+    chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute).to(env.device)
+    first, last = chunks[0].is_first, chunks[-1].is_last
+    # the two copies of the tied embedding: first stage (lookup) and last stage (head)
+    tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
+    embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
+    optimizer = make_adamw(*decay_groups(chunks.parameters()), args, env.device.type)
+    pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
+    order = schedule(args.schedule, p, env.rank, m, v)  # this stage's ("F" | "B", micro-batch, chunk)
+    cost = costs(args, config, p, env.dtype, env.rank)
+    run.begin(config, optimizer, cost, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
+              pieces=lambda: checkpoint_pieces(chunks, optimizer),
+              held=lambda: state_bytes(chunks.parameters(), optimizer),
+              evaluate=lambda: evaluate(pipeline, chunks, data, args, env, p, m, v),
+              describe=describe(args, config, p, v, m))
+    bubble = log_timeline(run, args, p, v, m)  # the schedule drawn, with its bubble
+
+    for step in run.steps():
+        xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
+        with run.meter:
+            loss_sum, in_flight, busy = pipeline.run(order, xs, ys, m)  # busy: the share spent computing
+        loss = share_loss(loss_sum, p, m)
+        if p > 1 and (first or last):
+            for weight in tied:  # keep the two copies of wte equal: sum their gradients
+                dist.all_reduce(weight.grad, group=embedding_group)
+        if args.grad_clip > 0:
+            clip_grad_norm(chunks, args.grad_clip, p)
+        run.check(loss, (t.grad for t in chunks.parameters()))  # non-finite? asked to stop?
+        optimizer.step()
+        if step == run.start_step:
+            run.log(f"activations in flight on stage {env.rank}: at most {in_flight} micro-batch chunk(s) "
+                    f"(theory {cost['in_flight']})")
+        run.end_step(loss, {"activations_in_flight": in_flight, "busy_fraction": busy, "bubble_drawn": bubble,
+                            "bubble_theory": bubble_theory(args.schedule, p, m, v)})  # ledger, metrics, ckpt
+        optimizer.zero_grad(set_to_none=True)
+    run.finish()
+
+
+# ----------------------------------------------------------------------------------------
+# Accounting: what a stage holds and sends (the ledger's theory), checkpoint pieces, and the
+# schedule's plan: its bubble, the unit-cost replay that is drawn, every stage's dry run
+# ----------------------------------------------------------------------------------------
+
+def costs(args, config, world_size, dtype, rank=0):
+    """The docstring's formulas in bytes for stage `rank`: its parameters (the tied wte
+    counted on the first and on the last stage), and per step the b·s·h activations and
+    gradients it sends and receives across stage boundaries, which stay fp32 under autocast
+    (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
+    all-reduced between the first and last stage, the norm and the logged loss."""
+    p, v = world_size, args.virtual_stages if args.schedule == "interleaved" else 1
+    m = args.global_batch_size // args.micro_batch_size
+    with torch.device("meta"):
+        chunks = build_chunks(config, p, v, rank)
+    psi = sum(t.numel() for t in chunks.parameters())
+    first, last = chunks[0].is_first, chunks[-1].is_last
+    order = schedule(args.schedule, p, rank, m, v)
+    sends = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
+    recvs = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
+    if p == 1:  # one rank holds every chunk: activations pass between chunks in memory
+        sends = recvs = 0
+    act_bytes = 4 * args.micro_batch_size * config.block_size * config.n_embd  # one fp32 b·s·h tensor
+    tied = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
+    sent = {"send": (f"{sends} x 4 b·s·h", sends * act_bytes), "recv": (f"{recvs} x 4 b·s·h", recvs * act_bytes),
+            "broadcast": ("4 loss", 4),
+            "all_reduce": ("4V·h wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
+                           tied + 4 * (args.grad_clip > 0 and p > 1))}
+    # activations: each micro-batch chunk holds 01's count for its layers (common's
+    # activation_terms) from its forward to its backward; walking this rank's schedule
+    # gives the peak: m chunks in flight for GPipe, p - rank for 1F1B, the interleaved
+    # warm-up's count (in_flight below), each with the size of its own chunk
+    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args))
+    layout, now, peak = chunk_layers(config.n_layer, p * v), 0, 0
+    for kind, i, c in order:
+        g = c * p + rank
+        kept, during = activation_phases(terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
+        peak = max(peak, now + kept if kind == "F" else now - kept + during)
+        now += kept if kind == "F" else -kept
+    in_flight = {"gpipe": m, "1f1b": min(p - rank, m),
+                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
+    per_chunk = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
+                 else "n·layer + embedding + head")
+    activations = (f"{args.schedule}: up to {in_flight} micro-batch chunk(s) in flight x ({per_chunk})", peak)
+    return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
+            "held": {"params": ("4 x stage parameters", 4 * psi), "grads": ("4 x stage parameters", 4 * psi),
+                     "optim": ("8 x stage parameters", 8 * psi)},
+            "sent": {k: val for k, val in sent.items() if val[1]},
+            "in_flight": in_flight, "activations": activations}
+
+
+def checkpoint_pieces(chunks, optimizer):
+    """Every parameter of this rank's chunks, whole, under 01's names (common.py's format,
+    which any script resumes at any layout); the last stage's copy of the tied embedding
+    (its head) is written by the first stage only, and read by both."""
+    return [piece for chunk in chunks for name, param in chunk.named_parameters()
+            for piece in param_pieces(chunk.full_name(name), param.shape, param, optimizer,
+                                      write=name != "lm_head.weight")]
+
+
+def bubble_theory(kind, p, m, v):
+    return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
+
+
+def simulate(orders, p, v):
+    """Replay the executed orders with unit costs (a forward or backward of a whole stage
+    takes 1, of one of v chunks 1/v) and the pipeline's dependencies: returns, per rank, the
+    (start, op) of each operation. This is the timeline that is drawn."""
+    done, clock, starts, position = {}, [0.0] * p, [[] for _ in range(p)], [0] * p
+    cost = 1.0 / v
+    last_chunk = p * v - 1
+    while any(position[r] < len(orders[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if position[r] == len(orders[r]):
+                continue
+            kind, i, c = orders[r][position[r]]
+            g = c * p + r  # global chunk index
+            if kind == "F":
+                needs = [("F", i, g - 1)] if g > 0 else []
+            else:
+                needs = [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]
+            if any(n not in done for n in needs):
+                continue
+            start = max([clock[r]] + [done[n] for n in needs])
+            clock[r] = done[(kind, i, g)] = start + cost
+            starts[r].append((start, (kind, i, c)))
+            position[r] += 1
+            progressed = True
+        assert progressed, "the schedule deadlocks"
+    return starts
+
+
+def draw(starts, p, v):
+    """An ASCII timeline, one row per stage, one cell per forward/backward (of one chunk),
+    labelled with its micro-batch; '.' is the bubble. Returns (text, bubble fraction)."""
+    width = round(max(s for row in starts for s, _ in row) * v) + 1
+    label = lambda kind, i, c: f"{kind}{i}" + ("" if v == 1 else "abcdefghijklmnop"[c])  # noqa: E731
+    cell = 1 + max(len(label(*op)) for row in starts for _, op in row)
+    rows, busy = [], 0
+    for r in range(p):
+        cells = [" " * (cell - 1) + "."] * width
+        for start, op in starts[r]:
+            cells[round(start * v)] = f"{label(*op):>{cell}}"
+            busy += 1
+        rows.append(f"  stage {r} " + "".join(cells))
+    return "\n".join(rows), 1 - busy / (p * width)
+
+
+def describe(args, config, p, v, m):
+    """The layout, for the run's first log line."""
+    layers = "/".join(str(n) for _, n in chunk_layers(config.n_layer, p * v))
+    return (f"{p} pipeline stages x {v} chunk(s) of {layers} layer(s), schedule {args.schedule}, "
+            f"{m} micro-batches of {args.micro_batch_size}")
+
+
+def log_timeline(run, args, p, v, m):
+    """Log the schedule every stage runs as a unit-cost timeline; returns its drawn bubble."""
+    orders = [schedule(args.schedule, p, r, m, v) for r in range(p)]
+    timeline, bubble = draw(simulate(orders, p, v), p, v)
+    run.log(f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
+            f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
+            f"({'(p-1)/(v·m+p-1)' if v > 1 else '(p-1)/(m+p-1)'})")
+    return bubble
 
 
 def plan(args, p, v, m):
-    """--dry_run: the layout, the schedule's bubble and every stage's costs, without
-    starting a process."""
+    """--dry_run: the layout, the schedule's bubble and every stage's layers, model state,
+    traffic and activations in flight (the lines Run.dry_run prints above stage 0's costs)."""
     config = model_config(args, Data.vocab_size_of(args.data))
     check_layout(args, config, p)
-    dtype = planned_dtype(args)
-    stages = [costs(args, config, p, dtype, rank) for rank in range(p)]
+    # the activation bytes are not in these lines: any dtype gives the same stage lines
+    stages = [costs(args, config, p, torch.float32, rank) for rank in range(p)]
     layout = chunk_layers(config.n_layer, p * v)
-    dry_run(args, "07_pipeline.py", config, stages[0],
-            [f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
+    return ([f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
              f"{args.micro_batch_size}; bubble (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
              f"{bubble_theory(args.schedule, p, m, v):.3f}"]
             + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
@@ -464,127 +552,6 @@ def plan(args, p, v, m):
                f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
                f"{s['in_flight']} micro-batch(es) of activations in flight"
                for r, s in enumerate(stages)] + ["(below: stage 0)"])
-
-
-def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    launch = launch_for(args)
-    p = launch.world_size
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
-    check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
-          "(08_3d.py combines PP with data and tensor parallelism)")
-    check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
-    default_micro_batch(args, p)
-    accum_steps = check_batch(args, dp_size=1)
-    m = accum_steps  # micro-batches per step
-    check(args.schedule != "interleaved" or m % p == 0,
-          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
-    if args.dry_run:
-        plan(args, p, v, m)
-    env = setup(args, launch)
-    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
-    data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
-    check_layout(args, config, p)
-    torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
-
-    chunks = build_chunks(config, p, v, env.rank)
-    for chunk in chunks:
-        chunk.init_weights(args.seed)
-        for block in chunk.h:
-            block.recompute = args.recompute
-    first, last = chunks[0].is_first, chunks[-1].is_last
-    chunks.to(env.device)
-    # the two copies of the tied embedding: first stage (lookup) and last stage (head)
-    tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
-    embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
-    optimizer = make_adamw(*decay_groups(chunks.parameters()), args, env.device.type)
-    pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
-    order = schedule(args.schedule, p, env.rank, m, v)
-
-    run = run_config(args, config, {"strategy": "pipeline", "pp": p, "virtual_stages": v})
-
-    def checkpoint_pieces():
-        """Every parameter of this rank's chunks, whole, under 01's names (common.py's format,
-        which any script resumes at any layout); the last stage's copy of the tied embedding
-        (its head) is written by the first stage only, and read by both."""
-        return [piece for chunk in chunks for name, param in chunk.named_parameters()
-                for piece in param_pieces(chunk.full_name(name), param.shape, param, optimizer,
-                                          write=name != "lm_head.weight")]
-
-    start_step = 0
-    if args.resume:  # a checkpoint of any script, at any layout: each stage reads its layers
-        start_step, _ = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
-
-    nano_params = count_params(config)[1]
-    log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-             f"{str(env.dtype).replace('torch.', '')}, {p} pipeline stages x {v} chunk(s) of "
-             f"{'/'.join(str(n) for _, n in chunk_layers(config.n_layer, p * v))} layer(s), "
-             f"schedule {args.schedule}, {m} micro-batches of {args.micro_batch_size}")
-    orders = [schedule(args.schedule, p, r, m, v) for r in range(p)]
-    timeline, bubble = draw(simulate(orders, p, v), p, v)
-    log(env, f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
-             f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
-             f"({'(p-1)/(v·m+p-1)' if v > 1 else '(p-1)/(m+p-1)'})")
-    cost = costs(args, config, p, env.dtype, env.rank)
-    metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
-    meter = ActivationMeter()
-    in_flight_theory = cost["in_flight"]
-
-    def save(step):
-        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)
-        LEDGER.take()
-
-    LEDGER.take()
-    for step in progress(env, start_step, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(pipeline, chunks, data, args, env, p, m, v)
-            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-            LEDGER.take()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-
-        xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
-        meter.start()
-        loss_sum, peak_in_flight, busy = pipeline.run(order, xs, ys, m)  # busy: share of the schedule computing
-        activations = meter.stop()
-        loss_sum = share_loss(loss_sum, p, m)
-        if p > 1 and (first or last):
-            for weight in tied:  # keep the two copies of wte equal: sum their gradients
-                dist.all_reduce(weight.grad, group=embedding_group)
-        if args.grad_clip > 0:
-            clip_grad_norm(chunks, args.grad_clip, p)
-        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
-        # a stop signal or --time_limit ends it after this step's checkpoint
-        stop = guard.check(step, loss_sum, (t.grad for t in chunks.parameters()))
-        optimizer.step()
-
-        comm = LEDGER.take()
-        if step == start_step:
-            print_ledger(env, state_bytes(chunks.parameters(), optimizer), comm, cost, activations)
-            log(env, f"activations in flight on stage {env.rank}: at most {peak_in_flight} micro-batch chunk(s) "
-                     f"(theory {in_flight_theory})")
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
-            loss_value = loss_sum.item()
-            synchronize(env)
-            extra = {"activations_in_flight": peak_in_flight, "busy_fraction": busy,
-                     "bubble_drawn": bubble, "bubble_theory": bubble_theory(args.schedule, p, m, v)}
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0, state_bytes(chunks.parameters(), optimizer),
-                         comm, extra, activations=activations)
-        optimizer.zero_grad(set_to_none=True)
-        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            save(step + 1)
-        if stop:
-            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
-
-    if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(pipeline, chunks, data, args, env, p, m, v)
-        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    teardown(env)
 
 
 if __name__ == "__main__":
