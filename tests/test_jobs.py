@@ -186,7 +186,7 @@ def test_the_affinity_check_catches_the_polaris_default():
 
 
 def test_polaris_gpu_affinity_wrapper():
-    """ALCF's set_affinity_gpu_polaris.sh: local rank r drives GPU 3 - r (round robin past 4)."""
+    """As ALCF's set_affinity_gpu_polaris script: local rank r drives GPU 3 - r (round robin past 4)."""
     wrapper = os.path.join(ROOT, "jobs", "polaris_gpu_affinity.sh")
     base = {k: v for k, v in os.environ.items() if k not in ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
     show = ["sh", "-c", "echo $CUDA_VISIBLE_DEVICES \"$@\"", "sh", "and", "its args"]
