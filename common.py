@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import warnings
+import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from functools import wraps
@@ -593,6 +594,8 @@ def make_parser(doc):
     g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
     g.add_argument("--resume", action="store_true",
                    help="continue from out_dir's newest checkpoint, written by any script at any layout")
+    g.add_argument("--overwrite", action="store_true",
+                   help="a new run may replace the checkpoint of another run in --out_dir (refused without it)")
     g.add_argument("--export", default=None, metavar="FILE",
                    help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
     g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
@@ -650,6 +653,8 @@ def parse_args(parser, argv=None):
     check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
     check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
           "it needs --ckpt_interval (the final step is always saved)")
+    check(not (args.resume and args.overwrite), "--resume continues the run in --out_dir, --overwrite replaces it: "
+          "pass one")
     return args
 
 
@@ -1050,6 +1055,11 @@ class Run:
         self.start_step, extra = 0, None
         if args.resume:
             self.start_step, extra = resume_checkpoint(args.out_dir, env, pieces(), self.run_config, optimizer)
+            if self.start_step >= args.max_iters:  # a finished run: nothing to train, say so
+                log(env, f"note: the checkpoint is at step {self.start_step} and --max_iters is {args.max_iters}: "
+                         "nothing to train (to train on, raise --max_iters and keep --lr_decay_iters)")
+                if getattr(args, "export", None):
+                    export_agreed(args, env, self.start_step)
         nano_params = count_params(config)[1]
         log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
                  f"{str(env.dtype).replace('torch.', '')}, {describe}")
@@ -1116,6 +1126,7 @@ class Run:
     def finish(self):
         """Release out_dir and end the process group in step (Part I's teardown)."""
         ignore_stop_signals()
+        agree(self.env, WRITE_FAILURES[0] if WRITE_FAILURES else None)  # a metrics row lost at the end
         release_out_dir()
         teardown(self.env)
 
@@ -1168,7 +1179,14 @@ def startup_problem(args, env):
     # the other ranks wait in `agree` meanwhile: never longer than half the collective timeout
     problem = problem or lock_out_dir(args.out_dir, wait_s=min(LOCK_STALE_S, args.timeout / 2))
     if problem is None:  # ours now: remove what interrupted writes of earlier jobs left
-        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir))
+        unfinished = unfinished_checkpoints(args.out_dir)
+        if args.resume and unfinished and latest_checkpoint(args.out_dir) is None:
+            return (f"--resume: {unfinished[0]} has no metadata.json: its write did not finish (the job ended "
+                    "while writing it), and no committed checkpoint is there to resume from")
+        for path in unfinished:
+            print(f"note: removing {path}, the leftover of a checkpoint write that did not finish",
+                  file=sys.stderr, flush=True)
+        clean_checkpoints(args.out_dir, keep=None, committed=False)
     return problem
 
 
@@ -1187,6 +1205,10 @@ def output_problems(args):
             return f"{flag} {path} is a directory"
         if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
             return f"{flag} {path} cannot be written: permission denied"
+    committed = latest_checkpoint(args.out_dir) if os.path.isdir(args.out_dir) else None
+    if committed and not args.resume and not getattr(args, "overwrite", False):
+        return (f"--out_dir {args.out_dir} holds the checkpoint of another run ({committed}): pass --resume to "
+                "continue it, --overwrite to replace it, or give this run its own --out_dir")
     existing = os.path.abspath(args.out_dir)
     while not os.path.exists(existing):  # the deepest part of the path that exists
         existing = os.path.dirname(existing)
@@ -1217,19 +1239,37 @@ def _lock_holder():
             "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")}
 
 
+LOCK_WRITE_S = 5  # an empty or unreadable lock older than this is a start that failed to write it
+
+
+def _is_zombie(pid):
+    """A process that has exited but not yet been reaped still answers kill(pid, 0)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _lock_is_stale(path, holder):
-    """A dead job's lock: its process is gone (same host), or its heartbeat stopped."""
+    """A dead job's lock: its process is gone or a zombie (same host), its heartbeat
+    stopped, or it was never written (a start that failed on a full disk)."""
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except FileNotFoundError:
+        return True
+    if not holder:
+        return age > LOCK_WRITE_S
     if holder.get("host") == socket.gethostname():
         try:
             os.kill(int(holder.get("pid")), 0)
+            if _is_zombie(int(holder.get("pid"))):
+                return True
         except ProcessLookupError:
             return True
         except (PermissionError, TypeError, ValueError):
             pass
-    try:
-        return time.time() - os.path.getmtime(path) > LOCK_STALE_S
-    except FileNotFoundError:
-        return True
+    return age > LOCK_STALE_S
 
 
 def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
@@ -1256,6 +1296,7 @@ def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
                 holder = json.load(open(path))
             except (OSError, ValueError):
                 holder = {}
+            holder = holder if isinstance(holder, dict) else {}
             if not _lock_is_stale(path, holder) and holder.get("host") != socket.gethostname() and wait_s > 0:
                 print(f"note: --out_dir {out_dir} is locked by job {holder.get('job')} on host {holder.get('host')}; "
                       f"waiting up to {wait_s:.0f} s to see whether its heartbeat stops (a killed job's)",
@@ -1281,8 +1322,12 @@ def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
             continue
         except OSError as e:
             return f"--out_dir {out_dir} is not writable: {e.strerror}"
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as e:  # a full disk: leave no empty lock for the next job to wait on
+            os.remove(path)
+            return f"--out_dir {out_dir}: cannot write its lock {path}: {e.strerror or e}"
         stop = threading.Event()
 
         def heartbeat():
@@ -1376,12 +1421,17 @@ class Guard:
                               [loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads]])
         bad = not bool(torch.isfinite(values).all())
         asked = 2 if self.signal else 1 if self._time_is_up() else 0
-        # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop)
-        flags = torch.tensor([env.world_size - rank if bad else 0, asked], dtype=torch.float32, device=env.device)
+        # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop;
+        # a failed write)
+        flags = torch.tensor([env.world_size - rank if bad else 0, asked, 1 if WRITE_FAILURES else 0],
+                             dtype=torch.float32, device=env.device)
         if env.world_size > 1 and dist.is_initialized():
             with LEDGER.paused():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         first_bad, asked = int(flags[0].item()), int(flags[1].item())
+        if flags[2].item():  # one line, every rank exits 2, before this step's update
+            agree(env, f"{WRITE_FAILURES[0]}; stopped before step {step}'s update, the last checkpoint "
+                       f"({latest_checkpoint(self.args.out_dir)}) is intact" if WRITE_FAILURES else None)
         if first_bad:
             if env.master:
                 print(f"error: non-finite loss or gradient at step {step} (first seen on rank "
@@ -1832,7 +1882,7 @@ class Metrics:
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
         self.tokens_per_step = args.global_batch_size * model_block_size(args)
         self.peak = peak_flops(env)
-        self.file = open(args.metrics, "a") if (args.metrics and env.master) else None
+        self.path, self.file = args.metrics, open(args.metrics, "a") if (args.metrics and env.master) else None
 
     def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None):
         """Log one optimizer step; `dt` in seconds; `state`, `comm` and `activations` (the
@@ -1855,8 +1905,15 @@ class Metrics:
 
     def write(self, row):
         if self.file:
-            self.file.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk, a file system gone read-only: the guard stops the run
+                self.file = None
+                WRITE_FAILURES.append(f"cannot write --metrics {self.path}: {e.strerror or e}")
+
+
+WRITE_FAILURES = []  # writes that failed outside an agreed path (metrics rows): the guard acts on them
 
 
 def finite_or_null(value):
@@ -2070,13 +2127,23 @@ def atomic_save(obj, path):
             if isinstance(obj, (bytes, str)):
                 f.write(obj.encode() if isinstance(obj, str) else obj)
             else:
-                torch.save(obj, f)
+                try:
+                    torch.save(obj, f)
+                except RuntimeError as e:  # a full disk reads "enforce fail at inline_container.cc ..."
+                    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+                    raise OSError(f"the write failed ({format_bytes(free)} free on that file system; "
+                                  f"torch: {(str(e).splitlines() or [''])[0][:120]})") from e
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX file systems
     finally:
         if os.path.exists(tmp):  # the write failed: leave no half-written file behind
             os.remove(tmp)
+
+
+def tensor_checksum(t):
+    """CRC-32 of a CPU tensor's bytes: cheap next to the I/O, and a flipped bit changes it."""
+    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _agreed(env, action):
@@ -2139,20 +2206,36 @@ def latest_checkpoint(out_dir):
     return best[0]
 
 
-def clean_checkpoints(out_dir, keep):
-    """Rank 0: remove every set but `keep` (older sets, sets without metadata: interrupted
-    writes) and temporary files left by a killed write."""
+def unfinished_checkpoints(out_dir):
+    """The sets in out_dir without metadata.json (writes that did not finish), and the
+    temporary files of killed writes."""
     root = checkpoint_root(out_dir)
     if not os.path.isdir(root):
-        return
-    for name in os.listdir(root):
+        return []
+    found = []
+    for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
-            for leftover in os.listdir(path):
-                if ".tmp." in leftover:
-                    os.remove(os.path.join(path, leftover))
-        elif name.startswith("step_") or ".tmp." in name:
+        if ".tmp." in name or name.startswith("step_") and not os.path.isfile(os.path.join(path, "metadata.json")):
+            found.append(path)
+        elif os.path.isdir(path):
+            found += [os.path.join(path, f) for f in sorted(os.listdir(path)) if ".tmp." in f]
+    return found
+
+
+def clean_checkpoints(out_dir, keep, committed=True):
+    """Rank 0: remove the leftovers of interrupted writes (sets without metadata, temporary
+    files) and, with `committed`, every committed set but `keep` (after a new commit: the
+    previous set). At start-up committed sets are never removed (a user may have copied an
+    older one back to roll back)."""
+    for path in unfinished_checkpoints(out_dir):
+        if keep is None or os.path.abspath(path) != os.path.abspath(keep):
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    root = checkpoint_root(out_dir)
+    if committed and os.path.isdir(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.startswith("step_") and (keep is None or os.path.abspath(path) != os.path.abspath(keep)):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
@@ -2163,7 +2246,7 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
     write on any rank is one line and exit 2 on every rank, the previous set intact."""
     directory = [None]
     if env.master:
-        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir))
+        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir), committed=False)
         directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}"), 1
         while os.path.exists(directory[0]):  # a committed set of the same step stays until this one is
             directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}.{n}"), n + 1
@@ -2180,6 +2263,7 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
                                   key=key, box=piece.box, **({"flat": list(piece.flat)} if piece.flat else {})))
     tensors.update({f"rng/{k}": v for k, v in rng_state(env).items()})
     tensors.update({f"extra_rng/{k}": v for k, v in (extra_rng or {}).items()})
+    checksums = {key: tensor_checksum(t) for key, t in tensors.items()}  # verified when read
     problem, written, t0 = None, 0, time.perf_counter()
     bad = next((key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
     if bad is not None:  # never replace the last good checkpoint with a diverged one
@@ -2192,17 +2276,18 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
             written = os.path.getsize(path)
         except OSError as e:
             problem = f"cannot write checkpoint {directory}/rank{env.rank}.pt: {e}"
-    everyone = [(problem, described, written)]
+    everyone = [(problem, described, written, checksums)]
     if dist.is_initialized() and env.world_size > 1:
         everyone = [None] * env.world_size
-        dist.all_gather_object(everyone, (problem, described, written))  # who wrote what, to every rank
-    agree(env, next((p for p, _, _ in everyone if p), None))  # the same verdict on every rank
+        dist.all_gather_object(everyone, (problem, described, written, checksums))  # who wrote what
+    agree(env, next((p for p, *_ in everyone if p), None))  # the same verdict on every rank
     if env.master:
         meta = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(),
                 "optimizer_step": _optimizer_step(optimizer, step), "run": run,
                 "layout": {**run["layout"], "world_size": env.world_size},
-                "bytes_per_rank": [w for _, _, w in everyone], "tensors": {}}
-        for rank, (_, described, _) in enumerate(everyone):
+                "bytes_per_rank": [w for _, _, w, _ in everyone], "tensors": {},
+                "checksums": [c for *_, c in everyone]}  # per rank file: {key: CRC-32}
+        for rank, (_, described, _, _) in enumerate(everyone):
             for d in described:
                 entry = meta["tensors"].setdefault(d["name"], {"shape": d["shape"], "dtype": d["dtype"], "pieces": []})
                 assert entry["shape"] == d["shape"], f"ranks disagree on the shape of {d['name']}"
@@ -2218,18 +2303,25 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
         except OSError as e:
             problem = f"cannot write checkpoint metadata {directory}/metadata.json: {e}"
     agree(env, problem if env.master else None)
-    sizes = [w for _, _, w in everyone]
+    sizes = [w for _, _, w, _ in everyone]
     log(env, f"checkpoint step {step} committed to {directory}: {format_bytes(min(sizes))} to "
              f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
     if getattr(args, "export", None) and step == args.max_iters:
-        problem = None
-        if env.master:
-            try:
-                export_checkpoint(args.out_dir, args.export)
-                log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
-            except OSError as e:  # checked at start; the disk may have filled since
-                problem = f"cannot write --export {args.export}: {e}; the checkpoint {directory} is committed"
-        agree(env, problem)
+        export_agreed(args, env, step)
+
+
+def export_agreed(args, env, step):
+    """--export: rank 0 writes the newest committed set consolidated; a failure is one
+    agreed line (the checkpoint itself is committed)."""
+    problem = None
+    if env.master:
+        try:
+            export_checkpoint(args.out_dir, args.export)
+            log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
+        except OSError as e:  # checked at start; the disk may have filled since
+            problem = (f"cannot write --export {args.export}: {e}; the checkpoint "
+                       f"{latest_checkpoint(args.out_dir)} is committed")
+    agree(env, problem)
 
 
 def _optimizer_step(optimizer, default):
@@ -2247,7 +2339,20 @@ class Checkpoint:
     def __init__(self, directory):
         self.directory = directory
         self.meta = _read_metadata(os.path.join(directory, "metadata.json"))
-        self.files = {}
+        self.files, self.verified = {}, set()
+
+    def verify(self, rank, key, stored):
+        """The tensor read back is the one written: its CRC-32 against metadata.json's (sets
+        written before checksums were recorded have none to check)."""
+        sums = self.meta.get("checksums")
+        if not sums or (rank, key) in self.verified:
+            return
+        expected = sums[rank].get(key) if rank < len(sums) and isinstance(sums[rank], dict) else None
+        if expected is not None and tensor_checksum(stored) != expected:
+            raise CheckpointError(f"checkpoint file {os.path.join(self.directory, f'rank{rank}.pt')}: "
+                                  f"{key.split('#')[0]} fails its checksum (the file changed after it was "
+                                  "written: a damaged disk or copy); resume from another copy of this set")
+        self.verified.add((rank, key))
 
     def file(self, rank):
         if rank not in self.files:
@@ -2285,6 +2390,7 @@ class Checkpoint:
             size = (piece["flat"][1] - piece["flat"][0]) if piece.get("flat") else math.prod(e - s for s, e in piece["box"])
             if stored is None or stored.numel() != size:
                 raise CheckpointError(f"checkpoint file {path} does not hold {piece['key']} as its metadata says")
+            self.verify(piece["rank"], piece["key"], stored)
             copied += _copy_overlap(out, wanted, stored.reshape(-1), regions)
         if copied != numel:
             raise CheckpointError(f"checkpoint {self.directory} covers {copied} of the {numel} elements "
@@ -2334,6 +2440,9 @@ def resume_checkpoint(out_dir, env, pieces, run, optimizer):
         rng = None
         if same:
             _, data = ckpt.file(env.rank)
+            for key in data:
+                if key.startswith(("rng/", "extra_rng/")):
+                    ckpt.verify(env.rank, key, data[key])
             rng = {k[4:]: v.clone() for k, v in data.items() if k.startswith("rng/")}
             extra = {k[10:]: v.clone() for k, v in data.items() if k.startswith("extra_rng/")}
         return ckpt.meta, same, rng, (extra if same else None)

@@ -1,0 +1,127 @@
+"""Hostile cases, tried as users on a cluster would (the Reliability III round), one test per
+kind of failure, so that each kind stays fixed: damaged checkpoints that would load, runs that
+would silently do something else, writes that fail, locks left by failed or dying jobs.
+Launches are one process of 01 (every script shares these paths through common.Run) unless
+the case needs ranks; each ends with one line naming the cause, or with the right result."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+import common
+from harness import TINY, launch
+from test_failures import committed, refused
+from test_real_conditions import dry
+
+ONE = TINY + ["--sample_tokens", "0", "--ckpt_interval", "2", "--max_iters", "4", "--lr_decay_iters", "8"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A committed checkpoint of 01 at step 4 (and its metadata), copied fresh per test."""
+    out = tmp_path_factory.mktemp("saved") / "out"
+    launch("01_single_gpu.py", ONE + ["--out_dir", out]).ok()
+    return out
+
+
+def copy_of(saved, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(saved, out)
+    return out
+
+
+def test_a_flipped_bit_in_a_rank_file_is_refused_naming_the_file_and_tensor(saved, tmp_path):
+    out = copy_of(saved, tmp_path)
+    (directory,) = [os.path.dirname(m) for m in committed(out)]
+    rank0 = os.path.join(directory, "rank0.pt")
+    weight = torch.load(rank0, weights_only=True)["model/transformer.h.0.mlp.c_fc.weight#0"]
+    data = bytearray(open(rank0, "rb").read())
+    at = data.find(weight.reshape(-1)[:16].numpy().tobytes())  # the tensor's bytes in the zip
+    assert at > 0
+    data[at + 8 * 4 + 2] ^= 0x10  # one bit of the 9th element
+    open(rank0, "wb").write(bytes(data))
+    run = launch("01_single_gpu.py", ONE + ["--out_dir", out, "--resume", "--max_iters", "6"])
+    refused(run, f"checkpoint file {rank0}: model/transformer.h.0.mlp.c_fc.weight fails its checksum")
+    meta = json.load(open(os.path.join(directory, "metadata.json")))
+    assert len(meta["checksums"]) == 1 and "rng/cpu" in meta["checksums"][0]
+
+
+def test_a_new_run_does_not_replace_another_runs_checkpoint(saved, tmp_path):
+    out = copy_of(saved, tmp_path)
+    message = f"--out_dir {out} holds the checkpoint of another run"
+    refused(launch("01_single_gpu.py", ONE + ["--out_dir", out]), message)
+    p = dry("01_single_gpu.py", "--world_size", 1, *ONE, "--out_dir", out)  # the dry run says the same
+    assert p.returncode == 2 and message in p.stderr
+    assert len(committed(out)) == 1
+    launch("01_single_gpu.py", ONE + ["--out_dir", out, "--overwrite", "--max_iters", "2"]).ok()
+    assert [os.path.basename(os.path.dirname(m)) for m in committed(out)] == ["step_2"]
+
+
+def test_an_unfinished_set_is_named_and_an_older_committed_set_is_kept(saved, tmp_path):
+    out = copy_of(saved, tmp_path)
+    root = out / "ckpt"
+    shutil.copytree(root / "step_4", root / "step_2")  # a user rolling back keeps an older set
+    meta = json.load(open(root / "step_2" / "metadata.json"))
+    (root / "step_2" / "metadata.json").write_text(json.dumps({**meta, "time": meta["time"] - 100}))
+    (root / "step_6").mkdir()  # a write that did not finish: no metadata.json
+    (root / "step_6" / "rank0.pt").write_bytes(b"half")
+    run = launch("01_single_gpu.py", ONE + ["--out_dir", out, "--resume"]).ok()  # at step 4 of 4
+    assert f"note: removing {root / 'step_6'}, the leftover of a checkpoint write" in run.stderr
+    assert "nothing to train" in run.stdout
+    assert sorted(os.listdir(root)) == ["step_2", "step_4"]
+    shutil.rmtree(root / "step_2")
+    shutil.rmtree(root / "step_4")
+    (root / "step_6").mkdir()
+    refused(launch("01_single_gpu.py", ONE + ["--out_dir", out, "--resume"]),
+            f"--resume: {root / 'step_6'} has no metadata.json: its write did not finish")
+
+
+def test_resume_export_of_a_finished_run_exports(saved, tmp_path):
+    out = copy_of(saved, tmp_path)
+    export = tmp_path / "model.pt"
+    run = launch("01_single_gpu.py", ONE + ["--out_dir", out, "--resume", "--export", export]).ok()
+    assert export.exists() and "exported step 4" in run.stdout
+    assert torch.load(export, weights_only=True)["iter_num"] == 4
+
+
+def test_a_metrics_file_that_cannot_be_written_stops_the_run_in_one_line(tmp_path):
+    """/dev/full: every write fails with ENOSPC, as on a full disk."""
+    run = launch("03_ddp.py", TINY + ["--metrics", "/dev/full", "--out_dir", tmp_path / "out"], nprocs=2)
+    refused(run, "cannot write --metrics /dev/full: No space left on device; stopped before step 1's update")
+
+
+def test_a_failed_torch_save_is_an_io_error_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="the write failed .* free on that file system; torch: .enforce fail"):
+        common.atomic_save({"x": torch.ones(2)}, str(tmp_path / "rank0.pt"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_locks_of_failed_starts_and_of_zombies_are_stale(tmp_path):
+    lock = tmp_path / "LOCK"
+    lock.write_text("")  # a start that could not write its lock (disk full)
+    assert not common._lock_is_stale(str(lock), {})  # it may be being written right now
+    old = time.time() - common.LOCK_WRITE_S - 1
+    os.utime(lock, (old, old))
+    assert common._lock_is_stale(str(lock), {})
+    child = subprocess.Popen(["true"])  # exits; not reaped yet: a zombie answers kill(pid, 0)
+    deadline = time.time() + 10
+    while not common._is_zombie(child.pid) and time.time() < deadline:
+        time.sleep(0.05)
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid}))
+    holder = json.loads(lock.read_text())
+    try:
+        assert common._is_zombie(child.pid) and common._lock_is_stale(str(lock), holder)
+    finally:
+        child.wait()
+    assert common.lock_out_dir(str(tmp_path), wait_s=1) is None  # taken over
+    common.release_out_dir()
