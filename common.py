@@ -854,8 +854,11 @@ def setup(args, launch=None, distributed=True):
     if distributed:
         timeout = datetime.timedelta(seconds=args.timeout)
         init_method = _rendezvous(launch)
-        dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
+                                    world_size=launch.world_size, timeout=timeout)
+        except Exception as e:  # a taken port, an unreachable rank 0, a rank that never came
+            _could_not_join(launch, init_method, args.timeout, e)
     _install_abort_hook(launch)  # after init_process_group, whose own hook it wraps
     return Env(launch, device, backend, dtype)
 
@@ -865,6 +868,10 @@ def _rendezvous(launch):
     host name and a free port and broadcasts them; under plain srun the job script exports
     MASTER_ADDR (else the first host of the allocation) and MASTER_PORT."""
     if launch.kind == "torchrun":
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        check(not missing, f"RANK and WORLD_SIZE are set (a torchrun-style launch) but {' and '.join(missing)} "
+              f"{'is' if len(missing) == 1 else 'are'} not: export MASTER_ADDR=<rank 0's host> and "
+              "MASTER_PORT=<a free port>, or start the job with torchrun, mpiexec or srun")
         return "env://"
     if launch.kind == "single":
         return f"tcp://127.0.0.1:{_free_port()}"
@@ -876,8 +883,30 @@ def _rendezvous(launch):
         addr, port = _MPI_COMM.bcast((addr, port), root=0)
         return f"tcp://{addr}:{port}"
     addr = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ.get("SLURM_NODELIST", "localhost"))
-    port = os.environ.get("MASTER_PORT") or str(29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
+    # a port of this job's own (jobs sharing a node differ in id; 20000 ports apart before they meet)
+    port = os.environ.get("MASTER_PORT") or str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000)
     return f"tcp://{addr}:{port}"
+
+
+def _could_not_join(launch, init_method, timeout, error):
+    """One line from the rank that failed to join (whichever it is), then the whole job
+    ends: MPI_Abort under mpiexec; under torchrun and srun --kill-on-bad-exit the launcher
+    ends the others when this rank exits."""
+    text = " ".join(str(error).split())
+    where = init_method.removeprefix("tcp://") if init_method.startswith("tcp://") else \
+        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        cause = (f"port {where.rsplit(':', 1)[-1]} on {where.rsplit(':', 1)[0]} is already taken (another job "
+                 "on this node, or a stray listener): set MASTER_PORT to a free port")
+    elif "timeout" in text.lower() or "timed out" in text.lower():
+        cause = (f"rank 0's store at {where} did not answer, or not every one of the {launch.world_size} ranks "
+                 f"joined, within --timeout {timeout:g} s (check MASTER_ADDR, the rank count, and that no rank died)")
+    else:
+        cause = f"{type(error).__name__}: {text[:200]}"
+    print(f"error: rank {launch.rank} could not join the process group at {where}: {cause}", file=sys.stderr, flush=True)
+    if _MPI_COMM is not None:
+        _MPI_COMM.Abort(2)
+    os._exit(2)
 
 
 def _free_port():

@@ -125,3 +125,26 @@ def test_locks_of_failed_starts_and_of_zombies_are_stale(tmp_path):
         child.wait()
     assert common.lock_out_dir(str(tmp_path), wait_s=1) is None  # taken over
     common.release_out_dir()
+
+
+@pytest.mark.skipif(not shutil.which("mpiexec"), reason="needs mpiexec")
+def test_a_taken_master_port_is_one_line_and_ends_the_job_quickly(tmp_path):
+    listener = socket.socket()  # a stray listener (or another job) on the port
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    try:
+        run = launch("03_ddp.py", TINY + ["--timeout", "20"], nprocs=2, launcher="mpiexec",
+                     env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    finally:
+        listener.close()
+    assert run.returncode != 0 and run.seconds < 20, run.stderr[-2000:]
+    assert [line for line in run.error_lines] == [
+        f"error: rank 0 could not join the process group at 127.0.0.1:{port}: port {port} on 127.0.0.1 is "
+        "already taken (another job on this node, or a stray listener): set MASTER_PORT to a free port"]
+    assert "Traceback" not in run.stderr
+
+
+def test_rank_and_world_size_without_master_addr_is_one_line(tmp_path):
+    run = launch("03_ddp.py", TINY, nprocs=1, env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29999"})
+    refused(run, "RANK and WORLD_SIZE are set (a torchrun-style launch) but MASTER_ADDR is not")
