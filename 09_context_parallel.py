@@ -110,30 +110,21 @@ batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C 
 """
 
 import math
-import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_terms, ActivationMeter, activations_of_layers,
-                    autocast, build_model, check, check_batch, count_params, Data, decay_groups, dry_run,
-                    flops_per_token, Guard, launch_for, LEDGER, log, lr_at, make_adamw, make_parser,
-                    Metrics, model_block_size, model_config, param_pieces, parse_args, planned_dtype,
-                    print_ledger, progress, recomputed, resume_checkpoint, run_config, save_checkpoint,
-                    sdpa_logsumexp_bytes, setup, state_bytes, synchronize, teardown, to_device)
+from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
+                    check, check_batch, count_params, Data, decay_groups, LEDGER, make_adamw, make_parser,
+                    model_block_size, model_config, param_pieces, parse_args, recomputed, Run,
+                    sdpa_logsumexp_bytes, state_bytes, to_device)
 
 
-def add_flags(parser):
-    g = parser.add_argument_group("09_context_parallel")
-    g.add_argument("--cp", type=int, default=None,
-                   help="context-parallel ranks that split every sequence (default: the largest divisor of "
-                        "the world size that splits the sequence, and for Ulysses the heads; the rest is data parallel)")
-    g.add_argument("--cp_impl", default="ring", choices=["ring", "ulysses"],
-                   help="ring attention (zigzag, K/V around the ring) or Ulysses (all-to-all over heads)")
-    return parser
-
+# ----------------------------------------------------------------------------------------
+# The layout: C ranks split every sequence, D = world / C replicas; which tokens a rank holds
+# ----------------------------------------------------------------------------------------
 
 def splits(C, config, impl):
     """Whether C context-parallel ranks can split this model's sequence (and heads)."""
@@ -163,10 +154,6 @@ def check_layout(args, config, world_size):
         check(config.n_head % C == 0, f"--cp_impl ulysses needs --cp {C} to divide n_head {config.n_head}")
     return C, world_size // C
 
-
-# ----------------------------------------------------------------------------------------
-# Which tokens a rank holds
-# ----------------------------------------------------------------------------------------
 
 def zigzag_chunks(rank, C):
     """The two chunks (of 2C) that ring rank `rank` holds: one early, one late."""
@@ -446,8 +433,96 @@ def all_reduce_grads(params):
         dist.all_reduce(p.grad)  # sum over every rank
 
 
+def add_flags(parser):
+    g = parser.add_argument_group("09_context_parallel")
+    g.add_argument("--cp", type=int, default=None,
+                   help="context-parallel ranks that split every sequence (default: the largest divisor of "
+                        "the world size that splits the sequence, and for Ulysses the heads; the rest is data parallel)")
+    g.add_argument("--cp_impl", default="ring", choices=["ring", "ulysses"],
+                   help="ring attention (zigzag, K/V around the ring) or Ulysses (all-to-all over heads)")
+    return parser
+
+
+@torch.no_grad()
+def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
+    """Mean loss of each split over eval_iters fixed global batches: every rank sums its
+    tokens' losses, the sums are added over the world and divided by the token count."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, dp_rank, D, eval_split=True)
+            x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    total += loss_sum(model, x[rows], y[rows], positions.to(env.device), cp).float()
+        total /= args.eval_iters * args.global_batch_size * model.config.block_size
+        dist.all_reduce(total)  # every rank's share of the global mean
+        losses[split] = total.item()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__)))
+    run = Run(args, __file__)
+    if args.dry_run:  # the plan's layout: C and D, which the sequence (and Ulysses' heads) decide
+        config = model_config(args, Data.vocab_size_of(args.data))
+        C, D = check_layout(args, config, run.world_size)
+        run.dry_run(costs, layout_lines(args, config, C, D, check_batch(args, dp_size=D)))
+    env = run.setup()
+    data = Data(args.data, args.seed, model_block_size(args))  # after setup: a bad --data is agreed on
+    config = model_config(args, data.vocab_size)
+    C, D = check_layout(args, config, env.world_size)
+    accum_steps = check_batch(args, dp_size=D)
+    torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
+
+    cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
+    cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
+    cp.recompute = args.recompute
+    positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
+    model = build_model(config, args.seed, env.device)
+    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype),
+              layout={"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl},
+              pieces=lambda: checkpoint_pieces(model, optimizer, env),
+              held=lambda: state_bytes(model.parameters(), optimizer),
+              evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp),
+              describe=f"{D} data-parallel x {C} context-parallel ({args.cp_impl}), "
+                       f"{config.block_size // C} of {config.block_size} tokens per sequence per rank, "
+                       f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step")
+    if config.dropout > 0:
+        run.log(f"dropout {config.dropout}: on embeddings, residuals and MLP; not on the attention "
+                "probabilities (not applied in 09_context_parallel.py)")
+    tokens = args.global_batch_size * config.block_size  # the global mean's denominator
+    device_positions = positions.to(env.device)
+
+    for step in run.steps():
+        x, y = data.batch("train", step, args.global_batch_size, dp_rank, D)
+        x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)  # our tokens only
+        loss_total = torch.zeros((), device=env.device)
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):  # attention over the CP group: the ring, or Ulysses' all-to-alls
+                    loss = loss_sum(model, x[rows], y[rows], device_positions, cp) / tokens
+                loss.backward()  # this rank's tokens' share of the global mean
+                loss_total += loss.detach().float()
+        all_reduce_grads(model.parameters())  # gradients are now the global mean, on every rank
+        dist.all_reduce(loss_total)  # the global batch's mean loss, for logging
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        run.check(loss_total, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+        optimizer.step()
+        run.end_step(loss_total)  # ledger, metrics, checkpoint, stop
+        optimizer.zero_grad(set_to_none=True)
+    run.finish()
+
+
 # ----------------------------------------------------------------------------------------
-# Cost
+# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
 # ----------------------------------------------------------------------------------------
 
 def costs(args, config, world_size, dtype):
@@ -495,133 +570,18 @@ def costs(args, config, world_size, dtype):
             "activations": (f"{act_formula}, of T = s/C = {T} tokens per sequence", act_bytes)}
 
 
-@torch.no_grad()
-def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
-    """Mean loss of each split over eval_iters fixed global batches: every rank sums its
-    tokens' losses, the sums are added over the world and divided by the token count."""
-    model.eval()
-    losses = {}
-    for split in ("train", "val"):
-        total = torch.zeros((), device=env.device)
-        for k in range(args.eval_iters):
-            x, y = data.batch(split, k, args.global_batch_size, dp_rank, D, eval_split=True)
-            x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)
-            for micro in range(accum_steps):
-                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                with autocast(env):
-                    total += loss_sum(model, x[rows], y[rows], positions.to(env.device), cp).float()
-        total /= args.eval_iters * args.global_batch_size * model.config.block_size
-        dist.all_reduce(total)  # every rank's share of the global mean
-        losses[split] = total.item()
-    model.train()
-    return losses
+def checkpoint_pieces(model, optimizer, env):
+    """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
+    writes them; every rank reads them (common.py's format, any script resumes it)."""
+    return [piece for name, p in model.named_parameters()
+            for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
 
 
-def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    launch = launch_for(args)
-    if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        C, D = check_layout(args, config, launch.world_size)
-        accum_steps = check_batch(args, dp_size=D)
-        dry_run(args, "09_context_parallel.py", config, costs(args, config, launch.world_size, planned_dtype(args)),
-                [f"layout: {D} data-parallel x {C} context-parallel ({args.cp_impl}; groups of {C} consecutive "
-                 f"ranks), {config.block_size // C} of {config.block_size} tokens per sequence per rank, "
-                 f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step"])
-    env = setup(args, launch)
-    guard = Guard(args, env)  # every step: non-finite values, SIGTERM/SIGUSR1, --time_limit
-    data = Data(args.data, args.seed, model_block_size(args))  # after setup: a bad --data is agreed on
-    config = model_config(args, data.vocab_size)
-    C, D = check_layout(args, config, launch.world_size)
-    accum_steps = check_batch(args, dp_size=D)
-    torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
-
-    cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
-    cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
-    cp.recompute = args.recompute
-    positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
-    model = build_model(config, args.seed, env.device)
-    run = run_config(args, config, {"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl})
-    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
-
-    def checkpoint_pieces():
-        """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
-        writes them; every rank reads them (common.py's format, any script resumes it)."""
-        return [piece for name, p in model.named_parameters()
-                for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
-
-    start_step = 0
-    if args.resume:  # a checkpoint of any script, at any layout
-        start_step, _ = resume_checkpoint(args.out_dir, env, checkpoint_pieces(), run, optimizer)
-
-    log(env, f"model: {model.num_params() / 1e6:.2f}M parameters (nanoGPT's count), "
-             f"device {env.device}, {str(env.dtype).replace('torch.', '')}, "
-             f"{D} data-parallel x {C} context-parallel ({args.cp_impl}), "
-             f"{config.block_size // C} of {config.block_size} tokens per sequence per rank, "
-             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step")
-    if config.dropout > 0:
-        log(env, f"dropout {config.dropout}: on embeddings, residuals and MLP; not on the attention "
-                 "probabilities (not applied in 09_context_parallel.py)")
-    cost = costs(args, config, env.world_size, env.dtype)
-    metrics = Metrics(args, env, flops_per_token(config, model.num_params()), cost)
-    meter = ActivationMeter()  # the bytes autograd holds for backward, next to cost["activations"]
-    tokens = args.global_batch_size * config.block_size  # the global mean's denominator
-
-    def save(step):
-        save_checkpoint(args, step, env, checkpoint_pieces(), run, optimizer)  # RNG: every rank its own
-        LEDGER.take()  # checkpointing traffic is not part of a training step
-
-    device_positions = positions.to(env.device)
-    for step in progress(env, start_step, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            losses = evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp)
-            log(env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-            LEDGER.take()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-
-        x, y = data.batch("train", step, args.global_batch_size, dp_rank, D)
-        x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)  # our tokens only
-        loss_total = torch.zeros((), device=env.device)
-        meter.start()
-        for micro in range(accum_steps):
-            rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-            with autocast(env):
-                loss = loss_sum(model, x[rows], y[rows], device_positions, cp) / tokens
-            loss.backward()  # this rank's tokens' share of the global mean
-            loss_total += loss.detach().float()
-        activations = meter.stop()
-        all_reduce_grads(model.parameters())  # gradients are now the global mean, on every rank
-        dist.all_reduce(loss_total)  # the global batch's mean loss, for logging
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        # all ranks agree: a non-finite loss or gradient ends the run here, before the update;
-        # a stop signal or --time_limit ends it after this step's checkpoint
-        stop = guard.check(step, loss_total, (p.grad for p in model.parameters()))
-        optimizer.step()
-
-        comm = LEDGER.take()
-        if step == start_step:
-            print_ledger(env, state_bytes(model.parameters(), optimizer), comm, cost, activations)
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
-            loss_value = loss_total.item()
-            synchronize(env)
-            metrics.step(step, loss_value, lr, time.perf_counter() - t0,
-                         state_bytes(model.parameters(), optimizer), comm, activations=activations)
-        optimizer.zero_grad(set_to_none=True)
-        if stop or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            save(step + 1)
-        if stop:
-            guard.stop(step + 1)  # say how to resume, exit 0 on every rank
-
-    if args.eval_interval and args.max_iters > start_step:
-        losses = evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp)
-        log(env, f"step {args.max_iters}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        metrics.write({"step": args.max_iters, "val_loss": losses["val"], "train_loss": losses["train"]})
-    teardown(env)
+def layout_lines(args, config, C, D, accum_steps):
+    """The dry run's layout: the D x C mesh, the tokens per rank, the micro-batches."""
+    return [f"layout: {D} data-parallel x {C} context-parallel ({args.cp_impl}; groups of {C} consecutive "
+            f"ranks), {config.block_size // C} of {config.block_size} tokens per sequence per rank, "
+            f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step"]
 
 
 if __name__ == "__main__":
