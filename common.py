@@ -368,23 +368,163 @@ SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the text is train, the rest
 EVAL_KEY = 2  # evaluation batches: streams of their own, the same at every evaluation
 
 
+class _Opaque:
+    """What a pickle would build by calling a class or function: recorded, never called."""
+
+    def __init__(self, name, args=()):
+        self.name, self.args, self.state = name, args, None
+
+
+_PLAIN_OPS = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG", "BINFLOAT", "FLOAT", "UNICODE",
+              "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING", "SHORT_BINSTRING",
+              "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "BYTEARRAY8"}
+
+
+def read_plain_pickle(path):
+    """A pickle's data (dicts, lists, tuples, strings, numbers) *without unpickling it*: its
+    opcodes (pickletools.genops executes nothing) are replayed on a stack, and whatever
+    would be built by calling a class or function (an object, a numpy scalar, an exploit)
+    stays an _Opaque record of that call, never made."""
+    stack, marks, memo = [], [], {}
+
+    def popmark():
+        i = marks.pop()
+        items = stack[i:]
+        del stack[i:]
+        return items
+
+    def setitem(d, k, v):
+        if isinstance(d, dict) and getattr(k, "__hash__", None):
+            d[k] = v
+
+    with open(path, "rb") as f:
+        for op, arg, _ in pickletools.genops(f):
+            n = op.name
+            if n in ("PROTO", "FRAME"):
+                continue
+            if n == "STOP":
+                return stack[-1]
+            if n == "MARK":
+                marks.append(len(stack))
+            elif n in _PLAIN_OPS:
+                stack.append(arg)
+            elif n in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "NONE", "NEWTRUE", "NEWFALSE"):
+                stack.append({"EMPTY_DICT": {}, "EMPTY_LIST": [], "EMPTY_TUPLE": (), "NONE": None,
+                              "NEWTRUE": True, "NEWFALSE": False}[n])
+            elif n == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif n in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif n in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(arg))
+            elif n in ("DICT", "LIST", "TUPLE"):
+                items = popmark()
+                stack.append(dict(zip(items[::2], items[1::2])) if n == "DICT" else
+                             list(items) if n == "LIST" else tuple(items))
+            elif n in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                k = int(n[-1])
+                items = tuple(stack[-k:])
+                del stack[-k:]
+                stack.append(items)
+            elif n == "SETITEM":
+                v, k = stack.pop(), stack.pop()
+                setitem(stack[-1], k, v)
+            elif n == "SETITEMS":
+                items = popmark()
+                for k, v in zip(items[::2], items[1::2]):
+                    setitem(stack[-1], k, v)
+            elif n in ("APPEND", "APPENDS"):
+                items = popmark() if n == "APPENDS" else [stack.pop()]
+                if isinstance(stack[-1], list):
+                    stack[-1].extend(items)
+            elif n == "GLOBAL":
+                stack.append(_Opaque(arg.replace(" ", ".")))
+            elif n == "STACK_GLOBAL":
+                name, module = stack.pop(), stack.pop()
+                stack.append(_Opaque(f"{module}.{name}"))
+            elif n in ("REDUCE", "NEWOBJ"):
+                args, fn = stack.pop(), stack.pop()
+                stack.append(_Opaque(getattr(fn, "name", None), args))
+            elif n == "NEWOBJ_EX":
+                _, args, cls = stack.pop(), stack.pop(), stack.pop()
+                stack.append(_Opaque(getattr(cls, "name", None), args))
+            elif n in ("OBJ", "INST"):
+                items = popmark()
+                stack.append(_Opaque(arg.replace(" ", ".") if n == "INST" else None, tuple(items)))
+            elif n == "BUILD":
+                state = stack.pop()
+                if isinstance(stack[-1], _Opaque):
+                    stack[-1].state = state
+            elif n in ("POP", "POP_MARK", "DUP"):
+                if n == "POP":
+                    stack.pop()
+                elif n == "POP_MARK":
+                    popmark()
+                else:
+                    stack.append(stack[-1])
+            else:
+                raise ValueError(f"pickle opcode {n} is not read here")
+    raise ValueError("the pickle has no STOP")
+
+
+def _plain_int(value):
+    """An int, or a numpy integer scalar as a pickle records it (numpy's `scalar` called with
+    an integer dtype and the value's bytes), decoded without numpy's unpickling; else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, _Opaque) and str(value.name).endswith("multiarray.scalar") and len(value.args) == 2:
+        dtype, raw = value.args
+        if isinstance(raw, _Opaque) and raw.name == "_codecs.encode" and len(raw.args) == 2:  # protocols 0-2
+            raw = raw.args[0].encode(raw.args[1]) if isinstance(raw.args[0], str) and raw.args[1] == "latin1" else None
+        code = dtype.args[0] if isinstance(dtype, _Opaque) and dtype.args else None
+        if isinstance(code, str) and code[:1] in "iu" and isinstance(raw, bytes) and len(raw) == int(code[1:] or 0):
+            state = dtype.state if isinstance(dtype.state, tuple) else ()
+            order = "big" if len(state) > 1 and state[1] == ">" else "little"
+            return int.from_bytes(raw, order, signed=code[0] == "i")
+    return None
+
+
 def read_vocab_size(meta_path):
-    """vocab_size from a nanoGPT meta.pkl *without unpickling it*: walk the pickle's opcodes
-    (pickletools.genops executes nothing) and take the integer stored after 'vocab_size'."""
-    with open(meta_path, "rb") as f:
-        ops = list(pickletools.genops(f))
-    for i, (op, arg, _) in enumerate(ops):
-        if arg == "vocab_size":
-            for op2, arg2, _ in ops[i + 1:]:
-                if op2.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-                    continue
-                if isinstance(arg2, int) and op2.name in ("BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"):
-                    return int(arg2)
-                break
-    raise ValueError(f"{meta_path} has no integer vocab_size")
+    """The top-level vocab_size of a nanoGPT meta.pkl, read without unpickling it
+    (read_plain_pickle): a plain int or a numpy integer; a vocab_size nested deeper is not it."""
+    meta = read_plain_pickle(meta_path)
+    if not isinstance(meta, dict) or "vocab_size" not in meta:
+        raise ValueError(f"{meta_path} has no top-level vocab_size")
+    vocab = _plain_int(meta["vocab_size"])
+    if vocab is None:
+        kind = meta["vocab_size"].name if isinstance(meta["vocab_size"], _Opaque) else type(meta["vocab_size"]).__name__
+        raise ValueError(f"{meta_path}'s vocab_size is a {kind}, not an integer")
+    return vocab
 
 
 DATA_SCAN_CHUNK = 1 << 24  # tokens per read when scanning a file for out-of-vocabulary ids (32 MiB)
+
+
+class TokenFile:
+    """A nanoGPT token file (uint16), read a window at a time with pread. Not a memory map:
+    a file truncated under a running job would kill the rank with SIGBUS at the next batch;
+    here it is one line. Indexing takes an array of positions whose last axis is a window
+    of consecutive tokens, as Data.batch asks."""
+
+    def __init__(self, path):
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        self.length = os.fstat(self.fd).st_size // 2
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # a plain range of tokens
+            index = np.arange(*index.indices(self.length))
+        index = np.asarray(index)
+        rows = index.reshape(-1, index.shape[-1])
+        out = np.empty(rows.shape, dtype=np.uint16)
+        for r, row in enumerate(rows):
+            data = os.pread(self.fd, 2 * len(row), 2 * int(row[0]))
+            check(len(data) == 2 * len(row), f"{self.path} is now {os.fstat(self.fd).st_size} bytes, shorter than the "
+                  f"{2 * self.length} it had when the run started: it was truncated or rewritten under the running job")
+            out[r] = np.frombuffer(data, dtype=np.uint16)
+        return out.reshape(index.shape)
 
 
 class Data:
@@ -409,8 +549,7 @@ class Data:
         elif spec == "synthetic":
             self.splits, self.vocab_size = synthetic_corpus(), SYNTHETIC_VOCAB
         else:
-            self.splits = {s: np.memmap(os.path.join(spec, f"{s}.bin"), dtype=np.uint16, mode="r")
-                           for s in SPLITS}
+            self.splits = {s: TokenFile(os.path.join(spec, f"{s}.bin")) for s in SPLITS}
             self.vocab_size = Data.vocab_size_of(spec)
 
     @staticmethod
@@ -466,6 +605,8 @@ class Data:
             return problem
         for split in SPLITS:
             path = os.path.join(spec, f"{split}.bin")
+            if os.path.isdir(path):
+                return f"--data {spec}: {path} is a directory, not a token file"
             if not os.path.isfile(path):
                 return f"--data {spec}: {split}.bin is missing"
             size = os.path.getsize(path)

@@ -148,3 +148,36 @@ def test_a_taken_master_port_is_one_line_and_ends_the_job_quickly(tmp_path):
 def test_rank_and_world_size_without_master_addr_is_one_line(tmp_path):
     run = launch("03_ddp.py", TINY, nprocs=1, env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29999"})
     refused(run, "RANK and WORLD_SIZE are set (a torchrun-style launch) but MASTER_ADDR is not")
+
+
+def test_meta_pkl_top_level_vocab_size_only_and_numpy_integers(tmp_path):
+    import pickle
+    import numpy as np
+    meta = tmp_path / "meta.pkl"
+    for protocol in (2, 4):
+        meta.write_bytes(pickle.dumps({"stoi": {"vocab_size": 7}, "vocab_size": 65}, protocol=protocol))
+        assert common.read_vocab_size(str(meta)) == 65  # not the nested one
+        meta.write_bytes(pickle.dumps({"vocab_size": np.int64(50304)}, protocol=protocol))
+        assert common.read_vocab_size(str(meta)) == 50304  # numpy's integer, decoded, not unpickled
+    meta.write_bytes(pickle.dumps({"itos": {"vocab_size": 7}}))
+    with pytest.raises(ValueError, match="has no top-level vocab_size"):
+        common.read_vocab_size(str(meta))
+    meta.write_bytes(pickle.dumps({"vocab_size": 65.0}))
+    with pytest.raises(ValueError, match="vocab_size is a float, not an integer"):
+        common.read_vocab_size(str(meta))
+
+
+def test_token_files_that_are_directories_or_shrink_under_the_job(tmp_path):
+    from test_failures import dataset
+    d = dataset(tmp_path / "data")
+    (d / "train.bin").unlink()
+    (d / "train.bin").mkdir()
+    assert common.Data.problem(str(d), 64) == f"--data {d}: {d / 'train.bin'} is a directory, not a token file"
+    d = dataset(tmp_path / "data2")
+    data = common.Data(str(d), 0, 64)
+    x, _ = data.batch("train", 0, 4)
+    assert x.shape == (4, 64)
+    os.truncate(d / "train.bin", 200)  # a file rewritten under a running job: no SIGBUS, one line
+    with pytest.raises(SystemExit) as stop:
+        data.batch("train", 1, 4)
+    assert stop.value.code == 2
