@@ -1067,7 +1067,8 @@ def _install_abort_hook(launch):
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        sys.stderr.write(f"[rank {launch.rank}] uncaught {kind.__name__}; ending the job\n")
+        message = (str(value).strip().splitlines() or [""])[0][:300]
+        sys.stderr.write(f"[rank {launch.rank}] uncaught {kind.__name__}: {message}; ending the job\n")
         previous(kind, value, tb)
         sys.stderr.flush()
         sys.stdout.flush()
@@ -1245,6 +1246,7 @@ class Run:
             if args.eval_interval and step % args.eval_interval == 0:
                 self.evaluate(step)
             self.step, self.lr = step, lr_at(step, args)
+            LEDGER.step, LEDGER.phase = step, "step"
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr
             reset_peak_memory(self.env)  # mem_peak_bytes: this step's, not since the start
@@ -1254,6 +1256,7 @@ class Run:
             self.evaluate(args.max_iters)
 
     def evaluate(self, step):
+        LEDGER.step, LEDGER.phase = step, "evaluation"
         losses = self._evaluate()
         log(self.env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         self.metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
@@ -1264,6 +1267,7 @@ class Run:
         rank agrees (one small all-reduce) whether any holds a non-finite value, which ends
         the run here before the update, and whether any was asked to stop (a signal,
         --time_limit), which ends it after this step's checkpoint."""
+        LEDGER.phase = "optimizer"  # the guard's flags, the update and what follows it
         self.stopping = self.guard.check(self.step, loss, grads)
 
     def end_step(self, loss, extra=None):
@@ -1286,6 +1290,7 @@ class Run:
             self.guard.stop(step + 1)  # says how to resume; exits 0 on every rank
 
     def save(self, step):
+        LEDGER.phase = "checkpoint"
         save_checkpoint(self.args, step, self.env, self.pieces(), self.run_config, self.optimizer,
                         extra_rng=self.extra_rng() if self.extra_rng else None)
         LEDGER.take()  # checkpoint traffic is not a training step's
@@ -1656,6 +1661,41 @@ class CommLedger:
     def __init__(self):
         self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
         self.device = None  # the run's device: every tensor handed to a collective must be on it
+        # where this rank is, for the line a failed or timed-out collective prints: the step
+        # and phase (Run sets them), and how many collectives it has posted on each group
+        self.step, self.phase, self.posted, self.reported = None, "setup", {}, False
+
+    def position(self, op, group):
+        """This call's place in the rank's sequence of collectives: (op, group, its number
+        on that group, step, phase). Ranks that disagree on it are the usual cause of a hang."""
+        if group is None:
+            name = "world"
+        else:
+            name = self.group_names.get(group)
+            if name is None:
+                try:
+                    name = "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+                except Exception:
+                    name = "a subgroup"
+        self.posted[name] = self.posted.get(name, 0) + 1
+        phase = self.phase
+        if phase == "step":  # inside autograd's backward, or the forward
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return f"{op} #{self.posted[name]} on group {name}, step {self.step}, {phase}"
+
+    def report(self, where, error):
+        """Once per rank: the collective it was in when one failed or timed out."""
+        if not self.reported:
+            self.reported = True
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            print(f"rank {rank} was in {where} when it failed: {first}", file=sys.stderr, flush=True)
+
+    def watched(self, where, result):
+        """Run a collective's result through `report` if waiting on it fails (async work)."""
+        if isinstance(result, list):
+            return [self.watched(where, r) for r in result]
+        return _Watched(result, where, self) if hasattr(result, "wait") else result
 
     @contextmanager
     def paused(self):
@@ -1709,8 +1749,14 @@ class CommLedger:
         def batch_isend_irecv(p2p_ops):
             for p2p in p2p_ops:
                 self.on_device(p2p.op.__name__, [p2p.tensor])
-                self.add(p2p.op.__name__, _nbytes(p2p.tensor))
-            return original(p2p_ops)
+                if self.counting:
+                    self.add(p2p.op.__name__, _nbytes(p2p.tensor))
+            where = self.position(f"batch_isend_irecv of {len(p2p_ops)}", p2p_ops[0].group if p2p_ops else None)
+            try:
+                return self.watched(where, original(p2p_ops))
+            except Exception as e:
+                self.report(where, e)
+                raise
         dist.batch_isend_irecv = batch_isend_irecv
 
     def _wrap(self, op, fn, argument):
@@ -1722,18 +1768,39 @@ class CommLedger:
             value = bound[argument]
             self.on_device(op, [t for key, v in bound.items() if key in self.TENSOR_ARGUMENTS
                                 for t in (v if isinstance(v, (list, tuple)) else [v])])
-            if not self.counting:
-                return fn(*args, **kwargs)
-            name = self.group_names.get(bound.get("group"))
-            self.add(f"{op}[{name}]" if name else op,
-                     sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
-            return fn(*args, **kwargs)
+            if self.counting:
+                name = self.group_names.get(bound.get("group"))
+                self.add(f"{op}[{name}]" if name else op,
+                         sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
+            where = self.position(op, bound.get("group"))
+            try:
+                return self.watched(where, fn(*args, **kwargs))
+            except Exception as e:  # a timeout (--timeout), a peer gone: say where this rank was
+                self.report(where, e)
+                raise
         return counted
 
     def take(self):
         """The bytes counted since the last take (one optimizer step's worth)."""
         counted, self.bytes = self.bytes, {}
         return counted
+
+
+class _Watched:
+    """An async collective's work handle whose wait() reports where a failure happened."""
+
+    def __init__(self, work, where, ledger):
+        self._work, self._where, self._ledger = work, where, ledger
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        except Exception as e:
+            self._ledger.report(self._where, e)
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 LEDGER = CommLedger()

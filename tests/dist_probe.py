@@ -1,6 +1,7 @@
 """A minimal program on common.setup, for the launcher tests: every rank reports what it
 detected, all-reduces its rank, and (with --raise_on_rank R) rank R raises while the others
-wait in a collective, to show that the job ends instead of hanging."""
+wait in a collective, to show that the job ends instead of hanging; (with --stall_on_rank R)
+rank R stalls past --timeout, to show that the others name the collective they were in."""
 
 import json
 import os
@@ -16,6 +17,8 @@ from common import LEDGER, make_parser, parse_args, setup, teardown
 def main():
     parser = make_parser(__doc__)
     parser.add_argument("--raise_on_rank", type=int, default=-1)
+    parser.add_argument("--stall_on_rank", type=int, default=-1,
+                        help="this rank sleeps past --timeout before the second all-reduce (a hang)")
     args = parse_args(parser)
     env = setup(args)
     LEDGER.install()  # count what this probe sends (a training script's Run.setup does this)
@@ -28,6 +31,11 @@ def main():
     if env.rank == args.raise_on_rank:
         time.sleep(0.5)
         raise RuntimeError(f"deliberate failure on rank {env.rank}")
+    if args.stall_on_rank >= 0:
+        LEDGER.step, LEDGER.phase = 7, "step"  # as Run sets them: step 7, in the forward
+        if env.rank == args.stall_on_rank:
+            time.sleep(args.timeout + 3)
+        dist.all_reduce(value)  # the others time out here after --timeout
     dist.barrier()  # the others wait here for the failed rank, which never comes
     teardown(env)
 

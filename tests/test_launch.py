@@ -76,7 +76,18 @@ def test_exception_on_one_rank_ends_the_job(launcher):
     assert run.returncode not in (0, "timeout")
     assert run.seconds < 40, f"took {run.seconds:.0f} s: the others waited for the timeout"
     assert "deliberate failure on rank 1" in run.stderr
-    assert "[rank 1] uncaught RuntimeError; ending the job" in run.stderr
+    assert "[rank 1] uncaught RuntimeError: deliberate failure on rank 1; ending the job" in run.stderr
+
+
+def test_a_timed_out_collective_is_named_by_every_rank_that_can_speak():
+    """Rank 2 stalls past --timeout: ranks 0 and 1 each say which collective they were in
+    (operation, group, its number on that group, step, phase) and the job ends."""
+    run = launch("tests/dist_probe.py", ["--device", "cpu", "--stall_on_rank", "2", "--timeout", "3"],
+                 nprocs=3, metrics=False, timeout=120)
+    assert run.returncode not in (0, "timeout") and run.seconds < 40, run.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} was in all_reduce #2 on group world, step 7, forward when it failed" in run.stderr, \
+            run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("variable", ["PBS_JOBID", "SLURM_JOB_ID"])
