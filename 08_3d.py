@@ -65,11 +65,11 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_phases, activation_terms, autocast, check,
-                    check_batch, Data, decay_groups, device_rng_state, format_bytes, is_decayed, LEDGER,
-                    make_adamw, make_parser, model_config, param_init, param_pieces, parse_args,
-                    planned_dtype, recomputed, Run, seeded_rng_state, set_device_rng_state, state_bytes,
-                    to_device)
+from common import (activation_device_type, activation_phases, activation_terms, autocast,
+                    check, check_batch, Data, decay_groups, device_rng_state, format_bytes,
+                    is_decayed, LEDGER, make_adamw, make_parser, model_config, param_init,
+                    param_pieces, parse_args, planned_dtype, recomputed, Run, seeded_rng_state,
+                    set_device_rng_state, state_bytes, to_device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -82,9 +82,9 @@ class Mesh:
     def __init__(self, rank, world, tp_size, pp_size):
         self.tp_size, self.pp_size, self.dp_size = tp_size, pp_size, world // (tp_size * pp_size)
         self.dp_rank, self.pp_rank, self.tp_rank = self.coordinates(rank)
-        last = self.pp_rank == pp_size - 1
-        self.next = None if last else self.rank_of(self.dp_rank, self.pp_rank + 1, self.tp_rank)
-        self.prev = self.rank_of(self.dp_rank, self.pp_rank - 1, self.tp_rank) if self.pp_rank > 0 else None
+        d, s, t = self.dp_rank, self.pp_rank, self.tp_rank
+        self.next = self.rank_of(d, s + 1, t) if s < pp_size - 1 else None
+        self.prev = self.rank_of(d, s - 1, t) if s > 0 else None
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = None  # make_groups()
         self.embedding_group = None
 
@@ -93,7 +93,8 @@ class Mesh:
 
     def coordinates(self, rank):
         """(dp_rank, pp_rank, tp_rank) of a global rank."""
-        return rank // (self.pp_size * self.tp_size), (rank // self.tp_size) % self.pp_size, rank % self.tp_size
+        T, P = self.tp_size, self.pp_size
+        return rank // (P * T), (rank // T) % P, rank % T
 
     def make_groups(self):
         """The process groups of this rank (a collective: every rank creates every group, in
@@ -104,7 +105,8 @@ class Mesh:
                 group = dist.new_group([self.rank_of(d, s, t) for t in range(tp_size)])
                 if (d, s) == (self.dp_rank, self.pp_rank):
                     self.tp_group = LEDGER.name_group(group, "tp")
-            group = dist.new_group([self.rank_of(d, s, t) for s in range(pp_size) for t in range(tp_size)])
+            replica = [self.rank_of(d, s, t) for s in range(pp_size) for t in range(tp_size)]
+            group = dist.new_group(replica)
             if d == self.dp_rank:
                 self.mp_group = LEDGER.name_group(group, "model")  # one replica: TP x PP
         for s in range(pp_size):
@@ -124,8 +126,9 @@ class Mesh:
         return self
 
     def describe(self, world, ranks_per_node=None):
-        lines = [f"mesh: {world} ranks = {self.dp_size} data-parallel x {self.pp_size} pipeline x "
-                 f"{self.tp_size} tensor-parallel (rank = dp·{self.pp_size * self.tp_size} + pp·{self.tp_size} + tp)"]
+        D, P, T = self.dp_size, self.pp_size, self.tp_size
+        lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {T} tensor-parallel "
+                 f"(rank = dp·{P * T} + pp·{T} + tp)"]
         shown = range(self.dp_size) if self.dp_size <= 4 else [0, 1, self.dp_size - 1]
         for d in shown:
             if d == self.dp_size - 1 and self.dp_size > 4:
@@ -137,15 +140,17 @@ class Mesh:
             nodes = lambda ranks: sorted({r // ranks_per_node for r in ranks})  # noqa: E731
             tp_nodes = max(len(nodes([self.rank_of(d, s, t) for t in range(self.tp_size)]))
                            for d in range(self.dp_size) for s in range(self.pp_size))
-            lines.append(f"  {ranks_per_node} ranks per node: every TP group " + (
-                "inside one node" if tp_nodes == 1 else f"spans {tp_nodes} nodes (slow: keep tp <= ranks per node)"))
+            where = "inside one node" if tp_nodes == 1 else \
+                f"spans {tp_nodes} nodes (slow: keep tp <= ranks per node)"
+            lines.append(f"  {ranks_per_node} ranks per node: every TP group {where}")
         return "\n".join(lines)
 
 
 def check_layout(config, T, P):
     check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
           "each TP rank must own whole attention heads")
-    check(config.n_layer >= P, f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
+    check(config.n_layer >= P,
+          f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,13 +162,13 @@ def check_layout(config, T, P):
 # wpe, c_proj.bias: added once, after g). Read by the initialisation (Stage.tp_layout), the
 # checkpoint pieces, the gradient norm (counted_once) and costs(). T ranks, t this rank's.
 TP_PLAN = {
-    "wte.weight": "vocab",      # vocabulary rows [t·V'/T, (t+1)·V'/T), V' = V padded to a multiple of T
+    "wte.weight": "vocab",      # rows [t·V'/T, (t+1)·V'/T) of V' = V padded to a multiple of T
     "lm_head.weight": "vocab",  # the tied head: the same rows (on the last stage, a copy)
-    "c_attn.weight": "qkv",     # column-parallel, dim 0, per head: rows t·h/T.. of each of Q, K, V
+    "c_attn.weight": "qkv",     # column-parallel, dim 0, per head: this rank's of Q, of K, of V
     "c_attn.bias": "qkv",
     "c_fc.weight": "column",    # column-parallel, dim 0: rows [t·4h/T, (t+1)·4h/T)
     "c_fc.bias": "column",
-    "c_proj.weight": "row",     # row-parallel, dim 1: columns [t·k/T, (t+1)·k/T) (k = h, or 4h in the MLP)
+    "c_proj.weight": "row",     # row-parallel, dim 1: columns [t·k/T, (t+1)·k/T), k = h or 4h
 }
 
 
@@ -185,7 +190,7 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every weight shard
         return grad, None
 
 
@@ -263,22 +268,23 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
-        target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
+        index = local_target.clamp(0, n_local - 1)
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        dist.all_reduce(target_logit, group=group)  # the target's logit: only its owner's is not 0
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
         loss = sum_exp.log() - target_logit
         softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
+        ctx.save_for_backward(softmax, index, mine)
         return loss.mean()
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local_target, mine = ctx.saved_tensors
         grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        onehot = mine.unsqueeze(-1).to(softmax.dtype)  # 1 at the target's column, on its owner
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
         return grad_logits * (grad / softmax[..., 0].numel()), None, None, None, None
 
 
@@ -297,17 +303,18 @@ class TPBlock(nn.Module):
         self.n_head_local, self.dropout = config.n_head // tp_size, nn.Dropout(config.dropout)
         self.p_attn = config.dropout
 
-    recompute = False  # --recompute: keep the block's input only (its g all-reduces run again in backward)
+    recompute = False  # --recompute: keep the block's input only (its g all-reduces run again)
 
     def forward(self, x, rng):
-        if self.recompute and torch.is_grad_enabled():
-            return recomputed(lambda t: self.body(t, rng), x, trackers=[rng])  # the TP rank's stream too
+        if self.recompute and torch.is_grad_enabled():  # restoring the TP rank's stream too
+            return recomputed(lambda t: self.body(t, rng), x, trackers=[rng])
         return self.body(x, rng)
 
     def body(self, x, rng):
         q, k, v = self.attn.c_attn(self.ln_1(x)).chunk(3, dim=-1)  # this rank's heads
         B, T, C = q.shape
-        q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
+        heads = self.n_head_local
+        q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k, v))
         with rng.sharded():  # attention dropout acts inside this rank's heads: its own stream
             p = self.p_attn if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
@@ -374,10 +381,11 @@ class Stage(nn.Module):
         rest = [[0, s] for s in shape[1:]]
         how = tp_split(name)
         if how == "vocab":  # rows [lo, hi) of the vocabulary, those below V
-            lo, hi = self.vocab_start, min(self.vocab_start + self.vocab_local, self.config.vocab_size)
+            V, lo = self.config.vocab_size, self.vocab_start
+            hi = min(lo + self.vocab_local, V)
             boxes = [([[lo, hi]] + rest, slice(0, hi - lo))] if lo < hi else []
-            return [self.config.vocab_size] + shape[1:], boxes
-        if how == "qkv":  # [Q_t; K_t; V_t]: rows j·h + [t·n, (t+1)·n) of 01's, n = h/T, for j = Q, K, V
+            return [V] + shape[1:], boxes
+        if how == "qkv":  # [Q_t; K_t; V_t]: 01's rows j·h + [t·n, (t+1)·n), n = h/T, j = Q, K, V
             n = shape[0] // 3
             return [3 * n * T] + shape[1:], [([[j * n * T + t * n, j * n * T + (t + 1) * n]] + rest,
                                               slice(j * n, (j + 1) * n)) for j in range(3)]
@@ -410,8 +418,9 @@ class Stage(nn.Module):
         if self.is_last:
             x = CopyToTP.apply(self.ln_f(x), self.mesh.tp_group)
             logits = F.linear(x, self.lm_head.weight)  # the tied head: this rank's vocabulary
-            return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                                   self.vocab_start, self.config.vocab_size, self.mesh.tp_group)
+            logits, targets = logits.view(-1, logits.size(-1)), targets.view(-1)
+            return VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start,
+                                                   self.config.vocab_size, self.mesh.tp_group)
         return x
 
 
@@ -482,7 +491,8 @@ def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
             buffer = torch.empty(act_shape, device=env.device)
             ops.append(dist.P2POp(dist.irecv, buffer, recv_from, tag=tag))
         requests = dist.batch_isend_irecv(ops) if ops else []  # activations / gradients, b·s·h
-        posted.extend((request, t if free else None) for request, (_, t, _, free) in zip(requests, pending))
+        posted.extend((request, t if free else None)
+                      for request, (_, t, _, free) in zip(requests, pending))
         pending.clear()
         if buffer is not None:
             requests[-1].wait()  # wait for the receive only (a send completes when received)
@@ -534,14 +544,14 @@ class DataParallel:
     def __init__(self, stage, mesh, args, device):
         self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
         self.optimizer = make_adamw(*decay_groups(self.params), args, device.type)
-        self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: its gradients, each once
+        self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: every gradient once
 
     def reduce_gradients(self):
         """The mean gradient on every replica: one all-reduce of this rank's flat gradients."""
         for p in self.params:
             p.grad.div_(self.mesh.dp_size)
         flat = torch.cat([p.grad.view(-1) for p in self.params])
-        dist.all_reduce(flat, group=self.mesh.dp_group)  # sum over the replicas of this (pp, tp) rank
+        dist.all_reduce(flat, group=self.mesh.dp_group)  # sum over the replicas of this (pp, tp)
         offset = 0
         for p in self.params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -551,7 +561,7 @@ class DataParallel:
         return [p.grad for p in self.params]
 
     def squared_norm(self):
-        """Σ g² over this rank's gradients that count (counted_once), to be summed over norm_group."""
+        """Σ g² over this rank's gradients that count (counted_once), before norm_group's sum."""
         squares = torch.zeros((), device=self.params[0].device)
         for name, p in self.stage.named_parameters():
             if counted_once(self.stage, name):
@@ -570,8 +580,9 @@ class DataParallel:
 
     def checkpoint_pieces(self):
         """DP replica 0 writes the parameters (TP pieces of its stage) and their moments."""
-        return [piece for name, p in self.stage.named_parameters()
-                for piece in tp_pieces(self.stage, name, p, self.optimizer, write=self.mesh.dp_rank == 0)]
+        stage, write = self.stage, self.mesh.dp_rank == 0
+        return [piece for name, p in stage.named_parameters()
+                for piece in tp_pieces(stage, name, p, self.optimizer, write=write)]
 
 
 class ZeRO1:
@@ -588,7 +599,7 @@ class ZeRO1:
         self.flat_grad = torch.zeros_like(self.flat)
         self.lo, self.hi = lo, hi = mesh.dp_rank * self.shard, (mesh.dp_rank + 1) * self.shard
         self.grad_shard = torch.zeros(self.shard, device=device)
-        self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor), for checkpoints
+        self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor of them)
         self.counted = []  # [a, b) of the shard whose gradients count in the norm (counted_once)
         offset, pieces = 0, {True: [], False: []}
         for name, p in stage.named_parameters():
@@ -621,7 +632,7 @@ class ZeRO1:
         return [self.grad_shard]
 
     def squared_norm(self):
-        """Σ g² over this DP rank's shard of the gradients that count, to be summed over the world."""
+        """Σ g² over this DP rank's shard of the gradients that count, before the world's sum."""
         weights = torch.zeros_like(self.grad_shard)
         for a, b in self.counted:
             weights[a:b] = 1.0
@@ -630,7 +641,8 @@ class ZeRO1:
     def step(self):
         self.optimizer.step()
         # every DP rank's updated shard -> the whole parameter buffer on every DP rank
-        dist.all_gather_into_tensor(self.flat, self.flat[self.lo:self.hi].clone(), group=self.mesh.dp_group)
+        mine = self.flat[self.lo:self.hi].clone()
+        dist.all_gather_into_tensor(self.flat, mine, group=self.mesh.dp_group)
 
     def zero_grad(self):
         self.flat_grad.zero_()
@@ -648,18 +660,20 @@ class ZeRO1:
         the AdamW moments it owns: each optimizer tensor holds elements [a, b) of one
         parameter flattened; where that meets a TP piece of the parameter (elements [s, e) of
         it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
-        named = list(self.stage.named_parameters())
+        stage, named = self.stage, list(self.stage.named_parameters())
         pieces = [piece for name, p in named
-                  for piece in tp_pieces(self.stage, name, p, None, write=self.mesh.dp_rank == 0)]
-        whole = {p: tp_pieces(self.stage, name, p, None, write=True) for name, p in named}
+                  for piece in tp_pieces(stage, name, p, None, write=self.mesh.dp_rank == 0)]
+        whole = {p: tp_pieces(stage, name, p, None, write=True) for name, p in named}
         for p, a, b, segment in self.segments:
             for piece in whole[p]:
-                s = piece.tensor.storage_offset() - p.data.storage_offset()  # a dim-0 slice of p, or all of it
+                # where the piece starts in p: a dim-0 slice of p, or all of it
+                s = piece.tensor.storage_offset() - p.data.storage_offset()
                 x, y = max(a, s), min(b, s + piece.tensor.numel())
                 if x < y:
-                    pieces += param_pieces(piece.name.removeprefix("model/"), piece.shape, segment, self.optimizer,
-                                           box=piece.box, flat=(x - s, y - s), index=slice(x - a, y - a),
-                                           write=piece.write, model=False)
+                    name, rows = piece.name.removeprefix("model/"), slice(x - a, y - a)
+                    pieces += param_pieces(name, piece.shape, segment, self.optimizer, box=piece.box,
+                                           flat=(x - s, y - s), index=rows, write=piece.write,
+                                           model=False)
         return pieces
 
 
@@ -667,7 +681,7 @@ def clip_grad_norm(replicas, max_norm):
     """Scale the gradients so that their global norm, every parameter counted once over the
     whole model, is at most max_norm."""
     squares = replicas.squared_norm()
-    dist.all_reduce(squares, group=replicas.norm_group)  # over every rank holding distinct gradients
+    dist.all_reduce(squares, group=replicas.norm_group)  # over the ranks of distinct gradients
     coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
     for g in replicas.grad_tensors():
         g.mul_(coef)
@@ -682,7 +696,8 @@ def micro_batches(data, split, step, stage, mesh, args, env, m, eval_split=False
     last targets."""
     if not (stage.is_first or stage.is_last):
         return [None] * m, [None] * m
-    x, y = data.batch(split, step, args.global_batch_size, mesh.dp_rank, mesh.dp_size, eval_split=eval_split)
+    x, y = data.batch(split, step, args.global_batch_size, mesh.dp_rank, mesh.dp_size,
+                      eval_split=eval_split)
     x, y = to_device(x, env), to_device(y, env)
     b = args.micro_batch_size
     return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
@@ -700,7 +715,8 @@ def add_flags(parser):
     g = parser.add_argument_group("08_3d")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    g.add_argument("--zero1", action="store_true", help="shard the optimizer state across each DP group")
+    g.add_argument("--zero1", action="store_true",
+                   help="shard the optimizer state across each DP group")
     return parser
 
 
@@ -736,36 +752,33 @@ def main():
     data = Data(args.data, args.seed, config.block_size)
     check_layout(config, T, P)
     run.log(mesh.describe(world))
-    torch.manual_seed(args.seed + 1000 * mesh.dp_rank + mesh.pp_rank)  # shared by the TP group of a stage
-    rng = ShardedRNG(args.seed, env.rank, env.device)  # this TP rank's own stream (attention dropout)
+    torch.manual_seed(args.seed + 1000 * mesh.dp_rank + mesh.pp_rank)  # the stage's TP group's
+    rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention dropout)
 
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
     stage = Stage(config, mesh, first_layer, n_layers, rng, args.recompute).init_weights(args.seed)
     stage = stage.to(env.device)
-    ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's two copies: wte, the head
+    ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's copies: wte, head
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
-    replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # data parallelism
+    replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # same calls
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
-    extra_rng = run.begin(config, replicas.optimizer, costs(args, config, world, env.dtype, env.rank),
+    cost = costs(args, config, world, env.dtype, env.rank)
+    extra_rng = run.begin(config, replicas.optimizer, cost, describe=describe(args, stage, m),
                           layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1},
                           pieces=replicas.checkpoint_pieces, held=replicas.held_bytes,
                           evaluate=lambda: evaluate(stage, mesh, data, args, env, m, act_shape),
-                          extra_rng=lambda: {"tp": rng.state},
-                          describe=f"this stage: layers {first_layer}-{first_layer + n_layers - 1}, "
-                                   f"{sum(p.numel() for p in stage.parameters()):,} parameters on rank 0; "
-                                   f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step"
-                                   + (", ZeRO-1 over each DP group" if args.zero1 else ""))
+                          extra_rng=lambda: {"tp": rng.state})
     if extra_rng is not None:  # resumed at the same layout: this rank's own dropout stream too
         rng.state = extra_rng["tp"]
 
     for step in run.steps():
-        xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)  # tokens first, targets last
+        xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)  # first, last stage
         with run.meter:
-            loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)  # 1F1B; TP inside each stage
+            loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)  # 1F1B; TP in the stage
         loss = global_mean(loss_sum, mesh, m)
         if tied is not None:  # the two copies of the wte shard stay equal: sum their gradients
             dist.all_reduce(tied.grad, group=mesh.embedding_group)
-        replicas.reduce_gradients()  # the mean over the replicas (ZeRO-1: this DP rank's shard of it)
+        replicas.reduce_gradients()  # the mean over the replicas (ZeRO-1: this DP rank's shard)
         if args.grad_clip > 0:
             clip_grad_norm(replicas, args.grad_clip)
         run.check(loss, replicas.grad_tensors())  # non-finite? asked to stop?
@@ -798,7 +811,7 @@ def costs(args, config, world_size, dtype, rank=0):
     with torch.device("meta"):
         stage = Stage(config, mesh, first_layer, n_layers, None)
     split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) != "replicated")
-    n_local = sum(p.numel() for p in stage.parameters())  # Ψ_rank = split (Ψ_stage,sharded/T) + replicated
+    n_local = sum(p.numel() for p in stage.parameters())  # Ψ_rank: Ψ_stage,sharded/T + the rest
     m = args.global_batch_size // (args.micro_batch_size * D)
     if args.zero1:
         shard = math.ceil(n_local / D)
@@ -813,16 +826,18 @@ def costs(args, config, world_size, dtype, rank=0):
     bc = dtype.itemsize
     tp_bytes = m * ((2 * bc + 8) * n_layers * bsh + (4 * bsh if stage.is_first else 0)
                     + (4 * bsh + 12 * bs if stage.is_last else 0))
-    sent = {"all_reduce[tp]": (f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h + embedding/head 4 b·s·h "
-                               "+ loss 3·4 b·s)", tp_bytes),
+    sent = {"all_reduce[tp]": (f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h "
+                               "+ embedding/head 4 b·s·h + loss 3·4 b·s)", tp_bytes),
             "all_reduce[pp]": ("4 loss", 4),
             "all_reduce[dp]": ("4 loss" + ("" if args.zero1 else " + 4Ψ_rank grads"),
                                4 + (0 if args.zero1 else 4 * n_local))}
     if P > 1:
         boundaries = 2 - stage.is_first - stage.is_last  # stage boundaries this rank sits on
-        sent["send"] = sent["recv"] = (f"{m} micro x {boundaries} x 4 b·s·h", m * boundaries * 4 * bsh)
+        sent["send"] = sent["recv"] = (f"{m} micro x {boundaries} x 4 b·s·h",
+                                       m * boundaries * 4 * bsh)
         if stage.is_first or stage.is_last:
-            sent["all_reduce[embedding]"] = ("4 x wte shard grad", 4 * stage.vocab_local * config.n_embd)
+            sent["all_reduce[embedding]"] = ("4 x wte shard grad",
+                                             4 * stage.vocab_local * config.n_embd)
     if args.zero1:
         shard = math.ceil(n_local / D)
         sent["reduce_scatter_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * D)
@@ -850,16 +865,19 @@ def costs(args, config, world_size, dtype, rank=0):
                      + 4 * b * s * stage.vocab_local + b * s)
     now = peak = 0
     for kind, i in one_f_one_b(P, mesh.pp_rank, m):
-        kept, during = activation_phases(terms, n_layers, args.recompute, stage.is_first, stage.is_last)
+        kept, during = activation_phases(terms, n_layers, args.recompute, stage.is_first,
+                                         stage.is_last)
         peak = max(peak, now + kept if kind == "F" else now - kept + during)
         now += kept if kind == "F" else -kept
     per_stage = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
                  else "n·layer + embedding + head")
-    activations = (f"1F1B: {min(P - mesh.pp_rank, m)} micro-batch(es) in flight x ({per_stage}), TP-sharded",
-                   peak)
-    return {"layout": f"dp {mesh.dp_rank}, pp {mesh.pp_rank}, tp {mesh.tp_rank}: layers {first_layer}-"
-                      f"{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} replicated",
-            "held": held, "sent": {k: v for k, v in sent.items() if v[1]}, "activations": activations}
+    in_flight = min(P - mesh.pp_rank, m)
+    activations = (f"1F1B: {in_flight} micro-batch(es) in flight x ({per_stage}), TP-sharded", peak)
+    layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}, tp {mesh.tp_rank}: layers {first_layer}-"
+              f"{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
+              "replicated")
+    return {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
+            "activations": activations}
 
 
 def tp_pieces(stage, name, p, optimizer, write):
@@ -871,8 +889,9 @@ def tp_pieces(stage, name, p, optimizer, write):
     read, never written). With the optimizer: the AdamW moments too."""
     shape, boxes = stage.tp_layout(name, p)
     write = write and counted_once(stage, name)
-    return [piece for box, rows in boxes for piece in param_pieces(stage.full_name(name), shape, p, optimizer,
-                                                                   box=box, index=rows, write=write)]
+    return [piece for box, rows in boxes
+            for piece in param_pieces(stage.full_name(name), shape, p, optimizer, box=box,
+                                      index=rows, write=write)]
 
 
 def plan(args, world, T, P, m):
@@ -888,8 +907,17 @@ def plan(args, world, T, P, m):
              + (", ZeRO-1 over each DP group" if args.zero1 else "")]
             + [f"  stage {s} ({c['layout'].split(': ')[1]}): holds "
                f"{format_bytes(sum(v for _, v in c['held'].values()))}, sends+receives "
-               f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step" for s, c in enumerate(per_stage)]
+               f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step"
+               for s, c in enumerate(per_stage)]
             + ["(below: rank 0)"])
+
+
+def describe(args, stage, m):
+    """The launch's log line about this stage (rank 0's)."""
+    first, n, params = stage.first_layer, len(stage.h), sum(p.numel() for p in stage.parameters())
+    return (f"this stage: layers {first}-{first + n - 1}, {params:,} parameters on rank 0; "
+            f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step"
+            + (", ZeRO-1 over each DP group" if args.zero1 else ""))
 
 
 if __name__ == "__main__":
