@@ -48,6 +48,7 @@ followed by taking this rank's chunk: the same result at twice the traffic.
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -57,6 +58,9 @@ import torch
 import torch.distributed as dist
 
 from common import base_parser, check, detect_launcher, log, mpi_comm, setup, synchronize, teardown
+
+
+MAX_BYTES = 16 * 2**30  # the largest message a sweep may ask for: more than one GPU holds
 
 
 def add_flags(parser):
@@ -345,8 +349,13 @@ def main():
     args = add_flags(base_parser(__doc__)).parse_args()
     args.dtype = "float32"
     check(args.iters > 0, f"--iters must be positive, got {args.iters}")
-    check(0 < args.min_bytes <= (args.max_bytes or args.min_bytes),
-          f"need 0 < --min_bytes <= --max_bytes, got {args.min_bytes}, {args.max_bytes}")
+    check(0 < args.min_bytes <= (args.max_bytes or args.min_bytes) <= MAX_BYTES,
+          f"need 0 < --min_bytes <= --max_bytes <= {MAX_BYTES} (16 GiB), got {args.min_bytes}, {args.max_bytes}")
+    check(math.isfinite(args.timeout) and 0 < args.timeout <= 7 * 24 * 3600,
+          f"--timeout must be a positive number of seconds (at most a week), got {args.timeout}")
+    folder = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
+    check(folder is None or os.path.isdir(folder) and os.access(folder, os.W_OK),
+          f"--metrics {args.metrics}: the directory {folder} does not exist or is not writable")
     launch = detect_launcher(os.environ)
     env = setup(args, launch)
     log(env, f"{env.world_size} rank(s), backend {env.backend}, device {env.device}"

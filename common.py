@@ -752,6 +752,7 @@ def make_parser(doc):
     return p
 
 
+MAX_BATCH = 2**24  # sequences per step: far more than any published run; a larger one is a typo
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer than any job, within what the process group accepts
 
 
@@ -791,6 +792,8 @@ def parse_args(parser, argv=None):
     check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
     check(cfg["n_embd"] % cfg["n_head"] == 0,
           f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
+    check(args.global_batch_size <= MAX_BATCH, f"--global_batch_size {args.global_batch_size} is more than "
+          f"{MAX_BATCH:,} sequences per step: a typo?")
     check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
     check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
           "it needs --ckpt_interval (the final step is always saved)")

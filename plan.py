@@ -99,6 +99,8 @@ MACHINES = {
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # seconds per ring step (NCCL/RCCL-like latencies)
 for _machine in MACHINES.values():
     _machine.update(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
+MAX_GPUS = 10**7  # more ranks than any machine has: a typo, refused in one line
+MAX_SIZE = 10**7  # likewise for a model or batch dimension
 EFFICIENCY = 0.5  # fraction of peak FLOP/s the matrix multiplies reach (Megatron-LM reports ~0.5)
 
 
@@ -180,7 +182,10 @@ def dry_run(name, flags, gpus, gpus_per_node):
 # ----------------------------------------------------------------------------------------
 
 def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, from its trial divisions up to sqrt(n) (a billion GPUs
+    take microseconds, not minutes)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidates(n, gpus_per_node, n_layer):
@@ -419,10 +424,20 @@ def parse(argv=None):
     def error(message):
         p.exit(2, f"error: {message}\n")
 
-    if args.gpus < 1:
-        error(f"--gpus must be positive, got {args.gpus}")
+    if not 1 <= args.gpus <= MAX_GPUS:
+        error(f"--gpus must be in 1..{MAX_GPUS:,}, got {args.gpus}")
     if not 0 < args.efficiency <= 1 or not 0 < args.mem_fraction <= 1:
         error("--efficiency and --mem_fraction must be in (0, 1]")
+    for flag in ("gpus_per_node", "gpu_mem_gb", "peak_tflops", "link_gbps", "inter_gbps"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            error(f"--{flag} must be a positive number, got {value}")
+    if args.top < 0:
+        error(f"--top must not be negative, got {args.top}")
+    for flag in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size"):
+        value = getattr(args, flag)
+        if value is not None and not 1 <= value <= MAX_SIZE:
+            error(f"--{flag} must be in 1..{MAX_SIZE:,}, got {value}")
     machine = dict(MACHINES[args.machine]) if args.machine else dict(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
     by_hand = dict(gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb, peak_tflops=args.peak_tflops,
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
@@ -432,9 +447,13 @@ def parse(argv=None):
             rows = [json.loads(line) for line in open(path) if line.strip()]
         except (OSError, ValueError) as e:
             error(f"--bench {path}: cannot read it as 02_collectives.py --bench metrics ({e})")
-        rows = [r for r in rows if r.get("op") == "all_reduce"]
+        rows = [r for r in rows if isinstance(r, dict) and r.get("op") == "all_reduce"]
         if not rows:
             error(f"{path} has no all_reduce rows of 02_collectives.py --bench")
+        fields = {"world_size": int, "busbw_GBps": (int, float), "time_us": (int, float)}
+        if not all(isinstance(r.get(k), kind) and not isinstance(r.get(k), bool) and r[k] > 0
+                   for r in rows for k, kind in fields.items()):
+            error(f"{path}: its all_reduce rows lack positive {', '.join(fields)} (not 02_collectives.py --bench output?)")
         g = rows[0]["world_size"]
         where = "inter" if g > machine.get("gpus_per_node", g) else "intra"
         machine[f"{where}_gbps"] = max(r["busbw_GBps"] for r in rows)

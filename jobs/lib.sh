@@ -22,6 +22,9 @@ check_layout() {
         echo "error: no training script $script" >&2
         exit 2
     fi
+    case $world in
+        ''|*[!0-9]*|0) echo "error: the rank count must be a positive whole number, got '$world'" >&2; exit 2 ;;
+    esac
     local tp=1 pp=1
     while [ $# -gt 0 ]; do
         case $1 in
@@ -31,6 +34,12 @@ check_layout() {
             --pp=*) pp=${1#--pp=} ;;
         esac
         shift
+    done
+    local value
+    for value in "$tp" "$pp"; do
+        case $value in
+            ''|*[!0-9]*|0) echo "error: --tp and --pp must be positive whole numbers, got '$value'" >&2; exit 2 ;;
+        esac
     done
     if [ $((per_node % tp)) -ne 0 ]; then
         echo "error: --tp $tp does not divide the $per_node ranks per node: a tensor-parallel group must fit in one node" >&2

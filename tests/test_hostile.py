@@ -181,3 +181,61 @@ def test_token_files_that_are_directories_or_shrink_under_the_job(tmp_path):
     with pytest.raises(SystemExit) as stop:
         data.batch("train", 1, 4)
     assert stop.value.code == 2
+
+
+# ---- every entry point keeps the contract: one line, status 2 ------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus_per_node", "-4"], "--gpus_per_node must be a positive number, got -4"),
+    (["--gpu_mem_gb", "-1"], "--gpu_mem_gb must be a positive number, got -1.0"),
+    (["--link_gbps", "nan"], "--link_gbps must be a positive number, got nan"),
+    (["--top", "-3"], "--top must not be negative, got -3"),
+    (["--global_batch_size", str(10**12)], "--global_batch_size must be in 1..10,000,000"),
+    (["--gpus", str(10**9)], "--gpus must be in 1..10,000,000"),
+])
+def test_plan_refuses_absurd_flags(capsys, flags, message):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan", os.path.join(common.HERE, "plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    argv = ["--model", "gpt2", "--gpus", "8", "--machine", "polaris"] + flags
+    with pytest.raises(SystemExit) as stop:
+        plan.parse(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert plan.divisors(10**9)[-3:] == [250000000, 500000000, 1000000000]  # without walking 10^9 integers
+
+
+def test_plan_refuses_a_bench_file_that_is_not_02s(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan", os.path.join(common.HERE, "plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"op": "all_reduce", "world_size": "two"}\n')
+    with pytest.raises(SystemExit) as stop:
+        plan.parse(["--model", "gpt2", "--gpus", "8", "--machine", "polaris", "--bench", str(bench)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "not 02_collectives.py --bench output?" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "-1"], "--timeout must be a positive number of seconds"),
+    (["--metrics", "/nonexistent-gptpar/m.jsonl"], "--metrics /nonexistent-gptpar/m.jsonl: the directory"),
+    (["--max_bytes", str(10**14)], "need 0 < --min_bytes <= --max_bytes <= 17179869184"),
+])
+def test_collectives_refuse_bad_flags(flags, message):
+    run = launch("02_collectives.py", ["--device", "cpu"] + flags, metrics=False, out_dir=False)
+    refused(run, message)
+
+
+def test_scripts_refuse_an_absurd_batch_and_local_sh_bad_counts():
+    p = dry("03_ddp.py", "--world_size", 2, "--global_batch_size", 10**12)
+    assert p.returncode == 2 and "is more than 16,777,216 sequences per step" in p.stderr
+    for args, message in ((["0", "03_ddp.py"], "the rank count must be a positive whole number, got '0'"),
+                          (["2", "06_tensor_parallel.py", "--tp", "abc"], "--tp and --pp must be positive whole")):
+        p = subprocess.run(["bash", os.path.join(common.HERE, "jobs", "local.sh"), *args], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr.startswith(f"error: {message}"), p.stderr
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
