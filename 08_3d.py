@@ -68,8 +68,8 @@ from torch.nn import functional as F
 from common import (activation_device_type, activation_phases, activation_terms, autocast,
                     check, check_batch, Data, decay_groups, device_rng_state, format_bytes,
                     is_decayed, LEDGER, make_adamw, make_parser, model_config, param_init,
-                    param_pieces, parse_args, planned_dtype, recomputed, Run, seeded_rng_state,
-                    set_device_rng_state, state_bytes, to_device)
+                    param_pieces, parse_args, planned_dtype, recomputed, Run, set_device_rng_state,
+                    state_bytes, to_device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -328,8 +328,8 @@ class ShardedRNG:
     own stream and back."""
 
     def __init__(self, seed, rank, device):
-        self.device = device
-        self.state = seeded_rng_state(device, seed + 2718 + rank)
+        self.device = device  # a fresh generator's state, made without reseeding the default one
+        self.state = torch.Generator(device=device).manual_seed(seed + 2718 + rank).get_state()
 
     @contextmanager
     def sharded(self):
