@@ -142,7 +142,7 @@ def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, 
             code, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
     run = Run(cmd, code, out, err, time.time() - t0)
     path = args[args.index("--metrics") + 1] if "--metrics" in args else None
-    if path and os.path.exists(path):
+    if path and os.path.isfile(path):  # not a device (--metrics /dev/full reads zeros forever)
         run.metrics = [json.loads(line) for line in open(path) if line.strip()]
     return run
 
@@ -241,7 +241,7 @@ atexit.register(FORK_SERVER.stop)
 
 
 def assert_losses_match(reference, candidate, rtol=2e-5, atol=2e-6, what=""):
-    """DESIGN.md's oracle: the same per-step losses as 01_single_gpu.py, within a tolerance
+    """docs/design.md's oracle: the same per-step losses as 01_single_gpu.py, within a tolerance
     that allows for a different summation order only."""
     ref, got = np.asarray(reference.losses), np.asarray(candidate.losses)
     assert len(ref) > 0 and ref.shape == got.shape, f"{what}: {len(ref)} reference steps, {len(got)} here"
