@@ -94,8 +94,7 @@ def test_exception_ends_the_job_with_the_traceback_of_the_script():
     run = launch("tests/dist_probe.py", ["--device", "cpu", "--raise_on_rank", "1", "--timeout", "60"],
                  nprocs=3, launcher="fork", metrics=False, timeout=120)
     assert run.returncode == 1 and run.seconds < 30
-    assert "[rank 1] uncaught RuntimeError; ending the job" in run.stderr
-    assert "deliberate failure on rank 1" in run.stderr
+    assert "[rank 1] uncaught RuntimeError" in run.stderr and "deliberate failure on rank 1" in run.stderr
     assert "forkserver" not in run.stderr and "runpy" not in run.stderr  # as `python script` prints it
 
 
