@@ -2217,7 +2217,12 @@ def dry_run(args, script, config, cost, layout_lines=()):
     check(problem is None, problem)
     if args.resume:  # the newest checkpoint, opened and checked against this run as a launch would
         try:
-            open_checkpoint(args.out_dir, run_config(args, config, None))
+            ckpt = open_checkpoint(args.out_dir, run_config(args, config, None))
+            ranks = {piece["rank"] for entry in ckpt.meta["tensors"].values() for piece in entry["pieces"]}
+            for rank in sorted(ranks):  # a launch opens the files it reads: every one must be there
+                path = os.path.join(ckpt.directory, f"rank{rank}.pt")
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"checkpoint file {path} is missing")
         except CheckpointError as e:
             fail(str(e))
     n, per_node = args.world_size, args.ranks_per_node
@@ -2655,7 +2660,10 @@ def open_checkpoint(out_dir, run):
     for key in run:
         if key == "layout":
             continue
-        if saved.get(key) != run[key]:
+        value = saved.get(key)
+        if key == "data" and isinstance(value, str) and os.path.isdir(value):
+            value = os.path.normpath(value)  # written before run_config normalised it
+        if value != run[key]:
             what = "another model" if key == "model" else "another run"
             hint = (f" (to train on with the same schedule, pass --lr_decay_iters {saved.get(key)}: "
                     "its default is --max_iters)") if key == "lr_decay_iters" else ""
@@ -2742,4 +2750,7 @@ def run_config(args, config, world_layout):
     and the layout that wrote it (the same layout resumes bit for bit, RNG included)."""
     keys = ("data", "global_batch_size", "seed", "lr", "min_lr", "warmup_iters",
             "lr_decay_iters", "weight_decay", "grad_clip")
-    return {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
+    run = {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
+    if os.path.isdir(run["data"]):  # the same directory however it is spelled (a trailing slash)
+        run["data"] = os.path.normpath(run["data"])
+    return run

@@ -239,3 +239,16 @@ def test_scripts_refuse_an_absurd_batch_and_local_sh_bad_counts():
                            text=True, timeout=60)
         assert p.returncode == 2 and p.stderr.startswith(f"error: {message}"), p.stderr
         assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+
+
+def test_dry_run_resume_needs_every_rank_file_and_data_spelling_does_not_matter(saved, tmp_path):
+    out = copy_of(saved, tmp_path)
+    (directory,) = [os.path.dirname(m) for m in committed(out)]
+    meta = json.load(open(os.path.join(directory, "metadata.json")))
+    assert meta["run"]["data"] == "shakespeare_char"
+    os.remove(os.path.join(directory, "rank0.pt"))
+    p = dry("01_single_gpu.py", "--world_size", 1, *ONE, "--out_dir", out, "--resume")
+    assert p.returncode == 2 and f"checkpoint file {directory}/rank0.pt is missing" in p.stderr
+    args = common.parse_args(common.make_parser(""), ["--data", str(tmp_path) + "/"])
+    config = common.GPTConfig(vocab_size=65, **common.PRESETS["tiny"])
+    assert common.run_config(args, config, None)["data"] == str(tmp_path)
