@@ -50,8 +50,11 @@ micro-batch's backward:
 
 Gradient clipping uses the global norm: every rank squares its gradient shard, one
 all-reduce sums them. Precision: fp32 on CPU. With --dtype bfloat16 (the default on GPUs) the
-working parameters and gradients are bf16 and each rank keeps an fp32 master copy of its
-shard (part of the optimizer state, as in the paper's mixed-precision accounting).
+working parameters, and so each micro-batch's gradients as backward produces them, are bf16;
+each rank keeps an fp32 master copy of its shard (part of the optimizer state, as in the
+paper's mixed-precision accounting), made from the fp32 initialisation. Gradients are summed
+over micro-batches and reduce-scattered in fp32, as 03_ddp.py and 05_fsdp.py reduce them (05's
+default --reduce_dtype): in bf16, 04 at any stage trains as 05 does, bit for bit without clipping.
 
 Run:
 
@@ -68,30 +71,33 @@ precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in bracke
     stage 3  (2 + 2 + K)Ψ/N            [(4 + 4 + 8)Ψ/N]
     --offload (ZeRO-Offload, Ren et al. 2021): the fp32 master, gradient shard and AdamW state
              ((4 + 12)Ψ/N) move to pinned host memory and AdamW runs on the CPU; the device
-             keeps 2Ψ (stages 1-2; + 2Ψ of full grads in stage 1) or nothing (stage 3)
+             keeps 2Ψ (stages 1-2; + 4Ψ of fp32 full grads in stage 1, below) or nothing (stage 3)
     activations: unchanged by ZeRO, one micro-batch's (01's count; costs()["activations"])
-    (the paper's formulas. This implementation keeps the reduced gradient shard in fp32 for
-    the fp32 optimizer: 4Ψ/N instead of 2Ψ/N in bf16, and in stage 1 in addition to the full
-    gradients, which it keeps to accumulate micro-batches. The ledger prints the exact terms.)
+    (the paper's formulas. This implementation keeps gradients in fp32 for the fp32
+    optimizer: the reduced shard is 4Ψ/N instead of 2Ψ/N in bf16, and stage 1 keeps, in
+    addition, the full gradients it sums micro-batches into, 4Ψ instead of 2Ψ, so that the
+    sum and the reduction are fp32. The ledger prints the exact terms.)
 
 Communication per optimizer step, in the ledger's unit: message bytes as nccl-tests count
-them (b bytes per element; all-reduce: the tensor, reduce-scatter: its input, all-gather: its
-output). In these units DDP sends bΨ (one all-reduce of the gradients); a ring moves about
-2(N-1)/N times the message over each rank's link for an all-reduce and (N-1)/N for a
-reduce-scatter or all-gather, so equal wire traffic shows here as 2bΨ against DDP's bΨ:
+them (all-reduce: the tensor, reduce-scatter: its input, all-gather: its output), with b bytes
+per parameter element (4 in fp32, 2 in bf16) and 4 per gradient element (reduced in fp32). In
+these units DDP sends 4Ψ (one all-reduce of the fp32 gradients); a ring moves about 2(N-1)/N
+times the message over each rank's link for an all-reduce and (N-1)/N for a reduce-scatter or
+all-gather, so equal wire traffic shows here as 8Ψ against DDP's 4Ψ:
 
-    stage 1  reduce-scatter bΨ + all-gather bΨ = 2bΨ: the wire traffic of DDP's all-reduce
-             of bΨ, since a ring all-reduce is a reduce-scatter followed by an all-gather
-    stage 2  reduce-scatter bΨ per micro-batch (gradients are not kept to accumulate), then
+    stage 1  reduce-scatter 4Ψ + all-gather bΨ: in fp32 8Ψ, the wire traffic of DDP's
+             all-reduce of 4Ψ, since a ring all-reduce is a reduce-scatter followed by an
+             all-gather; in bf16 6Ψ, 3/4 of it (the parameters go out in bf16)
+    stage 2  reduce-scatter 4Ψ per micro-batch (gradients are not kept to accumulate), then
              all-gather bΨ
     stage 3  all-gather bΨ of the blocks in forward and again in backward per micro-batch
-             (the root unit once: it stays gathered for the step) + reduce-scatter bΨ per
-             micro-batch: 3bΨ where DDP has 2bΨ of wire traffic, the paper's 1.5x
+             (the root unit once: it stays gathered for the step) + reduce-scatter 4Ψ per
+             micro-batch: in fp32 12Ψ where DDP has 8Ψ of wire traffic, the paper's 1.5x
     and every stage: an all-reduce of the logged loss (4 bytes) and, with clipping, of the
     squared gradient norm (4 bytes)
   03_ddp.py all-reduces fp32 gradients under bf16 too (autocast keeps the parameters, hence
-  the gradients, fp32): 4Ψ. So in bf16, stage 1's 2·2Ψ equals 03's 4Ψ in message bytes and
-  moves twice its wire traffic; the paper compares against a DDP that reduces bf16 gradients.
+  the gradients, fp32), as 04 reduce-scatters them; the paper counts a DDP and a ZeRO that
+  both reduce bf16 gradients (2Ψ, and stage 1's 2Ψ + 2Ψ: the same wire traffic).
 """
 
 import math
@@ -121,14 +127,15 @@ class Unit:
         self.shard_numel = math.ceil(offset / env.world_size)
         self.lo, self.hi = env.rank * self.shard_numel, (env.rank + 1) * self.shard_numel
         self.device, self.dtype = env.device, compute_dtype
-        full = torch.zeros(self.shard_numel * env.world_size, dtype=compute_dtype, device=env.device)
+        flat = torch.zeros(self.shard_numel * env.world_size, dtype=torch.float32, device=env.device)
         for p, offset in zip(self.params, self.offsets):
-            full[offset:offset + p.numel()].copy_(p.data.view(-1))
-        # the fp32 master shard: a view of the full buffer when that is fp32 and kept
-        # (stages 1-2 on CPU), else a copy of its own; with --offload a copy in host memory
-        # (`host`), with the gradient shard the optimizer reads
+            flat[offset:offset + p.numel()].copy_(p.data.view(-1))  # the fp32 initialisation
+        full = flat.to(compute_dtype)  # the working copy (the same tensor in fp32)
+        # the fp32 master shard, from the fp32 initialisation: a view of the full buffer when
+        # that is fp32 and kept (stages 1-2 on CPU), else a copy of its own; with --offload a
+        # copy in host memory (`host`), with the gradient shard the optimizer reads
         alias = keep_full and compute_dtype == torch.float32 and host is None
-        self.master = full[self.lo:self.hi] if alias else host_copy(full[self.lo:self.hi].float(), host)
+        self.master = full[self.lo:self.hi] if alias else host_copy(flat[self.lo:self.hi], host)
         self.grad_shard = host_copy(torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device), host)
         self.full = self.grad_full = None
         self.bind(full)
@@ -183,6 +190,7 @@ class ZeRO:
                             keep_full=stage < 3, host=host) for i, block in enumerate(model.transformer.h)]
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
+        self.offset_of = {p: offset for u in self.units for p, offset in zip(u.params, u.offsets)}
         segments = {True: [], False: []}
         for unit in self.units:
             unit.pieces = []  # the optimizer's tensors, in order (for the checkpoint)
@@ -194,13 +202,12 @@ class ZeRO:
         # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
         self.optimizer = make_adamw(segments[True], segments[False], args,
                                     "cpu" if args.offload else env.device.type)
-        if stage == 1:  # full gradients, kept through accumulation, as views of one buffer
+        if stage == 1:  # full gradients, kept through accumulation: one fp32 buffer per unit
             for unit in self.units:
-                unit.grad_full = torch.zeros_like(unit.full)
-                for p, shape, offset in zip(unit.params, unit.shapes, unit.offsets):
-                    p.grad = unit.grad_full[offset:offset + shape.numel()].view(shape)
-        # reduce-scatter a unit as soon as backward has produced all its gradients (stage 1:
-        # only in the last micro-batch's backward; see sync)
+                unit.grad_full = torch.zeros_like(unit.full, dtype=torch.float32)
+        # stage 1: add each micro-batch's gradient into the fp32 sum as backward produces it;
+        # every stage: reduce-scatter a unit as soon as backward has produced all its
+        # gradients (stage 1: only in the last micro-batch's backward; see sync)
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.sync = stage > 1
@@ -242,21 +249,25 @@ class ZeRO:
         self.sync = self.stage > 1 or last
 
     def _grad_ready(self, param):
-        if not self.sync:  # stage 1, a micro-batch before the last: keep accumulating locally
-            return
         unit = self.unit_of[param]
+        if self.stage == 1:  # this micro-batch's gradient (compute dtype) into the kept fp32 sum
+            offset = self.offset_of[param]
+            unit.grad_full[offset:offset + param.numel()] += param.grad.view(-1)
+            param.grad = None
+        if not self.sync:  # stage 1, a micro-batch before the last: only accumulate locally
+            return
         self.waiting[unit] -= 1
         if self.waiting[unit] > 0:
             return
-        if self.stage == 1:  # the full gradients, accumulated in place, stay (stage 1 keeps them)
+        if self.stage == 1:  # the full gradients, accumulated, stay (stage 1 keeps them)
             flat = unit.grad_full
-        else:
-            flat = torch.zeros(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
+        else:  # the unit's gradients in fp32, reduced in fp32 as 03 and 05 reduce them
+            flat = torch.zeros(unit.shard_numel * self.world_size, dtype=torch.float32, device=unit.device)
             for p, offset in zip(unit.params, unit.offsets):
                 flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
                 p.grad = None  # the full gradient is freed at once: only the shard is kept
         flat.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
-        shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.device)
         # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
         # backward continues on the earlier blocks meanwhile
         handle = dist.reduce_scatter_tensor(shard, flat, async_op=True)
@@ -272,7 +283,7 @@ class ZeRO:
                   "a gradient never arrived (a parameter unused in forward?)")
         for handle, unit, shard, _ in self.pending:
             handle.wait()
-            unit.grad_shard += shard.float().to(unit.grad_shard.device)  # --offload: down to the host
+            unit.grad_shard += shard.to(unit.grad_shard.device)  # --offload: down to the host
         self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
 
     # -- the update ----------------------------------------------------------------------
@@ -361,7 +372,7 @@ def main():
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
-    model = build_model(config, args.seed, env.device, recompute=args.recompute)  # every rank builds it all ...
+    model = build_model(config, args.seed, env.device, recompute=args.recompute)  # every rank builds all ...
     zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
     run.begin(config, zero.optimizer, costs(args, config, env.world_size, env.dtype),
               layout={"strategy": "zero", "stage": args.stage},
@@ -415,8 +426,9 @@ def unit_numels(config):
 def costs(args, config, world_size, dtype):
     """The docstring's formulas in bytes per rank. Ψ is the parameter count with every unit
     padded to a multiple of N (as the flat shards are), b the bytes of a working parameter
-    or gradient element (4 in fp32, 2 in bf16), K = 8 (AdamW's two fp32 moments) plus 4 for
-    the fp32 master when it is a copy of its own (mixed precision)."""
+    element (4 in fp32, 2 in bf16; gradients are summed and reduced in fp32: 4), K = 8
+    (AdamW's two fp32 moments) plus 4 for the fp32 master when it is a copy of its own
+    (mixed precision)."""
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n
@@ -425,25 +437,25 @@ def costs(args, config, world_size, dtype):
     accum = args.global_batch_size // (args.micro_batch_size * n)
     held = {"optim": (f"{K}Ψ/N", K * psi // n)}
     if stage == 1:
-        # the full gradients (kept through accumulation) + the reduced fp32 shard
-        held.update(params=(f"{b}Ψ", b * psi), grads=(f"{b}Ψ + 4Ψ/N", b * psi + 4 * psi // n))
+        # the full fp32 gradients (kept through accumulation) + the reduced fp32 shard
+        held.update(params=(f"{b}Ψ", b * psi), grads=("4Ψ + 4Ψ/N", 4 * psi + 4 * psi // n))
     else:
         held.update(params=(f"{b}Ψ", b * psi) if stage == 2 else
                     (("4Ψ/N", 4 * psi // n) if b == 4 else ("0 (gathered from the master)", 0)),
                     grads=("4Ψ/N", 4 * psi // n))
     if args.offload:  # ZeRO-Offload: what stays on the device, and the host's share
         held = {"params": (f"{b}Ψ", b * psi) if stage < 3 else ("0 (gathered from the host's master)", 0),
-                "grads": (f"{b}Ψ", b * psi) if stage == 1 else ("0", 0), "optim": ("0", 0),
+                "grads": ("4Ψ", 4 * psi) if stage == 1 else ("0", 0), "optim": ("0", 0),
                 "grads (host)": ("4Ψ/N", 4 * psi // n), "optim (host)": ("(8 + 4 master)Ψ/N", 12 * psi // n)}
     clipping = args.grad_clip > 0
     sent = {"all_reduce": ("4 loss" + (" + 4 norm" if clipping else ""), 4 + 4 * clipping)}
     if stage == 1:
-        sent.update(reduce_scatter_tensor=(f"{b}Ψ", b * psi), all_gather_into_tensor=(f"{b}Ψ", b * psi))
+        sent.update(reduce_scatter_tensor=("4Ψ", 4 * psi), all_gather_into_tensor=(f"{b}Ψ", b * psi))
     elif stage == 2:
-        sent.update(reduce_scatter_tensor=(f"{accum} micro x {b}Ψ", accum * b * psi),
+        sent.update(reduce_scatter_tensor=(f"{accum} micro x 4Ψ", accum * 4 * psi),
                     all_gather_into_tensor=(f"{b}Ψ", b * psi))
     else:
-        sent.update(reduce_scatter_tensor=(f"{accum} micro x {b}Ψ", accum * b * psi),
+        sent.update(reduce_scatter_tensor=(f"{accum} micro x 4Ψ", accum * 4 * psi),
                     all_gather_into_tensor=(f"root + {accum} micro x 2 x blocks",
                                             b * (root + accum * 2 * (psi - root))))
     # activations: each rank runs 01's model on its micro-batch; partitioning the model

@@ -91,15 +91,46 @@ def test_resume_is_bit_exact_and_export_loads_in_01(tmp_path, stage):
     # (resuming at another layout, resharded, with the losses checked: test_checkpoints.py)
 
 
-def test_bf16_trains_and_keeps_fp32_masters():
-    run = launch("04_zero.py", BASE + CLIP + ["--stage", "2", "--dtype", "bfloat16", "--max_iters", "8"],
-                 nprocs=2).ok()
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_resumes_bit_exact(tmp_path, stage):
+    """--offload --resume at stages 1-2: after the load, the full parameters are gathered from
+    the host's master shards, moved to the device first as every step's gather moves them
+    (on CPU host and device are one, so what this sees is the values; on GPUs the ledger's
+    device check refuses a host tensor handed to a collective)."""
+    flags = BASE + CLIP + ["--stage", stage, "--offload", "--max_iters", "4", "--lr_decay_iters", "4"]
+    whole = launch("04_zero.py", flags + ["--out_dir", tmp_path / "w"], nprocs=2).ok()
+    first = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2", "--ckpt_interval", "2"],
+                   nprocs=2).ok()
+    second = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
+    assert first.losses + second.losses == whole.losses
+
+
+BF16 = BASE + NO_CLIP + ["--dtype", "bfloat16", "--max_iters", "8", "--micro_batch_size", "4"]  # 3 micro-batches
+
+
+@pytest.fixture(scope="module")
+def fsdp_bf16():
+    return launch("05_fsdp.py", BF16, nprocs=2).ok()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_keeps_fp32_masters_and_reduces_in_fp32_as_05_does(fsdp_bf16, stage):
+    """bf16 working parameters and micro-batch gradients; fp32 masters made from the fp32
+    initialisation, gradients summed and reduce-scattered in fp32: 05's arithmetic, so the
+    same losses bit for bit (a bf16 sum or reduction, or masters rounded to bf16, differ)."""
+    run = launch("04_zero.py", BF16 + ["--stage", stage], nprocs=2).ok()
+    assert run.losses == fsdp_bf16.losses
     assert run.losses[-1] < run.losses[0] - 0.3
     root, blocks = padded_units(2)
-    psi = root + blocks
-    # bf16 working params (2Ψ), fp32 gradient shard (4Ψ/N), fp32 master + moments (12Ψ/N)
-    assert run.steps[0]["state_bytes"] == {"params": 2 * psi, "grads": 4 * psi // 2, "optim": 12 * psi // 2}
-    assert run.steps[0]["comm_bytes"]["all_gather_into_tensor"] == 2 * psi
+    psi, accum = root + blocks, 3
+    # bf16 working params (2Ψ, stage 3: gathered only), fp32 gradient shard (4Ψ/N) and in stage 1
+    # the fp32 full gradients (4Ψ), fp32 master + moments (12Ψ/N)
+    assert run.steps[0]["state_bytes"] == {"params": 2 * psi if stage < 3 else 0,
+                                           "grads": 4 * psi // 2 + (4 * psi if stage == 1 else 0),
+                                           "optim": 12 * psi // 2}
+    comm = run.steps[0]["comm_bytes"]
+    assert comm["reduce_scatter_tensor"] == (1 if stage == 1 else accum) * 4 * psi  # fp32 gradients
+    assert comm["all_gather_into_tensor"] == (2 * psi if stage < 3 else 2 * (root + accum * 2 * blocks))
 
 
 @pytest.mark.parametrize("flags, message", [
