@@ -1209,6 +1209,7 @@ class Run:
         guard armed (SIGTERM / SIGUSR1 / --time_limit). Returns the Env."""
         self.env = setup(self.args, self.launch)
         LEDGER.install(self.env.device)
+        log_node_map(self.env)
         agree(self.env, startup_problem(self.args, self.env))
         self.guard = Guard(self.args, self.env)
         return self.env
@@ -2112,6 +2113,9 @@ def peak_memory(env):
     return None
 
 
+STRAGGLER = 1.5  # a rank this many times slower than the median is named on the console
+
+
 class Metrics:
     """Rank-0 console lines and the JSONL metrics file (schema in docs/design.md)."""
 
@@ -2121,6 +2125,7 @@ class Metrics:
         # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
         self.tokens_per_step = args.global_batch_size * model_block_size(args)
+        self.micro_batch_size = args.micro_batch_size
         self.peak = peak_flops(env)
         self.path, self.file = args.metrics, open(args.metrics, "a") if (args.metrics and env.master) else None
 
@@ -2135,13 +2140,47 @@ class Metrics:
         row = dict(step=step, loss=loss, lr=lr, dt_ms=dt * 1e3, tokens_per_s=tokens_per_s, mfu=mfu,
                    mem_peak_bytes=peak_memory(self.env), state_bytes=state, comm_bytes=comm,
                    state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory,
-                   activation_bytes=activations, activation_bytes_theory=self.activation_theory)
+                   activation_bytes=activations, activation_bytes_theory=self.activation_theory,
+                   micro_batch_size=self.micro_batch_size)
+        ranks = self.over_ranks(row["dt_ms"], row["mem_peak_bytes"])
+        row.update(ranks)
         row.update(extra or {})
         self.write(row)
         mfu_s = f", mfu {mfu * 100:.1f}%" if mfu is not None else ""
         log(self.env, f"step {step}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1e3:.0f} ms, "
-                      f"{tokens_per_s:,.0f} tok/s{mfu_s}")
+                      f"{tokens_per_s:,.0f} tok/s{mfu_s}{ranks.pop('straggler', '')}")
         return row
+
+    def over_ranks(self, dt_ms, mem_peak):
+        """Step time and peak memory over the ranks: min, max, mean, and the rank and host of
+        the maximum, from one small gather per logged step (outside the ledger's step: the
+        step's traffic was taken before). A straggler is named when the slowest rank took
+        more than STRAGGLER times the median."""
+        mine = (dt_ms, mem_peak, socket.gethostname())
+        everyone = [mine]
+        if self.env.world_size > 1 and dist.is_initialized():
+            everyone = [None] * self.env.world_size
+            dist.all_gather_object(everyone, mine)
+        return rank_stats(everyone)
+
+
+def rank_stats(everyone):
+    """[(dt_ms, mem_peak_bytes or None, host)] of every rank -> the metrics' over-ranks keys,
+    and a 'straggler' note for the console when the slowest rank is far behind the median."""
+    stats = {}
+    for i, key in enumerate(("dt_ms", "mem_peak_bytes")):
+        values = [r[i] for r in everyone]
+        if any(v is None for v in values):
+            continue
+        worst = max(range(len(values)), key=values.__getitem__)
+        stats.update({f"{key}_min": min(values), f"{key}_max": values[worst], f"{key}_mean": sum(values) / len(values),
+                      f"{key}_max_rank": worst, f"{key}_max_host": everyone[worst][2]})
+    times = sorted(r[0] for r in everyone)
+    median = times[(len(times) - 1) // 2]
+    if len(times) > 1 and stats["dt_ms_max"] > STRAGGLER * median:
+        stats["straggler"] = (f"; straggler: rank {stats['dt_ms_max_rank']} on {stats['dt_ms_max_host']}, "
+                              f"{stats['dt_ms_max'] / median:.1f}x the median step time")
+    return stats
 
     def write(self, row):
         if self.file:
@@ -2165,6 +2204,26 @@ def finite_or_null(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def log_node_map(env):
+    """Once at start: which ranks run on which host (one small gather)."""
+    hosts = [socket.gethostname()]
+    if env.world_size > 1 and dist.is_initialized():
+        hosts = [None] * env.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+    nodes = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(rank)
+
+    def spans(ranks):  # [0, 1, 2, 5] -> "0-2,5"
+        out, start = [], ranks[0]
+        for a, b in zip(ranks, ranks[1:] + [None]):
+            if b != a + 1:
+                out.append(f"{start}-{a}" if a > start else f"{a}")
+                start = b
+        return ",".join(out)
+    log(env, f"nodes: {len(nodes)}; " + "; ".join(f"{host}: ranks {spans(r)}" for host, r in nodes.items()))
 
 
 def log(env, message):

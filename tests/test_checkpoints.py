@@ -136,10 +136,12 @@ def test_half_written_set_is_ignored_and_leftovers_are_removed(reference, tmp_pa
     assert resumed.steps[0]["step"] == 2
     assert_losses_match(type(reference)(reference.cmd, 0, "", "", 0, reference.steps[2:3]), resumed)
     assert os.listdir(root) == ["step_2"] and sorted(os.listdir(root / "step_2")) == ["metadata.json", "rank0.pt"]
-    # a fresh start that writes no checkpoint cleans up too, as soon as it holds the out_dir
+    # a fresh start (--overwrite: the out_dir holds another run's checkpoint) that writes no
+    # checkpoint cleans up too, as soon as it holds the out_dir, and leaves the committed set
     (root / "step_5").mkdir()
     (root / "step_2" / "rank0.pt.tmp.4243").write_bytes(b"")
-    launch("01_single_gpu.py", FLAGS + ["--out_dir", out, "--max_iters", "1", "--sample_tokens", "0"]).ok()
+    launch("01_single_gpu.py", FLAGS + ["--out_dir", out, "--max_iters", "1", "--sample_tokens", "0",
+                                        "--overwrite"]).ok()
     assert os.listdir(root) == ["step_2"] and sorted(os.listdir(root / "step_2")) == ["metadata.json", "rank0.pt"]
 
 

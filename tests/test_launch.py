@@ -129,3 +129,25 @@ def test_collectives_refuse_a_tensor_off_the_run_device():
     with ledger.paused(), pytest.raises(RuntimeError):  # control messages are checked too
         all_reduce(torch.ones(3))
     assert calls == [1, 1]
+
+
+def test_metrics_over_ranks_and_the_straggler():
+    import common
+    rows = [(100.0, 2**30, "x1000c0s0"), (105.0, 3 * 2**30, "x1000c0s0"), (320.0, 2**30, "x1000c0s1"), (98.0, 2**30, "x1000c0s1")]
+    stats = common.rank_stats(rows)
+    assert stats["dt_ms_max"] == 320.0 and stats["dt_ms_max_rank"] == 2 and stats["dt_ms_max_host"] == "x1000c0s1"
+    assert stats["dt_ms_min"] == 98.0 and stats["dt_ms_mean"] == pytest.approx(155.75)
+    assert stats["mem_peak_bytes_max"] == 3 * 2**30 and stats["mem_peak_bytes_max_rank"] == 1
+    assert stats["straggler"] == "; straggler: rank 2 on x1000c0s1, 3.2x the median step time"
+    even = common.rank_stats([(100.0, None, "a"), (110.0, None, "b")])
+    assert "straggler" not in even and "mem_peak_bytes_max" not in even  # CPU: no device memory
+
+
+def test_real_run_logs_node_map_micro_batch_and_stats_over_ranks():
+    import socket
+    from harness import TINY
+    run = launch("03_ddp.py", TINY + ["--max_iters", "2", "--micro_batch_size", "2"], nprocs=2).ok()
+    assert f"nodes: 1; {socket.gethostname()}: ranks 0-1" in run.stdout
+    for row in run.steps:
+        assert row["micro_batch_size"] == 2 and row["dt_ms_min"] <= row["dt_ms_mean"] <= row["dt_ms_max"]
+        assert row["dt_ms_max_rank"] in (0, 1) and row["dt_ms_max_host"] == socket.gethostname()
