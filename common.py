@@ -2164,6 +2164,16 @@ class Metrics:
         return rank_stats(everyone)
 
 
+    def write(self, row):
+        if self.file:
+            try:
+                self.file.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk, a file system gone read-only: the guard stops the run
+                self.file = None
+                WRITE_FAILURES.append(f"cannot write --metrics {self.path}: {e.strerror or e}")
+
+
 def rank_stats(everyone):
     """[(dt_ms, mem_peak_bytes or None, host)] of every rank -> the metrics' over-ranks keys,
     and a 'straggler' note for the console when the slowest rank is far behind the median."""
@@ -2181,15 +2191,6 @@ def rank_stats(everyone):
         stats["straggler"] = (f"; straggler: rank {stats['dt_ms_max_rank']} on {stats['dt_ms_max_host']}, "
                               f"{stats['dt_ms_max'] / median:.1f}x the median step time")
     return stats
-
-    def write(self, row):
-        if self.file:
-            try:
-                self.file.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")
-                self.file.flush()
-            except OSError as e:  # a full disk, a file system gone read-only: the guard stops the run
-                self.file = None
-                WRITE_FAILURES.append(f"cannot write --metrics {self.path}: {e.strerror or e}")
 
 
 WRITE_FAILURES = []  # writes that failed outside an agreed path (metrics rows): the guard acts on them
