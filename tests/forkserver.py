@@ -37,7 +37,12 @@ Safety of fork: the server imports modules only. It never runs a torch op, so no
 intra-op thread pool exists when it forks; it checks that it holds exactly one thread
 (threading and /proc/self/task) at start and before every fork, and refuses jobs otherwise.
 Repository modules imported here (common.py) that have changed on disk since are dropped
-from sys.modules in the rank, which then imports the file as it is now."""
+from sys.modules in the rank, which then imports the file as it is now.
+
+What fork cannot give: every rank of every job shares the server's string-hash seed
+(PYTHONHASHSEED is fixed at interpreter start), so ranks iterate a set of strings in the same
+order here, where fresh interpreters may not. A bug of that kind shows only through a real
+launcher: run the suite with GPTPAR_TEST_LAUNCHER=mpiexec now and then (as CI can)."""
 
 import os
 import sys
