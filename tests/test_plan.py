@@ -142,7 +142,7 @@ def test_gpt3_175b_on_1024_polaris_gpus_recommends_a_fitting_3d_layout():
 @pytest.mark.parametrize("flags, reason", [
     (["--gpus", "4"], "describe the cluster"),
     (["--gpus", "4", "--machine", "polaris", "--model", "tiny", "--n_head", "3"], "not divisible by n_head"),
-    (["--gpus", "0", "--machine", "polaris"], "--gpus must be positive"),
+    (["--gpus", "0", "--machine", "polaris"], "--gpus must be in 1..10,000,000, got 0"),
     (["--gpus", "4", "--machine", "polaris", "--bench", "/nonexistent.jsonl"], "--bench /nonexistent.jsonl"),
 ])
 def test_bad_input_is_one_line_and_status_2(flags, reason, capsys):

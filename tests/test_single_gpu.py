@@ -9,7 +9,9 @@ from harness import TINY, launch
 
 SCRIPT = "01_single_gpu.py"
 KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu", "mem_peak_bytes", "state_bytes", "comm_bytes",
-        "state_bytes_theory", "comm_bytes_theory", "activation_bytes", "activation_bytes_theory"}  # docs/design.md
+        "state_bytes_theory", "comm_bytes_theory", "activation_bytes", "activation_bytes_theory",  # docs/design.md
+        "micro_batch_size", "dt_ms_min", "dt_ms_max", "dt_ms_mean", "dt_ms_max_rank", "dt_ms_max_host"}
+# (mem_peak_bytes_min/max/mean/max_rank/max_host join them on a GPU, where mem_peak_bytes is known)
 
 
 @pytest.fixture(scope="module")
