@@ -670,9 +670,9 @@ class ZeRO1:
                 s = piece.tensor.storage_offset() - p.data.storage_offset()
                 x, y = max(a, s), min(b, s + piece.tensor.numel())
                 if x < y:
-                    name, rows = piece.name.removeprefix("model/"), slice(x - a, y - a)
+                    name, mine = piece.name.removeprefix("model/"), slice(x - a, y - a)  # of segment
                     pieces += param_pieces(name, piece.shape, segment, self.optimizer, box=piece.box,
-                                           flat=(x - s, y - s), index=rows, write=piece.write,
+                                           flat=(x - s, y - s), index=mine, write=piece.write,
                                            model=False)
         return pieces
 
