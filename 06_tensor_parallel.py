@@ -44,6 +44,9 @@ sequence parallelism) every rank must drop the same elements, so they share one 
 (seeded by --seed). In sharded regions (attention dropout inside each rank's heads, and the
 sequence-sharded dropouts with --sequence_parallel) each rank draws its own stream (seed +
 2718 + rank, as Megatron's model-parallel RNG tracker), else the shards would be correlated.
+A checkpoint keeps both; the same layout resumes them, unless the rank's own stream was saved
+on another device type (its generator state does not fit): it then starts afresh, as at a
+layout change.
 
 Weights are sliced from the same initial values as 01_single_gpu.py (common.param_init of the
 full parameter), so the losses are comparable.
@@ -261,6 +264,20 @@ class ShardedRNG:
         finally:
             self.state = device_rng_state(self.device)
             set_device_rng_state(self.device, shared)
+
+    def resume(self, saved, log):
+        """Continue this rank's stream from a checkpoint's state (`saved`: the same layout's
+        extra streams, else None). A state written on another device type does not fit this
+        device's generator (a CPU generator's state is 5056 bytes, a CUDA one's 16): the
+        stream then starts afresh, as at a layout change, and `log` says so once."""
+        if saved is None:
+            return
+        if saved["tp"].shape == self.state.shape:
+            self.state = saved["tp"]
+        else:
+            log(f"the tensor-parallel dropout stream was saved on another device type (a "
+                f"{saved['tp'].numel()}-byte state; this {self.device.type} generator's is "
+                f"{self.state.numel()} bytes): it starts afresh, as at a layout change")
 
 
 # ---------------------------------------------------------------------------------------
@@ -563,8 +580,7 @@ def main():
                                f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of "
                                f"{args.micro_batch_size} per step",
                       extra_rng=lambda: {"tp": rng.state})  # this rank's own stream is checkpointed too
-    if saved is not None:  # the same layout: this rank's own dropout stream resumes too
-        rng.state = saved["tp"]
+    rng.resume(saved, run.log)  # the same layout: this rank's own dropout stream continues too
     n_sharded, n_replicated = cost["params_per_rank"]
     run.log(f"parameters on this rank: {n_sharded:,} sharded (1/{tp_size} of {n_sharded * tp_size:,}) + "
             f"{n_replicated:,} replicated")

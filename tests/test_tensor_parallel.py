@@ -1,8 +1,14 @@
 """06_tensor_parallel.py: the parallel layers and the vocab-parallel loss against their
 single-device definitions; full-model losses equal 01's at tp = 2, 3 and 4, with and without
-sequence parallelism; the ledger; resume; refusals."""
+sequence parallelism; the ledger; resume (a rank's own dropout stream saved on another device
+type starts afresh); refusals."""
+
+import json
+import shutil
+import zlib
 
 import pytest
+import torch
 
 from harness import TINY, assert_losses_match, launch
 
@@ -67,6 +73,33 @@ def test_resume_is_bit_exact(tmp_path):
     second = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses  # both dropout streams resume too
     # (resuming at another layout, resharded, with the losses checked: test_checkpoints.py)
+
+
+def test_own_stream_saved_on_another_device_type_starts_afresh(tmp_path):
+    """The same layout resumed on another device type: the rank's own dropout stream's saved
+    state (faked: a CUDA generator's 16 bytes in place of this CPU generator's 5056) does not
+    fit, so it starts afresh from its seed, as at a layout change, said once; not an error at
+    the first forward. The oracle: the same set with that stream's fresh state saved in it."""
+    flags = BASE + ["--max_iters", "4", "--lr_decay_iters", "4", "--dropout", "0.1"]
+    launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2",
+                                             "--ckpt_interval", "2"], nprocs=2).ok()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for out, fresh in (("a", False), ("b", True)):
+        step = tmp_path / out / "ckpt" / "step_2"
+        meta = json.loads((step / "metadata.json").read_text())
+        for rank in range(2):
+            data = torch.load(step / f"rank{rank}.pt")
+            assert data["extra_rng/tp"].numel() == torch.get_rng_state().numel()  # CPU's: 5056 bytes
+            seeded = torch.Generator().manual_seed(meta["run"]["seed"] + 2718 + rank)  # the stream's start
+            data["extra_rng/tp"] = seeded.get_state() if fresh else torch.zeros(16, dtype=torch.uint8)
+            torch.save(data, step / f"rank{rank}.pt")
+            meta["checksums"][rank]["extra_rng/tp"] = zlib.crc32(data["extra_rng/tp"].numpy())
+        (step / "metadata.json").write_text(json.dumps(meta))
+    moved, oracle = (launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / out, "--resume"],
+                            nprocs=2).ok() for out in ("a", "b"))
+    said = "the tensor-parallel dropout stream was saved on another device type"
+    assert moved.stdout.count(said) == 1 and said not in oracle.stdout
+    assert [s["step"] for s in moved.steps] == [2, 3] and moved.losses == oracle.losses
 
 
 @pytest.mark.parametrize("ranks, flags, message", [
