@@ -256,9 +256,10 @@ class FSDP:
             s.grad.mul_(coef)
 
     def __str__(self):
+        replicas = self.world_size // self.shard_size
         return (f"built on the meta device; reduce {str(self.reduce_dtype).replace('torch.', '')}; "
                 f"{len(self.units)} units sharded over {self.shard_size} ranks"
-                + (f" x {self.world_size // self.shard_size} replicas (HSDP)" if self.replicate_group else "")
+                + (f" x {replicas} replicas (HSDP)" if replicas > 1 else "")
                 + f"; prefetch {'on' if self.prefetch else 'off'}, reshard {'on' if self.reshard else 'off'}")
 
     def numel(self):
