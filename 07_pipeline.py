@@ -22,12 +22,18 @@ for in idle time, the bubble, while the pipeline fills and drains.
     (rank r: chunks r, r+p, ..., r+(v-1)p), so the pipeline fills v times faster:
     bubble = (p-1)/(v·m + p - 1), for v times as many stage-boundary messages.
 
-Point-to-point: receives block (irecv + wait); every send is posted together with the next
-receive in one batch_isend_irecv (Megatron's send_forward_recv_backward and friends) or on
-its own when no receive follows, so two neighbours never wait on each other's unposted
-operations: deadlock-free on gloo and on NCCL, where a lone blocking send could be stuck
-behind the peer's send. After a send completes, the activation's data is freed: only its
-autograd graph is needed for backward (Megatron's deallocate_output_tensor).
+Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
+steady state one forward and one backward) and between two rounds posts one batch_isend_irecv
+(exchanges()): the sends of what it just computed with the receives the next round needs,
+then waits for the receives (Megatron's send_forward_recv_backward and friends; in the
+interleaved steady state send_forward_backward_recv_forward_backward). Under NCCL a send
+completes only once its receive is posted and a rank's batches complete one after another;
+posted this way, no cycle of ranks waiting on each other's later batches forms, for every
+schedule at every p, v and m the tests try (tests/test_schedules.py replays every rank's
+posting order under NCCL's rules). Posted one batch per operation, the interleaved schedule
+deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it. After a send
+completes, the activation's data is freed: only its autograd graph is needed for backward
+(Megatron's deallocate_output_tensor).
 
 The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the head;
 both start equal (param_init) and stay equal because their gradients are all-reduced between
@@ -68,11 +74,13 @@ from common import (activation_device_type, activation_phases, activation_terms,
 # Schedules: the order of ("F" | "B", micro-batch, chunk) on one rank
 # ---------------------------------------------------------------------------------------
 
-def schedule(kind, p, rank, m, v=1):
+def schedule_rounds(kind, p, rank, m, v=1):
     """The operations rank `rank` of `p` runs for `m` micro-batches (v chunks per rank for
-    the interleaved schedule), in order."""
+    the interleaved schedule), in order, in rounds: between two rounds the rank exchanges
+    activations and gradients with its neighbours (exchanges()). A round is one operation,
+    except in the interleaved steady state: one forward and one backward."""
     if kind == "gpipe":
-        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+        return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
     if kind == "1f1b":
         warmup = min(p - rank - 1, m)
         forwards = [("F", i, 0) for i in range(m)]
@@ -80,7 +88,7 @@ def schedule(kind, p, rank, m, v=1):
         order = forwards[:warmup]
         for i in range(m - warmup):  # steady state: one forward, one backward
             order += [forwards[warmup + i], backwards[i]]
-        return order + backwards[m - warmup:]  # cool-down
+        return [(op,) for op in order + backwards[m - warmup:]]  # cool-down
     # interleaved (Megatron): forwards visit chunks in groups of p micro-batches
     total = m * v
 
@@ -91,10 +99,53 @@ def schedule(kind, p, rank, m, v=1):
         return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
     warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    order = [forward_op(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [forward_op(warmup + k), backward_op(k)]
-    return order + [backward_op(k) for k in range(total - warmup, total)]
+    return ([(forward_op(k),) for k in range(warmup)]
+            + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
+            + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
+
+
+def schedule(kind, p, rank, m, v=1):
+    """The operations of schedule_rounds(), one after the other."""
+    return [op for ops in schedule_rounds(kind, p, rank, m, v) for op in ops]
+
+
+def forward_rounds(p, m, v):
+    """Evaluation's rounds: forwards only, micro-batches in groups of p through chunk 0,
+    then chunk 1, ... (the interleaved order without its backwards); v = 1: 0..m-1."""
+    return [(("F", i, c),) for group in range(0, m, p) for c in range(v)
+            for i in range(group, min(group + p, m))]
+
+
+def exchanges(rounds, p, rank, v, m):
+    """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
+    receives it needs; after each round, the sends of what it computed (outputs to the next
+    stage, input gradients to the previous) together with the receives of the next round.
+    Megatron's p2p calls: send_forward_recv_forward after a forward (..._recv_backward when a
+    backward follows), send_backward_recv_backward after a backward (..._recv_forward), and
+    send_forward_backward_recv_forward_backward after an interleaved steady-state round.
+    An entry: [("send" | "recv", peer, tag)]; a tag names one activation (micro-batch i,
+    from chunk g: i·p·v + g) or one gradient (the same, + p·v·m)."""
+    n = p * v
+
+    def receives(ops):
+        for kind, i, c in ops:
+            g = c * p + rank
+            if kind == "F" and g > 0:
+                yield "recv", (rank - 1) % p, i * n + g - 1  # chunk g-1's output, the input of chunk g
+            if kind == "B" and g < n - 1:
+                yield "recv", (rank + 1) % p, n * m + i * n + g + 1  # the gradient of chunk g's output
+
+    def sends(ops):
+        for kind, i, c in ops:
+            g = c * p + rank
+            if kind == "F" and g < n - 1:
+                yield "send", (rank + 1) % p, i * n + g
+            if kind == "B" and g > 0:
+                yield "send", (rank - 1) % p, n * m + i * n + g
+
+    following = rounds[1:] + [()]
+    return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
+                                          for ops, nxt in zip(rounds, following)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,36 +248,38 @@ class Pipeline:
     def __init__(self, chunks, env, p, v, act_shape):
         self.chunks, self.env, self.p, self.v, self.act_shape = chunks, env, p, v, act_shape
         self.rank = env.rank
-        self.next_rank, self.prev_rank = (self.rank + 1) % p, (self.rank - 1) % p
-        self.pending_sends = []  # (peer, tensor, tag, free_after_send) not yet posted
         self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
 
     def global_chunk(self, c):
         return c * self.p + self.rank
 
-    def _exchange(self, recv_from=None, recv_tag=None):
-        """Post the pending sends and (optionally) one receive together, and wait for the
-        receive only: a send completes when the peer receives it, which may be after the
-        peer's own next exchange, so waiting for it here could deadlock."""
+    def _exchange(self, batch, outputs):
+        """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
+        after sending)}) and the receives together, and wait for the receives only; returns
+        {tag: received tensor}. Sends are retired once complete (with NCCL the whole batch
+        completes at once; gloo may complete a send later, after the peer's receive)."""
         if self.p == 1:
-            for _, tensor, tag, _ in self.pending_sends:
+            for tag, (tensor, _) in outputs.items():
                 self.mailbox[tag] = tensor.detach().clone()
-            self.pending_sends = []
-            return None if recv_from is None else self.mailbox.pop(recv_tag)
-        ops = [dist.P2POp(dist.isend, tensor, peer, tag=tag) for peer, tensor, tag, _ in self.pending_sends]
-        buffer = None
-        if recv_from is not None:
-            buffer = torch.empty(self.act_shape, device=self.env.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, recv_from, tag=recv_tag))
-        requests = dist.batch_isend_irecv(ops) if ops else []  # activations or gradients, b·s·h each
-        for request, (_, tensor, _, free) in zip(requests, self.pending_sends):
-            self.posted_sends.append((request, tensor, free))
-        if buffer is not None:
-            requests[-1].wait()
-        self.pending_sends = []
+            return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
+        ops, received = [], {}
+        for op, peer, tag in batch:  # activations or gradients, b·s·h each
+            if op == "send":
+                ops.append(dist.P2POp(dist.isend, outputs[tag][0], peer, tag=tag))
+            else:
+                received[tag] = torch.empty(self.act_shape, device=self.env.device)
+                ops.append(dist.P2POp(dist.irecv, received[tag], peer, tag=tag))
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        if len(requests) != len(ops):  # NCCL coalesces the batch into one request
+            requests = requests[-1:] * len(ops)
+        for request, (op, _, tag) in zip(requests, batch):
+            if op == "send":
+                self.posted_sends.append((request, *outputs[tag]))
+            else:
+                request.wait()
         self._retire_sends(wait=False)
-        return buffer
+        return received
 
     def _retire_sends(self, wait):
         """Forget completed sends (all of them, waiting, at the end of a step). A sent
@@ -242,55 +295,49 @@ class Pipeline:
                 still.append((request, tensor, free))
         self.posted_sends = still
 
-    def run(self, order, inputs, targets, m, train=True):
-        """Run one step's schedule; returns the summed loss (last stage), the peak number of
-        micro-batch chunks in flight, and the fraction of the schedule's wall time this rank
-        spent computing (1 - that is its measured bubble)."""
-        n_chunks_total = self.p * self.v
+    def run(self, rounds, inputs, targets, m, train=True):
+        """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
+        them); returns the summed loss (last stage), the peak number of micro-batch chunks in
+        flight, and the fraction of the schedule's wall time this rank spent computing (1 -
+        that is its measured bubble)."""
+        n = self.p * self.v
         saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
         start = time.perf_counter()
-        for kind, i, c in order:
-            g = self.global_chunk(c)
-            tag = i * n_chunks_total + g
-            if kind == "F":
-                if g == 0:
-                    x = inputs[i]
-                    self._exchange()  # flush sends that have no receive to pair with
-                else:
-                    x = self._exchange(self.prev_rank, i * n_chunks_total + g - 1).requires_grad_(train)
+        batches = exchanges(rounds, self.p, self.rank, self.v, m)
+        received = self._exchange(batches[0], {})
+        for ops, batch in zip(rounds, batches[1:]):
+            outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
+            for kind, i, c in ops:
+                g = self.global_chunk(c)
                 t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
-                with torch.set_grad_enabled(train), autocast(self.env):
-                    out = self.chunks[c](x, targets[i] if g == n_chunks_total - 1 else None)
-                if g == n_chunks_total - 1:
-                    loss_sum += out.detach().float()
-                    if train:
-                        saved[(i, c)] = (x, out / m)  # backward of the mean over micro-batches
-                else:
-                    self.pending_sends.append((self.next_rank, out if train else out.detach(), tag, train))
+                if kind == "F":
+                    x = inputs[i] if g == 0 else received.pop(i * n + g - 1).requires_grad_(train)
+                    with torch.set_grad_enabled(train), autocast(self.env):
+                        out = self.chunks[c](x, targets[i] if g == n - 1 else None)
+                    if g == n - 1:
+                        loss_sum += out.detach().float()
+                        out = out / m  # backward of the mean over micro-batches
+                    else:
+                        outputs[i * n + g] = (out if train else out.detach(), train)
                     if train:
                         saved[(i, c)] = (x, out)
-                if train:
-                    in_flight += 1
-                    peak = max(peak, in_flight)
-            else:
-                x, out = saved.pop((i, c))
-                if g == n_chunks_total - 1:
-                    self._exchange()
-                    t0 = time.perf_counter()
-                    out.backward()
+                        in_flight += 1
+                        peak = max(peak, in_flight)
                 else:
-                    grad = self._exchange(self.next_rank, i * n_chunks_total + g + 1 + n_chunks_total * m)
-                    t0 = time.perf_counter()
-                    # the output's data was freed after sending: run the engine directly,
-                    # which (unlike tensor.backward) does not check the shapes
-                    Variable._execution_engine.run_backward(
-                        (out,), (grad,), False, False, (), True, True)
-                if g > 0:
-                    self.pending_sends.append((self.prev_rank, x.grad, tag + n_chunks_total * m, False))
-                in_flight -= 1
-            synchronize(self.env)  # for the busy time: this forgoes compute/communication overlap on GPUs
-            busy += time.perf_counter() - t0
-        self._exchange()
+                    x, out = saved.pop((i, c))
+                    if g == n - 1:
+                        out.backward()
+                    else:
+                        grad = received.pop(n * m + i * n + g + 1)
+                        # the output's data was freed after sending: run the engine directly,
+                        # which (unlike tensor.backward) does not check the shapes
+                        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+                    if g > 0:
+                        outputs[n * m + i * n + g] = (x.grad, False)
+                    in_flight -= 1
+                synchronize(self.env)  # for the busy time: this forgoes compute/communication overlap on GPUs
+                busy += time.perf_counter() - t0
+            received.update(self._exchange(batch, outputs))
         self._retire_sends(wait=True)
         return loss_sum, peak, busy / (time.perf_counter() - start)  # the busy fraction
 
@@ -308,12 +355,6 @@ def share_loss(loss_sum, p, m):
     """The mean loss over the micro-batches, on every stage."""
     dist.broadcast(loss_sum, src=p - 1)  # the last stage's loss, to every stage for logging
     return loss_sum / m
-
-
-def forward_order(p, m, v):
-    """Evaluation's order: forwards only, micro-batches in groups of p through chunk 0, then
-    chunk 1, ... (the interleaved schedule's order without its backwards); v = 1: 0..m-1."""
-    return [("F", i, c) for group in range(0, m, p) for c in range(v) for i in range(group, min(group + p, m))]
 
 
 def clip_grad_norm(chunks, max_norm, p):
@@ -345,7 +386,7 @@ def evaluate(pipeline, chunks, data, args, env, p, m, v):
         total = 0.0
         for k in range(args.eval_iters):
             xs, ys = micro_batches(data, split, k, args, env, m, eval_split=True)
-            loss_sum, _, _ = pipeline.run(forward_order(p, m, v), xs, ys, m, train=False)
+            loss_sum, _, _ = pipeline.run(forward_rounds(p, m, v), xs, ys, m, train=False)
             total += share_loss(loss_sum, p, m).item()
         losses[split] = total / args.eval_iters
     chunks.train()
@@ -379,7 +420,7 @@ def main():
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
     optimizer = make_adamw(*decay_groups(chunks.parameters()), args, env.device.type)
     pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
-    order = schedule(args.schedule, p, env.rank, m, v)  # this stage's ("F" | "B", micro-batch, chunk)
+    rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # this stage's ("F" | "B", micro-batch, chunk)
     cost = costs(args, config, p, env.dtype, env.rank)
     run.begin(config, optimizer, cost, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
@@ -391,7 +432,7 @@ def main():
     for step in run.steps():
         xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
         with run.meter:
-            loss_sum, in_flight, busy = pipeline.run(order, xs, ys, m)  # busy: the share spent computing
+            loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m)  # busy: the share spent computing
         loss = share_loss(loss_sum, p, m)
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
