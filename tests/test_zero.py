@@ -117,7 +117,9 @@ def fsdp_bf16():
 def test_bf16_keeps_fp32_masters_and_reduces_in_fp32_as_05_does(fsdp_bf16, stage):
     """bf16 working parameters and micro-batch gradients; fp32 masters made from the fp32
     initialisation, gradients summed and reduce-scattered in fp32: 05's arithmetic, so the
-    same losses bit for bit (a bf16 sum or reduction, or masters rounded to bf16, differ)."""
+    same losses bit for bit (a bf16 sum or reduction, or masters rounded to bf16, differ;
+    stage 1 sums micro-batches before it reduces, fp32 additions of bf16 terms that are exact
+    here)."""
     run = launch("04_zero.py", BF16 + ["--stage", stage], nprocs=2).ok()
     assert run.losses == fsdp_bf16.losses
     assert run.losses[-1] < run.losses[0] - 0.3
