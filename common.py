@@ -723,6 +723,9 @@ def make_parser(doc):
     g.add_argument("--eval_iters", type=int, default=20)
     g.add_argument("--log_interval", type=int, default=10)
     g.add_argument("--metrics", default=None, help="JSONL file, one object per logged step")
+    g.add_argument("--wandb", default=None, metavar="PROJECT",
+                   help="also log the metrics rows to Weights & Biases from rank 0 (optional package; "
+                        "WANDB_MODE=offline on nodes without internet, `wandb sync` later)")
     g = p.add_argument_group("system")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "mps", "cpu"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -799,7 +802,17 @@ def parse_args(parser, argv=None):
           "it needs --ckpt_interval (the final step is always saved)")
     check(not (args.resume and args.overwrite), "--resume continues the run in --out_dir, --overwrite replaces it: "
           "pass one")
+    check(not args.wandb or wandb_installed(), f"--wandb {args.wandb}: the wandb package is not installed "
+          "(it is optional: pip install wandb)")
     return args
+
+
+def wandb_installed():
+    try:
+        import wandb  # noqa: F401  (optional: imported only when --wandb is given)
+        return True
+    except ImportError:
+        return False
 
 
 def check_batch(args, dp_size):
@@ -1238,7 +1251,8 @@ class Run:
         nano_params = count_params(config)[1]
         log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
                  f"{str(env.dtype).replace('torch.', '')}, {describe}")
-        self.metrics = Metrics(args, env, flops_per_token(config, nano_params), cost)
+        self.metrics = Metrics(args, env, flops_per_token(config, nano_params), cost,
+                               config={"script": self.script, "preset": args.model, **self.run_config})
         LEDGER.take()  # the set-up's traffic (weights broadcast, groups made) is not a step's
         return extra
 
@@ -1306,6 +1320,7 @@ class Run:
         """Release out_dir and end the process group in step (Part I's teardown)."""
         ignore_stop_signals()
         agree(self.env, WRITE_FAILURES[0] if WRITE_FAILURES else None)  # a metrics row lost at the end
+        self.metrics.close()  # --wandb: the run finished, its files complete
         release_out_dir()
         teardown(self.env)
 
@@ -2119,8 +2134,9 @@ STRAGGLER = 1.5  # a rank this many times slower than the median is named on the
 class Metrics:
     """Rank-0 console lines and the JSONL metrics file (schema in docs/design.md)."""
 
-    def __init__(self, args, env, flops_per_tok, cost):
+    def __init__(self, args, env, flops_per_tok, cost, config=None):
         self.env, self.flops_per_tok = env, flops_per_tok
+        self.wandb = start_wandb(args, env, config or {}) if args.wandb else None  # rank 0's run, or None
         self.state_theory, self.comm_theory = theory_bytes(cost)  # the script's costs()
         # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
@@ -2172,6 +2188,50 @@ class Metrics:
             except OSError as e:  # a full disk, a file system gone read-only: the guard stops the run
                 self.file = None
                 WRITE_FAILURES.append(f"cannot write --metrics {self.path}: {e.strerror or e}")
+        if self.wandb:  # the same keys, nested ones flattened: state_bytes/params by state_bytes_theory/params
+            flat = flat_row(finite_or_null(row))
+            self.wandb.log({k: v for k, v in flat.items() if v is not None}, step=row["step"])
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def start_wandb(args, env, config):
+    """--wandb PROJECT: rank 0 opens a Weights & Biases run in that project, with the command
+    line and the run's configuration (model, layout) as its config, in --out_dir unless
+    WANDB_DIR says where. Offline (WANDB_MODE=offline, for compute nodes without internet) it
+    writes only there; `wandb sync` uploads it later. A run that cannot start (online without
+    an API key) is one agreed line. Returns the run on rank 0, None elsewhere."""
+    run, problem = None, None
+    if env.master:
+        import wandb
+        try:
+            run = wandb.init(project=args.wandb, config={**vars(args), **config, "world_size": env.world_size},
+                             dir=None if os.environ.get("WANDB_DIR") else args.out_dir,
+                             settings=wandb.Settings(console="off", silent=True))
+        except Exception as e:  # wandb's own errors (no API key, no server) are not one class
+            why = (str(e).strip() or type(e).__name__).splitlines()[0]
+            problem = f"--wandb {args.wandb}: wandb could not start a run: {why}"
+    agree(env, problem)
+    if run is not None:
+        offline = run.settings.mode == "offline"
+        log(env, f"wandb: run {run.name or run.id} in project {args.wandb}, " + (
+            f"offline in {run.dir} (upload with `wandb sync {os.path.dirname(run.dir)}`)" if offline else run.url))
+    return run
+
+
+def flat_row(row):
+    """{"comm_bytes": {"all_reduce": n}} -> {"comm_bytes/all_reduce": n}: the metrics row's
+    keys, flattened for loggers that take one level."""
+    flat = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}/{sub}": v for sub, v in flat_row(value).items()})
+        else:
+            flat[key] = value
+    return flat
 
 
 def rank_stats(everyone):
