@@ -71,7 +71,8 @@ from common import (activation_device_type, activation_phases, activation_terms,
 
 
 # ---------------------------------------------------------------------------------------
-# Schedules: the order of ("F" | "B", micro-batch, chunk) on one rank
+# Schedules: the order of ("F" | "B", micro-batch, chunk) on one rank, in rounds, and what it
+# posts between two rounds
 # ---------------------------------------------------------------------------------------
 
 def schedule_rounds(kind, p, rank, m, v=1):
@@ -468,13 +469,16 @@ def costs(args, config, world_size, dtype, rank=0):
     psi = sum(t.numel() for t in chunks.parameters())
     first, last = chunks[0].is_first, chunks[-1].is_last
     order = schedule(args.schedule, p, rank, m, v)
-    sends = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
-    recvs = sum(1 for kind, i, c in order if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
+    sends = sum(1 for kind, i, c in order
+                if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
+    recvs = sum(1 for kind, i, c in order
+                if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
     if p == 1:  # one rank holds every chunk: activations pass between chunks in memory
         sends = recvs = 0
     act_bytes = 4 * args.micro_batch_size * config.block_size * config.n_embd  # one fp32 b·s·h tensor
     tied = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
-    sent = {"send": (f"{sends} x 4 b·s·h", sends * act_bytes), "recv": (f"{recvs} x 4 b·s·h", recvs * act_bytes),
+    sent = {"send": (f"{sends} x 4 b·s·h", sends * act_bytes),
+            "recv": (f"{recvs} x 4 b·s·h", recvs * act_bytes),
             "broadcast": ("4 loss", 4),
             "all_reduce": ("4V·h wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
                            tied + 4 * (args.grad_clip > 0 and p > 1))}
@@ -482,7 +486,8 @@ def costs(args, config, world_size, dtype, rank=0):
     # activation_terms) from its forward to its backward; walking this rank's schedule
     # gives the peak: m chunks in flight for GPipe, p - rank for 1F1B, the interleaved
     # warm-up's count (in_flight below), each with the size of its own chunk
-    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args))
+    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype,
+                             activation_device_type(args))
     layout, now, peak = chunk_layers(config.n_layer, p * v), 0, 0
     for kind, i, c in order:
         g = c * p + rank
