@@ -57,7 +57,7 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
 """
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -146,9 +146,11 @@ class Mesh:
         return "\n".join(lines)
 
 
-def check_layout(config, T, P):
+def check_layout(config, T, P, sp=False):
     check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
           "each TP rank must own whole attention heads")
+    check(not sp or config.block_size % T == 0, f"--sequence_parallel needs block_size "
+          f"{config.block_size} divisible by tp {T}: each TP rank holds s/T of the sequence")
     check(config.n_layer >= P,
           f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
 
@@ -208,48 +210,117 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather_seq(x, group):
+    """[b, s/T, h] on each rank -> [b, s, h], the shards in rank order."""
+    tp_size, (b, s_local, h) = dist.get_world_size(group), x.shape
+    parts = torch.empty((tp_size * b, s_local, h), dtype=x.dtype, device=x.device)  # rank-major
+    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)  # every rank's sequence shard
+    return parts.view(tp_size, b, s_local, h).permute(1, 0, 2, 3).reshape(b, tp_size * s_local, h)
+
+
+def _reduce_scatter_seq(x, group):
+    """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of
+    the sum."""
+    tp_size, (b, s, h) = dist.get_world_size(group), x.shape
+    chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3)
+    chunks = chunks.reshape(tp_size * b, s // tp_size, h)
+    out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps chunk t
+    return out
+
+
+class GatherSequenceLinear(torch.autograd.Function):
+    """f and a column-parallel Linear with sequence parallelism, Y_t = all-gather(X) A_t^T +
+    b_t, keeping only this rank's sequence shard of X for backward (Korthikanti et al. 2022,
+    Sec. 4.2.2): backward all-gathers the shard again for the weight gradient (one more
+    all-gather of b·s·h, in the compute dtype) and reduce-scatters the input gradient.
+    Under autocast the shard is cast before the gather (half the bytes in bf16), and that
+    cast shard is what is kept, as autocast would keep its cast input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+            else x.dtype
+        shard = x.to(dtype)
+        out = F.linear(_all_gather_seq(shard, group), weight.to(dtype),
+                       None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(shard, weight)  # [b, s/T, h], not the gathered [b, s, h]
+        ctx.has_bias, ctx.x_dtype, ctx.group = bias is not None, x.dtype, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        total = _all_gather_seq(shard, ctx.group)  # the whole sequence again, for dL/dA_t
+        grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
+        # sum the parts of every rank's weight shard, keep this rank's sequence shard (in
+        # the input's dtype, as autocast's cast back would hand it on)
+        grad_x = _reduce_scatter_seq(grad_x.to(ctx.x_dtype), ctx.group)
+        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dY_t^T X
+        grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """g with sequence parallelism: reduce-scatter forward, all-gather back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None  # every rank's shard of dL/dY
+
+
 class ColumnParallelLinear(nn.Module):
     """Y_t = f(X) A_t: this rank's block of output columns (rows of nn.Linear's weight)."""
 
-    def __init__(self, in_features, out_local, bias, group):
+    def __init__(self, in_features, out_local, bias, group, sequence_parallel):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_features))
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
+        if self.sequence_parallel:  # keeps only the sequence shard of x for backward
+            return GatherSequenceLinear.apply(x, self.weight, self.bias, self.group)
         return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias is added once,
-    after the reduction."""
+    after the reduction (with sequence parallelism: to this rank's sequence shard)."""
 
-    def __init__(self, in_local, out_features, bias, group):
+    def __init__(self, in_local, out_features, bias, group, sequence_parallel):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        y = ReduceFromTP.apply(F.linear(x, self.weight), self.group)
+        reduce = ScatterSequence if self.sequence_parallel else ReduceFromTP
+        y = reduce.apply(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank t holds rows [start, start + V/T) of the (padded) token embedding."""
 
-    def __init__(self, vocab_local, n_embd, start, group):
+    def __init__(self, vocab_local, n_embd, start, group, sequence_parallel):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_local, n_embd))
-        self.start, self.group = start, group
+        self.start, self.group, self.sequence_parallel = start, group, sequence_parallel
 
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks' tokens contribute zeros
-        return ReduceFromTP.apply(x, self.group)
+        reduce = ScatterSequence if self.sequence_parallel else ReduceFromTP
+        return reduce.apply(x, self.group)  # the sum, or with SP this rank's sequence shard of it
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -289,19 +360,19 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class TPBlock(nn.Module):
-    def __init__(self, config, tp_size, group):
+    def __init__(self, config, tp_size, group, sp):
         super().__init__()
         h = config.n_embd
         self.ln_1 = nn.LayerNorm(h, bias=config.bias)
         self.attn = nn.Module()
-        self.attn.c_attn = ColumnParallelLinear(h, 3 * h // tp_size, config.bias, group)
-        self.attn.c_proj = RowParallelLinear(h // tp_size, h, config.bias, group)
+        self.attn.c_attn = ColumnParallelLinear(h, 3 * h // tp_size, config.bias, group, sp)
+        self.attn.c_proj = RowParallelLinear(h // tp_size, h, config.bias, group, sp)
         self.ln_2 = nn.LayerNorm(h, bias=config.bias)
         self.mlp = nn.Module()
-        self.mlp.c_fc = ColumnParallelLinear(h, 4 * h // tp_size, config.bias, group)
-        self.mlp.c_proj = RowParallelLinear(4 * h // tp_size, h, config.bias, group)
+        self.mlp.c_fc = ColumnParallelLinear(h, 4 * h // tp_size, config.bias, group, sp)
+        self.mlp.c_proj = RowParallelLinear(4 * h // tp_size, h, config.bias, group, sp)
         self.n_head_local, self.dropout = config.n_head // tp_size, nn.Dropout(config.dropout)
-        self.p_attn = config.dropout
+        self.p_attn, self.sp = config.dropout, sp
 
     recompute = False  # --recompute: keep the block's input only (its g all-reduces run again)
 
@@ -318,8 +389,12 @@ class TPBlock(nn.Module):
         with rng.sharded():  # attention dropout acts inside this rank's heads: its own stream
             p = self.p_attn if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        x = x + self.dropout(self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
-        return x + self.dropout(self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)))))
+        y = self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        with sharded_if(self.sp, rng):  # with SP the residual stream is a sequence shard
+            x = x + self.dropout(y)
+        y = self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+        with sharded_if(self.sp, rng):
+            return x + self.dropout(y)
 
 
 class ShardedRNG:
@@ -342,30 +417,39 @@ class ShardedRNG:
             set_device_rng_state(self.device, shared)
 
 
+def sharded_if(sp, rng):
+    """Dropout on a sequence shard (SP's residual stream and embedding) draws this rank's
+    own stream; on the replicated stream (no SP), the one the TP group shares."""
+    return rng.sharded() if sp else nullcontext()
+
+
 class Stage(nn.Module):
     """This rank's pipeline stage, tensor-parallel: layers [first_layer, first_layer + n),
-    the vocab-parallel embedding on the first stage, the final norm and head on the last."""
+    the vocab-parallel embedding on the first stage, the final norm and head on the last.
+    With sequence parallelism (sp) the residual stream in and out is [b, s/T, h]: this TP
+    rank's sequence shard."""
 
-    def __init__(self, config, mesh, first_layer, n_layers, rng, recompute=False):
+    def __init__(self, config, mesh, first_layer, n_layers, rng, recompute=False, sp=False):
         super().__init__()
         tp_size, h, group = mesh.tp_size, config.n_embd, mesh.tp_group
         self.config, self.mesh, self.first_layer, self.rng = config, mesh, first_layer, rng
+        self.sp = sp
         self.is_first, self.is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
         self.padded_vocab = math.ceil(config.vocab_size / tp_size) * tp_size
         self.vocab_local = self.padded_vocab // tp_size
         self.vocab_start = mesh.tp_rank * self.vocab_local
         if self.is_first:
-            self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start, group)
+            self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start, group, sp)
             self.wpe = nn.Embedding(config.block_size, h)
             self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([TPBlock(config, tp_size, group) for _ in range(n_layers)])
+        self.h = nn.ModuleList([TPBlock(config, tp_size, group, sp) for _ in range(n_layers)])
         for block in self.h:
             block.recompute = recompute
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
             # the tied head: the embedding itself, or (on another stage) a copy of its shard
             self.lm_head = self.wte if self.is_first else VocabParallelEmbedding(
-                self.vocab_local, h, self.vocab_start, group)
+                self.vocab_local, h, self.vocab_start, group, sp)
 
     def full_name(self, name):
         if name.startswith("h."):
@@ -410,17 +494,24 @@ class Stage(nn.Module):
         return self
 
     def forward(self, x, targets=None):
+        T, t, group = self.mesh.tp_size, self.mesh.tp_rank, self.mesh.tp_group
         if self.is_first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            s = x.shape[1]  # with SP, this rank's positions: [t·s/T, (t+1)·s/T)
+            pos = torch.arange(t * s // T, (t + 1) * s // T) if self.sp else torch.arange(s)
+            x = self.wte(x) + self.wpe(pos.to(x.device))
+            with sharded_if(self.sp, self.rng):
+                x = self.drop(x)
         for block in self.h:
             x = block(x, self.rng)
         if self.is_last:
-            x = CopyToTP.apply(self.ln_f(x), self.mesh.tp_group)
-            logits = F.linear(x, self.lm_head.weight)  # the tied head: this rank's vocabulary
+            x = self.ln_f(x)  # the tied head: this rank's vocabulary, of the whole sequence
+            if self.sp:  # a column-parallel Linear too: keeps the sequence shard only
+                logits = GatherSequenceLinear.apply(x, self.lm_head.weight, None, group)
+            else:
+                logits = F.linear(CopyToTP.apply(x, group), self.lm_head.weight)
             logits, targets = logits.view(-1, logits.size(-1)), targets.view(-1)
             return VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start,
-                                                   self.config.vocab_size, self.mesh.tp_group)
+                                                   self.config.vocab_size, group)
         return x
 
 
@@ -430,6 +521,19 @@ def counted_once(stage, name):
     only, a TP-replicated parameter on TP rank 0 only (TP-split ones on every TP rank)."""
     tied_copy = name == "lm_head.weight" and not stage.is_first
     return not tied_copy and (tp_split(name) != "replicated" or stage.mesh.tp_rank == 0)
+
+
+def reduce_replicated_grads(stage, group):
+    """With sequence parallelism each TP rank ran the replicated parameters (LayerNorms,
+    row-parallel biases, wpe) on its sequence shard only, so their gradients are partial:
+    sum them over the TP group (one all-reduce per step, 4Ψ_replicated bytes)."""
+    grads = [p.grad for name, p in stage.named_parameters() if tp_split(name) == "replicated"]
+    flat = torch.cat([g.view(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # every TP rank's partial gradients, summed
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 # ---------------------------------------------------------------------------------------
@@ -717,6 +821,8 @@ def add_flags(parser):
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--zero1", action="store_true",
                    help="shard the optimizer state across each DP group")
+    g.add_argument("--sequence_parallel", action="store_true",
+                   help="shard LayerNorm/dropout regions along the sequence in each TP group")
     return parser
 
 
@@ -750,21 +856,22 @@ def main():
     mesh = Mesh(env.rank, world, T, P).make_groups()
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
-    check_layout(config, T, P)
+    check_layout(config, T, P, args.sequence_parallel)
     run.log(mesh.describe(world))
     torch.manual_seed(args.seed + 1000 * mesh.dp_rank + mesh.pp_rank)  # the stage's TP group's
     rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention dropout)
 
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
-    stage = Stage(config, mesh, first_layer, n_layers, rng, args.recompute).init_weights(args.seed)
-    stage = stage.to(env.device)
+    stage = Stage(config, mesh, first_layer, n_layers, rng, args.recompute, args.sequence_parallel)
+    stage = stage.init_weights(args.seed).to(env.device)
     ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's copies: wte, head
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
     replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # same calls
-    act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
+    act_shape = (args.micro_batch_size, config.block_size // (T if stage.sp else 1), config.n_embd)
     cost = costs(args, config, world, env.dtype, env.rank)
     extra_rng = run.begin(config, replicas.optimizer, cost, describe=describe(args, stage, m),
-                          layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1},
+                          layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1,
+                                  "sequence_parallel": args.sequence_parallel},
                           pieces=replicas.checkpoint_pieces, held=replicas.held_bytes,
                           evaluate=lambda: evaluate(stage, mesh, data, args, env, m, act_shape),
                           extra_rng=lambda: {"tp": rng.state})
@@ -778,6 +885,8 @@ def main():
         loss = global_mean(loss_sum, mesh, m)
         if tied is not None:  # the two copies of the wte shard stay equal: sum their gradients
             dist.all_reduce(tied.grad, group=mesh.embedding_group)
+        if stage.sp:  # the replicated parameters saw only this rank's sequence shard
+            reduce_replicated_grads(stage, mesh.tp_group)
         replicas.reduce_gradients()  # the mean over the replicas (ZeRO-1: this DP rank's shard)
         if args.grad_clip > 0:
             clip_grad_norm(replicas, args.grad_clip)
@@ -804,12 +913,12 @@ def costs(args, config, world_size, dtype, rank=0):
     (--zero1: reduce-scatter + all-gather of the flat buffer padded to D). Control: the
     logged loss, 4 bytes over pp and over dp; with clipping, the squared norm, 4 bytes over
     the model group (--zero1: over the world, the shards' sum)."""
-    T, P = args.tp, args.pp
+    T, P, sp = args.tp, args.pp, args.sequence_parallel
     D = world_size // (T * P)
     mesh = Mesh(rank, world_size, T, P)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
     with torch.device("meta"):
-        stage = Stage(config, mesh, first_layer, n_layers, None)
+        stage = Stage(config, mesh, first_layer, n_layers, None, sp=sp)
     split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) != "replicated")
     n_local = sum(p.numel() for p in stage.parameters())  # Ψ_rank: Ψ_stage,sharded/T + the rest
     m = args.global_batch_size // (args.micro_batch_size * D)
@@ -823,18 +932,38 @@ def costs(args, config, world_size, dtype, rank=0):
                 "optim": ("8Ψ_rank", 8 * n_local)}
     bsh = args.micro_batch_size * config.block_size * config.n_embd  # one activation, elements
     bs = args.micro_batch_size * config.block_size
-    bc = dtype.itemsize
-    tp_bytes = m * ((2 * bc + 8) * n_layers * bsh + (4 * bsh if stage.is_first else 0)
-                    + (4 * bsh + 12 * bs if stage.is_last else 0))
-    sent = {"all_reduce[tp]": (f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h "
-                               "+ embedding/head 4 b·s·h + loss 3·4 b·s)", tp_bytes),
-            "all_reduce[pp]": ("4 loss", 4),
-            "all_reduce[dp]": ("4 loss" + ("" if args.zero1 else " + 4Ψ_rank grads"),
-                               4 + (0 if args.zero1 else 4 * n_local))}
-    if P > 1:
+    bc, first, last = dtype.itemsize, stage.is_first, stage.is_last
+    rep, div = (T, "/T") if sp else (1, "")  # SP: sequence shards
+    if sp:  # f and g become all-gathers and reduce-scatters of the same b·s·h
+        # all-gather: f of c_attn and c_fc (and the head's), of the LayerNorm output cast to
+        # b_c, twice each (forward, and again in backward: only the shard was kept); the
+        # backward of g (a b_c gradient) and of the embedding's reduce-scatter (fp32).
+        # reduce-scatter: g (forward, b_c; the embedding's fp32), the backward of f (fp32)
+        sent = {"all_gather_into_tensor[tp]": (
+                    f"{m} micro x ({n_layers} layers x (2·2·{bc} + 2·{bc}) b·s·h"
+                    + (" + embedding 4 b·s·h" if first else "")
+                    + (f" + head 2·{bc} b·s·h" if last else "") + ")",
+                    m * (6 * bc * n_layers + 4 * first + 2 * bc * last) * bsh),
+                "reduce_scatter_tensor[tp]": (
+                    f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h"
+                    + (" + embedding 4 b·s·h" if first else "")
+                    + (" + head 4 b·s·h" if last else "") + ")",
+                    m * ((2 * bc + 8) * n_layers + 4 * first + 4 * last) * bsh),
+                "all_reduce[tp]": ((f"{m} micro x loss 3·4 b·s + " if last else "")
+                                   + "4Ψ_replicated grads",
+                                   12 * m * bs * last + 4 * (n_local - split))}
+    else:
+        sent = {"all_reduce[tp]": (f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h "
+                                   "+ embedding/head 4 b·s·h + loss 3·4 b·s)",
+                                   m * ((2 * bc + 8) * n_layers * bsh + 4 * bsh * first
+                                        + (4 * bsh + 12 * bs) * last))}
+    sent["all_reduce[pp]"] = ("4 loss", 4)
+    sent["all_reduce[dp]"] = ("4 loss" + ("" if args.zero1 else " + 4Ψ_rank grads"),
+                              4 + (0 if args.zero1 else 4 * n_local))
+    if P > 1:  # with SP a boundary carries this rank's sequence shard: 1/T of the bytes
         boundaries = 2 - stage.is_first - stage.is_last  # stage boundaries this rank sits on
-        sent["send"] = sent["recv"] = (f"{m} micro x {boundaries} x 4 b·s·h",
-                                       m * boundaries * 4 * bsh)
+        sent["send"] = sent["recv"] = (f"{m} micro x {boundaries} x 4 b·s·h" + div,
+                                       m * boundaries * 4 * bsh // rep)
         if stage.is_first or stage.is_last:
             sent["all_reduce[embedding]"] = ("4 x wte shard grad",
                                              4 * stage.vocab_local * config.n_embd)
@@ -844,24 +973,29 @@ def costs(args, config, world_size, dtype, rank=0):
         sent["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * D)
     if args.grad_clip > 0:
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = ("4 norm", 4)
-    if args.recompute:  # backward runs each block's forward again, its g all-reduces too
-        f, v = sent["all_reduce[tp]"]
-        sent["all_reduce[tp]"] = (f"{f} + {m} micro x {n_layers} x 2·{bc} b·s·h recomputed",
-                                  v + m * n_layers * 2 * bc * bsh)
+    if args.recompute:  # backward runs each block's forward again, its f/g collectives too
+        for op in (["all_gather_into_tensor[tp]", "reduce_scatter_tensor[tp]"] if sp
+                   else ["all_reduce[tp]"]):
+            f, v = sent[op]
+            sent[op] = (f"{f} + {m} micro x {n_layers} x 2·{bc} b·s·h recomputed",
+                        v + m * n_layers * 2 * bc * bsh)
     # activations: Megatron's TP split of each micro-batch's (common.activation_terms with
-    # tp), the vocabulary-parallel ends as in 06 (the embedding's out-of-slice mask, b·s
-    # bool; the head's input, fp32 softmax of V/T and target mask), and 1F1B's micro-batches
-    # in flight (p - stage) walked through this stage's schedule
+    # tp; with SP every term of a block /T), the vocabulary-parallel ends as in 06 (the
+    # embedding's out-of-slice mask, b·s bool; the head's input, /T with SP, fp32 softmax of
+    # V/T and target mask), and 1F1B's micro-batches in flight (p - stage) walked through
+    # this stage's schedule
     b, s, h, e = args.micro_batch_size, config.block_size, config.n_embd, dtype.itemsize
-    terms = activation_terms(config, b, s, dtype, activation_device_type(args), tp=T)
+    terms = activation_terms(config, b, s, dtype, activation_device_type(args), tp=T, sp=sp)
     emb_f, emb = terms["embedding"]
     terms["embedding"] = (f"{emb_f} + bs", emb + b * s)
     if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu"):
         # the row-parallel bias is added after g, promoting the output to fp32: CPU's
         # dropout masks (in their input's dtype) are then fp32
         layer_f, layer = terms["layer"]
-        terms["layer"] = (f"{layer_f} + 2·{4 - e}bsh", layer + 2 * (4 - e) * b * s * h)
-    terms["head"] = (f"4bsh + 8bs + {e}bsh + 4bsV/T + bs", 4 * b * s * h + 8 * b * s + e * b * s * h
+        terms["layer"] = (f"{layer_f} + 2·{4 - e}bsh{div}",
+                          layer + 2 * (4 - e) * b * s * h // rep)
+    terms["head"] = (f"(4bsh + 8bs + {e}bsh){div} + 4bsV/T + bs",
+                     (4 * b * s * h + 8 * b * s + e * b * s * h) // rep
                      + 4 * b * s * stage.vocab_local + b * s)
     now = peak = 0
     for kind, i in one_f_one_b(P, mesh.pp_rank, m):
@@ -872,7 +1006,8 @@ def costs(args, config, world_size, dtype, rank=0):
     per_stage = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
                  else "n·layer + embedding + head")
     in_flight = min(P - mesh.pp_rank, m)
-    activations = (f"1F1B: {in_flight} micro-batch(es) in flight x ({per_stage}), TP-sharded", peak)
+    activations = (f"1F1B: {in_flight} micro-batch(es) in flight x ({per_stage}), TP-sharded"
+                   + (", sequence-sharded" if sp else ""), peak)
     layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}, tp {mesh.tp_rank}: layers {first_layer}-"
               f"{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
@@ -898,13 +1033,14 @@ def plan(args, world, T, P, m):
     """--dry_run: the mesh, the schedule and every stage's costs, without starting a process
     (the lines Run.dry_run prints above rank 0's costs)."""
     config = model_config(args, Data.vocab_size_of(args.data))
-    check_layout(config, T, P)
+    check_layout(config, T, P, args.sequence_parallel)
     dtype = planned_dtype(args)
     mesh = Mesh(0, world, T, P)
     per_stage = [costs(args, config, world, dtype, mesh.rank_of(0, s, 0)) for s in range(P)]
     return ([mesh.describe(world, args.ranks_per_node),
              f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step (1F1B)"
-             + (", ZeRO-1 over each DP group" if args.zero1 else "")]
+             + (", ZeRO-1 over each DP group" if args.zero1 else "")
+             + (", sequence parallelism in each TP group" if args.sequence_parallel else "")]
             + [f"  stage {s} ({c['layout'].split(': ')[1]}): holds "
                f"{format_bytes(sum(v for _, v in c['held'].values()))}, sends+receives "
                f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step"
@@ -917,7 +1053,8 @@ def describe(args, stage, m):
     first, n, params = stage.first_layer, len(stage.h), sum(p.numel() for p in stage.parameters())
     return (f"this stage: layers {first}-{first + n - 1}, {params:,} parameters on rank 0; "
             f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step"
-            + (", ZeRO-1 over each DP group" if args.zero1 else ""))
+            + (", ZeRO-1 over each DP group" if args.zero1 else "")
+            + (", sequence parallelism in each TP group" if stage.sp else ""))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,20 @@ def test_losses_mesh_and_ledger(reference, D, P, T, zero1):
         assert "send" not in step["comm_bytes"]
 
 
+# --sequence_parallel (Korthikanti et al. 2022) in every TP group: through the pipeline (pp 2 x tp 2,
+# four micro-batches) and beside ZeRO-1 (dp 2 x tp 2, two micro-batches per replica)
+SP_CASES = [(1, 2, 2, False), (2, 1, 2, True)]
+
+
+@pytest.mark.parametrize("D, P, T, zero1", SP_CASES, ids=lambda x: str(x))
+def test_sequence_parallel_matches_01(reference, D, P, T, zero1):
+    flags = ["--tp", T, "--pp", P, "--micro_batch_size", 6, "--sequence_parallel"] + (["--zero1"] if zero1 else [])
+    run = launch("08_3d.py", BASE + flags, nprocs=4, timeout=400).ok()
+    assert_losses_match(reference, run, what=f"{D}x{P}x{T} zero1={zero1} --sequence_parallel")
+    assert run.evals[-1]["val_loss"] == pytest.approx(reference.evals[-1]["val_loss"], rel=2e-5)
+    assert "sequence parallelism in each TP group" in run.stdout
+
+
 def test_resume_and_export(reference, tmp_path):
     # pp 2 x tp 2 with ZeRO-1's flat buffer (over dp 1): both dropout streams, the shared and
     # the rank's own, must come back for every TP rank of every stage
@@ -82,6 +96,8 @@ def test_resume_and_export(reference, tmp_path):
     (6, ["--tp", "4"], "world size 6 is not divisible by tp 4 x pp 1 = 4"),
     (8, ["--tp", "8"], "n_head 4 is not divisible by tp 8"),
     (8, ["--pp", "8"], "n_layer 4 is fewer than pp 8"),
+    (8, ["--tp", "4", "--sequence_parallel", "--block_size", "62"],
+     "--sequence_parallel needs block_size 62 divisible by tp 4"),
 ])
 def test_bad_layouts_give_one_line(ranks, flags, message):
     """A real launch for the first (every rank ends, one line); the same check as a dry run for
