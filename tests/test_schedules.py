@@ -5,8 +5,9 @@ the checker itself on small orders (a deadlock, its pairwise fix, a FIFO mismatc
 collective order); the interleaved schedule as 07 posted it before it adopted Megatron's
 steady-state batches (a lone send per operation), which deadlocks at p = 2, v = 2, m = 4;
 every schedule's posting order, as 07 computes it (exchanges()), replayed at p 2-4, v 2-3,
-m from p to 4p, training and evaluation; and real runs recorded rank by rank, whose posts
-are exactly exchanges()'s batches and whose whole recording (collectives included) replays."""
+m from p to 4p, training and evaluation; real runs recorded rank by rank, whose posts are
+exactly exchanges()'s batches and whose whole recording (collectives included) replays; and
+recorded runs of the other scripts that post point-to-point batches (08's pipeline, 09's ring)."""
 
 import importlib
 import os
@@ -50,6 +51,14 @@ def test_two_lone_sends_first_deadlock_and_one_batch_each_does_not():
     assert "rank 1's operation 1" in report and "rank 0's operation 1" in report, report
     paired = {0: [batch(("send", 1, 0), ("recv", 1, 1))], 1: [batch(("recv", 0, 0), ("send", 0, 1))]}
     assert nccl_replay.replay(paired).ok
+    # the same with lone (blocking or not) sends and receives, as dist.send / dist.isend record them
+
+    def lone(kind, peer, tag):
+        return {"kind": kind, "group": "world", "peer": peer, "tag": tag, "bytes": 4}
+    assert not nccl_replay.replay({0: [lone("send", 1, 0), lone("recv", 1, 1)],
+                                   1: [lone("send", 0, 1), lone("recv", 0, 0)]}).ok
+    assert nccl_replay.replay({0: [lone("send", 1, 0), lone("recv", 1, 1)],
+                               1: [lone("recv", 0, 0), lone("send", 0, 1)]}).ok
 
 
 def test_fifo_matching_ignores_tags_and_reports_the_mismatch():
@@ -178,5 +187,21 @@ def test_recorded_runs_post_exchanges_batches_and_replay(tmp_path, ranks, kind, 
                     for entry in posts[rank] if entry["kind"] == "batch"]
         assert recorded == expected, f"rank {rank}"
         assert {entry["kind"] for entry in posts[rank]} >= {"batch", "all_reduce", "broadcast"}
+    result = nccl_replay.replay(posts)
+    assert result.ok, result.report()
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("08_3d.py", ["--pp", "2", "--global_batch_size", "24", "--micro_batch_size", "4"]),  # 1F1B, m = 6
+    ("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"]),  # the ring's K/V passes
+])
+def test_the_other_point_to_point_schedules_replay_under_nccl(tmp_path, script, flags):
+    """08's pipeline and 09's ring attention post batch_isend_irecv too: a recorded step and
+    its evaluations, the collectives included, replay under NCCL's semantics."""
+    record = tmp_path / "record"
+    flags = TINY + flags + ["--max_iters", "1", "--eval_interval", "1", "--eval_iters", "1"]
+    launch(os.path.join(ROOT, "tests", "nccl_replay.py"), [record, script] + flags, nprocs=2).ok()
+    posts = nccl_replay.read_records(record)
+    assert all(any(entry["kind"] == "batch" for entry in posts[rank]) for rank in (0, 1))
     result = nccl_replay.replay(posts)
     assert result.ok, result.report()
