@@ -162,6 +162,7 @@ def replay(posts):
                     for member in members:
                         pos[member] += 1
                     progressed = True
+
     def head(rank):
         return _describe(items[rank][pos[rank]][1]) if pos[rank] < len(items[rank]) else "done"
 
