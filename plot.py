@@ -1,0 +1,407 @@
+"""plot.py: pictures of what the scripts measured, one PNG per command (matplotlib, optional).
+
+    python plot.py run.jsonl                       # a training script's --metrics file
+    python plot.py ddp.jsonl fsdp.jsonl -o cmp.png # several, compared (labelled by file name)
+    python plot.py bench.jsonl --peak_gbps 200     # 02_collectives.py --bench: bus bandwidth
+    python plot.py --schedule 1f1b --pp 4 --micro_batches 8          # 07_pipeline.py's timeline
+    python plot.py --schedule interleaved --pp 4 --micro_batches 8 --virtual_stages 2
+
+A metrics file (docs/design.md's JSONL, any training script) gives six panels: loss and val
+loss against step; tokens/s; the step time over ranks (min, mean, max: a straggler shows as a
+gap); GPU peak memory over ranks (on GPUs); rank 0's memory (params, grads, optimizer state,
+activations) as bars with its theory, the script's costs(), as a black tick on each; and the
+bytes rank 0 sent per step by operation, measured against theory the same way.
+
+A 02_collectives.py --bench file gives the bus bandwidth (nccl-tests' busbw) against the
+message size, one line per operation, with the link's peak (--peak_gbps) as a dashed line.
+
+--schedule draws the order every stage of 07_pipeline.py runs (its own schedule(), replayed
+with unit costs by its simulate(), as its log draws in text): forwards, backwards (and
+weight-gradient passes, W, where a schedule has them) coloured, each box labelled with its
+micro-batch (and chunk), the bubble drawn and in theory in the title.
+
+The kind is read from the files (every file must be of one kind). Without -o the picture is
+written next to the (first) file, with .png for its extension, or to schedule_<...>.png.
+Bad input (a missing file, one that is neither metrics nor --bench JSONL, flags out of
+range, matplotlib not installed) is one line `error: ...` and exit status 2. docs/observability.md
+shows what each panel says."""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAX_OPS = 20000  # operations in a drawn schedule (pp x micro_batches x virtual_stages x 2): a typo beyond
+COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
+
+
+class Refused(Exception):
+    """Bad input: one line, exit 2."""
+
+
+def load_rows(path):
+    """The JSON objects of a JSONL file, one per non-empty line."""
+    if not os.path.exists(path):
+        raise Refused(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise Refused(f"{path} is a directory, not a metrics file")
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        raise Refused(f"{path}: line {number} is not JSON: not a metrics JSONL file") from None
+                    if not isinstance(row, dict):
+                        raise Refused(f"{path}: line {number} is not a JSON object: not a metrics JSONL file")
+                    rows.append(row)
+    except UnicodeDecodeError:
+        raise Refused(f"{path} is not text: not a metrics JSONL file") from None
+    except OSError as e:
+        raise Refused(f"{path} cannot be read: {e.strerror or e}") from None
+    return rows
+
+
+def number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def kind_of(path, rows):
+    """'metrics' (rows with step and loss: a training script's --metrics), 'bench' (rows of
+    02_collectives.py --bench), or a refusal."""
+    if any(number(r.get("step")) and number(r.get("loss")) for r in rows):
+        return "metrics"
+    if rows and all(isinstance(r.get("op"), str) and number(r.get("bytes")) and number(r.get("busbw_GBps"))
+                    for r in rows):
+        return "bench"
+    raise Refused(f"{path}: neither a training script's --metrics JSONL (rows with step and loss) "
+                  "nor 02_collectives.py --bench output (rows with op, bytes, busbw_GBps)")
+
+
+def byte_unit(largest):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= size:
+            return unit, size
+    return "B", 1
+
+
+def label_of(path, paths):
+    """A file's legend label: its name, with its folder when two files share a name."""
+    name = os.path.basename(path)
+    same = [p for p in paths if os.path.basename(p) == name]
+    return os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), name) if len(same) > 1 else name
+
+
+# ----------------------------------------------------------------------------------------
+# A training run's metrics
+# ----------------------------------------------------------------------------------------
+
+def series(rows, key):
+    points = [(r["step"], r[key]) for r in rows if number(r.get("step")) and number(r.get(key))]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def last_ledger(rows):
+    """The last training row that carries the ledger (state, comm, activations and their theory)."""
+    steps = [r for r in rows if number(r.get("loss")) and isinstance(r.get("state_bytes"), dict)]
+    return steps[-1] if steps else None
+
+
+def ledger_bars(ax, runs, measured, theory, title):
+    """Grouped bars: one group per key, one bar per run (measured), a black tick at its theory."""
+    keys = []
+    for _, row in runs:
+        for key in list(measured(row)) + list(theory(row)):
+            if key not in keys:
+                keys.append(key)
+    if not keys:
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"{title}:\nnone in these rows", ha="center", va="center", transform=ax.transAxes,
+                color="grey")
+        return
+    largest = max([v for _, row in runs for v in list(measured(row).values()) + list(theory(row).values())
+                   if number(v)] + [1])
+    unit, size = byte_unit(largest)
+    width = 0.8 / len(runs)
+    for j, (label, row) in enumerate(runs):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(keys))]
+        got, want = measured(row), theory(row)
+        ax.bar(xs, [got.get(k, 0) / size if number(got.get(k)) else 0 for k in keys], width * 0.9,
+               label=f"{label}: measured" if len(runs) > 1 else "measured", color=f"C{j}")
+        ticks = [(x, want[k] / size) for x, k in zip(xs, keys) if number(want.get(k))]
+        if ticks:
+            ax.hlines([y for _, y in ticks], [x - width * 0.45 for x, _ in ticks], [x + width * 0.45 for x, _ in ticks],
+                      colors="black", linewidth=2.5, zorder=3, label="theory (costs())" if j == 0 else None)
+    values = [v / size for _, row in runs for v in measured(row).values() if number(v) and v > 0]
+    log = values and max(values) > 30 * min(values)
+    if log:  # params next to activations: a log scale shows both
+        ax.set_yscale("log")
+    pad = max(0.0, (3 - len(keys)) / 2)  # one or two groups: bars of a readable width
+    ax.set_xlim(-0.5 - pad, len(keys) - 0.5 + pad)
+    ax.set_ylim(top=ax.get_ylim()[1] * (3 if log else 1.2))  # room for the legend above the bars
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels(keys, rotation=20 if len(keys) > 3 else 0, ha="right" if len(keys) > 3 else "center",
+                       fontsize=8)
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
+def memory_of(row):
+    out = {k: v for k, v in (row.get("state_bytes") or {}).items()}
+    if number(row.get("activation_bytes")):
+        out["activations"] = row["activation_bytes"]
+    return out
+
+
+def memory_theory_of(row):
+    out = {k: v for k, v in (row.get("state_bytes_theory") or {}).items()}
+    if number(row.get("activation_bytes_theory")):
+        out["activations"] = row["activation_bytes_theory"]
+    return out
+
+
+def summary(label, rows):
+    """A run in a few lines: steps, final losses, median throughput and step time, the spread
+    over ranks, and whether the ledger's measurement met its theory in every logged row."""
+    train = [r for r in rows if number(r.get("loss"))]
+    evals = [r for r in rows if number(r.get("val_loss"))]
+    lines = [label, f"  steps {train[0]['step']}..{train[-1]['step']} logged: {len(train)} rows"]
+    lines.append(f"  last loss {train[-1]['loss']:.4f}" + (f", val loss {evals[-1]['val_loss']:.4f}"
+                                                           f" (step {evals[-1]['step']})" if evals else ""))
+    later = train[1:] or train  # the first step warms up
+    for key, unit, fmt in (("tokens_per_s", "tokens/s", ",.0f"), ("dt_ms", "ms per step", ".1f")):
+        values = sorted(r[key] for r in later if number(r.get(key)))
+        if values:
+            lines.append(f"  median {values[len(values) // 2]:{fmt}} {unit}")
+    spread = [r["dt_ms_max"] / r["dt_ms_min"] for r in later if number(r.get("dt_ms_max")) and r.get("dt_ms_min")]
+    if spread:
+        lines.append(f"  slowest / fastest rank: {sorted(spread)[len(spread) // 2]:.2f} (median)")
+    pairs = [("state_bytes", "state_bytes_theory"), ("comm_bytes", "comm_bytes_theory"),
+             ("activation_bytes", "activation_bytes_theory")]
+    checked = [r for r in train if isinstance(r.get("state_bytes"), dict)]
+    if checked:
+        off = sum(1 for r in checked for got, want in pairs if r.get(want) is not None and r.get(got) != r.get(want))
+        lines.append("  ledger: measured = theory in every row" if not off else
+                     f"  ledger: {off} measurement(s) differ from theory")
+    return "\n".join(lines)
+
+
+def plot_metrics(plt, paths, all_rows):
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    (loss_ax, tok_ax, dt_ax), (mem_ax, comm_ax, peak_ax) = axes
+    runs = []
+    for j, (path, rows) in enumerate(zip(paths, all_rows)):
+        label = label_of(path, paths)
+        colour = f"C{j}"
+        train = [r for r in rows if number(r.get("loss"))]
+        loss_ax.plot(*series(train, "loss"), color=colour, label=f"{label}: loss")
+        vs, vl = series(rows, "val_loss")
+        if vs:
+            loss_ax.plot(vs, vl, "o--", color=colour, markersize=4, label=f"{label}: val loss")
+        tok_ax.plot(*series(train, "tokens_per_s"), color=colour, label=label)
+        steps, mean = series(train, "dt_ms_mean")
+        if steps:
+            _, low = series(train, "dt_ms_min")
+            _, high = series(train, "dt_ms_max")
+            dt_ax.fill_between(steps, low, high, color=colour, alpha=0.25, label=f"{label}: min-max over ranks")
+            dt_ax.plot(steps, mean, color=colour, label=f"{label}: mean")
+        else:
+            dt_ax.plot(*series(train, "dt_ms"), color=colour, label=f"{label}: rank 0")
+        steps, peak = series(train, "mem_peak_bytes_max")
+        if steps:
+            _, low = series(train, "mem_peak_bytes_min")
+            peak_ax.fill_between(steps, [v / 2**30 for v in low], [v / 2**30 for v in peak], color=colour,
+                                 alpha=0.3, label=f"{label}: min-max over ranks")
+        ledger = last_ledger(rows)
+        if ledger is not None:
+            runs.append((label, ledger))
+    loss_ax.set(title="loss", xlabel="step")
+    tok_ax.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    dt_ax.set(title="step time over ranks", xlabel="step", ylabel="ms")
+    for ax in (loss_ax, tok_ax, dt_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if peak_ax.has_data():
+        peak_ax.set(title="device peak memory over ranks", xlabel="step", ylabel="GiB")
+        peak_ax.grid(alpha=0.3)
+        peak_ax.legend(fontsize=7)
+    else:  # on CPUs (mem_peak_bytes null): the runs in numbers instead
+        peak_ax.axis("off")
+        peak_ax.text(0.0, 1.0, "\n\n".join(summary(label_of(p, paths), rows) for p, rows in zip(paths, all_rows)),
+                     ha="left", va="top", transform=peak_ax.transAxes, fontsize=9, family="monospace")
+    step = runs[0][1]["step"] if len(runs) == 1 else "last"
+    ledger_bars(mem_ax, runs, memory_of, memory_theory_of, f"memory held by rank 0 (step {step})")
+    ledger_bars(comm_ax, runs, lambda r: r.get("comm_bytes") or {}, lambda r: r.get("comm_bytes_theory") or {},
+                f"bytes sent by rank 0 per step (step {step})")
+    fig.suptitle(", ".join(label_of(p, paths) for p in paths))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 02_collectives.py --bench
+# ----------------------------------------------------------------------------------------
+
+def plot_bench(plt, paths, all_rows, peak_gbps=None):
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for path, rows in zip(paths, all_rows):
+        prefix = f"{label_of(path, paths)}: " if len(paths) > 1 else ""
+        for op in dict.fromkeys(r["op"] for r in rows):
+            points = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["op"] == op)
+            ax.plot([b for b, _ in points], [g for _, g in points], "o-", markersize=3, label=prefix + op)
+    if peak_gbps:
+        ax.axhline(peak_gbps, color="black", linestyle="--", label=f"link peak {peak_gbps:g} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
+           title="collectives: bus bandwidth against message size (02_collectives.py --bench)")
+    sizes = sorted({r["bytes"] for rows in all_rows for r in rows})
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([size_label(s) for s in sizes], rotation=30, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    backends = sorted({f"{r.get('backend', '?')}, {r.get('world_size', '?')} ranks" for rows in all_rows for r in rows})
+    ax.text(0.01, 0.98, "; ".join(backends), transform=ax.transAxes, va="top", fontsize=8, color="grey")
+    return fig
+
+
+def size_label(n):
+    unit, size = byte_unit(n)
+    return f"{n / size:g} {unit}"
+
+
+# ----------------------------------------------------------------------------------------
+# 07_pipeline.py's schedule as a timeline
+# ----------------------------------------------------------------------------------------
+
+def pipeline_module():
+    """07_pipeline.py as a module (its name starts with a digit: importlib, as plan.py does)."""
+    spec = importlib.util.spec_from_file_location("pipeline_07", os.path.join(HERE, "07_pipeline.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def plot_schedule(plt, kind, p, m, v):
+    pp = pipeline_module()
+    orders = [pp.schedule(kind, p, r, m, v) for r in range(p)]
+    starts = pp.simulate(orders, p, v)
+    _, bubble = pp.draw(starts, p, v)
+    width = 1.0 / v
+    end = max(s for row in starts for s, _ in row) + width
+    fig, ax = plt.subplots(figsize=(min(18, 4 + end * 0.55), 1.3 + 0.5 * min(p, 32)))
+    for r, row in enumerate(starts):
+        for start, (op, i, c) in row:
+            shade = 1.0 - 0.45 * c / max(1, v - 1) if v > 1 else 1.0
+            ax.broken_barh([(start, width)], (r - 0.4, 0.8), facecolors=COLOURS.get(op, "grey"),
+                           edgecolor="white", alpha=shade)
+            text = f"{i}" + ("" if v == 1 else "abcdefghijklmnop"[c])
+            if end < 80:  # labels only while they can be read
+                ax.text(start + width / 2, r, text, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"stage {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("time (one stage's forward or backward = 1" + (f"; a chunk's = 1/{v})" if v > 1 else ")"))
+    ops = sorted({op for row in starts for _, (op, _, _) in row}, key="FBW".index)
+    names = {"F": "forward", "B": "backward", "W": "weight gradient"}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[o]) for o in ops]
+    ax.legend(handles, [names[o] for o in ops], loc="upper right", fontsize=8, ncol=len(ops),
+              bbox_to_anchor=(1, 1.35 if p < 4 else 1.2))
+    theory = pp.bubble_theory(kind, p, m, v)
+    ax.set_title(f"07_pipeline.py --schedule {kind}: {p} stages, {m} micro-batches"
+                 + (f", {v} chunks per stage" if v > 1 else "")
+                 + f"; bubble {bubble:.3f} drawn, {theory:.3f} in theory", loc="left", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise Refused(message)
+
+
+def parse(argv):
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("files", nargs="*", help="--metrics JSONL of a training script, or of 02_collectives.py --bench")
+    p.add_argument("-o", "--out", default=None, help="the PNG to write (default: next to the first file)")
+    p.add_argument("--peak_gbps", type=float, default=None, help="--bench: the link's peak, drawn as a line")
+    p.add_argument("--dpi", type=int, default=100)
+    g = p.add_argument_group("07_pipeline.py's schedule (instead of files)")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None)
+    g.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    g.add_argument("--micro_batches", type=int, default=8)
+    g.add_argument("--virtual_stages", type=int, default=2, help="chunks per stage (interleaved)")
+    args = p.parse_args(argv)
+    if bool(args.files) == bool(args.schedule):
+        raise Refused("give metrics files or --schedule (07_pipeline.py's timeline), one of the two")
+    if args.peak_gbps is not None and not (math.isfinite(args.peak_gbps) and args.peak_gbps > 0):
+        raise Refused(f"--peak_gbps must be a positive number, got {args.peak_gbps}")
+    if not 10 <= args.dpi <= 1000:
+        raise Refused(f"--dpi must be in 10..1000, got {args.dpi}")
+    if args.schedule:
+        v = args.virtual_stages if args.schedule == "interleaved" else 1
+        for flag, value in (("pp", args.pp), ("micro_batches", args.micro_batches), ("virtual_stages", v)):
+            if value < 1:
+                raise Refused(f"--{flag} must be positive, got {value}")
+        if args.schedule == "interleaved" and args.micro_batches % args.pp:
+            raise Refused(f"the interleaved schedule needs --micro_batches ({args.micro_batches}) to be a "
+                          f"multiple of --pp {args.pp}")
+        if 2 * args.pp * args.micro_batches * v > MAX_OPS:
+            raise Refused(f"{args.pp} stages x {args.micro_batches} micro-batches x {v} chunks is too many "
+                          f"boxes to draw (at most {MAX_OPS // 2:,} per pass)")
+        args.virtual_stages = v
+    if args.out is None:
+        args.out = (os.path.splitext(args.files[0])[0] + ".png" if args.files else
+                    f"schedule_{args.schedule}_p{args.pp}_m{args.micro_batches}"
+                    + (f"_v{args.virtual_stages}" if args.virtual_stages > 1 else "") + ".png")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        raise Refused(f"-o {args.out}: the directory {folder} does not exist")
+    if os.path.isdir(args.out):
+        raise Refused(f"-o {args.out} is a directory")
+    return args
+
+
+def main(argv=None):
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+        all_rows = [load_rows(path) for path in args.files]
+        kinds = {kind_of(path, rows) for path, rows in zip(args.files, all_rows)}
+        if len(kinds) > 1:
+            raise Refused("these files are of different kinds (training metrics and --bench): plot them apart")
+        try:
+            import matplotlib
+        except ImportError:
+            raise Refused("plot.py needs matplotlib, an optional package: pip install matplotlib") from None
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+        if args.schedule:
+            fig = plot_schedule(plt, args.schedule, args.pp, args.micro_batches, args.virtual_stages)
+        elif kinds == {"bench"}:
+            fig = plot_bench(plt, args.files, all_rows, args.peak_gbps)
+        else:
+            fig = plot_metrics(plt, args.files, all_rows)
+        if not args.schedule:
+            fig.tight_layout()
+        try:
+            fig.savefig(args.out, dpi=args.dpi)
+        except OSError as e:
+            raise Refused(f"-o {args.out} cannot be written: {e.strerror or e}") from None
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
