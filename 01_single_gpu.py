@@ -69,7 +69,7 @@ def evaluate(model, data, args, env, accum_steps):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
+    args = parse_args(add_flags(make_parser(__doc__, experts=True)))  # --n_expert: 10's reference
     run = Run(args, __file__)
     check(run.world_size == 1, f"01_single_gpu.py runs as one process, not {run.world_size}: "
           "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")

@@ -75,6 +75,11 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    # mixture of experts (MoE below): E expert MLPs per block, each token sent to its top_k;
+    # 0 experts = nanoGPT's dense MLP
+    n_expert: int = 0
+    top_k: int = 2
+    aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per block
 
 
 PRESETS = {
@@ -107,6 +112,10 @@ DEFAULT_MODEL = "baby"
 
 
 PRESETS[DEFAULT_MODEL] = dict(n_layer=12, n_head=24, n_embd=384, block_size=256, dropout=0.2, bias=False)
+# its mixture-of-experts variant, 10_expert_parallel.py's default: 8 experts of the same
+# width per block, 2 active per token (8 divides --ep = 1, 2, 4, 8)
+DEFAULT_MOE_MODEL = DEFAULT_MODEL + "-moe"
+PRESETS[DEFAULT_MOE_MODEL] = dict(PRESETS[DEFAULT_MODEL], n_expert=8, top_k=2)
 
 
 class CausalSelfAttention(nn.Module):
@@ -141,15 +150,72 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+def route(logits, top_k):
+    """Top-k routing (Mixtral's, Jiang et al. 2024) of the tokens of a (B, T, E) router output:
+    each token goes to the k experts of highest probability, their outputs weighted by those
+    k probabilities renormalised to sum to one. Returns (weights, order, counts, aux):
+    weights (B·T, k), row i token i's choices, best first; the permutation `order` that groups
+    the B·T·k (token, choice) entries by expert, stably (entry i·k + j is token i's j-th
+    choice); `counts` (E,), the entries each expert takes; and the load-balancing loss.
+
+    The loss is Switch Transformer's (Fedus et al. 2022, eq. 4), E·Σ_e f_e·P_e, where f_e is
+    the share of the token-to-expert assignments that went to expert e (no gradient) and P_e
+    the mean router probability of e (the gradient's path): 1 when the load is even, up to E
+    when one expert takes all. It is taken per sequence and averaged over the sequences, as
+    the cross-entropy is averaged over tokens (DeepSeek-V3's sequence-wise form), so that the
+    training objective is the same however the batch is split into ranks and micro-batches,
+    which always split between whole sequences: the equivalence oracle holds."""
+    probs = F.softmax(logits.float(), dim=-1)  # (B, T, E), in fp32 also under autocast
+    B, T, E = probs.shape
+    top_p, experts = torch.topk(probs, top_k, dim=-1)
+    weights = top_p / top_p.sum(dim=-1, keepdim=True)
+    assigned = torch.zeros(B, E, device=probs.device).scatter_add_(  # f_e·k·T per sequence
+        1, experts.view(B, -1), torch.ones(B, T * top_k, device=probs.device))
+    aux = E * (assigned / (T * top_k) * probs.mean(dim=1)).sum(dim=1).mean()
+    flat = experts.reshape(-1)
+    order, counts = torch.argsort(flat, stable=True), torch.bincount(flat, minlength=E)
+    return weights.view(B * T, top_k), order, counts, aux
+
+
+def combine(out, order, weights):
+    """Undo `route`'s grouping on the experts' outputs (row j of `out` is entry order[j]) and
+    sum each token's k outputs, weighted: (B·T, C)."""
+    k = weights.size(1)
+    out = out[torch.argsort(order)].view(-1, k, out.size(-1))
+    return (out * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP (Shazeer et al. 2017): E expert MLPs, each
+    nanoGPT's MLP, and a linear router (h -> E, no bias). Dropless: every expert takes every
+    token routed to it, however many (no capacity factor, no token dropped), so its batch
+    varies from step to step. Returns the output and the block's load-balancing loss."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList([MLP(config) for _ in range(config.n_expert)])
+        self.top_k = config.top_k
+
+    def forward(self, x):
+        B, T, C = x.shape
+        weights, order, counts, aux = route(self.router(x), self.top_k)
+        rows = x.reshape(B * T, C)[order // self.top_k]  # the tokens, grouped by expert
+        out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, rows.split(counts.tolist()))])
+        return combine(out, order, weights).view(B, T, C), aux
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). With
+    experts the MLP is a MoE and the block returns (x, its load-balancing loss)."""
 
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_expert else MLP(config)
+        self.moe = config.n_expert > 0
 
     recompute = False  # --recompute: keep only the block's input, recompute the rest in backward
 
@@ -160,6 +226,9 @@ class Block(nn.Module):
 
     def body(self, x):
         x = x + self.attn(self.ln_1(x))
+        if self.moe:
+            y, aux = self.mlp(self.ln_2(x))
+            return x + y, aux
         return x + self.mlp(self.ln_2(x))
 
 
@@ -209,13 +278,19 @@ class GPT(nn.Module):
         _, t = idx.size()
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        aux = 0.0
         for block in self.transformer.h:
             x = block(x)
+            if self.config.n_expert:  # an MoE block: (x, its load-balancing loss)
+                x, aux = x[0], aux + x[1]
         x = self.transformer.ln_f(x)
         if targets is None:  # inference: only the last position's logits are needed
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        if self.config.n_expert and self.training:  # the objective; evaluation reports the LM loss
+            loss = loss + self.config.aux_loss_coef * aux
+        return logits, loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
@@ -249,10 +324,10 @@ class _Recompute(torch.autograd.Function):
         ctx.rng = (device_rng_state(x.device), [t.state for t in trackers])
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return fn(x)
+            return fn(x)  # a tensor, or a tuple of them (an MoE block: x and its balancing loss)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_(True)
         now = (device_rng_state(x.device), [t.state for t in ctx.trackers])
@@ -265,7 +340,7 @@ class _Recompute(torch.autograd.Function):
         set_device_rng_state(x.device, now[0])  # the streams go on as if nothing was redone
         for tracker, state in zip(ctx.trackers, now[1]):
             tracker.state = state
-        torch.autograd.backward(out, grad)
+        torch.autograd.backward(out, grads if isinstance(out, tuple) else grads[0])
         return None, None, x.grad
 
 
@@ -276,8 +351,12 @@ def recomputed(fn, x, trackers=()):
 
 def preset_config(args):
     """The --model preset with the per-dimension overrides (--n_layer ... --bias) applied."""
-    cfg = dict(PRESETS[args.model])
+    cfg = {"n_expert": 0, **PRESETS[args.model]}
     cfg.update({key: getattr(args, key) for key in cfg if getattr(args, key, None) is not None})
+    if cfg["n_expert"]:  # --top_k and --aux_loss_coef shape only a mixture of experts
+        for key in ("top_k", "aux_loss_coef"):
+            value = getattr(args, key, None)
+            cfg[key] = value if value is not None else cfg.get(key, getattr(GPTConfig, key))
     return cfg
 
 
@@ -314,7 +393,15 @@ def flops_per_token(config, n_params):
     """Training FLOPs per token, PaLM appendix B (as nanoGPT's estimate_mfu): 6N for the
     matrix multiplies forward and backward, plus 12·L·H·Q·T for attention."""
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
+    if config.n_expert:  # a token runs through top_k of the E experts: count only the active ones
+        n_params -= L * (config.n_expert - config.top_k) * expert_params(config)
     return 6 * n_params + 12 * L * H * Q * T
+
+
+def expert_params(config):
+    """Parameters of one MLP (one expert): c_fc h x 4h and c_proj 4h x h, with their biases."""
+    h = config.n_embd
+    return 8 * h * h + (5 * h if config.bias else 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -689,9 +776,11 @@ def base_parser(doc):
                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
-def make_parser(doc):
-    """The shared flags (docs/design.md); each script adds its own strategy flags."""
+def make_parser(doc, experts=False):
+    """The shared flags (docs/design.md); each script adds its own strategy flags. `experts`:
+    the script has a mixture-of-experts model (--n_expert > 0 is refused elsewhere)."""
     p = base_parser(doc)
+    p.experts = experts
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS), help="preset")
     g.add_argument("--n_layer", type=int)
@@ -701,6 +790,10 @@ def make_parser(doc):
     g.add_argument("--dropout", type=float)
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases in Linear and LayerNorm (preset's choice by default)")
+    g.add_argument("--n_expert", type=int, help="mixture of experts: E expert MLPs per block, 0 = dense "
+                   "(preset's choice by default; only 01_single_gpu.py and 10_expert_parallel.py have experts)")
+    g.add_argument("--top_k", type=int, help="experts per token (default 2)")
+    g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss coefficient per block (default 0.01)")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data", default="shakespeare_char",
                    help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
@@ -795,6 +888,17 @@ def parse_args(parser, argv=None):
     check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
     check(cfg["n_embd"] % cfg["n_head"] == 0,
           f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
+    check(cfg["n_expert"] >= 0, f"--n_expert must not be negative, got {cfg['n_expert']}")
+    script = os.path.basename(sys.argv[0]) or "this script"
+    check(not cfg["n_expert"] or getattr(parser, "experts", False), f"--n_expert {cfg['n_expert']}"
+          f"{' (--model ' + args.model + ')' if args.n_expert is None else ''}: {script} has no mixture of "
+          "experts; 01_single_gpu.py and 10_expert_parallel.py have")
+    check(cfg["n_expert"] or (args.top_k is None and args.aux_loss_coef is None),
+          "--top_k and --aux_loss_coef belong to a mixture of experts: pass --n_expert E")
+    if cfg["n_expert"]:
+        check(1 <= cfg["top_k"] <= cfg["n_expert"], f"--top_k must be in [1, n_expert = "
+              f"{cfg['n_expert']}], got {cfg['top_k']}")
+        check(cfg.get("aux_loss_coef", 0) >= 0, f"--aux_loss_coef must not be negative, got {cfg['aux_loss_coef']}")
     check(args.global_batch_size <= MAX_BATCH, f"--global_batch_size {args.global_batch_size} is more than "
           f"{MAX_BATCH:,} sequences per step: a typo?")
     check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")

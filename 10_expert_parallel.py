@@ -1,0 +1,365 @@
+"""10_expert_parallel.py: a mixture of experts with expert parallelism by hand (GShard,
+Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2022; Megatron-LM's token dispatcher).
+
+Every block's MLP is common.py's MoE: E expert MLPs and a router; each token goes to its top-k
+experts, their outputs weighted by the renormalised router probabilities (Mixtral's routing),
+dropless (no capacity limit). The experts of a block are divided among the N ranks of an
+expert-parallel (EP) group: rank r holds experts [r·E/N, (r+1)·E/N). Everything else
+(attention, embeddings, LayerNorms, routers) is replicated, and every rank trains on its own
+slice of the global batch, as in 03's data parallelism. Per MoE layer, on every rank:
+
+    route locally     x ─ router ─ top-k ─> (token, expert) entries, k per token
+    permute           sort the entries by expert: experts of rank 0 first, then rank 1, ...
+    exchange counts   all_to_all of E counts: how many rows each rank will receive
+    dispatch          all_to_all of the rows, variable sizes (all_to_all_single with splits)
+
+        rank 0 [to e0 e1 | to e2 e3]          rank 0 [from 0: e0 e1 | from 1: e0 e1]
+        rank 1 [to e0 e1 | to e2 e3]   ──>    rank 1 [from 0: e2 e3 | from 1: e2 e3]
+
+    compute           regroup by local expert, run experts e_j on their rows
+    combine           all_to_all back (the same splits, swapped), un-permute, and sum each
+                      token's k outputs weighted by the router: y = Σ_j w_j · expert_j(x)
+
+The backward is autograd's through the two all-to-alls: AllToAll's backward sends every
+gradient row back to the rank its row came from (the splits swapped), as 06's f/g operators
+carry their own collective for backward.
+
+With more ranks than --ep (world W = ep x dp), the world is dp EP groups of --ep consecutive
+ranks (inside a node, where the all-to-alls are cheap); the ranks with the same place in their
+group hold the same experts. Gradients after backward: the replicated parameters' are
+all-reduced over the world; an expert's gradient already holds the contributions of its EP
+group's tokens (they came back through the all-to-all), so it is all-reduced over the dp
+ranks that hold the same experts; both divided by W, the mean over the global batch.
+
+The load-balancing loss (common.route: Switch's E·Σ f_e·P_e, per sequence) depends only on
+the rank's own sequences, so the objective is 01's however the batch is split: the losses
+equal `01_single_gpu.py --n_expert E --top_k K` at every --ep and data-parallel size.
+
+Run:
+
+    mpiexec -n 8 python 10_expert_parallel.py                    # baby-moe: 8 experts, 1 per rank
+    mpiexec -n 12 python 10_expert_parallel.py                   # --ep 4 (divides 8 and 12) x dp 3
+    torchrun --standalone --nproc_per_node 4 10_expert_parallel.py --model gpt2 --n_expert 8 --top_k 2 --ep 4
+
+Cost per rank, N = --ep, W ranks, L layers, width h, b micro-batch, s sequence, e bytes of the
+compute dtype (4 in fp32, 2 under bf16 autocast: the rows are sent in it), Ψ_e one expert's
+parameters (8h² + biases), Ψ_d the rest (replicated):
+
+    memory:   16 bytes x (Ψ_d + L·Ψ_e·E/N)        (expert state 16·L·Ψ_e·E/N: 1/N of the experts)
+    all-to-all per layer per micro-batch: this rank routes k·b·s rows of h; the rows for its
+              own experts stay, the rest leave: k·b·s·h·e·(1 - local share) bytes on the wire,
+              (N-1)/N of it when the routing is balanced; the same comes back, and backward
+              sends both again: 4·k·b·s·h·e·(N-1)/N. The ledger counts every all-to-all's
+              input (nccl-tests' convention, the rows that stay included):
+              2·e·h·(k·b·s + R) + 8E per layer per micro-batch, R the rows this rank receives
+              (k·b·s when balanced), 8E the int64 counts; --recompute runs the forward's
+              half again in backward: + e·h·(k·b·s + R) + 8E
+    all-reduce per step: 4Ψ_d over the world, 4·L·Ψ_e·E/N over the dp ranks holding the same
+              experts (dp > 1), the loss with the L·E expert counts 4(1 + L·E), the norm 4
+    imbalance: dropless routing has no cap, so the busiest rank sets the pace: its R is
+              max/mean times the balanced k·b·s, and with it its expert compute, the all-to-all
+              time and the memory of the received rows and expert activations (an expert may
+              get every token of its EP group, b·s·N rows). The metrics carry expert_tokens
+              (per expert, the global batch, all layers) and expert_imbalance (max/mean,
+              worst layer); the balancing loss pushes it towards 1
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check, check_batch,
+                    combine, Data, decay_groups, GPT, make_adamw, make_parser, model_block_size, model_config,
+                    param_pieces, parse_args, route, Run, state_bytes, to_device)
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("10_expert_parallel")
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel size: ranks sharing one copy of the experts (default: the largest "
+                        "that divides both --n_expert and the world size)")
+    parser.set_defaults(model="baby-moe")  # the default preset's mixture-of-experts variant
+    return parser
+
+
+def check_layout(args, config, world_size):
+    """--ep: divides the world and the experts; returns it."""
+    E = config.n_expert
+    check(E > 0, "10_expert_parallel.py needs a mixture of experts: --n_expert E > 0 (or --model baby-moe)")
+    ep = args.ep or math.gcd(E, world_size)
+    check(ep > 0 and world_size % ep == 0, f"--ep {ep} does not divide the world size {world_size}")
+    check(E % ep == 0, f"--n_expert {E} is not divisible by --ep {ep}: every rank holds E/ep whole experts")
+    return ep
+
+
+def expert_groups(world_size, ep):
+    """(ep_group, expert_dp_group) of this rank: its EP group (ep consecutive ranks, which
+    together hold every expert once) and the ranks holding the same experts (stride ep).
+    Every rank creates every group, in the same order (torch.distributed requires it)."""
+    rank, mine = dist.get_rank(), {}
+    for d in range(world_size // ep):
+        group = dist.new_group(list(range(d * ep, (d + 1) * ep)))
+        if rank // ep == d:
+            mine["ep"] = group
+    for j in range(ep):
+        group = dist.new_group(list(range(j, world_size, ep)))
+        if rank % ep == j:
+            mine["dp"] = group
+    return mine["ep"], mine["dp"]
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes, differentiable: forward sends in_splits[r] rows to
+    rank r of the group and receives out_splits[r] from it; backward sends every gradient
+    row back to where its row came from (the same exchange, splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), x.size(1))
+        # rows to the ranks that own their experts (dispatch), or back to their tokens (combine)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), grad.size(1))
+        # the gradient of every row back to the rank that sent it
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """common.MoE with only this rank's experts (a ModuleDict under their global numbers, so
+    that their parameters keep 01's names: transformer.h.0.mlp.experts.3.c_fc.weight) and the
+    dispatch / combine all-to-alls over the EP group. Records, for the ledger and the metrics,
+    the rows it received and this rank's tokens per expert (training forwards only)."""
+
+    def __init__(self, moe, local, group):
+        super().__init__()
+        self.router, self.top_k, self.n_expert, self.group = moe.router, moe.top_k, len(moe.experts), group
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in local})
+        self.received, self.load = 0, torch.zeros(self.n_expert, dtype=torch.long)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        N, local = dist.get_world_size(self.group), len(self.experts)
+        weights, order, counts, aux = route(self.router(x), self.top_k)  # 01's routing, this rank's rows
+        rows = x.reshape(B * T, C)[order // self.top_k]  # permuted: grouped by expert, so by rank
+        if torch.is_autocast_enabled(x.device.type):  # the experts' Linears would cast them anyway
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))
+        # exchange counts: rank r gets, from every rank of the group, its counts for r's experts
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # E int64 counts
+        received = received.view(N, local).tolist()  # [source][local expert]
+        send = counts.view(N, local).sum(dim=1).tolist()
+        recv = [sum(row) for row in received]
+        inbox = AllToAll.apply(rows, recv, send, self.group)  # dispatch
+        # regroup source-major chunks by local expert, run each expert on all its rows
+        chunks = inbox.split([n for row in received for n in row])
+        outs = [expert(torch.cat([chunks[s * local + j] for s in range(N)]))
+                for j, expert in enumerate(self.experts.values())]
+        pieces = [out.split([received[s][j] for s in range(N)]) for j, out in enumerate(outs)]
+        back = torch.cat([pieces[j][s] for s in range(N) for j in range(local)])  # source-major again
+        out = AllToAll.apply(back, send, recv, self.group)  # combine: to the tokens' ranks
+        if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
+            self.received += sum(recv)
+            self.load += counts.cpu()
+        return combine(out, order, weights).view(B, T, C), aux
+
+
+def build_model(config, seed, device, ep_rank, ep, group, recompute):
+    """01's MoE GPT with this rank's E/ep experts per block: built on the meta device (no
+    memory), the other experts dropped, then allocated and initialised by param_init, by name:
+    the same values as 01's model."""
+    with torch.device("meta"):
+        model = GPT(config)
+    per = config.n_expert // ep
+    for block in model.transformer.h:
+        block.mlp = ExpertParallelMoE(block.mlp, range(ep_rank * per, (ep_rank + 1) * per), group)
+        block.recompute = recompute
+    model.to_empty(device=device)
+    model.transformer.wte.weight = model.lm_head.weight  # weight tying, again after allocation
+    return model.init_weights(seed)
+
+
+def is_expert(name):
+    return ".experts." in name
+
+
+def take_routing(model, device):
+    """This step's routing, and reset: (rows received by this rank over layers and micro-batches,
+    an (L, E) tensor of this rank's tokens per expert)."""
+    layers = [block.mlp for block in model.transformer.h]
+    received, load = sum(m.received for m in layers), torch.stack([m.load for m in layers]).to(device)
+    for m in layers:
+        m.received, m.load = 0, torch.zeros_like(m.load)
+    return received, load
+
+
+def reduce_gradients(model, world_size, dp_group, dp_size):
+    """The mean gradient over the global batch: the replicated parameters' summed over the
+    world, the experts' over the ranks holding the same experts (their EP groups' tokens are
+    already in them), each divided by W."""
+    for expert, group in ((False, None), (True, dp_group)):
+        grads = [p.grad for name, p in model.named_parameters() if is_expert(name) == expert]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(world_size)
+        if not expert or dp_size > 1:
+            dist.all_reduce(flat, group=group)  # the sum of every rank's g/W
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def clip_grad_norm(model, max_norm, ep_group):
+    """Global norm: the replicated gradients counted once, the experts' summed over the EP
+    group (which holds every expert once)."""
+    device = next(model.parameters()).device
+    squares = {True: torch.zeros((), device=device), False: torch.zeros((), device=device)}
+    for name, p in model.named_parameters():
+        squares[is_expert(name)] += p.grad.float().pow(2).sum()
+    dist.all_reduce(squares[True], group=ep_group)  # every expert's squares, once
+    total = (squares[True] + squares[False]).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in model.parameters():
+        p.grad.mul_(coef)
+
+
+@torch.no_grad()
+def evaluate(model, data, args, env, accum_steps):
+    """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
+    slice (through the all-to-alls), then the means are averaged across ranks."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total)  # the sum of every rank's mean/W: the global mean
+        losses[split] = total.item()
+    model.train()
+    return losses
+
+
+def main():
+    args = parse_args(add_flags(make_parser(__doc__, experts=True)))
+    run = Run(args, __file__)
+    accum_steps = check_batch(args, dp_size=run.world_size)  # every rank: its own slice of the batch
+    if args.dry_run:
+        config = model_config(args, Data.vocab_size_of(args.data))
+        ep = check_layout(args, config, run.world_size)
+        run.dry_run(costs, layout_lines(args, config, run.world_size, ep, accum_steps))
+    env = run.setup()
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    ep = check_layout(args, config, env.world_size)
+    dp = env.world_size // ep
+    ep_group, dp_group = expert_groups(env.world_size, ep)
+    model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
+    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype), layout={"strategy": "expert "
+              "parallel", "ep": ep}, pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
+              held=lambda: state_bytes(model.parameters(), optimizer),
+              evaluate=lambda: evaluate(model, data, args, env, accum_steps),
+              describe=f"expert parallel over {ep} ranks x {dp} data-parallel, {config.n_expert // ep} of "
+                       f"{config.n_expert} experts per rank, top-{config.top_k}, {accum_steps} micro-batch(es) "
+                       f"of {args.micro_batch_size} per rank per step")
+
+    for step in run.steps():
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])  # dispatch and combine all-to-alls in every block
+                (loss / accum_steps).backward()  # their backward all-to-alls: the gradients' rows home
+                loss_sum += loss.detach().float()
+        reduce_gradients(model, env.world_size, dp_group, dp)  # replicated: world; experts: same-expert ranks
+        received, load = take_routing(model, env.device)
+        stats = torch.cat([(loss_sum / (accum_steps * env.world_size)).view(1), load.float().view(-1)])
+        dist.all_reduce(stats)  # the global batch's mean loss and tokens per expert, for logging
+        if args.grad_clip > 0:
+            clip_grad_norm(model, args.grad_clip, ep_group)  # the norm over every expert once
+        run.check(stats[0], (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+        optimizer.step()
+        run.cost = costs(args, config, env.world_size, env.dtype, received=received)  # this step's routing
+        run.end_step(stats[0], extra=lambda: expert_metrics(run.cost, stats[1:].view(config.n_layer, -1)))
+        optimizer.zero_grad(set_to_none=True)
+    run.finish()
+
+
+# ----------------------------------------------------------------------------------------
+# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
+# ----------------------------------------------------------------------------------------
+
+def costs(args, config, world_size, dtype, received=None):
+    """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
+    this step's all-to-alls (over layers and micro-batches, from its routing counts); without
+    it, balanced routing (k·b·s per layer per micro-batch)."""
+    ep = args.ep or math.gcd(config.n_expert, world_size)
+    L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
+    with torch.device("meta"):
+        model = GPT(config)  # shapes only
+    psi_e = sum(p.numel() for name, p in model.named_parameters() if is_expert(name))  # all L·E experts
+    psi_d = sum(p.numel() for name, p in model.named_parameters() if not is_expert(name))
+    psi = psi_d + psi_e // ep
+    held = {"params": ("4(Ψ_d + L·Ψ_e·E/N)", 4 * psi), "grads": ("4(Ψ_d + L·Ψ_e·E/N)", 4 * psi),
+            "optim": ("8(Ψ_d + L·Ψ_e·E/N)", 8 * psi)}
+    b = args.micro_batch_size or args.global_batch_size // world_size
+    accum, bs = args.global_batch_size // (b * world_size), b * config.block_size
+    dispatched = L * accum * k * bs  # rows this rank routes over the step
+    received = dispatched if received is None else received
+    passes = 3 if args.recompute else 2  # forward, backward (and the forward again)
+    sent = {"all_to_all_single": (f"{passes}·{e}h(L·accum·k·b·s + R) + {passes - 1}·8E·L·accum, R = {received}",
+                                  passes * e * h * (dispatched + received) + (passes - 1) * 8 * E * L * accum),
+            "all_reduce": ("4Ψ_d + 4(1 + L·E) loss and expert counts" + (" + 4L·Ψ_e·E/N experts" if world_size > ep
+                                                                         else "") + (" + 4 norm" if args.grad_clip > 0 else ""),
+                           4 * psi_d + 4 * (1 + L * E) + (4 * psi_e // ep if world_size > ep else 0)
+                           + 4 * (args.grad_clip > 0))}
+    # activations: 01's dense block, the MLP term for k experts' rows, plus the router's
+    terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
+    return {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
+            "held": held, "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
+
+
+def expert_metrics(cost, load):
+    """The metrics' extra keys: this step's comm_bytes_theory (the formulas on its routing
+    counts), tokens per expert (the global batch, summed over layers) and the imbalance
+    (max/mean of the tokens per expert, in the worst layer)."""
+    return {"comm_bytes_theory": {op: value for op, (_, value) in cost["sent"].items()},
+            "expert_tokens": [int(n) for n in load.sum(dim=0).tolist()],
+            "expert_imbalance": (load.max(dim=1).values / load.mean(dim=1)).max().item()}
+
+
+def checkpoint_pieces(model, optimizer, writes_experts, env):
+    """Every parameter and its AdamW moments under 01's names: the replicated ones written by
+    rank 0, each expert by the rank of the first EP group that holds it (common.py's format:
+    01 with --n_expert, or 10 at another --ep, resumes it)."""
+    return [piece for name, p in model.named_parameters()
+            for piece in param_pieces(name, p.shape, p, optimizer,
+                                      write=env.master or (writes_experts and is_expert(name)))]
+
+
+def layout_lines(args, config, world_size, ep, accum_steps):
+    """The dry run's layout: EP groups, experts per rank, micro-batches."""
+    return [f"layout: {world_size // ep} expert-parallel group(s) of {ep} ranks, {config.n_expert // ep} of "
+            f"{config.n_expert} experts per rank (top-{config.top_k}); {accum_steps} micro-batch(es) of "
+            f"{args.micro_batch_size} per rank per step"]
+
+
+if __name__ == "__main__":
+    main()
