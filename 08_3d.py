@@ -907,8 +907,13 @@ def costs(args, config, world_size, dtype, rank=0):
     micro-batch and layer two all-reduces of b·s·h in the compute dtype (the row-parallel
     outputs, b_c bytes) and two in fp32 (the gradients entering f), + the embedding's (fp32)
     on the first stage, the head's (fp32) and 3 b·s of loss statistics on the last;
-    --recompute repeats the two compute-dtype all-reduces (g in the recomputed forward). PP:
-    b·s·h fp32 (the residual stream) per micro-batch per boundary each way, and the tied
+    --recompute repeats the two compute-dtype all-reduces (g in the recomputed forward).
+    --sequence_parallel: each all-reduce becomes an all-gather and a reduce-scatter of the
+    same b·s·h, plus per layer 2 all-gathers (b_c) of the column-parallel inputs again in
+    backward (and the head's on the last stage), plus one all-reduce of the replicated
+    parameters' gradients (4Ψ_replicated) per step; --recompute then repeats 2 all-gathers
+    and 2 reduce-scatters (b_c) per layer. PP: b·s·h fp32 (the residual stream; with SP
+    b·s·h/T, the sequence shard) per micro-batch per boundary each way, and the tied
     embedding's gradient shard between the first and last stage. DP: 4Ψ_rank of gradients
     (--zero1: reduce-scatter + all-gather of the flat buffer padded to D). Control: the
     logged loss, 4 bytes over pp and over dp; with clipping, the squared norm, 4 bytes over

@@ -72,6 +72,31 @@ def test_sequence_parallel_matches_01(reference, D, P, T, zero1):
     assert_losses_match(reference, run, what=f"{D}x{P}x{T} zero1={zero1} --sequence_parallel")
     assert run.evals[-1]["val_loss"] == pytest.approx(reference.evals[-1]["val_loss"], rel=2e-5)
     assert "sequence parallelism in each TP group" in run.stdout
+    assert_sp_ledger(run, P, T, m=24 // (D * 6))
+
+
+def assert_sp_ledger(run, P, T, m, recompute=False):
+    """The ledger exact on every rank (each checks its own, print_ledger) and rank 0's SP
+    traffic from the docstring's formulas, written out here: per micro-batch and layer
+    all-gathers of 2·2·4 + 2·4 b·s·h (f forward and again in backward, g's backward) and
+    reduce-scatters of 2·4 + 2·4 b·s·h, the embedding's 4 b·s·h of each (rank 0 is the first
+    stage), the head's 2·4 and 4 b·s·h when it is also the last; the boundary sends b·s·h/T
+    (fp32); the replicated parameters' gradients (LayerNorms, c_proj biases, wpe) all-reduced
+    over the TP group."""
+    assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
+    h, L, bsh, bs = 64, 4 // P, 6 * 64 * 64, 6 * 64
+    for row in run.steps:
+        assert row["state_bytes"] == row["state_bytes_theory"]
+        assert row["comm_bytes"] == row["comm_bytes_theory"]
+        assert row["activation_bytes"] == row["activation_bytes_theory"] > 0
+    comm, last = run.steps[0]["comm_bytes"], P == 1
+    again = 2 * 4 * L * bsh * m if recompute else 0  # the recomputed forward's f and g
+    assert comm["all_gather_into_tensor[tp]"] == 4 * m * (6 * L + 1 + 2 * last) * bsh + again
+    assert comm["reduce_scatter_tensor[tp]"] == 4 * m * (4 * L + 1 + last) * bsh + again
+    replicated = L * 6 * h + 64 * h + (2 * h if last else 0)  # ln_1, ln_2, 2 biases; wpe; ln_f
+    assert comm["all_reduce[tp]"] == 4 * replicated + (12 * m * bs if last else 0)
+    if P > 1:
+        assert comm["send"] == comm["recv"] == 4 * m * bsh // T
 
 
 def test_resume_and_export(reference, tmp_path):
