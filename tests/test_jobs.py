@@ -350,7 +350,7 @@ def test_named_scripts(scheduler):
 JOBS = [  # every named job, and every machine script with its default ARGS
     ("polaris.sh", "pbs", 8), ("aurora.sh", "pbs", 24), ("frontier.sh", "slurm", 16),
     ("perlmutter.sh", "slurm", 8), ("polaris_ddp.sh", "pbs", 8), ("perlmutter_fsdp.sh", "slurm", 16),
-    ("frontier_3d.sh", "slurm", 16), ("polaris_cp.sh", "pbs", 8),
+    ("frontier_3d.sh", "slurm", 16), ("polaris_cp.sh", "pbs", 8), ("frontier_moe.sh", "slurm", 16),
 ]
 
 
@@ -378,6 +378,8 @@ LAUNCHED = {  # what some jobs' launch lines and dry runs must say
     "perlmutter_fsdp.sh": ["srun -N 4 -n 16 ", "python 05_fsdp.py --model gpt2-xl --replicate 4"],  # 4 nodes
     "frontier_3d.sh": ["-n 16 ", "python 08_3d.py --tp 4 --pp 2 --model gpt3-xl",
                        "16 ranks = 2 data-parallel x 2 pipeline x 4 tensor-parallel"],
+    "frontier_moe.sh": ["-n 16 ", "python 10_expert_parallel.py --ep 8 --model gpt2 --n_expert 8",
+                        "2 expert-parallel group(s) of 8 ranks, 1 of 8 experts per rank"],
 }
 
 
