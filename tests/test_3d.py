@@ -99,6 +99,21 @@ def assert_sp_ledger(run, P, T, m, recompute=False):
         assert comm["send"] == comm["recv"] == 4 * m * bsh // T
 
 
+def test_sequence_parallel_recompute_resumes_in_01(reference, tmp_path):
+    """pp 2 x tp 2 + SP with --recompute (the recomputed forward's all-gathers and
+    reduce-scatters in the ledger) for steps 0-1, its checkpoint resumed by 01 for steps 2-3:
+    both legs 01's losses (SP changes no parameter's layout in the checkpoint)."""
+    chain = ["--lr_decay_iters", "4", "--out_dir", tmp_path]
+    sp = launch("08_3d.py", BASE + chain + ["--tp", 2, "--pp", 2, "--micro_batch_size", 6, "--sequence_parallel",
+                                            "--recompute", "--max_iters", 2, "--ckpt_interval", 2],
+                nprocs=4, timeout=400).ok()
+    assert_sp_ledger(sp, P=2, T=2, m=4, recompute=True)
+    single = launch("01_single_gpu.py", BASE + chain + ["--resume", "--sample_tokens", "0"]).ok()
+    assert [row["step"] for row in sp.steps + single.steps] == [0, 1, 2, 3]
+    assert_losses_match(reference, type(reference)(sp.cmd, 0, "", "", 0, sp.steps + single.steps),
+                        what="08 pp 2 x tp 2 + SP --recompute, then 01 --resume")
+
+
 def test_resume_and_export(reference, tmp_path):
     # pp 2 x tp 2 with ZeRO-1's flat buffer (over dp 1): both dropout streams, the shared and
     # the rank's own, must come back for every TP rank of every stage
