@@ -68,16 +68,38 @@ def load_rows(path):
 
 
 def number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A plottable number: finite, and below 1e18 (bytes, steps and rates of any real run)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and abs(value) < 1e18
+
+
+def clean(rows):
+    """The metrics rows that can be drawn, with only what can be: a row needs a step (a whole
+    number >= 0) and a loss or a val_loss; a value is kept if it is a number, or a dict of
+    numbers (state_bytes, comm_bytes and their theory) with the numbers only."""
+    kept = []
+    for row in rows:
+        step = row.get("step")
+        if not (number(step) and step >= 0 and step == int(step)) or not (number(row.get("loss"))
+                                                                          or number(row.get("val_loss"))):
+            continue
+        out = {}
+        for key, value in row.items():
+            if isinstance(value, dict):
+                out[key] = {k: v for k, v in value.items() if number(v)}
+            elif number(value) or isinstance(value, str):
+                out[key] = value
+        kept.append(out)
+    return kept
 
 
 def kind_of(path, rows):
     """'metrics' (rows with step and loss: a training script's --metrics), 'bench' (rows of
     02_collectives.py --bench), or a refusal."""
-    if any(number(r.get("step")) and number(r.get("loss")) for r in rows):
+    if any(number(r.get("loss")) for r in clean(rows)):
         return "metrics"
-    if rows and all(isinstance(r.get("op"), str) and number(r.get("bytes")) and number(r.get("busbw_GBps"))
-                    for r in rows):
+    if rows and all(isinstance(r.get("op"), str) and number(r.get("bytes")) and r["bytes"] > 0
+                    and number(r.get("busbw_GBps")) for r in rows):
         return "bench"
     raise Refused(f"{path}: neither a training script's --metrics JSONL (rows with step and loss) "
                   "nor 02_collectives.py --bench output (rows with op, bytes, busbw_GBps)")
@@ -152,15 +174,21 @@ def ledger_bars(ax, runs, measured, theory, title):
     ax.legend(fontsize=7)
 
 
+def mapping(row, key):
+    """A copy of row[key] when it is a dict ({kind: bytes}), else {}."""
+    value = row.get(key)
+    return dict(value) if isinstance(value, dict) else {}
+
+
 def memory_of(row):
-    out = {k: v for k, v in (row.get("state_bytes") or {}).items()}
+    out = mapping(row, "state_bytes")
     if number(row.get("activation_bytes")):
         out["activations"] = row["activation_bytes"]
     return out
 
 
 def memory_theory_of(row):
-    out = {k: v for k, v in (row.get("state_bytes_theory") or {}).items()}
+    out = mapping(row, "state_bytes_theory")
     if number(row.get("activation_bytes_theory")):
         out["activations"] = row["activation_bytes_theory"]
     return out
@@ -179,8 +207,9 @@ def summary(label, rows):
         values = sorted(r[key] for r in later if number(r.get(key)))
         if values:
             lines.append(f"  median {values[len(values) // 2]:{fmt}} {unit}")
-    spread = [r["dt_ms_max"] / r["dt_ms_min"] for r in later if number(r.get("dt_ms_max")) and r.get("dt_ms_min")]
-    if spread:
+    spread = [r["dt_ms_max"] / r["dt_ms_min"] for r in later
+              if number(r.get("dt_ms_max")) and number(r.get("dt_ms_min")) and r["dt_ms_min"] > 0]
+    if spread and max(spread) > 1:  # (one rank: always 1)
         lines.append(f"  slowest / fastest rank: {sorted(spread)[len(spread) // 2]:.2f} (median)")
     pairs = [("state_bytes", "state_bytes_theory"), ("comm_bytes", "comm_bytes_theory"),
              ("activation_bytes", "activation_bytes_theory")]
@@ -205,17 +234,19 @@ def plot_metrics(plt, paths, all_rows):
         if vs:
             loss_ax.plot(vs, vl, "o--", color=colour, markersize=4, label=f"{label}: val loss")
         tok_ax.plot(*series(train, "tokens_per_s"), color=colour, label=label)
-        steps, mean = series(train, "dt_ms_mean")
+        spread = [r for r in train if all(number(r.get(k)) for k in ("dt_ms_min", "dt_ms_max", "dt_ms_mean"))]
+        steps, mean = series(spread, "dt_ms_mean")
         if steps:
-            _, low = series(train, "dt_ms_min")
-            _, high = series(train, "dt_ms_max")
+            _, low = series(spread, "dt_ms_min")
+            _, high = series(spread, "dt_ms_max")
             dt_ax.fill_between(steps, low, high, color=colour, alpha=0.25, label=f"{label}: min-max over ranks")
             dt_ax.plot(steps, mean, color=colour, label=f"{label}: mean")
         else:
             dt_ax.plot(*series(train, "dt_ms"), color=colour, label=f"{label}: rank 0")
-        steps, peak = series(train, "mem_peak_bytes_max")
+        spread = [r for r in train if number(r.get("mem_peak_bytes_max")) and number(r.get("mem_peak_bytes_min"))]
+        steps, peak = series(spread, "mem_peak_bytes_max")
         if steps:
-            _, low = series(train, "mem_peak_bytes_min")
+            _, low = series(spread, "mem_peak_bytes_min")
             peak_ax.fill_between(steps, [v / 2**30 for v in low], [v / 2**30 for v in peak], color=colour,
                                  alpha=0.3, label=f"{label}: min-max over ranks")
         ledger = last_ledger(rows)
@@ -235,10 +266,10 @@ def plot_metrics(plt, paths, all_rows):
         peak_ax.axis("off")
         peak_ax.text(0.0, 1.0, "\n\n".join(summary(label_of(p, paths), rows) for p, rows in zip(paths, all_rows)),
                      ha="left", va="top", transform=peak_ax.transAxes, fontsize=9, family="monospace")
-    step = runs[0][1]["step"] if len(runs) == 1 else "last"
-    ledger_bars(mem_ax, runs, memory_of, memory_theory_of, f"memory held by rank 0 (step {step})")
-    ledger_bars(comm_ax, runs, lambda r: r.get("comm_bytes") or {}, lambda r: r.get("comm_bytes_theory") or {},
-                f"bytes sent by rank 0 per step (step {step})")
+    when = f"step {runs[0][1]['step']}" if len(runs) == 1 else "last logged step"
+    ledger_bars(mem_ax, runs, memory_of, memory_theory_of, f"memory held by rank 0 ({when})")
+    ledger_bars(comm_ax, runs, lambda r: mapping(r, "comm_bytes"), lambda r: mapping(r, "comm_bytes_theory"),
+                f"bytes sent by rank 0 per step ({when})")
     fig.suptitle(", ".join(label_of(p, paths) for p in paths))
     return fig
 
@@ -257,15 +288,14 @@ def plot_bench(plt, paths, all_rows, peak_gbps=None):
     if peak_gbps:
         ax.axhline(peak_gbps, color="black", linestyle="--", label=f"link peak {peak_gbps:g} GB/s")
     ax.set_xscale("log", base=2)
+    runs = sorted({f"{r.get('backend', '?')}, {r.get('world_size', '?')} ranks" for rows in all_rows for r in rows})
     ax.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
-           title="collectives: bus bandwidth against message size (02_collectives.py --bench)")
+           title=f"02_collectives.py --bench: bus bandwidth against message size ({'; '.join(runs)})")
     sizes = sorted({r["bytes"] for rows in all_rows for r in rows})
     ax.set_xticks(sizes)
     ax.set_xticklabels([size_label(s) for s in sizes], rotation=30, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    backends = sorted({f"{r.get('backend', '?')}, {r.get('world_size', '?')} ranks" for rows in all_rows for r in rows})
-    ax.text(0.01, 0.98, "; ".join(backends), transform=ax.transAxes, va="top", fontsize=8, color="grey")
     return fig
 
 
@@ -384,14 +414,17 @@ def main(argv=None):
             raise Refused("plot.py needs matplotlib, an optional package: pip install matplotlib") from None
         matplotlib.use("Agg")  # files only, no display needed
         import matplotlib.pyplot as plt
-        if args.schedule:
-            fig = plot_schedule(plt, args.schedule, args.pp, args.micro_batches, args.virtual_stages)
-        elif kinds == {"bench"}:
-            fig = plot_bench(plt, args.files, all_rows, args.peak_gbps)
-        else:
-            fig = plot_metrics(plt, args.files, all_rows)
-        if not args.schedule:
-            fig.tight_layout()
+        try:
+            if args.schedule:
+                fig = plot_schedule(plt, args.schedule, args.pp, args.micro_batches, args.virtual_stages)
+            elif kinds == {"bench"}:
+                fig = plot_bench(plt, args.files, all_rows, args.peak_gbps)
+            else:
+                fig = plot_metrics(plt, args.files, [clean(rows) for rows in all_rows])
+            if not args.schedule:
+                fig.tight_layout()
+        except (ArithmeticError, TypeError, ValueError) as e:  # values no real run writes
+            raise Refused(f"{', '.join(args.files)}: cannot draw these rows ({e})") from None
         try:
             fig.savefig(args.out, dpi=args.dpi)
         except OSError as e:

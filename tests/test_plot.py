@@ -141,3 +141,20 @@ def test_command_line_contract(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, PLOT, str(metrics)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert p.stderr == "error: plot.py needs matplotlib, an optional package: pip install matplotlib\n"
+
+
+def test_odd_values_are_drawn_or_refused_in_one_line(tmp_path, capsys):
+    """Rows that are metrics but whose values no real run writes (strings, lists, a number where
+    a dict belongs, 1e308): what can be drawn is, the rest left out, never a traceback."""
+    needs_matplotlib()
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"step": 0, "loss": 2.0, "state_bytes_theory": -1, "dt_ms_max": {"a": "b"}, "tokens_per_s": "x",'
+                   ' "dt_ms_min": 1e308, "comm_bytes": {"send": "x", "recv": 4}, "activation_bytes": []}\n'
+                   '{"step": -1, "loss": 1.0}\n{"step": 2.5, "val_loss": 1.9}\n{"step": 3, "loss": null}\n')
+    status, _, stderr = run_plot([odd, "-o", tmp_path / "odd.png"], capsys)
+    assert status == 0, stderr
+    assert_png(tmp_path / "odd.png")
+    only_bad_steps = tmp_path / "bad_steps.jsonl"
+    only_bad_steps.write_text('{"step": -1, "loss": 1.0}\n{"step": "s", "loss": 1.0}\n')
+    status, _, stderr = run_plot([only_bad_steps], capsys)
+    assert status == 2 and stderr.startswith("error: ") and len(stderr.splitlines()) == 1, stderr
