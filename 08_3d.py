@@ -24,6 +24,19 @@ updating its 1/D of the optimizer state and all-gathering the parameters (ZeRO1:
 as in 04_zero.py); the two have one interface, so the training step is the same for both.
 Only what is needed is restated here: this file does not import the others.
 
+--sequence_parallel (Korthikanti et al. 2022), as in 06, inside every TP group: LayerNorm and
+dropout, replicated in plain TP, run on sequence shards instead; f becomes an all-gather of
+the sequence and g a reduce-scatter back to shards, so the residual stream between layers,
+and what crosses a stage boundary, is this TP rank's [b, s/T, h] (s must divide by T):
+
+    stage pp, TP rank t                                              stage pp + 1, TP rank t
+    X_t ─LN─all-gather─> X ─ X A_t ... (.) B_t ─reduce-scatter─> Y_t ──send──> X_t ─LN─ ...
+    [b, s/T, h]         [b, s, h]                               [b, s/T, h]: 1/T of the bytes
+    kept for backward: the shard X_t only, not X (GatherSequenceLinear gathers it again there)
+
+The replicated parameters (LayerNorms, row-parallel biases, wpe) then see only this rank's
+sequence shard: their gradients are partial and are all-reduced over the TP group each step.
+
 The hard parts:
   * the tied embedding: the first stage's wte shard and the last stage's head shard (the
     same vocabulary rows, same TP rank) are two copies, kept equal by all-reducing their
@@ -47,13 +60,22 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
     TP:      all-reduce of b·s·h, 4 per layer per micro-batch: the two forward ones (g) in the
              compute dtype, the two backward ones (f) in fp32; + the embedding's and the
              head's (fp32) and 3·b·s loss statistics (fp32) on the last stage
-    PP:      send and receive of b·s·h (fp32, the residual stream) per micro-batch per
-             stage boundary; the wte shard's gradient between first and last stage
+    SP:      each TP all-reduce of b·s·h becomes an all-gather + a reduce-scatter of the
+             same b·s·h, + 2 all-gathers (compute dtype) per layer in backward (the
+             column-parallel inputs again; the head's on the last stage), + 4Ψ_replicated
+             all-reduced over the TP group per step (the replicated gradients)
+    PP:      send and receive of b·s·h (fp32, the residual stream; with SP b·s·h/T) per
+             micro-batch per stage boundary; the wte shard's gradient between first and last
+             stage
     DP:      all-reduce of this rank's 4·Ψ_rank gradient bytes per step (--zero1:
              reduce-scatter + all-gather of the padded 4Ψ_rank)
     logging: the loss all-reduced over the stages and the replicas (4 bytes each) and, with
              clipping, the squared norm over the replica (over the world with --zero1; 4
-             bytes); the exact terms are costs() below
+             bytes)
+    activations: 1F1B's micro-batches in flight (P - pp at most) x this stage's layers,
+             each the attention and MLP /T, the LayerNorms and residual stream whole; with
+             SP every term of a block /T; --recompute keeps each block's input only (/T with
+             SP). The exact terms are costs() below
 """
 
 import math
