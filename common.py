@@ -2095,7 +2095,7 @@ def sdpa_logsumexp_bytes(b, heads, s, dtype, device_type):
 
 
 def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dtype=torch.float32,
-                     attention=None):
+                     attention=None, expert_rows=None):
     """Bytes this model's ops save for backward for one micro-batch of b sequences of s
     tokens (h = n_embd, a = n_head, V = vocab), counted op by op for common.py's model and
     PyTorch's kernels, with tensor parallelism over tp ranks (Megatron's split: the
@@ -2154,6 +2154,16 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
     if dropout:  # residual dropouts: after c_proj (compute dtype) in attention and MLP
         masks = 2 * (mask_e or e) * b * s * h // rep
         terms["dropout masks"] = (f"2·{mask_e or e}bsh{'/T' if sp else ''}", masks)
+    if config.n_expert:  # a mixture of experts (no tp): R rows through the experts (k·b·s, or
+        # `expert_rows`: those a rank's experts received), each an MLP's 9e·h (its input cast,
+        # GELU's and c_proj's inputs); the combine keeps the k·b·s outputs and the fp32 weights;
+        # the router its probabilities (bsE), the top-k (2bsk), their sum (bs), f_e (bE)
+        k, E, R = config.top_k, config.n_expert, expert_rows if expert_rows is not None else config.top_k * b * s
+        mlp = 9 * e * R * h + e * k * b * s * h + 4 * b * s * (E + 2 * k + 1) + 4 * b * E
+        terms["mlp"] = (f"{9 * e}Rh + {e * k}bsh + 4bs(E + 2k + 1) + 4bE, R = {R}", mlp)
+        if dropout:  # each expert's output dropout, instead of the MLP's
+            masks += (mask_e or e) * (R - b * s) * h
+            terms["dropout masks"] = (f"{mask_e or e}bsh + {mask_e or e}Rh", masks)
     layer = ln + attn + mlp + masks
     out = {"layer": (" + ".join(f for f, _ in terms.values()), layer),
            "block_input": (f"{r}bsh{'/T' if sp else ''}", r * b * s * h // rep),

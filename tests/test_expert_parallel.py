@@ -98,3 +98,17 @@ def test_bare_command_dry_runs(ranks):
     run = launch("10_expert_parallel.py", ["--dry_run", "--world_size", ranks], metrics=False, out_dir=False).ok()
     ep = {1: 1, 2: 2, 4: 4, 8: 8, 12: 4}[ranks]
     assert f"expert-parallel group(s) of {ep} ranks" in run.stdout and "all_to_all_single" in run.stdout
+
+
+@pytest.mark.parametrize("script, dtype, extra", [
+    ("01_single_gpu.py", "float32", ["--sample_tokens", "0"]),
+    ("01_single_gpu.py", "bfloat16", ["--sample_tokens", "0", "--recompute", "--dropout", "0.1"]),
+    ("10_expert_parallel.py", "bfloat16", ["--micro_batch_size", "4"]),
+])
+def test_activations_and_bf16_ledger_equal_their_formulas(script, dtype, extra):
+    """The MoE block's activations (common.activation_terms counts the router, k rows through
+    the experts and the combine) and, in bfloat16, the all-to-alls moving 2-byte rows."""
+    run = launch(script, BASE + ["--max_iters", "2", "--dtype", dtype] + extra).ok()
+    for step in run.steps:
+        assert step["activation_bytes"] == step["activation_bytes_theory"]
+        assert step["comm_bytes"] == step["comm_bytes_theory"]
