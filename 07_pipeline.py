@@ -307,6 +307,9 @@ class Pipeline:
         batches = exchanges(rounds, self.p, self.rank, self.v, m)
         received = self._exchange(batches[0], {})
         for ops, batch in zip(rounds, batches[1:]):
+            # wait() on an NCCL request only orders the stream: the received activations may
+            # still be arriving, and a compute timer started now would count that wait as busy
+            synchronize(self.env)
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
             for kind, i, c in ops:
                 g = self.global_chunk(c)
