@@ -106,3 +106,17 @@ def test_wandb_not_installed_is_one_line():
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().splitlines() == ["error: --wandb proj: the wandb package is not installed "
                                               "(it is optional: pip install wandb)"]
+
+
+def test_wandb_that_cannot_start_is_one_agreed_line(tmp_path):
+    """Online without an API key (a compute node without WANDB_MODE=offline): rank 0's failure
+    to start the run is one line, and both ranks exit 2 before training."""
+    pytest.importorskip("wandb", reason="wandb is optional (pip install wandb); .ci/run installs it")
+    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "", "HOME": str(tmp_path), "WANDB_DIR": str(tmp_path),
+           "WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_BASE_URL": "http://127.0.0.1:9",
+           "WANDB_INIT_TIMEOUT": "20", "WANDB_SILENT": "true"}
+    run = launch("03_ddp.py", BASE + ["--wandb", "gptpar-test"], nprocs=2, env=env)
+    assert run.returncode == 2, run.stderr
+    assert len(run.error_lines) == 1 and run.error_lines[0].startswith(
+        "error: --wandb gptpar-test: wandb could not start a run: "), run.stderr
+    assert "Traceback" not in run.stderr and not run.steps
