@@ -24,30 +24,35 @@ every rank has one early and one late chunk and the causal work is the same on a
   them it posts the send of that K/V to rank r+1 and the receive of rank r-1's
   (batch_isend_irecv), so the transfer overlaps the block's compute. Of the four
   (query chunk, key chunk) pairs a step offers, a causal mask empties those whose key chunk
-  comes after the query chunk: they are skipped, never computed. The pairs computed by rank
-  r (q chunks r and 2C-1-r; ◣ = causal diagonal block, ■ = fully visible, . = skipped):
+  comes after the query chunk: they are skipped, never computed, and what is left is one
+  block (◣ = causal, ■ = fully visible, . = skipped):
 
                                    kv chunk:  j     2C-1-j
-    step 0 (j = r):        q chunk r      ◣       .
-                           q 2C-1-r       ■       ◣        2 half blocks + 1 block
-    j < r:                 q chunk r      ■       .
-                           q 2C-1-r       ■       .        2 blocks
-    j > r:                 q chunk r      .       .
-                           q 2C-1-r       ■       ■        2 blocks
+    step 0 (j = r):        q chunk r      ◣       .        all of q, k, v, causal (a rank
+                           q 2C-1-r       ■       ◣        holds its tokens in order)
+    j < r:                 q chunk r      ■       .        all of q, kv chunk j
+                           q 2C-1-r       ■       .
+    j > r:                 q chunk r      .       .        q chunk 2C-1-r, all of k, v
+                           q 2C-1-r       ■       ■
 
-  so in every step every rank does the same work as every other: 2 blocks of (s/2C)²
-  scores (in step 0 one block and the two diagonal ones, computed whole and half masked).
-  Each block gives its output O_b (already softmax-normalised over the block's keys) and the
-  log-sum-exp of its scores, L_b = log Σ_keys exp(q·k/√d). Two partial results over
-  disjoint key sets merge exactly (the online softmax of FlashAttention):
+  so in every step every rank does the same work as every other: 2 blocks' worth of
+  (s/2C)² scores. Each block gives its output O_b (already softmax-normalised over the
+  block's keys) and the log-sum-exp of its scores, L_b = log Σ_keys exp(q·k/√d), from a
+  fused attention kernel that returns it (on CPU torch's flash attention for CPU; on CUDA
+  the flash or memory-efficient kernel, as torchtitan's and Megatron-core's rings do;
+  elsewhere the explicit fp32 block, which is also the readable reference: S = q kᵀ/√d,
+  L_b = logsumexp(S), O_b = exp(S - L_b) V). Two partial results over disjoint key sets
+  merge exactly (the online softmax of FlashAttention), in fp32:
 
       L = log(exp(L_1) + exp(L_2)),    O = exp(L_1 - L)·O_1 + exp(L_2 - L)·O_2
 
-  Backward (a hand-written autograd.Function, FlashAttention-2's formulas): with the saved
-  final O and L, for each block P = exp(S - L), dV += Pᵀ dO, dP = dO Vᵀ,
-  dS = P ∘ (dP - rowsum(dO ∘ O)), dQ += dS K/√d, dK += dSᵀ Q/√d. K and V go around the ring
-  again (recomputed blocks, never stored); each K/V block travels with an fp32 dK/dV
-  accumulator that every rank adds its share to, and whose last hop brings it home.
+  Backward (a hand-written autograd.Function, FlashAttention-2's formulas): a block's
+  gradients need only the final O and L and dO, not the block's own O_b and L_b. For each
+  block P = exp(S - L), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - rowsum(dO ∘ O)),
+  dQ += dS K/√d, dK += dSᵀ Q/√d: the fused kernel's backward called with the final O and L
+  (the explicit fp32 block elsewhere). K and V go around the ring again (recomputed blocks,
+  never stored); each K/V block travels with an fp32 dK/dV accumulator that every rank adds
+  its share to, and whose last hop brings it home.
 
 --cp_impl ulysses  (DeepSpeed-Ulysses, Jacobs et al. 2023). Rank r holds the contiguous
 tokens [r·s/C, (r+1)·s/C). Before attention one all-to-all per q, k, v turns
@@ -81,22 +86,22 @@ batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C 
              own saved tensors; V = vocabulary):
                per block:  LayerNorms 2(4bTh + 8bT + e·bTh) + MLP 8e·bTh + attention
                            (+ residual dropout masks 2·bTh on GPUs, 2e·bTh on CPU, if p > 0)
-               ring:       c_attn's q|k|v output (q is a view of it) 3e·bTh, contiguous K, V
-                           2e·bTh, fp32 O 4bTh (also c_proj's input in fp32: the transpose
-                           back is a view) and L 4bHT, and under bf16 O's cast for c_proj e·bTh
+               ring:       c_attn's q|k|v output (q, k, v are views of it) 3e·bTh, the
+                           output O e·bTh (c_proj's input too: the transpose back is a view)
+                           and the fp32 log-sum-exp L 4bHT
                ulysses:    the all-to-all'd q, k, v 3e·bTh, SDPA's output e·bTh and its
                            logsumexp 4b(H/C)s = 4bHT (padded to 32 in fp32 on GPUs),
                            c_proj's input, back in [b, T, h], e·bTh
                C = 1:      SDPA as in 01, 4e·bsh + 4bHs (never attention dropout, so never
                            CPU's math kernel)
-             i.e. per block with dropout 0: ring 72bTh (fp32) / 44bTh (bf16), Ulysses 68bTh /
+             i.e. per block with dropout 0: ring 64bTh (fp32) / 36bTh (bf16), Ulysses 68bTh /
              38bTh, each + 16bT + 4bHT; plus the embedding's dropout mask and the head
              (ln_f 4bTh + 8bT, its output e·bTh, the fp32 log-softmax 4bTV, 4): L·block +
              embedding + head. --recompute keeps each block's input 4bTh: embedding +
              max(L·4bTh + head, (L-1)·4bTh + block). The ring also holds, transiently and not
-             for backward, one K/V block in flight and the fp32 scores of one block,
-             b·H·(s/2C)²·4 (this version writes each block out for clarity; a FlashAttention
-             kernel would not)
+             for backward, one K/V block in flight, the fp32 O being merged (4bTh, a copy only
+             under bf16) and its block's O_b and L_b; the explicit fallback also the fp32 scores
+             of its block, at most b·H·(s/C)²·4
     ring:    per layer per micro-batch, A = b·(s/C)·h·e (one rank's K, or V):
                forward  K and V, C-1 hops each:            2(C-1)·A
                backward K and V again, C-1 hops each:      2(C-1)·A
@@ -183,8 +188,9 @@ class Ring:
     def pass_on(self, tensors, tag):
         """Post, without waiting: send `tensors` to the next rank, receive the previous
         rank's tensors of the same shapes. Returns (requests, received)."""
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
+        sent = [t.contiguous() for t in tensors]  # k, v: views of c_attn's output, copied to send
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
         return dist.batch_isend_irecv(ops), received  # our blocks to r+1, r-1's blocks to us
 
@@ -196,106 +202,145 @@ class Ring:
         return received
 
 
-def block_pairs(q_rank, kv_rank, C):
-    """(q half, kv half, causal) for the (query chunk, key chunk) pairs between the chunks of
-    ring ranks q_rank and kv_rank that the causal mask does not empty. Half 0 / 1 of a rank's
-    tokens is its chunk r / 2C-1-r. Key chunk before query chunk: fully visible; the same
-    chunk: the causal triangle; after: skipped."""
-    pairs = []
-    for qh, q_chunk in enumerate(zigzag_chunks(q_rank, C)):
-        for kh, kv_chunk in enumerate(zigzag_chunks(kv_rank, C)):
-            if kv_chunk <= q_chunk:
-                pairs.append((qh, kh, kv_chunk == q_chunk))
-    return pairs
+def ring_block(q_rank, kv_rank, C):
+    """(q halves, kv halves, causal): the part of one ring step's scores, between the tokens of
+    ring ranks q_rank and kv_rank, that the causal mask does not empty, as one block. Half 0 / 1
+    of a rank's tokens is its chunk r / 2C-1-r. Its own tokens: all of them, causal (a rank holds
+    its tokens in sequence order, so the local triangle is the global one). Key chunks j and
+    2C-1-j of an earlier rank (j < r): both query chunks see chunk j whole, chunk 2C-1-j is after
+    both. Of a later rank: only query chunk 2C-1-r sees them, both whole."""
+    if kv_rank == q_rank:
+        return (0, 1), (0, 1), True
+    if kv_rank < q_rank:
+        return (0, 1), (0,), False
+    return (1,), (0, 1), False
+
+
+def part(t, halves):
+    """The halves (0, 1 or both) of a [b, heads, tokens, ...] tensor's tokens, as a view."""
+    c = t.size(2) // 2
+    return t[:, :, halves[0] * c:(halves[-1] + 1) * c]
+
+
+aten = torch.ops.aten
+
+
+def block_forward(q, k, v, causal):
+    """One block's attention: its output O_b (normalised over the block's keys) and the
+    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], from the fused
+    attention kernel that returns it: on CPU torch's flash attention for CPU, on CUDA the
+    flash (fp16/bf16) or memory-efficient (fp32) kernel (as torchtitan's ring does; unverified:
+    09 has not run on a GPU); elsewhere the explicit fp32 reference below."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        return out, lse
+    if q.device.type == "cuda":  # its log-sum-exp is padded to a multiple of 32 queries
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., :q.size(2)]
+    return explicit_block_forward(q, k, v, causal)
+
+
+def block_backward(dout, q, k, v, out, lse, causal):
+    """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
+    needs only those and dO, not the block's own): the fused kernel's backward, as in
+    block_forward, else the explicit fp32 reference."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):  # unverified
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: never read
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, no_rng, no_rng)
+    if q.device.type == "cuda":  # unverified; the kernel reads L padded to 32 queries
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+        lse = F.pad(lse, (0, -q.size(2) % 32))
+        return aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
+    return explicit_block_backward(dout, q, k, v, out, lse, causal)
 
 
 def scores(q, k, causal):
-    """S = q kᵀ/√d for one block, the upper triangle -inf on a diagonal block."""
-    s = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)
+    """S = q kᵀ/√d for one block in fp32, the upper triangle -inf on a causal block."""
+    s = (q.float() / math.sqrt(q.size(-1))) @ k.float().transpose(-2, -1)
     if causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
-def block_forward(q, k, v, causal):
-    """One block's attention: its normalised output and the log-sum-exp of its scores."""
+def explicit_block_forward(q, k, v, causal):
+    """The readable reference (and the fallback where no fused kernel applies), in fp32:
+    L_b = logsumexp(S), O_b = exp(S - L_b) V."""
     s = scores(q, k, causal)
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    return s.sub_(lse).exp_() @ v, lse  # softmax(S) V, with S overwritten by P (in place)
+    lse = torch.logsumexp(s, dim=-1)
+    return s.sub_(lse.unsqueeze(-1)).exp_() @ v.float(), lse  # softmax(S) V, S overwritten by P
 
 
-def merge(out, lse, block_out, block_lse):
-    """Exact merge of two softmax-attention results over disjoint keys:
-    L = log(e^L1 + e^L2), O = e^(L1-L)·O1 + e^(L2-L)·O2 (in place)."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    out.copy_(torch.exp(lse - new_lse) * out + torch.exp(block_lse - new_lse) * block_out)
-    lse.copy_(new_lse)
-
-
-def block_backward(q, k, v, lse, dout, delta, causal):
-    """FlashAttention-2's backward of one block, with the final (merged) out and lse:
-    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), dQ = dS K/√d, dK = dSᵀ Q/√d.
-    (O enters through delta = rowsum(dO ∘ O), computed once for all blocks.)"""
-    p = scores(q, k, causal).sub_(lse).exp_()
+def explicit_block_backward(dout, q, k, v, out, lse, causal):
+    """FlashAttention-2's backward of one block in fp32, with the final O and L:
+    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), dQ = dS K/√d, dK = dSᵀ Q/√d."""
+    q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+    p = scores(q, k, causal).sub_(lse.unsqueeze(-1)).exp_()
+    delta = (dout * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
     ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
     scale = 1.0 / math.sqrt(q.size(-1))
     return (ds @ k).mul_(scale), (ds.transpose(-2, -1) @ q).mul_(scale), p.transpose(-2, -1) @ dout
 
 
-def halves(t, h):
-    """Half h (0: chunk r, 1: chunk 2C-1-r) of a [b, heads, tokens, d] tensor, as a view."""
-    c = t.size(2) // 2
-    return t[:, :, h * c:(h + 1) * c]
+def merge(out, lse, block_out, block_lse):
+    """Exact merge of two softmax-attention results over disjoint keys, in place in the fp32
+    out and lse: L = log(e^L1 + e^L2), O = e^(L1-L)·O1 + e^(L2-L)·O2."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    w_old, w_new = torch.exp(lse - new_lse).unsqueeze(-1), torch.exp(block_lse - new_lse).unsqueeze(-1)
+    out.copy_(w_old * out + w_new * block_out)
+    lse.copy_(new_lse)
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence's keys, computed in
-    fp32. q, k, v: [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape."""
+    """Causal attention of this rank's queries over the whole sequence's keys. q, k, v:
+    [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape, in q's dtype.
+    Blocks run in q's dtype (the fused kernel; fp32 in the explicit fallback), they merge in
+    fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring):
-        k, v = k.contiguous(), v.contiguous()
         ctx.ring = ring
+        b, heads, t, d = q.shape
         with torch.autocast(q.device.type, enabled=False):
-            qf = q.float()
-            out = torch.zeros_like(qf)
-            lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
+            # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
+            out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
+            lse = torch.full((b, heads, t), float("-inf"), device=q.device)
             kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
                     pending = ring.pass_on(kv, tag=0)
-                kv_rank = (ring.rank - step) % ring.size
-                kf, vf = kv[0].float(), kv[1].float()
-                for qh, kh, causal in block_pairs(ring.rank, kv_rank, ring.size):
-                    o, l = block_forward(halves(qf, qh), halves(kf, kh), halves(vf, kh), causal)
-                    merge(halves(out, qh), halves(lse, qh), o, l)
+                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
+                o, l = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                merge(part(out, qh), part(lse, qh), o, l)
                 if step < ring.size - 1:
                     kv = ring.wait(pending)
+            out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         with torch.autocast(q.device.type, enabled=False):
-            qf, dout = q.float(), dout.float()
-            delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O), once for every block
-            dq = torch.zeros_like(qf)
+            dout = dout.to(q.dtype)
+            dq = torch.zeros(q.shape, device=q.device)  # fp32 accumulators
             kv, arriving = (k, v), None
             for step in range(ring.size):
                 if step < ring.size - 1:  # K/V go around again, as in forward
                     pending = ring.pass_on(kv, tag=0)
-                kv_rank = (ring.rank - step) % ring.size
-                kf, vf = kv[0].float(), kv[1].float()
-                dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)  # our share for kv_rank's K/V
-                for qh, kh, causal in block_pairs(ring.rank, kv_rank, ring.size):
-                    dq_b, dk_b, dv_b = block_backward(halves(qf, qh), halves(kf, kh), halves(vf, kh),
-                                                      halves(lse, qh), halves(dout, qh), halves(delta, qh),
-                                                      causal)
-                    halves(dq, qh).add_(dq_b)
-                    halves(dk, kh).add_(dk_b)
-                    halves(dv, kh).add_(dv_b)
+                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
+                dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh), part(kv[1], kh),
+                                                  part(out, qh), part(lse, qh).contiguous(), causal)
+                part(dq, qh).add_(dq_b)
+                dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+                part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
+                part(dv, kh).add_(dv_b)
                 if arriving is not None:  # the shares of the ranks this K/V block visited before us
                     dk_in, dv_in = ring.wait(arriving)
                     dk += dk_in
@@ -550,13 +595,10 @@ def costs(args, config, world_size, dtype):
     device_type = activation_device_type(args)
     if C == 1:  # plain SDPA without dropout: q, k, v (c_attn's output), its output = c_proj's input, logsumexp
         attention = (f"{4 * e}bTh + 4baT", 4 * e * b * T * h + sdpa_logsumexp_bytes(b, a, T, dtype, device_type))
-    elif args.cp_impl == "ring":  # RingAttention saves q (a view of c_attn's whole q|k|v output),
-        # contiguous copies of k and v, its fp32 output O and log-sum-exp. O is allocated in
-        # q's memory order ([b, T, heads, d]: zeros_like keeps strides), so the transpose back
-        # to [b, T, h] is a view and c_proj's input is O itself in fp32, O's bf16 cast under autocast
-        cast = e * b * T * h if e != 4 else 0
-        attention = (f"3·{e}bTh + 2·{e}bTh + 4bTh + 4baT" + (f" + {e}bTh" if cast else ""),
-                     (5 * e + 4) * b * T * h + cast + 4 * b * a * T)
+    elif args.cp_impl == "ring":  # RingAttention saves q, k, v (views of c_attn's whole q|k|v
+        # output), its output O (allocated in [b, T, heads, d] order: the transpose back to
+        # [b, T, h] is a view, so c_proj's input is O itself) and the fp32 log-sum-exp L
+        attention = (f"3·{e}bTh + {e}bTh + 4baT", 4 * e * b * T * h + 4 * b * a * T)
     else:  # SDPA saves the all-to-all'd q, k, v (3 storages of b·(H/C)·s·d = b·T·h), its output
         # and logsumexp (b·(H/C)·s); c_proj saves the output back in [b, T, h] (another storage)
         attention = (f"3·{e}bTh + {e}bTh + 4b(a/C)s + {e}bTh",

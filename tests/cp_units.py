@@ -1,7 +1,8 @@
-"""Run under N ranks by test_context_parallel.py: 09's ring attention (zigzag layout, C = N)
-and Ulysses attention equal F.scaled_dot_product_attention(is_causal=True) on the whole
-sequence, in the output and in dq, dk and dv, on every rank's tokens. Exits non-zero on any
-mismatch (an assertion ends the job)."""
+"""Run under N ranks by test_context_parallel.py: 09's ring attention (zigzag layout, C = N),
+with the fused CPU kernel's blocks and with the explicit fp32 fallback's, and Ulysses
+attention equal F.scaled_dot_product_attention(is_causal=True) on the whole sequence, in the
+output and in dq, dk and dv, on every rank's tokens. Exits non-zero on any mismatch (an
+assertion ends the job)."""
 
 import argparse
 import importlib
@@ -31,17 +32,20 @@ def main():
     F.scaled_dot_product_attention(*full, is_causal=True).backward(dout)
     expected_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    for impl in ("ring", "ulysses"):
+    fused = cp_module.block_forward, cp_module.block_backward
+    explicit = cp_module.explicit_block_forward, cp_module.explicit_block_backward
+    for impl, blocks in (("ring", fused), ("ring", explicit), ("ulysses", fused)):
+        cp_module.block_forward, cp_module.block_backward = blocks  # the ring's blocks
         cp = cp_module.ContextParallel(group, ranks, r, impl)
         pos = cp_module.token_positions(s, C, r, impl)
         mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
         out = cp.attention(*mine)
         out.backward(dout[:, :, pos])
-        close(f"{impl} out", out, expected_out[:, :, pos])
+        close(f"{impl} {blocks[0].__name__} out", out, expected_out[:, :, pos])
         for name, local, reference in zip(("dq", "dk", "dv"), mine, full):
-            close(f"{impl} {name}", local.grad, reference.grad[:, :, pos])
+            close(f"{impl} {blocks[0].__name__} {name}", local.grad, reference.grad[:, :, pos])
     if r == 0:
-        print(f"ring and ulysses attention match SDPA at C = {C}: out, dq, dk, dv")
+        print(f"ring (fused and explicit blocks) and ulysses attention match SDPA at C = {C}: out, dq, dk, dv")
     teardown(env)
 
 

@@ -27,7 +27,7 @@ def reference():
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ring_and_ulysses_attention_equal_sdpa(ranks):
     run = launch("tests/cp_units.py", nprocs=ranks, metrics=False, out_dir=False, timeout=120).ok()
-    assert f"match SDPA at C = {ranks}" in run.stdout
+    assert f"match SDPA at C = {ranks}" in run.stdout and "fused and explicit" in run.stdout
 
 
 def expected_sent(impl, cp, ranks, micro, block_size, n_embd, n_layer, n_params, e=4):
@@ -99,35 +99,63 @@ def test_bfloat16_ledger_and_cost_function():
 
 
 def test_zigzag_balances_causal_work_and_covers_every_pair():
-    """Over the C ring steps every rank computes the same number of score entries, and every
-    (query chunk, key chunk) pair at or below the diagonal is computed exactly once."""
+    """Over the C ring steps every rank computes the same number of score entries (a step's
+    one block: a causal block counts half), and every (query chunk, key chunk) pair at or
+    below the diagonal is computed exactly once (a causal block's pairs above it are masked)."""
     for C in (1, 2, 3, 4, 8):
         work, seen = [], []
         for r in range(C):
             entries = 0
             for step in range(C):
                 j = (r - step) % C
-                for qh, kh, causal in cp_module.block_pairs(r, j, C):
-                    q_chunk, kv_chunk = cp_module.zigzag_chunks(r, C)[qh], cp_module.zigzag_chunks(j, C)[kh]
-                    seen.append((q_chunk, kv_chunk))
-                    assert causal == (q_chunk == kv_chunk)
-                    entries += 0.5 if causal else 1.0
+                qhs, khs, causal = cp_module.ring_block(r, j, C)
+                assert causal == (j == r)
+                entries += len(qhs) * len(khs) * (0.5 if causal else 1.0)
+                for qh in qhs:
+                    for kh in khs:
+                        q_chunk, kv_chunk = cp_module.zigzag_chunks(r, C)[qh], cp_module.zigzag_chunks(j, C)[kh]
+                        assert causal or kv_chunk < q_chunk  # a block without the mask: all visible
+                        if kv_chunk <= q_chunk:
+                            seen.append((q_chunk, kv_chunk))
             work.append(entries)
-        assert len(set(work)) == 1, (C, work)
+        assert work == [2 * C] * C, (C, work)  # 2 (s/2C)² blocks per step
         assert sorted(seen) == sorted((q, k) for q in range(2 * C) for k in range(q + 1))
 
 
 def test_merge_is_exact():
     """Attention over keys split in two parts, merged by the log-sum-exp rule, equals the
-    softmax over all keys."""
+    softmax over all keys: with the fused CPU kernel's blocks and with the explicit ones."""
     import torch
     torch.manual_seed(0)
-    q, k, v = torch.randn(3, 5, 8), torch.randn(3, 12, 8), torch.randn(3, 12, 8)
-    out, lse = cp_module.block_forward(q, k[:, :7], v[:, :7], causal=False)
-    o2, l2 = cp_module.block_forward(q, k[:, 7:], v[:, 7:], causal=False)
-    cp_module.merge(out, lse, o2, l2)
-    expected = torch.softmax(q @ k.transpose(1, 2) / 8 ** 0.5, dim=-1) @ v
-    assert torch.allclose(out, expected, atol=1e-6)
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 12, 8), torch.randn(2, 3, 12, 8)
+    expected = torch.softmax(q @ k.transpose(-2, -1) / 8 ** 0.5, dim=-1) @ v
+    for block in (cp_module.block_forward, cp_module.explicit_block_forward):
+        out, lse = block(q, k[:, :, :7], v[:, :, :7], causal=False)
+        out, lse = out.clone(), lse.clone()
+        o2, l2 = block(q, k[:, :, 7:], v[:, :, 7:], causal=False)
+        cp_module.merge(out, lse, o2, l2)
+        assert torch.allclose(out, expected, atol=1e-6), block.__name__
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_block_equals_the_explicit_reference(dtype):
+    """One block, causal and not, q and k of different lengths: the fused CPU kernel's O_b,
+    L_b and its backward (given a final O and L from elsewhere) equal the explicit fp32 block's."""
+    import torch
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for tq, tk, causal in ((6, 6, True), (3, 6, False), (6, 3, False)):
+        q, k, v, dout = (torch.randn(2, 3, t, 8).to(dt) for t in (tq, tk, tk, tq))
+        o, lse = cp_module.block_forward(q, k, v, causal)
+        o_ref, lse_ref = cp_module.explicit_block_forward(q, k, v, causal)
+        assert o.dtype == dt and lse.dtype == torch.float32 and lse.shape == (2, 3, tq)
+        assert torch.allclose(o.float(), o_ref, **tol) and torch.allclose(lse, lse_ref, **tol)
+        final_out, final_lse = torch.randn(2, 3, tq, 8).to(dt), lse + torch.rand(2, 3, tq)
+        fused = cp_module.block_backward(dout, q, k, v, final_out, final_lse, causal)
+        explicit = cp_module.explicit_block_backward(dout, q, k, v, final_out, final_lse, causal)
+        for name, a, b in zip(("dq", "dk", "dv"), fused, explicit):
+            assert torch.allclose(a.float(), b, **tol), (name, tq, tk, causal, (a.float() - b).abs().max())
 
 
 @pytest.mark.parametrize("ranks, flags, message", [
