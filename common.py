@@ -824,6 +824,8 @@ def make_parser(doc, experts=False):
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on GPUs that support it, float32 elsewhere (float16 is refused)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
+    g.add_argument("--no_fit_check", action="store_true",
+                   help="skip the check, before the model is built, that this rank's costs() fit in its memory")
     g.add_argument("--recompute", action="store_true",
                    help="activation recomputation: keep only each transformer block's input for backward "
                         "and run the block's forward again there (Chen et al. 2016)")
@@ -1320,14 +1322,17 @@ class Run:
             dry_run(args, self.script, config, costs(args, config, self.world_size, planned_dtype(args)),
                     layout_lines)
 
-    def setup(self):
+    def setup(self, costs=None):
         """The process group and device (Part I's setup), the ledger installed, the run's files
-        checked and out_dir locked (agreed by every rank, before anything heavy), and the
+        checked and out_dir locked (agreed by every rank, before anything heavy), the fit
+        check (this rank's costs() against its memory, before the model is built), and the
         guard armed (SIGTERM / SIGUSR1 / --time_limit). Returns the Env."""
         self.env = setup(self.args, self.launch)
         LEDGER.install(self.env.device)
         log_node_map(self.env)
         agree(self.env, startup_problem(self.args, self.env))
+        if costs is not None and not self.args.no_fit_check:
+            agree(self.env, fit_problem(self.args, self.env, costs))
         self.guard = Guard(self.args, self.env)
         return self.env
 
@@ -1652,6 +1657,77 @@ def release_out_dir():
     except (OSError, ValueError):
         pass
     _LOCK.clear()
+
+
+# ----------------------------------------------------------------------------------------
+# Fitting: this rank's costs() against the memory it can have, before anything is built
+# ----------------------------------------------------------------------------------------
+
+# What a rank needs beyond its costs() (model state + activations saved for backward): the
+# transients autograd does not save (an op's output before the next consumes it, gradients
+# in flight in backward, AdamW's temporaries). Measured on CPU (peak RSS less the runtime,
+# 01 with the default model at micro-batches 2 and 8, with and without --recompute:
+# docs/memory.md): 19-183 MiB, below FIT_SHARE of costs() + FIT_MIB in every case.
+FIT_SHARE, FIT_MIB = 0.25, 128
+
+
+def fit_need(cost, device_type):
+    """Bytes this rank needs on its device: costs()'s state (its host parts, with --offload,
+    only on CPU) and activations, plus the transients' allowance."""
+    held = sum(v for kind, (_, v) in cost["held"].items() if device_type == "cpu" or "host" not in kind)
+    base = held + (cost["activations"][1] if "activations" in cost else 0)
+    return base + int(FIT_SHARE * base) + FIT_MIB * 2**20
+
+
+def memory_room(env):
+    """Bytes this rank can have: the device's free memory, or on CPU the host's available
+    memory shared by the ranks on this node (each one's runtime is already resident)."""
+    if env.device.type == "cuda":
+        return torch.cuda.mem_get_info(env.device)[0]
+    if env.device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
+        return torch.xpu.mem_get_info(env.device)[0]
+    if env.device.type != "cpu":
+        return None  # mps: unknown
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024 // max(1, env.launch.local_world_size or 1)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def fit_problem(args, env, costs):
+    """None if this rank's costs() fit its memory_room(); else one line with the need, the
+    room and the cheapest change that fits: the largest smaller micro-batch, --recompute,
+    or, when the model state alone does not fit, sharding it. costs() takes this rank's
+    position where the ranks differ (a pipeline's stages)."""
+    room = memory_room(env)
+    if room is None:
+        return None
+    config = model_config(args, Data.vocab_size_of(args.data))
+    at_rank = {"rank": env.rank} if "rank" in inspect.signature(costs).parameters else {}
+
+    def need(**changes):
+        return fit_need(costs(argparse.Namespace(**{**vars(args), **changes}), config, env.world_size,
+                              env.dtype, **at_rank), env.device.type)
+    needed = need()
+    if needed <= room:
+        return None
+    local = env.launch.local_world_size or 1
+    where = (f" x {local} rank(s) on this node = {format_bytes(needed * local)}, {format_bytes(room * local)} "
+             "available" if env.device.type == "cpu" else f", {format_bytes(room)} free on {env.device}")
+    fixes = []
+    smaller = next((m for m in range(args.micro_batch_size - 1, 0, -1)
+                    if args.micro_batch_size % m == 0 and need(micro_batch_size=m) <= room), None)
+    if smaller:
+        fixes.append(f"--micro_batch_size {smaller} fits ({args.micro_batch_size // smaller}x the accumulation steps)")
+    if not args.recompute and need(recompute=True) <= room:
+        fixes.append("--recompute fits")
+    if not fixes:
+        fixes.append("the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py), split the "
+                     "model (06-08), or use more nodes")
+    return (f"rank {env.rank} needs {format_bytes(needed)} (costs() + {FIT_SHARE:.0%} + {FIT_MIB} MiB for "
+            f"transients){where}: {', or '.join(fixes)} (--no_fit_check skips this check)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -2337,10 +2413,13 @@ def start_wandb(args, env, config):
 
 
 def flat_row(row):
-    """{"comm_bytes": {"all_reduce": n}} -> {"comm_bytes/all_reduce": n}: the metrics row's
+    """{"comm_bytes": {"all_reduce": n}} -> {"comm_bytes/all_reduce": n}, and a list's items
+    numbered ({"expert_tokens": [a, b]} -> expert_tokens/0, expert_tokens/1): the metrics row's
     keys, flattened for loggers that take one level."""
     flat = {}
     for key, value in row.items():
+        if isinstance(value, (list, tuple)):
+            value = dict(enumerate(value))
         if isinstance(value, dict):
             flat.update({f"{key}/{sub}": v for sub, v in flat_row(value).items()})
         else:
