@@ -1,0 +1,61 @@
+"""Benchmark of 10_expert_parallel.py: median step time and peak memory per rank of expert
+parallelism at --ep 2 and 4 against 01_single_gpu.py on the same mixture-of-experts model,
+and against 01 on the dense model of the same active parameters (top-1 routing: a token runs
+through one expert MLP, the dense model's MLP, plus the router's h·E). Rerun with
+
+    python tests/benchmarks/bench_moe.py                           # CPU: 4 experts, top-1
+    python tests/benchmarks/bench_moe.py --ep 2 4 8 --device cuda --model gpt2 --n_expert 8 ...
+
+Step time is the median over the steps after --skip, the best of --repeats interleaved runs.
+Memory is each rank's peak resident set (ru_maxrss, so it includes the ~0.3 GB of the torch
+runtime) on CPU, torch's max_memory_allocated on GPUs."""
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_cp import peak_bytes  # noqa: E402
+from harness import launch  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ep", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the median")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each, interleaved; best median kept")
+    a, model_flags = p.parse_known_args()
+    model_flags = model_flags or ["--model", "tiny", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
+                                  "--block_size", "256", "--global_batch_size", "16"]
+    moe = [] if "--n_expert" in model_flags else ["--n_expert", "4", "--top_k", "1"]
+    dense_flags = [f for i, f in enumerate(model_flags) if f not in ("--n_expert", "--top_k")
+                   and (i == 0 or model_flags[i - 1] not in ("--n_expert", "--top_k"))]
+    flags = ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1", "--eval_interval", "0",
+             "--warmup_iters", "2"] + (["--dtype", "float32"] if a.device == "cpu" else [])
+    wrapper, threads = "tests/benchmarks/peak_rss.py", {"OMP_NUM_THREADS": "1"}
+    configs = [("01 moe", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + model_flags + moe),
+               ("01 dense, same active", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + dense_flags)]
+    configs += [(f"10 ep {n}", n, ["10_expert_parallel.py", "--ep", n] + model_flags + moe) for n in a.ep]
+    runs = {name: [] for name, _, _ in configs}
+    for _ in range(a.repeats):  # interleaved, so that a busy spell of the machine hits all alike
+        for name, ranks, (script, *extra) in configs:
+            runs[name].append(launch(wrapper, [script] + flags + extra, nprocs=ranks, env=threads,
+                                     timeout=3600).ok())
+    ms = {name: min(statistics.median(r["dt_ms"] for r in rs.steps[a.skip:]) for rs in runs[name])
+          for name in runs}
+    mem = {name: max(peak_bytes(r) for r in runs[name]) for name in runs}
+    single = runs["01 moe"][0]
+    ms0, mem0 = ms["01 moe"], mem["01 moe"]
+    print(f"expert parallel vs 01_single_gpu.py, best of {a.repeats}: {' '.join(map(str, model_flags + moe))}")
+    print(f"{'run':>22} {'ms/step':>9} {'ratio':>6} {'peak MiB/rank':>14} {'ratio':>6} {'same losses':>12}")
+    for name, _, _ in configs:
+        same = max(abs(x - y) / y for x, y in zip(runs[name][0].losses, single.losses)) < 1e-4
+        print(f"{name:>22} {ms[name]:>9.0f} {ms[name] / ms0:>6.2f} {mem[name] / 2**20:>14.0f} "
+              f"{mem[name] / mem0:>6.2f} {str(same) if name.startswith('10') else '':>12}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
