@@ -78,7 +78,7 @@ def main():
           "pass one (--resume continues a run; --init_from starts a new one from a one-file model)")
     accum_steps = check_batch(args, dp_size=1)
     run.dry_run(costs, [f"layout: one device, {accum_steps} micro-batch(es) of {args.micro_batch_size}"])
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
 
     data = Data(args.data, args.seed, model_block_size(args))

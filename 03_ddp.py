@@ -165,7 +165,7 @@ def main():
     accum_steps = check_batch(args, dp_size=run.world_size)
     run.dry_run(costs, [f"layout: {run.world_size} replicas, each {accum_steps} micro-batch(es) of "
                         f"{args.micro_batch_size} per step"])
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every replica
 
     data = Data(args.data, args.seed, model_block_size(args))

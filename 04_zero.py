@@ -368,7 +368,7 @@ def main():
     accum_steps = check_batch(args, dp_size=run.world_size)
     if args.dry_run:  # the plan from costs(), then exit 0
         run.dry_run(costs, layout_lines(args, run.world_size, accum_steps))
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
     data = Data(args.data, args.seed, model_block_size(args))

@@ -560,7 +560,7 @@ def main():
         config = model_config(args, Data.vocab_size_of(args.data))
         check_layout(args, config, tp_size)
         run.dry_run(costs, layout_lines(args, config, tp_size, accum_steps))
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     check_layout(args, config, tp_size)

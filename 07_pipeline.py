@@ -411,7 +411,7 @@ def main():
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
     if args.dry_run:  # every stage's layers, bytes and activations in flight; then stage 0's costs
         run.dry_run(costs, plan(args, p, v, m))
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
     check_layout(args, config, p)

@@ -874,7 +874,7 @@ def main():
     m = check_batch(args, dp_size=D)  # micro-batches per replica per step
     if args.dry_run:  # the mesh and every stage's bytes; then rank 0's costs
         run.dry_run(costs, plan(args, world, T, P, m))
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     mesh = Mesh(env.rank, world, T, P).make_groups()
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)

@@ -252,3 +252,42 @@ def test_dry_run_resume_needs_every_rank_file_and_data_spelling_does_not_matter(
     args = common.parse_args(common.make_parser(""), ["--data", str(tmp_path) + "/"])
     config = common.GPTConfig(vocab_size=65, **common.PRESETS["tiny"])
     assert common.run_config(args, config, None)["data"] == str(tmp_path)
+
+
+# ---- fits before it runs: costs() against the memory a rank can have ----------------------
+
+def test_a_micro_batch_that_cannot_fit_is_refused_with_the_cheapest_fix(tmp_path):
+    run = launch("01_single_gpu.py", ["--device", "cpu", "--global_batch_size", "2048", "--micro_batch_size", "512",
+                                      "--max_iters", "1"])
+    refused(run, "rank 0 needs 186.9 GiB (costs() + 25% + 128 MiB for transients) x 1 rank(s) on this node")
+    fixes = run.error_lines[0].split("available: ")[1]
+    assert fixes.startswith("--micro_batch_size ") and "--recompute fits" in fixes and run.seconds < 30
+
+
+def test_a_model_state_that_cannot_fit_is_refused_before_it_is_built():
+    run = launch("03_ddp.py", ["--model", "gpt2-xl", "--device", "cpu", "--max_iters", "1"], nprocs=2)
+    refused(run, "x 2 rank(s) on this node")
+    assert "the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py)" in run.error_lines[0]
+
+
+def test_fit_problem_suggests_exactly_what_costs_says_fits(monkeypatch):
+    """The suggestion is costs() evaluated at the changed flags: the largest divisor of the
+    micro-batch whose need is within the room, and --recompute only if it fits."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("single", os.path.join(common.HERE, "01_single_gpu.py"))
+    single = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(single)
+    args = common.parse_args(common.make_parser(""), ["--device", "cpu", "--global_batch_size", "8"])
+    args.micro_batch_size = 8
+    env = common.Env(common.Launch("single"), torch.device("cpu"), "gloo", torch.float32)
+    config = common.model_config(args, 65)
+
+    def need(**changes):
+        return common.fit_need(single.costs(common.argparse.Namespace(**{**vars(args), **changes}), config, 1,
+                                            torch.float32), "cpu")
+    monkeypatch.setattr(common, "memory_room", lambda env: need(micro_batch_size=4))  # 4 fits exactly
+    problem = common.fit_problem(args, env, single.costs)
+    assert "--micro_batch_size 4 fits (2x the accumulation steps)" in problem
+    assert ("--recompute fits" in problem) == (need(recompute=True) <= need(micro_batch_size=4))
+    monkeypatch.setattr(common, "memory_room", lambda env: need())
+    assert common.fit_problem(args, env, single.costs) is None
