@@ -62,6 +62,10 @@ parameters (8h² + biases), Ψ_d the rest (replicated):
               get every token of its EP group, b·s·N rows). The metrics carry expert_tokens
               (per expert, the global batch, all layers) and expert_imbalance (max/mean,
               worst layer); the balancing loss pushes it towards 1
+    activations: 01's block with the MLP's 8e·b·s·h replaced by the router's and the
+              combine's (e·k·b·s·h + 4b·s(E + 2k + 1)) and the experts' 9e·R·h, R the rows this
+              rank's experts received: balanced, k·b·s (common.activation_terms; costs() below
+              assumes balance, an imbalanced step holds 9e·h·(R - k·b·s) more per layer)
 """
 
 import math
@@ -88,8 +92,9 @@ def check_layout(args, config, world_size):
     """--ep: divides the world and the experts; returns it."""
     E = config.n_expert
     check(E > 0, "10_expert_parallel.py needs a mixture of experts: --n_expert E > 0 (or --model baby-moe)")
+    check(args.ep is None or args.ep > 0, f"--ep must be positive, got {args.ep}")
     ep = args.ep or math.gcd(E, world_size)
-    check(ep > 0 and world_size % ep == 0, f"--ep {ep} does not divide the world size {world_size}")
+    check(world_size % ep == 0, f"--ep {ep} does not divide the world size {world_size}")
     check(E % ep == 0, f"--n_expert {E} is not divisible by --ep {ep}: every rank holds E/ep whole experts")
     return ep
 
@@ -310,7 +315,7 @@ def costs(args, config, world_size, dtype, received=None):
     """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
     this step's all-to-alls (over layers and micro-batches, from its routing counts); without
     it, balanced routing (k·b·s per layer per micro-batch)."""
-    ep = args.ep or math.gcd(config.n_expert, world_size)
+    ep = getattr(args, "ep", None) or math.gcd(config.n_expert, world_size)
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
         model = GPT(config)  # shapes only
@@ -355,10 +360,13 @@ def checkpoint_pieces(model, optimizer, writes_experts, env):
 
 
 def layout_lines(args, config, world_size, ep, accum_steps):
-    """The dry run's layout: EP groups, experts per rank, micro-batches."""
-    return [f"layout: {world_size // ep} expert-parallel group(s) of {ep} ranks, {config.n_expert // ep} of "
-            f"{config.n_expert} experts per rank (top-{config.top_k}); {accum_steps} micro-batch(es) of "
-            f"{args.micro_batch_size} per rank per step"]
+    """The dry run's layout: EP groups, experts per rank, micro-batches; and a warning when an
+    EP group spans nodes (its all-to-alls, four per layer, want a node's fast links)."""
+    return ([f"layout: {world_size // ep} expert-parallel group(s) of {ep} ranks, {config.n_expert // ep} of "
+             f"{config.n_expert} experts per rank (top-{config.top_k}); {accum_steps} micro-batch(es) of "
+             f"{args.micro_batch_size} per rank per step"]
+            + ([f"  warning: an expert-parallel group spans nodes of {args.ranks_per_node} ranks: its all-to-alls "
+                "cross the network (a smaller --ep keeps them inside a node)"] if ep > args.ranks_per_node else []))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def test_resume_is_bit_exact(tmp_path):
 
 @pytest.mark.parametrize("script, ranks, flags, message", [
     ("10_expert_parallel.py", 2, ["--ep", "3"], "--ep 3 does not divide the world size 2"),
+    ("10_expert_parallel.py", 2, ["--ep", "0"], "--ep must be positive, got 0"),
     ("10_expert_parallel.py", 3, ["--ep", "3", "--global_batch_size", "6"], "--n_expert 4 is not divisible by --ep 3"),
     ("10_expert_parallel.py", 1, ["--top_k", "5"], "--top_k must be in [1, n_expert = 4], got 5"),
     ("10_expert_parallel.py", 1, ["--n_expert", "0"], "needs a mixture of experts"),
