@@ -274,8 +274,9 @@ def main():
     ep_group, dp_group = expert_groups(env.world_size, ep)
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
     optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
-    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype), layout={"strategy": "expert "
-              "parallel", "ep": ep}, pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
+    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype),
+              layout={"strategy": "expert parallel", "ep": ep},
+              pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
               held=lambda: state_bytes(model.parameters(), optimizer),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps),
               describe=f"expert parallel over {ep} ranks x {dp} data-parallel, {config.n_expert // ep} of "
@@ -329,13 +330,16 @@ def costs(args, config, world_size, dtype, received=None):
     dispatched = L * accum * k * bs  # rows this rank routes over the step
     received = dispatched if received is None else received
     passes = 3 if args.recompute else 2  # forward, backward (and the forward again)
-    sent = {"all_to_all_single": (f"{passes}·{e}h(L·accum·k·b·s + R) + {passes - 1}·8E·L·accum, R = {received}",
-                                  passes * e * h * (dispatched + received) + (passes - 1) * 8 * E * L * accum),
-            "all_reduce": ("4Ψ_d + 4(1 + L·E) loss and expert counts" + (" + 4L·Ψ_e·E/N experts" if world_size > ep
-                                                                         else "") + (" + 4 norm" if args.grad_clip > 0 else ""),
-                           4 * psi_d + 4 * (1 + L * E) + (4 * psi_e // ep if world_size > ep else 0)
-                           + 4 * (args.grad_clip > 0))}
-    # activations: 01's dense block, the MLP term for k experts' rows, plus the router's
+    # all-to-all inputs: the routed rows out and the experts' outputs back (R of them), in
+    # forward and again in backward (and the forward once more with --recompute), + the counts
+    all_to_all = (f"{passes}·{e}h(L·accum·k·b·s + R) + {passes - 1}·8E·L·accum, R = {received}",
+                  passes * e * h * (dispatched + received) + (passes - 1) * 8 * E * L * accum)
+    dp_experts = world_size > ep  # the experts' gradients are all-reduced over dp ranks
+    all_reduce = ("4Ψ_d + 4(1 + L·E) loss and expert counts" + (" + 4L·Ψ_e·E/N experts" if dp_experts else "")
+                  + (" + 4 norm" if args.grad_clip > 0 else ""),
+                  4 * psi_d + 4 * (1 + L * E) + (4 * psi_e // ep if dp_experts else 0) + 4 * (args.grad_clip > 0))
+    sent = {"all_to_all_single": all_to_all, "all_reduce": all_reduce}
+    # activations: 01's MoE block (common.activation_terms), the experts' rows as if balanced
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
@@ -362,11 +366,13 @@ def checkpoint_pieces(model, optimizer, writes_experts, env):
 def layout_lines(args, config, world_size, ep, accum_steps):
     """The dry run's layout: EP groups, experts per rank, micro-batches; and a warning when an
     EP group spans nodes (its all-to-alls, four per layer, want a node's fast links)."""
-    return ([f"layout: {world_size // ep} expert-parallel group(s) of {ep} ranks, {config.n_expert // ep} of "
+    lines = [f"layout: {world_size // ep} expert-parallel group(s) of {ep} ranks, {config.n_expert // ep} of "
              f"{config.n_expert} experts per rank (top-{config.top_k}); {accum_steps} micro-batch(es) of "
              f"{args.micro_batch_size} per rank per step"]
-            + ([f"  warning: an expert-parallel group spans nodes of {args.ranks_per_node} ranks: its all-to-alls "
-                "cross the network (a smaller --ep keeps them inside a node)"] if ep > args.ranks_per_node else []))
+    if ep > args.ranks_per_node:
+        lines.append(f"  warning: an expert-parallel group spans nodes of {args.ranks_per_node} ranks: its "
+                     "all-to-alls cross the network (a smaller --ep keeps them inside a node)")
+    return lines
 
 
 if __name__ == "__main__":
