@@ -4,6 +4,8 @@ global batch. Rerun with
 
     python tests/benchmarks/bench_cp.py                        # CPU: 2 ranks, context 2048
     python tests/benchmarks/bench_cp.py --ranks 2 4 --block_size 4096 ...   # other flags: to all
+    git show REV:09_context_parallel.py > /tmp/09_before.py
+    python tests/benchmarks/bench_cp.py --before /tmp/09_before.py  # that version too, interleaved
 
 torch's own torch.distributed.tensor.experimental.context_parallel is not a baseline here:
 on CPU (torch 2.13) it fails with "Operator aten._scaled_dot_product_flash_attention_for_cpu
@@ -37,6 +39,7 @@ def main():
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=2, help="runs of each, interleaved; best median kept")
+    p.add_argument("--before", help="another version of 09_context_parallel.py (a file), run too, interleaved")
     a, model_flags = p.parse_known_args()
     model_flags = model_flags or ["--model", "tiny", "--n_layer", "4", "--n_embd", "128", "--n_head", "4",
                                   "--block_size", "2048", "--global_batch_size", "8"]
@@ -46,6 +49,9 @@ def main():
     configs = [("01 (1 rank)", 1, ["01_single_gpu.py", "--sample_tokens", "0"])]
     configs += [(f"{impl} cp {n}", n, ["09_context_parallel.py", "--cp", n, "--cp_impl", impl])
                 for n in a.ranks for impl in ("ring", "ulysses")]
+    if a.before:
+        configs += [(f"{impl} cp {n} before", n, [os.path.abspath(a.before), "--cp", n, "--cp_impl", impl])
+                    for n in a.ranks for impl in ("ring", "ulysses")]
     runs = {name: [] for name, _, _ in configs}
     for _ in range(a.repeats):  # interleaved, so that a busy spell of the machine hits all alike
         for name, ranks, (script, *extra) in configs:
@@ -57,11 +63,11 @@ def main():
     single = runs["01 (1 rank)"][0]
     ms0, mem0 = ms["01 (1 rank)"], mem["01 (1 rank)"]
     print(f"context parallel vs 01_single_gpu.py, best of {a.repeats}: {' '.join(map(str, model_flags))}")
-    print(f"{'run':>16} {'ms/step':>9} {'ratio':>6} {'peak MiB/rank':>14} {'ratio':>6} {'same losses':>12}")
-    print(f"{'01 (1 rank)':>16} {ms0:>9.0f} {1:>6.2f} {mem0 / 2**20:>14.0f} {1:>6.2f} {'':>12}", flush=True)
+    print(f"{'run':>20} {'ms/step':>9} {'ratio':>6} {'peak MiB/rank':>14} {'ratio':>6} {'same losses':>12}")
+    print(f"{'01 (1 rank)':>20} {ms0:>9.0f} {1:>6.2f} {mem0 / 2**20:>14.0f} {1:>6.2f} {'':>12}", flush=True)
     for name, _, _ in configs[1:]:
         same = max(abs(x - y) / y for x, y in zip(runs[name][0].losses, single.losses)) < 1e-4
-        print(f"{name:>16} {ms[name]:>9.0f} {ms[name] / ms0:>6.2f} {mem[name] / 2**20:>14.0f} "
+        print(f"{name:>20} {ms[name]:>9.0f} {ms[name] / ms0:>6.2f} {mem[name] / 2**20:>14.0f} "
               f"{mem[name] / mem0:>6.2f} {str(same):>12}", flush=True)
 
 
