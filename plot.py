@@ -21,7 +21,8 @@ weight-gradient passes, W, where a schedule has them) coloured, each box labelle
 micro-batch (and chunk), the bubble drawn and in theory in the title.
 
 The kind is read from the files (every file must be of one kind). Without -o the picture is
-written next to the (first) file, with .png for its extension, or to schedule_<...>.png.
+written next to the (first) file, with .png for its extension, or to schedule_<...>.png
+(-o may name a .svg or .pdf instead).
 Bad input (a missing file, one that is neither metrics nor --bench JSONL, flags out of
 range, matplotlib not installed) is one line `error: ...` and exit status 2. docs/observability.md
 shows what each panel says."""
@@ -35,6 +36,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_OPS = 20000  # operations in a drawn schedule (pp x micro_batches x virtual_stages x 2): a typo beyond
+FORMATS = (".png", ".svg", ".pdf")  # -o's extension says which
 COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
 
 
@@ -48,6 +50,8 @@ def load_rows(path):
         raise Refused(f"{path}: no such file")
     if os.path.isdir(path):
         raise Refused(f"{path} is a directory, not a metrics file")
+    if not os.path.isfile(path):  # a device or a pipe (/dev/zero would be read for ever)
+        raise Refused(f"{path} is not a regular file, not a metrics file")
     rows = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -393,6 +397,8 @@ def parse(argv):
         args.out = (os.path.splitext(args.files[0])[0] + ".png" if args.files else
                     f"schedule_{args.schedule}_p{args.pp}_m{args.micro_batches}"
                     + (f"_v{args.virtual_stages}" if args.virtual_stages > 1 else "") + ".png")
+    if os.path.splitext(args.out)[1].lower() not in FORMATS:
+        raise Refused(f"-o {args.out}: name a {', '.join(FORMATS)} file")
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):
         raise Refused(f"-o {args.out}: the directory {folder} does not exist")

@@ -118,6 +118,8 @@ def bad(tmp_path):
         (["--schedule", "pipedream"], "invalid choice"),
         ([bench, "--peak_gbps", "nan"], "--peak_gbps must be a positive number"),
         ([metrics, "-o", tmp_path / "nowhere" / "x.png"], "does not exist"),
+        ([metrics, "-o", tmp_path / "x.xyz"], "name a .png, .svg, .pdf file"),
+        (["/dev/zero"], "not a regular file"),
     ]
 
 
