@@ -278,7 +278,8 @@ def explicit_block_forward(q, k, v, causal):
 
 def explicit_block_backward(dout, q, k, v, out, lse, causal):
     """FlashAttention-2's backward of one block in fp32, with the final O and L:
-    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), dQ = dS K/√d, dK = dSᵀ Q/√d."""
+    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)),
+    dQ = dS K/√d, dK = dSᵀ Q/√d."""
     q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
     p = scores(q, k, causal).sub_(lse.unsqueeze(-1)).exp_()
     delta = (dout * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
@@ -335,8 +336,9 @@ class RingAttention(torch.autograd.Function):
                 if step < ring.size - 1:  # K/V go around again, as in forward
                     pending = ring.pass_on(kv, tag=0)
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
-                dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh), part(kv[1], kh),
-                                                  part(out, qh), part(lse, qh).contiguous(), causal)
+                dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
+                                                  part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
+                                                  causal)
                 part(dq, qh).add_(dq_b)
                 dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
                 part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V

@@ -45,7 +45,8 @@ def main():
         for name, local, reference in zip(("dq", "dk", "dv"), mine, full):
             close(f"{impl} {blocks[0].__name__} {name}", local.grad, reference.grad[:, :, pos])
     if r == 0:
-        print(f"ring (fused and explicit blocks) and ulysses attention match SDPA at C = {C}: out, dq, dk, dv")
+        print(f"ring (fused and explicit blocks) and ulysses attention match SDPA at C = {C}: "
+              "out, dq, dk, dv")
     teardown(env)
 
 

@@ -113,7 +113,8 @@ def test_zigzag_balances_causal_work_and_covers_every_pair():
                 entries += len(qhs) * len(khs) * (0.5 if causal else 1.0)
                 for qh in qhs:
                     for kh in khs:
-                        q_chunk, kv_chunk = cp_module.zigzag_chunks(r, C)[qh], cp_module.zigzag_chunks(j, C)[kh]
+                        q_chunk = cp_module.zigzag_chunks(r, C)[qh]
+                        kv_chunk = cp_module.zigzag_chunks(j, C)[kh]
                         assert causal or kv_chunk < q_chunk  # a block without the mask: all visible
                         if kv_chunk <= q_chunk:
                             seen.append((q_chunk, kv_chunk))

@@ -39,7 +39,7 @@ def main():
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=2, help="runs of each, interleaved; best median kept")
-    p.add_argument("--before", help="another version of 09_context_parallel.py (a file), run too, interleaved")
+    p.add_argument("--before", help="another 09_context_parallel.py (a file), run too, interleaved")
     a, model_flags = p.parse_known_args()
     model_flags = model_flags or ["--model", "tiny", "--n_layer", "4", "--n_embd", "128", "--n_head", "4",
                                   "--block_size", "2048", "--global_batch_size", "8"]
