@@ -113,3 +113,14 @@ def test_activations_and_bf16_ledger_equal_their_formulas(script, dtype, extra):
     for step in run.steps:
         assert step["activation_bytes"] == step["activation_bytes_theory"]
         assert step["comm_bytes"] == step["comm_bytes_theory"]
+
+
+def test_eval_losses_are_01s():
+    """Evaluation reports the language-model loss (no balancing term), the global mean."""
+    flags = BASE + ["--max_iters", "2", "--eval_interval", "2", "--eval_iters", "2"]
+    single = launch("01_single_gpu.py", flags + ["--sample_tokens", "0"]).ok()
+    ep = launch("10_expert_parallel.py", flags + ["--ep", "2"], nprocs=2).ok()
+    assert len(single.evals) == len(ep.evals) == 2
+    for a, b in zip(single.evals, ep.evals):
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
