@@ -64,8 +64,8 @@ parameters (8h² + biases), Ψ_d the rest (replicated):
               worst layer); the balancing loss pushes it towards 1
     activations: 01's block with the MLP's 8e·b·s·h replaced by the router's and the
               combine's (e·k·b·s·h + 4b·s(E + 2k + 1)) and the experts' 9e·R·h, R the rows this
-              rank's experts received: balanced, k·b·s (common.activation_terms; costs() below
-              assumes balance, an imbalanced step holds 9e·h·(R - k·b·s) more per layer)
+              rank's experts received in that layer: k·b·s when balanced, 9e·h·(R - k·b·s)
+              more per layer when not (common.activation_terms; the ledger on each step's R)
 """
 
 import math
@@ -147,7 +147,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.router, self.top_k, self.n_expert, self.group = moe.router, moe.top_k, len(moe.experts), group
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in local})
-        self.received, self.load = 0, torch.zeros(self.n_expert, dtype=torch.long)
+        self.received, self.load = [], torch.zeros(self.n_expert, dtype=torch.long)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -171,7 +171,7 @@ class ExpertParallelMoE(nn.Module):
         back = torch.cat([pieces[j][s] for s in range(N) for j in range(local)])  # source-major again
         out = AllToAll.apply(back, send, recv, self.group)  # combine: to the tokens' ranks
         if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
-            self.received += sum(recv)
+            self.received.append(sum(recv))  # one entry per micro-batch
             self.load += counts.cpu()
         return combine(out, order, weights).view(B, T, C), aux
 
@@ -196,12 +196,12 @@ def is_expert(name):
 
 
 def take_routing(model, device):
-    """This step's routing, and reset: (rows received by this rank over layers and micro-batches,
+    """This step's routing, and reset: (the rows this rank received, per layer per micro-batch,
     an (L, E) tensor of this rank's tokens per expert)."""
     layers = [block.mlp for block in model.transformer.h]
-    received, load = sum(m.received for m in layers), torch.stack([m.load for m in layers]).to(device)
+    received, load = [m.received for m in layers], torch.stack([m.load for m in layers]).to(device)
     for m in layers:
-        m.received, m.load = 0, torch.zeros_like(m.load)
+        m.received, m.load = [], torch.zeros_like(m.load)
     return received, load
 
 
@@ -314,8 +314,8 @@ def main():
 
 def costs(args, config, world_size, dtype, received=None):
     """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
-    this step's all-to-alls (over layers and micro-batches, from its routing counts); without
-    it, balanced routing (k·b·s per layer per micro-batch)."""
+    this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
+    balanced routing: k·b·s each."""
     ep = getattr(args, "ep", None) or math.gcd(config.n_expert, world_size)
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
@@ -328,28 +328,42 @@ def costs(args, config, world_size, dtype, received=None):
     b = args.micro_batch_size or args.global_batch_size // world_size
     accum, bs = args.global_batch_size // (b * world_size), b * config.block_size
     dispatched = L * accum * k * bs  # rows this rank routes over the step
-    received = dispatched if received is None else received
+    received = [[k * bs] * accum] * L if received is None else received  # [layer][micro-batch]
+    R = sum(map(sum, received))
     passes = 3 if args.recompute else 2  # forward, backward (and the forward again)
     # all-to-all inputs: the routed rows out and the experts' outputs back (R of them), in
     # forward and again in backward (and the forward once more with --recompute), + the counts
-    all_to_all = (f"{passes}·{e}h(L·accum·k·b·s + R) + {passes - 1}·8E·L·accum, R = {received}",
-                  passes * e * h * (dispatched + received) + (passes - 1) * 8 * E * L * accum)
+    all_to_all = (f"{passes}·{e}h(L·accum·k·b·s + R) + {passes - 1}·8E·L·accum, R = {R}",
+                  passes * e * h * (dispatched + R) + (passes - 1) * 8 * E * L * accum)
     dp_experts = world_size > ep  # the experts' gradients are all-reduced over dp ranks
     all_reduce = ("4Ψ_d + 4(1 + L·E) loss and expert counts" + (" + 4L·Ψ_e·E/N experts" if dp_experts else "")
                   + (" + 4 norm" if args.grad_clip > 0 else ""),
                   4 * psi_d + 4 * (1 + L * E) + (4 * psi_e // ep if dp_experts else 0) + 4 * (args.grad_clip > 0))
     sent = {"all_to_all_single": all_to_all, "all_reduce": all_reduce}
-    # activations: 01's MoE block (common.activation_terms), the experts' rows as if balanced
-    terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
-            "held": held, "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
+            "held": held, "sent": sent, "activations": max((activations(args, config, b, dtype, rows)
+                                                            for rows in zip(*received)), key=lambda a: a[1])}
+
+
+def activations(args, config, b, dtype, rows):
+    """(formula, bytes) held for backward for one micro-batch whose layer l's experts received
+    rows[l] rows (common.activation_terms): every layer's until backward; with --recompute the
+    block inputs, and while layer l's backward runs, the inputs below it and its internals."""
+    def terms(n):
+        return activation_terms(config, b, config.block_size, dtype, activation_device_type(args), expert_rows=n)
+    if args.recompute:  # layer l as the top of l + 1 layers: its backward holds l inputs and itself
+        return max((activations_of_layers(terms(n), l + 1, True) for l, n in enumerate(rows)), key=lambda a: a[1])
+    each = [activations_of_layers(terms(n), 1, False, first=l == 0, last=l == len(rows) - 1)[1]
+            for l, n in enumerate(rows)]
+    return f"Σ_l layer(R_l) + embedding + head, R_l = {list(rows)}", sum(each)
 
 
 def expert_metrics(cost, load):
-    """The metrics' extra keys: this step's comm_bytes_theory (the formulas on its routing
-    counts), tokens per expert (the global batch, summed over layers) and the imbalance
+    """The metrics' extra keys: this step's comm_bytes_theory and activation_bytes_theory (the
+    formulas on its routing counts), tokens per expert (the global batch, summed over layers) and the imbalance
     (max/mean of the tokens per expert, in the worst layer)."""
     return {"comm_bytes_theory": {op: value for op, (_, value) in cost["sent"].items()},
+            "activation_bytes_theory": cost["activations"][1],
             "expert_tokens": [int(n) for n in load.sum(dim=0).tolist()],
             "expert_imbalance": (load.max(dim=1).values / load.mean(dim=1)).max().item()}
 

@@ -41,6 +41,7 @@ def test_losses_equal_single_gpu(reference, ranks, ep, micro, extra):
     for step in run.steps:
         # the ledger: the all-to-all bytes are the formula on this step's routing counts
         assert step["comm_bytes"] == step["comm_bytes_theory"], step["step"]
+        assert step["activation_bytes"] == step["activation_bytes_theory"], step["step"]
         assert sum(step["expert_tokens"]) == L * K * B * S and len(step["expert_tokens"]) == 4
         assert step["expert_imbalance"] >= 1.0
 
