@@ -519,7 +519,7 @@ def main():
         config = model_config(args, Data.vocab_size_of(args.data))
         C, D = check_layout(args, config, run.world_size)
         run.dry_run(costs, layout_lines(args, config, C, D, check_batch(args, dp_size=D)))
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     data = Data(args.data, args.seed, model_block_size(args))  # after setup: a bad --data is agreed on
     config = model_config(args, data.vocab_size)
     C, D = check_layout(args, config, env.world_size)

@@ -2056,6 +2056,8 @@ def print_ledger(env, held, comm, cost, activations=None):
     measured = {**{f"held {k}": held[k] for k in cost["held"]}, **{f"sent {op}": comm.get(op, 0) for op in comm}}
     theory = {**{f"held {k}": v for k, (_, v) in cost["held"].items()},
               **{f"sent {op}": v for op, (_, v) in cost["sent"].items()}}
+    if "activations" in cost and activations is not None:  # what autograd saved, on every rank too
+        measured["held activations"], theory["held activations"] = activations, cost["activations"][1]
     differ = [f"{key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
               for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
     if differ:
@@ -2349,12 +2351,13 @@ class Metrics:
                    activation_bytes=activations, activation_bytes_theory=self.activation_theory,
                    micro_batch_size=self.micro_batch_size)
         ranks = self.over_ranks(row["dt_ms"], row["mem_peak_bytes"])
+        straggler = ranks.pop("straggler", "")  # for the console line, not a metrics key
         row.update(ranks)
         row.update(extra or {})
         self.write(row)
         mfu_s = f", mfu {mfu * 100:.1f}%" if mfu is not None else ""
         log(self.env, f"step {step}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1e3:.0f} ms, "
-                      f"{tokens_per_s:,.0f} tok/s{mfu_s}{ranks.pop('straggler', '')}")
+                      f"{tokens_per_s:,.0f} tok/s{mfu_s}{straggler}")
         return row
 
     def over_ranks(self, dt_ms, mem_peak):
