@@ -29,6 +29,7 @@ CASES = [  # (ranks, --ep, micro_batch_size or None, extra flags)
     (4, 4, None, []),
     (4, 2, 1, []),  # ep 2 x dp 2, two micro-batches per rank
     (2, 2, 2, ["--recompute"]),
+    (2, 1, None, []),  # ep 1 x dp 2: every rank all the experts, their gradients all-reduced
 ]
 
 
