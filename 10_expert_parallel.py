@@ -265,7 +265,7 @@ def main():
         config = model_config(args, Data.vocab_size_of(args.data))
         ep = check_layout(args, config, run.world_size)
         run.dry_run(costs, layout_lines(args, config, run.world_size, ep, accum_steps))
-    env = run.setup()
+    env = run.setup(costs)  # costs(): checked against this rank's memory first
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
