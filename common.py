@@ -2977,6 +2977,8 @@ def open_checkpoint(out_dir, run):
         if key == "layout":
             continue
         value = saved.get(key)
+        if key == "model" and isinstance(value, dict):  # written before a field existed: its default
+            value = {**asdict(GPTConfig()), **value}
         if key == "data" and isinstance(value, str) and os.path.isdir(value):
             value = os.path.normpath(value)  # written before run_config normalised it
         if value != run[key]:
@@ -3054,7 +3056,8 @@ def load_model_file(path, config):
           f"--init_from {path} is not a one-file model (expected a dict with 'model' and 'model_args', as "
           f"--export and nanoGPT write; it holds a {type(obj).__name__}"
           + (f" with keys {sorted(obj)[:6]}" if isinstance(obj, dict) else "") + ")")
-    architecture = lambda cfg: {k: cfg.get(k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")}  # noqa: E731
+    architecture = lambda cfg: {**{k: cfg.get(k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias",  # noqa: E731
+                                                          "vocab_size")}, "n_expert": cfg.get("n_expert", 0)}
     check(architecture(obj["model_args"]) == architecture(asdict(config)), f"--init_from {path} holds another "
           f"model: {architecture(obj['model_args'])}, this run builds {architecture(asdict(config))}")
     state = {k.removeprefix("_orig_mod."): v for k, v in obj["model"].items()}  # nanoGPT's compiled names

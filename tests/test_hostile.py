@@ -291,3 +291,17 @@ def test_fit_problem_suggests_exactly_what_costs_says_fits(monkeypatch):
     assert ("--recompute fits" in problem) == (need(recompute=True) <= need(micro_batch_size=4))
     monkeypatch.setattr(common, "memory_room", lambda env: need())
     assert common.fit_problem(args, env, single.costs) is None
+
+
+def test_a_checkpoint_written_before_the_moe_fields_still_resumes(saved, tmp_path):
+    """metadata.json's model of a set written before --n_expert existed lacks its fields: they
+    take their defaults (a dense model), so the set resumes instead of being 'another model'."""
+    out = copy_of(saved, tmp_path)
+    (directory,) = [os.path.dirname(m) for m in committed(out)]
+    path = os.path.join(directory, "metadata.json")
+    meta = json.load(open(path))
+    for field in ("n_expert", "top_k", "aux_loss_coef"):
+        meta["run"]["model"].pop(field, None)
+    open(path, "w").write(json.dumps(meta))
+    run = launch("01_single_gpu.py", ONE + ["--out_dir", out, "--resume", "--max_iters", "5"]).ok()
+    assert [row["step"] for row in run.steps] == [4]
