@@ -188,11 +188,16 @@ def divisors(n):
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def candidates(n, gpus_per_node, n_layer):
+def candidates(n, gpus_per_node, n_layer, n_expert=0):
     """(script, strategy flags, label) for every strategy and layout on n GPUs. The scripts
-    validate the rest (heads divisible by tp, batch divisible by dp, ...)."""
+    validate the rest (heads divisible by tp, batch divisible by dp, ...). A mixture of
+    experts runs in 01 and 10 only."""
     if n == 1:
         yield "01_single_gpu.py", [], "single GPU"
+    if n_expert:
+        for ep in divisors(math.gcd(n, n_expert)):
+            yield "10_expert_parallel.py", ["--ep", str(ep)], f"EP ep {ep} dp {n // ep}"
+        return
     yield "03_ddp.py", [], "DDP"
     for stage in (1, 2, 3):
         yield "04_zero.py", ["--stage", str(stage)], f"ZeRO-{stage}"
@@ -208,8 +213,11 @@ def candidates(n, gpus_per_node, n_layer):
         for pp in divisors(n // tp):
             if tp <= gpus_per_node and pp <= n_layer and tp * pp > 1:
                 for zero1 in (False, True):
-                    yield ("08_3d.py", ["--tp", str(tp), "--pp", str(pp)] + (["--zero1"] if zero1 else []),
-                           f"3D dp {n // (tp * pp)} pp {pp} tp {tp}" + (" + ZeRO-1" if zero1 else ""))
+                    for sp in (False, True) if tp > 1 else (False,):  # Megatron's SP in the TP groups
+                        yield ("08_3d.py", ["--tp", str(tp), "--pp", str(pp)] + (["--zero1"] if zero1 else [])
+                               + (["--sequence_parallel"] if sp else []),
+                               f"3D dp {n // (tp * pp)} pp {pp} tp {tp}" + (" + SP" if sp else "")
+                               + (" + ZeRO-1" if zero1 else ""))
     cp_script = script_name("09")
     if cp_script and n > 1:  # priced through its dry run only
         for cp in divisors(n)[1:]:
@@ -391,7 +399,8 @@ def parse(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and batch (passed to the scripts as they are)")
     g.add_argument("--model", default=None, choices=sorted(PRESETS), help="preset (default: the scripts')")
-    for flag in ("--n_layer", "--n_head", "--n_embd", "--block_size", "--global_batch_size", "--micro_batch_size"):
+    for flag in ("--n_layer", "--n_head", "--n_embd", "--block_size", "--global_batch_size", "--micro_batch_size",
+                 "--n_expert", "--top_k"):
         g.add_argument(flag, type=int)
     g.add_argument("--dropout", type=float)
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
@@ -466,7 +475,7 @@ def parse(argv=None):
     # the flags every candidate's command carries
     args.model_flags = []
     for key in ("model", "n_layer", "n_head", "n_embd", "block_size", "dropout", "global_batch_size",
-                "micro_batch_size", "data", "dtype", "device"):
+                "micro_batch_size", "n_expert", "top_k", "data", "dtype", "device"):
         if getattr(args, key) is not None:
             args.model_flags += [f"--{key}", str(getattr(args, key))]
     if args.bias is not None:
@@ -480,13 +489,13 @@ def plan(args, machine):
     """Every candidate scored (valid ones), the refused ones with their reasons, the
     recommendation and Ψ."""
     n, G = args.gpus, machine["gpus_per_node"]
-    base = dry_run("03_ddp.py", args.model_flags, 1, 1)  # the model as the scripts build it
+    base = dry_run("01_single_gpu.py", args.model_flags, 1, 1)  # the model as the scripts build it
     if isinstance(base, str):  # the model or batch flags themselves are wrong
         print(f"error: {base}", file=sys.stderr)
         sys.exit(2)
     config = base[1]
     scored, refused, seen = [], [], set()
-    for name, flags, label in candidates(n, G, config.n_layer):
+    for name, flags, label in candidates(n, G, config.n_layer, config.n_expert):
         micro_batches = [None] if args.micro_batch_size else [None, 1]
         for micro in micro_batches:
             extra = ["--micro_batch_size", str(micro)] if micro else []

@@ -151,3 +151,14 @@ def test_bad_input_is_one_line_and_status_2(flags, reason, capsys):
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("error:") and reason in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_prices_08_with_sp_and_10_for_experts():
+    """08 + --sequence_parallel is a candidate (and fits GPT-3 175B without --recompute where
+    plain 08 cannot); a mixture of experts is planned in 10 at every ep dividing N and E."""
+    import plan
+    big = plan.candidates(1024, 4, 96)
+    assert ("08_3d.py", ["--tp", "4", "--pp", "32", "--zero1", "--sequence_parallel"],
+            "3D dp 8 pp 32 tp 4 + SP + ZeRO-1") in list(big)
+    moe = list(plan.candidates(8, 4, 12, n_expert=8))
+    assert [c[0] for c in moe] == ["10_expert_parallel.py"] * 4 and [c[1][1] for c in moe] == ["1", "2", "4", "8"]
