@@ -33,9 +33,8 @@ import time
 import torch
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, check_batch, count_params, Data, decay_groups, load_model_file, make_adamw,
-                    make_parser, model_block_size, model_config, param_pieces, parse_args, Run,
-                    state_bytes, to_device)
+                    check, check_batch, count_params, Data, load_model_file, make_adamw, make_parser,
+                    model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
 
 
 def add_flags(parser):
@@ -87,7 +86,7 @@ def main():
     if args.init_from:
         model.load_state_dict(load_model_file(args.init_from, config))
     train_model = torch.compile(model) if args.compile else model
-    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    optimizer = make_adamw(model.parameters(), args, env.device.type)
     run.begin(config, optimizer, costs(args, config, 1, env.dtype), layout={"world_size": 1},
               pieces=lambda: checkpoint_pieces(model, optimizer),
               held=lambda: state_bytes(model.parameters(), optimizer),

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, check_batch, count_params, Data, decay_groups, LEDGER, make_adamw, make_parser,
+                    check, check_batch, count_params, Data, LEDGER, make_adamw, make_parser,
                     model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
 
 
@@ -178,7 +178,7 @@ def main():
     run.log(f"broadcast the initial weights from rank 0: {LEDGER.take()}")
     buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, env.world_size,
                               overlap=not args.no_overlap)
-    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    optimizer = make_adamw(model.parameters(), args, env.device.type)
     run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype), layout={"strategy": "data parallel"},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
               held=lambda: state_bytes(model.parameters(), optimizer),

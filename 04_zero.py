@@ -201,8 +201,8 @@ class ZeRO:
                 segments[decayed].append(piece)
                 unit.pieces.append(piece)
         # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
-        self.optimizer = make_adamw(segments[True], segments[False], args,
-                                    "cpu" if args.offload else env.device.type)
+        self.optimizer = make_adamw(segments[True], args, "cpu" if args.offload else env.device.type,
+                                    not_decayed=segments[False])
         if stage == 1:  # full gradients, kept through accumulation: one fp32 buffer per unit
             for unit in self.units:
                 unit.grad_full = torch.zeros_like(unit.full, dtype=torch.float32)

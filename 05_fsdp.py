@@ -55,9 +55,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    check_batch, Data, decay_groups, format_bytes, GPT, LEDGER, make_adamw, make_parser,
-                    model_config, param_init, param_pieces, parse_args, planned_dtype, Run, state_bytes,
-                    to_device)
+                    check_batch, Data, format_bytes, GPT, LEDGER, make_adamw, make_parser, model_config,
+                    param_init, param_pieces, parse_args, planned_dtype, Run, state_bytes, to_device)
 
 
 class Unit:
@@ -335,7 +334,7 @@ def main():
         block.recompute = args.recompute
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
     # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
-    optimizer = make_adamw(*decay_groups(fsdp.shards()), args, "cpu" if args.offload else env.device.type)
+    optimizer = make_adamw(fsdp.shards(), args, "cpu" if args.offload else env.device.type)
     cost = costs(args, config, env.world_size, env.dtype)
     run.begin(config, optimizer, cost, layout={"strategy": "fsdp", "replicate": args.replicate},
               pieces=lambda: checkpoint_pieces(fsdp, optimizer), held=lambda: held_bytes(fsdp, optimizer),

@@ -87,8 +87,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    check_batch, Data, decay_groups, device_rng_state, make_adamw, make_parser,
-                    model_block_size, model_config, param_init, param_pieces, parse_args, recomputed, Run,
+                    check_batch, Data, device_rng_state, make_adamw, make_parser, model_block_size,
+                    model_config, param_init, param_pieces, parse_args, recomputed, Run,
                     set_device_rng_state, state_bytes, to_device)
 
 
@@ -568,7 +568,7 @@ def main():
     rng = ShardedRNG(args.seed, env.rank, env.device)  # this rank's own stream, for the sharded regions
     model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, dist.group.WORLD,  # TP group: all
                   recompute=args.recompute).init_from_full(args.seed).to(env.device)
-    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    optimizer = make_adamw(model.parameters(), args, env.device.type)
     cost = costs(args, config, tp_size, env.dtype)
     sp = " with sequence parallelism" if args.sequence_parallel else ""
     saved = run.begin(config, optimizer, cost, layout={"strategy": "tensor parallel",

@@ -66,8 +66,8 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_phases, activation_terms, autocast, Block, check,
-                    check_batch, Data, decay_groups, format_bytes, make_adamw, make_parser, model_config,
-                    param_init, param_pieces, parse_args, Run, state_bytes, synchronize, to_device)
+                    check_batch, Data, format_bytes, make_adamw, make_parser, model_config, param_init,
+                    param_pieces, parse_args, Run, state_bytes, synchronize, to_device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def main():
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
-    optimizer = make_adamw(*decay_groups(chunks.parameters()), args, env.device.type)
+    optimizer = make_adamw(chunks.parameters(), args, env.device.type)
     pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
     rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # this stage's ("F" | "B", micro-batch, chunk)
     cost = costs(args, config, p, env.dtype, env.rank)

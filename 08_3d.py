@@ -87,11 +87,10 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_phases, activation_terms, autocast,
-                    check, check_batch, Data, decay_groups, device_rng_state, format_bytes,
-                    is_decayed, LEDGER, make_adamw, make_parser, model_config, param_init,
-                    param_pieces, parse_args, planned_dtype, recomputed, Run, set_device_rng_state,
-                    state_bytes, to_device)
+from common import (activation_device_type, activation_phases, activation_terms, autocast, check,
+                    check_batch, Data, device_rng_state, format_bytes, is_decayed, LEDGER, make_adamw,
+                    make_parser, model_config, param_init, param_pieces, parse_args, planned_dtype,
+                    recomputed, Run, set_device_rng_state, state_bytes, to_device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -669,7 +668,7 @@ class DataParallel:
 
     def __init__(self, stage, mesh, args, device):
         self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
-        self.optimizer = make_adamw(*decay_groups(self.params), args, device.type)
+        self.optimizer = make_adamw(self.params, args, device.type)
         self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: every gradient once
 
     def reduce_gradients(self):
@@ -746,7 +745,7 @@ class ZeRO1:
             piece = self.flat[max(offset, lo):hi]
             piece.grad = self.grad_shard[max(offset, lo) - lo:]
             pieces[False].append(piece)
-        self.optimizer = make_adamw(pieces[True], pieces[False], args, device.type)
+        self.optimizer = make_adamw(pieces[True], args, device.type, not_decayed=pieces[False])
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):

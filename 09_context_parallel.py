@@ -122,8 +122,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, check_batch, count_params, Data, decay_groups, LEDGER, make_adamw, make_parser,
-                    model_block_size, model_config, param_pieces, parse_args, recomputed, Run,
+                    check, check_batch, count_params, Data, LEDGER, make_adamw, make_parser,
+                    model_config, param_pieces, parse_args, recomputed, Run,
                     sdpa_logsumexp_bytes, state_bytes, to_device)
 
 
@@ -520,8 +520,8 @@ def main():
         C, D = check_layout(args, config, run.world_size)
         run.dry_run(costs, layout_lines(args, config, C, D, check_batch(args, dp_size=D)))
     env = run.setup(costs)  # costs(): checked against this rank's memory first
-    data = Data(args.data, args.seed, model_block_size(args))  # after setup: a bad --data is agreed on
-    config = model_config(args, data.vocab_size)
+    config = model_config(args, Data.vocab_size_of(args.data))  # after setup: a bad --data is agreed on
+    data = Data(args.data, args.seed, config.block_size)
     C, D = check_layout(args, config, env.world_size)
     accum_steps = check_batch(args, dp_size=D)
     torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
@@ -531,7 +531,7 @@ def main():
     cp.recompute = args.recompute
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
-    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    optimizer = make_adamw(model.parameters(), args, env.device.type)
     run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype),
               layout={"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),

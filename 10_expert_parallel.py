@@ -74,8 +74,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check, check_batch,
-                    combine, Data, decay_groups, GPT, make_adamw, make_parser, model_block_size, model_config,
+from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
+                    check_batch, combine, Data, GPT, make_adamw, make_parser, model_block_size, model_config,
                     param_pieces, parse_args, route, Run, state_bytes, to_device)
 
 
@@ -273,7 +273,7 @@ def main():
     dp = env.world_size // ep
     ep_group, dp_group = expert_groups(env.world_size, ep)
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
-    optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+    optimizer = make_adamw(model.parameters(), args, env.device.type)
     run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype),
               layout={"strategy": "expert parallel", "ep": ep},
               pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),

@@ -423,9 +423,12 @@ def decay_groups(params):
     return [p for p in params if is_decayed(p.shape)], [p for p in params if not is_decayed(p.shape)]
 
 
-def make_adamw(decayed, not_decayed, args, device_type):
-    """AdamW with nanoGPT's two parameter groups (weight decay on `decayed` only); the fused
-    kernel on GPUs."""
+def make_adamw(params, args, device_type, not_decayed=None):
+    """AdamW with nanoGPT's two parameter groups, weight decay on the matrices only (the
+    split of decay_groups); the fused kernel on GPUs. A strategy whose tensors no longer
+    have their parameters' shapes (ZeRO's flat shards) passes the two groups itself:
+    `params` decayed, `not_decayed` not."""
+    decayed, not_decayed = decay_groups(params) if not_decayed is None else (params, not_decayed)
     groups = [{"params": list(decayed), "weight_decay": args.weight_decay},
               {"params": list(not_decayed), "weight_decay": 0.0}]
     fused = device_type in ("cuda", "xpu")
@@ -1717,10 +1720,10 @@ def fit_problem(args, env, costs):
     where = (f" x {local} rank(s) on this node = {format_bytes(needed * local)}, {format_bytes(room * local)} "
              "available" if env.device.type == "cpu" else f", {format_bytes(room)} free on {env.device}")
     fixes = []
-    smaller = next((m for m in range(args.micro_batch_size - 1, 0, -1)
-                    if args.micro_batch_size % m == 0 and need(micro_batch_size=m) <= room), None)
+    micro = args.micro_batch_size or 0  # (None: the script has not yet chosen its default)
+    smaller = next((m for m in range(micro - 1, 0, -1) if micro % m == 0 and need(micro_batch_size=m) <= room), None)
     if smaller:
-        fixes.append(f"--micro_batch_size {smaller} fits ({args.micro_batch_size // smaller}x the accumulation steps)")
+        fixes.append(f"--micro_batch_size {smaller} fits ({micro // smaller}x the accumulation steps)")
     if not args.recompute and need(recompute=True) <= room:
         fixes.append("--recompute fits")
     if not fixes:

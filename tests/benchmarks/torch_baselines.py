@@ -53,6 +53,7 @@ def main():
     launch = detect_launcher(os.environ)
     accum_steps = check_batch(args, dp_size=launch.world_size)
     env = setup(args, launch)
+    LEDGER.install(env.device)  # (a training script's Run.setup does this)
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device)
@@ -71,7 +72,7 @@ def main():
                                             betas=ADAM_BETAS, weight_decay=args.weight_decay)
         optimizer.add_param_group({"params": no_decay, "weight_decay": 0.0})
     else:
-        optimizer = make_adamw(*decay_groups(model.parameters()), args, env.device.type)
+        optimizer = make_adamw(model.parameters(), args, env.device.type)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()), NO_THEORY)
     for step in range(args.max_iters):
         lr, t0, x, y = begin_step(optimizer, data, args, env, step, env.rank, env.world_size)
@@ -175,6 +176,7 @@ def model_parallel(args):
     launch = detect_launcher(os.environ)
     accum_steps = check_batch(args, dp_size=1)
     env = setup(args, launch)
+    LEDGER.install(env.device)  # (a training script's Run.setup does this)
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device)
@@ -203,7 +205,7 @@ def model_parallel(args):
         last = modules[-1].is_last
         tied = ([modules[0].wte.weight] if first else []) + ([modules[-1].head.weight] if last else [])
         ends = dist.new_group([0, P - 1])
-    optimizer = make_adamw(*decay_groups(p for _, p in params), args, env.device.type)
+    optimizer = make_adamw((p for _, p in params), args, env.device.type)
     metrics = Metrics(args, env, flops_per_token(config, model.num_params()), NO_THEORY)
     for step in range(args.max_iters):
         lr, t0, x, y = begin_step(optimizer, data, args, env, step, 0, 1)
