@@ -209,53 +209,49 @@ def test_second_job_refused_then_sigterm_checkpoints_and_resume_takes_a_stale_lo
     assert [row["step"] for row in resumed.steps] == [step, step + 1]
 
 
-def test_sigusr1_to_rank_0_of_a_pipeline_checkpoints_and_exits_0(tmp_path):
-    """Slurm's `--signal=USR1@180`, here to rank 0 of 07 (a loop written apart from 03's):
-    every rank finishes the step, a checkpoint is committed, every rank exits 0."""
+def signalled_job(script, tmp_path, deliver):
+    """Start `script` on 2 ranks of a long run, wait until it trains, then `deliver(pids)`
+    (pids: {rank: pid}) the signals; returns (stdout, stderr, out_dir) once it has ended,
+    after asserting that every rank exited 0 with a committed checkpoint and no lock left."""
     out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
     marker = f"--out_dir={out}"
     flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, marker]
-    job = background_job("07_pipeline.py", 2, None, flags, tmp_path)
+    job = background_job(script, 2, None, flags, tmp_path)
     try:
         wait_for_rows(metrics, 2)
         pids = rank_pids(marker)
-        assert 0 in pids, f"rank 0 not found among {pids}"
-        os.kill(pids[0], signal.SIGUSR1)
+        assert sorted(pids) == [0, 1], f"ranks found: {pids}"
+        deliver(pids)
         stdout, stderr = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 0, stderr[-3000:]
+    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert committed(out) and "LOCK" not in os.listdir(out)
+    return stdout, stderr, out
+
+
+def test_sigusr1_to_rank_0_of_a_pipeline_checkpoints_and_exits_0(tmp_path):
+    """Slurm's `--signal=USR1@180`, here to rank 0 of 07 (a loop written apart from 03's):
+    every rank finishes the step, a checkpoint is committed, every rank exits 0."""
+    stdout, _, _ = signalled_job("07_pipeline.py", tmp_path, lambda pids: os.kill(pids[0], signal.SIGUSR1))
     stopped = [line for line in stdout.splitlines() if line.startswith("stopped after step")]
     assert len(stopped) == 1 and "(SIGUSR1)" in stopped[0] and "--resume" in stopped[0], stdout[-2000:]
-    assert committed(out) and "LOCK" not in os.listdir(out)
 
 
 def test_ctrl_c_twice_to_every_rank_ends_quietly_with_a_checkpoint(tmp_path):
     """Ctrl-C at a terminal reaches every rank, and mpiexec forwards it once more: two SIGINTs
     per rank, 50 ms apart, are one stop request: the step ends, a checkpoint is committed,
     every rank exits 0, and no KeyboardInterrupt traceback is printed."""
-    out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
-    marker = f"--out_dir={out}"
-    flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, marker]
-    job = background_job("03_ddp.py", 2, None, flags, tmp_path)
-    try:
-        wait_for_rows(metrics, 2)
-        pids = rank_pids(marker)
-        assert sorted(pids) == [0, 1], f"ranks found: {pids}"
+    def ctrl_c(pids):
         for _ in range(2):
             for pid in pids.values():
                 os.kill(pid, signal.SIGINT)
             time.sleep(0.05)
-        stdout, stderr = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    stdout, stderr, _ = signalled_job("03_ddp.py", tmp_path, ctrl_c)
     stopped = [line for line in stdout.splitlines() if line.startswith("stopped after step")]
     assert len(stopped) == 1 and "(SIGINT)" in stopped[0], stdout[-2000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    assert committed(out) and "LOCK" not in os.listdir(out)
 
 
 def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path):

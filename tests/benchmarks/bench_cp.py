@@ -32,6 +32,21 @@ def peak_bytes(run):
     return max(gpu) if gpu else max(rss)
 
 
+def interleaved(configs, flags, repeats, skip):
+    """Run every (name, ranks, [script, *flags]) `repeats` times, interleaved so that a busy
+    spell of the machine hits all alike, one thread per rank, each rank's peak RSS recorded.
+    Returns the runs by name, the best of the repeats' median step times (skipping `skip`
+    warm-up steps) and the largest peak memory per rank."""
+    runs = {name: [] for name, _, _ in configs}
+    for _ in range(repeats):
+        for name, ranks, (script, *extra) in configs:
+            runs[name].append(launch("tests/benchmarks/peak_rss.py", [script] + flags + extra, nprocs=ranks,
+                                     env={"OMP_NUM_THREADS": "1"}, timeout=3600).ok())
+    ms = {name: min(statistics.median(r["dt_ms"] for r in rs.steps[skip:]) for rs in runs[name]) for name in runs}
+    mem = {name: max(peak_bytes(r) for r in runs[name]) for name in runs}
+    return runs, ms, mem
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
@@ -45,21 +60,13 @@ def main():
                                   "--block_size", "2048", "--global_batch_size", "8"]
     flags = model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
                            "--eval_interval", "0", "--warmup_iters", "2", "--dtype", "float32"]
-    wrapper, threads = "tests/benchmarks/peak_rss.py", {"OMP_NUM_THREADS": "1"}
     configs = [("01 (1 rank)", 1, ["01_single_gpu.py", "--sample_tokens", "0"])]
     configs += [(f"{impl} cp {n}", n, ["09_context_parallel.py", "--cp", n, "--cp_impl", impl])
                 for n in a.ranks for impl in ("ring", "ulysses")]
     if a.before:
         configs += [(f"{impl} cp {n} before", n, [os.path.abspath(a.before), "--cp", n, "--cp_impl", impl])
                     for n in a.ranks for impl in ("ring", "ulysses")]
-    runs = {name: [] for name, _, _ in configs}
-    for _ in range(a.repeats):  # interleaved, so that a busy spell of the machine hits all alike
-        for name, ranks, (script, *extra) in configs:
-            runs[name].append(launch(wrapper, [script] + flags + extra, nprocs=ranks, env=threads,
-                                     timeout=3600).ok())
-    ms = {name: min(statistics.median(r["dt_ms"] for r in rs.steps[a.skip:]) for rs in runs[name])
-          for name in runs}
-    mem = {name: max(peak_bytes(r) for r in runs[name]) for name in runs}
+    runs, ms, mem = interleaved(configs, flags, a.repeats, a.skip)
     single = runs["01 (1 rank)"][0]
     ms0, mem0 = ms["01 (1 rank)"], mem["01 (1 rank)"]
     print(f"context parallel vs 01_single_gpu.py, best of {a.repeats}: {' '.join(map(str, model_flags))}")

@@ -12,12 +12,10 @@ runtime) on CPU, torch's max_memory_allocated on GPUs."""
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_cp import peak_bytes  # noqa: E402
-from harness import launch  # noqa: E402
+from bench_cp import interleaved  # noqa: E402
 
 
 def main():
@@ -35,18 +33,10 @@ def main():
                    and (i == 0 or model_flags[i - 1] not in ("--n_expert", "--top_k"))]
     flags = ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1", "--eval_interval", "0",
              "--warmup_iters", "2"] + (["--dtype", "float32"] if a.device == "cpu" else [])
-    wrapper, threads = "tests/benchmarks/peak_rss.py", {"OMP_NUM_THREADS": "1"}
     configs = [("01 moe", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + model_flags + moe),
                ("01 dense, same active", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + dense_flags)]
     configs += [(f"10 ep {n}", n, ["10_expert_parallel.py", "--ep", n] + model_flags + moe) for n in a.ep]
-    runs = {name: [] for name, _, _ in configs}
-    for _ in range(a.repeats):  # interleaved, so that a busy spell of the machine hits all alike
-        for name, ranks, (script, *extra) in configs:
-            runs[name].append(launch(wrapper, [script] + flags + extra, nprocs=ranks, env=threads,
-                                     timeout=3600).ok())
-    ms = {name: min(statistics.median(r["dt_ms"] for r in rs.steps[a.skip:]) for rs in runs[name])
-          for name in runs}
-    mem = {name: max(peak_bytes(r) for r in runs[name]) for name in runs}
+    runs, ms, mem = interleaved(configs, flags, a.repeats, a.skip)
     single = runs["01 moe"][0]
     ms0, mem0 = ms["01 moe"], mem["01 moe"]
     print(f"expert parallel vs 01_single_gpu.py, best of {a.repeats}: {' '.join(map(str, model_flags + moe))}")
