@@ -33,7 +33,7 @@ import time
 import torch
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, check_batch, count_params, Data, load_model_file, make_adamw, make_parser,
+                    check, count_params, Data, load_model_file, make_adamw, make_parser,
                     model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
 
 
@@ -75,7 +75,7 @@ def main():
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
     check(not (args.resume and args.init_from), "--resume and --init_from both say where the weights come from: "
           "pass one (--resume continues a run; --init_from starts a new one from a one-file model)")
-    accum_steps = check_batch(args, dp_size=1)
+    accum_steps = run.batch(costs, dp_size=1)  # --micro_batch_size auto: the largest that fits
     run.dry_run(costs, [f"layout: one device, {accum_steps} micro-batch(es) of {args.micro_batch_size}"])
     env = run.setup(costs)  # costs(): checked against this rank's memory first
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)

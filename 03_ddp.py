@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, check_batch, count_params, Data, LEDGER, make_adamw, make_parser,
+                    check, count_params, Data, LEDGER, make_adamw, make_parser,
                     model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
 
 
@@ -162,7 +162,7 @@ def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     run = Run(args, __file__)
     check(args.bucket_mb > 0, f"--bucket_mb must be positive, got {args.bucket_mb}")
-    accum_steps = check_batch(args, dp_size=run.world_size)
+    accum_steps = run.batch(costs, dp_size=run.world_size)  # --micro_batch_size auto: the largest that fits
     run.dry_run(costs, [f"layout: {run.world_size} replicas, each {accum_steps} micro-batch(es) of "
                         f"{args.micro_batch_size} per step"])
     env = run.setup(costs)  # costs(): checked against this rank's memory first

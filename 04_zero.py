@@ -107,7 +107,7 @@ import torch
 import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, check_batch, Data, GPT, is_decayed, LEDGER, make_adamw, make_parser,
+                    check, Data, GPT, is_decayed, LEDGER, make_adamw, make_parser,
                     model_block_size, model_config, param_pieces, parse_args, Run, tensor_bytes, to_device)
 
 
@@ -365,7 +365,7 @@ def evaluate(model, zero, data, args, env, accum_steps):
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     run = Run(args, __file__)
-    accum_steps = check_batch(args, dp_size=run.world_size)
+    accum_steps = run.batch(costs, dp_size=run.world_size)  # --micro_batch_size auto: the largest that fits
     if args.dry_run:  # the plan from costs(), then exit 0
         run.dry_run(costs, layout_lines(args, run.world_size, accum_steps))
     env = run.setup(costs)  # costs(): checked against this rank's memory first

@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    check_batch, Data, format_bytes, GPT, LEDGER, make_adamw, make_parser, model_config,
+                    Data, format_bytes, GPT, LEDGER, make_adamw, make_parser, model_config,
                     param_init, param_pieces, parse_args, planned_dtype, Run, state_bytes, to_device)
 
 
@@ -320,7 +320,7 @@ def main():
     run = Run(args, __file__)
     check(args.replicate >= 1 and run.world_size % args.replicate == 0,
           f"--replicate {args.replicate} does not divide the world size {run.world_size}")
-    accum_steps = check_batch(args, dp_size=run.world_size)
+    accum_steps = run.batch(costs, dp_size=run.world_size)  # --micro_batch_size auto: the largest that fits
     if args.dry_run:  # the plan from costs(), then exit 0
         run.dry_run(costs, layout_lines(args, run.world_size, accum_steps))
     env = run.setup(costs)  # costs(): checked against this rank's memory first

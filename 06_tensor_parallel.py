@@ -87,7 +87,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    check_batch, Data, device_rng_state, make_adamw, make_parser, model_block_size,
+                    Data, device_rng_state, make_adamw, make_parser, model_block_size,
                     model_config, param_init, param_pieces, parse_args, recomputed, Run,
                     set_device_rng_state, state_bytes, to_device)
 
@@ -555,7 +555,7 @@ def main():
     tp_size = run.world_size  # one tensor-parallel group: every rank
     check(args.tp in (None, tp_size), f"--tp {args.tp} must equal the world size {tp_size} in "
           "06_tensor_parallel.py (08_3d.py combines TP with data and pipeline parallelism)")
-    accum_steps = check_batch(args, dp_size=1)
+    accum_steps = run.batch(costs, dp_size=1)  # --micro_batch_size auto: the largest that fits
     if args.dry_run:  # the plan names the heads per rank: the model's shape, checked first
         config = model_config(args, Data.vocab_size_of(args.data))
         check_layout(args, config, tp_size)

@@ -66,7 +66,7 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_phases, activation_terms, autocast, Block, check,
-                    check_batch, Data, format_bytes, make_adamw, make_parser, model_config, param_init,
+                    Data, format_bytes, make_adamw, make_parser, model_config, param_init,
                     param_pieces, parse_args, Run, state_bytes, synchronize, to_device)
 
 
@@ -221,18 +221,6 @@ def build_chunks(config, p, v, rank, seed=None, recompute=False):
     for chunk in chunks if seed is not None else ():
         chunk.init_weights(seed)
     return chunks
-
-
-def default_micro_batch(args, p):
-    """Without --micro_batch_size a pipeline still needs micro-batches to fill: aim at m = 2p
-    (the bubble (p-1)/(m+p-1) is then about 1/3), the largest divisor of the batch at most
-    global/(2p); the interleaved schedule also needs m to be a multiple of p."""
-    if args.micro_batch_size is None:
-        target = max(1, args.global_batch_size // (2 * p))
-        fits = [b for b in range(1, target + 1) if args.global_batch_size % b == 0]
-        if args.schedule == "interleaved":  # else the check in main() would refuse the default
-            fits = [b for b in fits if (args.global_batch_size // b) % p == 0] or fits
-        args.micro_batch_size = max(fits)
 
 
 def check_layout(args, config, p):
@@ -405,8 +393,9 @@ def main():
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
           "(08_3d.py combines PP with data and tensor parallelism)")
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
-    default_micro_batch(args, p)
-    m = check_batch(args, dp_size=1)  # micro-batches per step
+    # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches
+    # (the bubble (p-1)/(m+p-1) is then about 1/3; the interleaved schedule needs m = kp)
+    m = run.batch(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p))
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
     if args.dry_run:  # every stage's layers, bytes and activations in flight; then stage 0's costs

@@ -88,7 +88,7 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_phases, activation_terms, autocast, check,
-                    check_batch, Data, device_rng_state, format_bytes, is_decayed, LEDGER, make_adamw,
+                    Data, device_rng_state, format_bytes, is_decayed, LEDGER, make_adamw,
                     make_parser, model_config, param_init, param_pieces, parse_args, planned_dtype,
                     recomputed, Run, set_device_rng_state, state_bytes, to_device)
 
@@ -569,15 +569,6 @@ def stage_layers(n_layer, pp):
     return [(sum(sizes[:s]), sizes[s]) for s in range(pp)]
 
 
-def default_micro_batch(args, dp, pp):
-    """Without --micro_batch_size, a pipeline (pp > 1) gets about 2·pp micro-batches per
-    replica (the largest divisor of the replica's batch at most batch/(2·pp)); pp = 1 none."""
-    if args.micro_batch_size is None and args.global_batch_size % dp == 0:
-        rows = args.global_batch_size // dp
-        target = max(1, rows // (2 * pp)) if pp > 1 else rows
-        args.micro_batch_size = max(b for b in range(1, target + 1) if rows % b == 0)
-
-
 def one_f_one_b(p, stage, m):
     """1F1B: p-stage-1 warm-up forwards, then one forward one backward, then cool-down."""
     warmup = min(p - stage - 1, m)
@@ -869,8 +860,9 @@ def main():
     check(T >= 1 and P >= 1, f"--tp and --pp must be positive, got {T} and {P}")
     check(world % (T * P) == 0, f"world size {world} is not divisible by tp {T} x pp {P} = {T * P}")
     D = world // (T * P)
-    default_micro_batch(args, D, P)
-    m = check_batch(args, dp_size=D)  # micro-batches per replica per step
+    # micro-batches per replica per step; --micro_batch_size auto: the largest that fits every
+    # stage, with about 2·pp micro-batches to fill a pipeline (none needed without one)
+    m = run.batch(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * T for s in range(P)])
     if args.dry_run:  # the mesh and every stage's bytes; then rank 0's costs
         run.dry_run(costs, plan(args, world, T, P, m))
     env = run.setup(costs)  # costs(): checked against this rank's memory first

@@ -122,7 +122,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, check_batch, count_params, Data, LEDGER, make_adamw, make_parser,
+                    check, count_params, Data, LEDGER, make_adamw, make_parser,
                     model_config, param_pieces, parse_args, recomputed, Run,
                     sdpa_logsumexp_bytes, state_bytes, to_device)
 
@@ -515,15 +515,12 @@ def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     run = Run(args, __file__)
-    if args.dry_run:  # the plan's layout: C and D, which the sequence (and Ulysses' heads) decide
-        config = model_config(args, Data.vocab_size_of(args.data))
-        C, D = check_layout(args, config, run.world_size)
-        run.dry_run(costs, layout_lines(args, config, C, D, check_batch(args, dp_size=D)))
+    config = model_config(args, Data.vocab_size_of(args.data))
+    C, D = check_layout(args, config, run.world_size)  # C and D: the sequence (and Ulysses' heads) decide
+    accum_steps = run.batch(costs, dp_size=D)  # --micro_batch_size auto: the largest that fits
+    run.dry_run(costs, layout_lines(args, config, C, D, accum_steps))
     env = run.setup(costs)  # costs(): checked against this rank's memory first
-    config = model_config(args, Data.vocab_size_of(args.data))  # after setup: a bad --data is agreed on
     data = Data(args.data, args.seed, config.block_size)
-    C, D = check_layout(args, config, env.world_size)
-    accum_steps = check_batch(args, dp_size=D)
     torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
 
     cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)

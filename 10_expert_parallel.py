@@ -75,7 +75,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    check_batch, combine, Data, GPT, make_adamw, make_parser, model_block_size, model_config,
+                    combine, Data, GPT, make_adamw, make_parser, model_block_size, model_config,
                     param_pieces, parse_args, route, Run, state_bytes, to_device)
 
 
@@ -260,7 +260,7 @@ def evaluate(model, data, args, env, accum_steps):
 def main():
     args = parse_args(add_flags(make_parser(__doc__, experts=True)))
     run = Run(args, __file__)
-    accum_steps = check_batch(args, dp_size=run.world_size)  # every rank: its own slice of the batch
+    accum_steps = run.batch(costs, dp_size=run.world_size)  # every rank its own slice; auto: what fits
     if args.dry_run:
         config = model_config(args, Data.vocab_size_of(args.data))
         ep = check_layout(args, config, run.world_size)

@@ -779,6 +779,14 @@ def base_parser(doc):
                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
+# The GPU memory of the facilities' nodes (per rank: a GCD of an MI250X, a tile of a Max 1550),
+# for a dry run's fit verdict (--machine) and plan.py: ALCF Polaris 4 A100 40 GB; ALCF Aurora
+# 768 GiB HBM per node over 12 tiles, 64 GiB each (counted as 64 GB: the lower reading);
+# OLCF Frontier 64 GB HBM per GCD; NERSC Perlmutter 4 A100 40 GB (its 80 GB nodes:
+# --gpu_mem_gb 80). The sources are cited in plan.py's MACHINES, which reads this table.
+GPU_MEMORY_GB = {"polaris": 40, "aurora": 64, "frontier": 64, "perlmutter": 40}
+
+
 def make_parser(doc, experts=False):
     """The shared flags (docs/design.md); each script adds its own strategy flags. `experts`:
     the script has a mixture-of-experts model (--n_expert > 0 is refused elsewhere)."""
@@ -802,8 +810,10 @@ def make_parser(doc, experts=False):
                    help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
     # 48 divides every data-parallel size of one or two nodes: 1, 2, 3, 4, 6, 8, 12, 16, 24
     g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
-    g.add_argument("--micro_batch_size", type=int, default=None,
-                   help="sequences per forward per data-parallel rank (default: global / data-parallel size, no accumulation)")
+    g.add_argument("--micro_batch_size", type=micro_batch_size_arg, default="auto",
+                   help="sequences per forward per data-parallel rank: a number, or auto: the largest that "
+                        "divides the rank's share of the global batch and fits its memory (pipelines: at least "
+                        "2 micro-batches per stage where one fits)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_iters", type=int, default=5000)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -850,7 +860,22 @@ def make_parser(doc, experts=False):
     g.add_argument("--world_size", type=int, default=None, help="ranks of the dry run")
     g.add_argument("--ranks_per_node", type=int, default=None,
                    help="ranks per node of the dry run's mesh (default: all on one node)")
+    g.add_argument("--machine", choices=sorted(GPU_MEMORY_GB),
+                   help="the dry run's GPUs, for the fit verdict and --micro_batch_size auto (their memory)")
+    g.add_argument("--gpu_mem_gb", type=float, default=None,
+                   help="the dry run's GPU memory in GB, for the fit verdict (instead of --machine); without "
+                        "either, --device cpu plans for this host's memory")
     return p
+
+
+def micro_batch_size_arg(text):
+    """--micro_batch_size: "auto" or a whole number (the range is checked with the others)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number, got {text!r}") from None
 
 
 MAX_BATCH = 2**24  # sequences per step: far more than any published run; a larger one is a typo
@@ -875,15 +900,18 @@ def parse_args(parser, argv=None):
               "--dry_run needs --world_size N (the number of ranks to plan for), N > 0")
         args.ranks_per_node = args.ranks_per_node or args.world_size
         check(args.ranks_per_node > 0, f"--ranks_per_node must be positive, got {args.ranks_per_node}")
+        check(args.gpu_mem_gb is None or args.gpu_mem_gb > 0, f"--gpu_mem_gb must be positive, got {args.gpu_mem_gb}")
+        check(not (args.machine and args.gpu_mem_gb), "--machine and --gpu_mem_gb both give the GPU's memory: pass one")
     else:
-        check(args.world_size is None and args.ranks_per_node is None,
-              "--world_size and --ranks_per_node belong to --dry_run (a launch takes its size from the launcher)")
+        check(args.world_size is None and args.ranks_per_node is None and args.machine is None
+              and args.gpu_mem_gb is None, "--world_size, --ranks_per_node, --machine and --gpu_mem_gb belong to "
+              "--dry_run (a launch takes its size from the launcher and its memory from the device)")
     for name, value in vars(args).items():  # nan and inf pass no range check below: refuse them here
         check(not isinstance(value, float) or math.isfinite(value), f"--{name} must be a finite number, got {value}")
     positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval", "time_limit"]
     for name in positive:
         value = getattr(args, name)
-        check(value is None or value > 0, f"--{name} must be positive, got {value}")
+        check(value is None or value == "auto" or value > 0, f"--{name} must be positive, got {value}")
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
     for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip",
@@ -925,12 +953,8 @@ def wandb_installed():
 
 
 def check_batch(args, dp_size):
-    """Gradient-accumulation steps = global / (micro · dp) must be a whole number. Without
-    --micro_batch_size there is no accumulation: micro = global / dp."""
-    if args.micro_batch_size is None:
-        check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
-              f"is not divisible by the data-parallel size {dp_size}")
-        args.micro_batch_size = args.global_batch_size // dp_size
+    """Gradient-accumulation steps = global / (micro · dp) must be a whole number (the micro-
+    batch given, or chosen by Run.batch for --micro_batch_size auto)."""
     check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
           f"--global_batch_size {args.global_batch_size} is not divisible by "
           f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
@@ -1314,7 +1338,7 @@ class Run:
         self.launch = launch_for(args)  # for --dry_run: rank 0 of --world_size planned ranks
         self.world_size = self.launch.world_size
         self.meter = ActivationMeter()  # `with run.meter:` around a step's forwards and backwards
-        self.env = None
+        self.env, self.chose, self.fit_lines = None, None, []
 
     def dry_run(self, costs, layout_lines=()):
         """With --dry_run: print the layout and what one rank holds and sends, from the
@@ -1323,16 +1347,75 @@ class Run:
             args = self.args
             config = model_config(args, Data.vocab_size_of(args.data))
             dry_run(args, self.script, config, costs(args, config, self.world_size, planned_dtype(args)),
-                    layout_lines)
+                    [*self.fit_lines, *layout_lines])
+
+    def batch(self, costs, dp_size, aim=1, multiple=1, ranks=(0,)):
+        """The micro-batch: --micro_batch_size as given, or for auto (the default) the largest
+        that divides a replica's share of the global batch (global / dp_size) and fits every
+        rank's memory (the fit check's need, from costs(), against its room), preferring at
+        least `aim` micro-batches per step and a multiple of `multiple` (pipelines). Sets
+        args.micro_batch_size; returns the gradient-accumulation steps. The ranks' rooms
+        differ and they must agree on one micro-batch, so in a launch the process group
+        starts here (setup() goes on from it) and the smallest choice wins. A dry run
+        chooses against planned_room() at `ranks` (the ranks whose costs differ)."""
+        args = self.args
+        if args.micro_batch_size != "auto":
+            self.fit_lines = self.planned_fit(costs, ranks)
+            return check_batch(args, dp_size)
+        check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
+              f"is not divisible by the data-parallel size {dp_size}")
+        if args.dry_run:
+            room, dtype, device_type = planned_room(args), planned_dtype(args), planned_device_type(args)
+        else:
+            self.env = self.env or setup(args, self.launch)
+            env = self.env
+            # costs() reads --data's vocabulary: a directory missing on one node ends every rank
+            agree(env, None if args.data in ("shakespeare_char", "synthetic") else Data.vocabulary(args.data)[2])
+            room, dtype, device_type, ranks = memory_room(env), env.dtype, env.device.type, (env.rank,)
+
+        def need(b):
+            return max(rank_need(args, costs, self.world_size, dtype, device_type, r, micro_batch_size=b) for r in ranks)
+        micro = largest_fitting_micro_batch(args, need, room, dp_size, aim, multiple)
+        if not args.dry_run and self.env.world_size > 1:
+            chosen = torch.tensor([micro], device=self.env.device)
+            dist.all_reduce(chosen, op=dist.ReduceOp.MIN)  # before the ledger: not a step's traffic
+            micro = int(chosen.item())
+        args.micro_batch_size = micro
+        self.chose = (f"--micro_batch_size auto: {micro} (of the {args.global_batch_size // dp_size} sequences per "
+                      f"replica, the largest that fits{' every rank' if self.world_size > 1 else ''}"
+                      f"{f', at least {aim} micro-batches' if aim > 1 else ''})")
+        self.fit_lines = [self.chose] + self.planned_fit(costs, ranks)
+        return check_batch(args, dp_size)
+
+    def planned_fit(self, costs, ranks):
+        """A dry run's fit verdict, the launch's fit check against planned_room() (else none)."""
+        args = self.args
+        room = planned_room(args) if args.dry_run else None
+        if room is None:
+            return ["fit: not checked (name the GPU: --machine or --gpu_mem_gb; or --device cpu for this host)"
+                    ] if args.dry_run else []
+        dtype, device_type = planned_dtype(args), planned_device_type(args)
+
+        def need(**changes):
+            return max(rank_need(args, costs, self.world_size, dtype, device_type, r, **changes) for r in ranks)
+        needed, per = need(), (f"of --gpu_mem_gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb else f"of a {args.machine} GPU"
+                               if args.machine else f"this host's available memory / {args.ranks_per_node} rank(s)")
+        usable = f"{GPU_USABLE:.0%} " if args.gpu_mem_gb or args.machine else ""
+        verdict = "fits" if needed <= room else f"does not fit: {fit_fixes(args, need, room)}"
+        return [f"fit: {verdict} (needs {format_bytes(needed)} per rank: costs() + {FIT_SHARE:.0%} + {FIT_MIB} MiB; "
+                f"room {format_bytes(room)}, {usable}{per})"]
 
     def setup(self, costs=None):
-        """The process group and device (Part I's setup), the ledger installed, the run's files
-        checked and out_dir locked (agreed by every rank, before anything heavy), the fit
-        check (this rank's costs() against its memory, before the model is built), and the
-        guard armed (SIGTERM / SIGUSR1 / --time_limit). Returns the Env."""
-        self.env = setup(self.args, self.launch)
+        """The process group and device (Part I's setup, unless batch() started them), the
+        ledger installed, the run's files checked and out_dir locked (agreed by every rank,
+        before anything heavy), the fit check (this rank's costs() against its memory, before
+        the model is built), and the guard armed (SIGTERM / SIGUSR1 / --time_limit). Returns
+        the Env."""
+        self.env = self.env or setup(self.args, self.launch)
         LEDGER.install(self.env.device)
         log_node_map(self.env)
+        if self.chose:
+            log(self.env, self.chose)
         agree(self.env, startup_problem(self.args, self.env))
         if costs is not None and not self.args.no_fit_check:
             agree(self.env, fit_problem(self.args, self.env, costs))
@@ -1673,13 +1756,30 @@ def release_out_dir():
 # docs/memory.md): 19-183 MiB, below FIT_SHARE of costs() + FIT_MIB in every case.
 FIT_SHARE, FIT_MIB = 0.25, 128
 
+# What a GPU of known size leaves for a rank's tensors when only its size is known (a dry run
+# or plan.py for a named machine): the CUDA / ROCm / Level Zero context, the communicators'
+# buffers and the caching allocator's fragmentation take the rest. A launch reads the free
+# memory itself instead.
+GPU_USABLE = 0.9
+
 
 def fit_need(cost, device_type):
     """Bytes this rank needs on its device: costs()'s state (its host parts, with --offload,
-    only on CPU) and activations, plus the transients' allowance."""
+    only on CPU), 05's units gathered at the peak, and the activations, plus the transients'
+    allowance."""
     held = sum(v for kind, (_, v) in cost["held"].items() if device_type == "cpu" or "host" not in kind)
-    base = held + (cost["activations"][1] if "activations" in cost else 0)
+    base = held + sum(cost[k][1] for k in ("gathered", "activations") if k in cost)
     return base + int(FIT_SHARE * base) + FIT_MIB * 2**20
+
+
+def host_available():
+    """This host's MemAvailable in bytes, or None where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def memory_room(env):
@@ -1689,38 +1789,69 @@ def memory_room(env):
         return torch.cuda.mem_get_info(env.device)[0]
     if env.device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
         return torch.xpu.mem_get_info(env.device)[0]
-    if env.device.type != "cpu":
-        return None  # mps: unknown
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024 // max(1, env.launch.local_world_size or 1)
-    except (OSError, KeyError, ValueError):
-        return None
+    available = host_available() if env.device.type == "cpu" else None  # mps: unknown
+    return available and available // max(1, env.launch.local_world_size or 1)
+
+
+def planned_room(args):
+    """The room a dry run (and plan.py) plans for, per rank: GPU_USABLE of --gpu_mem_gb or of
+    --machine's GPU; with neither and --device cpu, this host's available memory shared by
+    --ranks_per_node ranks; else None (no verdict: the GPU is not named)."""
+    gb = args.gpu_mem_gb or GPU_MEMORY_GB.get(args.machine)
+    if gb:
+        return int(gb * 1e9 * GPU_USABLE)
+    available = host_available() if args.device == "cpu" else None
+    return available and available // args.ranks_per_node
+
+
+def rank_need(args, costs, world_size, dtype, device_type, rank=0, **changes):
+    """fit_need() of the script's costs() for `rank` (where the ranks differ: a pipeline's
+    stages), with the flags in `changes` changed."""
+    config = model_config(args, Data.vocab_size_of(args.data))
+    at_rank = {"rank": rank} if "rank" in inspect.signature(costs).parameters else {}
+    return fit_need(costs(argparse.Namespace(**{**vars(args), **changes}), config, world_size, dtype, **at_rank),
+                    device_type)
+
+
+def largest_fitting_micro_batch(args, need, room, dp_size, aim=1, multiple=1):
+    """--micro_batch_size auto: the largest micro-batch that divides a replica's share of the
+    global batch and whose need(b) fits `room`, among those leaving at least `aim`
+    micro-batches per step and a multiple of `multiple` (when any does: a pipeline's m >= 2p,
+    the interleaved schedule's m divisible by p). None fits: the smallest, which the fit
+    check then refuses with what would fit. No room known: the largest."""
+    share = args.global_batch_size // dp_size
+    sizes = [b for b in range(share, 0, -1) if share % b == 0]
+    sizes = [b for b in sizes if (share // b) % multiple == 0] or sizes
+    sizes = [b for b in sizes if share // b >= aim] or sizes[-1:]
+    if room is None:
+        return sizes[0]
+    return next((b for b in sizes if need(b) <= room), sizes[-1])
 
 
 def fit_problem(args, env, costs):
     """None if this rank's costs() fit its memory_room(); else one line with the need, the
     room and the cheapest change that fits: the largest smaller micro-batch, --recompute,
-    or, when the model state alone does not fit, sharding it. costs() takes this rank's
-    position where the ranks differ (a pipeline's stages)."""
+    or, when the model state alone does not fit, sharding it."""
     room = memory_room(env)
     if room is None:
         return None
-    config = model_config(args, Data.vocab_size_of(args.data))
-    at_rank = {"rank": env.rank} if "rank" in inspect.signature(costs).parameters else {}
 
     def need(**changes):
-        return fit_need(costs(argparse.Namespace(**{**vars(args), **changes}), config, env.world_size,
-                              env.dtype, **at_rank), env.device.type)
+        return rank_need(args, costs, env.world_size, env.dtype, env.device.type, env.rank, **changes)
     needed = need()
     if needed <= room:
         return None
     local = env.launch.local_world_size or 1
     where = (f" x {local} rank(s) on this node = {format_bytes(needed * local)}, {format_bytes(room * local)} "
              "available" if env.device.type == "cpu" else f", {format_bytes(room)} free on {env.device}")
-    fixes = []
-    micro = args.micro_batch_size or 0  # (None: the script has not yet chosen its default)
+    return (f"rank {env.rank} needs {format_bytes(needed)} (costs() + {FIT_SHARE:.0%} + {FIT_MIB} MiB for "
+            f"transients){where}: {fit_fixes(args, need, room)} (--no_fit_check skips this check)")
+
+
+def fit_fixes(args, need, room):
+    """The cheapest changes that fit: the largest smaller micro-batch, --recompute, or else
+    sharding the model state."""
+    fixes, micro = [], args.micro_batch_size
     smaller = next((m for m in range(micro - 1, 0, -1) if micro % m == 0 and need(micro_batch_size=m) <= room), None)
     if smaller:
         fixes.append(f"--micro_batch_size {smaller} fits ({micro // smaller}x the accumulation steps)")
@@ -1729,8 +1860,7 @@ def fit_problem(args, env, costs):
     if not fixes:
         fixes.append("the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py), split the "
                      "model (06-08), or use more nodes")
-    return (f"rank {env.rank} needs {format_bytes(needed)} (costs() + {FIT_SHARE:.0%} + {FIT_MIB} MiB for "
-            f"transients){where}: {', or '.join(fixes)} (--no_fit_check skips this check)")
+    return ", or ".join(fixes)
 
 
 # ----------------------------------------------------------------------------------------
@@ -2518,6 +2648,11 @@ def launch_for(args):
     if args.dry_run:
         return Launch("dry_run", 0, 0, args.world_size, args.ranks_per_node)
     return detect_launcher(os.environ)
+
+
+def planned_device_type(args):
+    """The device type a dry run plans for: --device, and for auto a GPU's (cuda)."""
+    return "cuda" if args.device == "auto" else args.device
 
 
 def planned_dtype(args):

@@ -17,8 +17,13 @@ checks and its --dry_run prints: this file restates no formula), and scores each
     memory       per GPU = params + grads + optimizer state (+ 05's gathered units) + the
                  activations held for backward, from costs()["activations"] when the script
                  provides it (else the table says "activations not counted"); the rank that
-                 holds the most. Fits when that is at most --mem_fraction of the GPU's memory
-                 (the rest: CUDA/ROCm context, allocator fragmentation, temporary buffers)
+                 holds the most. Fits by the scripts' own rule, the verdict of their --dry_run
+                 and of a launch's fit check: that + 25% + 128 MiB for transients (common.
+                 fit_need) within 90% of the GPU's memory (common.planned_room; the rest: the
+                 CUDA/ROCm context, the communicators' buffers, fragmentation); with --device
+                 cpu and no GPU memory given, within this host's available memory shared by
+                 --gpus_per_node ranks. The scripts choose their micro-batch against the
+                 same room (--micro_batch_size auto)
     step time    compute + communication, nothing overlapped (an upper bound: DDP's buckets
                  and FSDP's prefetch hide part of it):
                    compute = training FLOPs of the global batch (common.flops_per_token of
@@ -60,7 +65,8 @@ import os
 import sys
 
 import common
-from common import PEAK_FLOPS, PRESETS, count_params, flops_per_token, format_bytes, planned_dtype
+from common import (GPU_MEMORY_GB, PEAK_FLOPS, PRESETS, count_params, fit_need, flops_per_token, format_bytes,
+                    planned_device_type, planned_dtype, planned_room)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -76,24 +82,24 @@ MACHINES = {
     # ALCF Polaris user guide, "Polaris Machine Overview": 4 A100 (40 GB) per node connected
     # by NVLink (600 GB/s per GPU, both directions: 300 one way), "a pair of Slingshot 11
     # network adapters" per node (2 x 25 GB/s for 4 GPUs); A100 BF16 tensor core 312 TFLOP/s
-    "polaris": dict(gpus_per_node=4, gpu_mem_gb=40, peak_tflops=PEAK_FLOPS["A100"][0] / 1e12,
+    "polaris": dict(gpus_per_node=4, gpu_mem_gb=GPU_MEMORY_GB["polaris"], peak_tflops=PEAK_FLOPS["A100"][0] / 1e12,
                     intra_gbps=300.0, inter_gbps=2 * 25.0 / 4),
     # ALCF Aurora user guide, "Aurora Machine Overview": 6 Max 1550 per node, 2 tiles each (12
     # ranks), 768 GiB HBM per node = 64 GiB per tile, GPUs "connected all-to-all with Intel
     # Xe Link", 8 Slingshot-11 NICs per node (8 x 25 GB/s for 12 tiles). Peak bf16 per tile:
     # common.PEAK_FLOPS. The Xe Link figure a ring achieves between GPUs is the least certain
     # number here (tiles of one GPU talk faster over MDFI): 30 GB/s, measure it
-    "aurora": dict(gpus_per_node=12, gpu_mem_gb=64, peak_tflops=PEAK_FLOPS["MAX 1550"][0] / 1e12,
+    "aurora": dict(gpus_per_node=12, gpu_mem_gb=GPU_MEMORY_GB["aurora"], peak_tflops=PEAK_FLOPS["MAX 1550"][0] / 1e12,
                    intra_gbps=30.0, inter_gbps=8 * 25.0 / 12),
     # OLCF Frontier user guide, "Node architecture": 4 MI250X = 8 GCDs per node, 64 GB HBM
     # per GCD, Infinity Fabric between GCDs 50+50 GB/s (200+200 between the two GCDs of one
     # MI250X; a ring over 8 runs over the 50 GB/s links), 4 Slingshot-11 NICs (4 x 25 GB/s
     # for 8 GCDs); MI250X 383 TFLOP/s bf16 = 191.5 per GCD
-    "frontier": dict(gpus_per_node=8, gpu_mem_gb=64, peak_tflops=PEAK_FLOPS["MI250X"][0] / 1e12,
+    "frontier": dict(gpus_per_node=8, gpu_mem_gb=GPU_MEMORY_GB["frontier"], peak_tflops=PEAK_FLOPS["MI250X"][0] / 1e12,
                      intra_gbps=50.0, inter_gbps=4 * 25.0 / 8),
     # NERSC Perlmutter "Architecture": GPU nodes with 4 A100 (40 GB; 256 nodes have 80 GB:
     # --gpu_mem_gb 80), NVLink-3 (300 GB/s one way per GPU), 4 Slingshot-11 NICs per node
-    "perlmutter": dict(gpus_per_node=4, gpu_mem_gb=40, peak_tflops=PEAK_FLOPS["A100"][0] / 1e12,
+    "perlmutter": dict(gpus_per_node=4, gpu_mem_gb=GPU_MEMORY_GB["perlmutter"], peak_tflops=PEAK_FLOPS["A100"][0] / 1e12,
                        intra_gbps=300.0, inter_gbps=4 * 25.0 / 4),
 }
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # seconds per ring step (NCCL/RCCL-like latencies)
@@ -144,7 +150,7 @@ class _DryRunDone(Exception):
     pass
 
 
-def dry_run(name, flags, gpus, gpus_per_node):
+def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     """Run script `name`'s own main() with --dry_run for `gpus` ranks, as a user would, and
     return (args, config, cost) as it validated and computed them; or the one-line reason it
     refused the flags (its `error: ...`)."""
@@ -156,6 +162,8 @@ def dry_run(name, flags, gpus, gpus_per_node):
         raise _DryRunDone
 
     argv = [name, *flags, "--dry_run", "--world_size", str(gpus), "--ranks_per_node", str(gpus_per_node)]
+    if gpu_mem_gb:  # the room its --micro_batch_size auto chooses against
+        argv += ["--gpu_mem_gb", str(gpu_mem_gb)]
     # the scripts print their plan through common.dry_run (Run.dry_run, or their own plan
     # printing, which imports it): catch it in both places
     saved_argv, saved = sys.argv, (common.dry_run, getattr(module, "dry_run", None))
@@ -218,6 +226,16 @@ def candidates(n, gpus_per_node, n_layer, n_expert=0):
                                + (["--sequence_parallel"] if sp else []),
                                f"3D dp {n // (tp * pp)} pp {pp} tp {tp}" + (" + SP" if sp else "")
                                + (" + ZeRO-1" if zero1 else ""))
+            # 4D: 08 --cp, context parallelism inside each stage's attention, a long context's
+            # answer: in its memory-lean form only (ZeRO-1, SP when tp > 1), cp 2, 4, 8; the
+            # ring across nodes too, Ulysses' all-to-alls inside a node and without TP
+            for cp in (2, 4, 8):
+                if tp <= gpus_per_node and pp <= n_layer and (n // (tp * pp)) % cp == 0:
+                    for impl in ("ring", "ulysses") if tp == 1 and cp <= gpus_per_node else ("ring",):
+                        yield ("08_3d.py", ["--tp", str(tp), "--pp", str(pp), "--cp", str(cp), "--cp_impl", impl,
+                                            "--zero1"] + (["--sequence_parallel"] if tp > 1 else []),
+                               f"4D dp {n // (tp * pp * cp)} pp {pp} cp {cp} {impl} tp {tp}"
+                               + (" + SP" if tp > 1 else "") + " + ZeRO-1")
     cp_script = script_name("09")
     if cp_script and n > 1:  # priced through its dry run only
         for cp in divisors(n)[1:]:
@@ -227,14 +245,14 @@ def candidates(n, gpus_per_node, n_layer, n_expert=0):
 
 def ranks_to_price(name, args, config, n):
     """The ranks whose costs differ: every stage of a pipeline (07: rank = stage; 08: the
-    first rank of stage s of replica 0, rank s·tp, one stage of each kind), one rank elsewhere."""
+    first rank of stage s of replica 0, rank s·cp·tp, one stage of each kind), one rank elsewhere."""
     if name.startswith("07"):
         return list(range(n))
     if name.startswith("08"):
         # stages cost the same when they hold as many layers and neither end of the pipeline
         layers = script(name).stage_layers(config.n_layer, args.pp)
         kinds = {(s == 0, s == args.pp - 1, layers[s][1]): s for s in reversed(range(args.pp))}
-        return sorted(s * args.tp for s in kinds.values())
+        return sorted(s * args.cp * args.tp for s in kinds.values())
     return [0]
 
 
@@ -276,12 +294,17 @@ def group_of(name, op, args, n, gpus_per_node):
         if base in ("send", "recv"):
             return 2, n > gpus_per_node
         size, stride = (2, n - 1) if base == "all_reduce" else (n, 1)  # the tied wte: first and last stage
-    elif name.startswith("08"):
-        T, P = args.tp, args.pp
-        if base in ("send", "recv"):
-            return 2, T * P > gpus_per_node
-        size, stride = {"tp": (T, 1), "pp": (P, T), "dp": (n // (T * P), T * P), "model": (T * P, 1),
-                        "embedding": (2, (P - 1) * T)}.get(group, (n, 1))
+    elif name.startswith("08"):  # rank = ((dp·P + pp)·C + cp)·T + tp
+        T, P, C = args.tp, args.pp, args.cp
+        if base in ("send", "recv"):  # the pipeline's boundaries, and the CP ring's
+            return 2, T * C * P > gpus_per_node
+        if group == "dp":  # DP x CP: D·C ranks, the first and last (C·P·T)(D-1) + (C-1)T apart
+            D = n // (T * P * C)
+            return D * C, C * P * T * (D - 1) + (C - 1) * T >= gpus_per_node
+        if group == "model":  # a replica's stages and TP ranks at one CP rank
+            return T * P, (P - 1) * C * T + T - 1 >= gpus_per_node
+        size, stride = {"tp": (T, 1), "cp": (C, T), "pp": (P, C * T),
+                        "embedding": (2, (P - 1) * C * T)}.get(group, (n, 1))
     elif name.startswith("09"):
         C = args.cp or n
         if base in ("send", "recv"):  # the ring of a context-parallel group
@@ -313,7 +336,7 @@ def bubble(name, args, config, n):
         v = args.virtual_stages if args.schedule == "interleaved" else 1
         return pipeline.bubble_theory(args.schedule, n, args.global_batch_size // args.micro_batch_size, v)
     if name.startswith("08") and args.pp > 1:
-        D = n // (args.tp * args.pp)
+        D = n // (args.tp * args.pp * args.cp)
         return pipeline.bubble_theory("1f1b", args.pp, args.global_batch_size // (args.micro_batch_size * D), 1)
     return 0.0
 
@@ -323,7 +346,7 @@ def score(name, flags, label, plan_args, machine):
     docstring: (candidate, None), or (None, the script's reason) when it refuses the layout."""
     n, G = plan_args.gpus, machine["gpus_per_node"]
     argv = [*plan_args.model_flags, *flags]
-    result = dry_run(name, argv, n, G)
+    result = dry_run(name, argv, n, G, machine.get("gpu_mem_gb"))
     if isinstance(result, str):
         return None, result
     args, config, _ = result
@@ -334,8 +357,9 @@ def score(name, flags, label, plan_args, machine):
         cost = rank_costs(name, args, config, n, dtype, rank)
         comm = {op: value for op, (_, value) in cost["sent"].items()}
         comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items())
-        ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s))
-    fullest = max(ranks, key=lambda r: (r["held"]["total"], r["comm_s"]))
+        ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s,
+                          need=fit_need(cost, planned_device_type(args))))
+    fullest = max(ranks, key=lambda r: (r["need"], r["held"]["total"], r["comm_s"]))
     slowest_comm_s = max(r["comm_s"] for r in ranks)
     # compute: the model FLOPs of the global batch (nanoGPT's count, as the scripts' MFU)
     model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
@@ -352,7 +376,7 @@ def score(name, flags, label, plan_args, machine):
                 comm_bytes_per_step=fullest["comm"], priced_rank=fullest["rank"],
                 compute_s=compute_s / (1 - f), comm_s=slowest_comm_s, bubble=f,
                 step_time_s=step_s, mfu=model_flops / (step_s * n * peak),
-                fits=fullest["held"]["total"] <= machine["gpu_mem_gb"] * 1e9 * plan_args.mem_fraction), None
+                need_bytes=fullest["need"], room_bytes=planned_room(args), fits=fullest["need"] <= planned_room(args)), None
 
 
 def launch_command(name, argv, n, gpus_per_node):
@@ -423,7 +447,6 @@ def parse(argv=None):
                         "latency (inside a node if it ran on one node, else across)")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
-    g.add_argument("--mem_fraction", type=float, default=0.9, help="fraction of GPU memory usable")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     g.add_argument("--show_invalid", action="store_true", help="list refused layouts with the reason")
@@ -435,8 +458,8 @@ def parse(argv=None):
 
     if not 1 <= args.gpus <= MAX_GPUS:
         error(f"--gpus must be in 1..{MAX_GPUS:,}, got {args.gpus}")
-    if not 0 < args.efficiency <= 1 or not 0 < args.mem_fraction <= 1:
-        error("--efficiency and --mem_fraction must be in (0, 1]")
+    if not 0 < args.efficiency <= 1:
+        error("--efficiency must be in (0, 1]")
     for flag in ("gpus_per_node", "gpu_mem_gb", "peak_tflops", "link_gbps", "inter_gbps"):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -468,7 +491,8 @@ def parse(argv=None):
         machine[f"{where}_gbps"] = max(r["busbw_GBps"] for r in rows)
         fastest = min(r["time_us"] for r in rows)  # a small message: latency only
         machine[f"alpha_{where}"] = fastest * 1e-6 / max(1, 2 * (g - 1))
-    missing = [k for k in ("gpus_per_node", "gpu_mem_gb", "peak_tflops", "intra_gbps", "inter_gbps") if not machine.get(k)]
+    needed = ("gpus_per_node", "peak_tflops", "intra_gbps", "inter_gbps") + (() if args.device == "cpu" else ("gpu_mem_gb",))
+    missing = [k for k in needed if not machine.get(k)]  # --device cpu: this host's memory by default
     if missing:
         error(f"describe the cluster: --machine, or by hand ({', '.join(missing)} missing: --gpus_per_node, "
               "--gpu_mem_gb, --peak_tflops, --link_gbps)")
@@ -518,18 +542,22 @@ def print_table(args, machine, psi, scored, refused, choice, why):
     n, G = args.gpus, machine["gpus_per_node"]
     counted = all(c["activations_counted"] for c in scored)
     print(f"plan: {args.model or 'default'} model, Ψ = {psi:,} parameters, on {n} GPU(s), {G} per node "
-          f"({math.ceil(n / G)} node(s)); {machine['gpu_mem_gb']:g} GB, {machine['peak_tflops']:g} TFLOP/s "
+          f"({math.ceil(n / G)} node(s)); "
+          + (f"{machine['gpu_mem_gb']:g} GB" if machine.get("gpu_mem_gb") else "this host's memory")
+          + f", {machine['peak_tflops']:g} TFLOP/s "
           f"x {args.efficiency:g} efficiency per GPU; links {machine['intra_gbps']:g} GB/s in a node, "
           f"{machine['inter_gbps']:.3g} GB/s per GPU across nodes")
     if not counted:
         print("ACTIVATIONS NOT COUNTED: the scripts' costs() do not give them yet; memory is model state only")
-    print(f"{'':2}{'strategy':<30} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7} "
-          f"{'comm/step':>10} {'step s':>8} {'MFU':>6}  command  (GB per GPU; sorted by step time, fitting first)")
+    print(f"{'':2}{'strategy':<30} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7} {'need':>7} "
+          f"{'comm/step':>10} {'step s':>8} {'MFU':>6}  command  (GB per GPU, need: total + 25% + 128 MiB against "
+          f"{gb(scored[0]['room_bytes']) if scored else '-'} GB of room; sorted by step time, fitting first)")
     for c in scored[:args.top]:
         h = c["per_gpu_bytes"]
         mark = "* " if c is choice else ("  " if c["fits"] else "x ")
         print(f"{mark}{c['label']:<30} {gb(h['params']):>7} {gb(h['grads']):>7} {gb(h['optim']):>7} "
-              f"{gb(h['activations']):>7} {gb(h['total']):>7} {format_bytes(sum(c['comm_bytes_per_step'].values())):>10} "
+              f"{gb(h['activations']):>7} {gb(h['total']):>7} {gb(c['need_bytes']):>7} "
+              f"{format_bytes(sum(c['comm_bytes_per_step'].values())):>10} "
               f"{c['step_time_s']:>8.3g} {100 * c['mfu']:>5.1f}%  {c['command']}")
     if len(scored) > args.top:
         print(f"  ... {len(scored) - args.top} more (--top)")
@@ -550,7 +578,7 @@ def print_table(args, machine, psi, scored, refused, choice, why):
 
 def as_json(psi, scored, refused, choice, why):
     keys = ("script", "flags", "label", "layout", "command", "per_gpu_bytes", "activations_counted",
-            "comm_bytes_per_step", "priced_rank", "compute_s", "comm_s", "bubble", "step_time_s", "mfu", "fits")
+            "comm_bytes_per_step", "priced_rank", "compute_s", "comm_s", "bubble", "step_time_s", "mfu", "need_bytes", "room_bytes", "fits")
     pick = lambda c: {k: c[k] for k in keys}  # noqa: E731
     return {"params": psi, "candidates": [pick(c) for c in scored],
             "refused": [{"script": s, "label": label, "reason": r} for s, label, r in refused],

@@ -22,8 +22,11 @@ One thread per rank; stdin from /dev/null; the metrics JSONL parsed into a list 
 Tests still share reference runs through module-scoped fixtures."""
 
 import atexit
+import contextlib
+import io
 import json
 import os
+import runpy
 import shutil
 import socket
 import subprocess
@@ -238,6 +241,23 @@ class ForkServer:
 
 FORK_SERVER = ForkServer()
 atexit.register(FORK_SERVER.stop)
+
+
+def dry(script, *flags):
+    """`python script --dry_run flags`, run in this process (a dry run starts no process and
+    touches no device; importing torch once instead of once per run keeps the tests fast).
+    Returns what the command would: its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    argv, sys.argv = sys.argv, [script, "--dry_run", *map(str, flags)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_losses_match(reference, candidate, rtol=2e-5, atol=2e-6, what=""):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, launch
+from harness import ROOT, dry, launch
 import plan
 
 # a tiny model on a 2-GPU "node" described by hand (the numbers only set the step-time model)
@@ -162,3 +162,45 @@ def test_plan_prices_08_with_sp_and_10_for_experts():
             "3D dp 8 pp 32 tp 4 + SP + ZeRO-1") in list(big)
     moe = list(plan.candidates(8, 4, 12, n_expert=8))
     assert [c[0] for c in moe] == ["10_expert_parallel.py"] * 4 and [c[1][1] for c in moe] == ["1", "2", "4", "8"]
+
+
+def dry_run_output(script, flags):
+    p = dry(script, *flags)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+@pytest.mark.parametrize("plan_flags, dry_flags", [
+    (["--model", "gpt2-xl", "--gpus", "4", "--machine", "polaris"], ["--machine", "polaris"]),
+    (["--model", "gpt2-large", "--gpus", "4", "--machine", "frontier", "--gpu_mem_gb", "16"], ["--gpu_mem_gb", "16"]),
+    (MODEL + ["--block_size", "64"] + CLUSTER[:4] + ["--peak_tflops", "0.05", "--link_gbps", "1"], ["--device", "cpu"]),
+])
+def test_the_dry_run_and_the_plan_choose_the_same_micro_batch_and_give_the_same_verdict(plan_flags, dry_flags):
+    """For a named machine (--machine, --gpu_mem_gb) and for this host on CPU: each script's
+    --dry_run, with --micro_batch_size auto, chooses the micro-batch the plan lists for the
+    script's default, and says "fits" exactly where the plan does (also at micro-batch 1)."""
+    args, machine = plan.parse(plan_flags + ["--json"])
+    result = plan.as_json(*plan.plan(args, machine))
+    gpus = plan_flags[plan_flags.index("--gpus") + 1]
+    by_label = {}
+    for c in result["candidates"]:
+        by_label.setdefault(c["label"], []).append(c)
+    labels = ["DDP", "ZeRO-1", "ZeRO-3", "FSDP", "PP 1f1b", "3D dp 1 pp 2 tp 2", "CP ring cp 2 dp 2"]
+    verdicts = {True: 0, False: 0}
+    labels = [label for label in labels if label in by_label]
+    assert len(labels) >= 4, sorted(by_label)
+    for label in labels:
+        cs = by_label[label]
+        micro = lambda c: int(c["flags"][c["flags"].index("--micro_batch_size") + 1])  # noqa: E731
+        auto = max(cs, key=micro)  # the plan's run of the script's default (the other: micro-batch 1)
+        flags = [f for i, f in enumerate(auto["flags"]) if "--micro_batch_size" not in auto["flags"][max(0, i - 1):i + 1]]
+        out = dry_run_output(auto["script"], flags + ["--world_size", gpus, "--ranks_per_node",
+                                                      str(machine["gpus_per_node"]), *dry_flags])
+        assert f"--micro_batch_size auto: {micro(auto)} " in out, (label, out)
+        for c in cs:
+            out = dry_run_output(c["script"], c["flags"] + ["--world_size", gpus, "--ranks_per_node",
+                                                            str(machine["gpus_per_node"]), *dry_flags])
+            assert ("fit: fits" in out) == c["fits"] and ("fit: does not fit" in out) != c["fits"], (label, out)
+            verdicts[c["fits"]] += 1
+    if "gpt2-large" in plan_flags:  # 16 GB: some layouts fit only at micro-batch 1, some not at all
+        assert verdicts[True] and verdicts[False], verdicts

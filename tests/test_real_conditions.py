@@ -3,16 +3,9 @@ the default preset's shape (24 heads, no bias) against 01, the ledger (model sta
 and activations) exact in float32 *and* bfloat16 for every training script, --dry_run for
 every script up to GPT-3 175B, float16 refused."""
 
-import contextlib
-import io
-import os
-import runpy
-import subprocess
-import sys
-
 import pytest
 
-from harness import ROOT, assert_losses_match, launch
+from harness import assert_losses_match, dry, launch
 
 # the default preset's shape (no bias, 24 heads), made small enough for two CPU cores
 BABY = ["--model", "baby", "--n_layer", "5", "--n_embd", "48", "--block_size", "32", "--dropout", "0",
@@ -67,23 +60,6 @@ def test_default_shape_matches_01_and_the_ledger_is_exact(reference, script, ran
 def test_single_gpu_ledger_in_bfloat16():
     run = launch("01_single_gpu.py", BABY + ["--dtype", "bfloat16", "--sample_tokens", "0"]).ok()
     assert_ledger_exact(run, "01 bf16")
-
-
-def dry(script, *flags):
-    """`python script --dry_run flags`, run in this process (a dry run starts no process and
-    touches no device; importing torch once instead of once per run keeps this file fast).
-    Returns what the command would: its exit status, stdout and stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    argv, sys.argv = sys.argv, [script, "--dry_run", *map(str, flags)]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    finally:
-        sys.argv = argv
-    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
 
 
 NODE_SIZES = [1, 2, 4, 8, 12, 16, 24]  # one and two nodes of Polaris/Perlmutter (4), Frontier (8), Aurora (12)
