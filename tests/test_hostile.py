@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import common
-from harness import TINY, launch
+from harness import TINY, dry, launch
 from test_failures import committed, refused
-from test_real_conditions import dry
 
 ONE = TINY + ["--sample_tokens", "0", "--ckpt_interval", "2", "--max_iters", "4", "--lr_decay_iters", "8"]
 
@@ -291,6 +290,35 @@ def test_fit_problem_suggests_exactly_what_costs_says_fits(monkeypatch):
     assert ("--recompute fits" in problem) == (need(recompute=True) <= need(micro_batch_size=4))
     monkeypatch.setattr(common, "memory_room", lambda env: need())
     assert common.fit_problem(args, env, single.costs) is None
+
+
+def test_auto_chooses_the_largest_micro_batch_that_fits():
+    """--micro_batch_size auto in a dry run for a GPU of a given size: the micro-batch chosen
+    fits and the next larger divisor of the replica's 24 sequences does not."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ddp", os.path.join(common.HERE, "03_ddp.py"))
+    ddp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddp)
+    flags = ["--model", "gpt2", "--world_size", "2"]
+    args = common.parse_args(ddp.add_flags(common.make_parser("")), flags + ["--dry_run"])
+
+    def need(b):
+        return common.rank_need(args, ddp.costs, 2, torch.bfloat16, "cuda", micro_batch_size=b)
+    gpu_mem_gb = (need(4) + need(6)) / 2 / common.GPU_USABLE / 1e9  # room between the needs of 4 and 6
+    out = dry("03_ddp.py", *flags, "--gpu_mem_gb", gpu_mem_gb).stdout
+    assert "--micro_batch_size auto: 4 (of the 24 sequences per replica" in out and "fit: fits" in out, out
+    assert "layout: 2 replicas, each 6 micro-batch(es) of 4 per step" in out
+    out = dry("03_ddp.py", *flags, "--gpu_mem_gb", need(1) / 2 / 1e9).stdout  # nothing fits: the smallest, refused
+    assert "--micro_batch_size auto: 1 " in out and "fit: does not fit: the model state alone does not fit" in out
+
+
+def test_auto_in_a_launch_is_logged_agreed_and_in_the_metrics():
+    """Every rank chooses, the smallest wins, the choice is logged and in every metrics row; a
+    pipeline aims at m >= 2p micro-batches (8 sequences on 2 stages: micro-batches of 2)."""
+    run = launch("07_pipeline.py", TINY + ["--global_batch_size", "8", "--max_iters", "2"], nprocs=2).ok()
+    assert "--micro_batch_size auto: 2 (of the 8 sequences per replica, the largest that fits every rank, " \
+           "at least 4 micro-batches)" in run.stdout
+    assert run.steps and all(row["micro_batch_size"] == 2 for row in run.steps)
 
 
 def test_a_checkpoint_written_before_the_moe_fields_still_resumes(saved, tmp_path):
