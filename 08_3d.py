@@ -90,7 +90,8 @@ from torch.nn import functional as F
 from common import (activation_device_type, activation_phases, activation_terms, autocast, check,
                     Data, device_rng_state, format_bytes, is_decayed, LEDGER, make_adamw,
                     make_parser, model_config, param_init, param_pieces, parse_args, planned_dtype,
-                    recomputed, Run, set_device_rng_state, state_bytes, to_device)
+                    recomputed, Run, sdpa_logsumexp_bytes, set_device_rng_state, state_bytes,
+                    to_device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,82 +99,107 @@ from common import (activation_device_type, activation_phases, activation_terms,
 # ---------------------------------------------------------------------------------------
 
 class Mesh:
-    """Coordinates and process groups; TP innermost, then PP, then DP."""
+    """Coordinates and process groups of the 4D mesh, outermost first DP x PP x CP x TP:
+    rank = ((dp·P + pp)·C + cp)·T + tp. TP innermost (it talks most: every layer, on the
+    critical path), then CP (K/V or all-to-alls every layer, overlappable), then PP (one
+    activation per micro-batch per boundary), DP outermost (once per step)."""
 
-    def __init__(self, rank, world, tp_size, pp_size):
-        self.tp_size, self.pp_size, self.dp_size = tp_size, pp_size, world // (tp_size * pp_size)
-        self.dp_rank, self.pp_rank, self.tp_rank = self.coordinates(rank)
-        d, s, t = self.dp_rank, self.pp_rank, self.tp_rank
-        self.next = self.rank_of(d, s + 1, t) if s < pp_size - 1 else None
-        self.prev = self.rank_of(d, s - 1, t) if s > 0 else None
+    AXES = ("dp", "pp", "cp", "tp")  # outermost first
+
+    def __init__(self, rank, world, tp_size, pp_size, cp_size=1):
+        self.rank, self.tp_size, self.pp_size, self.cp_size = rank, tp_size, pp_size, cp_size
+        self.dp_size = world // (tp_size * pp_size * cp_size)
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.coordinates(rank)
+        # the gradient reduction runs over DP x CP: CP ranks hold the same weights and see
+        # other tokens of the same sequences (09's "every rank's share of the global mean")
+        self.reduce_size, self.reduce_rank = self.dp_size * cp_size, self.dp_rank * cp_size + self.cp_rank
+        d, s, c, t = self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank
+        self.next = self.rank_of(d, s + 1, t, c) if s < pp_size - 1 else None
+        self.prev = self.rank_of(d, s - 1, t, c) if s > 0 else None
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = None  # make_groups()
-        self.embedding_group = None
+        self.embedding_group = self.cp_group = None
+        self.cp_ranks = [self.rank_of(d, s, t, i) for i in range(cp_size)]  # this rank's CP group
 
-    def rank_of(self, dp_rank, pp_rank, tp_rank):
-        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
+    def rank_of(self, dp_rank, pp_rank, tp_rank, cp_rank=0):
+        return ((dp_rank * self.pp_size + pp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
 
     def coordinates(self, rank):
-        """(dp_rank, pp_rank, tp_rank) of a global rank."""
-        T, P = self.tp_size, self.pp_size
-        return rank // (P * T), (rank // T) % P, rank % T
+        """(dp_rank, pp_rank, cp_rank, tp_rank) of a global rank."""
+        T, C, P = self.tp_size, self.cp_size, self.pp_size
+        return rank // (P * C * T), (rank // (C * T)) % P, (rank // T) % C, rank % T
+
+    def groups_over(self, *axes):
+        """Every group whose ranks differ only along `axes` (("tp",): the TP groups), each a
+        list of ranks, in rank order."""
+        groups = {}
+        for r in range(self.dp_size * self.pp_size * self.cp_size * self.tp_size):
+            fixed = tuple(v for a, v in zip(self.AXES, self.coordinates(r)) if a not in axes)
+            groups.setdefault(fixed, []).append(r)
+        return list(groups.values())
 
     def make_groups(self):
         """The process groups of this rank (a collective: every rank creates every group, in
         the same order)."""
-        tp_size, pp_size = self.tp_size, self.pp_size
-        for d in range(self.dp_size):
-            for s in range(pp_size):
-                group = dist.new_group([self.rank_of(d, s, t) for t in range(tp_size)])
-                if (d, s) == (self.dp_rank, self.pp_rank):
-                    self.tp_group = LEDGER.name_group(group, "tp")
-            replica = [self.rank_of(d, s, t) for s in range(pp_size) for t in range(tp_size)]
-            group = dist.new_group(replica)
-            if d == self.dp_rank:
-                self.mp_group = LEDGER.name_group(group, "model")  # one replica: TP x PP
-        for s in range(pp_size):
-            for t in range(tp_size):
-                group = dist.new_group([self.rank_of(d, s, t) for d in range(self.dp_size)])
-                if (s, t) == (self.pp_rank, self.tp_rank):
-                    self.dp_group = LEDGER.name_group(group, "dp")
-        for d in range(self.dp_size):
-            for t in range(tp_size):
-                group = dist.new_group([self.rank_of(d, s, t) for s in range(pp_size)])
-                if (d, t) == (self.dp_rank, self.tp_rank):
-                    self.pp_group = LEDGER.name_group(group, "pp")
-                ends = sorted({self.rank_of(d, 0, t), self.rank_of(d, pp_size - 1, t)})
-                group = dist.new_group(ends)
-                if (d, t) == (self.dp_rank, self.tp_rank):
-                    self.embedding_group = LEDGER.name_group(group, "embedding")
+        kinds = [("tp", ("tp",), "tp_group"),  # Megatron's f and g
+                 ("model", ("pp", "tp"), "mp_group"),  # one replica (at one CP rank): the norm
+                 ("dp", ("dp", "cp"), "dp_group"),  # the gradient reduction, DP x CP
+                 ("pp", ("pp",), "pp_group")]  # a pipeline: the logged loss
+        if self.cp_size > 1:
+            kinds.append(("cp", ("cp",), "cp_group"))  # the ring, or Ulysses' all-to-alls
+        for name, axes, attribute in kinds:
+            for ranks in self.groups_over(*axes):
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    setattr(self, attribute, LEDGER.name_group(group, name))
+        for ranks in self.groups_over("pp"):  # the tied embedding: first and last stage
+            group = dist.new_group(sorted({ranks[0], ranks[-1]}))
+            if self.rank in ranks:
+                self.embedding_group = LEDGER.name_group(group, "embedding")
         return self
 
     def describe(self, world, ranks_per_node=None):
-        D, P, T = self.dp_size, self.pp_size, self.tp_size
-        lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {T} tensor-parallel "
-                 f"(rank = dp·{P * T} + pp·{T} + tp)"]
-        shown = range(self.dp_size) if self.dp_size <= 4 else [0, 1, self.dp_size - 1]
+        D, P, C, T = self.dp_size, self.pp_size, self.cp_size, self.tp_size
+        if C == 1:
+            lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {T} tensor-parallel "
+                     f"(rank = dp·{P * T} + pp·{T} + tp)"]
+        else:
+            lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {C} context-parallel x "
+                     f"{T} tensor-parallel (rank = dp·{P * C * T} + pp·{C * T} + cp·{T} + tp)"]
+        shown = range(D) if D <= 4 else [0, 1, D - 1]
         for d in shown:
-            if d == self.dp_size - 1 and self.dp_size > 4:
-                lines.append(f"  ... ({self.dp_size - 3} more replicas)")
-            row = [f"{self.rank_of(d, s, t):>3}:(dp {d}, pp {s}, tp {t})"
-                   for s in range(self.pp_size) for t in range(self.tp_size)]
+            if d == D - 1 and D > 4:
+                lines.append(f"  ... ({D - 3} more replicas)")
+            row = [f"{self.rank_of(d, s, t, c):>3}:(dp {d}, pp {s}" + (f", cp {c}" if C > 1 else "") + f", tp {t})"
+                   for s in range(P) for c in range(C) for t in range(T)]
             lines.append("  " + "  ".join(row))
         if ranks_per_node:
-            nodes = lambda ranks: sorted({r // ranks_per_node for r in ranks})  # noqa: E731
-            tp_nodes = max(len(nodes([self.rank_of(d, s, t) for t in range(self.tp_size)]))
-                           for d in range(self.dp_size) for s in range(self.pp_size))
-            where = "inside one node" if tp_nodes == 1 else \
-                f"spans {tp_nodes} nodes (slow: keep tp <= ranks per node)"
-            lines.append(f"  {ranks_per_node} ranks per node: every TP group {where}")
+            for name, axis, size in (("TP", "tp", T), ("CP", "cp", C)):
+                if name == "CP" and C == 1:
+                    continue
+                spans = max(len({r // ranks_per_node for r in ranks}) for ranks in self.groups_over(axis))
+                where = "inside one node" if spans == 1 else \
+                    f"spans {spans} nodes (slow: keep {axis}{' x tp' if axis == 'cp' else ''} <= ranks per node)"
+                lines.append(f"  {ranks_per_node} ranks per node: every {name} group {where}")
         return "\n".join(lines)
 
 
-def check_layout(config, T, P, sp=False):
+def check_layout(config, T, P, sp=False, C=1, impl="ring"):
     check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
           "each TP rank must own whole attention heads")
     check(not sp or config.block_size % T == 0, f"--sequence_parallel needs block_size "
           f"{config.block_size} divisible by tp {T}: each TP rank holds s/T of the sequence")
     check(config.n_layer >= P,
           f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
+    s = config.block_size
+    if C > 1 and impl == "ring":
+        check(s % (2 * C) == 0, f"block_size {s} is not divisible by 2 x cp = {2 * C} "
+              "(ring attention cuts every sequence into 2·cp chunks)")
+    elif C > 1:
+        check(s % C == 0, f"block_size {s} is not divisible by --cp {C}")
+        check(config.n_head // T % C == 0, f"--cp_impl ulysses needs --cp {C} to divide the heads of "
+              f"each TP rank, n_head / tp = {config.n_head // T}")
+    check(not sp or C == 1 or s // C % T == 0, f"--sequence_parallel with --cp {C} needs the "
+          f"{s // C} tokens of a CP rank divisible by tp {T}: each TP rank holds s/(C·T) of them")
 
 
 # ---------------------------------------------------------------------------------------
@@ -396,6 +422,7 @@ class TPBlock(nn.Module):
         self.p_attn, self.sp = config.dropout, sp
 
     recompute = False  # --recompute: keep the block's input only (its g all-reduces run again)
+    cp = None  # --cp C > 1: a ContextParallel, the attention over this rank's CP group
 
     def forward(self, x, rng):
         if self.recompute and torch.is_grad_enabled():  # restoring the TP rank's stream too
@@ -407,9 +434,12 @@ class TPBlock(nn.Module):
         B, T, C = q.shape
         heads = self.n_head_local
         q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k, v))
-        with rng.sharded():  # attention dropout acts inside this rank's heads: its own stream
-            p = self.p_attn if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        if self.cp is not None:  # this CP rank's queries meet every CP rank's keys (as in 09:
+            y = self.cp.attention(q, k, v)  # no attention dropout), on this TP rank's heads
+        else:
+            with rng.sharded():  # attention dropout acts inside this rank's heads: its own stream
+                p = self.p_attn if self.training else 0.0
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         y = self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         with sharded_if(self.sp, rng):  # with SP the residual stream is a sequence shard
             x = x + self.dropout(y)
@@ -448,13 +478,16 @@ class Stage(nn.Module):
     """This rank's pipeline stage, tensor-parallel: layers [first_layer, first_layer + n),
     the vocab-parallel embedding on the first stage, the final norm and head on the last.
     With sequence parallelism (sp) the residual stream in and out is [b, s/T, h]: this TP
-    rank's sequence shard."""
+    rank's sequence shard. With context parallelism (cp, a ContextParallel) the stage sees
+    only its CP rank's tokens, `positions` (s/C of every sequence; with SP, [b, s/(C·T), h])."""
 
-    def __init__(self, config, mesh, first_layer, n_layers, rng, recompute=False, sp=False):
+    def __init__(self, config, mesh, first_layer, n_layers, rng, recompute=False, sp=False, cp=None):
         super().__init__()
         tp_size, h, group = mesh.tp_size, config.n_embd, mesh.tp_group
         self.config, self.mesh, self.first_layer, self.rng = config, mesh, first_layer, rng
         self.sp = sp
+        self.positions = torch.arange(config.block_size) if cp is None else \
+            token_positions(config.block_size, cp.C, cp.cp_rank, cp.impl)  # in the order held
         self.is_first, self.is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
         self.padded_vocab = math.ceil(config.vocab_size / tp_size) * tp_size
         self.vocab_local = self.padded_vocab // tp_size
@@ -465,7 +498,7 @@ class Stage(nn.Module):
             self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([TPBlock(config, tp_size, group, sp) for _ in range(n_layers)])
         for block in self.h:
-            block.recompute = recompute
+            block.recompute, block.cp = recompute, cp
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
             # the tied head: the embedding itself, or (on another stage) a copy of its shard
@@ -517,15 +550,16 @@ class Stage(nn.Module):
     def forward(self, x, targets=None):
         T, t, group = self.mesh.tp_size, self.mesh.tp_rank, self.mesh.tp_group
         if self.is_first:
-            s = x.shape[1]  # with SP, this rank's positions: [t·s/T, (t+1)·s/T)
-            pos = torch.arange(t * s // T, (t + 1) * s // T) if self.sp else torch.arange(s)
+            pos, n = self.positions, len(self.positions)  # the real positions of the tokens
+            if self.sp:  # held (a CP rank's, else all); with SP this TP rank's n/T of them
+                pos = pos[t * n // T:(t + 1) * n // T]
             x = self.wte(x) + self.wpe(pos.to(x.device))
             with sharded_if(self.sp, self.rng):
                 x = self.drop(x)
         for block in self.h:
             x = block(x, self.rng)
         if self.is_last:
-            x = self.ln_f(x)  # the tied head: this rank's vocabulary, of the whole sequence
+            x = self.ln_f(x)  # the tied head: this rank's vocabulary, of the tokens held
             if self.sp:  # a column-parallel Linear too: keeps the sequence shard only
                 logits = GatherSequenceLinear.apply(x, self.lm_head.weight, None, group)
             else:
@@ -555,6 +589,267 @@ def reduce_replicated_grads(stage, group):
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------
+# Context parallelism inside a stage's attention (restated from 09_context_parallel.py, on
+# the CP group, on this TP rank's heads)
+# ---------------------------------------------------------------------------------------
+
+def zigzag_chunks(rank, C):
+    """The two chunks (of 2C) that ring rank `rank` holds: one early, one late."""
+    return rank, 2 * C - 1 - rank
+
+
+def token_positions(s, C, cp_rank, impl):
+    """Positions (into the sequence of length s) of the tokens this CP rank holds, in the
+    order it holds them: ring, chunks r and 2C-1-r of length s/2C; Ulysses, a contiguous s/C."""
+    if impl == "ulysses" or C == 1:
+        return torch.arange(cp_rank * s // C, (cp_rank + 1) * s // C)
+    c = s // (2 * C)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunks(cp_rank, C)])
+
+
+class Ring:
+    """This rank's place in its CP group's ring: it sends to `next`, receives from `prev`."""
+
+    def __init__(self, group, ranks, rank):
+        self.group, self.size, self.rank = group, len(ranks), ranks.index(rank)
+        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
+
+    def pass_on(self, tensors, tag):
+        """Post, without waiting: send `tensors` to the next rank, receive the previous
+        rank's tensors of the same shapes. Returns (requests, received)."""
+        sent = [t.contiguous() for t in tensors]  # k, v: views of c_attn's output, copied to send
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
+        return dist.batch_isend_irecv(ops), received  # our blocks to r+1, r-1's blocks to us
+
+    @staticmethod
+    def wait(pending):
+        requests, received = pending
+        for request in requests:
+            request.wait()
+        return received
+
+
+def ring_block(q_rank, kv_rank, C):
+    """(q halves, kv halves, causal): the part of one ring step's scores, between the tokens of
+    ring ranks q_rank and kv_rank, that the causal mask does not empty, as one block. Half 0 / 1
+    of a rank's tokens is its chunk r / 2C-1-r. Its own tokens: all of them, causal (a rank holds
+    its tokens in sequence order, so the local triangle is the global one). Key chunks j and
+    2C-1-j of an earlier rank (j < r): both query chunks see chunk j whole, chunk 2C-1-j is after
+    both. Of a later rank: only query chunk 2C-1-r sees them, both whole."""
+    if kv_rank == q_rank:
+        return (0, 1), (0, 1), True
+    if kv_rank < q_rank:
+        return (0, 1), (0,), False
+    return (1,), (0, 1), False
+
+
+def part(t, halves):
+    """The halves (0, 1 or both) of a [b, heads, tokens, ...] tensor's tokens, as a view."""
+    c = t.size(2) // 2
+    return t[:, :, halves[0] * c:(halves[-1] + 1) * c]
+
+
+aten = torch.ops.aten
+
+
+def block_forward(q, k, v, causal):
+    """One block's attention: its output O_b (normalised over the block's keys) and the
+    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], from the fused
+    attention kernel that returns it: on CPU torch's flash attention for CPU, on CUDA the
+    flash (fp16/bf16) or memory-efficient (fp32) kernel (as torchtitan's ring does; unverified:
+    neither 09 nor 08 has run on a GPU); elsewhere the explicit fp32 reference below."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        return out, lse
+    if q.device.type == "cuda":  # its log-sum-exp is padded to a multiple of 32 queries
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., :q.size(2)]
+    return explicit_block_forward(q, k, v, causal)
+
+
+def block_backward(dout, q, k, v, out, lse, causal):
+    """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
+    needs only those and dO, not the block's own): the fused kernel's backward, as in
+    block_forward, else the explicit fp32 reference."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):  # unverified
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: never read
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, no_rng, no_rng)
+    if q.device.type == "cuda":  # unverified; the kernel reads L padded to 32 queries
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+        lse = F.pad(lse, (0, -q.size(2) % 32))
+        return aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
+    return explicit_block_backward(dout, q, k, v, out, lse, causal)
+
+
+def scores(q, k, causal):
+    """S = q kᵀ/√d for one block in fp32, the upper triangle -inf on a causal block."""
+    s = (q.float() / math.sqrt(q.size(-1))) @ k.float().transpose(-2, -1)
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def explicit_block_forward(q, k, v, causal):
+    """The readable reference (and the fallback where no fused kernel applies), in fp32:
+    L_b = logsumexp(S), O_b = exp(S - L_b) V."""
+    s = scores(q, k, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return s.sub_(lse.unsqueeze(-1)).exp_() @ v.float(), lse  # softmax(S) V, S overwritten by P
+
+
+def explicit_block_backward(dout, q, k, v, out, lse, causal):
+    """FlashAttention-2's backward of one block in fp32, with the final O and L:
+    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)),
+    dQ = dS K/√d, dK = dSᵀ Q/√d."""
+    q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+    p = scores(q, k, causal).sub_(lse.unsqueeze(-1)).exp_()
+    delta = (dout * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
+    ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
+    scale = 1.0 / math.sqrt(q.size(-1))
+    return (ds @ k).mul_(scale), (ds.transpose(-2, -1) @ q).mul_(scale), p.transpose(-2, -1) @ dout
+
+
+def merge(out, lse, block_out, block_lse):
+    """Exact merge of two softmax-attention results over disjoint keys, in place in the fp32
+    out and lse: L = log(e^L1 + e^L2), O = e^(L1-L)·O1 + e^(L2-L)·O2."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    w_old, w_new = torch.exp(lse - new_lse).unsqueeze(-1), torch.exp(block_lse - new_lse).unsqueeze(-1)
+    out.copy_(w_old * out + w_new * block_out)
+    lse.copy_(new_lse)
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence's keys. q, k, v:
+    [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape, in q's dtype.
+    Blocks run in q's dtype (the fused kernel; fp32 in the explicit fallback), they merge in
+    fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        ctx.ring = ring
+        b, heads, t, d = q.shape
+        with torch.autocast(q.device.type, enabled=False):
+            # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
+            out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
+            lse = torch.full((b, heads, t), float("-inf"), device=q.device)
+            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            for step in range(ring.size):
+                if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
+                    pending = ring.pass_on(kv, tag=0)
+                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
+                o, l = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                merge(part(out, qh), part(lse, qh), o, l)
+                if step < ring.size - 1:
+                    kv = ring.wait(pending)
+            out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        with torch.autocast(q.device.type, enabled=False):
+            dout = dout.to(q.dtype)
+            dq = torch.zeros(q.shape, device=q.device)  # fp32 accumulators
+            kv, arriving = (k, v), None
+            for step in range(ring.size):
+                if step < ring.size - 1:  # K/V go around again, as in forward
+                    pending = ring.pass_on(kv, tag=0)
+                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
+                dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
+                                                  part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
+                                                  causal)
+                part(dq, qh).add_(dq_b)
+                dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+                part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
+                part(dv, kh).add_(dv_b)
+                if arriving is not None:  # the shares of the ranks this K/V block visited before us
+                    dk_in, dv_in = ring.wait(arriving)
+                    dk += dk_in
+                    dv += dv_in
+                if ring.size > 1:  # dK/dV travel with their K/V; the last hop brings them home
+                    arriving = ring.pass_on((dk, dv), tag=1)
+                if step < ring.size - 1:
+                    kv = ring.wait(pending)
+            if ring.size > 1:
+                dk, dv = ring.wait(arriving)  # every rank's share of our own K and V
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def seq_to_heads(x, group, C):
+    """[b, H, s/C, d] (our tokens, every head) -> [b, H/C, s, d] (every token, our heads)."""
+    b, H, t, d = x.shape
+    send = x.reshape(b, C, H // C, t, d).transpose(0, 1).contiguous()  # [C = head group, ...]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # head group j to rank j; its tokens to us
+    return received.permute(1, 2, 0, 3, 4).reshape(b, H // C, C * t, d)  # [C = token chunk, ...]
+
+
+def heads_to_seq(x, group, C):
+    """The inverse: [b, H/C, s, d] -> [b, H, s/C, d]."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, h, C, s // C, d).permute(2, 0, 1, 3, 4).contiguous()  # [C = token chunk, ...]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # token chunk j to rank j; its heads to us
+    return received.transpose(0, 1).reshape(b, C * h, s // C, d)  # [C = head group, ...]
+
+
+class SeqToHeads(torch.autograd.Function):
+    """All-to-all forward, the inverse all-to-all backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, C):
+        ctx.group, ctx.C = group, C
+        return seq_to_heads(x, group, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq(grad, ctx.group, ctx.C), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, C):
+        ctx.group, ctx.C = group, C
+        return heads_to_seq(x, group, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads(grad, ctx.group, ctx.C), None, None
+
+
+def ulysses_attention(q, k, v, group, C):
+    """Four all-to-alls: q, k, v to [b, H/C, s, d], causal attention, the output back."""
+    q, k, v = (SeqToHeads.apply(t, group, C) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return HeadsToSeq.apply(y, group, C)
+
+
+class ContextParallel:
+    """This rank's CP group (global ranks `ranks`, in cp order) and the attention it runs
+    over it: q, k, v are [b, H/T, s/C, d], this TP rank's heads of this CP rank's tokens."""
+
+    def __init__(self, group, ranks, rank, impl):
+        self.group, self.C, self.impl = group, len(ranks), impl
+        self.ring = Ring(group, ranks, rank)
+        self.cp_rank = ranks.index(rank)
+
+    def attention(self, q, k, v):
+        if self.impl == "ring":  # K/V around the ring, merged by their log-sum-exp
+            return RingAttention.apply(q, k, v, self.ring)
+        return ulysses_attention(q, k, v, self.group, self.C)  # heads H/(T·C), all s tokens
 
 
 # ---------------------------------------------------------------------------------------
@@ -664,10 +959,10 @@ class DataParallel:
 
     def reduce_gradients(self):
         """The mean gradient on every replica: one all-reduce of this rank's flat gradients."""
-        for p in self.params:
-            p.grad.div_(self.mesh.dp_size)
+        for p in self.params:  # CP ranks' gradients are their tokens' shares: /C too
+            p.grad.div_(self.mesh.reduce_size)
         flat = torch.cat([p.grad.view(-1) for p in self.params])
-        dist.all_reduce(flat, group=self.mesh.dp_group)  # sum over the replicas of this (pp, tp)
+        dist.all_reduce(flat, group=self.mesh.dp_group)  # sum over the DP x CP ranks of this (pp, tp)
         offset = 0
         for p in self.params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -695,25 +990,28 @@ class DataParallel:
         return state_bytes(self.params, self.optimizer)
 
     def checkpoint_pieces(self):
-        """DP replica 0 writes the parameters (TP pieces of its stage) and their moments."""
-        stage, write = self.stage, self.mesh.dp_rank == 0
+        """DP replica 0 (CP rank 0) writes the parameters (TP pieces of its stage) and their
+        moments."""
+        stage, write = self.stage, self.mesh.reduce_rank == 0
         return [piece for name, p in stage.named_parameters()
                 for piece in tp_pieces(stage, name, p, self.optimizer, write=write)]
 
 
 class ZeRO1:
-    """ZeRO stage 1 over the DP group (restated from 04_zero.py), DataParallel's interface:
-    this rank's parameters as one flat buffer padded to a multiple of D; DP rank d owns
+    """ZeRO stage 1 over the DP group (restated from 04_zero.py; with CP the D·C ranks of
+    DP x CP, Megatron's distributed optimizer's group), DataParallel's interface: this
+    rank's parameters as one flat buffer padded to a multiple of D; DP rank d owns
     shard d of it, with its AdamW state (P_os); gradients are reduce-scattered, parameters
     all-gathered after the update."""
 
     def __init__(self, stage, mesh, args, device):
-        self.stage, self.mesh, self.params, D = stage, mesh, list(stage.parameters()), mesh.dp_size
+        self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
+        D = mesh.reduce_size  # the DP group: D x C ranks with CP, which hold the same weights
         numel = sum(p.numel() for p in self.params)
         self.shard = math.ceil(numel / D)
         self.flat = torch.zeros(self.shard * D, device=device)
         self.flat_grad = torch.zeros_like(self.flat)
-        self.lo, self.hi = lo, hi = mesh.dp_rank * self.shard, (mesh.dp_rank + 1) * self.shard
+        self.lo, self.hi = lo, hi = mesh.reduce_rank * self.shard, (mesh.reduce_rank + 1) * self.shard
         self.grad_shard = torch.zeros(self.shard, device=device)
         self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor of them)
         self.counted = []  # [a, b) of the shard whose gradients count in the norm (counted_once)
@@ -740,7 +1038,7 @@ class ZeRO1:
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):
-        self.flat_grad.div_(self.mesh.dp_size)
+        self.flat_grad.div_(self.mesh.reduce_size)
         # sum the replicas' gradients; DP rank d receives shard d
         dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=self.mesh.dp_group)
 
@@ -778,7 +1076,7 @@ class ZeRO1:
         it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
         stage, named = self.stage, list(self.stage.named_parameters())
         pieces = [piece for name, p in named
-                  for piece in tp_pieces(stage, name, p, None, write=self.mesh.dp_rank == 0)]
+                  for piece in tp_pieces(stage, name, p, None, write=self.mesh.reduce_rank == 0)]
         whole = {p: tp_pieces(stage, name, p, None, write=True) for name, p in named}
         for p, a, b, segment in self.segments:
             for piece in whole[p]:
@@ -809,21 +1107,23 @@ def clip_grad_norm(replicas, max_norm):
 
 def micro_batches(data, split, step, stage, mesh, args, env, m, eval_split=False):
     """This replica's rows in m micro-batches; only the first stage needs tokens and the
-    last targets."""
+    last targets; with CP only this CP rank's tokens of them (stage.positions)."""
     if not (stage.is_first or stage.is_last):
         return [None] * m, [None] * m
     x, y = data.batch(split, step, args.global_batch_size, mesh.dp_rank, mesh.dp_size,
                       eval_split=eval_split)
-    x, y = to_device(x, env), to_device(y, env)
+    x, y = to_device(x[:, stage.positions], env), to_device(y[:, stage.positions], env)
     b = args.micro_batch_size
     return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
 
 
 def global_mean(loss_sum, mesh, m):
-    """The mean loss over every micro-batch of every replica, on every rank."""
+    """The mean loss over every micro-batch of every replica, on every rank (with CP each
+    CP rank's loss is the mean over its s/C tokens: their mean over the CP ranks is the
+    sequences' mean)."""
     dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
-    loss_sum /= m * mesh.dp_size
-    dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas
+    loss_sum /= m * mesh.reduce_size
+    dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas (and CP ranks)
     return loss_sum
 
 
@@ -835,6 +1135,10 @@ def add_flags(parser):
                    help="shard the optimizer state across each DP group")
     g.add_argument("--sequence_parallel", action="store_true",
                    help="shard LayerNorm/dropout regions along the sequence in each TP group")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks that split every sequence (between TP and PP in the mesh)")
+    g.add_argument("--cp_impl", default="ring", choices=["ring", "ulysses"],
+                   help="ring attention (zigzag, K/V around the ring) or Ulysses (all-to-all over heads)")
     return parser
 
 
@@ -856,35 +1160,38 @@ def evaluate(stage, mesh, data, args, env, m, act_shape):
 def main():
     args = parse_args(add_flags(make_parser(__doc__)))
     run = Run(args, __file__)
-    world, T, P = run.world_size, args.tp, args.pp
-    check(T >= 1 and P >= 1, f"--tp and --pp must be positive, got {T} and {P}")
-    check(world % (T * P) == 0, f"world size {world} is not divisible by tp {T} x pp {P} = {T * P}")
-    D = world // (T * P)
+    world, T, P, C = run.world_size, args.tp, args.pp, args.cp
+    check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
+    check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
+          + (f" x cp {C}" if C > 1 else "") + f" = {T * P * C}")
+    D = world // (T * P * C)  # CP ranks split the same sequences: the batch is shared by D
     # micro-batches per replica per step; --micro_batch_size auto: the largest that fits every
     # stage, with about 2·pp micro-batches to fill a pipeline (none needed without one)
-    m = run.batch(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * T for s in range(P)])
+    m = run.batch(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)])
     if args.dry_run:  # the mesh and every stage's bytes; then rank 0's costs
         run.dry_run(costs, plan(args, world, T, P, m))
     env = run.setup(costs)  # costs(): checked against this rank's memory first
-    mesh = Mesh(env.rank, world, T, P).make_groups()
+    mesh = Mesh(env.rank, world, T, P, C).make_groups()
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
-    check_layout(config, T, P, args.sequence_parallel)
+    check_layout(config, T, P, args.sequence_parallel, C, args.cp_impl)
     run.log(mesh.describe(world))
-    torch.manual_seed(args.seed + 1000 * mesh.dp_rank + mesh.pp_rank)  # the stage's TP group's
+    torch.manual_seed(args.seed + 1000 * mesh.reduce_rank + mesh.pp_rank)  # the stage's TP group's
     rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention dropout)
+    cp = ContextParallel(mesh.cp_group, mesh.cp_ranks, env.rank, args.cp_impl) if C > 1 else None
 
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
-    stage = Stage(config, mesh, first_layer, n_layers, rng, args.recompute, args.sequence_parallel)
+    stage = Stage(config, mesh, first_layer, n_layers, rng, args.recompute, args.sequence_parallel, cp)
     stage = stage.init_weights(args.seed).to(env.device)
     ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's copies: wte, head
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
     replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # same calls
-    act_shape = (args.micro_batch_size, config.block_size // (T if stage.sp else 1), config.n_embd)
+    act_shape = (args.micro_batch_size, config.block_size // C // (T if stage.sp else 1), config.n_embd)
     cost = costs(args, config, world, env.dtype, env.rank)
     extra_rng = run.begin(config, replicas.optimizer, cost, describe=describe(args, stage, m),
                           layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1,
-                                  "sequence_parallel": args.sequence_parallel},
+                                  "sequence_parallel": args.sequence_parallel,
+                                  **({"cp": C, "cp_impl": args.cp_impl} if C > 1 else {})},
                           pieces=replicas.checkpoint_pieces, held=replicas.held_bytes,
                           evaluate=lambda: evaluate(stage, mesh, data, args, env, m, act_shape),
                           extra_rng=lambda: {"tp": rng.state})
@@ -930,27 +1237,33 @@ def costs(args, config, world_size, dtype, rank=0):
     embedding's gradient shard between the first and last stage. DP: 4Ψ_rank of gradients
     (--zero1: reduce-scatter + all-gather of the flat buffer padded to D). Control: the
     logged loss, 4 bytes over pp and over dp; with clipping, the squared norm, 4 bytes over
-    the model group (--zero1: over the world, the shards' sum)."""
-    T, P, sp = args.tp, args.pp, args.sequence_parallel
-    D = world_size // (T * P)
-    mesh = Mesh(rank, world_size, T, P)  # coordinates only, no groups
+    the model group (--zero1: over the world, the shards' sum).
+    --cp C: s is the s/C tokens a CP rank holds in every formula above; the DP group is the
+    D·C ranks of DP x CP (gradients, ZeRO-1's shards: padded to D·C, the loss). Ring, per
+    micro-batch and layer, A = b·s·(h/T)·b_c (this TP rank's heads' K, or V): K and V C-1
+    hops forward and again in backward, 4(C-1)·A, and the fp32 dK, dV C hops, 8C·b·s·h/T
+    (--recompute: + 2(C-1)·A); in "send"/"recv", beside the pipeline's. Ulysses: 8
+    all-to-alls of A (q, k, v, out forward and back; --recompute: 12)."""
+    T, P, C, sp = args.tp, args.pp, args.cp, args.sequence_parallel
+    D = world_size // (T * P * C)
+    R = D * C  # the gradient reduction's group, DP x CP
+    mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
-    with torch.device("meta"):
-        stage = Stage(config, mesh, first_layer, n_layers, None, sp=sp)
-    split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) != "replicated")
-    n_local = sum(p.numel() for p in stage.parameters())  # Ψ_rank: Ψ_stage,sharded/T + the rest
+    split, n_local, vocab_local = stage_sizes(config, T, P, mesh.pp_rank)  # Ψ_rank = split + the rest
     m = args.global_batch_size // (args.micro_batch_size * D)
+    group = "D·C" if C > 1 else "D"
     if args.zero1:
-        shard = math.ceil(n_local / D)
-        held = {"params": ("4Ψ_rank (padded to D)", 4 * shard * D),
-                "grads": ("4Ψ_rank + its DP shard", 4 * (shard * D + shard)),
-                "optim": ("8Ψ_rank / D", 8 * shard)}
+        shard = math.ceil(n_local / R)
+        held = {"params": (f"4Ψ_rank (padded to {group})", 4 * shard * R),
+                "grads": ("4Ψ_rank + its DP shard", 4 * (shard * R + shard)),
+                "optim": (f"8Ψ_rank / {group}", 8 * shard)}
     else:
         held = {"params": ("4Ψ_rank", 4 * n_local), "grads": ("4Ψ_rank", 4 * n_local),
                 "optim": ("8Ψ_rank", 8 * n_local)}
-    bsh = args.micro_batch_size * config.block_size * config.n_embd  # one activation, elements
-    bs = args.micro_batch_size * config.block_size
-    bc, first, last = dtype.itemsize, stage.is_first, stage.is_last
+    tokens = config.block_size // C  # of each sequence, on this CP rank
+    bsh = args.micro_batch_size * tokens * config.n_embd  # one activation, elements
+    bs = args.micro_batch_size * tokens
+    bc, first, last = dtype.itemsize, mesh.pp_rank == 0, mesh.pp_rank == P - 1
     rep, div = (T, "/T") if sp else (1, "")  # SP: sequence shards
     if sp:  # f and g become all-gathers and reduce-scatters of the same b·s·h
         # all-gather: f of c_attn and c_fc (and the head's), of the LayerNorm output cast to
@@ -979,16 +1292,26 @@ def costs(args, config, world_size, dtype, rank=0):
     sent["all_reduce[dp]"] = ("4 loss" + ("" if args.zero1 else " + 4Ψ_rank grads"),
                               4 + (0 if args.zero1 else 4 * n_local))
     if P > 1:  # with SP a boundary carries this rank's sequence shard: 1/T of the bytes
-        boundaries = 2 - stage.is_first - stage.is_last  # stage boundaries this rank sits on
+        boundaries = 2 - first - last  # stage boundaries this rank sits on
         sent["send"] = sent["recv"] = (f"{m} micro x {boundaries} x 4 b·s·h" + div,
                                        m * boundaries * 4 * bsh // rep)
-        if stage.is_first or stage.is_last:
+        if first or last:
             sent["all_reduce[embedding]"] = ("4 x wte shard grad",
-                                             4 * stage.vocab_local * config.n_embd)
+                                             4 * vocab_local * config.n_embd)
+    if C > 1 and args.cp_impl == "ring":  # K/V around the ring (b_c), dK/dV back (fp32)
+        A, hops = bsh // T * bc, 4 + 2 * args.recompute
+        f = f"{m} micro x {n_layers} layers x ({hops}(C-1)·b·s·h/T·{bc} + 8C·b·s·h/T)"
+        v = m * n_layers * (hops * (C - 1) * A + 8 * C * bsh // T)
+        f0, v0 = sent.get("send", ("", 0))
+        sent["send"] = sent["recv"] = ((f0 + " + ring " if f0 else "ring ") + f, v0 + v)
+    elif C > 1:  # Ulysses: q, k, v to heads, the output back, forward and backward
+        calls = 8 + 4 * args.recompute
+        sent["all_to_all_single[cp]"] = (f"{m} micro x {n_layers} layers x {calls}·b·s·h/T·{bc}",
+                                         m * n_layers * calls * (bsh // T * bc))
     if args.zero1:
-        shard = math.ceil(n_local / D)
-        sent["reduce_scatter_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * D)
-        sent["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * D)
+        shard = math.ceil(n_local / R)
+        sent["reduce_scatter_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * R)
+        sent["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * R)
     if args.grad_clip > 0:
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = ("4 norm", 4)
     if args.recompute:  # backward runs each block's forward again, its f/g collectives too
@@ -1002,8 +1325,18 @@ def costs(args, config, world_size, dtype, rank=0):
     # embedding's out-of-slice mask, b·s bool; the head's input, /T with SP, fp32 softmax of
     # V/T and target mask), and 1F1B's micro-batches in flight (p - stage) walked through
     # this stage's schedule
-    b, s, h, e = args.micro_batch_size, config.block_size, config.n_embd, dtype.itemsize
-    terms = activation_terms(config, b, s, dtype, activation_device_type(args), tp=T, sp=sp)
+    # With CP s = s/C, and the attention is 09's on this TP rank's H/T heads: the ring
+    # keeps q, k, v (c_attn's output), its output O (c_proj's input) and the fp32 L;
+    # Ulysses SDPA's all-to-all'd q, k, v, output and log-sum-exp over all C·s tokens of
+    # H/(T·C) heads, and c_proj's input back in [b, s, h/T]
+    b, s, h, e = args.micro_batch_size, tokens, config.n_embd, dtype.itemsize
+    device_type, heads, attention = activation_device_type(args), config.n_head // T, None
+    if C > 1 and args.cp_impl == "ring":
+        attention = (f"(3·{e}bsh + {e}bsh)/T + 4b(a/T)s", 4 * e * b * s * h // T + 4 * b * heads * s)
+    elif C > 1:
+        attention = (f"(3·{e}bsh + {e}bsh + {e}bsh)/T + 4b(a/TC)(Cs)",
+                     5 * e * b * s * h // T + sdpa_logsumexp_bytes(b, heads // C, C * s, dtype, device_type))
+    terms = activation_terms(config, b, s, dtype, device_type, tp=T, sp=sp, attention=attention)
     emb_f, emb = terms["embedding"]
     terms["embedding"] = (f"{emb_f} + bs", emb + b * s)
     if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu"):
@@ -1014,11 +1347,10 @@ def costs(args, config, world_size, dtype, rank=0):
                           layer + 2 * (4 - e) * b * s * h // rep)
     terms["head"] = (f"(4bsh + 8bs + {e}bsh){div} + 4bsV/T + bs",
                      (4 * b * s * h + 8 * b * s + e * b * s * h) // rep
-                     + 4 * b * s * stage.vocab_local + b * s)
+                     + 4 * b * s * vocab_local + b * s)
     now = peak = 0
     for kind, i in one_f_one_b(P, mesh.pp_rank, m):
-        kept, during = activation_phases(terms, n_layers, args.recompute, stage.is_first,
-                                         stage.is_last)
+        kept, during = activation_phases(terms, n_layers, args.recompute, first, last)
         peak = max(peak, now + kept if kind == "F" else now - kept + during)
         now += kept if kind == "F" else -kept
     per_stage = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
@@ -1026,11 +1358,29 @@ def costs(args, config, world_size, dtype, rank=0):
     in_flight = min(P - mesh.pp_rank, m)
     activations = (f"1F1B: {in_flight} micro-batch(es) in flight x ({per_stage}), TP-sharded"
                    + (", sequence-sharded" if sp else ""), peak)
-    layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}, tp {mesh.tp_rank}: layers {first_layer}-"
+    cp = f", cp {mesh.cp_rank}" if C > 1 else ""
+    layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}{cp}, tp {mesh.tp_rank}: layers {first_layer}-"
               f"{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
     return {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
             "activations": activations}
+
+
+_STAGE_SIZES = {}
+
+
+def stage_sizes(config, T, P, pp_rank):
+    """(parameters TP_PLAN splits, all parameters, vocabulary rows) of a TP rank of stage
+    pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
+    plan.py price many micro-batches of one layout."""
+    key = (repr(config), T, P, pp_rank)
+    if key not in _STAGE_SIZES:
+        mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only
+        with torch.device("meta"):
+            stage = Stage(config, mesh, *stage_layers(config.n_layer, P)[pp_rank], None)
+        split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) != "replicated")
+        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local
+    return _STAGE_SIZES[key]
 
 
 def tp_pieces(stage, name, p, optimizer, write):
@@ -1051,14 +1401,15 @@ def plan(args, world, T, P, m):
     """--dry_run: the mesh, the schedule and every stage's costs, without starting a process
     (the lines Run.dry_run prints above rank 0's costs)."""
     config = model_config(args, Data.vocab_size_of(args.data))
-    check_layout(config, T, P, args.sequence_parallel)
+    check_layout(config, T, P, args.sequence_parallel, args.cp, args.cp_impl)
     dtype = planned_dtype(args)
-    mesh = Mesh(0, world, T, P)
+    mesh = Mesh(0, world, T, P, args.cp)
     per_stage = [costs(args, config, world, dtype, mesh.rank_of(0, s, 0)) for s in range(P)]
     return ([mesh.describe(world, args.ranks_per_node),
              f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step (1F1B)"
              + (", ZeRO-1 over each DP group" if args.zero1 else "")
-             + (", sequence parallelism in each TP group" if args.sequence_parallel else "")]
+             + (", sequence parallelism in each TP group" if args.sequence_parallel else "")
+             + context_parallel(args, config)]
             + [f"  stage {s} ({c['layout'].split(': ')[1]}): holds "
                f"{format_bytes(sum(v for _, v in c['held'].values()))}, sends+receives "
                f"{format_bytes(sum(v for _, v in c['sent'].values()))} per step"
@@ -1072,7 +1423,17 @@ def describe(args, stage, m):
     return (f"this stage: layers {first}-{first + n - 1}, {params:,} parameters on rank 0; "
             f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step"
             + (", ZeRO-1 over each DP group" if args.zero1 else "")
-            + (", sequence parallelism in each TP group" if stage.sp else ""))
+            + (", sequence parallelism in each TP group" if stage.sp else "")
+            + context_parallel(args, stage.config))
+
+
+def context_parallel(args, config):
+    """What the log and the dry run say about --cp (nothing at cp 1)."""
+    if args.cp == 1:
+        return ""
+    return (f", context parallelism ({args.cp_impl}) over {args.cp} ranks, {config.block_size // args.cp} of "
+            f"{config.block_size} tokens per sequence each"
+            + ("; no dropout on the attention probabilities (as in 09)" if config.dropout > 0 else ""))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """08_3d.py: losses equal 01's for every factorisation of 8 ranks that the tiny model admits,
-with and without --zero1; the mesh; the ledger; resume; export; refusals."""
+with and without --zero1, --sequence_parallel and --cp (ring and Ulysses, up to dp x pp x cp
+x tp); the mesh; the ledger; the point-to-point order under NCCL's rules; resume; export;
+refusals."""
+
+import os
 
 import pytest
 
-from harness import TINY, assert_losses_match, launch
+import nccl_replay
+from harness import ROOT, TINY, assert_losses_match, launch
 from test_real_conditions import dry
 
 BASE = TINY + ["--global_batch_size", "24", "--max_iters", "4", "--grad_clip", "0.05",
@@ -114,6 +119,68 @@ def test_sequence_parallel_recompute_resumes_in_01(reference, tmp_path):
                         what="08 pp 2 x tp 2 + SP --recompute, then 01 --resume")
 
 
+# --cp C (context parallelism inside each stage's attention, 09's ring and Ulysses on each TP
+# rank's heads): the mesh DP x PP x CP x TP, the gradients reduced over DP x CP
+CP_CASES = [
+    (4, ["--tp", 2, "--cp", 2]),  # ring on 2 heads per TP rank
+    (8, ["--tp", 2, "--pp", 2, "--cp", 2, "--sequence_parallel", "--zero1"]),  # 4D + SP: 16 of 64 tokens a rank
+    (8, ["--tp", 2, "--pp", 2, "--cp", 2, "--cp_impl", "ulysses"]),  # 1 head per rank inside attention
+    (4, ["--cp", 2, "--cp_impl", "ulysses", "--zero1"]),  # dp 2 x cp 2: ZeRO-1 over all 4
+]
+
+
+@pytest.mark.parametrize("ranks, flags", CP_CASES, ids=lambda x: "-".join(map(str, x)) if isinstance(x, list) else str(x))
+def test_context_parallel_matches_01(reference, ranks, flags):
+    run = launch("08_3d.py", BASE + flags + ["--micro_batch_size", 6], nprocs=ranks, timeout=400).ok()
+    get = lambda flag: int(flags[flags.index(flag) + 1]) if flag in flags else 1  # noqa: E731
+    T, P, C, zero1 = get("--tp"), get("--pp"), get("--cp"), "--zero1" in flags
+    D, ring, sp = ranks // (T * P * C), "ulysses" not in flags, "--sequence_parallel" in flags
+    assert_losses_match(reference, run, what=f"08 {flags}")
+    assert run.evals[-1]["val_loss"] == pytest.approx(reference.evals[-1]["val_loss"], rel=2e-5)
+    assert (f"mesh: {ranks} ranks = {D} data-parallel x {P} pipeline x {C} context-parallel x {T} tensor-parallel"
+            in run.stdout)
+    second = "cp 0, tp 1" if T > 1 else "cp 1, tp 0"  # TP innermost, then CP
+    assert f"  1:(dp 0, pp 0, {second})" in run.stdout
+    assert f"context parallelism ({'ring' if ring else 'ulysses'}) over {C} ranks, 32 of 64 tokens" in run.stdout
+    # every rank's ledger exact (print_ledger), and rank 0's traffic from the docstring's
+    # formulas written out: per micro-batch and layer, the ring's K and V C-1 hops forward
+    # and backward and fp32 dK, dV C hops, or Ulysses' 8 all-to-alls, all of this TP rank's
+    # heads of its 32 tokens; the boundary the residual stream's 32 tokens (/T with SP); the
+    # gradients reduced over DP x CP (ZeRO-1: padded to D·C)
+    assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
+    for row in run.steps:
+        assert row["state_bytes"] == row["state_bytes_theory"] and row["comm_bytes"] == row["comm_bytes_theory"]
+        assert row["activation_bytes"] == row["activation_bytes_theory"] > 0
+    comm, m, L, A = run.steps[0]["comm_bytes"], 24 // (D * 6), 4 // P, 6 * 32 * 64 // T * 4
+    boundary = m * 4 * 6 * 32 * 64 // (T if sp else 1) if P > 1 else 0
+    if ring:
+        assert comm["send"] == comm["recv"] == m * L * (4 * (C - 1) * A + 2 * C * A) + boundary
+        assert "all_to_all_single[cp]" not in comm
+    else:
+        assert comm["all_to_all_single[cp]"] == m * L * 8 * A and comm.get("send", 0) == boundary
+    n = rank0_parameters(T, P)
+    if zero1:
+        assert comm["reduce_scatter_tensor[dp]"] == comm["all_gather_into_tensor[dp]"] == 4 * -(-n // (D * C)) * D * C
+    else:
+        assert comm["all_reduce[dp]"] == 4 * n + 4
+
+
+def test_context_parallel_point_to_point_replays_under_nccl(tmp_path):
+    """pp 2 x cp 2: the pipeline's boundary exchanges (world communicator) and the ring's K/V
+    passes (each CP group's), recorded rank by rank over a step and its evaluations,
+    replay under NCCL's semantics (tests/nccl_replay.py: rendezvous sends, one queue a rank)."""
+    record = tmp_path / "record"
+    flags = TINY + ["--pp", 2, "--cp", 2, "--global_batch_size", 8, "--micro_batch_size", 2, "--max_iters", 1,
+                    "--eval_interval", 1, "--eval_iters", 1]
+    launch(os.path.join(ROOT, "tests", "nccl_replay.py"), [record, "08_3d.py"] + flags, nprocs=4, timeout=400).ok()
+    posts = nccl_replay.read_records(record)
+    for rank in range(4):  # both kinds of batch on every rank: the boundary's peer 2 ranks away, the ring's 1
+        peers = {abs(op["peer"] - rank) for entry in posts[rank] if entry["kind"] == "batch" for op in entry["ops"]}
+        assert peers == {1, 2}, (rank, peers)
+    result = nccl_replay.replay(posts)
+    assert result.ok, result.report()
+
+
 def test_resume_and_export(reference, tmp_path):
     # pp 2 x tp 2 with ZeRO-1's flat buffer (over dp 1): both dropout streams, the shared and
     # the rank's own, must come back for every TP rank of every stage
@@ -138,6 +205,14 @@ def test_resume_and_export(reference, tmp_path):
     (8, ["--pp", "8"], "n_layer 4 is fewer than pp 8"),
     (8, ["--tp", "4", "--sequence_parallel", "--block_size", "62"],
      "--sequence_parallel needs block_size 62 divisible by tp 4"),
+    (8, ["--cp", "0"], "--tp, --pp and --cp must be positive, got 1, 1 and 0"),
+    (8, ["--tp", "2", "--cp", "3"], "world size 8 is not divisible by tp 2 x pp 1 x cp 3 = 6"),
+    (8, ["--cp", "4", "--block_size", "60"], "block_size 60 is not divisible by 2 x cp = 8 (ring attention"),
+    (8, ["--cp", "4", "--cp_impl", "ulysses", "--block_size", "62"], "block_size 62 is not divisible by --cp 4"),
+    (8, ["--tp", "2", "--cp", "4", "--cp_impl", "ulysses"],
+     "--cp_impl ulysses needs --cp 4 to divide the heads of each TP rank, n_head / tp = 2"),
+    (8, ["--tp", "4", "--cp", "2", "--sequence_parallel", "--block_size", "36"],
+     "--sequence_parallel with --cp 2 needs the 18 tokens of a CP rank divisible by tp 4"),
 ])
 def test_bad_layouts_give_one_line(ranks, flags, message):
     """A real launch for the first (every rank ends, one line); the same check as a dry run for
