@@ -44,7 +44,9 @@ ORACLE = [
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"]),
     ("07_pipeline.py", 2, ["--micro_batch_size", "2"]),
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"]),
+    ("07_pipeline.py", 3, ["--schedule", "zb", "--micro_batch_size", "2"]),  # W's tensors pile up under B's
     ("08_3d.py", 4, ["--tp", "2", "--pp", "2"]),
+    ("08_3d.py", 4, ["--tp", "2", "--cp", "2", "--sequence_parallel"]),  # the ring and SP's gathers again
     ("09_context_parallel.py", 2, ["--cp_impl", "ring"]),  # the ring's K/V go around again
     ("09_context_parallel.py", 2, ["--cp_impl", "ulysses"]),  # the four all-to-alls again
 ]
@@ -66,7 +68,9 @@ EXACT = [
     ("04_zero.py", 2, ["--stage", "1", "--recompute"] + BF16 + DROP),
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"]),
     ("07_pipeline.py", 3, ["--schedule", "gpipe", "--n_layer", "5", "--micro_batch_size", "2"] + BF16 + DROP),
+    ("07_pipeline.py", 3, ["--schedule", "zb", "--n_layer", "5", "--micro_batch_size", "2"] + BF16 + DROP),
     ("08_3d.py", 4, ["--pp", "2", "--zero1", "--micro_batch_size", "1"] + BF16 + DROP),
+    ("08_3d.py", 4, ["--tp", "2", "--cp", "2", "--cp_impl", "ulysses"] + BF16 + DROP),  # 1 head a rank
     ("09_context_parallel.py", 2, ["--cp_impl", "ulysses"] + BF16 + DROP),  # SDPA on all-to-all'd heads
 ]
 

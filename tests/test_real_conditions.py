@@ -24,6 +24,9 @@ CASES = [  # (script, ranks, strategy flags) for each dtype
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "3"]),
     ("08_3d.py", 4, ["--tp", "2", "--pp", "2"]),  # dp 2 x pp 2 x tp 2: test_3d.py, test_checkpoints.py
     ("08_3d.py", 6, ["--pp", "3", "--zero1"]),
+    ("08_3d.py", 4, ["--sequence_parallel", "--tp", "2", "--pp", "2"]),  # SP through the pipeline
+    ("08_3d.py", 4, ["--cp", "2", "--tp", "2"]),  # ring attention on each TP rank's 12 heads
+    ("08_3d.py", 8, ["--cp_impl", "ulysses", "--cp", "2", "--tp", "2", "--pp", "2", "--sequence_parallel"]),  # 4D
 ]
 
 
