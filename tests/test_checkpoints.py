@@ -109,6 +109,23 @@ def test_metadata_names_every_piece_and_each_rank_file_holds_its_share(chain_b):
     assert names == {n for n, _ in model.named_parameters()}
 
 
+def test_a_4d_checkpoint_resumes_in_06_and_01(reference, tmp_path):
+    """08 at pp 2 x cp 2 x tp 2 + SP + ZeRO-1 (8 ranks) for steps 0-1: its layout recorded, every
+    piece written once (DP x CP rank 0 the parameters, each DP x CP rank its ZeRO-1 moments);
+    06 at tp 2 resumes it for steps 2-3 and 01 for step 4, both with 01's losses."""
+    legs = [("08_3d.py", ["--tp", "2", "--pp", "2", "--cp", "2", "--sequence_parallel", "--zero1"], 8, 2)]
+    runs = run_chain(tmp_path, legs)
+    (directory,) = os.listdir(tmp_path / "ckpt")
+    layout = json.load(open(tmp_path / "ckpt" / directory / "metadata.json"))["layout"]
+    assert {k: layout[k] for k in ("dp", "pp", "cp", "tp", "cp_impl")} == {"dp": 1, "pp": 2, "cp": 2, "tp": 2,
+                                                                            "cp_impl": "ring"}
+    for script, nprocs, stop in (("06_tensor_parallel.py", 2, 4), ("01_single_gpu.py", 1, 5)):
+        flags = FLAGS + ["--out_dir", tmp_path, "--max_iters", stop, "--ckpt_interval", stop, "--resume"]
+        runs.append(launch(script, flags + (["--sample_tokens", "0"] if script.startswith("01") else []),
+                           nprocs=nprocs, timeout=400).ok())
+    check_chain(reference, runs, [0, 2, 4])
+
+
 def test_export_is_the_checkpoint_consolidated_in_nanogpts_format(chain_a):
     out, runs = chain_a
     exported = torch.load(out / "exported.pt", weights_only=True)
