@@ -1,5 +1,5 @@
-"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B and interleaved 1F1B, with the
-schedule that ran drawn as a timeline.
+"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B, interleaved 1F1B and zero
+bubble (ZB-H1), with the schedule that ran drawn as a timeline.
 
 The layers are split into P consecutive stages, one per rank; the embedding lives on the
 first stage, the final LayerNorm and the head on the last. The global batch is cut into m
@@ -22,8 +22,32 @@ for in idle time, the bubble, while the pipeline fills and drains.
     (rank r: chunks r, r+p, ..., r+(v-1)p), so the pipeline fills v times faster:
     bubble = (p-1)/(v·m + p - 1), for v times as many stage-boundary messages.
 
+    Zero bubble, ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a
+    backward is two passes. B, the input gradient dx = dy·W of every Linear, is what the
+    previous stage waits for; W, the weight gradient dW = dyᵀ·x, nobody waits for, so it
+    is deferred (SplitLinear), its x and dy kept until it runs. 1F1B's order of F and B
+    stays; stage r defers the W of its first r backwards and runs them at the end, where
+    1F1B's later stages idle, and every other B is followed by one W. With F, B and W one
+    unit each, p = 4, m = 6:
+      stage 0  F0 F1 F2 F3  .  .  . B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5
+      stage 1   . F0 F1 F2  .  . B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5
+      stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5
+      stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
+    bubble = (p-1)/(3m + p - 1) (m >= p), about a third of 1F1B's (p-1)/(m+p-1) in the same
+    units (its backward is B + W, two of them). A micro-batch is held from F to W: whole
+    until B, then its W tensors, x and dy of each Linear, 16e·bsh per block (e = bytes of
+    the compute dtype), about what the block saved (the paper's M_W = 32bsh against
+    M_B = 34bsh + 5as²b in 16 bits). Stage r holds up to p micro-batches, p-r whole and r
+    as W tensors: every stage near stage 0's 1F1B peak, which stays the peak over stages
+    when stages are alike. Where they are not, ZB-H1 costs more: the last stage's
+    micro-batch also holds the head's b·s·V log-softmax (GPT-2 at p = 4, b = 1, bf16:
+    498 MiB on the last stage against 1F1B's 325 MiB peak, from costs()); and W tensors
+    are not recomputed, so --recompute saves far less than under 1F1B.
+
 Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
-steady state one forward and one backward) and between two rounds posts one batch_isend_irecv
+steady state one forward and one backward; ZB's W rides in the round of the B before it,
+run after that round's batch is posted, while its receives travel) and between two rounds
+posts one batch_isend_irecv
 (exchanges()): the sends of what it just computed with the receives the next round needs,
 then waits for the receives (Megatron's send_forward_recv_backward and friends; in the
 interleaved steady state send_forward_backward_recv_forward_backward). Under NCCL a send
@@ -43,6 +67,7 @@ logging; the gradient-clipping norm sums every stage's squares (the tied weight 
 Run:
 
     mpiexec -n 4 python 07_pipeline.py --schedule 1f1b --model gpt2 --micro_batch_size 4
+    mpiexec -n 4 python 07_pipeline.py --schedule zb --model gpt2
     torchrun --standalone --nproc_per_node 4 07_pipeline.py --schedule interleaved --virtual_stages 3 ...
 
 Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
@@ -50,7 +75,9 @@ Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
     memory:        16 bytes x (the stage's parameters; + wte on the first and last stage)
                    + the activations of the micro-batches in flight on stage r: m (GPipe),
                    min(p-r, m) (1F1B), or min(v·m, 2(p-r-1) + (v-1)p + 1) chunk-sized ones
-                   (interleaved: Megatron's warm-up of 2(p-r-1) + (v-1)p forwards, plus one)
+                   (interleaved: Megatron's warm-up of 2(p-r-1) + (v-1)p forwards, plus one);
+                   ZB-H1 (m >= p): (p-r-1)·K + r·n·16e·bsh + the most one B holds, K being
+                   a micro-batch's activations, which B turns into its n·16e·bsh W tensors
     communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward,
                    fp32 also under autocast (the residual stream); v times as many boundaries
                    when interleaved; + an all-reduce of the wte gradient (V·h) between first
@@ -79,7 +106,27 @@ def schedule_rounds(kind, p, rank, m, v=1):
     """The operations rank `rank` of `p` runs for `m` micro-batches (v chunks per rank for
     the interleaved schedule), in order, in rounds: between two rounds the rank exchanges
     activations and gradients with its neighbours (exchanges()). A round is one operation,
-    except in the interleaved steady state: one forward and one backward."""
+    except in the interleaved steady state (one forward and one backward) and in ZB-H1,
+    where a W rides in the round of the B before it: it runs once that B's gradient has
+    been posted to the previous stage, while the round's receives travel."""
+    if kind == "zb":
+        # ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
+        # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
+        # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
+        # steady state, but stage `rank` defers the W of its first `rank` backwards; from
+        # then on each B is followed by the W of the oldest micro-batch whose W is pending,
+        # and the `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
+        warmup = min(p - rank - 1, m)
+        rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
+        for k in range(m):
+            if warmup + k < m:  # steady state: one forward, then one backward
+                rounds.append((("F", warmup + k, 0),))
+            if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
+                rounds.append((("B", k, 0), ("W", w, 0)))
+                w += 1
+            else:
+                rounds.append((("B", k, 0),))
+        return rounds + [(("W", j, 0),) for j in range(w, m)]
     if kind == "gpipe":
         return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
     if kind == "1f1b":
@@ -223,6 +270,85 @@ def build_chunks(config, p, v, rank, seed=None, recompute=False):
     return chunks
 
 
+# ---------------------------------------------------------------------------------------
+# Zero bubble: each Linear's backward split into B (the input gradient) and W (the weight's)
+# ---------------------------------------------------------------------------------------
+
+class _WeightGradient(torch.autograd.Function):
+    """W of one Linear for one micro-batch, as its B leaves it behind: a graph node whose
+    backward is the weight gradient dW = dyᵀ·x, db = Σ dy, which autograd accumulates into
+    .grad as for any leaf. x (the Linear's input) and dy (its output's gradient) are saved
+    the way autograd saves any tensor, so they are held, and the activation meter counts
+    them, until W runs: per block 7 b·s·h of inputs and 9 b·s·h of gradients, 16e·bsh
+    (Qi et al.'s M_W = 32bsh in 16 bits, against the M_B = 34bsh + 5as²b a block saves)."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, x, dy):
+        ctx.save_for_backward(x, dy)
+        ctx.has_bias = bias is not None
+        return x.new_zeros(())  # a handle: W is torch.autograd.backward(handles)
+
+    @staticmethod
+    def backward(ctx, _):
+        x, dy = ctx.saved_tensors
+        dy = dy.reshape(-1, dy.shape[-1])
+        return dy.t() @ x.reshape(-1, x.shape[-1]), dy.sum(0) if ctx.has_bias else None, None, None
+
+
+class _InputGradientOnly(torch.autograd.Function):
+    """y = x·Wᵀ + b whose backward is B alone: dx = dy·W, what the layer below (and the
+    previous stage) waits for; the weight gradient is deferred as a _WeightGradient node
+    appended to `deferred`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferred):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.deferred = deferred
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        with torch.enable_grad():  # W's node hangs off the weight, to run when the schedule says
+            ctx.deferred.append(_WeightGradient.apply(weight, bias, x.detach(), dy.detach()))
+        return dy @ weight, None, None, None
+
+
+class SplitLinear(nn.Module):
+    """An nn.Linear, the same parameters under the same names, whose backward is split
+    (zero bubble's B and W). Under autocast the inputs are cast here, as F.linear's autocast
+    would, so that what is saved (the compute-dtype input; the weight's copy is a
+    parameter's) is what nn.Linear saves."""
+
+    def __init__(self, linear, deferred):
+        super().__init__()
+        self.weight, self.deferred = linear.weight, deferred
+        self.register_parameter("bias", linear.bias)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():  # evaluation: nothing to split
+            return F.linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        return _InputGradientOnly.apply(x, weight, bias, self.deferred)
+
+
+def split_backward(chunks):
+    """Replace every Linear of every block by a SplitLinear: B then leaves its weight
+    gradients in the list returned, one _WeightGradient node per Linear. The head's weight
+    gradient stays in B (deferring it would hold the b·s·V logits' gradient), as do those of
+    the LayerNorms and the embeddings, which cost little."""
+    deferred = []
+    for block in (block for chunk in chunks for block in chunk.h):
+        for module in list(block.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, SplitLinear(child, deferred))
+    return deferred
+
+
 def check_layout(args, config, p):
     v = args.virtual_stages if args.schedule == "interleaved" else 1
     check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}"
@@ -234,23 +360,26 @@ def check_layout(args, config, p):
 # ---------------------------------------------------------------------------------------
 
 class Pipeline:
-    def __init__(self, chunks, env, p, v, act_shape):
+    def __init__(self, chunks, env, p, v, act_shape, deferred=None):
         self.chunks, self.env, self.p, self.v, self.act_shape = chunks, env, p, v, act_shape
         self.rank = env.rank
+        self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
         self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
 
     def global_chunk(self, c):
         return c * self.p + self.rank
 
-    def _exchange(self, batch, outputs):
+    def _exchange(self, batch, outputs, meanwhile=lambda: None):
         """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
-        after sending)}) and the receives together, and wait for the receives only; returns
-        {tag: received tensor}. Sends are retired once complete (with NCCL the whole batch
-        completes at once; gloo may complete a send later, after the peer's receive)."""
+        after sending)}) and the receives together, run `meanwhile` (ZB's W passes, which
+        nobody waits for), and wait for the receives only; returns {tag: received tensor}.
+        Sends are retired once complete (with NCCL the whole batch completes at once; gloo
+        may complete a send later, after the peer's receive)."""
         if self.p == 1:
             for tag, (tensor, _) in outputs.items():
                 self.mailbox[tag] = tensor.detach().clone()
+            meanwhile()
             return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
         ops, received = [], {}
         for op, peer, tag in batch:  # activations or gradients, b·s·h each
@@ -262,6 +391,7 @@ class Pipeline:
         requests = dist.batch_isend_irecv(ops) if ops else []
         if len(requests) != len(ops):  # NCCL coalesces the batch into one request
             requests = requests[-1:] * len(ops)
+        meanwhile()
         for request, (op, _, tag) in zip(requests, batch):
             if op == "send":
                 self.posted_sends.append((request, *outputs[tag]))
@@ -287,10 +417,11 @@ class Pipeline:
     def run(self, rounds, inputs, targets, m, train=True):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
-        flight, and the fraction of the schedule's wall time this rank spent computing (1 -
-        that is its measured bubble)."""
+        flight (forward done, backward not; with zero bubble: W not), and the fraction of
+        the schedule's wall time this rank spent computing (1 - that is its measured bubble)."""
         n = self.p * self.v
         saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
+        weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
         start = time.perf_counter()
         batches = exchanges(rounds, self.p, self.rank, self.v, m)
         received = self._exchange(batches[0], {})
@@ -299,7 +430,19 @@ class Pipeline:
             # still be arriving, and a compute timer started now would count that wait as busy
             synchronize(self.env)
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
+
+            def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
+                nonlocal busy, in_flight
+                for kind, i, c in ops:
+                    if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
+                        t0 = time.perf_counter()
+                        torch.autograd.backward(weight_nodes.pop((i, c)))
+                        synchronize(self.env)
+                        busy += time.perf_counter() - t0
+                        in_flight -= 1
             for kind, i, c in ops:
+                if kind == "W":
+                    continue
                 g = self.global_chunk(c)
                 t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
                 if kind == "F":
@@ -315,7 +458,7 @@ class Pipeline:
                         saved[(i, c)] = (x, out)
                         in_flight += 1
                         peak = max(peak, in_flight)
-                else:
+                else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
                     x, out = saved.pop((i, c))
                     if g == n - 1:
                         out.backward()
@@ -326,10 +469,14 @@ class Pipeline:
                         Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
                     if g > 0:
                         outputs[n * m + i * n + g] = (x.grad, False)
-                    in_flight -= 1
+                    if self.deferred is None:
+                        in_flight -= 1
+                    else:  # the micro-batch's W tensors stay until its W
+                        weight_nodes[(i, c)] = self.deferred[:]
+                        self.deferred.clear()
                 synchronize(self.env)  # for the busy time: this forgoes compute/communication overlap on GPUs
                 busy += time.perf_counter() - t0
-            received.update(self._exchange(batch, outputs))
+            received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
         self._retire_sends(wait=True)
         return loss_sum, peak, busy / (time.perf_counter() - start)  # the busy fraction
 
@@ -365,7 +512,8 @@ def clip_grad_norm(chunks, max_norm, p):
 def add_flags(parser):
     g = parser.add_argument_group("07_pipeline")
     g.add_argument("--pp", type=int, default=None, help="pipeline stages (= world size)")
-    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
+                   help="zb: zero bubble, ZB-H1 (Qi et al. 2023)")
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
     return parser
 
@@ -407,13 +555,15 @@ def main():
     torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
 
     chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute).to(env.device)
+    deferred = split_backward(chunks) if args.schedule == "zb" else None  # zero bubble: B and W apart
     first, last = chunks[0].is_first, chunks[-1].is_last
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
     optimizer = make_adamw(chunks.parameters(), args, env.device.type)
-    pipeline = Pipeline(chunks, env, p, v, (args.micro_batch_size, config.block_size, config.n_embd))
-    rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # this stage's ("F" | "B", micro-batch, chunk)
+    act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
+    pipeline = Pipeline(chunks, env, p, v, act_shape, deferred)
+    rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # ("F" | "B" | "W", micro-batch, chunk)
     cost = costs(args, config, p, env.dtype, env.rank)
     run.begin(config, optimizer, cost, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
@@ -477,25 +627,62 @@ def costs(args, config, world_size, dtype, rank=0):
     # activations: each micro-batch chunk holds 01's count for its layers (common's
     # activation_terms) from its forward to its backward; walking this rank's schedule
     # gives the peak: m chunks in flight for GPipe, p - rank for 1F1B, the interleaved
-    # warm-up's count (in_flight below), each with the size of its own chunk
+    # warm-up's count (in_flight below), each with the size of its own chunk; zero bubble:
+    # from B to W the micro-batch holds its W tensors instead (zero_bubble_phases)
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype,
                              activation_device_type(args))
+    e = torch.tensor([], dtype=dtype).element_size()
+    e_bsh = e * args.micro_batch_size * config.block_size * config.n_embd  # one b·s·h tensor, compute dtype
+    # the MLP's dropout mask, which B frees just before it keeps its first dy (zero bubble):
+    # bool on GPUs, the compute dtype on CPU, as common's activation_terms counts it
+    gpu = activation_device_type(args) in ("cuda", "xpu")
+    mask = (e_bsh // e if gpu else e_bsh) if config.dropout > 0 else 0
     layout, now, peak = chunk_layers(config.n_layer, p * v), 0, 0
     for kind, i, c in order:
         g = c * p + rank
-        kept, during = activation_phases(terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
-        peak = max(peak, now + kept if kind == "F" else now - kept + during)
-        now += kept if kind == "F" else -kept
-    in_flight = {"gpipe": m, "1f1b": min(p - rank, m),
+        chunk = (terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
+        if args.schedule == "zb":
+            kept, during, for_w = zero_bubble_phases(*chunk, e_bsh, mask)
+        else:
+            (kept, during), for_w = activation_phases(*chunk), 0
+        if kind == "F":
+            peak, now = max(peak, now + kept), now + kept
+        elif kind == "B":
+            peak, now = max(peak, now - kept + during), now - kept + for_w
+        else:  # W
+            now -= for_w
+    in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
                  "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
     per_chunk = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
                  else "n·layer + embedding + head")
+    if args.schedule == "zb":
+        per_chunk += ", from B to W n·16e·bsh"
     activations = (f"{args.schedule}: up to {in_flight} micro-batch chunk(s) in flight x ({per_chunk})", peak)
     return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
             "held": {"params": ("4 x stage parameters", 4 * psi), "grads": ("4 x stage parameters", 4 * psi),
                      "optim": ("8 x stage parameters", 8 * psi)},
             "sent": {k: val for k, val in sent.items() if val[1]},
             "in_flight": in_flight, "activations": activations}
+
+
+def zero_bubble_phases(terms, n_layers, recompute, first, last, e_bsh, mask):
+    """(kept, during B, for W): the bytes one micro-batch through n_layers blocks holds from
+    its forward to its B, the most it holds while B runs, and what it holds from B until W:
+    x and dy of each block's four Linears, 16e·bsh per block (e·bsh = one b·s·h tensor in
+    the compute dtype). B walks the blocks from the top; each block frees what only B
+    needed and keeps the same for W, its first step (the MLP's c_proj) adding its dy before
+    anything is freed but the dropout mask before it: e·bsh - mask above the start, on a
+    chunk without the head (whose backward first frees the b·s·V log-softmax). With
+    --recompute each block's forward runs again and its W tensors pile up under the next
+    block's: the bottom block's B holds (n-1) blocks' W tensors and a whole layer."""
+    kept, _ = activation_phases(terms, n_layers, recompute, first, last)
+    for_w = 16 * e_bsh
+    first_dy = max(0, e_bsh - mask)
+    head = terms["head"][1] if last else 0
+    if not recompute:
+        return kept, max(kept, kept - head + first_dy), n_layers * for_w
+    bottom = (terms["embedding"][1] if first else 0) + (n_layers - 1) * for_w + terms["layer"][1] + first_dy
+    return kept, max(kept, bottom), n_layers * for_w
 
 
 def checkpoint_pieces(chunks, optimizer):
@@ -508,13 +695,24 @@ def checkpoint_pieces(chunks, optimizer):
 
 
 def bubble_theory(kind, p, m, v):
+    """The idle fraction of a stage: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1)
+    interleaved, and for ZB-H1, with F, B and W taking one unit each (the paper's
+    T_F = T_B = T_W), p-1 idle units in 3m + p - 1: (p-1)/(3m+p-1), about a third of 1F1B's
+    (m >= p; with fewer micro-batches the tail cannot be filled: (2p-1-m)/(2m+2p-1))."""
+    if kind == "zb":  # fewer micro-batches than stages: stage 0 waits 2p-1-m units, not p-1
+        return (p - 1) / (3 * m + p - 1) if m >= p else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
     return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
+
+
+def bubble_formula(kind, v):
+    return {"zb": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(v·m+p-1)"}.get(kind, "(p-1)/(m+p-1)")
 
 
 def simulate(orders, p, v):
     """Replay the executed orders with unit costs (a forward or backward of a whole stage
-    takes 1, of one of v chunks 1/v) and the pipeline's dependencies: returns, per rank, the
-    (start, op) of each operation. This is the timeline that is drawn."""
+    takes 1, of one of v chunks 1/v; ZB's B and W one each) and the pipeline's
+    dependencies: returns, per rank, the (start, op) of each operation. This is the
+    timeline that is drawn."""
     done, clock, starts, position = {}, [0.0] * p, [[] for _ in range(p)], [0] * p
     cost = 1.0 / v
     last_chunk = p * v - 1
@@ -527,7 +725,9 @@ def simulate(orders, p, v):
             g = c * p + r  # global chunk index
             if kind == "F":
                 needs = [("F", i, g - 1)] if g > 0 else []
-            else:
+            elif kind == "W":  # the weight gradient needs only its own B (the same stage)
+                needs = [("B", i, g)]
+            else:  # B: the input gradient of the next chunk
                 needs = [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]
             if any(n not in done for n in needs):
                 continue
@@ -541,7 +741,7 @@ def simulate(orders, p, v):
 
 
 def draw(starts, p, v):
-    """An ASCII timeline, one row per stage, one cell per forward/backward (of one chunk),
+    """An ASCII timeline, one row per stage, one cell per F, B (or W) of one chunk,
     labelled with its micro-batch; '.' is the bubble. Returns (text, bubble fraction)."""
     width = round(max(s for row in starts for s, _ in row) * v) + 1
     label = lambda kind, i, c: f"{kind}{i}" + ("" if v == 1 else "abcdefghijklmnop"[c])  # noqa: E731
@@ -569,7 +769,7 @@ def log_timeline(run, args, p, v, m):
     timeline, bubble = draw(simulate(orders, p, v), p, v)
     run.log(f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
             f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
-            f"({'(p-1)/(v·m+p-1)' if v > 1 else '(p-1)/(m+p-1)'})")
+            f"({bubble_formula(args.schedule, v)})")
     return bubble
 
 
@@ -582,7 +782,7 @@ def plan(args, p, v, m):
     stages = [costs(args, config, p, torch.float32, rank) for rank in range(p)]
     layout = chunk_layers(config.n_layer, p * v)
     return ([f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
-             f"{args.micro_batch_size}; bubble (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
+             f"{args.micro_batch_size}; bubble {bubble_formula(args.schedule, v)} = "
              f"{bubble_theory(args.schedule, p, m, v):.3f}"]
             + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
                f"{', '.join(f'{layout[c * p + r][0]}-{sum(layout[c * p + r]) - 1}' for c in range(v))}, holds "

@@ -1,6 +1,6 @@
 """07_pipeline.py: the schedules against textbook orders, the drawn timeline and its bubble,
-then losses equal to 01's for every schedule at pp = 2 and 4 with several micro-batch counts,
-the ledger, resume and refusals."""
+then losses equal to 01's for every schedule at pp = 2 and 4 (zero bubble also at 3) with
+several micro-batch counts, the ledger (every stage's activations), resume and refusals."""
 
 import importlib
 
@@ -25,6 +25,12 @@ def ops(text):
     # Narayanan et al. 2021, p = 2, v = 2, m = 4: chunks visited in groups of p micro-batches
     ("interleaved", 2, 4, ["F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a B2b B3b B2a B3a",
                            "F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a"]),
+    # ZB-H1 (Qi et al. 2023, Fig. 3), p = 4, m = 6: 1F1B's F/B order, stage r defers its
+    # first r Ws, each later B takes the oldest W, the deferred ones fill the tail
+    ("zb", 4, 6, ["F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5",
+                  "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5",
+                  "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5",
+                  "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"]),
 ])
 def test_orders_equal_the_textbook(kind, p, m, expected):
     for rank in range(p):
@@ -33,7 +39,8 @@ def test_orders_equal_the_textbook(kind, p, m, expected):
 
 @pytest.mark.parametrize("kind, p, m, v", [
     ("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 7, 1), ("1f1b", 4, 16, 1),
-    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 3)])
+    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 3),
+    ("zb", 2, 4, 1), ("zb", 3, 7, 1), ("zb", 4, 8, 1), ("zb", 4, 2, 1)])
 def test_drawn_bubble_equals_theory_and_timeline_is_well_formed(kind, p, m, v):
     orders = [pp.schedule(kind, p, r, m, v) for r in range(p)]
     text, bubble = pp.draw(pp.simulate(orders, p, v), p, v)
@@ -43,7 +50,7 @@ def test_drawn_bubble_equals_theory_and_timeline_is_well_formed(kind, p, m, v):
     for r, row in enumerate(rows):
         cells = row.split()[2:]
         labels = [c for c in cells if c != "."]
-        assert len(labels) == 2 * m * v == len(set(labels))  # every F and B exactly once
+        assert len(labels) == (3 if kind == "zb" else 2) * m * v == len(set(labels))  # every F, B (W) once
         assert (cells[0] == ".") == (r > 0)  # a later stage waits for the first activation
 
 
@@ -58,6 +65,26 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     p, m = 4, 8
     assert [peak(pp.schedule("gpipe", p, r, m)) for r in range(p)] == [8, 8, 8, 8]
     assert [peak(pp.schedule("1f1b", p, r, m)) for r in range(p)] == [4, 3, 2, 1]
+
+
+def test_zero_bubble_is_a_third_of_1f1b_and_holds_p_micro_batches_per_stage():
+    """ZB-H1: the bubble (p-1)/(3m+p-1) against 1F1B's (p-1)/(m+p-1), which tends to a
+    third; a micro-batch is held from F to W (whole until B, its W tensors after), and every
+    stage holds at most p: stage 0's 1F1B peak, now on every stage."""
+    for p, m in ((4, 8), (4, 16), (8, 64)):
+        zb, one = pp.bubble_theory("zb", p, m, 1), pp.bubble_theory("1f1b", p, m, 1)
+        assert zb < one / 2 and zb == pytest.approx((p - 1) / (3 * m + p - 1))
+    ratio = pp.bubble_theory("zb", 8, 1000, 1) / pp.bubble_theory("1f1b", 8, 1000, 1)
+    assert ratio == pytest.approx(1 / 3, rel=0.01)
+
+    def peak(order):
+        live = top = 0
+        for kind, _, _ in order:
+            live += {"F": 1, "B": 0, "W": -1}[kind]
+            top = max(top, live)
+        return top
+    for p, m in ((4, 8), (3, 3), (4, 2)):
+        assert [peak(pp.schedule("zb", p, r, m)) for r in range(p)] == [min(p, m)] * p
 
 
 BASE = TINY + ["--global_batch_size", "24", "--max_iters", "5", "--grad_clip", "0.05",
@@ -76,6 +103,7 @@ CASES = [  # (pp, schedule, virtual stages, micro-batch size -> m = 24 / micro, 
     (4, "1f1b", 1, 3, "tiny"), (4, "1f1b", 1, 12, "tiny"),
     (2, "interleaved", 2, 6, "tiny"), (4, "interleaved", 2, 6, "eight"),
     (1, "interleaved", 4, 6, "tiny"),
+    (2, "zb", 1, 6, "tiny"), (3, "zb", 1, 4, "tiny"), (4, "zb", 1, 3, "tiny"), (4, "zb", 1, 12, "tiny"),
 ]
 
 
@@ -98,10 +126,11 @@ def test_losses_and_ledger(reference, ranks, kind, v, micro, model):
         assert step["comm_bytes"]["all_reduce"] == 65 * 64 * 4 + 4  # tied wte gradient + the norm
     assert step["comm_bytes"]["broadcast"] == 4
     live = top = 0
-    for k, _, _ in order:
-        live += 1 if k == "F" else -1
+    for k, _, _ in order:  # held from F to B, or with zero bubble from F to W
+        live += 1 if k == "F" else -1 if k == ("W" if kind == "zb" else "B") else 0
         top = max(top, live)
     assert step["activations_in_flight"] == top
+    assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]  # every stage's activations too
     assert step["bubble_drawn"] == pytest.approx(step["bubble_theory"])
     assert "schedule (unit-cost replay" in run.stdout and "stage 0" in run.stdout
 

@@ -5,7 +5,8 @@ the checker itself on small orders (a deadlock, its pairwise fix, a FIFO mismatc
 collective order); the interleaved schedule as 07 posted it before it adopted Megatron's
 steady-state batches (a lone send per operation), which deadlocks at p = 2, v = 2, m = 4;
 every schedule's posting order, as 07 computes it (exchanges()), replayed at p 2-4, v 2-3,
-m from p to 4p, training and evaluation; real runs recorded rank by rank, whose posts are
+m from p to 4p, training and evaluation (zero bubble's W posts nothing: it runs between a
+round's posts and its receives); real runs recorded rank by rank, whose posts are
 exactly exchanges()'s batches and whose whole recording (collectives included) replays; and
 recorded runs of the other scripts that post point-to-point batches (08's pipeline, 09's ring)."""
 
@@ -142,7 +143,7 @@ def test_one_batch_per_operation_deadlocks_whenever_m_exceeds_p(p, v):
 # ----------------------------------------------------------------------------------------
 
 SIZES = [(kind, p, v, m) for p in (2, 3, 4)
-         for kind, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3])) for v in vs
+         for kind, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zb", [1])) for v in vs
          for m in range(p, 4 * p + 1) if kind != "interleaved" or m % p == 0]
 
 
@@ -164,7 +165,8 @@ def test_every_schedule_replays_under_nccl(kind, p, v, m):
 # Real runs, recorded rank by rank
 # ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ranks, kind, v, micro, layers", [(2, "interleaved", 2, 6, 4), (3, "1f1b", 1, 4, 3)])
+@pytest.mark.parametrize("ranks, kind, v, micro, layers", [(2, "interleaved", 2, 6, 4), (3, "1f1b", 1, 4, 3),
+                                                           (3, "zb", 1, 4, 3)])
 def test_recorded_runs_post_exchanges_batches_and_replay(tmp_path, ranks, kind, v, micro, layers):
     """A step and an evaluation before and after it: every rank posts exactly exchanges()'s
     batches, in order (so the replays above are of what runs), and its whole recording,
