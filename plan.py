@@ -7,10 +7,11 @@ checks and its --dry_run prints: this file restates no formula), and scores each
 
     candidates   01 (N = 1); 03 DDP; 04 ZeRO stages 1, 2, 3; 05 FSDP (--replicate 1) and HSDP
                  (--replicate R, every divisor R of N); 06 TP with and without sequence
-                 parallelism (tp = N, inside one node); 07 PP with GPipe, 1F1B and interleaved
-                 1F1B (pp = N); 08 3D for every tp x pp dividing N (tp inside a node), with and
-                 without --zero1; 09 context parallelism (ring and Ulysses) when the file
-                 exists. Each with the scripts' default micro-batch and with micro-batch 1.
+                 parallelism (tp = N, inside one node); 07 PP with GPipe, 1F1B, interleaved
+                 1F1B and zero bubble, ZB-H1 (pp = N); 08 3D for every tp x pp dividing N
+                 (tp inside a node), with and without --zero1; 09 context parallelism (ring
+                 and Ulysses) when the file exists. Each with the scripts' default
+                 micro-batch and with micro-batch 1.
     valid        the script's own --dry_run accepts the flags for N ranks (the plan runs the
                  script's main() with --dry_run and takes the costs it computed; a refused
                  layout is listed with the script's one-line reason under --show_invalid)
@@ -215,7 +216,7 @@ def candidates(n, gpus_per_node, n_layer, n_expert=0):
         yield "06_tensor_parallel.py", [], "TP"
         yield "06_tensor_parallel.py", ["--sequence_parallel"], "TP + SP"
     if 1 < n <= n_layer:
-        for schedule in ("gpipe", "1f1b", "interleaved"):
+        for schedule in ("gpipe", "1f1b", "interleaved", "zb"):
             yield "07_pipeline.py", ["--schedule", schedule], f"PP {schedule}"
     for tp in divisors(n):
         for pp in divisors(n // tp):
