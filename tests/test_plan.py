@@ -41,7 +41,8 @@ def candidate(tiny_plan, label, micro=None):
 
 
 @pytest.mark.parametrize("gpus, label, micro", [(2, "ZeRO-2", 1), (2, "FSDP", None), (2, "3D dp 1 pp 1 tp 2", None),
-                                               (4, "HSDP 2 x 2", 1), (2, "CP ulysses cp 2 dp 1", None)])
+                                               (4, "HSDP 2 x 2", 1), (2, "CP ulysses cp 2 dp 1", None),
+                                               (2, "4D dp 1 pp 1 cp 2 ring tp 1 + ZeRO-1", None)])
 def test_the_plans_commands_hold_and_send_what_the_plan_says(tiny_plan, gpus, label, micro):
     c = candidate(tiny_plan if gpus == 2 else make_plan(gpus), label, micro)
     assert c["priced_rank"] == 0 and c["command"].startswith(f"mpiexec -n {gpus} ")
@@ -160,6 +161,12 @@ def test_plan_prices_08_with_sp_and_10_for_experts():
     big = plan.candidates(1024, 4, 96)
     assert ("08_3d.py", ["--tp", "4", "--pp", "32", "--zero1", "--sequence_parallel"],
             "3D dp 8 pp 32 tp 4 + SP + ZeRO-1") in list(big)
+    # 08 --cp: with ZeRO-1 and SP, cp 2, 4, 8; Ulysses without TP, inside a node
+    four_d = [c for c in plan.candidates(1024, 4, 96) if c[0] == "08_3d.py" and "--cp" in c[1]]
+    assert ("08_3d.py", ["--tp", "4", "--pp", "16", "--cp", "8", "--cp_impl", "ring", "--zero1", "--sequence_parallel"],
+            "4D dp 2 pp 16 cp 8 ring tp 4 + SP + ZeRO-1") in four_d
+    assert {c[1][c[1].index("--cp") + 1] for c in four_d} == {"2", "4", "8"}
+    assert all(c[1][1] == "1" and int(c[1][5]) <= 4 for c in four_d if "ulysses" in c[1])
     moe = list(plan.candidates(8, 4, 12, n_expert=8))
     assert [c[0] for c in moe] == ["10_expert_parallel.py"] * 4 and [c[1][1] for c in moe] == ["1", "2", "4", "8"]
 
