@@ -1,5 +1,6 @@
 """08_3d.py: data x tensor x pipeline parallelism in one standalone script (Narayanan et al.
-2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM").
+2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), with
+sequence parallelism and context parallelism as a fourth dimension (--sequence_parallel, --cp).
 
 The world of N = D·P·T ranks is a 3D mesh. Tensor parallelism (T) splits every layer and
 talks twice per layer forward and backward, so its groups are consecutive ranks, inside one
@@ -37,6 +38,36 @@ and what crosses a stage boundary, is this TP rank's [b, s/T, h] (s must divide 
 The replicated parameters (LayerNorms, row-parallel biases, wpe) then see only this rank's
 sequence shard: their gradients are partial and are all-reduced over the TP group each step.
 
+--cp C --cp_impl ring|ulysses: context parallelism (as in 09_context_parallel.py) inside each
+stage's attention, the fourth dimension. The mesh becomes, outermost first, DP x PP x CP x TP,
+
+    global rank = ((dp·P + pp)·C + cp)·T + tp           N = 8, P = C = T = 2, D = 1:
+
+                     stage 0                          stage 1          rank: (pp, cp, tp)
+    CP rank 0        [ 0 | 1 ]  ─── acts (s/C) ───>  [ 4 | 5 ]         0:(0,0,0) 1:(0,0,1)
+                        ↕ K/V ring or all-to-all         ↕             2:(0,1,0) 3:(0,1,1)
+    CP rank 1        [ 2 | 3 ]  ─── acts (s/C) ───>  [ 6 | 7 ]         4:(1,0,0) ... 7:(1,1,1)
+    TP pairs 0-1, 2-3, 4-5, 6-7; CP pairs 0-2, 1-3, 4-6, 5-7; gradients reduced over DP x CP
+
+TP innermost on the fastest links (two collectives per layer on the critical path), then CP
+(K/V or all-to-alls every layer, which the ring overlaps with its blocks' compute), then PP
+(one activation per micro-batch per boundary), DP outermost (once per step). (Megatron-core
+and torchtitan also keep CP next to TP; they put DP inside PP, this script keeps 08's DP
+outermost.) Every rank of a CP group holds the same stage's same TP shard and sees s/C of
+the tokens of every sequence of its replica: the ring's load-balanced zigzag (chunks c and
+2C-1-c of 2C) or Ulysses' contiguous s/C, at their real positions (wpe). Everything but
+attention is position-wise and runs on those tokens; the attention of this TP rank's H/T
+heads meets the other CP ranks' keys by 09's ring (K/V around the CP group, each block on
+the fused CPU flash kernel, the explicit fp32 block as fallback, merged by log-sum-exp) or by
+Ulysses (all-to-alls to H/(T·C) heads of all s tokens and back: C must divide H/T). A stage
+boundary sends the CP rank's [b, s/C, h] (with SP [b, s/(C·T), h]); with SP, the TP group
+gathers and scatters the CP rank's s/C tokens (s/C must divide by T). Each CP rank's loss is
+the mean over its tokens, so the gradients are averaged, and ZeRO-1 shards, over the D·C
+ranks of DP x CP (09's one reduction over every rank holding the same weights), and the
+logged loss is the mean over those D·C ranks. The batch is a replica's (D, not D·C): CP
+ranks split its sequences, not its rows. Attention dropout is not applied with C > 1 (as in
+09: the ring never materialises the probabilities whole).
+
 The hard parts:
   * the tied embedding: the first stage's wte shard and the last stage's head shard (the
     same vocabulary rows, same TP rank) are two copies, kept equal by all-reducing their
@@ -51,6 +82,7 @@ Run:
 
     mpiexec -n 8 python 08_3d.py --tp 2 --pp 2 --model gpt2          # D = 2
     sbatch jobs/frontier_3d.sh                                         # 2 nodes x 8 GCDs
+    mpiexec -n 8 python 08_3d.py --tp 2 --pp 2 --cp 2 --sequence_parallel --model tiny
 
 Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m micro-batches):
 
@@ -76,6 +108,17 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
              each the attention and MLP /T, the LayerNorms and residual stream whole; with
              SP every term of a block /T; --recompute keeps each block's input only (/T with
              SP). The exact terms are costs() below
+    CP:      s is the s/C tokens of a CP rank in every formula above (TP, SP, PP, the
+             activations); the DP all-reduce (--zero1: reduce-scatter + all-gather, padded to
+             D·C) runs over the D·C ranks of DP x CP. Per micro-batch and layer, with
+             A = b·s·(h/T)·b_c (this TP rank's heads' K, or V):
+               ring     send = recv += 4(C-1)·A (K and V, C-1 hops, forward and again in
+                        backward) + 8C·b·s·h/T (fp32 dK and dV, C hops); --recompute + 2(C-1)·A
+               ulysses  all_to_all_single[cp] = 8·A (q, k, v and the output, forward and
+                        backward); --recompute 12·A
+             activations: the attention term is 09's on H/T heads: ring (3 + 1)·b_c·b·s·h/T
+             (q|k|v, O) + 4b(H/T)s (L); Ulysses (3 + 1 + 1)·b_c·b·s·h/T + SDPA's log-sum-exp
+             of H/(T·C) heads over C·s tokens
 """
 
 import math
