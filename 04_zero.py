@@ -108,7 +108,8 @@ import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
                     check, Data, GPT, is_decayed, LEDGER, make_adamw, make_parser,
-                    model_block_size, model_config, param_pieces, parse_args, Run, tensor_bytes, to_device)
+                    model_block_size, model_config, param_pieces, parse_args, Run, tensor_bytes, to_device,
+                    to_host)
 
 
 class Unit:
@@ -117,7 +118,7 @@ class Unit:
     the compute dtype (None in stage 3 while the unit is not gathered); `master` is this
     rank's fp32 shard, the copy the optimizer updates."""
 
-    def __init__(self, name, named_params, env, compute_dtype, keep_full, host=None):
+    def __init__(self, name, named_params, env, compute_dtype, keep_full, offload=False):
         self.name = name
         self.names, self.params = zip(*named_params)
         self.shapes = [p.shape for p in self.params]
@@ -134,10 +135,11 @@ class Unit:
         full = flat.to(compute_dtype)  # the working copy (the same tensor in fp32)
         # the fp32 master shard, from the fp32 initialisation: a view of the full buffer when
         # that is fp32 and kept (stages 1-2 on CPU), else a copy of its own; with --offload a
-        # copy in host memory (`host`), with the gradient shard the optimizer reads
-        alias = keep_full and compute_dtype == torch.float32 and host is None
-        self.master = full[self.lo:self.hi] if alias else host_copy(flat[self.lo:self.hi], host)
-        self.grad_shard = host_copy(torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device), host)
+        # copy in host memory, with the gradient shard the optimizer reads
+        place = (lambda t: to_host(t, env.device)) if offload else torch.clone
+        alias = keep_full and compute_dtype == torch.float32 and not offload
+        self.master = full[self.lo:self.hi] if alias else place(flat[self.lo:self.hi])
+        self.grad_shard = place(torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device))
         self.full = self.grad_full = None
         self.bind(full)
 
@@ -169,26 +171,16 @@ class Unit:
         return pieces
 
 
-def host_copy(t, host):
-    """A copy of `t` (None: on its own device; "cpu": in host memory, pinned when there is
-    an accelerator to copy to and from, so the copies can be asynchronous DMA)."""
-    if host is None:
-        return t.clone()
-    out = t.to("cpu", copy=True)
-    return out.pin_memory() if t.device.type in ("cuda", "xpu") else out
-
-
 class ZeRO:
     """The partitioned model states of one stage, and its collectives."""
 
     def __init__(self, model, stage, env, args):
         self.stage, self.world_size, self.compute_dtype = stage, env.world_size, env.dtype
         self.device, self.offload = env.device, args.offload
-        host = "cpu" if args.offload else None
         root = [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]
-        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3, host=host)
-        self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), env, env.dtype,
-                            keep_full=stage < 3, host=host) for i, block in enumerate(model.transformer.h)]
+        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3, offload=args.offload)
+        self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), env, env.dtype, keep_full=stage < 3,
+                            offload=args.offload) for i, block in enumerate(model.transformer.h)]
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.offset_of = {p: offset for u in self.units for p, offset in zip(u.params, u.offsets)}
@@ -211,7 +203,7 @@ class ZeRO:
         # gradients (stage 1: only in the last micro-batch's backward; see sync)
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.sync = stage > 1
+        self.first, self.sync, self.shard_empty = True, stage > 1, True
         self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
         if stage == 3:
             for block, unit in zip(model.transformer.h, self.blocks):
@@ -244,16 +236,18 @@ class ZeRO:
             self.root.release()
 
     # -- gradients reduce-scattered while backward runs -----------------------------------
-    def before_backward(self, last):
+    def before_backward(self, first, last):
         """Stage 1 reduces the accumulated gradients once, during the last micro-batch's
-        backward; stages 2-3 reduce in every micro-batch's backward."""
-        self.sync = self.stage > 1 or last
+        backward; stages 2-3 reduce in every micro-batch's backward. The first micro-batch
+        writes stage 1's fp32 sums where later ones add to them (nothing to zero)."""
+        self.first, self.sync = first, self.stage > 1 or last
 
     def _grad_ready(self, param):
         unit = self.unit_of[param]
         if self.stage == 1:  # this micro-batch's gradient (compute dtype) into the kept fp32 sum
             offset = self.offset_of[param]
-            unit.grad_full[offset:offset + param.numel()] += param.grad.view(-1)
+            total = unit.grad_full[offset:offset + param.numel()]
+            total.copy_(param.grad.view(-1)) if self.first else total.add_(param.grad.view(-1))
             param.grad = None
         if not self.sync:  # stage 1, a micro-batch before the last: only accumulate locally
             return
@@ -268,7 +262,10 @@ class ZeRO:
                 flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
                 p.grad = None  # the full gradient is freed at once: only the shard is kept
         flat.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
-        shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.device)
+        # the step's first reduction lands in the gradient shard itself (nothing to zero, no
+        # copy); a later one (stages 2-3 accumulating), or one for the host, in a buffer
+        shard = unit.grad_shard if self.shard_empty and not self.offload else \
+            torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.device)
         # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
         # backward continues on the earlier blocks meanwhile
         handle = dist.reduce_scatter_tensor(shard, flat, async_op=True)
@@ -278,13 +275,16 @@ class ZeRO:
 
     def after_backward(self):
         """After each micro-batch's backward: wait for its reduce-scatters (stage 1: none but
-        in the last) and add the reduced shards (zero before: stage 1 receives its sum here)."""
+        in the last) and add the reduced shards that were not reduced into place."""
         if self.sync:
             check(all(w == 0 for w in self.waiting.values()),
                   "a gradient never arrived (a parameter unused in forward?)")
         for handle, unit, shard, _ in self.pending:
             handle.wait()
-            unit.grad_shard += shard.to(unit.grad_shard.device)  # --offload: down to the host
+            if shard is not unit.grad_shard:  # --offload: down to the host
+                shard = shard.to(unit.grad_shard.device)
+                unit.grad_shard.copy_(shard) if self.shard_empty else unit.grad_shard.add_(shard)
+        self.shard_empty = self.shard_empty and not self.pending
         self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
 
     # -- the update ----------------------------------------------------------------------
@@ -314,10 +314,8 @@ class ZeRO:
                 dist.all_gather_into_tensor(unit.full, self.working_shard(unit))
 
     def zero_grad(self):
-        for unit in self.units:
-            unit.grad_shard.zero_()
-            if unit.grad_full is not None:
-                unit.grad_full.zero_()
+        """The next step's first micro-batch and first reduction overwrite the sums."""
+        self.shard_empty = True
 
     def numel(self):
         """Ψ: the model's parameters (the tied embedding and head once)."""
@@ -396,7 +394,7 @@ def main():
                 rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
                 with autocast(env):
                     _, loss = model(x[rows], y[rows])
-                zero.before_backward(last=micro == accum_steps - 1)  # stage 1 communicates in the last only
+                zero.before_backward(micro == 0, micro == accum_steps - 1)  # stage 1: reduces in the last
                 (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
                 zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
                 loss_sum += loss.detach().float()

@@ -56,7 +56,8 @@ import torch.nn as nn
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
                     Data, format_bytes, GPT, LEDGER, make_adamw, make_parser, model_config,
-                    param_init, param_pieces, parse_args, planned_dtype, Run, state_bytes, to_device)
+                    param_init, param_pieces, parse_args, planned_dtype, Run, state_bytes, to_device,
+                    to_host)
 
 
 class Unit:
@@ -239,9 +240,7 @@ class FSDP:
     def home(self, t):
         """Where the fp32 shards (and so their gradients and AdamW's state) live: the device,
         or with --offload host memory, pinned when there is an accelerator (async DMA)."""
-        if not self.offload:
-            return t.to(self.device)
-        return t.pin_memory() if self.device.type in ("cuda", "xpu") else t
+        return to_host(t, self.device) if self.offload else t.to(self.device)
 
     def shards(self):
         return [s for unit in self.units for s in unit.shards]

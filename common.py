@@ -765,6 +765,83 @@ def to_device(t, env):
 
 
 # ----------------------------------------------------------------------------------------
+# Host memory for --offload (04, 05), and a fake host that tells it apart on a CPU
+# ----------------------------------------------------------------------------------------
+
+def to_host(t, device):
+    """A copy of `t` in host memory (--offload's shards, their gradients and AdamW state),
+    pinned when the run's `device` is an accelerator, so that the copies to and from it are
+    asynchronous DMA. With GPTPAR_FAKE_HOST=1 in the environment (tests), a HostTensor."""
+    out = t.to("cpu", copy=True)
+    if device.type in ("cuda", "xpu"):
+        out = out.pin_memory()
+    return host_tensor(out) if os.environ.get("GPTPAR_FAKE_HOST") == "1" else out
+
+
+# On a CPU run host and device are one memory, so a host tensor handed to a device op or a
+# collective goes unseen there and fails on the first GPU. Under GPTPAR_FAKE_HOST=1 the
+# host's tensors are HostTensors, on a device of their own (HOST), and are refused where a
+# GPU would refuse them.
+HOST = torch.device("cpu", 1)
+
+
+class HostTensor(torch.Tensor):
+    """A tensor in the fake host's memory. Ops among host tensors (AdamW's host-side math)
+    give host tensors; an op that mixes one with a tensor of the run's device raises, as
+    CUDA does, and so does a collective (CommLedger's device check: its device is HOST).
+    Explicit transfers pass: copy_, and .to(device) (a device tensor) or .to(HOST); so do
+    view_as and its kin, which read only the other tensor's shape."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == torch.Tensor.device.__get__:  # (a new method-wrapper at each access: ==, not is)
+            return HOST
+        if func is torch.Tensor.copy_:  # a transfer either way; the destination stays where it is
+            with torch._C.DisableTorchFunctionSubclass():
+                func(*args, **kwargs)
+            return args[0]
+        if func in (torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as):  # only its shape
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs).as_subclass(type(args[0]))
+        if func in (_TENSOR_TO, _to, torch.Tensor.cpu):  # (torch names the patched .to, _to)
+            to = torch.device("cpu") if func is torch.Tensor.cpu else _target_device(args[1:], kwargs)
+            if to not in (None, HOST):  # up to the device: a plain tensor
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs).as_subclass(torch.Tensor)
+        tensors = [t for a in list(args) + list(kwargs.values())
+                   for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+        if not all(isinstance(t, HostTensor) for t in tensors):
+            raise RuntimeError(f"{func.__name__} mixes a tensor in host memory with one on the device "
+                               "(GPTPAR_FAKE_HOST=1): a GPU refuses this; move one of them first")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _target_device(args, kwargs):
+    """The device a .to(...) call's arguments name (None: it keeps the tensor's)."""
+    return torch._C._nn._parse_to(*args, **{k: v for k, v in kwargs.items() if k != "copy"})[0]
+
+
+_TENSOR_TO = torch.Tensor.to  # torch's own, before host_tensor() teaches it the HOST device
+
+
+def _to(self, *args, **kwargs):
+    """Tensor.to under the fake host: a move to HOST (`x.to(host_tensor.device)`) gives a
+    host tensor (a patch of the method, not a TorchFunctionMode: a mode is off inside
+    backward, where 05 moves gradient shards down to the host)."""
+    out = _TENSOR_TO(self, *args, **kwargs)
+    if not isinstance(self, HostTensor) and _target_device(args, kwargs) == HOST:
+        return (out.clone() if out is self else out).as_subclass(HostTensor)
+    return out
+
+
+def host_tensor(t):
+    """`t` as a HostTensor; teaches Tensor.to the HOST device for the rest of the process."""
+    torch.Tensor.to = _to
+    return t.as_subclass(HostTensor)
+
+
+# ----------------------------------------------------------------------------------------
 # The command line and validation
 # ----------------------------------------------------------------------------------------
 
@@ -2051,9 +2128,11 @@ class CommLedger:
         """NCCL and XCCL take only tensors on the rank's own device (gloo takes any CPU or
         CUDA tensor, so a CPU run would never notice a host tensor handed to a collective):
         refuse any other here, on every backend, naming the operation."""
-        for t in tensors:
+        for t in tensors:  # (a HostTensor's device is HOST: refused too)
             if self.device is not None and torch.is_tensor(t) and t.device != self.device:
-                raise RuntimeError(f"{op} was handed a tensor on {t.device}, but this run's device is "
+                where = "in host memory (GPTPAR_FAKE_HOST=1)" if isinstance(t, HostTensor) else \
+                    f"on {t.device}"
+                raise RuntimeError(f"{op} was handed a tensor {where}, but this run's device is "
                                    f"{self.device}: NCCL and XCCL take only tensors on the rank's device")
 
     def install(self, device=None):
@@ -2453,6 +2532,12 @@ def peak_memory(env):
     return None
 
 
+def host_bytes(state):
+    """The model-state bytes this rank keeps in host memory (--offload's "(host)" kinds, which
+    mem_peak_bytes, the device's, leaves out), or None when it keeps none there."""
+    return sum(v for kind, v in state.items() if kind.endswith("(host)")) or None
+
+
 STRAGGLER = 1.5  # a rank this many times slower than the median is named on the console
 
 
@@ -2479,7 +2564,8 @@ class Metrics:
             # flops of the whole step divided among the ranks, against one device's peak
             mfu = tokens_per_s * self.flops_per_tok / (self.peak * self.env.world_size)
         row = dict(step=step, loss=loss, lr=lr, dt_ms=dt * 1e3, tokens_per_s=tokens_per_s, mfu=mfu,
-                   mem_peak_bytes=peak_memory(self.env), state_bytes=state, comm_bytes=comm,
+                   mem_peak_bytes=peak_memory(self.env), mem_host_bytes=host_bytes(state),
+                   state_bytes=state, comm_bytes=comm,
                    state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory,
                    activation_bytes=activations, activation_bytes_theory=self.activation_theory,
                    micro_batch_size=self.micro_batch_size)

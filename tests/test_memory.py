@@ -125,5 +125,7 @@ def test_offload_matches_01_and_the_ledger_splits_device_and_host(reference, scr
         held = row["state_bytes"]
         assert held == row["state_bytes_theory"], f"{script} {flags} --offload: {held} vs {row['state_bytes_theory']}"
         assert held["optim"] == 0 and held["optim (host)"] > 0 and held["grads (host)"] > 0, held
+        # what the host holds, which mem_peak_bytes (the device's) leaves out: costs()'s host kinds
+        assert row["mem_host_bytes"] == sum(v for kind, v in row["state_bytes_theory"].items() if "(host)" in kind)
         assert row["comm_bytes"] == row["comm_bytes_theory"]
     assert_activations_exact(run, f"{script} {flags} --offload")

@@ -8,9 +8,10 @@ import pytest
 from harness import TINY, launch
 
 SCRIPT = "01_single_gpu.py"
-KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu", "mem_peak_bytes", "state_bytes", "comm_bytes",
-        "state_bytes_theory", "comm_bytes_theory", "activation_bytes", "activation_bytes_theory",  # docs/design.md
-        "micro_batch_size", "dt_ms_min", "dt_ms_max", "dt_ms_mean", "dt_ms_max_rank", "dt_ms_max_host"}
+KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu", "mem_peak_bytes", "mem_host_bytes",  # docs/design.md
+        "state_bytes", "comm_bytes", "state_bytes_theory", "comm_bytes_theory", "activation_bytes",
+        "activation_bytes_theory", "micro_batch_size", "dt_ms_min", "dt_ms_max", "dt_ms_mean", "dt_ms_max_rank",
+        "dt_ms_max_host"}
 # (mem_peak_bytes_min/max/mean/max_rank/max_host join them on a GPU, where mem_peak_bytes is known)
 
 
@@ -28,6 +29,7 @@ def test_loss_falls_and_metrics_follow_the_schema(long_run):
     assert len(losses) == 40 and losses[-1] < losses[0] - 0.8, losses
     step = long_run.steps[-1]
     assert set(step) == KEYS and step["mfu"] is None and step["mem_peak_bytes"] is None
+    assert step["mem_host_bytes"] is None  # nothing offloaded (--offload: tests/test_memory.py)
     n_bytes = step["state_bytes"]["params"]  # 4 bytes per parameter: 16Ψ in all
     assert step["state_bytes"] == {"params": n_bytes, "grads": n_bytes, "optim": 2 * n_bytes}
     assert step["comm_bytes"] == {}
