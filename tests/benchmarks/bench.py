@@ -10,7 +10,9 @@ strategy, on the same model, batch and ranks. Rerun with
     python tests/benchmarks/bench.py ddp --device cuda --ranks 2 4 8 --model gpt2 ...   # other flags: to both
 
 Prints a table of median step times (the first steps, warm-up, are dropped) and the ratio
-ours / torch (below 1 is faster), and whether both report the same losses."""
+ours / torch (below 1 is faster), and whether both report the same losses. Without
+--micro_batch_size both sides get one micro-batch per step (the global batch divided by the
+data-parallel ranks; the whole batch for tp and the pipelines), whatever the scripts' default."""
 
 import argparse
 import os
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import launch  # noqa: E402
 
 
-PAIRS = {  # name: (our script and flags, --impl of torch_baselines.py)
+PAIRS = {  # name: (our script and flags, --impl of torch_baselines.py); the last five have no data parallelism
     "ddp": (["03_ddp.py"], "ddp"),
     "zero1": (["04_zero.py", "--stage", "1"], "zero1"),
     "fsdp2": (["04_zero.py", "--stage", "3"], "fsdp2"),
@@ -46,21 +48,25 @@ def main():
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=2, help="alternate runs of each, best median kept")
     a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
+    data_parallel = a.pair in ("ddp", "zero1", "fsdp2", "fsdp")
     # the defaults, then anything given (a flag given twice: the last one counts)
     model_flags = ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
                    "--block_size", "128", "--dropout", "0", "--global_batch_size", "16"] + model_flags
     flags = model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
                              "--eval_interval", "0", "--warmup_iters", "2"]
     threads = {"OMP_NUM_THREADS": "1"}
+    global_batch = int(model_flags[max(i for i, f in enumerate(model_flags) if f == "--global_batch_size") + 1])
     (script, *ours_flags), impl = PAIRS[a.pair]
     print(f"{a.pair}: {' '.join([script] + ours_flags)} vs torch --impl {impl}")
     print(f"{'ranks':>5} {'ours ms':>10} {'torch ms':>10} {'ratio':>6} {'same losses':>12}")
     for ranks in a.ranks:
         ours, theirs = [], []
+        micro = [] if "--micro_batch_size" in model_flags else ["--micro_batch_size", global_batch // (
+            ranks if data_parallel else 1)]  # one micro-batch per step, on both sides
         for repeat in range(a.repeats):
             pair = [(ours, script, ours_flags), (theirs, "tests/benchmarks/torch_baselines.py", ["--impl", impl])]
             for runs, path, extra in pair if repeat % 2 == 0 else pair[::-1]:  # alternate who goes first
-                runs.append(launch(path, flags + extra, nprocs=ranks, env=threads, timeout=1800).ok())
+                runs.append(launch(path, flags + micro + extra, nprocs=ranks, env=threads, timeout=1800).ok())
         ms_ours = min(median_ms(r, a.skip) for r in ours)
         ms_theirs = min(median_ms(r, a.skip) for r in theirs)
         same = max(abs(x - y) / y for x, y in zip(ours[0].losses, theirs[0].losses)) < 1e-4

@@ -57,7 +57,8 @@ def main():
     p.add_argument("--before", help="another 09_context_parallel.py (a file), run too, interleaved")
     a, model_flags = p.parse_known_args()
     model_flags = model_flags or ["--model", "tiny", "--n_layer", "4", "--n_embd", "128", "--n_head", "4",
-                                  "--block_size", "2048", "--global_batch_size", "8"]
+                                  "--block_size", "2048", "--global_batch_size", "8",
+                                  "--micro_batch_size", "8"]  # every run one micro-batch (no data parallelism)
     flags = model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
                            "--eval_interval", "0", "--warmup_iters", "2", "--dtype", "float32"]
     configs = [("01 (1 rank)", 1, ["01_single_gpu.py", "--sample_tokens", "0"])]

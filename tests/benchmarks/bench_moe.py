@@ -33,9 +33,14 @@ def main():
                    and (i == 0 or model_flags[i - 1] not in ("--n_expert", "--top_k"))]
     flags = ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1", "--eval_interval", "0",
              "--warmup_iters", "2"] + (["--dtype", "float32"] if a.device == "cpu" else [])
-    configs = [("01 moe", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + model_flags + moe),
-               ("01 dense, same active", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + dense_flags)]
-    configs += [(f"10 ep {n}", n, ["10_expert_parallel.py", "--ep", n] + model_flags + moe) for n in a.ep]
+    global_batch = int(model_flags[max(i for i, f in enumerate(model_flags) if f == "--global_batch_size") + 1])
+    # one micro-batch per step everywhere (10's ranks are data-parallel too), unless given
+    def micro(dp):
+        return [] if "--micro_batch_size" in model_flags else ["--micro_batch_size", global_batch // dp]
+    configs = [("01 moe", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + model_flags + moe + micro(1)),
+               ("01 dense, same active", 1, ["01_single_gpu.py", "--sample_tokens", "0"] + dense_flags + micro(1))]
+    configs += [(f"10 ep {n}", n, ["10_expert_parallel.py", "--ep", n] + model_flags + moe + micro(n))
+                for n in a.ep]
     runs, ms, mem = interleaved(configs, flags, a.repeats, a.skip)
     single = runs["01 moe"][0]
     ms0, mem0 = ms["01 moe"], mem["01 moe"]
