@@ -104,6 +104,7 @@ CASES = [  # (pp, schedule, virtual stages, micro-batch size -> m = 24 / micro, 
     (2, "interleaved", 2, 6, "tiny"), (4, "interleaved", 2, 6, "eight"),
     (1, "interleaved", 4, 6, "tiny"),
     (2, "zb", 1, 6, "tiny"), (3, "zb", 1, 4, "tiny"), (4, "zb", 1, 3, "tiny"), (4, "zb", 1, 12, "tiny"),
+    (1, "zb", 1, 6, "tiny"),
 ]
 
 
