@@ -181,6 +181,27 @@ def test_context_parallel_point_to_point_replays_under_nccl(tmp_path):
     assert result.ok, result.report()
 
 
+def test_context_parallel_dry_run_and_same_layout_resume(tmp_path):
+    """--dry_run draws the 4D mesh and says where its TP and CP groups fall; tp 2 x cp 2 with
+    dropout resumes bit for bit at the same layout (each CP rank's shared and own streams)."""
+    p = dry("08_3d.py", "--world_size", 16, "--ranks_per_node", 4, *TINY, "--tp", 2, "--pp", 2, "--cp", 2,
+            "--cp_impl", "ulysses")
+    assert p.returncode == 0, p.stderr
+    assert ("mesh: 16 ranks = 2 data-parallel x 2 pipeline x 2 context-parallel x 2 tensor-parallel "
+            "(rank = dp·8 + pp·4 + cp·2 + tp)") in p.stdout
+    assert "every TP group inside one node" in p.stdout and "every CP group inside one node" in p.stdout
+    assert "context parallelism (ulysses) over 2 ranks, 32 of 64 tokens per sequence each" in p.stdout
+    p = dry("08_3d.py", "--world_size", 16, "--ranks_per_node", 4, *TINY, "--cp", 8)
+    assert p.returncode == 0 and "every CP group spans 2 nodes (slow: keep cp x tp <= ranks per node)" in p.stdout
+    flags = BASE + ["--tp", 2, "--cp", 2, "--micro_batch_size", 6, "--dropout", 0.1, "--max_iters", 4,
+                    "--lr_decay_iters", 4, "--eval_interval", 0]
+    whole = launch("08_3d.py", flags + ["--out_dir", tmp_path / "w"], nprocs=4, timeout=400).ok()
+    first = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", 2, "--ckpt_interval", 2],
+                   nprocs=4, timeout=400).ok()
+    second = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=4, timeout=400).ok()
+    assert first.losses + second.losses == whole.losses
+
+
 def test_resume_and_export(reference, tmp_path):
     # pp 2 x tp 2 with ZeRO-1's flat buffer (over dp 1): both dropout streams, the shared and
     # the rank's own, must come back for every TP rank of every stage
