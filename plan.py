@@ -19,9 +19,10 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  activations held for backward, from costs()["activations"] when the script
                  provides it (else the table says "activations not counted"); the rank that
                  holds the most. Fits by the scripts' own rule, the verdict of their --dry_run
-                 and of a launch's fit check: that + 25% + 128 MiB for transients (common.
-                 fit_need) within 90% of the GPU's memory (common.planned_room; the rest: the
-                 CUDA/ROCm context, the communicators' buffers, fragmentation); with --device
+                 and of a launch's fit check: that + 25% + 128 MiB for transients on a
+                 GPU (common.fit_need; on CPU 50% + 768 MiB, measured) within 90% of the
+                 GPU's memory (common.planned_room; the rest: the CUDA/ROCm context, the
+                 communicators' buffers, fragmentation); with --device
                  cpu and no GPU memory given, within this host's available memory shared by
                  --gpus_per_node ranks. The scripts choose their micro-batch against the
                  same room (--micro_batch_size auto)
@@ -377,7 +378,8 @@ def score(name, flags, label, plan_args, machine):
                 comm_bytes_per_step=fullest["comm"], priced_rank=fullest["rank"],
                 compute_s=compute_s / (1 - f), comm_s=slowest_comm_s, bubble=f,
                 step_time_s=step_s, mfu=model_flops / (step_s * n * peak),
-                need_bytes=fullest["need"], room_bytes=planned_room(args), fits=fullest["need"] <= planned_room(args)), None
+                need_bytes=fullest["need"], need_device=planned_device_type(args), room_bytes=planned_room(args),
+                fits=fullest["need"] <= planned_room(args)), None
 
 
 def launch_command(name, argv, n, gpus_per_node):
@@ -551,7 +553,8 @@ def print_table(args, machine, psi, scored, refused, choice, why):
     if not counted:
         print("ACTIVATIONS NOT COUNTED: the scripts' costs() do not give them yet; memory is model state only")
     print(f"{'':2}{'strategy':<30} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7} {'need':>7} "
-          f"{'comm/step':>10} {'step s':>8} {'MFU':>6}  command  (GB per GPU, need: total + 25% + 128 MiB against "
+          f"{'comm/step':>10} {'step s':>8} {'MFU':>6}  command  (GB per GPU, need: "
+          f"{common.allowance_text(scored[0]['need_device'] if scored else 'cuda').replace('costs()', 'total')} against "
           f"{gb(scored[0]['room_bytes']) if scored else '-'} GB of room; sorted by step time, fitting first)")
     for c in scored[:args.top]:
         h = c["per_gpu_bytes"]
