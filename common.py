@@ -1423,7 +1423,7 @@ class Run:
         self.launch = launch_for(args)  # for --dry_run: rank 0 of --world_size planned ranks
         self.world_size = self.launch.world_size
         self.meter = ActivationMeter()  # `with run.meter:` around a step's forwards and backwards
-        self.env, self.chose, self.fit_lines = None, None, []
+        self.env, self.chose, self.fit_lines, self.fit_checked = None, None, [], False
 
     def dry_run(self, costs, layout_lines=()):
         """With --dry_run: print the layout and what one rank holds and sends, from the
@@ -1441,8 +1441,9 @@ class Run:
         least `aim` micro-batches per step and a multiple of `multiple` (pipelines). Sets
         args.micro_batch_size; returns the gradient-accumulation steps. The ranks' rooms
         differ and they must agree on one micro-batch, so in a launch the process group
-        starts here (setup() goes on from it) and the smallest choice wins. A dry run
-        chooses against planned_room() at `ranks` (the ranks whose costs differ)."""
+        starts here (setup() goes on from it), the smallest choice wins, and the fit check
+        runs here against the same room. A dry run chooses against planned_room() at
+        `ranks` (the ranks whose costs differ)."""
         args = self.args
         if args.micro_batch_size != "auto":
             self.fit_lines = self.planned_fit(costs, ranks)
@@ -1466,6 +1467,10 @@ class Run:
             dist.all_reduce(chosen, op=dist.ReduceOp.MIN)  # before the ledger: not a step's traffic
             micro = int(chosen.item())
         args.micro_batch_size = micro
+        if not args.dry_run:  # the fit check, against the room the choice was made for (read
+            # again later, after the other ranks have grown, it could refuse what auto chose)
+            agree(self.env, None if args.no_fit_check else fit_problem(args, self.env, costs, room))
+            self.fit_checked = True
         self.chose = (f"--micro_batch_size auto: {micro} (of the {args.global_batch_size // dp_size} sequences per "
                       f"replica, the largest that fits{' every rank' if self.world_size > 1 else ''}"
                       f"{f', at least {aim} micro-batches' if aim > 1 else ''})")
@@ -1502,7 +1507,7 @@ class Run:
         if self.chose:
             log(self.env, self.chose)
         agree(self.env, startup_problem(self.args, self.env))
-        if costs is not None and not self.args.no_fit_check:
+        if costs is not None and not self.args.no_fit_check and not self.fit_checked:
             agree(self.env, fit_problem(self.args, self.env, costs))
         self.guard = Guard(self.args, self.env)
         return self.env
@@ -1928,11 +1933,11 @@ def largest_fitting_micro_batch(args, need, room, dp_size, aim=1, multiple=1):
     return next((b for b in sizes if need(b) <= room), sizes[-1])
 
 
-def fit_problem(args, env, costs):
-    """None if this rank's costs() fit its memory_room(); else one line with the need, the
-    room and the cheapest change that fits: the largest smaller micro-batch, --recompute,
-    or, when the model state alone does not fit, sharding it."""
-    room = memory_room(env)
+def fit_problem(args, env, costs, room=None):
+    """None if this rank's costs() fit its memory_room() (or `room`); else one line with the
+    need, the room and the cheapest change that fits: the largest smaller micro-batch,
+    --recompute, or, when the model state alone does not fit, sharding it."""
+    room = memory_room(env) if room is None else room
     if room is None:
         return None
 
