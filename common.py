@@ -1280,6 +1280,7 @@ def _could_not_join(launch, init_method, timeout, error):
         cause = f"{type(error).__name__}: {text[:200]}"
     print(f"error: rank {launch.rank} could not join the process group at {where}: {cause}", file=sys.stderr, flush=True)
     if _MPI_COMM is not None:
+        time.sleep(1)  # MPI_Abort tears the job down at once: let mpiexec's proxy forward the line first
         _MPI_COMM.Abort(2)
     os._exit(2)
 
