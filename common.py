@@ -1460,9 +1460,9 @@ class Run:
             agree(env, None if args.data in ("shakespeare_char", "synthetic") else Data.vocabulary(args.data)[2])
             room, dtype, device_type, ranks = memory_room(env), env.dtype, env.device.type, (env.rank,)
 
-        def need(b):
-            return max(rank_need(args, costs, self.world_size, dtype, device_type, r, micro_batch_size=b) for r in ranks)
-        micro = largest_fitting_micro_batch(args, need, room, dp_size, aim, multiple)
+        micro = largest_fitting_micro_batch(
+            args, lambda b: rank_need(args, costs, self.world_size, dtype, device_type, ranks, micro_batch_size=b),
+            room, dp_size, aim, multiple)
         if not args.dry_run and self.env.world_size > 1:
             chosen = torch.tensor([micro], device=self.env.device)
             dist.all_reduce(chosen, op=dist.ReduceOp.MIN)  # before the ledger: not a step's traffic
@@ -1488,7 +1488,7 @@ class Run:
         dtype, device_type = planned_dtype(args), planned_device_type(args)
 
         def need(**changes):
-            return max(rank_need(args, costs, self.world_size, dtype, device_type, r, **changes) for r in ranks)
+            return rank_need(args, costs, self.world_size, dtype, device_type, ranks, **changes)
         needed, per = need(), (f"of --gpu_mem_gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb else f"of a {args.machine} GPU"
                                if args.machine else f"this host's available memory / {args.ranks_per_node} rank(s)")
         usable = f"{GPU_USABLE:.0%} " if args.gpu_mem_gb or args.machine else ""
@@ -1910,13 +1910,14 @@ def planned_room(args):
     return available and available // args.ranks_per_node
 
 
-def rank_need(args, costs, world_size, dtype, device_type, rank=0, **changes):
-    """fit_need() of the script's costs() for `rank` (where the ranks differ: a pipeline's
-    stages), with the flags in `changes` changed."""
+def rank_need(args, costs, world_size, dtype, device_type, ranks=(0,), **changes):
+    """The largest fit_need() of the script's costs() over `ranks` (where the ranks differ: a
+    pipeline's stages), with the flags in `changes` changed."""
     config = model_config(args, Data.vocab_size_of(args.data))
-    at_rank = {"rank": rank} if "rank" in inspect.signature(costs).parameters else {}
-    return fit_need(costs(argparse.Namespace(**{**vars(args), **changes}), config, world_size, dtype, **at_rank),
-                    device_type)
+    changed = argparse.Namespace(**{**vars(args), **changes})
+    by_rank = "rank" in inspect.signature(costs).parameters
+    return max(fit_need(costs(changed, config, world_size, dtype, **({"rank": r} if by_rank else {})), device_type)
+               for r in ranks)
 
 
 def largest_fitting_micro_batch(args, need, room, dp_size, aim=1, multiple=1):
@@ -1943,7 +1944,7 @@ def fit_problem(args, env, costs, room=None):
         return None
 
     def need(**changes):
-        return rank_need(args, costs, env.world_size, env.dtype, env.device.type, env.rank, **changes)
+        return rank_need(args, costs, env.world_size, env.dtype, env.device.type, (env.rank,), **changes)
     needed = need()
     if needed <= room:
         return None
