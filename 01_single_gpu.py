@@ -28,13 +28,11 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
     autocast, plus the head's 4bsV log-softmax; --recompute keeps only each block's input
 """
 
-import time
-
 import torch
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, count_params, Data, load_model_file, make_adamw, make_parser,
-                    model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
+from common import (autocast, build_model, check, count_params, Data, lr_at, make_adamw,
+                    make_parser, model_block_size, model_config, to_device)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 def add_flags(parser):
@@ -68,28 +66,27 @@ def evaluate(model, data, args, env, accum_steps):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__, experts=True)))  # --n_expert: 10's reference
-    run = Run(args, __file__)
+    run = Run(add_flags(make_parser(__doc__, experts=True)), __file__)  # --n_expert: 10's reference
+    args = run.args
     check(run.world_size == 1, f"01_single_gpu.py runs as one process, not {run.world_size}: "
           "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
-    check(not (args.resume and args.init_from), "--resume and --init_from both say where the weights come from: "
+    check(not (getattr(args, "resume", False) and args.init_from), "--resume and --init_from both say where the weights come from: "
           "pass one (--resume continues a run; --init_from starts a new one from a one-file model)")
-    accum_steps = run.batch(costs, dp_size=1)  # --micro_batch_size auto: the largest that fits
-    run.dry_run(costs, [f"layout: one device, {accum_steps} micro-batch(es) of {args.micro_batch_size}"])
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    env, accum_steps = run.start(costs, dp_size=1)  # the process up; --micro_batch_size auto: what fits
+    run.dry_run(costs, lambda config: [f"layout: one device, {accum_steps} micro-batch(es) of {args.micro_batch_size}"])
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device, recompute=args.recompute)
     if args.init_from:
+        from infra import load_model_file  # the checkpoint reader, which refuses pickled code
         model.load_state_dict(load_model_file(args.init_from, config))
     train_model = torch.compile(model) if args.compile else model
     optimizer = make_adamw(model.parameters(), args, env.device.type)
-    run.begin(config, optimizer, costs(args, config, 1, env.dtype), layout={"world_size": 1},
+    run.begin(config, optimizer, costs, layout={"world_size": 1},
               pieces=lambda: checkpoint_pieces(model, optimizer),
-              held=lambda: state_bytes(model.parameters(), optimizer),
               evaluate=lambda: evaluate(train_model, data, args, env, accum_steps),
               describe=f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per step")
     if args.eval_only:
@@ -97,6 +94,9 @@ def main():
         args.max_iters = run.start_step  # nothing to train: go on to the sample
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         x, y = data.batch("train", step, args.global_batch_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
@@ -131,7 +131,8 @@ def costs(args, config, world_size, dtype):
     """What the one device holds, in bytes (Ψ parameters): the weights, their gradients and
     AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
     the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
-    layers (common.activation_terms counts them op by op; --recompute keeps block inputs)."""
+    layers (infra.activation_terms counts them op by op; --recompute keeps block inputs)."""
+    from infra import activation_device_type, activation_terms, activations_of_layers
     psi, _ = count_params(config)
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
@@ -144,7 +145,8 @@ def costs(args, config, world_size, dtype):
 
 def checkpoint_pieces(model, optimizer):
     """Every parameter and its AdamW moments, whole, under nanoGPT's names (the tied head
-    is transformer.wte.weight): common.py's format, which any script resumes."""
+    is transformer.wte.weight): infra.py's format, which any script resumes."""
+    from infra import param_pieces
     return [piece for name, p in model.named_parameters() for piece in param_pieces(name, p.shape, p, optimizer)]
 
 

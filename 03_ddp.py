@@ -34,14 +34,13 @@ Cost per rank, Ψ parameters, N ranks (bytes):
                     micro-steps of gradient accumulation; plus one float for the logged loss
 """
 
-import time
 
 import torch
 import torch.distributed as dist
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, count_params, Data, LEDGER, make_adamw, make_parser,
-                    model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
+from common import (autocast, build_model, check, count_params, Data, lr_at, make_adamw, make_parser,
+                    model_block_size, model_config, to_device)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 def add_flags(parser):
@@ -159,13 +158,12 @@ def evaluate(model, data, args, env, accum_steps):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    run = Run(args, __file__)
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
     check(args.bucket_mb > 0, f"--bucket_mb must be positive, got {args.bucket_mb}")
-    accum_steps = run.batch(costs, dp_size=run.world_size)  # --micro_batch_size auto: the largest that fits
-    run.dry_run(costs, [f"layout: {run.world_size} replicas, each {accum_steps} micro-batch(es) of "
-                        f"{args.micro_batch_size} per step"])
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
+    run.dry_run(costs, lambda config: [f"layout: {run.world_size} replicas, each {accum_steps} micro-batch(es) of "
+                                       f"{args.micro_batch_size} per step"])
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every replica
 
     data = Data(args.data, args.seed, model_block_size(args))
@@ -175,19 +173,20 @@ def main():
     # is what makes any initialisation or checkpoint safe)
     for tensor in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(tensor.data, src=0)  # rank 0's values to every rank
-    run.log(f"broadcast the initial weights from rank 0: {LEDGER.take()}")
     buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, env.world_size,
                               overlap=not args.no_overlap)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
-    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype), layout={"strategy": "data parallel"},
+    run.begin(config, optimizer, costs, layout={"strategy": "data parallel"},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
-              held=lambda: state_bytes(model.parameters(), optimizer),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps),
               describe=f"{env.world_size} replicas, {accum_steps} micro-batch(es) of {args.micro_batch_size} "
                        f"per rank per step, {len(buckets.buffers)} gradient bucket(s)"
                        + (" (not overlapped)" if args.no_overlap else ""))
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
@@ -219,6 +218,7 @@ def costs(args, config, world_size, dtype):
     """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
+    from infra import activation_device_type, activation_terms, activations_of_layers
     psi, _ = count_params(config)
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
     b = args.micro_batch_size or args.global_batch_size // world_size
@@ -233,6 +233,7 @@ def costs(args, config, world_size, dtype):
 def checkpoint_pieces(model, optimizer, env):
     """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
     writes them; every rank reads them (common.py's format, any script resumes it)."""
+    from infra import param_pieces
     return [piece for name, p in model.named_parameters()
             for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
 

@@ -106,10 +106,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, Data, GPT, is_decayed, LEDGER, make_adamw, make_parser,
-                    model_block_size, model_config, param_pieces, parse_args, Run, tensor_bytes, to_device,
-                    to_host)
+from common import (autocast, build_model, check, Data, GPT, is_decayed, lr_at, make_adamw, make_parser,
+                    model_block_size, model_config, to_device, to_host)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 class Unit:
@@ -361,30 +360,28 @@ def evaluate(model, zero, data, args, env, accum_steps):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    run = Run(args, __file__)
-    accum_steps = run.batch(costs, dp_size=run.world_size)  # --micro_batch_size auto: the largest that fits
-    if args.dry_run:  # the plan from costs(), then exit 0
-        run.dry_run(costs, layout_lines(args, run.world_size, accum_steps))
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
+    env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
+    run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device, recompute=args.recompute)  # every rank builds all ...
     zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
-    run.begin(config, zero.optimizer, costs(args, config, env.world_size, env.dtype),
-              layout={"strategy": "zero", "stage": args.stage},
+    run.begin(config, zero.optimizer, costs, layout={"strategy": "zero", "stage": args.stage},
               pieces=lambda: checkpoint_pieces(zero), held=lambda: held_bytes(zero),
               evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps),
               describe=f"ZeRO stage {args.stage} over {env.world_size} ranks, {len(zero.units)} units, "
                        f"Ψ = {zero.numel():,} padded to {zero.padded_numel():,}, "
-                       f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
-    if args.resume:  # each rank read its shards: the full parameters from them (not a step's traffic)
-        zero.gather_params()
-        LEDGER.take()
+                       f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
+              after_resume=zero.gather_params)  # each rank read its shards: the full parameters from them
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in zero.optimizer.param_groups:
+            group["lr"] = lr
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
@@ -428,6 +425,7 @@ def costs(args, config, world_size, dtype):
     element (4 in fp32, 2 in bf16; gradients are summed and reduced in fp32: 4), K = 8
     (AdamW's two fp32 moments) plus 4 for the fp32 master when it is a copy of its own
     (mixed precision)."""
+    from infra import activation_device_type, activation_terms, activations_of_layers
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n
@@ -476,6 +474,7 @@ def layout_lines(args, world_size, accum_steps):
 def held_bytes(zero):
     """Model-state bytes this rank holds, counted from the live tensors (the fp32 master
     counts as optimizer state when it is a separate copy, as in the paper)."""
+    from infra import tensor_bytes
     units = zero.units
     masters = [u.master for u in units]
     moments = [v for state in zero.optimizer.state.values() for k, v in state.items() if k.startswith("exp_")]
@@ -501,6 +500,7 @@ def checkpoint_pieces(zero):
     AdamW moments; the padding is not saved. In common.py's format, so any script resumes
     it at any layout, and this script resumes any other's. Every rank writes its shard;
     rank 0 commits the set with a metadata file, last."""
+    from infra import param_pieces
     pieces = []
     for unit in zero.units:
         optimizer_tensors = iter(unit.pieces)  # one per parameter this shard overlaps

@@ -54,10 +54,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    Data, format_bytes, GPT, LEDGER, make_adamw, make_parser, model_config,
-                    param_init, param_pieces, parse_args, planned_dtype, Run, state_bytes, to_device,
-                    to_host)
+from common import (autocast, check, Data, GPT, lr_at, make_adamw, make_parser, model_config, param_init,
+                    to_device, to_host)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 class Unit:
@@ -166,14 +165,14 @@ class FSDP:
         self.shard_rank, self.replica = env.rank % S, env.rank // S
         # consecutive ranks form a shard group (one node); rank i of every group a replica group
         for g in range(R):
-            group = dist.new_group(list(range(g * S, (g + 1) * S)))
+            group = dist.new_group(list(range(g * S, (g + 1) * S)), group_desc="shard")  # the ledger's name
             if g == self.replica:
-                self.shard_group = LEDGER.name_group(group, "shard")
+                self.shard_group = group
         self.replicate_group = None
         for i in range(S):
-            group = dist.new_group(list(range(i, env.world_size, S)))
+            group = dist.new_group(list(range(i, env.world_size, S)), group_desc="replicate")
             if i == self.shard_rank and R > 1:
-                self.replicate_group = LEDGER.name_group(group, "replicate")
+                self.replicate_group = group
         self.compute_dtype = env.dtype
         self.reduce_dtype = getattr(torch, args.reduce_dtype)
         self.prefetch, self.reshard = not args.no_prefetch, not args.no_reshard
@@ -315,14 +314,12 @@ def evaluate(model, fsdp, data, args, env, accum_steps):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    run = Run(args, __file__)
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
     check(args.replicate >= 1 and run.world_size % args.replicate == 0,
           f"--replicate {args.replicate} does not divide the world size {run.world_size}")
-    accum_steps = run.batch(costs, dp_size=run.world_size)  # --micro_batch_size auto: the largest that fits
-    if args.dry_run:  # the plan from costs(), then exit 0
-        run.dry_run(costs, layout_lines(args, run.world_size, accum_steps))
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
+    run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
 
     config = model_config(args, Data.vocab_size_of(args.data))
@@ -334,14 +331,15 @@ def main():
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
     # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
     optimizer = make_adamw(fsdp.shards(), args, "cpu" if args.offload else env.device.type)
-    cost = costs(args, config, env.world_size, env.dtype)
-    run.begin(config, optimizer, cost, layout={"strategy": "fsdp", "replicate": args.replicate},
+    run.begin(config, optimizer, costs, layout={"strategy": "fsdp", "replicate": args.replicate},
               pieces=lambda: checkpoint_pieces(fsdp, optimizer), held=lambda: held_bytes(fsdp, optimizer),
               evaluate=lambda: evaluate(model, fsdp, data, args, env, accum_steps),
               describe=f"{fsdp}; {accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
-    gathered_formula, gathered_bound = cost["gathered"]
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
@@ -361,12 +359,10 @@ def main():
             fsdp.clip_grad_norm(args.grad_clip)
         run.check(loss_sum, (s.grad for s in fsdp.shards()))  # non-finite? asked to stop?
         optimizer.step()  # AdamW on this rank's fp32 rows only
-        if step == run.start_step:  # next to the ledger: the gathered parameters against their bound
-            run.log(f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: "
-                    f"{gathered_formula} = {format_bytes(gathered_bound)}); full model "
-                    f"{format_bytes(4 * fsdp.numel())} in fp32")
-        run.end_step(loss_sum, {"gathered_peak_bytes": fsdp.gathered_peak,  # ledger, metrics, checkpoint, stop
-                                "gathered_bound_bytes": gathered_bound})
+        if step == run.start_step and run.cost:  # next to the ledger: the gathered parameters, their bound
+            log_gathered(run, fsdp)
+        run.end_step(loss_sum, lambda: {"gathered_peak_bytes": fsdp.gathered_peak,  # ledger, metrics, ckpt, stop
+                                        "gathered_bound_bytes": run.cost["gathered"][1]})
         optimizer.zero_grad(set_to_none=True)
     run.finish()
 
@@ -379,6 +375,7 @@ def costs(args, config, world_size, dtype):
     """The docstring's formulas in bytes per rank. S = N/R ranks per shard group; Ψ counts
     every parameter with its rows padded to a multiple of S (each rank holds ceil(rows/S)
     rows); e is the compute dtype's element size, rb the reduce dtype's."""
+    from infra import activation_device_type, activation_terms, activations_of_layers
     S, R = world_size // args.replicate, args.replicate
     with torch.device("meta"):
         model = GPT(config)
@@ -416,8 +413,17 @@ def costs(args, config, world_size, dtype):
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
+def log_gathered(run, fsdp):
+    """Once, next to the ledger: the gathered parameters at the peak against costs()'s bound."""
+    from infra import format_bytes
+    formula, bound = run.cost["gathered"]
+    run.log(f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: {formula} = "
+            f"{format_bytes(bound)}); full model {format_bytes(4 * fsdp.numel())} in fp32")
+
+
 def layout_lines(args, world_size, accum_steps):
     """The dry run's layout lines: the shard groups, and the gathered parameters at the peak."""
+    from infra import format_bytes, planned_dtype
     config = model_config(args, Data.vocab_size_of(args.data))
     formula, value = costs(args, config, world_size, planned_dtype(args))["gathered"]
     S = world_size // args.replicate
@@ -432,6 +438,7 @@ def held_bytes(fsdp, optimizer):
     """Model-state bytes this rank holds, counted from the live tensors: the fp32 shards,
     their gradients and AdamW's moments; with --offload all of it in host memory (the
     device has the gathered units only)."""
+    from infra import state_bytes
     held = state_bytes(fsdp.shards(), optimizer)
     if fsdp.offload:
         held = {"params": 0, "grads": 0, "optim": 0, **{f"{k} (host)": v for k, v in held.items()}}
@@ -442,6 +449,7 @@ def checkpoint_pieces(fsdp, optimizer):
     """This rank's rows of every parameter (dim-0 shards, without the padding rows) and
     their AdamW moments, in common.py's format: any script resumes it at any layout. With
     HSDP the replicas hold equal shards: replica 0 writes them; every replica reads."""
+    from infra import param_pieces
     pieces = []
     for unit in fsdp.units:
         for name, shape, rows, shard in zip(unit.names, unit.shapes, unit.rows, unit.shards):

@@ -86,10 +86,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    Data, device_rng_state, make_adamw, make_parser, model_block_size,
-                    model_config, param_init, param_pieces, parse_args, recomputed, Run,
-                    set_device_rng_state, state_bytes, to_device)
+from common import (autocast, check, Data, device_rng_state, lr_at, make_adamw, make_parser, model_block_size,
+                    model_config, param_init, recomputed, set_device_rng_state, to_device)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 
@@ -550,17 +549,13 @@ def evaluate(model, data, args, env, accum_steps):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    run = Run(args, __file__)
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
     tp_size = run.world_size  # one tensor-parallel group: every rank
     check(args.tp in (None, tp_size), f"--tp {args.tp} must equal the world size {tp_size} in "
           "06_tensor_parallel.py (08_3d.py combines TP with data and pipeline parallelism)")
-    accum_steps = run.batch(costs, dp_size=1)  # --micro_batch_size auto: the largest that fits
-    if args.dry_run:  # the plan names the heads per rank: the model's shape, checked first
-        config = model_config(args, Data.vocab_size_of(args.data))
-        check_layout(args, config, tp_size)
-        run.dry_run(costs, layout_lines(args, config, tp_size, accum_steps))
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    env, accum_steps = run.start(costs, dp_size=1)  # the processes up; auto: the largest that fits
+    run.dry_run(costs, lambda config: layout_lines(args, config, tp_size, accum_steps))  # the layout checked first
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     check_layout(args, config, tp_size)
@@ -569,23 +564,21 @@ def main():
     model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, dist.group.WORLD,  # TP group: all
                   recompute=args.recompute).init_from_full(args.seed).to(env.device)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
-    cost = costs(args, config, tp_size, env.dtype)
     sp = " with sequence parallelism" if args.sequence_parallel else ""
-    saved = run.begin(config, optimizer, cost, layout={"strategy": "tensor parallel",
+    saved = run.begin(config, optimizer, costs, layout={"strategy": "tensor parallel",
                                                        "sequence_parallel": args.sequence_parallel},
                       pieces=lambda: checkpoint_pieces(model, optimizer, env),
-                      held=lambda: state_bytes(model.parameters(), optimizer),
                       evaluate=lambda: evaluate(model, data, args, env, accum_steps),
                       describe=f"tensor parallel over {tp_size} ranks{sp}, vocabulary {config.vocab_size} "
                                f"padded to {model.padded_vocab}, {accum_steps} micro-batch(es) of "
                                f"{args.micro_batch_size} per step",
                       extra_rng=lambda: {"tp": rng.state})  # this rank's own stream is checkpointed too
     rng.resume(saved, run.log)  # the same layout: this rank's own dropout stream continues too
-    n_sharded, n_replicated = cost["params_per_rank"]
-    run.log(f"parameters on this rank: {n_sharded:,} sharded (1/{tp_size} of {n_sharded * tp_size:,}) + "
-            f"{n_replicated:,} replicated")
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         x, y = data.batch("train", step, args.global_batch_size)  # every TP rank: the whole batch
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
@@ -619,6 +612,7 @@ def costs(args, config, world_size, dtype):
     the gradients flowing into f are fp32, so f's backward and the embedding/head all-reduces
     move 4 bytes an element. With --sequence_parallel f's all-gathers (in forward, and again
     in backward) move the LayerNorm output cast to the compute dtype: b_c bytes."""
+    from infra import activation_device_type, activation_terms, activations_of_layers
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     with torch.device("meta"):
         model = TPGPT(config, T, 0, sp, None, None)  # shapes only
@@ -681,6 +675,7 @@ def checkpoint_pieces(model, optimizer, env):
     (the global shape is the unpadded vocabulary), the column-parallel rows ([Q_t; K_t; V_t]
     of c_attn are three pieces), the row-parallel columns; the replicated parameters are
     written by rank 0 only. Any layout of any script reads these pieces back."""
+    from infra import param_pieces
     pieces = []
     for name, p in model.named_parameters():
         full, boxes = shard_boxes(name, p.shape, model.config.vocab_size, model.tp_size, model.tp_rank)
@@ -693,6 +688,7 @@ def checkpoint_pieces(model, optimizer, env):
 def layout_lines(args, config, tp_size, accum_steps):
     """The dry run's layout: the group, heads per rank, micro-batches; and a warning when the
     group spans nodes (TP's per-layer all-reduces want a node's fast links)."""
+    check_layout(args, config, tp_size)  # the heads and the vocabulary divide among the ranks
     return ([f"layout: one tensor-parallel group of {tp_size} ranks"
              + (" with sequence parallelism" if args.sequence_parallel else "")
              + f", {config.n_head // tp_size} head(s) per rank; {accum_steps} micro-batch(es) of "

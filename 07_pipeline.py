@@ -92,9 +92,9 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_phases, activation_terms, autocast, Block, check,
-                    Data, format_bytes, make_adamw, make_parser, model_config, param_init,
-                    param_pieces, parse_args, Run, state_bytes, synchronize, to_device)
+from common import (autocast, Block, check, Data, lr_at, make_adamw, make_parser, model_config, param_init,
+                    synchronize, to_device)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 # ---------------------------------------------------------------------------------------
@@ -534,8 +534,8 @@ def evaluate(pipeline, chunks, data, args, env, p, m, v):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    run = Run(args, __file__)
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
     p = run.world_size
     v = args.virtual_stages if args.schedule == "interleaved" else 1
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
@@ -543,12 +543,10 @@ def main():
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
     # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches
     # (the bubble (p-1)/(m+p-1) is then about 1/3; the interleaved schedule needs m = kp)
-    m = run.batch(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p))
+    env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p))
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
-    if args.dry_run:  # every stage's layers, bytes and activations in flight; then stage 0's costs
-        run.dry_run(costs, plan(args, p, v, m))
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
     check_layout(args, config, p)
@@ -564,15 +562,16 @@ def main():
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, p, v, act_shape, deferred)
     rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # ("F" | "B" | "W", micro-batch, chunk)
-    cost = costs(args, config, p, env.dtype, env.rank)
-    run.begin(config, optimizer, cost, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
+    run.begin(config, optimizer, costs, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
-              held=lambda: state_bytes(chunks.parameters(), optimizer),
               evaluate=lambda: evaluate(pipeline, chunks, data, args, env, p, m, v),
               describe=describe(args, config, p, v, m))
     bubble = log_timeline(run, args, p, v, m)  # the schedule drawn, with its bubble
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
         with run.meter:
             loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m)  # busy: the share spent computing
@@ -584,9 +583,9 @@ def main():
             clip_grad_norm(chunks, args.grad_clip, p)
         run.check(loss, (t.grad for t in chunks.parameters()))  # non-finite? asked to stop?
         optimizer.step()
-        if step == run.start_step:
+        if step == run.start_step and run.cost:  # next to the ledger
             run.log(f"activations in flight on stage {env.rank}: at most {in_flight} micro-batch chunk(s) "
-                    f"(theory {cost['in_flight']})")
+                    f"(theory {run.cost['in_flight']})")
         run.end_step(loss, {"activations_in_flight": in_flight, "busy_fraction": busy, "bubble_drawn": bubble,
                             "bubble_theory": bubble_theory(args.schedule, p, m, v)})  # ledger, metrics, ckpt
         optimizer.zero_grad(set_to_none=True)
@@ -604,6 +603,7 @@ def costs(args, config, world_size, dtype, rank=0):
     gradients it sends and receives across stage boundaries, which stay fp32 under autocast
     (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
     all-reduced between the first and last stage, the norm and the logged loss."""
+    from infra import activation_device_type, activation_phases, activation_terms
     p, v = world_size, args.virtual_stages if args.schedule == "interleaved" else 1
     m = args.global_batch_size // args.micro_batch_size
     with torch.device("meta"):
@@ -675,6 +675,7 @@ def zero_bubble_phases(terms, n_layers, recompute, first, last, e_bsh, mask):
     chunk without the head (whose backward first frees the b·s·V log-softmax). With
     --recompute each block's forward runs again and its W tensors pile up under the next
     block's: the bottom block's B holds (n-1) blocks' W tensors and a whole layer."""
+    from infra import activation_phases
     kept, _ = activation_phases(terms, n_layers, recompute, first, last)
     for_w = 16 * e_bsh
     first_dy = max(0, e_bsh - mask)
@@ -689,6 +690,7 @@ def checkpoint_pieces(chunks, optimizer):
     """Every parameter of this rank's chunks, whole, under 01's names (common.py's format,
     which any script resumes at any layout); the last stage's copy of the tied embedding
     (its head) is written by the first stage only, and read by both."""
+    from infra import param_pieces
     return [piece for chunk in chunks for name, param in chunk.named_parameters()
             for piece in param_pieces(chunk.full_name(name), param.shape, param, optimizer,
                                       write=name != "lm_head.weight")]
@@ -776,6 +778,7 @@ def log_timeline(run, args, p, v, m):
 def plan(args, p, v, m):
     """--dry_run: the layout, the schedule's bubble and every stage's layers, model state,
     traffic and activations in flight (the lines Run.dry_run prints above stage 0's costs)."""
+    from infra import format_bytes
     config = model_config(args, Data.vocab_size_of(args.data))
     check_layout(args, config, p)
     # the activation bytes are not in these lines: any dtype gives the same stage lines

@@ -130,11 +130,9 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_phases, activation_terms, autocast, check,
-                    Data, device_rng_state, format_bytes, is_decayed, LEDGER, make_adamw,
-                    make_parser, model_config, param_init, param_pieces, parse_args, planned_dtype,
-                    recomputed, Run, sdpa_logsumexp_bytes, set_device_rng_state, state_bytes,
-                    to_device)
+from common import (autocast, check, Data, device_rng_state, is_decayed, lr_at, make_adamw, make_parser,
+                    model_config, param_init, recomputed, set_device_rng_state, to_device)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,13 +189,13 @@ class Mesh:
             kinds.append(("cp", ("cp",), "cp_group"))  # the ring, or Ulysses' all-to-alls
         for name, axes, attribute in kinds:
             for ranks in self.groups_over(*axes):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, group_desc=name)  # the name the ledger counts it under
                 if self.rank in ranks:
-                    setattr(self, attribute, LEDGER.name_group(group, name))
+                    setattr(self, attribute, group)
         for ranks in self.groups_over("pp"):  # the tied embedding: first and last stage
-            group = dist.new_group(sorted({ranks[0], ranks[-1]}))
+            group = dist.new_group(sorted({ranks[0], ranks[-1]}), group_desc="embedding")
             if self.rank in ranks:
-                self.embedding_group = LEDGER.name_group(group, "embedding")
+                self.embedding_group = group
         return self
 
     def describe(self, world, ranks_per_node=None):
@@ -1030,6 +1028,7 @@ class DataParallel:
 
     def held_bytes(self):
         """The model-state bytes this rank holds, counted from the live tensors."""
+        from infra import state_bytes
         return state_bytes(self.params, self.optimizer)
 
     def checkpoint_pieces(self):
@@ -1108,6 +1107,7 @@ class ZeRO1:
     def held_bytes(self):
         """The model-state bytes this rank holds, counted from the live tensors: the flat
         buffers (through the parameters' views of them), the reduced shard, AdamW's state."""
+        from infra import state_bytes
         held = state_bytes(self.params, self.optimizer)
         held["grads"] += self.grad_shard.untyped_storage().nbytes()
         return held
@@ -1117,6 +1117,7 @@ class ZeRO1:
         the AdamW moments it owns: each optimizer tensor holds elements [a, b) of one
         parameter flattened; where that meets a TP piece of the parameter (elements [s, e) of
         it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
+        from infra import param_pieces
         stage, named = self.stage, list(self.stage.named_parameters())
         pieces = [piece for name, p in named
                   for piece in tp_pieces(stage, name, p, None, write=self.mesh.reduce_rank == 0)]
@@ -1201,8 +1202,8 @@ def evaluate(stage, mesh, data, args, env, m, act_shape):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    run = Run(args, __file__)
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
     check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
@@ -1210,10 +1211,8 @@ def main():
     D = world // (T * P * C)  # CP ranks split the same sequences: the batch is shared by D
     # micro-batches per replica per step; --micro_batch_size auto: the largest that fits every
     # stage, with about 2·pp micro-batches to fill a pipeline (none needed without one)
-    m = run.batch(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)])
-    if args.dry_run:  # the mesh and every stage's bytes; then rank 0's costs
-        run.dry_run(costs, plan(args, world, T, P, m))
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    env, m = run.start(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)])
+    run.dry_run(costs, lambda config: plan(args, world, T, P, m))  # the mesh and every stage's bytes
     mesh = Mesh(env.rank, world, T, P, C).make_groups()
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
@@ -1230,8 +1229,7 @@ def main():
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
     replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # same calls
     act_shape = (args.micro_batch_size, config.block_size // C // (T if stage.sp else 1), config.n_embd)
-    cost = costs(args, config, world, env.dtype, env.rank)
-    extra_rng = run.begin(config, replicas.optimizer, cost, describe=describe(args, stage, m),
+    extra_rng = run.begin(config, replicas.optimizer, costs, describe=describe(args, stage, m),
                           layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1,
                                   "sequence_parallel": args.sequence_parallel,
                                   **({"cp": C, "cp_impl": args.cp_impl} if C > 1 else {})},
@@ -1242,6 +1240,9 @@ def main():
         rng.state = extra_rng["tp"]
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in replicas.optimizer.param_groups:
+            group["lr"] = lr
         xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)  # first, last stage
         with run.meter:
             loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)  # 1F1B; TP in the stage
@@ -1287,6 +1288,7 @@ def costs(args, config, world_size, dtype, rank=0):
     hops forward and again in backward, 4(C-1)·A, and the fp32 dK, dV C hops, 8C·b·s·h/T
     (--recompute: + 2(C-1)·A); in "send"/"recv", beside the pipeline's. Ulysses: 8
     all-to-alls of A (q, k, v, out forward and back; --recompute: 12)."""
+    from infra import activation_device_type, activation_phases, activation_terms, sdpa_logsumexp_bytes
     T, P, C, sp = args.tp, args.pp, args.cp, args.sequence_parallel
     D = world_size // (T * P * C)
     R = D * C  # the gradient reduction's group, DP x CP
@@ -1433,6 +1435,7 @@ def tp_pieces(stage, name, p, optimizer, write):
     parameters whole. Written where they count once (counted_once: a replicated parameter by
     TP rank 0 of each stage, the tied embedding by the first stage; the last stage's copy is
     read, never written). With the optimizer: the AdamW moments too."""
+    from infra import param_pieces
     shape, boxes = stage.tp_layout(name, p)
     write = write and counted_once(stage, name)
     return [piece for box, rows in boxes
@@ -1443,6 +1446,7 @@ def tp_pieces(stage, name, p, optimizer, write):
 def plan(args, world, T, P, m):
     """--dry_run: the mesh, the schedule and every stage's costs, without starting a process
     (the lines Run.dry_run prints above rank 0's costs)."""
+    from infra import format_bytes, planned_dtype
     config = model_config(args, Data.vocab_size_of(args.data))
     check_layout(config, T, P, args.sequence_parallel, args.cp, args.cp_impl)
     dtype = planned_dtype(args)

@@ -121,10 +121,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, count_params, Data, LEDGER, make_adamw, make_parser,
-                    model_config, param_pieces, parse_args, recomputed, Run,
-                    sdpa_logsumexp_bytes, state_bytes, to_device)
+from common import (autocast, build_model, check, count_params, Data, lr_at, make_adamw, make_parser,
+                    model_config, recomputed, to_device)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 # ----------------------------------------------------------------------------------------
@@ -467,9 +466,9 @@ def make_groups(world_size, C, rank):
     mine = None
     for d in range(world_size // C):
         ranks = list(range(d * C, (d + 1) * C))
-        group = dist.new_group(ranks)  # every rank creates every group, in the same order
+        group = dist.new_group(ranks, group_desc="cp")  # every rank creates every group, in the same order
         if rank in ranks:
-            mine = (LEDGER.name_group(group, "cp"), ranks, d)
+            mine = (group, ranks, d)
     return mine
 
 
@@ -513,13 +512,12 @@ def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__)))
-    run = Run(args, __file__)
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
     config = model_config(args, Data.vocab_size_of(args.data))
     C, D = check_layout(args, config, run.world_size)  # C and D: the sequence (and Ulysses' heads) decide
-    accum_steps = run.batch(costs, dp_size=D)  # --micro_batch_size auto: the largest that fits
-    run.dry_run(costs, layout_lines(args, config, C, D, accum_steps))
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    env, accum_steps = run.start(costs, dp_size=D)  # the processes up; auto: the largest that fits
+    run.dry_run(costs, lambda config: layout_lines(args, config, C, D, accum_steps))
     data = Data(args.data, args.seed, config.block_size)
     torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
 
@@ -529,10 +527,8 @@ def main():
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
-    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype),
-              layout={"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl},
+    run.begin(config, optimizer, costs, layout={"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
-              held=lambda: state_bytes(model.parameters(), optimizer),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp),
               describe=f"{D} data-parallel x {C} context-parallel ({args.cp_impl}), "
                        f"{config.block_size // C} of {config.block_size} tokens per sequence per rank, "
@@ -544,6 +540,9 @@ def main():
     device_positions = positions.to(env.device)
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         x, y = data.batch("train", step, args.global_batch_size, dp_rank, D)
         x, y = to_device(x[:, positions], env), to_device(y[:, positions], env)  # our tokens only
         loss_total = torch.zeros((), device=env.device)
@@ -574,6 +573,7 @@ def costs(args, config, world_size, dtype):
     activations (the layout is validated first, so --dry_run refuses what a launch would
     refuse). Activations: common.activation_terms on this rank's T = s/C tokens per
     sequence, with the attention term replaced by what this script's attention saves."""
+    from infra import activation_device_type, activation_terms, activations_of_layers, sdpa_logsumexp_bytes
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     micro = args.micro_batch_size or args.global_batch_size // D
@@ -614,6 +614,7 @@ def costs(args, config, world_size, dtype):
 def checkpoint_pieces(model, optimizer, env):
     """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
     writes them; every rank reads them (common.py's format, any script resumes it)."""
+    from infra import param_pieces
     return [piece for name, p in model.named_parameters()
             for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
 

@@ -74,9 +74,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (activation_device_type, activation_terms, activations_of_layers, autocast, check,
-                    combine, Data, GPT, make_adamw, make_parser, model_block_size, model_config,
-                    param_pieces, parse_args, route, Run, state_bytes, to_device)
+from common import (autocast, check, combine, Data, GPT, lr_at, make_adamw, make_parser, model_block_size,
+                    model_config, route, to_device)
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 def add_flags(parser):
@@ -258,14 +258,10 @@ def evaluate(model, data, args, env, accum_steps):
 
 
 def main():
-    args = parse_args(add_flags(make_parser(__doc__, experts=True)))
-    run = Run(args, __file__)
-    accum_steps = run.batch(costs, dp_size=run.world_size)  # every rank its own slice; auto: what fits
-    if args.dry_run:
-        config = model_config(args, Data.vocab_size_of(args.data))
-        ep = check_layout(args, config, run.world_size)
-        run.dry_run(costs, layout_lines(args, config, run.world_size, ep, accum_steps))
-    env = run.setup(costs)  # costs(): checked against this rank's memory first
+    run = Run(add_flags(make_parser(__doc__, experts=True)), __file__)
+    args = run.args
+    env, accum_steps = run.start(costs, dp_size=run.world_size)  # every rank its own slice; auto: what fits
+    run.dry_run(costs, lambda config: layout_lines(args, config, run.world_size, accum_steps))  # checked first
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
@@ -274,16 +270,17 @@ def main():
     ep_group, dp_group = expert_groups(env.world_size, ep)
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
-    run.begin(config, optimizer, costs(args, config, env.world_size, env.dtype),
-              layout={"strategy": "expert parallel", "ep": ep},
+    run.begin(config, optimizer, costs, layout={"strategy": "expert parallel", "ep": ep},
               pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
-              held=lambda: state_bytes(model.parameters(), optimizer),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps),
               describe=f"expert parallel over {ep} ranks x {dp} data-parallel, {config.n_expert // ep} of "
                        f"{config.n_expert} experts per rank, top-{config.top_k}, {accum_steps} micro-batch(es) "
                        f"of {args.micro_batch_size} per rank per step")
 
     for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
@@ -302,8 +299,8 @@ def main():
             clip_grad_norm(model, args.grad_clip, ep_group)  # the norm over every expert once
         run.check(stats[0], (p.grad for p in model.parameters()))  # non-finite? asked to stop?
         optimizer.step()
-        run.cost = costs(args, config, env.world_size, env.dtype, received=received)  # this step's routing
-        run.end_step(stats[0], extra=lambda: expert_metrics(run.cost, stats[1:].view(config.n_layer, -1)))
+        run.end_step(stats[0], extra=lambda: expert_metrics(run.cost, stats[1:].view(config.n_layer, -1)),
+                     received=received)  # this step's routing: what its costs() depend on
         optimizer.zero_grad(set_to_none=True)
     run.finish()
 
@@ -349,6 +346,7 @@ def activations(args, config, b, dtype, rows):
     """(formula, bytes) held for backward for one micro-batch whose layer l's experts received
     rows[l] rows (common.activation_terms): every layer's until backward; with --recompute the
     block inputs, and while layer l's backward runs, the inputs below it and its internals."""
+    from infra import activation_device_type, activation_terms, activations_of_layers
     def terms(n):
         return activation_terms(config, b, config.block_size, dtype, activation_device_type(args), expert_rows=n)
     if args.recompute:  # layer l as the top of l + 1 layers: its backward holds l inputs and itself
@@ -372,14 +370,16 @@ def checkpoint_pieces(model, optimizer, writes_experts, env):
     """Every parameter and its AdamW moments under 01's names: the replicated ones written by
     rank 0, each expert by the rank of the first EP group that holds it (common.py's format:
     01 with --n_expert, or 10 at another --ep, resumes it)."""
+    from infra import param_pieces
     return [piece for name, p in model.named_parameters()
             for piece in param_pieces(name, p.shape, p, optimizer,
                                       write=env.master or (writes_experts and is_expert(name)))]
 
 
-def layout_lines(args, config, world_size, ep, accum_steps):
+def layout_lines(args, config, world_size, accum_steps):
     """The dry run's layout: EP groups, experts per rank, micro-batches; and a warning when an
     EP group spans nodes (its all-to-alls, four per layer, want a node's fast links)."""
+    ep = check_layout(args, config, world_size)
     lines = [f"layout: {world_size // ep} expert-parallel group(s) of {ep} ranks, {config.n_expert // ep} of "
              f"{config.n_expert} experts per rank (top-{config.top_k}); {accum_steps} micro-batch(es) of "
              f"{args.micro_batch_size} per rank per step"]

@@ -1,13 +1,12 @@
-"""What every script shares, and no strategy. Two parts:
+"""What every script shares, and no strategy: the GPT model (nanoGPT's, dense or a mixture of
+experts), the optimizer and its schedule, the data, the shared command line, launch / device /
+process groups, and a plain `Run`, the run protocol doing only what a plain training loop needs.
 
-  Part I   the GPT model (nanoGPT's, dense), the optimizer and schedule, the data, the shared
-           command line, and launch / device / process-group setup. Self-contained: cut the
-           file at Part II's banner and Part I alone trains 01's model with a plain loop.
-  Part II  the run infrastructure: `Run`, the run protocol every main() calls at a handful
-           of points (dry run, setup and out_dir lock, guard, ledger windows, activation
-           meter, metrics, evaluation, resume and checkpoint cadence, stop, teardown), and
-           beneath it the start-up checks, the guard, the communication ledger, the
-           activation meter, metrics, the dry run and the checkpoint files.
+The run infrastructure (the communication ledger, the activation meter, the guard and stop
+signals, the fit check and --micro_batch_size auto by memory, metrics and wandb, checkpoints and
+the out_dir lock, the dry run) is infra.py's: its Run extends the plain one below. A numbered
+script's only tie to it is the line `from infra import Run`; with `from common import Run` in
+its place, the script and this file alone train with 01's losses.
 
 Read a numbered script first; come here when it calls something. The contract between the
 scripts (flags, determinism, metrics schema) is docs/design.md's; README.md is the front page.
@@ -20,27 +19,18 @@ Two rules make every strategy comparable with 01_single_gpu.py:
 """
 
 import argparse
-import atexit
 import datetime
 import functools
 import hashlib
-import inspect
-import json
 import math
 import os
-import pickletools
-import shutil
-import signal
+import pickle
 import socket
 import sys
-import tempfile
-import threading
 import time
 import warnings
-import zlib
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
-from functools import wraps
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,18 +39,12 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STARTED = time.monotonic()  # --time_limit counts from here (the job's walltime runs since about then)
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (*_single) and warns;
 # the scripts keep the old names, which every torch since 2.0 has
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 
-# ========================================================================================
-# PART I: the model, the optimizer, the data, the command line, launch and device.
-# Self-contained: cut the file at Part II's banner and this still trains 01's model with a
-# plain loop (tests/test_model.py executes only this part and does).
-# ========================================================================================
 
 
 # ----------------------------------------------------------------------------------------
@@ -390,21 +374,6 @@ def build_model(config, seed, device, recompute=False):
     return model
 
 
-def flops_per_token(config, n_params):
-    """Training FLOPs per token, PaLM appendix B (as nanoGPT's estimate_mfu): 6N for the
-    matrix multiplies forward and backward, plus 12·L·H·Q·T for attention."""
-    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, config.block_size
-    if config.n_expert:  # a token runs through top_k of the E experts: count only the active ones
-        n_params -= L * (config.n_expert - config.top_k) * expert_params(config)
-    return 6 * n_params + 12 * L * H * Q * T
-
-
-def expert_params(config):
-    """Parameters of one MLP (one expert): c_fc h x 4h and c_proj 4h x h, with their biases."""
-    h = config.n_embd
-    return 8 * h * h + (5 * h if config.bias else 0)
-
-
 # ----------------------------------------------------------------------------------------
 # The optimizer and the learning-rate schedule (nanoGPT's)
 # ----------------------------------------------------------------------------------------
@@ -459,103 +428,28 @@ SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the text is train, the rest
 EVAL_KEY = 2  # evaluation batches: streams of their own, the same at every evaluation
 
 
-class _Opaque:
-    """What a pickle would build by calling a class or function: recorded, never called."""
+class _Stub:
+    """What a pickle would build by calling a class or function (an object, a numpy scalar, an
+    exploit): its name and arguments recorded, nothing called."""
 
-    def __init__(self, name, args=()):
-        self.name, self.args, self.state = name, args, None
+    def __new__(cls, *args):
+        stub = object.__new__(cls)
+        stub.args, stub.state = args, None
+        return stub
+
+    def __init__(self, *args):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
 
 
-_PLAIN_OPS = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG", "BINFLOAT", "FLOAT", "UNICODE",
-              "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING", "SHORT_BINSTRING",
-              "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "BYTEARRAY8"}
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles a pickle's plain data (dicts, lists, tuples, strings, numbers) and nothing
+    else: every class or function it names becomes a _Stub, so no code of the file runs."""
 
-
-def read_plain_pickle(path):
-    """A pickle's data (dicts, lists, tuples, strings, numbers) *without unpickling it*: its
-    opcodes (pickletools.genops executes nothing) are replayed on a stack, and whatever
-    would be built by calling a class or function (an object, a numpy scalar, an exploit)
-    stays an _Opaque record of that call, never made."""
-    stack, marks, memo = [], [], {}
-
-    def popmark():
-        i = marks.pop()
-        items = stack[i:]
-        del stack[i:]
-        return items
-
-    def setitem(d, k, v):
-        if isinstance(d, dict) and getattr(k, "__hash__", None):
-            d[k] = v
-
-    with open(path, "rb") as f:
-        for op, arg, _ in pickletools.genops(f):
-            n = op.name
-            if n in ("PROTO", "FRAME"):
-                continue
-            if n == "STOP":
-                return stack[-1]
-            if n == "MARK":
-                marks.append(len(stack))
-            elif n in _PLAIN_OPS:
-                stack.append(arg)
-            elif n in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "NONE", "NEWTRUE", "NEWFALSE"):
-                stack.append({"EMPTY_DICT": {}, "EMPTY_LIST": [], "EMPTY_TUPLE": (), "NONE": None,
-                              "NEWTRUE": True, "NEWFALSE": False}[n])
-            elif n == "MEMOIZE":
-                memo[len(memo)] = stack[-1]
-            elif n in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1]
-            elif n in ("GET", "BINGET", "LONG_BINGET"):
-                stack.append(memo.get(arg))
-            elif n in ("DICT", "LIST", "TUPLE"):
-                items = popmark()
-                stack.append(dict(zip(items[::2], items[1::2])) if n == "DICT" else
-                             list(items) if n == "LIST" else tuple(items))
-            elif n in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                k = int(n[-1])
-                items = tuple(stack[-k:])
-                del stack[-k:]
-                stack.append(items)
-            elif n == "SETITEM":
-                v, k = stack.pop(), stack.pop()
-                setitem(stack[-1], k, v)
-            elif n == "SETITEMS":
-                items = popmark()
-                for k, v in zip(items[::2], items[1::2]):
-                    setitem(stack[-1], k, v)
-            elif n in ("APPEND", "APPENDS"):
-                items = popmark() if n == "APPENDS" else [stack.pop()]
-                if isinstance(stack[-1], list):
-                    stack[-1].extend(items)
-            elif n == "GLOBAL":
-                stack.append(_Opaque(arg.replace(" ", ".")))
-            elif n == "STACK_GLOBAL":
-                name, module = stack.pop(), stack.pop()
-                stack.append(_Opaque(f"{module}.{name}"))
-            elif n in ("REDUCE", "NEWOBJ"):
-                args, fn = stack.pop(), stack.pop()
-                stack.append(_Opaque(getattr(fn, "name", None), args))
-            elif n == "NEWOBJ_EX":
-                _, args, cls = stack.pop(), stack.pop(), stack.pop()
-                stack.append(_Opaque(getattr(cls, "name", None), args))
-            elif n in ("OBJ", "INST"):
-                items = popmark()
-                stack.append(_Opaque(arg.replace(" ", ".") if n == "INST" else None, tuple(items)))
-            elif n == "BUILD":
-                state = stack.pop()
-                if isinstance(stack[-1], _Opaque):
-                    stack[-1].state = state
-            elif n in ("POP", "POP_MARK", "DUP"):
-                if n == "POP":
-                    stack.pop()
-                elif n == "POP_MARK":
-                    popmark()
-                else:
-                    stack.append(stack[-1])
-            else:
-                raise ValueError(f"pickle opcode {n} is not read here")
-    raise ValueError("the pickle has no STOP")
+    def find_class(self, module, name):
+        return type(f"{module}.{name}", (_Stub,), {"name": f"{module}.{name}"})
 
 
 def _plain_int(value):
@@ -563,11 +457,11 @@ def _plain_int(value):
     an integer dtype and the value's bytes), decoded without numpy's unpickling; else None."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, _Opaque) and str(value.name).endswith("multiarray.scalar") and len(value.args) == 2:
+    if isinstance(value, _Stub) and value.name.endswith("multiarray.scalar") and len(value.args) == 2:
         dtype, raw = value.args
-        if isinstance(raw, _Opaque) and raw.name == "_codecs.encode" and len(raw.args) == 2:  # protocols 0-2
+        if isinstance(raw, _Stub) and raw.name == "_codecs.encode" and len(raw.args) == 2:  # protocols 0-2
             raw = raw.args[0].encode(raw.args[1]) if isinstance(raw.args[0], str) and raw.args[1] == "latin1" else None
-        code = dtype.args[0] if isinstance(dtype, _Opaque) and dtype.args else None
+        code = dtype.args[0] if isinstance(dtype, _Stub) and dtype.args else None
         if isinstance(code, str) and code[:1] in "iu" and isinstance(raw, bytes) and len(raw) == int(code[1:] or 0):
             state = dtype.state if isinstance(dtype.state, tuple) else ()
             order = "big" if len(state) > 1 and state[1] == ">" else "little"
@@ -576,19 +470,17 @@ def _plain_int(value):
 
 
 def read_vocab_size(meta_path):
-    """The top-level vocab_size of a nanoGPT meta.pkl, read without unpickling it
-    (read_plain_pickle): a plain int or a numpy integer; a vocab_size nested deeper is not it."""
-    meta = read_plain_pickle(meta_path)
+    """The top-level vocab_size of a nanoGPT meta.pkl, read without running any of its code
+    (_PlainUnpickler): a plain int or a numpy integer; a vocab_size nested deeper is not it."""
+    with open(meta_path, "rb") as f:
+        meta = _PlainUnpickler(f).load()
     if not isinstance(meta, dict) or "vocab_size" not in meta:
         raise ValueError(f"{meta_path} has no top-level vocab_size")
     vocab = _plain_int(meta["vocab_size"])
     if vocab is None:
-        kind = meta["vocab_size"].name if isinstance(meta["vocab_size"], _Opaque) else type(meta["vocab_size"]).__name__
+        kind = meta["vocab_size"].name if isinstance(meta["vocab_size"], _Stub) else type(meta["vocab_size"]).__name__
         raise ValueError(f"{meta_path}'s vocab_size is a {kind}, not an integer")
     return vocab
-
-
-DATA_SCAN_CHUNK = 1 << 24  # tokens per read when scanning a file for out-of-vocabulary ids (32 MiB)
 
 
 class TokenFile:
@@ -679,53 +571,6 @@ class Data:
             return None, None, f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..65536 (uint16 tokens)"
         return vocab, f"{meta}'s vocab_size", None
 
-    @staticmethod
-    def problem(spec, block_size, rank=0, world_size=1):
-        """The reason this --data cannot be used with this block size, or None. Each rank
-        scans its 1/world_size slice of every token file once for ids outside the vocabulary
-        (a chunked pass over the memmap), so the whole of every file is checked once per job;
-        `agree` then makes every rank act on whatever any rank found."""
-        if spec in ("shakespeare_char", "synthetic"):
-            if spec == "shakespeare_char" and not os.path.exists(SHAKESPEARE_TXT):
-                return f"the embedded corpus {SHAKESPEARE_TXT} is missing"
-            if spec == "synthetic":
-                lengths = SYNTHETIC_TOKENS
-            else:
-                n = len(open(SHAKESPEARE_TXT, encoding="utf-8").read())
-                lengths = {"train": int(SHAKESPEARE_TRAIN_FRACTION * n), "val": n - int(SHAKESPEARE_TRAIN_FRACTION * n)}
-            for split, n in lengths.items():
-                if n < block_size + 2:
-                    return (f"--data {spec}: its {split} split holds {n} tokens; block_size {block_size} "
-                            f"needs at least block_size+2 = {block_size + 2} (lower --block_size)")
-            return None
-        vocab, source, problem = Data.vocabulary(spec)
-        if problem:
-            return problem
-        for split in SPLITS:
-            path = os.path.join(spec, f"{split}.bin")
-            if os.path.isdir(path):
-                return f"--data {spec}: {path} is a directory, not a token file"
-            if not os.path.isfile(path):
-                return f"--data {spec}: {split}.bin is missing"
-            size = os.path.getsize(path)
-            if size % 2:
-                return f"{path} is {size} bytes, not a whole number of uint16 tokens (truncated or not nanoGPT's format?)"
-            if size // 2 < block_size + 2:
-                return (f"{path} holds {size // 2} tokens, fewer than block_size+2 = {block_size + 2} "
-                        "(the batch sampler needs one window of block_size+1 tokens and a choice of start)")
-            try:
-                tokens = np.memmap(path, dtype=np.uint16, mode="r")
-            except OSError as e:  # unreadable: permissions, a stale network mount
-                return f"{path} cannot be read: {e.strerror or e}"
-            lo, hi = rank * len(tokens) // world_size, (rank + 1) * len(tokens) // world_size
-            for a in range(lo, hi, DATA_SCAN_CHUNK):
-                chunk = np.asarray(tokens[a:min(hi, a + DATA_SCAN_CHUNK)])
-                if chunk.max() >= vocab:
-                    at = a + int(np.argmax(chunk >= vocab))
-                    return (f"{path} holds token id {int(tokens[at])} at position {at}, outside the vocabulary: "
-                            f"ids must be below {vocab}, {source}")
-        return None
-
     def batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
         """(x, y) int64 CPU tensors of shape (global_batch_size/dp_size, block_size): this
         data-parallel rank's contiguous slice of the global batch of `step` (for evaluation
@@ -779,74 +624,14 @@ def to_device(t, env):
 def to_host(t, device):
     """A copy of `t` in host memory (--offload's shards, their gradients and AdamW state),
     pinned when the run's `device` is an accelerator, so that the copies to and from it are
-    asynchronous DMA. With GPTPAR_FAKE_HOST=1 in the environment (tests), a HostTensor."""
+    asynchronous DMA. With GPTPAR_FAKE_HOST=1 in the environment (tests), infra's HostTensor."""
     out = t.to("cpu", copy=True)
     if device.type in ("cuda", "xpu"):
         out = out.pin_memory()
-    return host_tensor(out) if os.environ.get("GPTPAR_FAKE_HOST") == "1" else out
-
-
-# On a CPU run host and device are one memory, so a host tensor handed to a device op or a
-# collective goes unseen there and fails on the first GPU. Under GPTPAR_FAKE_HOST=1 the
-# host's tensors are HostTensors, on a device of their own (HOST), and are refused where a
-# GPU would refuse them.
-HOST = torch.device("cpu", 1)
-
-
-class HostTensor(torch.Tensor):
-    """A tensor in the fake host's memory. Ops among host tensors (AdamW's host-side math)
-    give host tensors; an op that mixes one with a tensor of the run's device raises, as
-    CUDA does, and so does a collective (CommLedger's device check: its device is HOST).
-    Explicit transfers pass: copy_, and .to(device) (a device tensor) or .to(HOST); so do
-    view_as and its kin, which read only the other tensor's shape."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func == torch.Tensor.device.__get__:  # (a new method-wrapper at each access: ==, not is)
-            return HOST
-        if func is torch.Tensor.copy_:  # a transfer either way; the destination stays where it is
-            with torch._C.DisableTorchFunctionSubclass():
-                func(*args, **kwargs)
-            return args[0]
-        if func in (torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as):  # only its shape
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs).as_subclass(type(args[0]))
-        if func in (_TENSOR_TO, _to, torch.Tensor.cpu):  # (torch names the patched .to, _to)
-            to = torch.device("cpu") if func is torch.Tensor.cpu else _target_device(args[1:], kwargs)
-            if to not in (None, HOST):  # up to the device: a plain tensor
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs).as_subclass(torch.Tensor)
-        tensors = [t for a in list(args) + list(kwargs.values())
-                   for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        if not all(isinstance(t, HostTensor) for t in tensors):
-            raise RuntimeError(f"{func.__name__} mixes a tensor in host memory with one on the device "
-                               "(GPTPAR_FAKE_HOST=1): a GPU refuses this; move one of them first")
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _target_device(args, kwargs):
-    """The device a .to(...) call's arguments name (None: it keeps the tensor's)."""
-    return torch._C._nn._parse_to(*args, **{k: v for k, v in kwargs.items() if k != "copy"})[0]
-
-
-_TENSOR_TO = torch.Tensor.to  # torch's own, before host_tensor() teaches it the HOST device
-
-
-def _to(self, *args, **kwargs):
-    """Tensor.to under the fake host: a move to HOST (`x.to(host_tensor.device)`) gives a
-    host tensor (a patch of the method, not a TorchFunctionMode: a mode is off inside
-    backward, where 05 moves gradient shards down to the host)."""
-    out = _TENSOR_TO(self, *args, **kwargs)
-    if not isinstance(self, HostTensor) and _target_device(args, kwargs) == HOST:
-        return (out.clone() if out is self else out).as_subclass(HostTensor)
+    if os.environ.get("GPTPAR_FAKE_HOST") == "1":  # tests: host memory told apart (infra.HostTensor)
+        from infra import host_tensor
+        out = host_tensor(out)
     return out
-
-
-def host_tensor(t):
-    """`t` as a HostTensor; teaches Tensor.to the HOST device for the rest of the process."""
-    torch.Tensor.to = _to
-    return t.as_subclass(HostTensor)
 
 
 # ----------------------------------------------------------------------------------------
@@ -862,14 +647,6 @@ def base_parser(doc):
     """An argparse parser whose errors are one line from rank 0 and exit 2 on every rank."""
     return _Parser(description=doc.split("\n\n")[0] if doc else None,
                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-
-
-# The GPU memory of the facilities' nodes (per rank: a GCD of an MI250X, a tile of a Max 1550),
-# for a dry run's fit verdict (--machine) and plan.py: ALCF Polaris 4 A100 40 GB; ALCF Aurora
-# 768 GiB HBM per node over 12 tiles, 64 GiB each (counted as 64 GB: the lower reading);
-# OLCF Frontier 64 GB HBM per GCD; NERSC Perlmutter 4 A100 40 GB (its 80 GB nodes:
-# --gpu_mem_gb 80). The sources are cited in plan.py's MACHINES, which reads this table.
-GPU_MEMORY_GB = {"polaris": 40, "aurora": 64, "frontier": 64, "perlmutter": 40}
 
 
 def make_parser(doc, experts=False):
@@ -897,8 +674,8 @@ def make_parser(doc, experts=False):
     g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
     g.add_argument("--micro_batch_size", type=micro_batch_size_arg, default="auto",
                    help="sequences per forward per data-parallel rank: a number, or auto: the largest that "
-                        "divides the rank's share of the global batch and fits its memory (pipelines: at least "
-                        "2 micro-batches per stage where one fits)")
+                        "divides the rank's share of the global batch (with infra.py: and fits its memory; "
+                        "pipelines: at least 2 micro-batches per stage where one fits)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_iters", type=int, default=5000)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -913,43 +690,14 @@ def make_parser(doc, experts=False):
     g.add_argument("--eval_interval", type=int, default=250, help="0 disables evaluation")
     g.add_argument("--eval_iters", type=int, default=20)
     g.add_argument("--log_interval", type=int, default=10)
-    g.add_argument("--metrics", default=None, help="JSONL file, one object per logged step")
-    g.add_argument("--wandb", default=None, metavar="PROJECT",
-                   help="also log the metrics rows to Weights & Biases from rank 0 (optional package; "
-                        "WANDB_MODE=offline on nodes without internet, `wandb sync` later)")
     g = p.add_argument_group("system")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "mps", "cpu"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on GPUs that support it, float32 elsewhere (float16 is refused)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
-    g.add_argument("--no_fit_check", action="store_true",
-                   help="skip the check, before the model is built, that this rank's costs() fit in its memory")
     g.add_argument("--recompute", action="store_true",
                    help="activation recomputation: keep only each transformer block's input for backward "
                         "and run the block's forward again there (Chen et al. 2016)")
-    g.add_argument("--out_dir", default="out")
-    g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from out_dir's newest checkpoint, written by any script at any layout")
-    g.add_argument("--overwrite", action="store_true",
-                   help="a new run may replace the checkpoint of another run in --out_dir (refused without it)")
-    g.add_argument("--export", default=None, metavar="FILE",
-                   help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
-    g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
-                   help="stop cleanly, with a checkpoint, before this many minutes from the start "
-                        "(the job's walltime less a margin)")
-    g = p.add_argument_group("dry run (no launcher, network or accelerator needed)")
-    g.add_argument("--dry_run", action="store_true",
-                   help="validate the configuration for --world_size ranks, print the layout and what "
-                        "one rank holds and sends per step, and exit")
-    g.add_argument("--world_size", type=int, default=None, help="ranks of the dry run")
-    g.add_argument("--ranks_per_node", type=int, default=None,
-                   help="ranks per node of the dry run's mesh (default: all on one node)")
-    g.add_argument("--machine", choices=sorted(GPU_MEMORY_GB),
-                   help="the dry run's GPUs, for the fit verdict and --micro_batch_size auto (their memory)")
-    g.add_argument("--gpu_mem_gb", type=float, default=None,
-                   help="the dry run's GPU memory in GB, for the fit verdict (instead of --machine); without "
-                        "either, --device cpu plans for this host's memory")
     return p
 
 
@@ -970,7 +718,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer than any job, within what the pr
 def parse_args(parser, argv=None):
     """Parse and validate the shared flags (every rank reaches the same verdict from the same
     command line); the script validates its own afterwards. What depends on files (--data,
-    --out_dir, --metrics) is checked by `setup`, once the ranks can agree."""
+    --out_dir, --metrics) infra's Run checks at start, once the ranks can agree."""
     args = parser.parse_args(argv)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
@@ -980,27 +728,15 @@ def parse_args(parser, argv=None):
     # GPU these scripts are for (A100, H100/H200, MI250X, Max 1550) computes in it
     check(args.dtype != "float16", "--dtype float16 is not supported: it needs loss scaling, "
           "which these scripts leave out; use --dtype bfloat16 (float32's range, no scaling needed)")
-    if args.dry_run:
-        check(args.world_size is not None and args.world_size > 0,
-              "--dry_run needs --world_size N (the number of ranks to plan for), N > 0")
-        args.ranks_per_node = args.ranks_per_node or args.world_size
-        check(args.ranks_per_node > 0, f"--ranks_per_node must be positive, got {args.ranks_per_node}")
-        check(args.gpu_mem_gb is None or args.gpu_mem_gb > 0, f"--gpu_mem_gb must be positive, got {args.gpu_mem_gb}")
-        check(not (args.machine and args.gpu_mem_gb), "--machine and --gpu_mem_gb both give the GPU's memory: pass one")
-    else:
-        check(args.world_size is None and args.ranks_per_node is None and args.machine is None
-              and args.gpu_mem_gb is None, "--world_size, --ranks_per_node, --machine and --gpu_mem_gb belong to "
-              "--dry_run (a launch takes its size from the launcher and its memory from the device)")
     for name, value in vars(args).items():  # nan and inf pass no range check below: refuse them here
         check(not isinstance(value, float) or math.isfinite(value), f"--{name} must be a finite number, got {value}")
-    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval", "time_limit"]
+    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval"]
     for name in positive:
         value = getattr(args, name)
         check(value is None or value == "auto" or value > 0, f"--{name} must be positive, got {value}")
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
-    for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "ckpt_interval", "weight_decay", "grad_clip",
-                 "lr", "min_lr"):
+    for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "weight_decay", "grad_clip", "lr", "min_lr"):
         check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")
     check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
@@ -1020,26 +756,12 @@ def parse_args(parser, argv=None):
     check(args.global_batch_size <= MAX_BATCH, f"--global_batch_size {args.global_batch_size} is more than "
           f"{MAX_BATCH:,} sequences per step: a typo?")
     check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
-    check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
-          "it needs --ckpt_interval (the final step is always saved)")
-    check(not (args.resume and args.overwrite), "--resume continues the run in --out_dir, --overwrite replaces it: "
-          "pass one")
-    check(not args.wandb or wandb_installed(), f"--wandb {args.wandb}: the wandb package is not installed "
-          "(it is optional: pip install wandb)")
     return args
-
-
-def wandb_installed():
-    try:
-        import wandb  # noqa: F401  (optional: imported only when --wandb is given)
-        return True
-    except ImportError:
-        return False
 
 
 def check_batch(args, dp_size):
     """Gradient-accumulation steps = global / (micro · dp) must be a whole number (the micro-
-    batch given, or chosen by Run.batch for --micro_batch_size auto)."""
+    batch given, or chosen by Run.start for --micro_batch_size auto)."""
     check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
           f"--global_batch_size {args.global_batch_size} is not divisible by "
           f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
@@ -1196,7 +918,7 @@ def setup(args, launch=None, distributed=True):
     """Detect the launcher, choose the device, create the process group (a one-rank group
     when a distributed script runs as one process, so its collectives still work), install
     the abort-on-exception hook. Returns an Env. (A training script calls it through
-    Run.setup, which adds the ledger, the start-up checks, the out_dir lock and the guard.)"""
+    Run.start; infra's adds the ledger, the start-up checks, the out_dir lock and the guard.)"""
     global _MPI_COMM
     launch = launch or detect_launcher(os.environ)
     if launch.kind == "mpi":
@@ -1385,1351 +1107,117 @@ def set_rng_state(env, state):
         set_device_rng_state(env.device, state["device"])
 
 
-# ========================================================================================
-# PART II: the run infrastructure. One run protocol (`Run`) that every main() calls at a
-# handful of points, and beneath it what it is made of: start-up checks and the out_dir
-# lock, the guard, the communication ledger, the activation meter, metrics, the dry run,
-# checkpoint files.
-# ========================================================================================
-
 
 # ----------------------------------------------------------------------------------------
-# The run protocol
+# The run protocol, plain
 # ----------------------------------------------------------------------------------------
 
 class Run:
-    """The run protocol: what every training script's main() does the same way, in one
-    place, so that main() shows its strategy. The training loop stays in the script:
+    """The run protocol: what every training script's main() does the same way, so that
+    main() shows its strategy. This plain one does only what a plain training loop needs;
+    infra.py's Run, which the numbered scripts import, adds the ledger, the activation meter,
+    the guard, the fit check, metrics, checkpoints and the dry run at the same calls:
 
-        run = Run(args, __file__)                   # who this process is (or plans to be)
-        run.dry_run(costs, layout_lines)            # --dry_run: print the plan, exit 0
-        env = run.setup()                           # process group and device; the files
-                                                    # checked, out_dir locked, signals armed
+        run = Run(parser, __file__)                       # the command line; who this process is
+        env, accum_steps = run.start(costs, dp_size=D)    # the processes started, the micro-batch chosen
+        run.dry_run(costs, layout_lines)                  # (infra: --dry_run prints the plan, exits 0)
         ... the model, the strategy, the optimizer ...
-        run.begin(config, optimizer, cost, ...)     # resume; the ledger's formulas; metrics
-        for step in run.steps():                    # lr set; evaluations at --eval_interval
-            with run.meter:                         # the activations autograd holds
+        run.begin(config, optimizer, costs, ...)          # (infra: resume; the ledger's formulas)
+        for step in run.steps():                          # evaluations at --eval_interval; the clock
+            lr = lr_at(step, args) ...                    # the learning rate, set in the loop
+            with run.meter:                               # (infra: the activations autograd holds)
                 ... forwards and backwards ...
-            run.check(loss, grads)                  # non-finite? asked to stop? (every rank)
+            run.check(loss, grads)                        # (infra: non-finite? asked to stop?)
             optimizer.step()
-            run.end_step(loss)                      # ledger, metrics, checkpoint, stop
-        run.finish()                                # end the process group in step
+            run.end_step(loss)                            # one line at --log_interval
+        run.finish()                                      # end the process group in step
+    """
 
-    The ledger's window: a step's traffic is what the torch.distributed calls between the
-    yield of steps() and end_step() send. Evaluation and checkpoint traffic is taken out
-    after each, and control messages (agreement, the guard's flags) are never counted."""
+    meter = nullcontext()  # infra: counts the activations saved for backward
+    cost = None  # infra: this rank's costs(), the ledger's theory
 
-    def __init__(self, args, script):
-        self.args, self.script = args, os.path.basename(script)
-        self.launch = launch_for(args)  # for --dry_run: rank 0 of --world_size planned ranks
+    def __init__(self, parser, script):
+        self.args, self.script = parse_args(parser), os.path.basename(script)
+        self.launch = detect_launcher(os.environ)
         self.world_size = self.launch.world_size
-        self.meter = ActivationMeter()  # `with run.meter:` around a step's forwards and backwards
-        self.env, self.chose, self.fit_lines, self.fit_checked = None, None, [], False
+        self.env = None
 
-    def dry_run(self, costs, layout_lines=()):
-        """With --dry_run: print the layout and what one rank holds and sends, from the
-        script's costs(), with the checks a launch makes; exit 0. Otherwise nothing."""
-        if self.args.dry_run:
-            args = self.args
-            config = model_config(args, Data.vocab_size_of(args.data))
-            dry_run(args, self.script, config, costs(args, config, self.world_size, planned_dtype(args)),
-                    [*self.fit_lines, *layout_lines])
+    def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,)):
+        """Start the processes (the process group and the device: `setup`) and choose the
+        micro-batch: --micro_batch_size as given, or for auto the largest that divides a
+        replica's share of the global batch (global / dp_size) leaving at least `aim`
+        micro-batches per step, a multiple of `multiple` (pipelines). infra's Run chooses the
+        largest that also fits every rank's memory, from `costs`. Returns (env, accumulation
+        steps)."""
+        self.env = setup(self.args, self.launch)
+        if self.args.micro_batch_size == "auto":
+            self.args.micro_batch_size = micro_batch_sizes(self.args, dp_size, aim, multiple)[0]
+        return self.env, check_batch(self.args, dp_size)
 
-    def batch(self, costs, dp_size, aim=1, multiple=1, ranks=(0,)):
-        """The micro-batch: --micro_batch_size as given, or for auto (the default) the largest
-        that divides a replica's share of the global batch (global / dp_size) and fits every
-        rank's memory (the fit check's need, from costs(), against its room), preferring at
-        least `aim` micro-batches per step and a multiple of `multiple` (pipelines). Sets
-        args.micro_batch_size; returns the gradient-accumulation steps. The ranks' rooms
-        differ and they must agree on one micro-batch, so in a launch the process group
-        starts here (setup() goes on from it), the smallest choice wins, and the fit check
-        runs here against the same room. A dry run chooses against planned_room() at
-        `ranks` (the ranks whose costs differ)."""
-        args = self.args
-        if args.micro_batch_size != "auto":
-            self.fit_lines = self.planned_fit(costs, ranks)
-            return check_batch(args, dp_size)
-        check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
-              f"is not divisible by the data-parallel size {dp_size}")
-        if args.dry_run:
-            room, dtype, device_type = planned_room(args), planned_dtype(args), planned_device_type(args)
-        else:
-            self.env = self.env or setup(args, self.launch)
-            env = self.env
-            # costs() reads --data's vocabulary: a directory missing on one node ends every rank
-            agree(env, None if args.data in ("shakespeare_char", "synthetic") else Data.vocabulary(args.data)[2])
-            room, dtype, device_type, ranks = memory_room(env), env.dtype, env.device.type, (env.rank,)
+    def dry_run(self, costs, layout_lines=lambda config: []):
+        """infra's Run: --dry_run prints the layout and its costs and exits. Here: nothing."""
 
-        micro = largest_fitting_micro_batch(
-            args, lambda b: rank_need(args, costs, self.world_size, dtype, device_type, ranks, micro_batch_size=b),
-            room, dp_size, aim, multiple)
-        if not args.dry_run and self.env.world_size > 1:
-            chosen = torch.tensor([micro], device=self.env.device)
-            dist.all_reduce(chosen, op=dist.ReduceOp.MIN)  # before the ledger: not a step's traffic
-            micro = int(chosen.item())
-        args.micro_batch_size = micro
-        if not args.dry_run:  # the fit check, against the room the choice was made for (read
-            # again later, after the other ranks have grown, it could refuse what auto chose)
-            agree(self.env, None if args.no_fit_check else fit_problem(args, self.env, costs, room))
-            self.fit_checked = True
-        self.chose = (f"--micro_batch_size auto: {micro} (of the {args.global_batch_size // dp_size} sequences per "
-                      f"replica, the largest that fits{' every rank' if self.world_size > 1 else ''}"
-                      f"{f', at least {aim} micro-batches' if aim > 1 else ''})")
-        self.fit_lines = [self.chose] + self.planned_fit(costs, ranks)
-        return check_batch(args, dp_size)
-
-    def planned_fit(self, costs, ranks):
-        """A dry run's fit verdict, the launch's fit check against planned_room() (else none)."""
-        args = self.args
-        room = planned_room(args) if args.dry_run else None
-        if room is None:
-            return ["fit: not checked (name the GPU: --machine or --gpu_mem_gb; or --device cpu for this host)"
-                    ] if args.dry_run else []
-        dtype, device_type = planned_dtype(args), planned_device_type(args)
-
-        def need(**changes):
-            return rank_need(args, costs, self.world_size, dtype, device_type, ranks, **changes)
-        needed, per = need(), (f"of --gpu_mem_gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb else f"of a {args.machine} GPU"
-                               if args.machine else f"this host's available memory / {args.ranks_per_node} rank(s)")
-        usable = f"{GPU_USABLE:.0%} " if args.gpu_mem_gb or args.machine else ""
-        verdict = "fits" if needed <= room else f"does not fit: {fit_fixes(args, need, room)}"
-        return [f"fit: {verdict} (needs {format_bytes(needed)} per rank: {allowance_text(device_type)}; "
-                f"room {format_bytes(room)}, {usable}{per})"]
-
-    def setup(self, costs=None):
-        """The process group and device (Part I's setup, unless batch() started them), the
-        ledger installed, the run's files checked and out_dir locked (agreed by every rank,
-        before anything heavy), the fit check (this rank's costs() against its memory, before
-        the model is built), and the guard armed (SIGTERM / SIGUSR1 / --time_limit). Returns
-        the Env."""
-        self.env = self.env or setup(self.args, self.launch)
-        LEDGER.install(self.env.device)
-        log_node_map(self.env)
-        if self.chose:
-            log(self.env, self.chose)
-        agree(self.env, startup_problem(self.args, self.env))
-        if costs is not None and not self.args.no_fit_check and not self.fit_checked:
-            agree(self.env, fit_problem(self.args, self.env, costs))
-        self.guard = Guard(self.args, self.env)
-        return self.env
-
-    def begin(self, config, optimizer, cost, layout, pieces, held, evaluate, describe, extra_rng=None):
-        """After the model, the strategy and the optimizer exist. `cost`: the script's costs()
-        for this rank, the ledger's theory column. `layout`: what a checkpoint records of
-        this strategy's layout (the same layout resumes bit for bit). `pieces()`: this rank's
-        checkpoint pieces; `held()`: the model-state bytes it holds, by kind; `evaluate()`:
-        {"train": loss, "val": loss} over --eval_iters batches; `extra_rng()`: random streams
-        besides the default ones (a TP rank's own dropout stream). Resumes from --resume (a
-        checkpoint of any script at any layout) and returns the extra streams read back
-        (same layout only; else None)."""
-        args, env = self.args, self.env
-        self.optimizer, self.cost, self.pieces, self.held = optimizer, cost, pieces, held
-        self._evaluate, self.extra_rng = evaluate, extra_rng
-        self.run_config = run_config(args, config, layout)
-        self.start_step, extra = 0, None
-        if args.resume:
-            self.start_step, extra = resume_checkpoint(args.out_dir, env, pieces(), self.run_config, optimizer)
-            if self.start_step >= args.max_iters:  # a finished run: nothing to train, say so
-                log(env, f"note: the checkpoint is at step {self.start_step} and --max_iters is {args.max_iters}: "
-                         "nothing to train (to train on, raise --max_iters and keep --lr_decay_iters)")
-                if getattr(args, "export", None):
-                    export_agreed(args, env, self.start_step)
-        nano_params = count_params(config)[1]
-        log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-                 f"{str(env.dtype).replace('torch.', '')}, {describe}")
-        self.metrics = Metrics(args, env, flops_per_token(config, nano_params), cost,
-                               config={"script": self.script, "preset": args.model, **self.run_config})
-        LEDGER.take()  # the set-up's traffic (weights broadcast, groups made) is not a step's
-        return extra
+    def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
+              after_resume=None):
+        """After the model, the strategy and the optimizer exist: one line about them. infra's
+        Run also resumes (`pieces`, `layout`, `extra_rng`), and sets the ledger's formulas
+        (`costs`) and measurements (`held`). Returns the extra random streams a resume read
+        (here: None)."""
+        self.optimizer, self._evaluate, self.start_step = optimizer, evaluate, 0
+        log(self.env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device "
+                      f"{self.env.device}, {str(self.env.dtype).replace('torch.', '')}, {describe}")
 
     def steps(self):
         """The optimizer steps, from the resumed one to --max_iters: evaluates at
-        --eval_interval (and after the last step), sets the learning rate, starts the clock."""
+        --eval_interval (and after the last step), starts each step's clock."""
         args = self.args
         for step in progress(self.env, self.start_step, args.max_iters):
             if args.eval_interval and step % args.eval_interval == 0:
                 self.evaluate(step)
-            self.step, self.lr = step, lr_at(step, args)
-            LEDGER.step, LEDGER.phase = step, "step"
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr
-            reset_peak_memory(self.env)  # mem_peak_bytes: this step's, not since the start
-            self.stopping, self.t0 = False, time.perf_counter()
+            self.step, self.t0 = step, time.perf_counter()
             yield step
         if args.eval_interval and args.max_iters > self.start_step:
             self.evaluate(args.max_iters)
 
     def evaluate(self, step):
-        LEDGER.step, LEDGER.phase = step, "evaluation"
         losses = self._evaluate()
         log(self.env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        self.metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
-        LEDGER.take()  # evaluation traffic is not a training step's
+        return losses
 
     def check(self, loss, grads):
-        """Right before the optimizer step, with this rank's loss and gradient tensors: every
-        rank agrees (one small all-reduce) whether any holds a non-finite value, which ends
-        the run here before the update, and whether any was asked to stop (a signal,
-        --time_limit), which ends it after this step's checkpoint."""
-        LEDGER.phase = "optimizer"  # the guard's flags, the update and what follows it
-        self.stopping = self.guard.check(self.step, loss, grads)
+        """infra's Run: every rank agrees whether a loss or gradient is non-finite (stop before
+        the update) and whether one was asked to stop. Here: nothing."""
 
-    def end_step(self, loss, extra=None):
+    def end_step(self, loss, extra=None, **step_costs):
         """After the optimizer step, with the global batch's mean loss (a tensor, read only
-        when logged): the ledger (printed once, next to the formulas), the metrics row at
-        --log_interval (`extra`: the script's own keys, a dict or a function making one),
-        the checkpoint at --ckpt_interval, and the stop when one was agreed."""
-        args, env, step = self.args, self.env, self.step
-        comm = LEDGER.take()
-        if step == self.start_step:
-            print_ledger(env, self.held(), comm, self.cost, self.meter.peak)
+        when logged: reading it waits for the device): one line at --log_interval."""
+        args, step = self.args, self.step
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss = loss.item()
-            synchronize(env)
-            self.metrics.step(step, loss, self.lr, time.perf_counter() - self.t0, self.held(), comm,
-                              extra() if callable(extra) else extra, activations=self.meter.peak)
-        if self.stopping or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
-            self.save(step + 1)
-        if self.stopping:
-            self.guard.stop(step + 1)  # says how to resume; exits 0 on every rank
-
-    def save(self, step):
-        LEDGER.phase = "checkpoint"
-        save_checkpoint(self.args, step, self.env, self.pieces(), self.run_config, self.optimizer,
-                        extra_rng=self.extra_rng() if self.extra_rng else None)
-        LEDGER.take()  # checkpoint traffic is not a training step's
+            dt = time.perf_counter() - self.t0
+            tokens = args.global_batch_size * model_block_size(args)
+            log(self.env, f"step {step}: loss {loss:.4f}, lr {self.optimizer.param_groups[0]['lr']:.2e}, "
+                          f"{dt * 1e3:.0f} ms, {tokens / dt:,.0f} tok/s")
 
     def log(self, message):
         log(self.env, message)
 
     def finish(self):
-        """Release out_dir and end the process group in step (Part I's teardown)."""
-        ignore_stop_signals()
-        agree(self.env, WRITE_FAILURES[0] if WRITE_FAILURES else None)  # a metrics row lost at the end
-        self.metrics.close()  # --wandb: the run finished, its files complete
-        release_out_dir()
+        """End the process group in step."""
         teardown(self.env)
 
 
-# ----------------------------------------------------------------------------------------
-# Starting: start-up checks agreed by every rank, the out_dir lock
-# ----------------------------------------------------------------------------------------
-
-def agree(env, problem):
-    """Every rank passes the problem it found (a one-line string) or None; if any rank found
-    one, the first in rank order is printed once as `error: ...` and every rank exits with
-    status 2. A problem only some ranks can see (a file missing on one node, a slice of the
-    data) thus ends the whole job within seconds instead of hanging the others."""
-    if env.world_size > 1 and dist.is_initialized():
-        with LEDGER.paused():  # control traffic, not the strategy's
-            found = torch.tensor([1.0 if problem else 0.0], device=env.device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # did any rank find a problem?
-            if found.item():
-                problems = [None] * env.world_size
-                dist.all_gather_object(problems, problem)  # every rank's message
-                problem = next(p for p in problems if p)
-    if problem:
-        if env.master:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
-        leave(env, 2)
-
-
-def leave(env, status):
-    """Release the out_dir lock, end the process group in step, exit with `status`."""
-    ignore_stop_signals()
-    release_out_dir()
-    teardown(env)
-    sys.exit(status)
-
-
-def startup_problem(args, env):
-    """This rank's first problem with the files of the run, or None: --data (this rank's
-    slice of the token scan), and on rank 0, which writes them, --metrics, --export and
-    --out_dir (created, checked writable, locked for this job and cleared of the leftovers of
-    interrupted writes)."""
-    problem = Data.problem(args.data, model_block_size(args), env.rank, env.world_size)
-    if problem or not env.master:
-        return problem
-    problem = output_problems(args)
-    if problem is None and args.metrics:
-        try:
-            open(args.metrics, "a").close()
-        except OSError as e:
-            return f"--metrics {args.metrics} cannot be written: {e.strerror}"
-    # the other ranks wait in `agree` meanwhile: never longer than half the collective timeout
-    problem = problem or lock_out_dir(args.out_dir, wait_s=min(LOCK_STALE_S, args.timeout / 2))
-    if problem is None:  # ours now: remove what interrupted writes of earlier jobs left
-        unfinished = unfinished_checkpoints(args.out_dir)
-        if args.resume and unfinished and latest_checkpoint(args.out_dir) is None:
-            return (f"--resume: {unfinished[0]} has no metadata.json: its write did not finish (the job ended "
-                    "while writing it), and no committed checkpoint is there to resume from")
-        for path in unfinished:
-            print(f"note: removing {path}, the leftover of a checkpoint write that did not finish",
-                  file=sys.stderr, flush=True)
-        clean_checkpoints(args.out_dir, keep=None, committed=False)
-    return problem
-
-
-def output_problems(args):
-    """The first reason the files this run would write cannot be written, or None, found
-    without writing anything (a dry run calls it too): --metrics and --export need an
-    existing, writable directory; --out_dir must be a writable directory or creatable (a
-    directory is made and removed in it, or in the deepest part of its path that exists)."""
-    for flag, path in (("--metrics", args.metrics), ("--export", getattr(args, "export", None))):
-        if not path:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            return f"{flag} {path}: the directory {folder} does not exist"
-        if os.path.isdir(path):
-            return f"{flag} {path} is a directory"
-        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-            return f"{flag} {path} cannot be written: permission denied"
-    committed = latest_checkpoint(args.out_dir) if os.path.isdir(args.out_dir) else None
-    if committed and not args.resume and not getattr(args, "overwrite", False):
-        return (f"--out_dir {args.out_dir} holds the checkpoint of another run ({committed}): pass --resume to "
-                "continue it, --overwrite to replace it, or give this run its own --out_dir")
-    existing = os.path.abspath(args.out_dir)
-    while not os.path.exists(existing):  # the deepest part of the path that exists
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"--out_dir {args.out_dir}: {existing} exists and is not a directory"
-    try:  # permission bits do not tell (root, read-only mounts): make and remove a directory there
-        os.rmdir(tempfile.mkdtemp(prefix=".probe.", dir=existing))
-    except OSError as e:
-        verb = "is not writable" if existing == os.path.abspath(args.out_dir) else f"cannot be created in {existing}"
-        return f"--out_dir {args.out_dir} {verb}: {e.strerror}"
-    return None
-
-
-LOCK_NAME = "LOCK"
-
-
-LOCK_HEARTBEAT_S = 10  # rank 0 touches the lock this often while the job lives
-
-
-LOCK_STALE_S = 60  # a lock untouched this long, or whose process is gone from this host, is stale
-
-
-_LOCK = {}  # path, the holder record, and the heartbeat's stop event, while this process holds one
-
-
-def _lock_holder():
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")}
-
-
-LOCK_WRITE_S = 5  # an empty or unreadable lock older than this is a start that failed to write it
-
-
-def _is_zombie(pid):
-    """A process that has exited but not yet been reaped still answers kill(pid, 0)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _lock_is_stale(path, holder):
-    """A dead job's lock: its process is gone or a zombie (same host), its heartbeat
-    stopped, or it was never written (a start that failed on a full disk)."""
-    try:
-        age = time.time() - os.path.getmtime(path)
-    except FileNotFoundError:
-        return True
-    if not holder:
-        return age > LOCK_WRITE_S
-    if holder.get("host") == socket.gethostname():
-        try:
-            os.kill(int(holder.get("pid")), 0)
-            if _is_zombie(int(holder.get("pid"))):
-                return True
-        except ProcessLookupError:
-            return True
-        except (PermissionError, TypeError, ValueError):
-            pass
-    return age > LOCK_STALE_S
-
-
-def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
-    """Create out_dir, check that it is writable, and take its lock (out_dir/LOCK, holding
-    host, pid and scheduler job id; a daemon thread touches it every LOCK_HEARTBEAT_S).
-    Returns the problem, or None. A stale lock of a dead job is replaced, with a note. A
-    live-looking lock of another host may be a job killed seconds ago (a chained job starts
-    right after it): this waits up to `wait_s` for its heartbeat to stop before refusing."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except FileExistsError:
-        return f"--out_dir {out_dir} exists and is not a directory"
-    except OSError as e:
-        return f"--out_dir {out_dir} cannot be created: {e.strerror}"
-    if not os.path.isdir(out_dir):
-        return f"--out_dir {out_dir} exists and is not a directory"
-    path = os.path.join(out_dir, LOCK_NAME)
-    me = _lock_holder()
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # atomic: one job wins
-        except FileExistsError:
-            try:
-                holder = json.load(open(path))
-            except (OSError, ValueError):
-                holder = {}
-            holder = holder if isinstance(holder, dict) else {}
-            if not _lock_is_stale(path, holder) and holder.get("host") != socket.gethostname() and wait_s > 0:
-                print(f"note: --out_dir {out_dir} is locked by job {holder.get('job')} on host {holder.get('host')}; "
-                      f"waiting up to {wait_s:.0f} s to see whether its heartbeat stops (a killed job's)",
-                      file=sys.stderr, flush=True)
-                deadline = time.time() + wait_s
-                while time.time() < deadline and os.path.exists(path) and not _lock_is_stale(path, holder):
-                    time.sleep(min(1.0, max(0.0, deadline - time.time())))
-                wait_s = 0
-                if not os.path.exists(path):
-                    continue  # released while we waited: take it
-            if not _lock_is_stale(path, holder):
-                age = time.time() - os.path.getmtime(path)
-                return (f"--out_dir {out_dir} is in use by another job (host {holder.get('host')}, "
-                        f"pid {holder.get('pid')}, job {holder.get('job')}; its lock {path} was renewed "
-                        f"{age:.0f} s ago): give this run its own --out_dir, or wait for that job to end")
-            print(f"note: removing the stale lock of a job that is gone ({path}: {holder})", file=sys.stderr, flush=True)
-            stale = f"{path}.stale.{os.getpid()}"
-            try:
-                os.replace(path, stale)  # only one of two racing jobs moves it away
-                os.remove(stale)
-            except FileNotFoundError:
-                pass
-            continue
-        except OSError as e:
-            return f"--out_dir {out_dir} is not writable: {e.strerror}"
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-        except OSError as e:  # a full disk: leave no empty lock for the next job to wait on
-            os.remove(path)
-            return f"--out_dir {out_dir}: cannot write its lock {path}: {e.strerror or e}"
-        stop = threading.Event()
-
-        def heartbeat():
-            while not stop.wait(LOCK_HEARTBEAT_S):
-                try:
-                    os.utime(path)
-                except OSError:
-                    return
-        threading.Thread(target=heartbeat, daemon=True, name="out_dir lock heartbeat").start()
-        _LOCK.update(path=path, holder=me, stop=stop)
-        atexit.register(release_out_dir)
-        return None
-    return f"--out_dir {out_dir}: could not take its lock {path} (another job keeps taking it)"
-
-
-def release_out_dir():
-    """Remove this job's lock (if it is still ours); safe to call more than once."""
-    if not _LOCK:
-        return
-    _LOCK["stop"].set()
-    try:
-        if json.load(open(_LOCK["path"])) == _LOCK["holder"]:
-            os.remove(_LOCK["path"])
-    except (OSError, ValueError):
-        pass
-    _LOCK.clear()
-
-
-# ----------------------------------------------------------------------------------------
-# Fitting: this rank's costs() against the memory it can have, before anything is built
-# ----------------------------------------------------------------------------------------
-
-# What a rank needs beyond its costs() (model state + activations saved for backward): the
-# transients autograd does not save (an op's output before the next consumes it, gradients
-# in flight in backward, AdamW's temporaries) and what the allocator keeps. Measured on CPU
-# for every script (peak RSS less the runtime less costs(): tests/benchmarks/bench_fit.py,
-# docs/memory.md): up to 670 MiB at dropout 0, and 1.1-1.5 GiB for the default model's bare
-# commands (dropout 0.2, 24-48 sequences); most of it is glibc's heap keeping freed memory.
-# FIT_SHARE of costs() + FIT_MIB covers every case measured. On GPUs, where the caching
-# allocator reuses freed blocks, the allowance is an estimate, unmeasured (no GPU was lent).
-FIT_SHARE, FIT_MIB = 0.5, 768  # CPU
-FIT_SHARE_GPU, FIT_MIB_GPU = 0.25, 128  # CUDA, ROCm, XPU (unmeasured)
-
-
-def fit_allowance(device_type):
-    """(share of costs(), MiB) that a rank needs beyond its costs() on this device type."""
-    return (FIT_SHARE, FIT_MIB) if device_type == "cpu" else (FIT_SHARE_GPU, FIT_MIB_GPU)
-
-
-def allowance_text(device_type):
-    share, mib = fit_allowance(device_type)
-    return f"costs() + {share:.0%} + {mib} MiB"
-
-# What a GPU of known size leaves for a rank's tensors when only its size is known (a dry run
-# or plan.py for a named machine): the CUDA / ROCm / Level Zero context, the communicators'
-# buffers and the caching allocator's fragmentation take the rest. A launch reads the free
-# memory itself instead.
-GPU_USABLE = 0.9
-
-
-def fit_need(cost, device_type):
-    """Bytes this rank needs on its device: costs()'s state (its host parts, with --offload,
-    only on CPU), 05's units gathered at the peak, and the activations, plus the transients'
-    allowance."""
-    held = sum(v for kind, (_, v) in cost["held"].items() if device_type == "cpu" or "host" not in kind)
-    base = held + sum(cost[k][1] for k in ("gathered", "activations") if k in cost)
-    share, mib = fit_allowance(device_type)
-    return base + int(share * base) + mib * 2**20
-
-
-def host_available():
-    """This host's MemAvailable in bytes, or None where /proc/meminfo is not there."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def memory_room(env):
-    """Bytes this rank can have: the device's free memory, or on CPU the host's available
-    memory shared by the ranks on this node (each one's runtime is already resident)."""
-    if env.device.type == "cuda":
-        return torch.cuda.mem_get_info(env.device)[0]
-    if env.device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
-        return torch.xpu.mem_get_info(env.device)[0]
-    available = host_available() if env.device.type == "cpu" else None  # mps: unknown
-    return available and available // max(1, env.launch.local_world_size or 1)
-
-
-def planned_room(args):
-    """The room a dry run (and plan.py) plans for, per rank: GPU_USABLE of --gpu_mem_gb or of
-    --machine's GPU; with neither and --device cpu, this host's available memory shared by
-    --ranks_per_node ranks; else None (no verdict: the GPU is not named)."""
-    gb = args.gpu_mem_gb or GPU_MEMORY_GB.get(args.machine)
-    if gb:
-        return int(gb * 1e9 * GPU_USABLE)
-    available = host_available() if args.device == "cpu" else None
-    return available and available // args.ranks_per_node
-
-
-def rank_need(args, costs, world_size, dtype, device_type, ranks=(0,), **changes):
-    """The largest fit_need() of the script's costs() over `ranks` (where the ranks differ: a
-    pipeline's stages), with the flags in `changes` changed."""
-    config = model_config(args, Data.vocab_size_of(args.data))
-    changed = argparse.Namespace(**{**vars(args), **changes})
-    by_rank = "rank" in inspect.signature(costs).parameters
-    return max(fit_need(costs(changed, config, world_size, dtype, **({"rank": r} if by_rank else {})), device_type)
-               for r in ranks)
-
-
-def largest_fitting_micro_batch(args, need, room, dp_size, aim=1, multiple=1):
-    """--micro_batch_size auto: the largest micro-batch that divides a replica's share of the
-    global batch and whose need(b) fits `room`, among those leaving at least `aim`
-    micro-batches per step and a multiple of `multiple` (when any does: a pipeline's m >= 2p,
-    the interleaved schedule's m divisible by p). None fits: the smallest, which the fit
-    check then refuses with what would fit. No room known: the largest."""
+def micro_batch_sizes(args, dp_size, aim=1, multiple=1):
+    """The micro-batches --micro_batch_size auto may choose, largest first: those that divide a
+    replica's share of the global batch, leaving at least `aim` micro-batches per step and a
+    number of them divisible by `multiple` (where any does: a pipeline's m >= 2p, the
+    interleaved schedule's m divisible by p)."""
+    check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
+          f"is not divisible by the data-parallel size {dp_size}")
     share = args.global_batch_size // dp_size
     sizes = [b for b in range(share, 0, -1) if share % b == 0]
     sizes = [b for b in sizes if (share // b) % multiple == 0] or sizes
-    sizes = [b for b in sizes if share // b >= aim] or sizes[-1:]
-    if room is None:
-        return sizes[0]
-    return next((b for b in sizes if need(b) <= room), sizes[-1])
-
-
-def fit_problem(args, env, costs, room=None):
-    """None if this rank's costs() fit its memory_room() (or `room`); else one line with the
-    need, the room and the cheapest change that fits: the largest smaller micro-batch,
-    --recompute, or, when the model state alone does not fit, sharding it."""
-    room = memory_room(env) if room is None else room
-    if room is None:
-        return None
-
-    def need(**changes):
-        return rank_need(args, costs, env.world_size, env.dtype, env.device.type, (env.rank,), **changes)
-    needed = need()
-    if needed <= room:
-        return None
-    local = env.launch.local_world_size or 1
-    where = (f" x {local} rank(s) on this node = {format_bytes(needed * local)}, {format_bytes(room * local)} "
-             "available" if env.device.type == "cpu" else f", {format_bytes(room)} free on {env.device}")
-    return (f"rank {env.rank} needs {format_bytes(needed)} ({allowance_text(env.device.type)} for "
-            f"transients){where}: {fit_fixes(args, need, room)} (--no_fit_check skips this check)")
-
-
-def fit_fixes(args, need, room):
-    """The cheapest changes that fit: the largest smaller micro-batch, --recompute, or else
-    sharding the model state."""
-    fixes, micro = [], args.micro_batch_size
-    smaller = next((m for m in range(micro - 1, 0, -1) if micro % m == 0 and need(micro_batch_size=m) <= room), None)
-    if smaller:
-        fixes.append(f"--micro_batch_size {smaller} fits ({micro // smaller}x the accumulation steps)")
-    if not args.recompute and need(recompute=True) <= room:
-        fixes.append("--recompute fits")
-    if not fixes:
-        fixes.append("the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py), split the "
-                     "model (06-08), or use more nodes")
-    return ", or ".join(fixes)
-
-
-# ----------------------------------------------------------------------------------------
-# Stopping: non-finite loss or gradients, walltime and signals, agreed by every rank
-# ----------------------------------------------------------------------------------------
-
-# what PBS and Slurm send at walltime or preemption, and a terminal's Ctrl-C
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-
-
-NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite loss or gradient
-
-
-def ignore_stop_signals():
-    """On the way out: the copies of a stop signal still in flight (the launcher's forward
-    of the scheduler's SIGTERM, a second Ctrl-C) must not kill a rank that is already
-    ending well; an ignored signal stays ignored through the interpreter's shutdown, where
-    Python's own handlers are reset to the default action (death by the signal)."""
-    for name in STOP_SIGNALS:
-        try:
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-        except ValueError:  # not the main thread: nothing was installed from it either
-            pass
-
-
-class Guard:
-    """One small all-reduce per optimizer step, before the update, in which every rank says
-    (1) whether its loss or gradients hold a non-finite number, and (2) whether it has been
-    asked to stop: a SIGTERM / SIGUSR1 reached it, or --time_limit is near (elapsed time +
-    twice the slowest step seen, i.e. one more step and a checkpoint, would pass it).
-
-    (1) on any rank: one `error:` line naming the step, every rank exits with NONFINITE_EXIT
-        before the optimizer step, so no non-finite weights exist and no checkpoint of them
-        is written; the last good checkpoint is untouched.
-    (2) on any rank: `check` returns True on every rank, which finish this step, write a
-        checkpoint and call `stop`."""
-
-    def __init__(self, args, env):
-        self.args, self.env = args, env
-        self.signal = None
-        self.last, self.slowest = time.monotonic(), 0.0
-        for name in STOP_SIGNALS:
-            signal.signal(getattr(signal, name), self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        # Repeated stop signals are one request: PBS and Slurm signal every process of the
-        # job while mpiexec / srun forward the same signal to the ranks, and Ctrl-C reaches
-        # both the ranks and the launcher. A scheduler that insists sends SIGKILL.
-        self.signal = self.signal or signal.Signals(signum).name  # acted on at the next check
-
-    def _time_is_up(self):
-        if not self.args.time_limit:
-            return False
-        now = time.monotonic()
-        self.slowest, self.last = max(self.slowest, now - self.last), now  # a step, with its eval and saves
-        return now - STARTED + 2 * self.slowest > self.args.time_limit * 60
-
-    def check(self, step, loss, grads):
-        """Call after backward (and clipping), right before optimizer.step(), with this rank's
-        loss and its gradient tensors. Returns True when every rank should stop after this step."""
-        env, rank = self.env, self.env.rank
-        grads = [g for g in grads if g is not None]
-        # on one device: with --offload the gradient shards live in (pinned) host memory
-        values = torch.stack([v.to(env.device) for v in
-                              [loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads]])
-        bad = not bool(torch.isfinite(values).all())
-        asked = 2 if self.signal else 1 if self._time_is_up() else 0
-        # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop;
-        # a failed write)
-        flags = torch.tensor([env.world_size - rank if bad else 0, asked, 1 if WRITE_FAILURES else 0],
-                             dtype=torch.float32, device=env.device)
-        if env.world_size > 1 and dist.is_initialized():
-            with LEDGER.paused():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        first_bad, asked = int(flags[0].item()), int(flags[1].item())
-        if flags[2].item():  # one line, every rank exits 2, before this step's update
-            agree(env, f"{WRITE_FAILURES[0]}; stopped before step {step}'s update, the last checkpoint "
-                       f"({latest_checkpoint(self.args.out_dir)}) is intact" if WRITE_FAILURES else None)
-        if first_bad:
-            if env.master:
-                print(f"error: non-finite loss or gradient at step {step} (first seen on rank "
-                      f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
-                      f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
-                      file=sys.stderr, flush=True)
-            leave(env, NONFINITE_EXIT)
-        self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
-                       2: self.signal or "a SIGTERM, SIGUSR1 or SIGINT on another rank"}.get(asked)
-        return bool(asked) and step + 1 < self.args.max_iters
-
-    def stop(self, step):
-        """After this step's checkpoint: say where the run stopped and how to continue, then
-        end every rank with status 0 (the run is healthy; a chained job resumes it)."""
-        log(self.env, f"stopped after step {step} of {self.args.max_iters} ({self.reason}): checkpoint in "
-                      f"{self.args.out_dir}; continue with the same command and --resume")
-        leave(self.env, 0)
-
-
-# ----------------------------------------------------------------------------------------
-# The ledger: bytes sent by operation, model-state bytes held, next to the formulas
-# ----------------------------------------------------------------------------------------
-
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
-class CommLedger:
-    """Counts the bytes each torch.distributed collective moves on this rank, by operation,
-    by wrapping the functions of the torch.distributed module (scripts keep calling
-    `dist.all_reduce` literally). The count is the message size in nccl-tests' convention:
-    the tensor for all_reduce / broadcast / reduce / send / recv, the *input* for
-    reduce_scatter and all_to_all, the *output* for all_gather; not the wire traffic of the
-    algorithm (a ring all-reduce puts 2(N-1)/N of it on every link)."""
-
-    # op: the argument whose size is counted (a tensor, or a list of tensors)
-    COUNTED = {
-        "all_reduce": "tensor", "reduce": "tensor", "broadcast": "tensor",
-        "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
-        "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
-        "all_to_all": "input_tensor_list", "all_to_all_single": "input",
-        "gather": "tensor", "scatter": "tensor",
-        "send": "tensor", "isend": "tensor", "recv": "tensor", "irecv": "tensor",
-        # torch >= 2.13's names for all_gather_into_tensor and reduce_scatter_tensor
-        "all_gather_single": "output_tensor", "reduce_scatter_single": "input",
-    }
-
-    # every argument that hands tensors to a collective (checked against the run's device)
-    TENSOR_ARGUMENTS = {"tensor", "tensor_list", "output_tensor", "input_tensor", "output", "input", "input_list",
-                        "output_tensor_list", "input_tensor_list", "gather_list", "scatter_list"}
-
-    def __init__(self):
-        self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
-        self.device = None  # the run's device: every tensor handed to a collective must be on it
-        # where this rank is, for the line a failed or timed-out collective prints: the step
-        # and phase (Run sets them), and how many collectives it has posted on each group
-        self.step, self.phase, self.posted, self.reported = None, "setup", {}, False
-
-    def position(self, op, group):
-        """This call's place in the rank's sequence of collectives: (op, group, its number
-        on that group, step, phase). Ranks that disagree on it are the usual cause of a hang."""
-        if group is None:
-            name = "world"
-        else:
-            name = self.group_names.get(group)
-            if name is None:
-                try:
-                    name = "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
-                except Exception:
-                    name = "a subgroup"
-        self.posted[name] = self.posted.get(name, 0) + 1
-        phase = self.phase
-        if phase == "step":  # inside autograd's backward, or the forward
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        return f"{op} #{self.posted[name]} on group {name}, step {self.step}, {phase}"
-
-    def report(self, where, error):
-        """Once per rank: the collective it was in when one failed or timed out."""
-        if not self.reported:
-            self.reported = True
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            first = (str(error).strip().splitlines() or [""])[0][:200]
-            print(f"rank {rank} was in {where} when it failed: {first}", file=sys.stderr, flush=True)
-
-    def watched(self, where, result):
-        """Run a collective's result through `report` if waiting on it fails (async work)."""
-        if isinstance(result, list):
-            return [self.watched(where, r) for r in result]
-        return _Watched(result, where, self) if hasattr(result, "wait") else result
-
-    @contextmanager
-    def paused(self):
-        """Collectives inside are not counted (control messages: agreement, stop flags)."""
-        self.counting = False
-        try:
-            yield
-        finally:
-            self.counting = True
-
-    def name_group(self, group, name):
-        """Count this process group's collectives as "op[name]" (e.g. all_reduce[tp])."""
-        self.group_names[group] = name
-        return group
-
-    def add(self, op, nbytes):
-        op = {"isend": "send", "irecv": "recv"}.get(op, op)  # p2p: by direction
-        self.bytes[op] = self.bytes.get(op, 0) + nbytes
-
-    def on_device(self, op, tensors):
-        """NCCL and XCCL take only tensors on the rank's own device (gloo takes any CPU or
-        CUDA tensor, so a CPU run would never notice a host tensor handed to a collective):
-        refuse any other here, on every backend, naming the operation."""
-        for t in tensors:  # (a HostTensor's device is HOST: refused too)
-            if self.device is not None and torch.is_tensor(t) and t.device != self.device:
-                where = "in host memory (GPTPAR_FAKE_HOST=1)" if isinstance(t, HostTensor) else \
-                    f"on {t.device}"
-                raise RuntimeError(f"{op} was handed a tensor {where}, but this run's device is "
-                                   f"{self.device}: NCCL and XCCL take only tensors on the rank's device")
-
-    def install(self, device=None):
-        """Wrap torch.distributed's collectives and point-to-point calls: count their bytes
-        and check that their tensors are on `device` (the run's)."""
-        self.device = torch.device(device) if device is not None else None
-        if self.installed:
-            return
-        self.installed = True
-        for op, argument in self.COUNTED.items():
-            if hasattr(dist, op):
-                setattr(dist, op, self._wrap(op, getattr(dist, op), argument))
-        class P2POp(dist.P2POp):
-            """P2POp checks that its op *is* torch's isend/irecv: hand it the unwrapped ones."""
-
-            def __new__(cls, op, *args, **kwargs):
-                return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
-
-            def __init__(self, op, *args, **kwargs):
-                super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
-        dist.P2POp = P2POp
-        original = dist.batch_isend_irecv
-
-        @wraps(original)
-        def batch_isend_irecv(p2p_ops):
-            for p2p in p2p_ops:
-                self.on_device(p2p.op.__name__, [p2p.tensor])
-                if self.counting:
-                    self.add(p2p.op.__name__, _nbytes(p2p.tensor))
-            where = self.position(f"batch_isend_irecv of {len(p2p_ops)}", p2p_ops[0].group if p2p_ops else None)
-            try:
-                return self.watched(where, original(p2p_ops))
-            except Exception as e:
-                self.report(where, e)
-                raise
-        dist.batch_isend_irecv = batch_isend_irecv
-
-    def _wrap(self, op, fn, argument):
-        signature = inspect.signature(fn)
-
-        @wraps(fn)
-        def counted(*args, **kwargs):
-            bound = signature.bind_partial(*args, **kwargs).arguments
-            value = bound[argument]
-            self.on_device(op, [t for key, v in bound.items() if key in self.TENSOR_ARGUMENTS
-                                for t in (v if isinstance(v, (list, tuple)) else [v])])
-            if self.counting:
-                name = self.group_names.get(bound.get("group"))
-                self.add(f"{op}[{name}]" if name else op,
-                         sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
-            where = self.position(op, bound.get("group"))
-            try:
-                return self.watched(where, fn(*args, **kwargs))
-            except Exception as e:  # a timeout (--timeout), a peer gone: say where this rank was
-                self.report(where, e)
-                raise
-        return counted
-
-    def take(self):
-        """The bytes counted since the last take (one optimizer step's worth)."""
-        counted, self.bytes = self.bytes, {}
-        return counted
-
-
-class _Watched:
-    """An async collective's work handle whose wait() reports where a failure happened."""
-
-    def __init__(self, work, where, ledger):
-        self._work, self._where, self._ledger = work, where, ledger
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        except Exception as e:
-            self._ledger.report(self._where, e)
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-LEDGER = CommLedger()
-
-
-def tensor_bytes(tensors):
-    """Bytes of distinct storages among `tensors` (a tied weight counts once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or t.device.type == "meta":
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        key = (t.untyped_storage().data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def optimizer_state_tensors(optimizer):
-    return [v for state in optimizer.state.values() for v in state.values()
-            if torch.is_tensor(v) and v.dim() > 0]
-
-
-def state_bytes(params, optimizer):
-    """Model-state bytes this rank holds, counted from the live tensors: parameters,
-    gradients, optimizer state (AdamW: exp_avg and exp_avg_sq)."""
-    params = list(params)
-    return {"params": tensor_bytes(params),
-            "grads": tensor_bytes([p.grad for p in params]),
-            "optim": tensor_bytes(optimizer_state_tensors(optimizer))}
-
-
-def print_ledger(env, held, comm, cost, activations=None):
-    """Once, after the first step: what this rank holds and sends, measured next to the
-    strategy's formula (`cost` is the script's costs(): each value is (formula, bytes));
-    `activations`: the ActivationMeter's peak over the step."""
-    lines = [f"ledger (rank {env.rank}): measured | theory"]
-    for kind in cost["held"]:  # params, grads, optim (and with --offload their host parts)
-        formula, value = cost["held"][kind]
-        lines.append(f"  held {kind:<24} {format_bytes(held[kind]):>11} | {formula} = {format_bytes(value)}")
-    if "activations" in cost:
-        formula, value = cost["activations"]
-        measured = format_bytes(activations) if activations is not None else "-"
-        lines.append(f"  held {'activations (peak)':<24} {measured:>11} | {formula} = {format_bytes(value)}")
-    for op in sorted(set(comm) | set(cost["sent"])):
-        formula, value = cost["sent"].get(op, ("0", 0))
-        lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
-    if not comm and not cost["sent"]:
-        lines.append("  communication: none")
-    log(env, "\n".join(lines))
-    # rank 0 prints its ledger; every rank checks its own (a pipeline's last stage, a 3D
-    # mesh's other coordinates hold and send other amounts) and says where it differs
-    measured = {**{f"held {k}": held[k] for k in cost["held"]}, **{f"sent {op}": comm.get(op, 0) for op in comm}}
-    theory = {**{f"held {k}": v for k, (_, v) in cost["held"].items()},
-              **{f"sent {op}": v for op, (_, v) in cost["sent"].items()}}
-    if "activations" in cost and activations is not None:  # what autograd saved, on every rank too
-        measured["held activations"], theory["held activations"] = activations, cost["activations"][1]
-    differ = [f"{key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
-              for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
-    if differ:
-        print(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", file=sys.stderr, flush=True)
-
-
-def theory_bytes(cost):
-    """The byte values of a costs() result, keyed as the metrics' measured columns."""
-    return ({kind: value for kind, (_, value) in cost["held"].items()},
-            {op: value for op, (_, value) in cost["sent"].items()})
-
-
-# ----------------------------------------------------------------------------------------
-# Activation memory: the meter, and what this model saves for backward
-# ----------------------------------------------------------------------------------------
-
-# a saved tensor reached from a parameter through these (views, transposes, autocast's
-# casts) is the parameter, not an activation
-_PARAMETER_VIEWS = {"TBackward0", "ToCopyBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-                    "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0", "SliceBackward0"}
-
-
-def _is_parameter(t):
-    if isinstance(t, nn.Parameter):
-        return True
-    fn = t.grad_fn
-    while fn is not None and fn.name() in _PARAMETER_VIEWS:
-        fn = fn.next_functions[0][0]
-    return fn is not None and isinstance(getattr(fn, "variable", None), nn.Parameter)
-
-
-class _Saved:
-    """What the meter hands autograd for a saved tensor; its end (autograd drops it when the
-    node that saved it has run its backward) releases the storage's count."""
-    __slots__ = ("tensor", "key", "meter")
-
-    def __init__(self, tensor, key, meter):
-        self.tensor, self.key, self.meter = tensor, key, meter
-
-    def __del__(self):
-        self.meter._release(self.key)
-
-
-class ActivationMeter:
-    """The activation bytes autograd holds for backward on this rank, measured with
-    torch.autograd.graph.saved_tensors_hooks: every tensor an op saves is packed through
-    here; a storage counts once (its whole size) however many ops save views of it, from the
-    first save until autograd has dropped the last one. `peak` is the maximum over what ran
-    inside the `with` (one training step). Not activations, so not counted: parameters
-    (and their views and autocast copies) and integer tensors (token ids and targets: the
-    batch itself). Pipelines keep their received inputs as saved tensors: counted."""
-
-    def __init__(self):
-        self.live, self.current, self.peak = {}, 0, 0
-
-    def _pack(self, t):
-        if not (t.is_floating_point() or t.dtype == torch.bool) or _is_parameter(t):
-            return t
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device)
-        if key in self.live:
-            self.live[key][1] += 1
-        else:
-            self.live[key] = [storage.nbytes(), 1]
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-        return _Saved(t, key, self)
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def _release(self, key):
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.live[key]
-            self.current -= entry[0]
-
-    def start(self):
-        """Count what autograd saves from here on (one training step's forwards and backwards)."""
-        self.peak = self.current
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-
-    def stop(self):
-        """Stop counting; the peak bytes held since start()."""
-        self._hooks.__exit__(None, None, None)
-        return self.peak
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-def activation_device_type(args):
-    """The device whose kernels decide what is saved: --device, or for auto the GPU a dry
-    run plans for, and in a live run the device this machine has."""
-    if args.device != "auto":
-        return args.device
-    return "cuda" if args.dry_run else pick_device("auto", 0)[0].type
-
-
-def sdpa_logsumexp_bytes(b, heads, s, dtype, device_type):
-    """The fp32 logsumexp SDPA's flash / memory-efficient kernels save for backward, b x heads
-    x s; in fp32 on GPUs the memory-efficient kernel pads s to a multiple of 32."""
-    gpu = device_type in ("cuda", "xpu")
-    e = torch.tensor([], dtype=dtype).element_size()
-    return 4 * b * heads * (s if (not gpu or e == 2) else 32 * math.ceil(s / 32))
-
-
-def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dtype=torch.float32,
-                     attention=None, expert_rows=None):
-    """Bytes this model's ops save for backward for one micro-batch of b sequences of s
-    tokens (h = n_embd, a = n_head, V = vocab), counted op by op for common.py's model and
-    PyTorch's kernels, with tensor parallelism over tp ranks (Megatron's split: the
-    attention heads and the MLP's 4h are sharded, LayerNorms and the residual stream are
-    not) and sequence parallelism (the replicated parts are sharded along s instead, and the
-    column-parallel Linears keep only their input's sequence shard: every term of a block is
-    /T, so a block holds 1/T of what it holds without tensor parallelism).
-    Returns {term: (formula, bytes)} with `layer` (one transformer block), `block_input`
-    (what --recompute keeps of a block), `embedding` (dropout's mask) and `head` (ln_f,
-    the head's input, the log-softmax of the logits; with tp the caller adds its own
-    vocabulary-parallel head). Per block, with e = bytes of the compute dtype (fp32 or
-    bf16 under autocast; LayerNorm, the residual stream and softmax stay fp32). Where the
-    parameters themselves are stored in the compute dtype (`param_dtype`: ZeRO-3's and
-    FSDP's gathered bf16 units) the residual stream is bf16 too: the LayerNorms save it as
-    it is on CPU (input and mean, rstd in bf16) and an fp32 copy on GPUs (autocast's fp32 list):
-
-      LayerNorm x2: input 4bsh + mean, rstd 8bs each; its output, the next Linear's input, ebsh
-      attention:    q, k, v (one storage, c_attn's output) 3ebsh, output ebsh (also c_proj's
-                    input), logsumexp 4bas (flash / CPU flash: no s x s scores)
-      MLP:          GELU input 4ebsh, c_proj input 4ebsh
-      dropout p>0:  a mask per dropout (residual x2, embedding): bool on GPUs (1 byte), the
-                    input's dtype on CPU; attention dropout on CPU falls back to the math
-                    kernel: q, k, v copies 12bsh and three s x s tensors 12bas^2 (softmax,
-                    mask, dropped) instead of q, k, v, output and logsumexp
-      fp32, dropout 0:  64bsh + 16bs + 4bas   (Korthikanti et al.'s 34sbh + 5as^2b in 16 bits)
-      bf16, dropout 0:  36bsh + 16bs + 4bas
-    `attention`, a (formula, bytes), replaces the attention term where a script runs another
-    attention than common's (09's ring attention and Ulysses, which also apply no dropout
-    to the attention probabilities)."""
-    h, a, V = config.n_embd, config.n_head, config.vocab_size
-    e = torch.tensor([], dtype=dtype).element_size()
-    gpu = device_type in ("cuda", "xpu")
-    dropout = config.dropout > 0
-    rep = tp if sp else 1  # the divisor of the replicated parts (sequence parallelism)
-    r = torch.tensor([], dtype=param_dtype).element_size()  # the residual stream's bytes
-    n = 4 if gpu else r  # what a LayerNorm saves of its input, and of its mean and rstd
-    terms = {}
-    # with sequence parallelism the LayerNorms work on sequence shards, and the
-    # column-parallel Linears after them keep only that shard of their input (they gather
-    # it again in backward), so the whole term is /T
-    ln = 2 * (n * b * s * h + 2 * n * b * s + e * b * s * h) // rep
-    terms["layernorms"] = (f"2({n}bsh + {2 * n}bs + {e}bsh){'/T' if sp else ''}", ln)
-    if attention is not None:
-        terms["attention"] = attention
-        attn = attention[1]
-    elif dropout and not gpu:
-        attn = (12 * b * s * h + 12 * b * a * s * s) // tp + e * b * s * h // tp
-        terms["attention"] = (f"(12bsh + 12bas² + {e}bsh)/T (CPU math kernel, dropout)", attn)
-    else:
-        attn = (4 * e * b * s * h + sdpa_logsumexp_bytes(b, a, s, dtype, device_type)) // tp
-        terms["attention"] = (f"({4 * e}bsh + 4bas)/T", attn)
-    mlp = 8 * e * b * s * h // tp
-    terms["mlp"] = (f"{8 * e}bsh/T", mlp)
-    mask_e = 1 if gpu else None
-    masks = 0
-    if dropout:  # residual dropouts: after c_proj (compute dtype) in attention and MLP
-        masks = 2 * (mask_e or e) * b * s * h // rep
-        terms["dropout masks"] = (f"2·{mask_e or e}bsh{'/T' if sp else ''}", masks)
-    if config.n_expert:  # a mixture of experts (no tp): R rows through the experts (k·b·s, or
-        # `expert_rows`: those a rank's experts received), each an MLP's 9e·h (its input cast,
-        # GELU's and c_proj's inputs); the combine keeps the k·b·s outputs and the fp32 weights;
-        # the router its probabilities (bsE), the top-k (2bsk), their sum (bs), f_e (bE)
-        k, E, R = config.top_k, config.n_expert, expert_rows if expert_rows is not None else config.top_k * b * s
-        mlp = 9 * e * R * h + e * k * b * s * h + 4 * b * s * (E + 2 * k + 1) + 4 * b * E
-        terms["mlp"] = (f"{9 * e}Rh + {e * k}bsh + 4bs(E + 2k + 1) + 4bE, R = {R}", mlp)
-        if dropout:  # each expert's output dropout, instead of the MLP's
-            masks += (mask_e or e) * (R - b * s) * h
-            terms["dropout masks"] = (f"{mask_e or e}bsh + {mask_e or e}Rh", masks)
-    layer = ln + attn + mlp + masks
-    out = {"layer": (" + ".join(f for f, _ in terms.values()), layer),
-           "block_input": (f"{r}bsh{'/T' if sp else ''}", r * b * s * h // rep),
-           "embedding": (f"{mask_e or r}bsh{'/T' if sp else ''}" if dropout else "0",
-                         (mask_e or r) * b * s * h // rep if dropout else 0),
-           "head": (f"{n}bsh + {2 * n}bs + {e}bsh + 4bsV + 4", n * b * s * h + 2 * n * b * s + e * b * s * h + 4 * b * s * V + 4)}
-    return out
-
-
-def activation_phases(terms, n_layers, recompute, first=True, last=True):
-    """(kept, during_backward): the bytes one micro-batch through n_layers blocks (with the
-    embedding if first, the head if last) holds from the end of its forward until its
-    backward, and the most it holds while its backward runs. Without recompute backward
-    only frees: during = kept. With --recompute only block inputs are kept, and the
-    backward of the last block holds the other inputs and that block's internals."""
-    emb = terms["embedding"][1] if first else 0
-    head = terms["head"][1] if last else 0
-    layer, block_in = terms["layer"][1], terms["block_input"][1]
-    if not recompute:
-        kept = emb + n_layers * layer + head
-        return kept, kept
-    return emb + n_layers * block_in + head, emb + (n_layers - 1) * block_in + layer
-
-
-def activations_of_layers(terms, n_layers, recompute, first=True, last=True):
-    """(formula, bytes): the peak this rank holds for backward for one micro-batch through
-    n_layers blocks (see activation_phases)."""
-    kept, during = activation_phases(terms, n_layers, recompute, first, last)
-    if not recompute:
-        return f"{n_layers}·layer + embedding + head", kept
-    return f"embedding + max({n_layers}·input + head, {n_layers - 1}·input + layer)", max(kept, during)
-
-
-# ----------------------------------------------------------------------------------------
-# Metrics and logging: tokens/s, MFU, memory, JSONL
-# ----------------------------------------------------------------------------------------
-
-# Dense peak FLOP/s per device (one GCD of an MI250X, one tile of a Max 1550), for MFU:
-# (bf16/fp16 tensor-core peak, fp32 peak). From the vendors' data sheets.
-PEAK_FLOPS = {
-    "H200": (989e12, 67e12),
-    "H100": (989e12, 67e12),  # SXM; the PCIe card is lower (756e12)
-    "A100": (312e12, 19.5e12),
-    "MI250X": (191.5e12, 47.9e12 / 2),
-    "MAX 1550": (419e12, 52.4e12 / 2),
-}
-
-
-def peak_flops(env):
-    """The device's peak for env.dtype, or None where unknown (CPU, unlisted devices)."""
-    if env.device.type == "cuda":
-        name = torch.cuda.get_device_name(env.device)
-    elif env.device.type == "xpu":
-        name = torch.xpu.get_device_name(env.device)
-    else:
-        return None
-    for key, (half, single) in PEAK_FLOPS.items():
-        if key in name.upper():
-            return single if env.dtype == torch.float32 else half
-    return None
-
-
-def reset_peak_memory(env):
-    """Start a new high-water mark, so that each step's mem_peak_bytes is that step's."""
-    if env.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(env.device)
-    elif env.device.type == "xpu":
-        torch.xpu.reset_peak_memory_stats(env.device)
-
-
-def peak_memory(env):
-    if env.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(env.device)
-    if env.device.type == "xpu":
-        return torch.xpu.max_memory_allocated(env.device)
-    return None
-
-
-def host_bytes(state):
-    """The model-state bytes this rank keeps in host memory (--offload's "(host)" kinds, which
-    mem_peak_bytes, the device's, leaves out), or None when it keeps none there."""
-    return sum(v for kind, v in state.items() if kind.endswith("(host)")) or None
-
-
-STRAGGLER = 1.5  # a rank this many times slower than the median is named on the console
-
-
-class Metrics:
-    """Rank-0 console lines and the JSONL metrics file (schema in docs/design.md)."""
-
-    def __init__(self, args, env, flops_per_tok, cost, config=None):
-        self.env, self.flops_per_tok = env, flops_per_tok
-        self.wandb = start_wandb(args, env, config or {}) if args.wandb else None  # rank 0's run, or None
-        self.state_theory, self.comm_theory = theory_bytes(cost)  # the script's costs()
-        # None where a cost gives no activation formula (every training script now gives one)
-        self.activation_theory = cost["activations"][1] if "activations" in cost else None
-        self.tokens_per_step = args.global_batch_size * model_block_size(args)
-        self.micro_batch_size = args.micro_batch_size
-        self.peak = peak_flops(env)
-        self.path, self.file = args.metrics, open(args.metrics, "a") if (args.metrics and env.master) else None
-
-    def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None):
-        """Log one optimizer step; `dt` in seconds; `state`, `comm` and `activations` (the
-        ActivationMeter's peak) from this rank."""
-        tokens_per_s = self.tokens_per_step / dt
-        mfu = None
-        if self.peak is not None:
-            # flops of the whole step divided among the ranks, against one device's peak
-            mfu = tokens_per_s * self.flops_per_tok / (self.peak * self.env.world_size)
-        row = dict(step=step, loss=loss, lr=lr, dt_ms=dt * 1e3, tokens_per_s=tokens_per_s, mfu=mfu,
-                   mem_peak_bytes=peak_memory(self.env), mem_host_bytes=host_bytes(state),
-                   state_bytes=state, comm_bytes=comm,
-                   state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory,
-                   activation_bytes=activations, activation_bytes_theory=self.activation_theory,
-                   micro_batch_size=self.micro_batch_size)
-        ranks = self.over_ranks(row["dt_ms"], row["mem_peak_bytes"])
-        straggler = ranks.pop("straggler", "")  # for the console line, not a metrics key
-        row.update(ranks)
-        row.update(extra or {})
-        self.write(row)
-        mfu_s = f", mfu {mfu * 100:.1f}%" if mfu is not None else ""
-        log(self.env, f"step {step}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1e3:.0f} ms, "
-                      f"{tokens_per_s:,.0f} tok/s{mfu_s}{straggler}")
-        return row
-
-    def over_ranks(self, dt_ms, mem_peak):
-        """Step time and peak memory over the ranks: min, max, mean, and the rank and host of
-        the maximum, from one small gather per logged step (outside the ledger's step: the
-        step's traffic was taken before). A straggler is named when the slowest rank took
-        more than STRAGGLER times the median."""
-        mine = (dt_ms, mem_peak, socket.gethostname())
-        everyone = [mine]
-        if self.env.world_size > 1 and dist.is_initialized():
-            everyone = [None] * self.env.world_size
-            dist.all_gather_object(everyone, mine)
-        return rank_stats(everyone)
-
-
-    def write(self, row):
-        if self.file:
-            try:
-                self.file.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")
-                self.file.flush()
-            except OSError as e:  # a full disk, a file system gone read-only: the guard stops the run
-                self.file = None
-                WRITE_FAILURES.append(f"cannot write --metrics {self.path}: {e.strerror or e}")
-        if self.wandb:  # the same keys, nested ones flattened: state_bytes/params by state_bytes_theory/params
-            flat = flat_row(finite_or_null(row))
-            self.wandb.log({k: v for k, v in flat.items() if v is not None}, step=row["step"])
-
-    def close(self):
-        if self.wandb:
-            self.wandb.finish()
-            self.wandb = None
-
-
-def start_wandb(args, env, config):
-    """--wandb PROJECT: rank 0 opens a Weights & Biases run in that project, with the command
-    line and the run's configuration (model, layout) as its config, in --out_dir unless
-    WANDB_DIR says where. Offline (WANDB_MODE=offline, for compute nodes without internet) it
-    writes only there; `wandb sync` uploads it later. A run that cannot start (online without
-    an API key) is one agreed line. Returns the run on rank 0, None elsewhere."""
-    run, problem = None, None
-    if env.master:
-        import wandb
-        try:
-            run = wandb.init(project=args.wandb, config={**vars(args), **config, "world_size": env.world_size},
-                             dir=None if os.environ.get("WANDB_DIR") else args.out_dir,
-                             settings=wandb.Settings(console="off", silent=True))
-        except Exception as e:  # wandb's own errors (no API key, no server) are not one class
-            why = (str(e).strip() or type(e).__name__).splitlines()[0]
-            problem = f"--wandb {args.wandb}: wandb could not start a run: {why}"
-    agree(env, problem)
-    if run is not None:
-        offline = run.settings.mode == "offline"
-        log(env, f"wandb: run {run.name or run.id} in project {args.wandb}, " + (
-            f"offline in {run.dir} (upload with `wandb sync {os.path.dirname(run.dir)}`)" if offline else run.url))
-    return run
-
-
-def flat_row(row):
-    """{"comm_bytes": {"all_reduce": n}} -> {"comm_bytes/all_reduce": n}, and a list's items
-    numbered ({"expert_tokens": [a, b]} -> expert_tokens/0, expert_tokens/1): the metrics row's
-    keys, flattened for loggers that take one level."""
-    flat = {}
-    for key, value in row.items():
-        if isinstance(value, (list, tuple)):
-            value = dict(enumerate(value))
-        if isinstance(value, dict):
-            flat.update({f"{key}/{sub}": v for sub, v in flat_row(value).items()})
-        else:
-            flat[key] = value
-    return flat
-
-
-def rank_stats(everyone):
-    """[(dt_ms, mem_peak_bytes or None, host)] of every rank -> the metrics' over-ranks keys,
-    and a 'straggler' note for the console when the slowest rank is far behind the median."""
-    stats = {}
-    for i, key in enumerate(("dt_ms", "mem_peak_bytes")):
-        values = [r[i] for r in everyone]
-        if any(v is None for v in values):
-            continue
-        worst = max(range(len(values)), key=values.__getitem__)
-        stats.update({f"{key}_min": min(values), f"{key}_max": values[worst], f"{key}_mean": sum(values) / len(values),
-                      f"{key}_max_rank": worst, f"{key}_max_host": everyone[worst][2]})
-    times = sorted(r[0] for r in everyone)
-    median = times[(len(times) - 1) // 2]
-    if len(times) > 1 and stats["dt_ms_max"] > STRAGGLER * median:
-        stats["straggler"] = (f"; straggler: rank {stats['dt_ms_max_rank']} on {stats['dt_ms_max_host']}, "
-                              f"{stats['dt_ms_max'] / median:.1f}x the median step time")
-    return stats
-
-
-WRITE_FAILURES = []  # writes that failed outside an agreed path (metrics rows): the guard acts on them
-
-
-def finite_or_null(value):
-    """A metrics row with every non-finite float replaced by None (JSON null, never NaN)."""
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def log_node_map(env):
-    """Once at start: which ranks run on which host (one small gather)."""
-    hosts = [socket.gethostname()]
-    if env.world_size > 1 and dist.is_initialized():
-        hosts = [None] * env.world_size
-        dist.all_gather_object(hosts, socket.gethostname())
-    nodes = {}
-    for rank, host in enumerate(hosts):
-        nodes.setdefault(host, []).append(rank)
-
-    def spans(ranks):  # [0, 1, 2, 5] -> "0-2,5"
-        out, start = [], ranks[0]
-        for a, b in zip(ranks, ranks[1:] + [None]):
-            if b != a + 1:
-                out.append(f"{start}-{a}" if a > start else f"{a}")
-                start = b
-        return ",".join(out)
-    log(env, f"nodes: {len(nodes)}; " + "; ".join(f"{host}: ranks {spans(r)}" for host, r in nodes.items()))
+    return [b for b in sizes if share // b >= aim] or sizes[-1:]
 
 
 def log(env, message):
@@ -2745,585 +1233,3 @@ def progress(env, start, stop):
     from tqdm import tqdm
     return tqdm(range(start, stop), initial=start, total=stop, disable=not (env.master and sys.stderr.isatty()),
                 dynamic_ncols=True, mininterval=2.0, leave=False)
-
-
-def format_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-
-
-# ----------------------------------------------------------------------------------------
-# The dry run: validate and price a layout without launching it
-# ----------------------------------------------------------------------------------------
-
-def launch_for(args):
-    """Who this process is: from the launcher's environment, or, for --dry_run, rank 0 of
-    the --world_size ranks being planned (no launcher, network or accelerator is touched)."""
-    if args.dry_run:
-        return Launch("dry_run", 0, 0, args.world_size, args.ranks_per_node)
-    return detect_launcher(os.environ)
-
-
-def planned_device_type(args):
-    """The device type a dry run plans for: --device, and for auto a GPU's (cuda)."""
-    return "cuda" if args.device == "auto" else args.device
-
-
-def planned_dtype(args):
-    """The dtype a dry run plans for: --dtype, and for auto the GPUs' bfloat16 (a login node
-    has no GPU to ask), unless --device cpu."""
-    if args.dtype == "auto":
-        return torch.float32 if args.device == "cpu" else torch.bfloat16
-    return getattr(torch, args.dtype)
-
-
-def dry_run(args, script, config, cost, layout_lines=()):
-    """--dry_run: the configuration has been validated for args.world_size ranks; print
-    the layout and what one rank holds and sends per step, from the same cost function the
-    live ledger checks, then exit 0."""
-    problem = Data.problem(args.data, config.block_size) or output_problems(args)  # a launch checks these in setup()
-    check(problem is None, problem)
-    if args.resume:  # the newest checkpoint, opened and checked against this run as a launch would
-        try:
-            ckpt = open_checkpoint(args.out_dir, run_config(args, config, None))
-            ranks = {piece["rank"] for entry in ckpt.meta["tensors"].values() for piece in entry["pieces"]}
-            for rank in sorted(ranks):  # a launch opens the files it reads: every one must be there
-                path = os.path.join(ckpt.directory, f"rank{rank}.pt")
-                if not os.path.isfile(path):
-                    raise CheckpointError(f"checkpoint file {path} is missing")
-        except CheckpointError as e:
-            fail(str(e))
-    n, per_node = args.world_size, args.ranks_per_node
-    psi, nano = count_params(config)
-    held = sum(value for _, value in cost["held"].values())
-    lines = [f"dry run: {script} on {n} rank(s), {per_node} per node ({math.ceil(n / per_node)} node(s)); "
-             f"model {args.model}: {nano / 1e6:,.2f}M parameters (nanoGPT's count), Ψ = {psi:,}; "
-             f"{str(planned_dtype(args)).replace('torch.', '')}",
-             *layout_lines, "per rank:"]
-    for kind, (formula, value) in cost["held"].items():
-        lines.append(f"  holds {kind:<26} {format_bytes(value):>11}   {formula}")
-    lines.append(f"  holds {'model state in all':<26} {format_bytes(held):>11}")
-    if "activations" in cost:
-        formula, value = cost["activations"]
-        lines.append(f"  holds {'activations (peak)':<26} {format_bytes(value):>11}   {formula}")
-    for op, (formula, value) in sorted(cost["sent"].items()):
-        lines.append(f"  comm  {op:<26} {format_bytes(value):>11}   per step: {formula}")
-    if not cost["sent"]:
-        lines.append("  sends nothing")
-    print("\n".join(lines), flush=True)
-    sys.exit(0)
-
-
-# ----------------------------------------------------------------------------------------
-# Checkpoint files
-# ----------------------------------------------------------------------------------------
-
-# One format for every script, resharded on load. Written by hand rather than with
-# torch.distributed.checkpoint (DCP): DCP describes shards through DTensor/ShardedTensor
-# metadata that these hand-written layouts do not have (ZeRO's flat shards of a padded
-# buffer, Megatron's [Q_t; K_t; V_t] rows, a vocabulary padded to a multiple of T), it would
-# be a second way of saying where a piece lives, and reading its files needs DCP itself. Here
-# a piece is said once, as a box and an optional flat range (below), and the files are plain
-# torch.save dicts of tensors plus one JSON file, readable with nothing but torch and json.
-#
-#   out_dir/ckpt/step_<N>/rank<r>.pt      every rank's pieces: {key: tensor}, its RNG states
-#   out_dir/ckpt/step_<N>/metadata.json   written last, by rank 0: the commit
-#
-# metadata.json: format, step, optimizer step, run configuration, layout, time, and per
-# tensor ("model/<nanoGPT name>", "optim/exp_avg/<name>", "optim/exp_avg_sq/<name>") its
-# global shape, dtype and pieces {rank, key, box, flat}. A piece is the region `box` of the
-# global tensor (per dimension [start, stop): TP, PP and FSDP shards), or, with `flat`, the
-# elements [a, b) of that box flattened row-major (ZeRO's flat shards). A set without
-# metadata.json is never read; the previous set is removed only after the new one is
-# committed; leftovers of interrupted writes are removed at the next save or resume.
-
-CHECKPOINT_FORMAT = "gpt-parallel-by-hand checkpoint v1"
-
-
-class CheckpointError(Exception):
-    """A wrong, damaged or missing checkpoint: reported in one line, exit 2 on every rank."""
-
-
-@dataclass
-class Piece:
-    """One rank's piece of one global tensor: `tensor` holds the region `box` of the tensor
-    `name` (global shape `shape`), or with `flat` = (a, b) the elements [a, b) of that box
-    flattened. `write`: this rank stores it (one of the replicas does); every rank reads."""
-    name: str
-    shape: tuple
-    box: list
-    flat: tuple
-    tensor: torch.Tensor
-    write: bool = True
-
-
-def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=None, write=True, model=True):
-    """The pieces of parameter `name` (nanoGPT's name, global shape `shape`) that this rank
-    holds in `param` (or in param[index]): its value and, given the optimizer, its AdamW
-    moments, under the same box/flat. AdamW state is created (zeros) if it does not exist
-    yet, so that a resumed run has somewhere to load it into."""
-    shape = tuple(shape)
-    box = [list(b) for b in box] if box is not None else [[0, s] for s in shape]
-    flat = tuple(flat) if flat is not None else None
-    pick = (lambda t: t[index]) if index is not None else (lambda t: t)
-    pieces = [Piece(f"model/{name}", shape, box, flat, pick(param.data), write)] if model else []
-    if optimizer is not None:
-        state = optimizer.state[param]
-        if "exp_avg" not in state:
-            fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if fused else "cpu")
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        for moment in ("exp_avg", "exp_avg_sq"):
-            pieces.append(Piece(f"optim/{moment}/{name}", shape, box, flat, pick(state[moment]), write))
-    return pieces
-
-
-def _flat_boxes(box, flat):
-    """The region `box`, or the elements [a, b) of it flattened row-major, as boxes of the
-    global tensor, each with the offset of its first element in the piece's (flattened)
-    data. A flat range is at most 2·ndim + 1 boxes: partial rows around whole ones."""
-    sizes = [stop - start for start, stop in box]
-    if flat is None:
-        return [(box, 0)]
-    a0, b0 = flat
-    out = []
-
-    def split(a, b, dims, prefix, base):  # [a, b) of the sub-tensor `dims` at flat `base`
-        if a >= b:
-            return
-        if not dims:
-            out.append((prefix, base - a0))
-            return
-        inner = math.prod(dims[1:])
-        rest = [[0, d] for d in dims[1:]]
-        first, last = a // inner, (b - 1) // inner
-        if a % inner:  # a partial first row
-            split(a - first * inner, min(b, (first + 1) * inner) - first * inner, dims[1:],
-                  prefix + [[first, first + 1]], base + first * inner)
-            first += 1
-        whole_to = last + 1 if b % inner == 0 else last  # rows [first, whole_to) are whole
-        if whole_to > first:
-            out.append((prefix + [[first, whole_to]] + rest, base + first * inner - a0))
-        if b % inner and last >= first:  # a partial last row
-            split(0, b - last * inner, dims[1:], prefix + [[last, last + 1]], base + last * inner)
-
-    split(a0, b0, sizes, [], 0)
-    return [([[s + o, e + o] for (s, e), (o, _) in zip(sub, box)], offset) for sub, offset in out]
-
-
-def _copy_overlap(dst, dst_regions, src, src_regions):
-    """Copy every element that the two pieces share from src to dst (both flattened data);
-    returns how many."""
-    copied = 0
-    for dbox, doff in dst_regions:
-        dshape = [e - s for s, e in dbox]
-        for sbox, soff in src_regions:
-            inter = [[max(d[0], s[0]), min(d[1], s[1])] for d, s in zip(dbox, sbox)]
-            if any(s >= e for s, e in inter):
-                continue
-            sshape = [e - s for s, e in sbox]
-            d = dst[doff:doff + math.prod(dshape)].view(dshape)[tuple(slice(s - o[0], e - o[0]) for (s, e), o in zip(inter, dbox))]
-            s_ = src[soff:soff + math.prod(sshape)].view(sshape)[tuple(slice(s - o[0], e - o[0]) for (s, e), o in zip(inter, sbox))]
-            d.copy_(s_)
-            copied += math.prod(e - s for s, e in inter)
-    return copied
-
-
-def atomic_save(obj, path):
-    """Write atomically: a temporary file in the same directory, flushed to disk, then
-    renamed over the old one; a crash mid-write leaves the previous file intact."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            if isinstance(obj, (bytes, str)):
-                f.write(obj.encode() if isinstance(obj, str) else obj)
-            else:
-                try:
-                    torch.save(obj, f)
-                except RuntimeError as e:  # a full disk reads "enforce fail at inline_container.cc ..."
-                    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-                    raise OSError(f"the write failed ({format_bytes(free)} free on that file system; "
-                                  f"torch: {(str(e).splitlines() or [''])[0][:120]})") from e
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX file systems
-    finally:
-        if os.path.exists(tmp):  # the write failed: leave no half-written file behind
-            os.remove(tmp)
-
-
-def tensor_checksum(t):
-    """CRC-32 of a CPU tensor's bytes: cheap next to the I/O, and a flipped bit changes it."""
-    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _agreed(env, action):
-    """Run `action` on every rank; a CheckpointError (or any error reading a file) on any
-    rank becomes one line and exit 2 on every rank (`agree`)."""
-    result, problem = None, None
-    try:
-        result = action()
-    except CheckpointError as e:
-        problem = str(e)
-    agree(env, problem)
-    return result
-
-
-def checkpoint_root(out_dir):
-    return os.path.join(out_dir, "ckpt")
-
-
-def _read_metadata(path):
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint metadata {path} is unreadable (truncated or corrupt?): "
-                              f"{type(e).__name__}: {str(e)[:150]}")
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} is not the metadata of a checkpoint of these scripts "
-                              f"(no \"format\": \"{CHECKPOINT_FORMAT}\")")
-    kinds = {"step": int, "optimizer_step": int, "run": dict, "layout": dict, "tensors": dict}
-    damaged = [key for key, kind in kinds.items() if not isinstance(meta.get(key), kind)]
-    entries = meta.get("tensors") if isinstance(meta.get("tensors"), dict) else {}
-    damaged += [f"tensors/{name}" for name, entry in entries.items()
-                if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
-                        and isinstance(entry.get("dtype"), str) and isinstance(entry.get("pieces"), list)
-                        and all(isinstance(piece, dict) and isinstance(piece.get("rank"), int)
-                                and isinstance(piece.get("key"), str) and isinstance(piece.get("box"), list)
-                                for piece in entry["pieces"]))]
-    if damaged:
-        raise CheckpointError(f"checkpoint metadata {path} is damaged: {', '.join(damaged[:3])} "
-                              f"missing or malformed")
-    return meta
-
-
-def latest_checkpoint(out_dir):
-    """The directory of the newest committed set (the one whose metadata was written last),
-    or None. Sets without metadata.json (a write that did not finish) are ignored."""
-    root, best = checkpoint_root(out_dir), (None, -1.0)
-    if not os.path.isdir(root):
-        return None
-    for name in os.listdir(root):
-        meta = os.path.join(root, name, "metadata.json")
-        if name.startswith("step_") and os.path.isfile(meta):
-            stamp = os.path.getmtime(meta)
-            try:
-                stamp = float(json.load(open(meta)).get("time", stamp))
-            except (OSError, ValueError, AttributeError):
-                pass  # unreadable: it is refused, with its name, if it is the one chosen
-            if stamp > best[1]:
-                best = (os.path.join(root, name), stamp)
-    return best[0]
-
-
-def unfinished_checkpoints(out_dir):
-    """The sets in out_dir without metadata.json (writes that did not finish), and the
-    temporary files of killed writes."""
-    root = checkpoint_root(out_dir)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if ".tmp." in name or name.startswith("step_") and not os.path.isfile(os.path.join(path, "metadata.json")):
-            found.append(path)
-        elif os.path.isdir(path):
-            found += [os.path.join(path, f) for f in sorted(os.listdir(path)) if ".tmp." in f]
-    return found
-
-
-def clean_checkpoints(out_dir, keep, committed=True):
-    """Rank 0: remove the leftovers of interrupted writes (sets without metadata, temporary
-    files) and, with `committed`, every committed set but `keep` (after a new commit: the
-    previous set). At start-up committed sets are never removed (a user may have copied an
-    older one back to roll back)."""
-    for path in unfinished_checkpoints(out_dir):
-        if keep is None or os.path.abspath(path) != os.path.abspath(keep):
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-    root = checkpoint_root(out_dir)
-    if committed and os.path.isdir(root):
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name.startswith("step_") and (keep is None or os.path.abspath(path) != os.path.abspath(keep)):
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
-    """Write the checkpoint of `step`: every rank its pieces (those with write=True) and its
-    RNG states to rank<r>.pt, atomically; then, once every rank has succeeded, rank 0 writes
-    metadata.json (the commit) and only then removes the previous set. With --export, the
-    final checkpoint is also written consolidated into one file. Returns nothing; a failed
-    write on any rank is one line and exit 2 on every rank, the previous set intact."""
-    directory = [None]
-    if env.master:
-        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir), committed=False)
-        directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}"), 1
-        while os.path.exists(directory[0]):  # a committed set of the same step stays until this one is
-            directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}.{n}"), n + 1
-    if dist.is_initialized() and env.world_size > 1:
-        dist.broadcast_object_list(directory, src=0)  # rank 0's choice of directory, to every rank
-    directory = directory[0]
-    tensors, described, count = {}, [], {}
-    for piece in pieces:
-        if piece.write:
-            n = count[piece.name] = count.get(piece.name, -1) + 1
-            key = f"{piece.name}#{n}"
-            tensors[key] = piece.tensor.detach().to("cpu", copy=True).contiguous()
-            described.append(dict(name=piece.name, shape=list(piece.shape), dtype=str(piece.tensor.dtype),
-                                  key=key, box=piece.box, **({"flat": list(piece.flat)} if piece.flat else {})))
-    tensors.update({f"rng/{k}": v for k, v in rng_state(env).items()})
-    tensors.update({f"extra_rng/{k}": v for k, v in (extra_rng or {}).items()})
-    checksums = {key: tensor_checksum(t) for key, t in tensors.items()}  # verified when read
-    problem, written, t0 = None, 0, time.perf_counter()
-    bad = next((key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
-    if bad is not None:  # never replace the last good checkpoint with a diverged one
-        problem = (f"not writing the checkpoint of step {step}: {bad.split('#')[0]} holds non-finite values "
-                   f"on rank {env.rank}; the last good checkpoint, {latest_checkpoint(args.out_dir)}, is kept")
-    else:
-        try:
-            path = os.path.join(directory, f"rank{env.rank}.pt")
-            atomic_save(tensors, path)
-            written = os.path.getsize(path)
-        except OSError as e:
-            problem = f"cannot write checkpoint {directory}/rank{env.rank}.pt: {e}"
-    everyone = [(problem, described, written, checksums)]
-    if dist.is_initialized() and env.world_size > 1:
-        everyone = [None] * env.world_size
-        dist.all_gather_object(everyone, (problem, described, written, checksums))  # who wrote what
-    agree(env, next((p for p, *_ in everyone if p), None))  # the same verdict on every rank
-    if env.master:
-        meta = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(),
-                "optimizer_step": _optimizer_step(optimizer, step), "run": run,
-                "layout": {**run["layout"], "world_size": env.world_size},
-                "bytes_per_rank": [w for _, _, w, _ in everyone], "tensors": {},
-                "checksums": [c for *_, c in everyone]}  # per rank file: {key: CRC-32}
-        for rank, (_, described, _, _) in enumerate(everyone):
-            for d in described:
-                entry = meta["tensors"].setdefault(d["name"], {"shape": d["shape"], "dtype": d["dtype"], "pieces": []})
-                assert entry["shape"] == d["shape"], f"ranks disagree on the shape of {d['name']}"
-                entry["pieces"].append({"rank": rank, **{k: d[k] for k in ("key", "box", "flat") if k in d}})
-        for name, entry in meta["tensors"].items():  # the pieces tile the tensor exactly once
-            held = sum(p["flat"][1] - p["flat"][0] if "flat" in p else math.prod(e - s for s, e in p["box"])
-                       for p in entry["pieces"])
-            assert held == math.prod(entry["shape"]), f"{name}: the written pieces hold {held} of {math.prod(entry['shape'])} elements"
-        try:
-            atomic_save(json.dumps(meta, indent=1), os.path.join(directory, "metadata.json"))  # the commit
-            clean_checkpoints(args.out_dir, keep=directory)  # only now: the previous set
-            problem = None
-        except OSError as e:
-            problem = f"cannot write checkpoint metadata {directory}/metadata.json: {e}"
-    agree(env, problem if env.master else None)
-    sizes = [w for _, _, w, _ in everyone]
-    log(env, f"checkpoint step {step} committed to {directory}: {format_bytes(min(sizes))} to "
-             f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
-    if getattr(args, "export", None) and step == args.max_iters:
-        export_agreed(args, env, step)
-
-
-def export_agreed(args, env, step):
-    """--export: rank 0 writes the newest committed set consolidated; a failure is one
-    agreed line (the checkpoint itself is committed)."""
-    problem = None
-    if env.master:
-        try:
-            export_checkpoint(args.out_dir, args.export)
-            log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
-        except OSError as e:  # checked at start; the disk may have filled since
-            problem = (f"cannot write --export {args.export}: {e}; the checkpoint "
-                       f"{latest_checkpoint(args.out_dir)} is committed")
-    agree(env, problem)
-
-
-def _optimizer_step(optimizer, default):
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return default
-
-
-class Checkpoint:
-    """A committed set, opened for reading: `read(name, box, flat)` assembles any region of
-    any tensor from the pieces that overlap it, opening only the rank files that hold them
-    (memory-mapped, weights_only: nothing is unpickled but tensors)."""
-
-    def __init__(self, directory):
-        self.directory = directory
-        self.meta = _read_metadata(os.path.join(directory, "metadata.json"))
-        self.files, self.verified = {}, set()
-
-    def verify(self, rank, key, stored):
-        """The tensor read back is the one written: its CRC-32 against metadata.json's (sets
-        written before checksums were recorded have none to check)."""
-        sums = self.meta.get("checksums")
-        if not sums or (rank, key) in self.verified:
-            return
-        expected = sums[rank].get(key) if rank < len(sums) and isinstance(sums[rank], dict) else None
-        if expected is not None and tensor_checksum(stored) != expected:
-            raise CheckpointError(f"checkpoint file {os.path.join(self.directory, f'rank{rank}.pt')}: "
-                                  f"{key.split('#')[0]} fails its checksum (the file changed after it was "
-                                  "written: a damaged disk or copy); resume from another copy of this set")
-        self.verified.add((rank, key))
-
-    def file(self, rank):
-        if rank not in self.files:
-            path = os.path.join(self.directory, f"rank{rank}.pt")
-            if not os.path.exists(path):
-                raise CheckpointError(f"checkpoint file {path} is missing")
-            try:
-                data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:
-                raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt?): "
-                                      f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
-            if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
-                raise CheckpointError(f"checkpoint file {path} is not a rank file of these scripts "
-                                      f"(it holds a {type(data).__name__}, not a dict of tensors)")
-            self.files[rank] = (path, data)
-        return self.files[rank]
-
-    def read(self, name, shape, box, flat=None):
-        entry = self.meta["tensors"].get(name)
-        if entry is None:
-            raise CheckpointError(f"checkpoint {self.directory} has no tensor {name}")
-        if list(entry["shape"]) != list(shape):
-            raise CheckpointError(f"checkpoint {self.directory} holds {name} of shape {entry['shape']}, "
-                                  f"this run needs {list(shape)}")
-        numel = (flat[1] - flat[0]) if flat else math.prod(e - s for s, e in box)
-        out = torch.empty(numel, dtype=getattr(torch, entry["dtype"].replace("torch.", "")))
-        wanted, copied = _flat_boxes(box, flat), 0
-        for piece in entry["pieces"]:
-            regions = _flat_boxes(piece["box"], piece.get("flat"))
-            if not any(all(max(d[0], s[0]) < min(d[1], s[1]) for d, s in zip(w, r))
-                       for w, _ in wanted for r, _ in regions):
-                continue  # no overlap: its file is not opened
-            path, data = self.file(piece["rank"])
-            stored = data.get(piece["key"])
-            size = (piece["flat"][1] - piece["flat"][0]) if piece.get("flat") else math.prod(e - s for s, e in piece["box"])
-            if stored is None or stored.numel() != size:
-                raise CheckpointError(f"checkpoint file {path} does not hold {piece['key']} as its metadata says")
-            self.verify(piece["rank"], piece["key"], stored)
-            copied += _copy_overlap(out, wanted, stored.reshape(-1), regions)
-        if copied != numel:
-            raise CheckpointError(f"checkpoint {self.directory} covers {copied} of the {numel} elements "
-                                  f"of {name} this rank needs")
-        return out
-
-
-def open_checkpoint(out_dir, run):
-    """The newest committed set in out_dir, checked against this run; one line if there is
-    none, or if what is there is not a checkpoint of this run."""
-    directory = latest_checkpoint(out_dir)
-    if directory is None:
-        single = [f for f in ("ckpt.pt", "zero_ckpt.pt", "fsdp_ckpt.pt", "tp_ckpt.pt", "pp_ckpt.pt", "3d_ckpt.pt")
-                  if os.path.exists(os.path.join(out_dir, f))]
-        if single:
-            raise CheckpointError(f"{os.path.join(out_dir, single[0])} is not a checkpoint of this format "
-                                  f"(expected {checkpoint_root(out_dir)}/step_<N>/metadata.json); "
-                                  "to start from a one-file model, use 01_single_gpu.py --init_from")
-        raise CheckpointError(f"no checkpoint in {checkpoint_root(out_dir)} to resume from")
-    ckpt = Checkpoint(directory)
-    saved = ckpt.meta.get("run") or {}
-    for key in run:
-        if key == "layout":
-            continue
-        value = saved.get(key)
-        if key == "model" and isinstance(value, dict):  # written before a field existed: its default
-            value = {**asdict(GPTConfig()), **value}
-        if key == "data" and isinstance(value, str) and os.path.isdir(value):
-            value = os.path.normpath(value)  # written before run_config normalised it
-        if value != run[key]:
-            what = "another model" if key == "model" else "another run"
-            hint = (f" (to train on with the same schedule, pass --lr_decay_iters {saved.get(key)}: "
-                    "its default is --max_iters)") if key == "lr_decay_iters" else ""
-            raise CheckpointError(f"checkpoint {directory} holds {what}: it was written with {key}="
-                                  f"{saved.get(key)}, this run has {key}={run[key]}{hint}")
-    return ckpt
-
-
-def resume_checkpoint(out_dir, env, pieces, run, optimizer):
-    """Load every piece this rank holds from the newest committed set in out_dir, whatever
-    the layout (and script) that wrote it; the RNG states too when the layout is the same
-    (then the run continues bit for bit). Returns (step, the extra RNG states or None)."""
-    t0 = time.perf_counter()  # (setup() removed the leftovers of interrupted writes)
-
-    def load():
-        ckpt = open_checkpoint(out_dir, run)
-        with torch.no_grad():
-            for piece in pieces:
-                value = ckpt.read(piece.name, piece.shape, piece.box, piece.flat)
-                piece.tensor.copy_(value.view(piece.tensor.shape))
-        same = ckpt.meta["layout"] == {**run["layout"], "world_size": env.world_size}
-        rng = None
-        if same:
-            _, data = ckpt.file(env.rank)
-            for key in data:
-                if key.startswith(("rng/", "extra_rng/")):
-                    ckpt.verify(env.rank, key, data[key])
-            rng = {k[4:]: v.clone() for k, v in data.items() if k.startswith("rng/")}
-            extra = {k[10:]: v.clone() for k, v in data.items() if k.startswith("extra_rng/")}
-        return ckpt.meta, same, rng, (extra if same else None)
-
-    meta, same, rng, extra = _agreed(env, load)
-    for state in optimizer.state.values():
-        if "step" in state:
-            state["step"].fill_(meta["optimizer_step"])
-    log(env, f"resumed step {meta['step']} from {latest_checkpoint(out_dir)} in {time.perf_counter() - t0:.2f} s")
-    if same:
-        set_rng_state(env, rng)
-    else:
-        log(env, f"resuming step {meta['step']} written by {meta['layout']} as {run['layout']} on "
-                 f"{env.world_size} rank(s): parameters and AdamW state resharded; the dropout streams start "
-                 "afresh: they cannot carry across layouts (the same layout resumes bit for bit)")
-    return meta["step"], extra
-
-
-def export_checkpoint(out_dir, path):
-    """The newest committed set, consolidated into one file in nanoGPT's ckpt.pt format
-    (model state dict with the tied lm_head.weight, model_args, iter_num, config): for
-    nanoGPT's sample.py, 01_single_gpu.py --init_from, or any user."""
-    ckpt = Checkpoint(latest_checkpoint(out_dir))
-    state = {}
-    for name, entry in ckpt.meta["tensors"].items():
-        if name.startswith("model/"):
-            shape = entry["shape"]
-            state[name[6:]] = ckpt.read(name, shape, [[0, s] for s in shape]).view(shape)
-    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied, as in nanoGPT
-    run = ckpt.meta["run"]
-    atomic_save({"model": state, "model_args": run["model"], "iter_num": ckpt.meta["step"],
-                 "config": {**{k: v for k, v in run.items() if k != "model"}, "dataset": run["data"]}}, path)
-
-
-def load_model_file(path, config):
-    """A one-file model (--export's, or nanoGPT's own ckpt.pt) for --init_from: its state
-    dict, after checking that it is one and that it is this model; one line otherwise."""
-    check(os.path.isfile(path), f"--init_from {path}: no such file")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--init_from {path} is unreadable (truncated, corrupt, or not a torch file?): "
-             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
-    check(isinstance(obj, dict) and isinstance(obj.get("model"), dict) and isinstance(obj.get("model_args"), dict),
-          f"--init_from {path} is not a one-file model (expected a dict with 'model' and 'model_args', as "
-          f"--export and nanoGPT write; it holds a {type(obj).__name__}"
-          + (f" with keys {sorted(obj)[:6]}" if isinstance(obj, dict) else "") + ")")
-    architecture = lambda cfg: {**{k: cfg.get(k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias",  # noqa: E731
-                                                          "vocab_size")}, "n_expert": cfg.get("n_expert", 0)}
-    check(architecture(obj["model_args"]) == architecture(asdict(config)), f"--init_from {path} holds another "
-          f"model: {architecture(obj['model_args'])}, this run builds {architecture(asdict(config))}")
-    state = {k.removeprefix("_orig_mod."): v for k, v in obj["model"].items()}  # nanoGPT's compiled names
-    return {k: v for k, v in state.items() if not (k.endswith(".attn.bias") and v.dim() == 4)}  # nanoGPT's mask
-
-
-def run_config(args, config, world_layout):
-    """What a checkpoint must agree on to be resumed (all but the layout, which may change),
-    and the layout that wrote it (the same layout resumes bit for bit, RNG included)."""
-    keys = ("data", "global_batch_size", "seed", "lr", "min_lr", "warmup_iters",
-            "lr_decay_iters", "weight_decay", "grad_clip")
-    run = {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
-    if os.path.isdir(run["data"]):  # the same directory however it is spelled (a trailing slash)
-        run["data"] = os.path.normpath(run["data"])
-    return run

@@ -11,7 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import LEDGER, make_parser, parse_args, setup, teardown
+from common import make_parser, setup, teardown
+from infra import LEDGER, parse_args
 
 
 def main():

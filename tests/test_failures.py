@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import common
+import infra
 from harness import TINY, launch
 from test_real_conditions import dry
 from test_reliability import background_job, rank_pids, wait_for_rows
@@ -148,24 +149,24 @@ def test_non_finite_loss_stops_before_the_update(tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
     flags = TINY + ["--lr", "1e6", "--ckpt_interval", "1", "--out_dir", out, "--metrics", metrics]
     run = launch("04_zero.py", flags + ["--stage", "3"], nprocs=2)
-    refused(run, "non-finite loss or gradient at step 1", status=common.NONFINITE_EXIT)
+    refused(run, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
     text = metrics.read_text()
     rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the metrics")) for line in text.splitlines()]
     assert [row["step"] for row in rows] == [0]  # no row for the step that was stopped
     assert "LOCK" not in os.listdir(out)
     again = launch("04_zero.py", flags + ["--stage", "3", "--resume"], nprocs=2)
-    refused(again, "non-finite loss or gradient at step 1", status=common.NONFINITE_EXIT)
+    refused(again, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
 
 
 @pytest.mark.parametrize("script, extra", [("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"])])
 def test_non_finite_loss_stops_every_strategy(tmp_path, script, extra):
     """The same stop in a script whose loop was written apart from 04's (09's ring)."""
     run = launch(script, TINY + extra + ["--lr", "1e6", "--out_dir", tmp_path / "out"], nprocs=2)
-    refused(run, "non-finite loss or gradient at step 1", status=common.NONFINITE_EXIT)
+    refused(run, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
 
 
 def test_metrics_rows_are_strict_json():
-    row = common.finite_or_null({"loss": float("nan"), "val": [float("inf"), 1.0], "x": {"y": -float("inf")}})
+    row = infra.finite_or_null({"loss": float("nan"), "val": [float("inf"), 1.0], "x": {"y": -float("inf")}})
     assert json.dumps(row, allow_nan=False) == '{"loss": null, "val": [null, 1.0], "x": {"y": null}}'
 
 
@@ -257,10 +258,10 @@ def test_ctrl_c_twice_to_every_rank_ends_quietly_with_a_checkpoint(tmp_path):
 def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path):
     lock = tmp_path / "LOCK"
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "42"}))
-    assert not common._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
-    old = time.time() - common.LOCK_STALE_S - 1
+    assert not infra._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
+    old = time.time() - infra.LOCK_STALE_S - 1
     os.utime(lock, (old, old))
-    assert common._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
+    assert infra._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
 
 
 def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monkeypatch):
@@ -274,9 +275,9 @@ def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monk
     lock = out / "LOCK"
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "41"}))  # killed: no heartbeat
     t0 = time.time()
-    assert common.lock_out_dir(str(out), wait_s=10) is None
+    assert infra.lock_out_dir(str(out), wait_s=10) is None
     assert 1.5 < time.time() - t0 < 6 and json.loads(lock.read_text())["pid"] == os.getpid()
-    common.release_out_dir()
+    infra.release_out_dir()
     assert not lock.exists()
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "42"}))  # alive: it beats on
     alive = threading.Event()
@@ -287,7 +288,7 @@ def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monk
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
         t0 = time.time()
-        problem = common.lock_out_dir(str(out), wait_s=3)
+        problem = infra.lock_out_dir(str(out), wait_s=3)
         assert problem and "is in use by another job" in problem and "job 42" in problem
         assert 2.5 < time.time() - t0 < 8
     finally:

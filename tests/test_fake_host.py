@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from common import Guard, HostTensor, host_tensor
+from infra import Guard, HostTensor, host_tensor
 from harness import ROOT, TINY, assert_losses_match, launch
 
 FAKE_HOST = {"GPTPAR_FAKE_HOST": "1"}

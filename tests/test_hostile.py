@@ -1,7 +1,7 @@
 """Hostile cases, tried as users on a cluster would (the Reliability III round), one test per
 kind of failure, so that each kind stays fixed: damaged checkpoints that would load, runs that
 would silently do something else, writes that fail, locks left by failed or dying jobs.
-Launches are one process of 01 (every script shares these paths through common.Run) unless
+Launches are one process of 01 (every script shares these paths through infra.Run) unless
 the case needs ranks; each ends with one line naming the cause, or with the right result."""
 
 import json
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+import infra
 from harness import TINY, dry, launch
 from test_failures import committed, refused
 
@@ -101,29 +102,29 @@ def test_a_failed_torch_save_is_an_io_error_and_leaves_nothing(tmp_path, monkeyp
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(OSError, match="the write failed .* free on that file system; torch: .enforce fail"):
-        common.atomic_save({"x": torch.ones(2)}, str(tmp_path / "rank0.pt"))
+        infra.atomic_save({"x": torch.ones(2)}, str(tmp_path / "rank0.pt"))
     assert os.listdir(tmp_path) == []
 
 
 def test_locks_of_failed_starts_and_of_zombies_are_stale(tmp_path):
     lock = tmp_path / "LOCK"
     lock.write_text("")  # a start that could not write its lock (disk full)
-    assert not common._lock_is_stale(str(lock), {})  # it may be being written right now
-    old = time.time() - common.LOCK_WRITE_S - 1
+    assert not infra._lock_is_stale(str(lock), {})  # it may be being written right now
+    old = time.time() - infra.LOCK_WRITE_S - 1
     os.utime(lock, (old, old))
-    assert common._lock_is_stale(str(lock), {})
+    assert infra._lock_is_stale(str(lock), {})
     child = subprocess.Popen(["true"])  # exits; not reaped yet: a zombie answers kill(pid, 0)
     deadline = time.time() + 10
-    while not common._is_zombie(child.pid) and time.time() < deadline:
+    while not infra._is_zombie(child.pid) and time.time() < deadline:
         time.sleep(0.05)
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid}))
     holder = json.loads(lock.read_text())
     try:
-        assert common._is_zombie(child.pid) and common._lock_is_stale(str(lock), holder)
+        assert infra._is_zombie(child.pid) and infra._lock_is_stale(str(lock), holder)
     finally:
         child.wait()
-    assert common.lock_out_dir(str(tmp_path), wait_s=1) is None  # taken over
-    common.release_out_dir()
+    assert infra.lock_out_dir(str(tmp_path), wait_s=1) is None  # taken over
+    infra.release_out_dir()
 
 
 @pytest.mark.skipif(not shutil.which("mpiexec"), reason="needs mpiexec")
@@ -248,9 +249,9 @@ def test_dry_run_resume_needs_every_rank_file_and_data_spelling_does_not_matter(
     os.remove(os.path.join(directory, "rank0.pt"))
     p = dry("01_single_gpu.py", "--world_size", 1, *ONE, "--out_dir", out, "--resume")
     assert p.returncode == 2 and f"checkpoint file {directory}/rank0.pt is missing" in p.stderr
-    args = common.parse_args(common.make_parser(""), ["--data", str(tmp_path) + "/"])
+    args = infra.parse_args(common.make_parser(""), ["--data", str(tmp_path) + "/"])
     config = common.GPTConfig(vocab_size=65, **common.PRESETS["tiny"])
-    assert common.run_config(args, config, None)["data"] == str(tmp_path)
+    assert infra.run_config(args, config, None)["data"] == str(tmp_path)
 
 
 # ---- fits before it runs: costs() against the memory a rank can have ----------------------
@@ -276,20 +277,20 @@ def test_fit_problem_suggests_exactly_what_costs_says_fits(monkeypatch):
     spec = importlib.util.spec_from_file_location("single", os.path.join(common.HERE, "01_single_gpu.py"))
     single = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(single)
-    args = common.parse_args(common.make_parser(""), ["--device", "cpu", "--global_batch_size", "8"])
+    args = infra.parse_args(common.make_parser(""), ["--device", "cpu", "--global_batch_size", "8"])
     args.micro_batch_size = 8
     env = common.Env(common.Launch("single"), torch.device("cpu"), "gloo", torch.float32)
     config = common.model_config(args, 65)
 
     def need(**changes):
-        return common.fit_need(single.costs(common.argparse.Namespace(**{**vars(args), **changes}), config, 1,
+        return infra.fit_need(single.costs(common.argparse.Namespace(**{**vars(args), **changes}), config, 1,
                                             torch.float32), "cpu")
     monkeypatch.setattr(common, "memory_room", lambda env: need(micro_batch_size=4))  # 4 fits exactly
-    problem = common.fit_problem(args, env, single.costs)
+    problem = infra.fit_problem(args, env, single.costs)
     assert "--micro_batch_size 4 fits (2x the accumulation steps)" in problem
     assert ("--recompute fits" in problem) == (need(recompute=True) <= need(micro_batch_size=4))
     monkeypatch.setattr(common, "memory_room", lambda env: need())
-    assert common.fit_problem(args, env, single.costs) is None
+    assert infra.fit_problem(args, env, single.costs) is None
 
 
 def test_auto_chooses_the_largest_micro_batch_that_fits():
@@ -300,11 +301,11 @@ def test_auto_chooses_the_largest_micro_batch_that_fits():
     ddp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ddp)
     flags = ["--model", "gpt2", "--world_size", "2"]
-    args = common.parse_args(ddp.add_flags(common.make_parser("")), flags + ["--dry_run"])
+    args = infra.parse_args(ddp.add_flags(common.make_parser("")), flags + ["--dry_run"])
 
     def need(b):
-        return common.rank_need(args, ddp.costs, 2, torch.bfloat16, "cuda", micro_batch_size=b)
-    gpu_mem_gb = (need(4) + need(6)) / 2 / common.GPU_USABLE / 1e9  # room between the needs of 4 and 6
+        return infra.rank_need(args, ddp.costs, 2, torch.bfloat16, "cuda", micro_batch_size=b)
+    gpu_mem_gb = (need(4) + need(6)) / 2 / infra.GPU_USABLE / 1e9  # room between the needs of 4 and 6
     out = dry("03_ddp.py", *flags, "--gpu_mem_gb", gpu_mem_gb).stdout
     assert "--micro_batch_size auto: 4 (of the 24 sequences per replica" in out and "fit: fits" in out, out
     assert "layout: 2 replicas, each 6 micro-batch(es) of 4 per step" in out

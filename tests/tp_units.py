@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import ActivationMeter, setup, teardown
+from common import setup, teardown
+from infra import ActivationMeter
 
 tp_module = importlib.import_module("06_tensor_parallel")
 

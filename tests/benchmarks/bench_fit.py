@@ -17,17 +17,17 @@ a bare command does).
 
 For every rank the launch records, in the same process:
 
-  runtime     its resident set (VmRSS) when Run.setup returns: torch, common and the script
+  runtime     its resident set (VmRSS) when Run.start returns: torch, common and the script
               imported, the process group up, before the model is built. This is the moment
               of the fit check, whose room (MemAvailable) already excludes it.
   costs()     the script's own costs() for this rank, as the fit check computes them
-              (common.fit_problem: this rank's position for 07/08, all of held incl. the
+              (infra.fit_problem: this rank's position for 07/08, all of held incl. the
               (host) parts on CPU): model state (held) + activations.
   peak        ru_maxrss at the end of the run (peak_rss.py).
   rest        peak - runtime - costs(): what the allowance must cover (outputs before the
               next op consumes them, gradients in flight, AdamW's temporaries, buffers of the
               collectives, the allocator's and the libraries' first-use growth).
-  allowance   common.FIT_SHARE x costs() + common.FIT_MIB MiB; the check's need is
+  allowance   infra.FIT_SHARE x costs() + infra.FIT_MIB MiB; the check's need is
               costs() + allowance, so it keeps its promise here when rest <= allowance.
 
 The table shows, per case, the rank with the least margin (allowance - rest); `all ranks`
@@ -83,7 +83,7 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 
 # ----------------------------------------------------------------------------------------
-# In each rank: the runtime and costs() at Run.setup's return, then the run under peak_rss.py
+# In each rank: the runtime and costs() at Run.start's return, then the run under peak_rss.py
 # ----------------------------------------------------------------------------------------
 
 def vm_rss():
@@ -92,7 +92,7 @@ def vm_rss():
 
 
 def worker(argv):
-    """`bench_fit.py --worker SCRIPT FLAGS...`, one per rank: wrap common.Run.setup so that,
+    """`bench_fit.py --worker SCRIPT FLAGS...`, one per rank: wrap infra.Run.start so that,
     once the process group and device are up (where the fit check runs), this rank prints
     its resident set and its costs(); then run the script under peak_rss.py, which prints
     its ru_maxrss at the end."""
@@ -101,11 +101,12 @@ def worker(argv):
     import inspect
 
     import common
+    import infra
 
-    setup = common.Run.setup
+    start = infra.Run.start
 
-    def measured_setup(self, *args, **kwargs):
-        env = setup(self, *args, **kwargs)
+    def measured_start(self, *args, **kwargs):
+        env, accum_steps = start(self, *args, **kwargs)
         runtime, runtime_peak = vm_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         costs = kwargs.get("costs", args[0] if args else None)
         a = _argparse.Namespace(**vars(self.args))
@@ -115,11 +116,11 @@ def worker(argv):
         held = sum(v for _, (_, v) in cost["held"].items())  # on CPU the (host) parts too, as fit_need
         acts = cost["activations"][1] if "activations" in cost else 0
         print("bench_fit " + json.dumps(dict(rank=env.rank, runtime=runtime, runtime_peak=runtime_peak, held=held,
-                                             activations=acts, fit_share=common.FIT_SHARE, fit_mib=common.FIT_MIB,
+                                             activations=acts, fit_share=infra.FIT_SHARE, fit_mib=infra.FIT_MIB,
                                              threads=common.torch.get_num_threads())), flush=True)
-        return env
+        return env, accum_steps
 
-    common.Run.setup = measured_setup
+    infra.Run.start = measured_start
     sys.argv = [os.path.join(HERE, "peak_rss.py")] + argv
     runpy.run_path(sys.argv[0], run_name="__main__")
 
@@ -190,7 +191,7 @@ def table(rows):
     runtimes = [r["runtime"] for r in rows]
     worst_mib = max(r["rest"] - share * (r["held"] + r["activations"]) for r in rows)
     worst_share = max((r["rest"] - fit_mib * MiB) / (r["held"] + r["activations"]) for r in rows)
-    out += ["", f"runtime at the check (VmRSS when Run.setup returns): {mib(min(runtimes))} to {mib(max(runtimes))} MiB "
+    out += ["", f"runtime at the check (VmRSS when Run.start returns): {mib(min(runtimes))} to {mib(max(runtimes))} MiB "
                 f"per rank; the rest {mib(min(r['rest'] for r in rows))} to {mib(max(r['rest'] for r in rows))} MiB; "
                 f"every rank within the allowance: {all(r['holds'] for r in rows)}",
             f"the least FIT_MIB that holds at FIT_SHARE = {share}: {worst_mib / MiB:.0f} MiB; the least FIT_SHARE "

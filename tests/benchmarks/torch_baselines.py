@@ -24,9 +24,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common import (ADAM_BETAS, LEDGER, Data, decay_groups, autocast, build_model, check_batch,  # noqa: E402
-                    detect_launcher, flops_per_token, lr_at, make_adamw, make_parser, Metrics, model_config,
-                    model_block_size, parse_args, setup, state_bytes, synchronize, teardown, to_device)
+from common import (ADAM_BETAS, Data, decay_groups, autocast, build_model, check_batch,  # noqa: E402
+                    detect_launcher, lr_at, make_adamw, make_parser, model_config, model_block_size, setup,
+                    synchronize, teardown, to_device)
+from infra import LEDGER, flops_per_token, Metrics, parse_args, state_bytes  # noqa: E402
 
 
 NO_THEORY = {"held": {}, "sent": {}}  # torch's implementations: no costs() formulas to compare
