@@ -1058,10 +1058,9 @@ def autocast(env):
 
 
 def synchronize(env):
-    if env.device.type == "cuda":
-        torch.cuda.synchronize()
-    elif env.device.type == "xpu":
-        torch.xpu.synchronize()
+    """Wait until the device has run all the work queued on it: a host sync (on CPU, where
+    ops run as they are called, torch.cpu.synchronize returns at once)."""
+    torch.get_device_module(env.device).synchronize()
 
 
 def device_rng_state(device):

@@ -292,7 +292,7 @@ class Run(common.Run):
         self.launch = launch_for(self.args)  # for --dry_run: rank 0 of --world_size planned ranks
         self.world_size = self.launch.world_size
         self.meter = ActivationMeter()  # `with run.meter:` around a step's forwards and backwards
-        self.env, self.chose, self.fit_lines = None, None, []
+        self.env, self.chose, self.fit_lines, self.syncs = None, None, [], None
 
     def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,)):
         """The processes started (common.setup) with the ledger installed, the run's files
@@ -309,6 +309,8 @@ class Run(common.Run):
         if not args.dry_run:
             self.env = setup(args, self.launch)
             LEDGER.install(self.env.device)
+            if os.environ.get("GPTPAR_COUNT_SYNCS") == "1":
+                self.syncs = HostSyncs(self.env.device)
             log_node_map(self.env)
             agree(self.env, startup_problem(args, self.env))
         if args.micro_batch_size == "auto":
@@ -379,8 +381,11 @@ class Run(common.Run):
         """This rank's costs() for the run's config (with `step`'s own arguments: 10's routing)."""
         args, env = self.args, self.env
         by_rank = "rank" in inspect.signature(self.costs).parameters
-        return self.costs(args, self.config, env.world_size, env.dtype, **({"rank": env.rank} if by_rank else {}),
+        cost = self.costs(args, self.config, env.world_size, env.dtype, **({"rank": env.rank} if by_rank else {}),
                           **step)
+        if env.world_size > 1:  # the protocol's own traffic: the guard's flags (Guard)
+            cost = {**cost, "sent": {**cost["sent"], "all_reduce[guard]": ("3 flags x 4 B", GUARD_BYTES)}}
+        return cost
 
     def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
               after_resume=None):
@@ -397,6 +402,8 @@ class Run(common.Run):
         self.config, self.costs = config, costs
         self.cost = self.costs_of()
         self.optimizer, self.pieces = optimizer, pieces
+        if self.syncs:
+            self.syncs.exempt(optimizer)
         # what the optimizer updates, unless the script counts its own (host copies, flat shards)
         self.held = held or (lambda: state_bytes([p for g in optimizer.param_groups for p in g["params"]], optimizer))
         self._evaluate, self.extra_rng = evaluate, extra_rng
@@ -432,6 +439,8 @@ class Run(common.Run):
             LEDGER.phase = "step"
             reset_peak_memory(self.env)  # mem_peak_bytes: this step's, not since the start
             self.stopping, self.t0 = False, time.perf_counter()
+            if self.syncs:
+                self.syncs.start()
             yield step
         if args.eval_interval and args.max_iters > self.start_step:
             self.evaluate(args.max_iters)
@@ -460,6 +469,7 @@ class Run(common.Run):
         this step's costs() depend on besides the layout (10's routing)."""
         args, env, step = self.args, self.env, self.step
         comm = LEDGER.take()
+        syncs = self.syncs.stop() if self.syncs else None  # the step's own, before the logging's
         if step_costs:
             self.cost = self.costs_of(**step_costs)
             self.metrics.theory(self.cost)
@@ -468,8 +478,11 @@ class Run(common.Run):
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss = loss.item()
             synchronize(env)
+            extra = extra() if callable(extra) else extra
+            if syncs is not None:
+                extra = {**(extra or {}), "host_syncs": syncs}
             self.metrics.step(step, loss, self.optimizer.param_groups[0]["lr"], time.perf_counter() - self.t0,
-                              self.held(), comm, extra() if callable(extra) else extra, activations=self.meter.peak)
+                              self.held(), comm, extra, activations=self.meter.peak)
         if self.stopping or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             self.save(step + 1)
         if self.stopping:
@@ -857,8 +870,72 @@ def ignore_stop_signals():
             pass
 
 
+class HostSyncs:
+    """With GPTPAR_COUNT_SYNCS=1 (tests): counts, inside each training step's window, the calls
+    that make a GPU run wait for its device: a device-wide synchronize, and reading a
+    tensor's value on the host (.item(), .tolist(), .cpu(), .numpy(), bool(), int(),
+    float()). On CPU they cost nothing, so a CPU run is where a test can count what a GPU
+    run of the same code would pay. The count is each metrics row's `host_syncs`."""
+
+    READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+    def __init__(self, device):
+        self.count, self.counting = 0, False
+        for name in self.READS:
+            setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+        module = torch.get_device_module(device)
+        module.synchronize = self._counted(module.synchronize)
+
+    def _counted(self, fn):
+        @wraps(fn)
+        def counted(*args, **kwargs):
+            if self.counting:
+                self.count += 1
+                self.counting = False  # a read inside a read (.tolist() calling .item()) is one sync
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.counting = True
+            return fn(*args, **kwargs)
+        return counted
+
+    def exempt(self, optimizer):
+        """Not counted inside optimizer.step(): on GPUs the scripts' AdamW is torch's fused
+        kernel, which reads nothing back; its CPU path reads the step counters, which it keeps
+        on the host (not a device sync on a GPU either)."""
+        step = optimizer.step
+
+        @wraps(step)
+        def uncounted(*args, **kwargs):
+            counting, self.counting = self.counting, False
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.counting = counting
+        optimizer.step = uncounted
+
+    def start(self):
+        self.count, self.counting = 0, True
+
+    def stop(self):
+        self.counting = False
+        return self.count
+
+
+def by_device(tensors):
+    """`tensors` grouped by device, for torch's fused multi-tensor ops (one device each)."""
+    groups = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
+GUARD_BYTES = 12  # the guard's flags, all-reduced every step: 3 fp32
+
+
 class Guard:
-    """One small all-reduce per optimizer step, before the update, in which every rank says
+    """One small all-reduce per optimizer step (12 bytes, counted by the ledger as
+    all_reduce[guard]) and one read of its result on the host, before the update, in which every rank says
     (1) whether its loss or gradients hold a non-finite number, and (2) whether it has been
     asked to stop: a SIGTERM / SIGUSR1 reached it, or --time_limit is near (elapsed time +
     twice the slowest step seen, i.e. one more step and a checkpoint, would pass it).
@@ -871,6 +948,9 @@ class Guard:
 
     def __init__(self, args, env):
         self.args, self.env = args, env
+        # the world, under its own name so that the ledger counts the flags as all_reduce[guard]
+        self.group = dist.new_group(list(range(env.world_size)), group_desc="guard") \
+            if env.world_size > 1 and dist.is_initialized() else None
         self.signal = None
         self.last, self.slowest = time.monotonic(), 0.0
         for name in STOP_SIGNALS:
@@ -893,21 +973,21 @@ class Guard:
         """Call after backward (and clipping), right before optimizer.step(), with this rank's
         loss and its gradient tensors. Returns True when every rank should stop after this step."""
         env, rank = self.env, self.env.rank
-        grads = [g for g in grads if g is not None]
-        # on one device: with --offload the gradient shards live in (pinned) host memory
-        values = torch.stack([v.to(env.device) for v in
-                              [loss.detach().float().reshape(())] + [g.detach().float().norm() for g in grads]])
-        bad = not bool(torch.isfinite(values).all())
+        grads = [g.detach() for g in grads if g is not None]
+        # one norm per device in one fused call (with --offload the gradient shards live in
+        # host memory); the sum of norms and the loss are non-finite exactly when one value is
+        norms = [torch._foreach_norm(group) for group in by_device(grads)]
+        total = loss.detach().float().reshape(()) + sum(torch.stack(n).sum().to(env.device) for n in norms)
         asked = 2 if self.signal else 1 if self._time_is_up() else 0
         # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop;
-        # a failed write)
-        flags = torch.tensor([env.world_size - rank if bad else 0, asked, 1 if WRITE_FAILURES else 0],
-                             dtype=torch.float32, device=env.device)
+        # a failed write): computed on the device, read once below
+        flags = torch.stack([torch.where(torch.isfinite(total), 0.0, float(env.world_size - rank)),
+                             torch.tensor(float(asked), device=env.device),
+                             torch.tensor(1.0 if WRITE_FAILURES else 0.0, device=env.device)])
         if env.world_size > 1 and dist.is_initialized():
-            with LEDGER.paused():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        first_bad, asked = int(flags[0].item()), int(flags[1].item())
-        if flags[2].item():  # one line, every rank exits 2, before this step's update
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # counted: all_reduce[guard]
+        first_bad, asked, failed = map(int, flags.tolist())  # the step's one host sync for the guard
+        if failed:  # one line, every rank exits 2, before this step's update
             agree(env, f"{WRITE_FAILURES[0]}; stopped before step {step}'s update, the last checkpoint "
                        f"({latest_checkpoint(self.args.out_dir)}) is intact" if WRITE_FAILURES else None)
         if first_bad:

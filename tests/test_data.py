@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common import Data, SYNTHETIC_VOCAB
+from infra import data_problem
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def write_bin_dataset(path, n_train=5000, n_val=500, vocab=100, meta=True):
 def test_nanogpt_bin_directory(tmp_path):
     d = write_bin_dataset(tmp_path / "ds")
     data = Data(str(d), 0, 32)
-    assert data.vocab_size == 100 and Data.problem(str(d), 32) is None
+    assert data.vocab_size == 100 and data_problem(str(d), 32) is None
     x, y = data.batch("val", 3, 4)
     assert x.dtype == torch.int64 and int(x.max()) < 100 and torch.equal(x[:, 1:], y[:, :-1])
     (d / "meta.pkl").unlink()
@@ -61,14 +62,14 @@ def test_nanogpt_bin_directory(tmp_path):
 
 
 def test_data_errors_are_named(tmp_path):
-    assert "no such directory" in Data.problem(str(tmp_path / "nope"), 32)
+    assert "no such directory" in data_problem(str(tmp_path / "nope"), 32)
     d = write_bin_dataset(tmp_path / "short", n_val=20)
-    assert "fewer than block_size+2" in Data.problem(str(d), 32)
+    assert "fewer than block_size+2" in data_problem(str(d), 32)
     (d / "val.bin").unlink()
-    assert "val.bin is missing" in Data.problem(str(d), 32)
+    assert "val.bin is missing" in data_problem(str(d), 32)
     d = write_bin_dataset(tmp_path / "big", meta=False)
     (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 100_000}))
-    assert "must be in 1..65536" in Data.problem(str(d), 32)
+    assert "must be in 1..65536" in data_problem(str(d), 32)
 
 
 def test_synthetic_corpus_is_learnable():
@@ -87,18 +88,18 @@ def test_data_problems_found_before_training(tmp_path):
     d = write_bin_dataset(tmp_path / "odd")
     with open(d / "train.bin", "ab") as f:
         f.write(b"\0")
-    assert "not a whole number of uint16 tokens" in Data.problem(str(d), 32)
+    assert "not a whole number of uint16 tokens" in data_problem(str(d), 32)
     d = write_bin_dataset(tmp_path / "exact", n_val=33)
-    assert "fewer than block_size+2 = 34" in Data.problem(str(d), 32)
+    assert "fewer than block_size+2 = 34" in data_problem(str(d), 32)
     d = write_bin_dataset(tmp_path / "ids")
     tokens = np.fromfile(d / "val.bin", dtype=np.uint16)
     tokens[-1] = 199
     tokens.tofile(d / "val.bin")
-    assert Data.problem(str(d), 32, rank=0, world_size=2) is None  # rank 0's half is clean
-    problem = Data.problem(str(d), 32, rank=1, world_size=2)
+    assert data_problem(str(d), 32, rank=0, world_size=2) is None  # rank 0's half is clean
+    problem = data_problem(str(d), 32, rank=1, world_size=2)
     assert f"token id 199 at position {len(tokens) - 1}" in problem and "below 100" in problem
     (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 0}))
-    assert "vocab_size 0" in Data.problem(str(d), 32)
-    assert "block_size+2" in Data.problem("synthetic", 1 << 17)
-    assert Data.problem("synthetic", (1 << 17) - 2) is None
-    assert "block_size+2" in Data.problem("shakespeare_char", 200_000)
+    assert "vocab_size 0" in data_problem(str(d), 32)
+    assert "block_size+2" in data_problem("synthetic", 1 << 17)
+    assert data_problem("synthetic", (1 << 17) - 2) is None
+    assert "block_size+2" in data_problem("shakespeare_char", 200_000)

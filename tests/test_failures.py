@@ -269,7 +269,7 @@ def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monk
     lock still looks alive. The new job waits for the heartbeat to stop (LOCK_STALE_S, here
     shortened), then takes the lock; a lock whose heartbeat goes on is refused after the wait."""
     import threading
-    monkeypatch.setattr(common, "LOCK_STALE_S", 2)
+    monkeypatch.setattr(infra, "LOCK_STALE_S", 2)
     out = tmp_path / "out"
     out.mkdir()
     lock = out / "LOCK"

@@ -172,7 +172,7 @@ def test_token_files_that_are_directories_or_shrink_under_the_job(tmp_path):
     d = dataset(tmp_path / "data")
     (d / "train.bin").unlink()
     (d / "train.bin").mkdir()
-    assert common.Data.problem(str(d), 64) == f"--data {d}: {d / 'train.bin'} is a directory, not a token file"
+    assert infra.data_problem(str(d), 64) == f"--data {d}: {d / 'train.bin'} is a directory, not a token file"
     d = dataset(tmp_path / "data2")
     data = common.Data(str(d), 0, 64)
     x, _ = data.batch("train", 0, 4)
@@ -285,11 +285,11 @@ def test_fit_problem_suggests_exactly_what_costs_says_fits(monkeypatch):
     def need(**changes):
         return infra.fit_need(single.costs(common.argparse.Namespace(**{**vars(args), **changes}), config, 1,
                                             torch.float32), "cpu")
-    monkeypatch.setattr(common, "memory_room", lambda env: need(micro_batch_size=4))  # 4 fits exactly
+    monkeypatch.setattr(infra, "memory_room", lambda env: need(micro_batch_size=4))  # 4 fits exactly
     problem = infra.fit_problem(args, env, single.costs)
     assert "--micro_batch_size 4 fits (2x the accumulation steps)" in problem
     assert ("--recompute fits" in problem) == (need(recompute=True) <= need(micro_batch_size=4))
-    monkeypatch.setattr(common, "memory_room", lambda env: need())
+    monkeypatch.setattr(infra, "memory_room", lambda env: need())
     assert infra.fit_problem(args, env, single.costs) is None
 
 
