@@ -54,8 +54,7 @@ working parameters, and so each micro-batch's gradients as backward produces the
 each rank keeps an fp32 master copy of its shard (part of the optimizer state, as in the
 paper's mixed-precision accounting), made from the fp32 initialisation. Gradients are summed
 over micro-batches and reduce-scattered in fp32, as 03_ddp.py and 05_fsdp.py reduce them (05's
-default --reduce_dtype): in bf16, stages 2-3 do 05's arithmetic, bit for bit without clipping
-(stage 1 sums before it reduces: another order of fp32 additions, exact for a few bf16 terms).
+default --reduce_dtype).
 
 Run:
 
