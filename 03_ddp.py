@@ -188,7 +188,7 @@ def main():
     # every replica starts from rank 0's weights (identical here by construction, but this
     # is what makes any initialisation or checkpoint safe)
     for tensor in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(tensor.data, group=dp_group, group_src=0)  # the group's rank 0's values to all
+        dist.broadcast(tensor.data, group=dp_group, group_src=0)  # the first replica's values to all
     run.log(f"broadcast the initial weights from rank 0: {LEDGER.take()}")
     buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, dp_group,
                               overlap=not args.no_overlap)

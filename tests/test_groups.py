@@ -134,3 +134,19 @@ def test_ddp_units_in_a_bigger_mesh(overlap):
                         f"(max difference {(mesh[name] - alone[name]).abs().max():.3g})"
         a, b = (torch.load(os.path.join(tmp, f"alone_{batch}_rank0.pt")) for batch in "AB")
         assert not torch.equal(a["loss"], b["loss"])  # A and B differ: a mix-up could not hide
+
+
+def test_the_world_named_is_still_called_world():
+    """A timed-out collective names its group (docs/failures.md): `group=dist.group.WORLD`
+    reads "on group world", as a call that leaves the group out did."""
+    import torch.distributed as dist
+    from common import CommLedger, _free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        ledger = CommLedger()
+        assert ledger.position("all_reduce", None).startswith("all_reduce #1 on group world,")
+        assert ledger.position("all_reduce", dist.group.WORLD).startswith("all_reduce #2 on group world,")
+        other = dist.new_group([0])
+        assert ledger.position("all_reduce", other).startswith("all_reduce #1 on group ranks 0,")
+    finally:
+        dist.destroy_process_group()
