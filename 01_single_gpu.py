@@ -16,7 +16,7 @@ Run:
     python 01_single_gpu.py                        # the default baby GPT (21.3M), for a GPU
     python 01_single_gpu.py --model shakespeare --n_layer 4 --n_head 4 --n_embd 128 \\
         --block_size 64 --global_batch_size 32 --max_iters 2000 --lr_decay_iters 2000 \\
-        --dropout 0 --eval_interval 500 --device cpu   # ~4 minutes on 2 CPU cores, val ~1.76
+        --dropout 0 --eval_interval 500 --device cpu   # the README's quick start, on a CPU
 
 Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments):
 

@@ -79,9 +79,11 @@ def add_flags(parser):
 # The hand-written ring all-reduce
 # ---------------------------------------------------------------------------------------
 
-def ring_all_reduce(tensor):
-    """Sum `tensor` across all ranks in place with 2(N-1) neighbour exchanges."""
-    n, rank = dist.get_world_size(), dist.get_rank()
+def ring_all_reduce(tensor, group):
+    """Sum `tensor` across the ranks of `group` in place with 2(N-1) neighbour exchanges.
+    The neighbours are numbered inside the group (group_peer), so the ring works the same in
+    any subgroup of a bigger job."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return tensor
     chunks = list(tensor.view(-1).tensor_split(n))  # views into tensor
@@ -90,7 +92,8 @@ def ring_all_reduce(tensor):
     def exchange(send_chunk, recv_into):
         # send one chunk right while receiving one from the left: posted together, so the
         # ring cannot deadlock (every rank would otherwise wait in send for its neighbour)
-        ops = [dist.P2POp(dist.isend, send_chunk, right), dist.P2POp(dist.irecv, recv_into, left)]
+        ops = [dist.P2POp(dist.isend, send_chunk, group=group, group_peer=right),
+               dist.P2POp(dist.irecv, recv_into, group=group, group_peer=left)]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
 
@@ -105,14 +108,14 @@ def ring_all_reduce(tensor):
     return tensor
 
 
-def reduce_scatter(output, input):
+def reduce_scatter(output, input, group):
     """reduce_scatter_tensor, with the documented fallback for backends that lack it."""
     try:
-        dist.reduce_scatter_tensor(output, input)  # rank r gets chunk r of the sum
+        dist.reduce_scatter_tensor(output, input, group=group)  # rank r gets chunk r of the sum
     except (RuntimeError, NotImplementedError):  # e.g. gloo before torch 2.6
         total = input.clone()
-        dist.all_reduce(total)  # everyone gets the whole sum (twice the traffic) ...
-        output.copy_(total.view(dist.get_world_size(), -1)[dist.get_rank()])  # ... keeps its chunk
+        dist.all_reduce(total, group=group)  # everyone gets the whole sum (twice the traffic) ...
+        output.copy_(total.view(dist.get_world_size(group), -1)[dist.get_rank(group)])  # ... keeps its chunk
 
 
 # ---------------------------------------------------------------------------------------
@@ -124,11 +127,11 @@ def start_values(rank, n, device, rows=1):
     return torch.arange(n * rows, dtype=torch.float32, device=device) + 10 * rank
 
 
-def show(env, name, before, after, ok, mpi_ok):
+def show(env, group, name, before, after, ok, mpi_ok):
     """Gather every rank's before/after and verdict to rank 0 and print one table."""
     row = (fmt(before), fmt(after), ok, mpi_ok)
     rows = [None] * env.world_size
-    dist.all_gather_object(rows, row)  # just for display
+    dist.all_gather_object(rows, row, group=group)  # just for display
     width = max(len(r[0]) for r in rows)
     lines = [f"{name}:"]
     for rank, (b, a, _, _) in enumerate(rows):
@@ -150,8 +153,10 @@ def fmt(value):
     return "[" + " ".join(f"{v:g}" for v in value.tolist()) + "]"
 
 
-def run_checks(env):
-    """Every collective once, checked against its definition; returns the failures."""
+def run_checks(env, world):
+    """Every collective once over `world` (every call names its group, as in the training
+    scripts; the ranks below are its ranks), checked against its definition; returns the
+    failures."""
     n, r, dev = env.world_size, env.rank, env.device
     comm = mpi_comm()
     x = lambda rank=r: start_values(rank, n, dev)
@@ -160,12 +165,12 @@ def run_checks(env):
     failures = []
 
     def record(name, before, after, ok, mpi_ok=None):
-        if not show(env, name, before, after, ok, mpi_ok):
+        if not show(env, world, name, before, after, ok, mpi_ok):
             failures.append(name)
 
     # all_reduce: everyone gets the sum
     t = x()
-    dist.all_reduce(t)  # sum of every rank's x_r, result on every rank
+    dist.all_reduce(t, group=world)  # sum of every rank's x_r, result on every rank
     mpi_ok = None
     if comm:
         out = np.empty_like(np_x)
@@ -175,7 +180,7 @@ def run_checks(env):
 
     # reduce: only the destination gets the sum
     t = x()
-    dist.reduce(t, dst=0)  # the sum lands on rank 0; other ranks' buffers are scratch
+    dist.reduce(t, group=world, group_dst=0)  # the sum lands on rank 0; other ranks' buffers are scratch
     if comm:
         out = np.empty_like(np_x) if r == 0 else None
         comm.Reduce(np_x, out, root=0)
@@ -184,7 +189,7 @@ def run_checks(env):
 
     # broadcast: everyone gets rank 0's tensor
     t = x()
-    dist.broadcast(t, src=0)  # rank 0's x_0 overwrites everyone's
+    dist.broadcast(t, group=world, group_src=0)  # rank 0's x_0 overwrites everyone's
     if comm:
         buf = np_x.copy()
         comm.Bcast(buf, root=0)
@@ -193,10 +198,10 @@ def run_checks(env):
 
     # all_gather, list form and into one tensor
     parts = [torch.empty(n, device=dev) for _ in range(n)]
-    dist.all_gather(parts, x())  # parts[s] = x_s on every rank
+    dist.all_gather(parts, x(), group=world)  # parts[s] = x_s on every rank
     ok = all(torch.equal(parts[s], x(s)) for s in range(n))
     flat = torch.empty(n * n, device=dev)
-    dist.all_gather_into_tensor(flat, x())  # the same, concatenated in one buffer
+    dist.all_gather_into_tensor(flat, x(), group=world)  # the same, concatenated in one buffer
     ok = ok and torch.equal(flat, torch.cat([x(s) for s in range(n)]))
     if comm:
         out = np.empty(n * n, dtype=np.float32)
@@ -206,7 +211,7 @@ def run_checks(env):
 
     # gather: only the destination gets the list
     parts = [torch.empty(n, device=dev) for _ in range(n)] if r == 0 else None
-    dist.gather(x(), parts, dst=0)  # rank 0 receives x_s from every rank s
+    dist.gather(x(), parts, group=world, group_dst=0)  # rank 0 receives x_s from every rank s
     if comm:
         out = np.empty(n * n, dtype=np.float32) if r == 0 else None
         comm.Gather(np_x, out, root=0)
@@ -216,7 +221,7 @@ def run_checks(env):
     # scatter: rank 0's buffer is cut into N pieces, piece r goes to rank r
     pieces = [torch.full((2,), 100.0 + s, device=dev) for s in range(n)] if r == 0 else None
     t = torch.zeros(2, device=dev)
-    dist.scatter(t, pieces, src=0)  # rank r receives rank 0's pieces[r]
+    dist.scatter(t, pieces, group=world, group_src=0)  # rank r receives rank 0's pieces[r]
     if comm:
         send = np.repeat(100.0 + np.arange(n, dtype=np.float32), 2) if r == 0 else None
         out = np.empty(2, dtype=np.float32)
@@ -227,7 +232,7 @@ def run_checks(env):
     # reduce_scatter: rank r gets chunk r of the sum (2 elements per chunk)
     xs = start_values(r, n, dev, rows=2)
     t = torch.empty(2, device=dev)
-    reduce_scatter(t, xs)
+    reduce_scatter(t, xs, world)
     expected = sum(start_values(s, n, "cpu", rows=2) for s in range(n)).view(n, 2)[r].to(dev)
     if comm:
         out = np.empty(2, dtype=np.float32)
@@ -237,9 +242,9 @@ def run_checks(env):
 
     # all_to_all: rank r sends its chunk s to rank s, and receives chunk r of everyone's
     t = torch.empty(n, device=dev)
-    dist.all_to_all_single(t, x())  # out[s] = x_s[r]: a transpose across ranks
+    dist.all_to_all_single(t, x(), group=world)  # out[s] = x_s[r]: a transpose across ranks
     parts = [torch.empty(1, device=dev) for _ in range(n)]
-    dist.all_to_all(parts, list(x().split(1)))  # the list form, the same exchange
+    dist.all_to_all(parts, list(x().split(1)), group=world)  # the list form, the same exchange
     expected = torch.stack([x(s)[r] for s in range(n)])
     ok = torch.equal(t, expected) and torch.equal(torch.cat(parts), expected)
     if comm:
@@ -255,13 +260,14 @@ def run_checks(env):
         right, left = (r + 1) % n, (r - 1) % n
         got = torch.empty(n, device=dev)
         if r % 2 == 0:  # even ranks send first and odd ranks receive first: no deadlock
-            dist.send(x(), dst=right)
-            dist.recv(got, src=left)
+            dist.send(x(), group=world, group_dst=right)
+            dist.recv(got, group=world, group_src=left)
         else:
-            dist.recv(got, src=left)
-            dist.send(x(), dst=right)
+            dist.recv(got, group=world, group_src=left)
+            dist.send(x(), group=world, group_dst=right)
         batched = torch.empty(n, device=dev)
-        ops = [dist.P2POp(dist.isend, x(), right), dist.P2POp(dist.irecv, batched, left)]
+        ops = [dist.P2POp(dist.isend, x(), group=world, group_peer=right),
+               dist.P2POp(dist.irecv, batched, group=world, group_peer=left)]
         for request in dist.batch_isend_irecv(ops):  # both posted at once, any order is safe
             request.wait()
         if comm:
@@ -274,7 +280,7 @@ def run_checks(env):
     # barrier: rank r arrives r·0.1 s late; rank 0 must wait for the last one
     time.sleep(0.1 * r)
     t0 = time.perf_counter()
-    dist.barrier()  # nobody continues until all have arrived
+    dist.barrier(group=world)  # nobody continues until all have arrived
     waited = time.perf_counter() - t0
     if comm:
         comm.Barrier()
@@ -287,9 +293,9 @@ def run_checks(env):
     for numel in (1, n, 7 * n + 3, 1000):
         t = torch.arange(numel, dtype=torch.float32, device=dev) * (r + 1)
         reference = t.clone()
-        dist.all_reduce(reference)
-        ok = ok and torch.equal(ring_all_reduce(t), reference)
-    record("ring all_reduce by hand (sizes 1, N, 7N+3, 1000)", x(), ring_all_reduce(x()), ok)
+        dist.all_reduce(reference, group=world)
+        ok = ok and torch.equal(ring_all_reduce(t, world), reference)
+    record("ring all_reduce by hand (sizes 1, N, 7N+3, 1000)", x(), ring_all_reduce(x(), world), ok)
     return failures
 
 
@@ -302,7 +308,7 @@ def bus_factor(op, n):
             "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n}[op]
 
 
-def bench(env, args):
+def bench(env, args, world):
     n, dev = env.world_size, env.device
     max_bytes = args.max_bytes or (2**30 if dev.type in ("cuda", "xpu") else 16 * 2**20)
     sizes, size = [], args.min_bytes
@@ -310,12 +316,12 @@ def bench(env, args):
         sizes.append(size)
         size *= 4
     ops = {
-        "all_reduce": lambda b: lambda: dist.all_reduce(b["full"]),
-        "all_gather": lambda b: lambda: dist.all_gather_into_tensor(b["full"], b["chunk"]),
-        "reduce_scatter": lambda b: lambda: reduce_scatter(b["chunk"], b["full"]),
-        "broadcast": lambda b: lambda: dist.broadcast(b["full"], src=0),
-        "all_to_all": lambda b: lambda: dist.all_to_all_single(b["out"], b["full"]),
-        "ring_all_reduce": lambda b: lambda: ring_all_reduce(b["full"]),
+        "all_reduce": lambda b: lambda: dist.all_reduce(b["full"], group=world),
+        "all_gather": lambda b: lambda: dist.all_gather_into_tensor(b["full"], b["chunk"], group=world),
+        "reduce_scatter": lambda b: lambda: reduce_scatter(b["chunk"], b["full"], world),
+        "broadcast": lambda b: lambda: dist.broadcast(b["full"], group=world, group_src=0),
+        "all_to_all": lambda b: lambda: dist.all_to_all_single(b["out"], b["full"], group=world),
+        "ring_all_reduce": lambda b: lambda: ring_all_reduce(b["full"], world),
     }
     log(env, f"{'operation':<16} {'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
     rows = []
@@ -328,13 +334,13 @@ def bench(env, args):
             for _ in range(2):  # warm-up: connections, algorithm selection
                 op()
             synchronize(env)
-            dist.barrier()
+            dist.barrier(group=world)
             t0 = time.perf_counter()
             for _ in range(args.iters):
                 op()
             synchronize(env)
             seconds = torch.tensor([(time.perf_counter() - t0) / args.iters], device=dev)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=world)  # the slowest rank's time
             seconds = seconds.item()
             nbytes = numel * 4
             algbw = nbytes / seconds / 1e9
@@ -360,14 +366,15 @@ def main():
     env = setup(args, launch)
     log(env, f"{env.world_size} rank(s), backend {env.backend}, device {env.device}"
              + ("" if mpi_comm() else " (mpi4py side shown only under mpiexec)"))
+    world = dist.group.WORLD  # every collective below names its group: here all the ranks
     if args.bench:
-        rows = bench(env, args)
+        rows = bench(env, args, world)
         if args.metrics and env.master:
             with open(args.metrics, "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
         failures = []
     else:
-        failures = run_checks(env)
+        failures = run_checks(env, world)
         log(env, f"{'all collectives correct' if not failures else 'FAILED: ' + ', '.join(failures)}")
     teardown(env)
     sys.exit(1 if failures else 0)

@@ -66,10 +66,15 @@ class GradientBuckets:
     A post-accumulate-grad hook counts the gradients each bucket still waits for; when a
     bucket is complete it is launched as an asynchronous all-reduce. Buckets are launched
     strictly in index order, so every rank issues the same collectives in the same order
-    (a requirement of every backend) even if its backward finished them in another."""
+    (a requirement of every backend) even if its backward finished them in another.
 
-    def __init__(self, params, bucket_bytes, world_size, overlap):
-        self.world_size, self.overlap, self.sync = world_size, overlap, False
+    `group` is the data-parallel group, the ranks that hold replicas of these parameters:
+    here the world, but passed in, so that the buckets copied into a bigger mesh (DP x TP,
+    DP x PP) average over the replicas and nothing else."""
+
+    def __init__(self, params, bucket_bytes, group, overlap):
+        self.group, self.world_size = group, dist.get_world_size(group)
+        self.overlap, self.sync = overlap, False
         params = [p for p in params if p.requires_grad]
         groups, current, size = [], [], 0
         for p in reversed(params):
@@ -114,7 +119,7 @@ class GradientBuckets:
         buffer.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
         # all-reduce (sum) this bucket's gradients across every data-parallel rank,
         # asynchronously: backward continues while it is in flight
-        self.handles.append(dist.all_reduce(buffer, async_op=True))
+        self.handles.append(dist.all_reduce(buffer, group=self.group, async_op=True))
 
     def finish(self):
         """Before the optimizer step: wait for every bucket's all-reduce."""
@@ -126,7 +131,7 @@ class GradientBuckets:
         else:
             for p in self.params:  # the naive version: one blocking all-reduce per gradient
                 p.grad.div_(self.world_size)
-                dist.all_reduce(p.grad)  # sum of every rank's g/N
+                dist.all_reduce(p.grad, group=self.group)  # sum of every replica's g/N
         self._reset()
 
     def zero_grad(self):
@@ -134,10 +139,19 @@ class GradientBuckets:
             buffer.zero_()
 
 
+def mean_over_replicas(value, group):
+    """The mean of every replica's `value`, in place, on every replica of `group`: each
+    replica's value is the mean over its own equal share of the batch, so their mean is the
+    global batch's."""
+    value /= dist.get_world_size(group)  # sum of value/N = the mean (gloo has no AVG)
+    dist.all_reduce(value, group=group)  # one float from every replica, the sum to all
+    return value
+
+
 @torch.no_grad()
-def evaluate(model, data, args, env, accum_steps):
+def evaluate(model, data, args, env, accum_steps, dp_group):
     """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
-    slice, then the means are averaged across ranks."""
+    slice, then the means are averaged across the replicas."""
     model.eval()
     losses = {}
     for split in ("train", "val"):
@@ -150,9 +164,8 @@ def evaluate(model, data, args, env, accum_steps):
                 with autocast(env):
                     _, loss = model(x[rows], y[rows])
                 total += loss.float()
-        total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total)  # the sum of every rank's mean/N: the global mean
-        losses[split] = total.item()
+        total /= args.eval_iters * accum_steps
+        losses[split] = mean_over_replicas(total, dp_group).item()
     model.train()
     return losses
 
@@ -165,6 +178,7 @@ def main():
     run.dry_run(costs, lambda config: [f"layout: {run.world_size} replicas, each {accum_steps} micro-batch(es) of "
                                        f"{args.micro_batch_size} per step"])
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every replica
+    dp_group = dist.group.WORLD  # the data-parallel group: every rank holds a replica
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
@@ -172,13 +186,13 @@ def main():
     # every replica starts from rank 0's weights (identical here by construction, but this
     # is what makes any initialisation or checkpoint safe)
     for tensor in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(tensor.data, src=0)  # rank 0's values to every rank
-    buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, env.world_size,
+        dist.broadcast(tensor.data, group=dp_group, group_src=0)  # the first replica's values to all
+    buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, dp_group,
                               overlap=not args.no_overlap)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
     run.begin(config, optimizer, costs, layout={"strategy": "data parallel"},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
-              evaluate=lambda: evaluate(model, data, args, env, accum_steps),
+              evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_group),
               describe=f"{env.world_size} replicas, {accum_steps} micro-batch(es) of {args.micro_batch_size} "
                        f"per rank per step, {len(buckets.buffers)} gradient bucket(s)"
                        + (" (not overlapped)" if args.no_overlap else ""))
@@ -199,8 +213,8 @@ def main():
                 (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
                 loss_sum += loss.detach().float()
         buckets.finish()  # gradients are now the mean over the global batch, on every rank
-        loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        loss_sum /= accum_steps  # this replica's mean loss
+        mean_over_replicas(loss_sum, dp_group)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?

@@ -54,8 +54,7 @@ working parameters, and so each micro-batch's gradients as backward produces the
 each rank keeps an fp32 master copy of its shard (part of the optimizer state, as in the
 paper's mixed-precision accounting), made from the fp32 initialisation. Gradients are summed
 over micro-batches and reduce-scattered in fp32, as 03_ddp.py and 05_fsdp.py reduce them (05's
-default --reduce_dtype): in bf16, stages 2-3 do 05's arithmetic, bit for bit without clipping
-(stage 1 sums before it reduces: another order of fp32 additions, exact for a few bf16 terms).
+default --reduce_dtype).
 
 Run:
 
@@ -113,11 +112,12 @@ from infra import Run  # the run infrastructure; `from common import Run` is the
 
 class Unit:
     """The parameters of one module as one flat buffer, padded to a multiple of N and cut
-    into N equal shards; this rank owns elements [lo, hi). `full` is the whole buffer in
+    into N equal shards, N the size of the data-parallel `group`; this rank (its rank r in
+    the group) owns elements [lo, hi) = [r·shard, (r+1)·shard). `full` is the whole buffer in
     the compute dtype (None in stage 3 while the unit is not gathered); `master` is this
     rank's fp32 shard, the copy the optimizer updates."""
 
-    def __init__(self, name, named_params, env, compute_dtype, keep_full, offload=False):
+    def __init__(self, name, named_params, group, env, compute_dtype, keep_full, offload=False):
         self.name = name
         self.names, self.params = zip(*named_params)
         self.shapes = [p.shape for p in self.params]
@@ -125,10 +125,11 @@ class Unit:
         for p in self.params:
             self.offsets.append(offset)
             offset += p.numel()
-        self.shard_numel = math.ceil(offset / env.world_size)
-        self.lo, self.hi = env.rank * self.shard_numel, (env.rank + 1) * self.shard_numel
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shard_numel = math.ceil(offset / n)
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.device, self.dtype = env.device, compute_dtype
-        flat = torch.zeros(self.shard_numel * env.world_size, dtype=torch.float32, device=env.device)
+        flat = torch.zeros(self.shard_numel * n, dtype=torch.float32, device=env.device)
         for p, offset in zip(self.params, self.offsets):
             flat[offset:offset + p.numel()].copy_(p.data.view(-1))  # the fp32 initialisation
         full = flat.to(compute_dtype)  # the working copy (the same tensor in fp32)
@@ -171,15 +172,17 @@ class Unit:
 
 
 class ZeRO:
-    """The partitioned model states of one stage, and its collectives."""
+    """The partitioned model states of one stage, and its collectives, over the data-parallel
+    `group` (here the world; passed in, so that the class copied into a bigger mesh
+    partitions over the replicas and nothing else)."""
 
-    def __init__(self, model, stage, env, args):
-        self.stage, self.world_size, self.compute_dtype = stage, env.world_size, env.dtype
-        self.device, self.offload = env.device, args.offload
+    def __init__(self, model, stage, group, env, args):
+        self.stage, self.group, self.world_size = stage, group, dist.get_world_size(group)
+        self.compute_dtype, self.device, self.offload = env.dtype, env.device, args.offload
         root = [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]
-        self.root = Unit("root", root, env, env.dtype, keep_full=stage < 3, offload=args.offload)
-        self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), env, env.dtype, keep_full=stage < 3,
-                            offload=args.offload) for i, block in enumerate(model.transformer.h)]
+        self.root = Unit("root", root, group, env, env.dtype, keep_full=stage < 3, offload=args.offload)
+        self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), group, env, env.dtype,
+                            keep_full=stage < 3, offload=args.offload) for i, block in enumerate(model.transformer.h)]
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.offset_of = {p: offset for u in self.units for p, offset in zip(u.params, u.offsets)}
@@ -216,7 +219,7 @@ class ZeRO:
         if unit.full is None:
             full = torch.empty(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
             # every rank's shard of this unit -> the whole unit, on every rank
-            dist.all_gather_into_tensor(full, self.working_shard(unit))
+            dist.all_gather_into_tensor(full, self.working_shard(unit), group=self.group)
             unit.bind(full)
 
     def _after_forward(self, unit, out):
@@ -267,7 +270,7 @@ class ZeRO:
             torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.device)
         # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
         # backward continues on the earlier blocks meanwhile
-        handle = dist.reduce_scatter_tensor(shard, flat, async_op=True)
+        handle = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
         self.pending.append((handle, unit, shard, flat))
         if self.stage == 3 and unit is not self.root:
             unit.release()  # its backward is over: drop the gathered parameters
@@ -290,7 +293,7 @@ class ZeRO:
     def clip_grad_norm(self, max_norm):
         """The global gradient norm from the shards (padding is zero), as clip_grad_norm_."""
         squares = sum(u.grad_shard.pow(2).sum() for u in self.units).to(self.device)
-        dist.all_reduce(squares)  # the sum of every rank's squared shard norms
+        dist.all_reduce(squares, group=self.group)  # the sum of every rank's squared shard norms
         total_norm = squares.sqrt()
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(self.root.grad_shard.device)
         for unit in self.units:
@@ -310,7 +313,7 @@ class ZeRO:
         rank, in the compute dtype. Stage 3 gathers from the masters at the next forward."""
         if self.stage < 3:
             for unit in self.units:
-                dist.all_gather_into_tensor(unit.full, self.working_shard(unit))
+                dist.all_gather_into_tensor(unit.full, self.working_shard(unit), group=self.group)
 
     def zero_grad(self):
         """The next step's first micro-batch and first reduction overwrite the sums."""
@@ -335,7 +338,7 @@ def add_flags(parser):
 
 
 @torch.no_grad()
-def evaluate(model, zero, data, args, env, accum_steps):
+def evaluate(model, zero, data, args, env, accum_steps, dp_group):
     """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
     slice, then the means are averaged across ranks."""
     model.eval()
@@ -352,7 +355,7 @@ def evaluate(model, zero, data, args, env, accum_steps):
                     _, loss = model(x[rows], y[rows])
                 total += loss.float()
         total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total)  # the sum of every rank's mean/N: the global mean
+        dist.all_reduce(total, group=dp_group)  # the sum of every rank's mean/N: the global mean
         losses[split] = total.item()
     zero.release_root()
     model.train()
@@ -365,14 +368,15 @@ def main():
     env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
     run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+    dp_group = dist.group.WORLD  # the data-parallel group: every rank, each with its slice of the batch
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device, recompute=args.recompute)  # every rank builds all ...
-    zero = ZeRO(model, args.stage, env, args)  # ... and keeps only what its stage needs
+    zero = ZeRO(model, args.stage, dp_group, env, args)  # ... and keeps only what its stage needs
     run.begin(config, zero.optimizer, costs, layout={"strategy": "zero", "stage": args.stage},
               pieces=lambda: checkpoint_pieces(zero), held=lambda: held_bytes(zero),
-              evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps),
+              evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps, dp_group),
               describe=f"ZeRO stage {args.stage} over {env.world_size} ranks, {len(zero.units)} units, "
                        f"Ψ = {zero.numel():,} padded to {zero.padded_numel():,}, "
                        f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
@@ -397,7 +401,7 @@ def main():
                 loss_sum += loss.detach().float()
         zero.release_root()
         loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             zero.clip_grad_norm(args.grad_clip)
         run.check(loss_sum, (u.grad_shard for u in zero.units))  # non-finite? asked to stop?

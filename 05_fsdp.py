@@ -290,7 +290,7 @@ def add_flags(parser):
 
 
 @torch.no_grad()
-def evaluate(model, fsdp, data, args, env, accum_steps):
+def evaluate(model, fsdp, data, args, env, accum_steps, dp_group):
     """Mean loss of each split over eval_iters fixed global batches (each rank its slice)."""
     model.eval()
     losses = {}
@@ -306,7 +306,7 @@ def evaluate(model, fsdp, data, args, env, accum_steps):
                     _, loss = model(x[rows], y[rows])
                 total += loss.float()
         total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total)  # the global mean
+        dist.all_reduce(total, group=dp_group)  # the global mean
         losses[split] = total.item()
     fsdp.end()
     model.train()
@@ -321,6 +321,7 @@ def main():
     env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
     run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+    dp_group = dist.group.WORLD  # the data-parallel group: every rank, each with its slice of the batch
 
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
@@ -333,7 +334,7 @@ def main():
     optimizer = make_adamw(fsdp.shards(), args, "cpu" if args.offload else env.device.type)
     run.begin(config, optimizer, costs, layout={"strategy": "fsdp", "replicate": args.replicate},
               pieces=lambda: checkpoint_pieces(fsdp, optimizer), held=lambda: held_bytes(fsdp, optimizer),
-              evaluate=lambda: evaluate(model, fsdp, data, args, env, accum_steps),
+              evaluate=lambda: evaluate(model, fsdp, data, args, env, accum_steps, dp_group),
               describe=f"{fsdp}; {accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
 
     for step in run.steps():
@@ -354,7 +355,7 @@ def main():
                 loss_sum += loss.detach().float()
         fsdp.end()  # free the root (and, with --no_reshard, every block)
         loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum)  # the global batch's mean loss, for logging
+        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             fsdp.clip_grad_norm(args.grad_clip)
         run.check(loss_sum, (s.grad for s in fsdp.shards()))  # non-finite? asked to stop?

@@ -163,12 +163,19 @@ class ExpertParallelMoE(nn.Module):
         send = counts.view(N, local).sum(dim=1).tolist()
         recv = [sum(row) for row in received]
         inbox = AllToAll.apply(rows, recv, send, self.group)  # dispatch
-        # regroup source-major chunks by local expert, run each expert on all its rows
-        chunks = inbox.split([n for row in received for n in row])
-        outs = [expert(torch.cat([chunks[s * local + j] for s in range(N)]))
-                for j, expert in enumerate(self.experts.values())]
-        pieces = [out.split([received[s][j] for s in range(N)]) for j, out in enumerate(outs)]
-        back = torch.cat([pieces[j][s] for s in range(N) for j in range(local)])  # source-major again
+        # The dispatch delivers the rows source-major: from each source rank s, its rows for
+        # each of this rank's experts j in turn. Each expert runs once on all of its rows, so
+        # the [s][j] grid of pieces is transposed to [j][s], the experts run, and their outputs
+        # are transposed back, source-major, for the combine (2 sources, experts e0 e1 here):
+        #
+        #   inbox, by source   [ s0>e0 | s0>e1 | s1>e0 | s1>e1 ]
+        #   by expert          e0: [ s0>e0 | s1>e0 ]   e1: [ s0>e1 | s1>e1 ]    -> e0(...), e1(...)
+        #   back, by source    [ e0(s0) | e1(s0) | e0(s1) | e1(s1) ]    -> combine: to s0, to s1
+        by_source = [chunk.split(sizes) for chunk, sizes in zip(inbox.split(recv), received)]  # [s][j]
+        by_expert = list(zip(*by_source))  # [j][s]: the transpose
+        outs = [expert(torch.cat(pieces)) for expert, pieces in zip(self.experts.values(), by_expert)]
+        outs_by_expert = [out.split([len(p) for p in pieces]) for out, pieces in zip(outs, by_expert)]  # [j][s]
+        back = torch.cat([piece for row in zip(*outs_by_expert) for piece in row])  # [s][j] again, flat
         out = AllToAll.apply(back, send, recv, self.group)  # combine: to the tokens' ranks
         if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
             self.received.append(sum(recv))  # one entry per micro-batch
@@ -205,11 +212,11 @@ def take_routing(model, device):
     return received, load
 
 
-def reduce_gradients(model, world_size, dp_group, dp_size):
-    """The mean gradient over the global batch: the replicated parameters' summed over the
-    world, the experts' over the ranks holding the same experts (their EP groups' tokens are
-    already in them), each divided by W."""
-    for expert, group in ((False, None), (True, dp_group)):
+def reduce_gradients(model, world_size, data_group, dp_group, dp_size):
+    """The mean gradient over the global batch: the replicated parameters' summed over
+    `data_group` (every rank with a slice of the batch: the world), the experts' over the ranks
+    holding the same experts (their EP groups' tokens are already in them), each divided by W."""
+    for expert, group in ((False, data_group), (True, dp_group)):
         grads = [p.grad for name, p in model.named_parameters() if is_expert(name) == expert]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(world_size)
         if not expert or dp_size > 1:
@@ -235,7 +242,7 @@ def clip_grad_norm(model, max_norm, ep_group):
 
 
 @torch.no_grad()
-def evaluate(model, data, args, env, accum_steps):
+def evaluate(model, data, args, env, accum_steps, data_group):
     """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
     slice (through the all-to-alls), then the means are averaged across ranks."""
     model.eval()
@@ -251,7 +258,7 @@ def evaluate(model, data, args, env, accum_steps):
                     _, loss = model(x[rows], y[rows])
                 total += loss.float()
         total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total)  # the sum of every rank's mean/W: the global mean
+        dist.all_reduce(total, group=data_group)  # the sum of every rank's mean/W: the global mean
         losses[split] = total.item()
     model.train()
     return losses
@@ -268,11 +275,12 @@ def main():
     ep = check_layout(args, config, env.world_size)
     dp = env.world_size // ep
     ep_group, dp_group = expert_groups(env.world_size, ep)
+    data_group = dist.group.WORLD  # every rank trains on its own slice of the batch: ep x dp ranks
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
     run.begin(config, optimizer, costs, layout={"strategy": "expert parallel", "ep": ep},
               pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
-              evaluate=lambda: evaluate(model, data, args, env, accum_steps),
+              evaluate=lambda: evaluate(model, data, args, env, accum_steps, data_group),
               describe=f"expert parallel over {ep} ranks x {dp} data-parallel, {config.n_expert // ep} of "
                        f"{config.n_expert} experts per rank, top-{config.top_k}, {accum_steps} micro-batch(es) "
                        f"of {args.micro_batch_size} per rank per step")
@@ -291,10 +299,10 @@ def main():
                     _, loss = model(x[rows], y[rows])  # dispatch and combine all-to-alls in every block
                 (loss / accum_steps).backward()  # their backward all-to-alls: the gradients' rows home
                 loss_sum += loss.detach().float()
-        reduce_gradients(model, env.world_size, dp_group, dp)  # replicated: world; experts: same-expert ranks
+        reduce_gradients(model, env.world_size, data_group, dp_group, dp)  # replicated: all; experts: same experts
         received, load = take_routing(model, env.device)
         stats = torch.cat([(loss_sum / (accum_steps * env.world_size)).view(1), load.float().view(-1)])
-        dist.all_reduce(stats)  # the global batch's mean loss and tokens per expert, for logging
+        dist.all_reduce(stats, group=data_group)  # the global batch's mean loss and tokens per expert, for logging
         if args.grad_clip > 0:
             clip_grad_norm(model, args.grad_clip, ep_group)  # the norm over every expert once
         run.check(stats[0], (p.grad for p in model.parameters()))  # non-finite? asked to stop?

@@ -1051,7 +1051,7 @@ class CommLedger:
     def position(self, op, group):
         """This call's place in the rank's sequence of collectives: (op, group, its number
         on that group, step, phase). Ranks that disagree on it are the usual cause of a hang."""
-        if group is None or group is dist.group.WORLD:
+        if group is None or group is dist.group.WORLD:  # named or implied, the same group
             name = "world"
         else:
             name = self.group_name(group)

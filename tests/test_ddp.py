@@ -80,7 +80,7 @@ def test_buckets_are_launched_during_backward_and_not_on_accumulation_steps():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         model = build_model(GPTConfig(vocab_size=65, **PRESETS["tiny"]), 0, "cpu")
-        buckets = ddp.GradientBuckets(model.parameters(), 50_000, 1, overlap=True)
+        buckets = ddp.GradientBuckets(model.parameters(), 50_000, dist.group.WORLD, overlap=True)
         in_flight_at_embedding = []
         model.transformer.wte.weight.register_hook(lambda g: in_flight_at_embedding.append(len(buckets.handles)))
         x = torch.randint(0, 65, (2, 16))

@@ -157,3 +157,60 @@ def test_the_readme_keeps_the_test_command_that_ci_runs():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     command = "python -m pytest -q tests"
     assert command in ci and command in readme
+
+
+# ----------------------------------------------------------------------------------------
+# The scripts the docs name exist, and every script is described where a reader looks
+# ----------------------------------------------------------------------------------------
+
+NUMBERED = re.compile(r"(?<![\w/.])(\d\d_\w+\.py)\b")
+SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "[0-9][0-9]_*.py")))
+ENTRY_POINTS = SCRIPTS + ["plan.py", "plot.py"]
+
+
+def table_rows(path, heading=None):
+    """{first cell: the row's other cells} of the markdown tables in `path` (under `heading`
+    only, when given), the first cell's backticks removed."""
+    rows, inside = {}, heading is None
+    for _, line in markdown_lines(path):
+        if line.startswith("#"):
+            inside = heading is None or line.lstrip("#").strip() == heading
+        elif inside and line.startswith("|") and not set(line) <= set("|-: "):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].replace("`", "")] = cells[1:]
+    return rows
+
+
+def described(rows, script):
+    """The row whose first cell is the script (with its flags, as `04_zero.py --stage 1/2/3`),
+    if it says something."""
+    for first, rest in rows.items():
+        if first.split()[0] == script and any(cell and cell != "-" for cell in rest):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("path", MARKDOWN)
+def test_every_numbered_script_the_docs_name_exists(path):
+    """A numbered script is named by its file name alone and lives at the top of the
+    repository: `07_pipeline.py`, not a renamed or planned one."""
+    wrong = [f"{path}:{number}: {name}" for number, line in markdown_lines(path)
+             for name in NUMBERED.findall(line) if name not in SCRIPTS]
+    assert not wrong, "numbered scripts that are not in the repository:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("page, heading", [("README.md", "The scripts"),
+                                           ("docs/strategies.md", "The strategies: what each rank holds and sends")])
+def test_every_script_is_described(page, heading):
+    """README.md's table of scripts and docs/strategies.md's table of costs each give every
+    numbered script, plan.py and plot.py a row that describes it."""
+    rows = table_rows(page, heading)
+    missing = [script for script in ENTRY_POINTS if not described(rows, script)]
+    assert not missing, f"{page} has no row describing {', '.join(missing)}"
+
+
+def test_every_script_has_a_row_of_flags():
+    """docs/strategies.md's "Strategy flags" table has a row for every numbered script."""
+    rows = table_rows("docs/strategies.md", "Strategy flags")
+    missing = [script for script in SCRIPTS if not described(rows, script)]
+    assert not missing, f"docs/strategies.md's Strategy flags table has no row for {', '.join(missing)}"
