@@ -482,9 +482,9 @@ class TPGPT(nn.Module):
         return self
 
 
-def clip_grad_norm(model, max_norm):
-    """Global norm: the squares of the parameters TP_PLAN splits summed across the group,
-    the replicated ones counted once (every rank holds the same copy)."""
+def clip_grad_norm(model, max_norm, group):
+    """Global norm: the squares of the parameters TP_PLAN splits summed across the TP
+    `group`, the replicated ones counted once (every rank of the group holds the same copy)."""
     device = next(model.parameters()).device
     sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     for name, p in model.named_parameters():
@@ -493,7 +493,7 @@ def clip_grad_norm(model, max_norm):
             sharded += square
         else:
             replicated += square
-    dist.all_reduce(sharded)  # the sum over every rank's shards
+    dist.all_reduce(sharded, group=group)  # the sum over the group's shards (not over replicas)
     total_norm = (sharded + replicated).sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in model.parameters():
@@ -501,12 +501,13 @@ def clip_grad_norm(model, max_norm):
     return total_norm
 
 
-def all_reduce_sequence_parallel_grads(model):
+def all_reduce_sequence_parallel_grads(model, group):
     """With sequence parallelism each rank saw only its sequence shard in the replicated
-    regions, so the replicated parameters' gradients are partial: sum them."""
+    regions, so the replicated parameters' gradients are partial: sum them over the TP
+    `group`."""
     grads = [p.grad for name, p in model.named_parameters() if tp_split(name) is None]
     flat = torch.cat([g.view(-1) for g in grads])
-    dist.all_reduce(flat)  # sum of every rank's partial gradients of the replicated parameters
+    dist.all_reduce(flat, group=group)  # sum of the TP ranks' partial gradients of the replicated parameters
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -566,7 +567,8 @@ def main():
     check_layout(args, config, tp_size)
     torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
     rng = ShardedRNG(args.seed, env.rank, env.device)  # this rank's own stream, for the sharded regions
-    model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, dist.group.WORLD,  # TP group: all
+    tp_group = dist.group.WORLD  # the tensor-parallel group: here every rank
+    model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, tp_group,
                   recompute=args.recompute).init_from_full(args.seed).to(env.device)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
     cost = costs(args, config, tp_size, env.dtype)
@@ -597,9 +599,9 @@ def main():
                 (loss / accum_steps).backward()  # accumulate the mean over the global batch
                 loss_sum += loss.detach().float()
         if args.sequence_parallel:  # the replicated parameters saw only this rank's sequence shard
-            all_reduce_sequence_parallel_grads(model)
+            all_reduce_sequence_parallel_grads(model, tp_group)
         if args.grad_clip > 0:
-            clip_grad_norm(model, args.grad_clip)  # the norm over every rank's shards
+            clip_grad_norm(model, args.grad_clip, tp_group)  # the norm over every rank's shards
         run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop

@@ -360,9 +360,13 @@ def check_layout(args, config, p):
 # ---------------------------------------------------------------------------------------
 
 class Pipeline:
-    def __init__(self, chunks, env, p, v, act_shape, deferred=None):
-        self.chunks, self.env, self.p, self.v, self.act_shape = chunks, env, p, v, act_shape
-        self.rank = env.rank
+    """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
+    rank in the group, and its messages name their peers by stage (group_peer), so that a
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only."""
+
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None):
+        self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
+        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
         self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
@@ -384,10 +388,10 @@ class Pipeline:
         ops, received = [], {}
         for op, peer, tag in batch:  # activations or gradients, b·s·h each
             if op == "send":
-                ops.append(dist.P2POp(dist.isend, outputs[tag][0], peer, tag=tag))
+                ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
             else:
                 received[tag] = torch.empty(self.act_shape, device=self.env.device)
-                ops.append(dist.P2POp(dist.irecv, received[tag], peer, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, received[tag], group=self.group, group_peer=peer, tag=tag))
         requests = dist.batch_isend_irecv(ops) if ops else []
         if len(requests) != len(ops):  # NCCL coalesces the batch into one request
             requests = requests[-1:] * len(ops)
@@ -490,20 +494,21 @@ def micro_batches(data, split, step, args, env, m, eval_split=False):
     return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
 
 
-def share_loss(loss_sum, p, m):
-    """The mean loss over the micro-batches, on every stage."""
-    dist.broadcast(loss_sum, src=p - 1)  # the last stage's loss, to every stage for logging
+def share_loss(loss_sum, group, m):
+    """The mean loss over the micro-batches, on every stage of the pipeline `group`."""
+    last = dist.get_world_size(group) - 1
+    dist.broadcast(loss_sum, group=group, group_src=last)  # the last stage's loss, to every stage for logging
     return loss_sum / m
 
 
-def clip_grad_norm(chunks, max_norm, p):
-    """Scale the gradients so that the global norm over every stage, the tied embedding
-    counted once (on the first stage), is at most max_norm."""
+def clip_grad_norm(chunks, max_norm, group):
+    """Scale the gradients so that the global norm over every stage of the pipeline `group`,
+    the tied embedding counted once (on the first stage), is at most max_norm."""
     head_copy = chunks[-1].is_last and not chunks[0].is_first  # the last stage's copy of wte
     squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
                   if not (head_copy and n.endswith("lm_head.weight")))
-    if p > 1:
-        dist.all_reduce(squares)  # every stage's squared gradient norm
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)  # every stage's squared gradient norm
     coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
     for t in chunks.parameters():
         t.grad.mul_(coef)
@@ -527,7 +532,7 @@ def evaluate(pipeline, chunks, data, args, env, p, m, v):
         for k in range(args.eval_iters):
             xs, ys = micro_batches(data, split, k, args, env, m, eval_split=True)
             loss_sum, _, _ = pipeline.run(forward_rounds(p, m, v), xs, ys, m, train=False)
-            total += share_loss(loss_sum, p, m).item()
+            total += share_loss(loss_sum, pipeline.group, m).item()
         losses[split] = total / args.eval_iters
     chunks.train()
     return losses
@@ -562,7 +567,7 @@ def main():
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
     optimizer = make_adamw(chunks.parameters(), args, env.device.type)
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
-    pipeline = Pipeline(chunks, env, p, v, act_shape, deferred)
+    pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred)  # the pipeline: every rank
     rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # ("F" | "B" | "W", micro-batch, chunk)
     cost = costs(args, config, p, env.dtype, env.rank)
     run.begin(config, optimizer, cost, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
@@ -576,12 +581,12 @@ def main():
         xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
         with run.meter:
             loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m)  # busy: the share spent computing
-        loss = share_loss(loss_sum, p, m)
+        loss = share_loss(loss_sum, pipeline.group, m)
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
                 dist.all_reduce(weight.grad, group=embedding_group)
         if args.grad_clip > 0:
-            clip_grad_norm(chunks, args.grad_clip, p)
+            clip_grad_norm(chunks, args.grad_clip, pipeline.group)
         run.check(loss, (t.grad for t in chunks.parameters()))  # non-finite? asked to stop?
         optimizer.step()
         if step == run.start_step:

@@ -2107,7 +2107,7 @@ class CommLedger:
     def position(self, op, group):
         """This call's place in the rank's sequence of collectives: (op, group, its number
         on that group, step, phase). Ranks that disagree on it are the usual cause of a hang."""
-        if group is None:
+        if group is None or group is dist.group.WORLD:
             name = "world"
         else:
             name = self.group_names.get(group)
