@@ -939,11 +939,11 @@ def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
         posted[:] = still
 
     def exchange(recv_from=None, tag=None):
-        ops = [dist.P2POp(dist.isend, t, peer, tag=tg) for peer, t, tg, _ in pending]
+        ops = [dist.P2POp(dist.isend, t, peer, mesh.pp_group, tg) for peer, t, tg, _ in pending]
         buffer = None
         if recv_from is not None:
             buffer = torch.empty(act_shape, device=env.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, recv_from, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, buffer, recv_from, mesh.pp_group, tag))
         requests = dist.batch_isend_irecv(ops) if ops else []  # activations / gradients, b·s·h
         posted.extend((request, t if free else None)
                       for request, (_, t, _, free) in zip(requests, pending))
