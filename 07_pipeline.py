@@ -14,9 +14,16 @@ for in idle time, the bubble, while the pipeline fills and drains.
       stage 2  .. .. F0 F1 F2 F3 .. .. B0 B1 B2 B3 .. ..        activations held: m
       stage 3  .. .. .. F0 F1 F2 F3 B0 B1 B2 B3 .. .. ..        micro-batches per stage
 
-    1F1B (PipeDream-Flush, Narayanan et al. 2021): p-rank-1 warm-up forwards, then one
-    forward one backward in the steady state, then the cool-down backwards. The same bubble,
-    but stage r holds at most p-r micro-batches of activations instead of m.
+    1F1B (PipeDream-Flush, Narayanan et al. 2021): stage r runs p-r-1 warm-up forwards,
+    then one forward one backward (the steady state), then the cool-down backwards. With F
+    and B one unit each, p = 4, m = 6:
+               warm-up   steady state            cool-down
+      stage 0  F0 F1 F2 F3  .  .  . B0 F4 B1 F5 B2  . B3  . B4  . B5
+      stage 1   . F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3  . B4  . B5  .
+      stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4  . B5  .  .
+      stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5  .  .  .
+    The same bubble as GPipe's, but a backward frees a micro-batch's activations as soon as
+    the pipeline is full, so stage r holds at most p-r micro-batches instead of m.
 
     Interleaved 1F1B (Narayanan et al. 2021): each rank holds v smaller chunks of layers
     (rank r: chunks r, r+p, ..., r+(v-1)p), so the pipeline fills v times faster:
@@ -40,24 +47,15 @@ for in idle time, the bubble, while the pipeline fills and drains.
     M_B = 34bsh + 5as²b in 16 bits). Stage r holds up to p micro-batches, p-r whole and r
     as W tensors: every stage near stage 0's 1F1B peak, which stays the peak over stages
     when stages are alike. Where they are not, ZB-H1 costs more: the last stage's
-    micro-batch also holds the head's b·s·V log-softmax (GPT-2 at p = 4, b = 1, bf16:
-    498 MiB on the last stage against 1F1B's 325 MiB peak, from costs()); and W tensors
-    are not recomputed, so --recompute saves far less than under 1F1B.
+    micro-batch also holds the head's b·s·V log-softmax; and W tensors are not recomputed,
+    so --recompute saves far less than under 1F1B (docs/memory.md has GPT-2's figures).
 
 Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
-steady state one forward and one backward; ZB's W rides in the round of the B before it,
-run after that round's batch is posted, while its receives travel) and between two rounds
-posts one batch_isend_irecv
-(exchanges()): the sends of what it just computed with the receives the next round needs,
-then waits for the receives (Megatron's send_forward_recv_backward and friends; in the
-interleaved steady state send_forward_backward_recv_forward_backward). Under NCCL a send
-completes only once its receive is posted and a rank's batches complete one after another;
-posted this way, no cycle of ranks waiting on each other's later batches forms, for every
-schedule at every p, v and m the tests try (tests/test_schedules.py replays every rank's
-posting order under NCCL's rules). Posted one batch per operation, the interleaved schedule
-deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it. After a send
-completes, the activation's data is freed: only its autograd graph is needed for backward
-(Megatron's deallocate_output_tensor).
+steady state one forward and one backward; ZB's W rides in the round of the B before it)
+and between two rounds posts one batch_isend_irecv (exchanges()): the sends of what it just
+computed with the receives the next round needs, then waits for the receives (Megatron's
+send_forward_recv_backward and friends). After a send completes, the activation's data is
+freed: only its autograd graph is needed for backward (Megatron's deallocate_output_tensor).
 
 The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the head;
 both start equal (param_init) and stay equal because their gradients are all-reduced between
@@ -109,47 +107,47 @@ def schedule_rounds(kind, p, rank, m, v=1):
     except in the interleaved steady state (one forward and one backward) and in ZB-H1,
     where a W rides in the round of the B before it: it runs once that B's gradient has
     been posted to the previous stage, while the round's receives travel."""
-    if kind == "zb":
-        # ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
-        # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
-        # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
-        # steady state, but stage `rank` defers the W of its first `rank` backwards; from
-        # then on each B is followed by the W of the oldest micro-batch whose W is pending,
-        # and the `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
-        warmup = min(p - rank - 1, m)
-        rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
-        for k in range(m):
-            if warmup + k < m:  # steady state: one forward, then one backward
-                rounds.append((("F", warmup + k, 0),))
-            if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
-                rounds.append((("B", k, 0), ("W", w, 0)))
-                w += 1
-            else:
-                rounds.append((("B", k, 0),))
-        return rounds + [(("W", j, 0),) for j in range(w, m)]
-    if kind == "gpipe":
+    if kind == "gpipe":  # every forward, then every backward
         return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
     if kind == "1f1b":
-        warmup = min(p - rank - 1, m)
+        warmup = min(p - rank - 1, m)  # forwards before the first backward reaches this stage
         forwards = [("F", i, 0) for i in range(m)]
         backwards = [("B", i, 0) for i in range(m)]
         order = forwards[:warmup]
         for i in range(m - warmup):  # steady state: one forward, one backward
             order += [forwards[warmup + i], backwards[i]]
         return [(op,) for op in order + backwards[m - warmup:]]  # cool-down
-    # interleaved (Megatron): forwards visit chunks in groups of p micro-batches
-    total = m * v
+    if kind == "interleaved":  # Megatron's: forwards visit chunks in groups of p micro-batches
+        total = m * v
 
-    def forward_op(k):
-        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+        def forward_op(k):
+            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
 
-    def backward_op(k):
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+        def backward_op(k):
+            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    return ([(forward_op(k),) for k in range(warmup)]
-            + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
-            + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+        return ([(forward_op(k),) for k in range(warmup)]
+                + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
+                + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
+    # zero bubble, ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
+    # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
+    # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
+    # steady state, but stage `rank` defers the W of its first `rank` backwards; from then
+    # on each B is followed by the W of the oldest micro-batch whose W is pending, and the
+    # `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
+    assert kind == "zb", kind
+    warmup = min(p - rank - 1, m)
+    rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
+    for k in range(m):
+        if warmup + k < m:  # steady state: one forward, then one backward
+            rounds.append((("F", warmup + k, 0),))
+        if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
+            rounds.append((("B", k, 0), ("W", w, 0)))
+            w += 1
+        else:
+            rounds.append((("B", k, 0),))
+    return rounds + [(("W", j, 0),) for j in range(w, m)]
 
 
 def schedule(kind, p, rank, m, v=1):
@@ -164,6 +162,18 @@ def forward_rounds(p, m, v):
             for i in range(group, min(group + p, m))]
 
 
+def forward_tag(i, g, n):
+    """The tag of the activation that chunk g (of n in the pipeline) sends forward for
+    micro-batch i: one number per (micro-batch, chunk), i·n + g."""
+    return i * n + g
+
+
+def backward_tag(i, g, n, m):
+    """The tag of the input gradient that chunk g sends back for micro-batch i: after all m·n
+    forward tags, n·m + i·n + g."""
+    return n * m + forward_tag(i, g, n)
+
+
 def exchanges(rounds, p, rank, v, m):
     """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
     receives it needs; after each round, the sends of what it computed (outputs to the next
@@ -171,25 +181,31 @@ def exchanges(rounds, p, rank, v, m):
     Megatron's p2p calls: send_forward_recv_forward after a forward (..._recv_backward when a
     backward follows), send_backward_recv_backward after a backward (..._recv_forward), and
     send_forward_backward_recv_forward_backward after an interleaved steady-state round.
-    An entry: [("send" | "recv", peer, tag)]; a tag names one activation (micro-batch i,
-    from chunk g: i·p·v + g) or one gradient (the same, + p·v·m)."""
+    An entry: [("send" | "recv", peer stage, tag)], tags from forward_tag and backward_tag.
+
+    Why one batch per round, sends and receives together: under NCCL a send completes only
+    once its receive is posted, and a rank's batches complete one after another. Posted this
+    way, no cycle of ranks waiting on each other's later batches forms, for every schedule at
+    every p, v and m the tests try (tests/test_schedules.py replays every rank's posting order
+    under NCCL's rules). Posted one batch per operation instead, the interleaved schedule
+    deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it."""
     n = p * v
 
     def receives(ops):
         for kind, i, c in ops:
             g = c * p + rank
-            if kind == "F" and g > 0:
-                yield "recv", (rank - 1) % p, i * n + g - 1  # chunk g-1's output, the input of chunk g
-            if kind == "B" and g < n - 1:
-                yield "recv", (rank + 1) % p, n * m + i * n + g + 1  # the gradient of chunk g's output
+            if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
+                yield "recv", (rank - 1) % p, forward_tag(i, g - 1, n)
+            if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
+                yield "recv", (rank + 1) % p, backward_tag(i, g + 1, n, m)
 
     def sends(ops):
         for kind, i, c in ops:
             g = c * p + rank
             if kind == "F" and g < n - 1:
-                yield "send", (rank + 1) % p, i * n + g
+                yield "send", (rank + 1) % p, forward_tag(i, g, n)
             if kind == "B" and g > 0:
-                yield "send", (rank - 1) % p, n * m + i * n + g
+                yield "send", (rank - 1) % p, backward_tag(i, g, n, m)
 
     following = rounds[1:] + [()]
     return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
@@ -450,14 +466,14 @@ class Pipeline:
                 g = self.global_chunk(c)
                 t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
                 if kind == "F":
-                    x = inputs[i] if g == 0 else received.pop(i * n + g - 1).requires_grad_(train)
+                    x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
                     with torch.set_grad_enabled(train), autocast(self.env):
                         out = self.chunks[c](x, targets[i] if g == n - 1 else None)
                     if g == n - 1:
                         loss_sum += out.detach().float()
                         out = out / m  # backward of the mean over micro-batches
                     else:
-                        outputs[i * n + g] = (out if train else out.detach(), train)
+                        outputs[forward_tag(i, g, n)] = (out if train else out.detach(), train)
                     if train:
                         saved[(i, c)] = (x, out)
                         in_flight += 1
@@ -467,12 +483,19 @@ class Pipeline:
                     if g == n - 1:
                         out.backward()
                     else:
-                        grad = received.pop(n * m + i * n + g + 1)
-                        # the output's data was freed after sending: run the engine directly,
-                        # which (unlike tensor.backward) does not check the shapes
-                        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+                        grad = received.pop(backward_tag(i, g + 1, n, m))
+                        # the output's data was freed after sending (its shape is now [1]):
+                        # run autograd's engine directly, which, unlike out.backward(grad),
+                        # does not check that grad has out's shape
+                        Variable._execution_engine.run_backward(
+                            tensors=(out,), grad_tensors=(grad,),  # d loss / d out = grad
+                            keep_graph=False,  # free the graph as it goes (retain_graph=False)
+                            create_graph=False,  # no graph of the backward itself
+                            inputs=(),  # none named: every leaf the graph reaches (x, the weights)
+                            allow_unreachable=True,  # as backward() passes it (matters only with inputs)
+                            accumulate_grad=True)  # add into .grad, as backward() does
                     if g > 0:
-                        outputs[n * m + i * n + g] = (x.grad, False)
+                        outputs[backward_tag(i, g, n, m)] = (x.grad, False)
                     if self.deferred is None:
                         in_flight -= 1
                     else:  # the micro-batch's W tensors stay until its W
