@@ -44,9 +44,7 @@ sequence parallelism) every rank must drop the same elements, so they share one 
 (seeded by --seed). In sharded regions (attention dropout inside each rank's heads, and the
 sequence-sharded dropouts with --sequence_parallel) each rank draws its own stream (seed +
 2718 + rank, as Megatron's model-parallel RNG tracker), else the shards would be correlated.
-A checkpoint keeps both; the same layout resumes them, unless the rank's own stream was saved
-on another device type (its generator state does not fit): it then starts afresh, as at a
-layout change.
+A checkpoint keeps both, and the same layout resumes them (docs/checkpoints.md).
 
 Weights are sliced from the same initial values as 01_single_gpu.py (common.param_init of the
 full parameter), so the losses are comparable.
@@ -104,6 +102,7 @@ from common import (activation_device_type, activation_terms, activations_of_lay
 # LayerNorms, the position embedding, the row-parallel biases (added once, after g).
 TP_PLAN = {
     "wte.weight":         ("vocab", 0, 1),   # rows [t·V/T, (t+1)·V/T): the embedding and the tied head
+    "lm_head.weight":     ("vocab", 0, 1),   # the tied head where it is a copy (08_3d.py's last stage)
     "attn.c_attn.weight": ("column", 0, 3),  # column-parallel: output rows, this rank's heads of Q, K, V
     "attn.c_attn.bias":   ("column", 0, 3),
     "attn.c_proj.weight": ("row", 1, 1),     # row-parallel: input columns (this rank's heads' outputs)
@@ -372,6 +371,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------
 
 class TPAttention(nn.Module):
+    cp = None  # 08_3d.py's context parallelism: a ContextParallel (09's attention over the CP group)
+
     def __init__(self, config, tp_size, sp, rng, group):
         super().__init__()
         h = config.n_embd
@@ -384,9 +385,12 @@ class TPAttention(nn.Module):
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of Q, K and V
         B, T, C = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
-        with self.rng.sharded():  # attention dropout acts inside this rank's heads
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+        if self.cp is not None:  # this CP rank's queries meet every CP rank's keys (no dropout, as in 09)
+            y = self.cp.attention(q, k, v)
+        else:
+            with self.rng.sharded():  # attention dropout acts inside this rank's heads
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                   dropout_p=self.dropout if self.training else 0.0)
         y = self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         if self.sp:  # with sequence parallelism the residual stream is sharded too
             with self.rng.sharded():

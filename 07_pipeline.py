@@ -378,11 +378,14 @@ def check_layout(args, config, p):
 class Pipeline:
     """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
     rank in the group, and its messages name their peers by stage (group_peer), so that a
-    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only."""
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: wait for
+    the device around every operation, to measure the compute time and so the bubble (08_3d.py
+    measures none, and keeps compute and communication overlapping on GPUs)."""
 
-    def __init__(self, chunks, env, group, v, act_shape, deferred=None):
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.synchronize = (lambda: synchronize(env)) if timed else (lambda: None)
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
         self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
@@ -448,7 +451,7 @@ class Pipeline:
         for ops, batch in zip(rounds, batches[1:]):
             # wait() on an NCCL request only orders the stream: the received activations may
             # still be arriving, and a compute timer started now would count that wait as busy
-            synchronize(self.env)
+            self.synchronize()
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
 
             def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
@@ -457,7 +460,7 @@ class Pipeline:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
                         t0 = time.perf_counter()
                         torch.autograd.backward(weight_nodes.pop((i, c)))
-                        synchronize(self.env)
+                        self.synchronize()
                         busy += time.perf_counter() - t0
                         in_flight -= 1
             for kind, i, c in ops:
@@ -501,7 +504,7 @@ class Pipeline:
                     else:  # the micro-batch's W tensors stay until its W
                         weight_nodes[(i, c)] = self.deferred[:]
                         self.deferred.clear()
-                synchronize(self.env)  # for the busy time: this forgoes compute/communication overlap on GPUs
+                self.synchronize()  # for the busy time: this forgoes compute/communication overlap on GPUs
                 busy += time.perf_counter() - t0
             received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
         self._retire_sends(wait=True)
