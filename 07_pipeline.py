@@ -17,7 +17,7 @@ for in idle time, the bubble, while the pipeline fills and drains.
     1F1B (PipeDream-Flush, Narayanan et al. 2021): stage r runs p-r-1 warm-up forwards,
     then one forward one backward (the steady state), then the cool-down backwards. With F
     and B one unit each, p = 4, m = 6:
-               warm-up   steady state            cool-down
+              warm-up  steady state               cool-down  (stage 0's)
       stage 0  F0 F1 F2 F3  .  .  . B0 F4 B1 F5 B2  . B3  . B4  . B5
       stage 1   . F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3  . B4  . B5  .
       stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4  . B5  .  .
