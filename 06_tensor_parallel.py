@@ -44,9 +44,7 @@ sequence parallelism) every rank must drop the same elements, so they share one 
 (seeded by --seed). In sharded regions (attention dropout inside each rank's heads, and the
 sequence-sharded dropouts with --sequence_parallel) each rank draws its own stream (seed +
 2718 + rank, as Megatron's model-parallel RNG tracker), else the shards would be correlated.
-A checkpoint keeps both; the same layout resumes them, unless the rank's own stream was saved
-on another device type (its generator state does not fit): it then starts afresh, as at a
-layout change.
+A checkpoint keeps both, and the same layout resumes them (docs/checkpoints.md).
 
 Weights are sliced from the same initial values as 01_single_gpu.py (common.param_init of the
 full parameter), so the losses are comparable.
@@ -103,6 +101,7 @@ from infra import Run  # the run infrastructure; `from common import Run` is the
 # LayerNorms, the position embedding, the row-parallel biases (added once, after g).
 TP_PLAN = {
     "wte.weight":         ("vocab", 0, 1),   # rows [t·V/T, (t+1)·V/T): the embedding and the tied head
+    "lm_head.weight":     ("vocab", 0, 1),   # the tied head where it is a copy (08_3d.py's last stage)
     "attn.c_attn.weight": ("column", 0, 3),  # column-parallel: output rows, this rank's heads of Q, K, V
     "attn.c_attn.bias":   ("column", 0, 3),
     "attn.c_proj.weight": ("row", 1, 1),     # row-parallel: input columns (this rank's heads' outputs)
@@ -371,6 +370,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------
 
 class TPAttention(nn.Module):
+    cp = None  # 08_3d.py's context parallelism: a ContextParallel (09's attention over the CP group)
+
     def __init__(self, config, tp_size, sp, rng, group):
         super().__init__()
         h = config.n_embd
@@ -383,9 +384,12 @@ class TPAttention(nn.Module):
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of Q, K and V
         B, T, C = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
-        with self.rng.sharded():  # attention dropout acts inside this rank's heads
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+        if self.cp is not None:  # this CP rank's queries meet every CP rank's keys (no dropout, as in 09)
+            y = self.cp.attention(q, k, v)
+        else:
+            with self.rng.sharded():  # attention dropout acts inside this rank's heads
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                   dropout_p=self.dropout if self.training else 0.0)
         y = self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         if self.sp:  # with sequence parallelism the residual stream is sharded too
             with self.rng.sharded():
@@ -481,9 +485,9 @@ class TPGPT(nn.Module):
         return self
 
 
-def clip_grad_norm(model, max_norm):
-    """Global norm: the squares of the parameters TP_PLAN splits summed across the group,
-    the replicated ones counted once (every rank holds the same copy)."""
+def clip_grad_norm(model, max_norm, group):
+    """Global norm: the squares of the parameters TP_PLAN splits summed across the TP
+    `group`, the replicated ones counted once (every rank of the group holds the same copy)."""
     device = next(model.parameters()).device
     sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     for name, p in model.named_parameters():
@@ -492,7 +496,7 @@ def clip_grad_norm(model, max_norm):
             sharded += square
         else:
             replicated += square
-    dist.all_reduce(sharded)  # the sum over every rank's shards
+    dist.all_reduce(sharded, group=group)  # the sum over the group's shards (not over replicas)
     total_norm = (sharded + replicated).sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in model.parameters():
@@ -500,12 +504,13 @@ def clip_grad_norm(model, max_norm):
     return total_norm
 
 
-def all_reduce_sequence_parallel_grads(model):
+def all_reduce_sequence_parallel_grads(model, group):
     """With sequence parallelism each rank saw only its sequence shard in the replicated
-    regions, so the replicated parameters' gradients are partial: sum them."""
+    regions, so the replicated parameters' gradients are partial: sum them over the TP
+    `group`."""
     grads = [p.grad for name, p in model.named_parameters() if tp_split(name) is None]
     flat = torch.cat([g.view(-1) for g in grads])
-    dist.all_reduce(flat)  # sum of every rank's partial gradients of the replicated parameters
+    dist.all_reduce(flat, group=group)  # sum of the TP ranks' partial gradients of the replicated parameters
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -561,7 +566,8 @@ def main():
     check_layout(args, config, tp_size)
     torch.manual_seed(args.seed)  # the shared stream: identical on every rank of the group
     rng = ShardedRNG(args.seed, env.rank, env.device)  # this rank's own stream, for the sharded regions
-    model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, dist.group.WORLD,  # TP group: all
+    tp_group = dist.group.WORLD  # the tensor-parallel group: here every rank
+    model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, tp_group,
                   recompute=args.recompute).init_from_full(args.seed).to(env.device)
     optimizer = make_adamw(model.parameters(), args, env.device.type)
     sp = " with sequence parallelism" if args.sequence_parallel else ""
@@ -590,9 +596,9 @@ def main():
                 (loss / accum_steps).backward()  # accumulate the mean over the global batch
                 loss_sum += loss.detach().float()
         if args.sequence_parallel:  # the replicated parameters saw only this rank's sequence shard
-            all_reduce_sequence_parallel_grads(model)
+            all_reduce_sequence_parallel_grads(model, tp_group)
         if args.grad_clip > 0:
-            clip_grad_norm(model, args.grad_clip)  # the norm over every rank's shards
+            clip_grad_norm(model, args.grad_clip, tp_group)  # the norm over every rank's shards
         run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop

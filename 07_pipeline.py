@@ -14,9 +14,16 @@ for in idle time, the bubble, while the pipeline fills and drains.
       stage 2  .. .. F0 F1 F2 F3 .. .. B0 B1 B2 B3 .. ..        activations held: m
       stage 3  .. .. .. F0 F1 F2 F3 B0 B1 B2 B3 .. .. ..        micro-batches per stage
 
-    1F1B (PipeDream-Flush, Narayanan et al. 2021): p-rank-1 warm-up forwards, then one
-    forward one backward in the steady state, then the cool-down backwards. The same bubble,
-    but stage r holds at most p-r micro-batches of activations instead of m.
+    1F1B (PipeDream-Flush, Narayanan et al. 2021): stage r runs p-r-1 warm-up forwards,
+    then one forward one backward (the steady state), then the cool-down backwards. With F
+    and B one unit each, p = 4, m = 6:
+              warm-up  steady state               cool-down  (stage 0's)
+      stage 0  F0 F1 F2 F3  .  .  . B0 F4 B1 F5 B2  . B3  . B4  . B5
+      stage 1   . F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3  . B4  . B5  .
+      stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4  . B5  .  .
+      stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5  .  .  .
+    The same bubble as GPipe's, but a backward frees a micro-batch's activations as soon as
+    the pipeline is full, so stage r holds at most p-r micro-batches instead of m.
 
     Interleaved 1F1B (Narayanan et al. 2021): each rank holds v smaller chunks of layers
     (rank r: chunks r, r+p, ..., r+(v-1)p), so the pipeline fills v times faster:
@@ -40,24 +47,15 @@ for in idle time, the bubble, while the pipeline fills and drains.
     M_B = 34bsh + 5as²b in 16 bits). Stage r holds up to p micro-batches, p-r whole and r
     as W tensors: every stage near stage 0's 1F1B peak, which stays the peak over stages
     when stages are alike. Where they are not, ZB-H1 costs more: the last stage's
-    micro-batch also holds the head's b·s·V log-softmax (GPT-2 at p = 4, b = 1, bf16:
-    498 MiB on the last stage against 1F1B's 325 MiB peak, from costs()); and W tensors
-    are not recomputed, so --recompute saves far less than under 1F1B.
+    micro-batch also holds the head's b·s·V log-softmax; and W tensors are not recomputed,
+    so --recompute saves far less than under 1F1B (docs/memory.md has GPT-2's figures).
 
 Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
-steady state one forward and one backward; ZB's W rides in the round of the B before it,
-run after that round's batch is posted, while its receives travel) and between two rounds
-posts one batch_isend_irecv
-(exchanges()): the sends of what it just computed with the receives the next round needs,
-then waits for the receives (Megatron's send_forward_recv_backward and friends; in the
-interleaved steady state send_forward_backward_recv_forward_backward). Under NCCL a send
-completes only once its receive is posted and a rank's batches complete one after another;
-posted this way, no cycle of ranks waiting on each other's later batches forms, for every
-schedule at every p, v and m the tests try (tests/test_schedules.py replays every rank's
-posting order under NCCL's rules). Posted one batch per operation, the interleaved schedule
-deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it. After a send
-completes, the activation's data is freed: only its autograd graph is needed for backward
-(Megatron's deallocate_output_tensor).
+steady state one forward and one backward; ZB's W rides in the round of the B before it)
+and between two rounds posts one batch_isend_irecv (exchanges()): the sends of what it just
+computed with the receives the next round needs, then waits for the receives (Megatron's
+send_forward_recv_backward and friends). After a send completes, the activation's data is
+freed: only its autograd graph is needed for backward (Megatron's deallocate_output_tensor).
 
 The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the head;
 both start equal (param_init) and stay equal because their gradients are all-reduced between
@@ -109,47 +107,47 @@ def schedule_rounds(kind, p, rank, m, v=1):
     except in the interleaved steady state (one forward and one backward) and in ZB-H1,
     where a W rides in the round of the B before it: it runs once that B's gradient has
     been posted to the previous stage, while the round's receives travel."""
-    if kind == "zb":
-        # ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
-        # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
-        # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
-        # steady state, but stage `rank` defers the W of its first `rank` backwards; from
-        # then on each B is followed by the W of the oldest micro-batch whose W is pending,
-        # and the `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
-        warmup = min(p - rank - 1, m)
-        rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
-        for k in range(m):
-            if warmup + k < m:  # steady state: one forward, then one backward
-                rounds.append((("F", warmup + k, 0),))
-            if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
-                rounds.append((("B", k, 0), ("W", w, 0)))
-                w += 1
-            else:
-                rounds.append((("B", k, 0),))
-        return rounds + [(("W", j, 0),) for j in range(w, m)]
-    if kind == "gpipe":
+    if kind == "gpipe":  # every forward, then every backward
         return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
     if kind == "1f1b":
-        warmup = min(p - rank - 1, m)
+        warmup = min(p - rank - 1, m)  # forwards before the first backward reaches this stage
         forwards = [("F", i, 0) for i in range(m)]
         backwards = [("B", i, 0) for i in range(m)]
         order = forwards[:warmup]
         for i in range(m - warmup):  # steady state: one forward, one backward
             order += [forwards[warmup + i], backwards[i]]
         return [(op,) for op in order + backwards[m - warmup:]]  # cool-down
-    # interleaved (Megatron): forwards visit chunks in groups of p micro-batches
-    total = m * v
+    if kind == "interleaved":  # Megatron's: forwards visit chunks in groups of p micro-batches
+        total = m * v
 
-    def forward_op(k):
-        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+        def forward_op(k):
+            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
 
-    def backward_op(k):
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+        def backward_op(k):
+            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    return ([(forward_op(k),) for k in range(warmup)]
-            + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
-            + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+        return ([(forward_op(k),) for k in range(warmup)]
+                + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
+                + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
+    # zero bubble, ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
+    # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
+    # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
+    # steady state, but stage `rank` defers the W of its first `rank` backwards; from then
+    # on each B is followed by the W of the oldest micro-batch whose W is pending, and the
+    # `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
+    assert kind == "zb", kind
+    warmup = min(p - rank - 1, m)
+    rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
+    for k in range(m):
+        if warmup + k < m:  # steady state: one forward, then one backward
+            rounds.append((("F", warmup + k, 0),))
+        if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
+            rounds.append((("B", k, 0), ("W", w, 0)))
+            w += 1
+        else:
+            rounds.append((("B", k, 0),))
+    return rounds + [(("W", j, 0),) for j in range(w, m)]
 
 
 def schedule(kind, p, rank, m, v=1):
@@ -164,6 +162,18 @@ def forward_rounds(p, m, v):
             for i in range(group, min(group + p, m))]
 
 
+def forward_tag(i, g, n):
+    """The tag of the activation that chunk g (of n in the pipeline) sends forward for
+    micro-batch i: one number per (micro-batch, chunk), i·n + g."""
+    return i * n + g
+
+
+def backward_tag(i, g, n, m):
+    """The tag of the input gradient that chunk g sends back for micro-batch i: after all m·n
+    forward tags, n·m + i·n + g."""
+    return n * m + forward_tag(i, g, n)
+
+
 def exchanges(rounds, p, rank, v, m):
     """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
     receives it needs; after each round, the sends of what it computed (outputs to the next
@@ -171,25 +181,31 @@ def exchanges(rounds, p, rank, v, m):
     Megatron's p2p calls: send_forward_recv_forward after a forward (..._recv_backward when a
     backward follows), send_backward_recv_backward after a backward (..._recv_forward), and
     send_forward_backward_recv_forward_backward after an interleaved steady-state round.
-    An entry: [("send" | "recv", peer, tag)]; a tag names one activation (micro-batch i,
-    from chunk g: i·p·v + g) or one gradient (the same, + p·v·m)."""
+    An entry: [("send" | "recv", peer stage, tag)], tags from forward_tag and backward_tag.
+
+    Why one batch per round, sends and receives together: under NCCL a send completes only
+    once its receive is posted, and a rank's batches complete one after another. Posted this
+    way, no cycle of ranks waiting on each other's later batches forms, for every schedule at
+    every p, v and m the tests try (tests/test_schedules.py replays every rank's posting order
+    under NCCL's rules). Posted one batch per operation instead, the interleaved schedule
+    deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it."""
     n = p * v
 
     def receives(ops):
         for kind, i, c in ops:
             g = c * p + rank
-            if kind == "F" and g > 0:
-                yield "recv", (rank - 1) % p, i * n + g - 1  # chunk g-1's output, the input of chunk g
-            if kind == "B" and g < n - 1:
-                yield "recv", (rank + 1) % p, n * m + i * n + g + 1  # the gradient of chunk g's output
+            if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
+                yield "recv", (rank - 1) % p, forward_tag(i, g - 1, n)
+            if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
+                yield "recv", (rank + 1) % p, backward_tag(i, g + 1, n, m)
 
     def sends(ops):
         for kind, i, c in ops:
             g = c * p + rank
             if kind == "F" and g < n - 1:
-                yield "send", (rank + 1) % p, i * n + g
+                yield "send", (rank + 1) % p, forward_tag(i, g, n)
             if kind == "B" and g > 0:
-                yield "send", (rank - 1) % p, n * m + i * n + g
+                yield "send", (rank - 1) % p, backward_tag(i, g, n, m)
 
     following = rounds[1:] + [()]
     return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
@@ -360,9 +376,16 @@ def check_layout(args, config, p):
 # ---------------------------------------------------------------------------------------
 
 class Pipeline:
-    def __init__(self, chunks, env, p, v, act_shape, deferred=None):
-        self.chunks, self.env, self.p, self.v, self.act_shape = chunks, env, p, v, act_shape
-        self.rank = env.rank
+    """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
+    rank in the group, and its messages name their peers by stage (group_peer), so that a
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: wait for
+    the device around every operation, to measure the compute time and so the bubble (08_3d.py
+    measures none, and keeps compute and communication overlapping on GPUs)."""
+
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
+        self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
+        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.synchronize = (lambda: synchronize(env)) if timed else (lambda: None)
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
         self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
@@ -384,10 +407,10 @@ class Pipeline:
         ops, received = [], {}
         for op, peer, tag in batch:  # activations or gradients, b·s·h each
             if op == "send":
-                ops.append(dist.P2POp(dist.isend, outputs[tag][0], peer, tag=tag))
+                ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
             else:
                 received[tag] = torch.empty(self.act_shape, device=self.env.device)
-                ops.append(dist.P2POp(dist.irecv, received[tag], peer, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, received[tag], group=self.group, group_peer=peer, tag=tag))
         requests = dist.batch_isend_irecv(ops) if ops else []
         if len(requests) != len(ops):  # NCCL coalesces the batch into one request
             requests = requests[-1:] * len(ops)
@@ -428,7 +451,7 @@ class Pipeline:
         for ops, batch in zip(rounds, batches[1:]):
             # wait() on an NCCL request only orders the stream: the received activations may
             # still be arriving, and a compute timer started now would count that wait as busy
-            synchronize(self.env)
+            self.synchronize()
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
 
             def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
@@ -437,7 +460,7 @@ class Pipeline:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
                         t0 = time.perf_counter()
                         torch.autograd.backward(weight_nodes.pop((i, c)))
-                        synchronize(self.env)
+                        self.synchronize()
                         busy += time.perf_counter() - t0
                         in_flight -= 1
             for kind, i, c in ops:
@@ -446,14 +469,14 @@ class Pipeline:
                 g = self.global_chunk(c)
                 t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
                 if kind == "F":
-                    x = inputs[i] if g == 0 else received.pop(i * n + g - 1).requires_grad_(train)
+                    x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
                     with torch.set_grad_enabled(train), autocast(self.env):
                         out = self.chunks[c](x, targets[i] if g == n - 1 else None)
                     if g == n - 1:
                         loss_sum += out.detach().float()
                         out = out / m  # backward of the mean over micro-batches
                     else:
-                        outputs[i * n + g] = (out if train else out.detach(), train)
+                        outputs[forward_tag(i, g, n)] = (out if train else out.detach(), train)
                     if train:
                         saved[(i, c)] = (x, out)
                         in_flight += 1
@@ -463,18 +486,25 @@ class Pipeline:
                     if g == n - 1:
                         out.backward()
                     else:
-                        grad = received.pop(n * m + i * n + g + 1)
-                        # the output's data was freed after sending: run the engine directly,
-                        # which (unlike tensor.backward) does not check the shapes
-                        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+                        grad = received.pop(backward_tag(i, g + 1, n, m))
+                        # the output's data was freed after sending (its shape is now [1]):
+                        # run autograd's engine directly, which, unlike out.backward(grad),
+                        # does not check that grad has out's shape
+                        Variable._execution_engine.run_backward(
+                            tensors=(out,), grad_tensors=(grad,),  # d loss / d out = grad
+                            keep_graph=False,  # free the graph as it goes (retain_graph=False)
+                            create_graph=False,  # no graph of the backward itself
+                            inputs=(),  # none named: every leaf the graph reaches (x, the weights)
+                            allow_unreachable=True,  # as backward() passes it (matters only with inputs)
+                            accumulate_grad=True)  # add into .grad, as backward() does
                     if g > 0:
-                        outputs[n * m + i * n + g] = (x.grad, False)
+                        outputs[backward_tag(i, g, n, m)] = (x.grad, False)
                     if self.deferred is None:
                         in_flight -= 1
                     else:  # the micro-batch's W tensors stay until its W
                         weight_nodes[(i, c)] = self.deferred[:]
                         self.deferred.clear()
-                synchronize(self.env)  # for the busy time: this forgoes compute/communication overlap on GPUs
+                self.synchronize()  # for the busy time: this forgoes compute/communication overlap on GPUs
                 busy += time.perf_counter() - t0
             received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
         self._retire_sends(wait=True)
@@ -490,20 +520,21 @@ def micro_batches(data, split, step, args, env, m, eval_split=False):
     return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
 
 
-def share_loss(loss_sum, p, m):
-    """The mean loss over the micro-batches, on every stage."""
-    dist.broadcast(loss_sum, src=p - 1)  # the last stage's loss, to every stage for logging
+def share_loss(loss_sum, group, m):
+    """The mean loss over the micro-batches, on every stage of the pipeline `group`."""
+    last = dist.get_world_size(group) - 1
+    dist.broadcast(loss_sum, group=group, group_src=last)  # the last stage's loss, to every stage for logging
     return loss_sum / m
 
 
-def clip_grad_norm(chunks, max_norm, p):
-    """Scale the gradients so that the global norm over every stage, the tied embedding
-    counted once (on the first stage), is at most max_norm."""
+def clip_grad_norm(chunks, max_norm, group):
+    """Scale the gradients so that the global norm over every stage of the pipeline `group`,
+    the tied embedding counted once (on the first stage), is at most max_norm."""
     head_copy = chunks[-1].is_last and not chunks[0].is_first  # the last stage's copy of wte
     squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
                   if not (head_copy and n.endswith("lm_head.weight")))
-    if p > 1:
-        dist.all_reduce(squares)  # every stage's squared gradient norm
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)  # every stage's squared gradient norm
     coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
     for t in chunks.parameters():
         t.grad.mul_(coef)
@@ -527,7 +558,7 @@ def evaluate(pipeline, chunks, data, args, env, p, m, v):
         for k in range(args.eval_iters):
             xs, ys = micro_batches(data, split, k, args, env, m, eval_split=True)
             loss_sum, _, _ = pipeline.run(forward_rounds(p, m, v), xs, ys, m, train=False)
-            total += share_loss(loss_sum, p, m).item()
+            total += share_loss(loss_sum, pipeline.group, m).item()
         losses[split] = total / args.eval_iters
     chunks.train()
     return losses
@@ -560,7 +591,7 @@ def main():
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
     optimizer = make_adamw(chunks.parameters(), args, env.device.type)
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
-    pipeline = Pipeline(chunks, env, p, v, act_shape, deferred)
+    pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred)  # the pipeline: every rank
     rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # ("F" | "B" | "W", micro-batch, chunk)
     run.begin(config, optimizer, costs, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
@@ -575,12 +606,12 @@ def main():
         xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
         with run.meter:
             loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m)  # busy: the share spent computing
-        loss = share_loss(loss_sum, p, m)
+        loss = share_loss(loss_sum, pipeline.group, m)
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
                 dist.all_reduce(weight.grad, group=embedding_group)
         if args.grad_clip > 0:
-            clip_grad_norm(chunks, args.grad_clip, p)
+            clip_grad_norm(chunks, args.grad_clip, pipeline.group)
         run.check(loss, (t.grad for t in chunks.parameters()))  # non-finite? asked to stop?
         optimizer.step()
         if step == run.start_step and run.cost:  # next to the ledger

@@ -16,14 +16,22 @@ pipeline and averages gradients once per step, outermost, across nodes.
     replica dp = 1   [ 4 | 5 ]  ──acts──>  [ 6 | 7 ]        4:(1,0,0) ... 7:(1,1,1)
                      0-4, 1-5, 2-6, 3-7: data-parallel groups (gradient all-reduce)
 
-Inside a stage: Megatron TP as in 06_tensor_parallel.py (column/row-parallel linears with the
-f and g operators, vocab-parallel embedding and cross-entropy), which parameter is split along
-which dimension written once, in the table TP_PLAN. Across stages: 1F1B as in 07_pipeline.py,
-each TP rank exchanging with the same TP rank of the next stage. Across replicas: gradients
-all-reduced in each DP group (DataParallel), or with --zero1 reduce-scattered, each DP rank
-updating its 1/D of the optimizer state and all-gathering the parameters (ZeRO1: ZeRO stage 1,
-as in 04_zero.py); the two have one interface, so the training step is the same for both.
-Only what is needed is restated here: this file does not import the others.
+Inside a stage: 06_tensor_parallel.py's Megatron TP on the stage's TP group (column/row-
+parallel linears with the f and g operators, vocab-parallel embedding and cross-entropy, which
+parameter is split along which dimension written once, in the table TP_PLAN). Across stages:
+07_pipeline.py's 1F1B and its Pipeline on the stage's PP group, each TP rank exchanging with the
+same TP rank of the next stage. Across replicas: gradients all-reduced in each DP group
+(DataParallel), or with --zero1 reduce-scattered, each DP rank updating its 1/D of the
+optimizer state and all-gathering the parameters (ZeRO1: ZeRO stage 1, as 04_zero.py's); the
+two have one interface, so the training step is the same for both.
+
+This file does not import the others. 08's own code comes first: the mesh, the stage, DP and
+ZeRO-1, main() and the accounting. The pieces of 06, 07 and 09 it needs follow at the end,
+restated word for word, with the same names and the same code, each fenced as restated from its
+source (tests/test_restated.py checks every fence against its source). Where 08 needs a piece
+to behave differently, the source has a named parameter for it: the group every collective
+takes, TP_PLAN's entry for the last stage's copy of the head, TPAttention.cp for context
+parallelism, Pipeline's group and timed.
 
 --sequence_parallel (Korthikanti et al. 2022), as in 06, inside every TP group: LayerNorm and
 dropout, replicated in plain TP, run on sequence shards instead; f becomes an all-gather of
@@ -90,8 +98,8 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
              gradients, AdamW); --zero1: weights 4Ψ_rank and gradients 4Ψ_rank (both padded
              to a multiple of D) + the reduced gradient shard 4Ψ_rank/D + AdamW 8Ψ_rank/D
     TP:      all-reduce of b·s·h, 4 per layer per micro-batch: the two forward ones (g) in the
-             compute dtype, the two backward ones (f) in fp32; + the embedding's and the
-             head's (fp32) and 3·b·s loss statistics (fp32) on the last stage
+             compute dtype, the two backward ones (f) in fp32; + the embedding's (fp32) on
+             the first stage, the head's (fp32) and 3·b·s loss statistics (fp32) on the last
     SP:      each TP all-reduce of b·s·h becomes an all-gather + a reduce-scatter of the
              same b·s·h, + 2 all-gathers (compute dtype) per layer in backward (the
              column-parallel inputs again; the head's on the last stage), + 4Ψ_replicated
@@ -122,7 +130,8 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
 """
 
 import math
-from contextlib import contextmanager, nullcontext
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -131,7 +140,7 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (autocast, check, Data, device_rng_state, is_decayed, lr_at, make_adamw, make_parser,
-                    model_config, param_init, recomputed, set_device_rng_state, to_device)
+                    model_config, param_init, recomputed, set_device_rng_state, synchronize, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -140,43 +149,40 @@ from infra import Run  # the run infrastructure; `from common import Run` is the
 # ---------------------------------------------------------------------------------------
 
 class Mesh:
-    """Coordinates and process groups of the 4D mesh, outermost first DP x PP x CP x TP:
-    rank = ((dp·P + pp)·C + cp)·T + tp. TP innermost (it talks most: every layer, on the
-    critical path), then CP (K/V or all-to-alls every layer, overlappable), then PP (one
-    activation per micro-batch per boundary), DP outermost (once per step)."""
+    """Coordinates and process groups of the 4D mesh, outermost first DP x PP x CP x TP: the
+    world's ranks laid out as one tensor, ranks[dp, pp, cp, tp] = ((dp·P + pp)·C + cp)·T + tp
+    (picotron's torch.arange(world).view(dp, pp, cp, tp)). TP innermost (it talks most: every
+    layer, on the critical path), then CP (K/V or all-to-alls every layer, overlappable), then
+    PP (one activation per micro-batch per boundary), DP outermost (once per step)."""
 
-    AXES = ("dp", "pp", "cp", "tp")  # outermost first
+    AXES = ("dp", "pp", "cp", "tp")  # outermost first: the dimensions of `ranks`
 
     def __init__(self, rank, world, tp_size, pp_size, cp_size=1):
         self.rank, self.tp_size, self.pp_size, self.cp_size = rank, tp_size, pp_size, cp_size
         self.dp_size = world // (tp_size * pp_size * cp_size)
+        self.ranks = torch.arange(world).view(self.dp_size, pp_size, cp_size, tp_size)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = self.coordinates(rank)
         # the gradient reduction runs over DP x CP: CP ranks hold the same weights and see
         # other tokens of the same sequences (09's "every rank's share of the global mean")
         self.reduce_size, self.reduce_rank = self.dp_size * cp_size, self.dp_rank * cp_size + self.cp_rank
-        d, s, c, t = self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank
-        self.next = self.rank_of(d, s + 1, t, c) if s < pp_size - 1 else None
-        self.prev = self.rank_of(d, s - 1, t, c) if s > 0 else None
+        self.cp_ranks = self.ranks[self.dp_rank, self.pp_rank, :, self.tp_rank].tolist()  # this rank's CP group
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = None  # make_groups()
         self.embedding_group = self.cp_group = None
-        self.cp_ranks = [self.rank_of(d, s, t, i) for i in range(cp_size)]  # this rank's CP group
 
-    def rank_of(self, dp_rank, pp_rank, tp_rank, cp_rank=0):
-        return ((dp_rank * self.pp_size + pp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
+    def rank_of(self, dp_rank, pp_rank, cp_rank=0, tp_rank=0):
+        return int(self.ranks[dp_rank, pp_rank, cp_rank, tp_rank])
 
     def coordinates(self, rank):
         """(dp_rank, pp_rank, cp_rank, tp_rank) of a global rank."""
-        T, C, P = self.tp_size, self.cp_size, self.pp_size
-        return rank // (P * C * T), (rank // (C * T)) % P, (rank // T) % C, rank % T
+        return tuple(int(i) for i in (self.ranks == rank).nonzero()[0])
 
     def groups_over(self, *axes):
         """Every group whose ranks differ only along `axes` (("tp",): the TP groups), each a
-        list of ranks, in rank order."""
-        groups = {}
-        for r in range(self.dp_size * self.pp_size * self.cp_size * self.tp_size):
-            fixed = tuple(v for a, v in zip(self.AXES, self.coordinates(r)) if a not in axes)
-            groups.setdefault(fixed, []).append(r)
-        return list(groups.values())
+        list of ranks in rank order: `axes` moved innermost, the rest flattened outside."""
+        inner = [i for i, a in enumerate(self.AXES) if a in axes]
+        outer = [i for i in range(len(self.AXES)) if i not in inner]
+        size = math.prod(self.ranks.shape[i] for i in inner)
+        return self.ranks.permute(*outer, *inner).reshape(-1, size).tolist()
 
     def make_groups(self):
         """The process groups of this rank (a collective: every rank creates every group, in
@@ -210,7 +216,7 @@ class Mesh:
         for d in shown:
             if d == D - 1 and D > 4:
                 lines.append(f"  ... ({D - 3} more replicas)")
-            row = [f"{self.rank_of(d, s, t, c):>3}:(dp {d}, pp {s}" + (f", cp {c}" if C > 1 else "") + f", tp {t})"
+            row = [f"{self.rank_of(d, s, c, t):>3}:(dp {d}, pp {s}" + (f", cp {c}" if C > 1 else "") + f", tp {t})"
                    for s in range(P) for c in range(C) for t in range(T)]
             lines.append("  " + "  ".join(row))
         if ranks_per_node:
@@ -244,276 +250,8 @@ def check_layout(config, T, P, sp=False, C=1, impl="ring"):
 
 
 # ---------------------------------------------------------------------------------------
-# Tensor parallelism inside a stage (restated from 06_tensor_parallel.py, on the TP group)
+# A pipeline stage, tensor-parallel (06's layers, restated at the end of this file)
 # ---------------------------------------------------------------------------------------
-
-# The tensor-parallel plan (as torchtitan's parallelize plan): how the TP group splits each
-# parameter of a stage, by the end of its name; anything else is replicated (LayerNorms,
-# wpe, c_proj.bias: added once, after g). Read by the initialisation (Stage.tp_layout), the
-# checkpoint pieces, the gradient norm (counted_once) and costs(). T ranks, t this rank's.
-TP_PLAN = {
-    "wte.weight": "vocab",      # rows [t·V'/T, (t+1)·V'/T) of V' = V padded to a multiple of T
-    "lm_head.weight": "vocab",  # the tied head: the same rows (on the last stage, a copy)
-    "c_attn.weight": "qkv",     # column-parallel, dim 0, per head: this rank's of Q, of K, of V
-    "c_attn.bias": "qkv",
-    "c_fc.weight": "column",    # column-parallel, dim 0: rows [t·4h/T, (t+1)·4h/T)
-    "c_fc.bias": "column",
-    "c_proj.weight": "row",     # row-parallel, dim 1: columns [t·k/T, (t+1)·k/T), k = h or 4h
-}
-
-
-def tp_split(name):
-    """How parameter `name` of a stage is split across the TP group: its TP_PLAN entry, or
-    "replicated"."""
-    return next((how for suffix, how in TP_PLAN.items() if name.endswith(suffix)), "replicated")
-
-
-class CopyToTP(torch.autograd.Function):
-    """f: identity forward; backward all-reduce over the TP group, since every rank's
-    branch contributed a part of the gradient of the shared input."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every weight shard
-        return grad, None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduce of the partial sums over the TP group; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _all_gather_seq(x, group):
-    """[b, s/T, h] on each rank -> [b, s, h], the shards in rank order."""
-    tp_size, (b, s_local, h) = dist.get_world_size(group), x.shape
-    parts = torch.empty((tp_size * b, s_local, h), dtype=x.dtype, device=x.device)  # rank-major
-    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)  # every rank's sequence shard
-    return parts.view(tp_size, b, s_local, h).permute(1, 0, 2, 3).reshape(b, tp_size * s_local, h)
-
-
-def _reduce_scatter_seq(x, group):
-    """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of
-    the sum."""
-    tp_size, (b, s, h) = dist.get_world_size(group), x.shape
-    chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3)
-    chunks = chunks.reshape(tp_size * b, s // tp_size, h)
-    out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps chunk t
-    return out
-
-
-class GatherSequenceLinear(torch.autograd.Function):
-    """f and a column-parallel Linear with sequence parallelism, Y_t = all-gather(X) A_t^T +
-    b_t, keeping only this rank's sequence shard of X for backward (Korthikanti et al. 2022,
-    Sec. 4.2.2): backward all-gathers the shard again for the weight gradient (one more
-    all-gather of b·s·h, in the compute dtype) and reduce-scatters the input gradient.
-    Under autocast the shard is cast before the gather (half the bytes in bf16), and that
-    cast shard is what is kept, as autocast would keep its cast input."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-            else x.dtype
-        shard = x.to(dtype)
-        out = F.linear(_all_gather_seq(shard, group), weight.to(dtype),
-                       None if bias is None else bias.to(dtype))
-        ctx.save_for_backward(shard, weight)  # [b, s/T, h], not the gathered [b, s, h]
-        ctx.has_bias, ctx.x_dtype, ctx.group = bias is not None, x.dtype, group
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        shard, weight = ctx.saved_tensors
-        total = _all_gather_seq(shard, ctx.group)  # the whole sequence again, for dL/dA_t
-        grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
-        # sum the parts of every rank's weight shard, keep this rank's sequence shard (in
-        # the input's dtype, as autocast's cast back would hand it on)
-        grad_x = _reduce_scatter_seq(grad_x.to(ctx.x_dtype), ctx.group)
-        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dY_t^T X
-        grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_weight.to(weight.dtype), grad_bias, None
-
-
-class ScatterSequence(torch.autograd.Function):
-    """g with sequence parallelism: reduce-scatter forward, all-gather back."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None  # every rank's shard of dL/dY
-
-
-class ColumnParallelLinear(nn.Module):
-    """Y_t = f(X) A_t: this rank's block of output columns (rows of nn.Linear's weight)."""
-
-    def __init__(self, in_features, out_local, bias, group, sequence_parallel):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_local, in_features))
-        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    def forward(self, x):
-        if self.sequence_parallel:  # keeps only the sequence shard of x for backward
-            return GatherSequenceLinear.apply(x, self.weight, self.bias, self.group)
-        return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias is added once,
-    after the reduction (with sequence parallelism: to this rank's sequence shard)."""
-
-    def __init__(self, in_local, out_features, bias, group, sequence_parallel):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_local))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    def forward(self, x):
-        reduce = ScatterSequence if self.sequence_parallel else ReduceFromTP
-        y = reduce.apply(F.linear(x, self.weight), self.group)
-        return y + self.bias if self.bias is not None else y
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rank t holds rows [start, start + V/T) of the (padded) token embedding."""
-
-    def __init__(self, vocab_local, n_embd, start, group, sequence_parallel):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_local, n_embd))
-        self.start, self.group, self.sequence_parallel = start, group, sequence_parallel
-
-    def forward(self, idx):
-        local = idx - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks' tokens contribute zeros
-        reduce = ScatterSequence if self.sequence_parallel else ReduceFromTP
-        return reduce.apply(x, self.group)  # the sum, or with SP this rank's sequence shard of it
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from this rank's slice of the logits, never gathering them:
-    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,target - m_i), with m_i the global max. The
-    backward needs no communication: d loss / d z = softmax - onehot, computed locally."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, vocab_size, group):
-        logits = logits.float()
-        n_local = logits.shape[-1]
-        ids = torch.arange(start, start + n_local, device=logits.device)
-        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
-        logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
-        shifted = logits - logits_max.unsqueeze(-1)
-        local_target = targets - start
-        mine = (local_target >= 0) & (local_target < n_local)
-        index = local_target.clamp(0, n_local - 1)
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=group)  # the target's logit: only its owner's is not 0
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
-        loss = sum_exp.log() - target_logit
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, index, mine)
-        return loss.mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local_target, mine = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        onehot = mine.unsqueeze(-1).to(softmax.dtype)  # 1 at the target's column, on its owner
-        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
-        return grad_logits * (grad / softmax[..., 0].numel()), None, None, None, None
-
-
-class TPBlock(nn.Module):
-    def __init__(self, config, tp_size, group, sp):
-        super().__init__()
-        h = config.n_embd
-        self.ln_1 = nn.LayerNorm(h, bias=config.bias)
-        self.attn = nn.Module()
-        self.attn.c_attn = ColumnParallelLinear(h, 3 * h // tp_size, config.bias, group, sp)
-        self.attn.c_proj = RowParallelLinear(h // tp_size, h, config.bias, group, sp)
-        self.ln_2 = nn.LayerNorm(h, bias=config.bias)
-        self.mlp = nn.Module()
-        self.mlp.c_fc = ColumnParallelLinear(h, 4 * h // tp_size, config.bias, group, sp)
-        self.mlp.c_proj = RowParallelLinear(4 * h // tp_size, h, config.bias, group, sp)
-        self.n_head_local, self.dropout = config.n_head // tp_size, nn.Dropout(config.dropout)
-        self.p_attn, self.sp = config.dropout, sp
-
-    recompute = False  # --recompute: keep the block's input only (its g all-reduces run again)
-    cp = None  # --cp C > 1: a ContextParallel, the attention over this rank's CP group
-
-    def forward(self, x, rng):
-        if self.recompute and torch.is_grad_enabled():  # restoring the TP rank's stream too
-            return recomputed(lambda t: self.body(t, rng), x, trackers=[rng])
-        return self.body(x, rng)
-
-    def body(self, x, rng):
-        q, k, v = self.attn.c_attn(self.ln_1(x)).chunk(3, dim=-1)  # this rank's heads
-        B, T, C = q.shape
-        heads = self.n_head_local
-        q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k, v))
-        if self.cp is not None:  # this CP rank's queries meet every CP rank's keys (as in 09:
-            y = self.cp.attention(q, k, v)  # no attention dropout), on this TP rank's heads
-        else:
-            with rng.sharded():  # attention dropout acts inside this rank's heads: its own stream
-                p = self.p_attn if self.training else 0.0
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        y = self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-        with sharded_if(self.sp, rng):  # with SP the residual stream is a sequence shard
-            x = x + self.dropout(y)
-        y = self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
-        with sharded_if(self.sp, rng):
-            return x + self.dropout(y)
-
-
-class ShardedRNG:
-    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
-    swaps the device's default generator (the stream the TP group shares) to this rank's
-    own stream and back."""
-
-    def __init__(self, seed, rank, device):
-        self.device = device  # a fresh generator's state, made without reseeding the default one
-        self.state = torch.Generator(device=device).manual_seed(seed + 2718 + rank).get_state()
-
-    @contextmanager
-    def sharded(self):
-        shared = device_rng_state(self.device)
-        set_device_rng_state(self.device, self.state)
-        try:
-            yield
-        finally:
-            self.state = device_rng_state(self.device)
-            set_device_rng_state(self.device, shared)
-
-
-def sharded_if(sp, rng):
-    """Dropout on a sequence shard (SP's residual stream and embedding) draws this rank's
-    own stream; on the replicated stream (no SP), the one the TP group shares."""
-    return rng.sharded() if sp else nullcontext()
-
 
 class Stage(nn.Module):
     """This rank's pipeline stage, tensor-parallel: layers [first_layer, first_layer + n),
@@ -525,8 +263,7 @@ class Stage(nn.Module):
     def __init__(self, config, mesh, first_layer, n_layers, rng, recompute=False, sp=False, cp=None):
         super().__init__()
         tp_size, h, group = mesh.tp_size, config.n_embd, mesh.tp_group
-        self.config, self.mesh, self.first_layer, self.rng = config, mesh, first_layer, rng
-        self.sp = sp
+        self.config, self.mesh, self.first_layer, self.rng, self.sp = config, mesh, first_layer, rng, sp
         self.positions = torch.arange(config.block_size) if cp is None else \
             token_positions(config.block_size, cp.C, cp.cp_rank, cp.impl)  # in the order held
         self.is_first, self.is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
@@ -537,9 +274,9 @@ class Stage(nn.Module):
             self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start, group, sp)
             self.wpe = nn.Embedding(config.block_size, h)
             self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([TPBlock(config, tp_size, group, sp) for _ in range(n_layers)])
+        self.h = nn.ModuleList([TPBlock(config, tp_size, sp, rng, group) for _ in range(n_layers)])  # 06's
         for block in self.h:
-            block.recompute, block.cp = recompute, cp
+            block.recompute, block.attn.cp = recompute, cp
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
             # the tied head: the embedding itself, or (on another stage) a copy of its shard
@@ -552,40 +289,17 @@ class Stage(nn.Module):
             return f"transformer.h.{self.first_layer + int(index)}.{rest}"
         return {"lm_head.weight": "transformer.wte.weight"}.get(name, "transformer." + name)
 
-    def tp_layout(self, name, p):
-        """Where this rank's `p`, its TP piece of parameter `name`, sits in 01's parameter, as
-        TP_PLAN says: (01's shape, [(box of 01's tensor, the rows of p holding it, None for
-        all of p)]). The vocabulary's padding rows are no part of 01's tensor."""
-        T, t, shape = self.mesh.tp_size, self.mesh.tp_rank, list(p.shape)
-        rest = [[0, s] for s in shape[1:]]
-        how = tp_split(name)
-        if how == "vocab":  # rows [lo, hi) of the vocabulary, those below V
-            V, lo = self.config.vocab_size, self.vocab_start
-            hi = min(lo + self.vocab_local, V)
-            boxes = [([[lo, hi]] + rest, slice(0, hi - lo))] if lo < hi else []
-            return [V] + shape[1:], boxes
-        if how == "qkv":  # [Q_t; K_t; V_t]: 01's rows j·h + [t·n, (t+1)·n), n = h/T, j = Q, K, V
-            n = shape[0] // 3
-            return [3 * n * T] + shape[1:], [([[j * n * T + t * n, j * n * T + (t + 1) * n]] + rest,
-                                              slice(j * n, (j + 1) * n)) for j in range(3)]
-        if how == "column":  # rows [t·n, (t+1)·n)
-            n = shape[0]
-            return [n * T] + shape[1:], [([[t * n, (t + 1) * n]] + rest, None)]
-        if how == "row":  # columns [t·n, (t+1)·n)
-            n = shape[1]
-            return [shape[0], n * T], [([[0, shape[0]], [t * n, (t + 1) * n]], None)]
-        return shape, [(None, None)]  # replicated: all of it
-
     @torch.no_grad()
     def init_weights(self, seed):
         """01's initial values (common.param_init: by name and full shape), each rank taking
-        its TP pieces of them (tp_layout); the vocabulary's padding rows zero."""
+        its TP pieces of them (06's shard_boxes, from TP_PLAN); the vocabulary's padding rows
+        zero."""
         for name, p in self.named_parameters():
-            shape, boxes = self.tp_layout(name, p)
-            full = param_init(self.full_name(name), tuple(shape), self.config, seed)
+            full, boxes = shard_boxes(name, p.shape, self.config.vocab_size, self.mesh.tp_size, self.mesh.tp_rank)
+            value = param_init(self.full_name(name), full, self.config, seed)
             p.zero_()
-            for box, rows in boxes:
-                p[rows or slice(None)] = full[tuple(slice(a, b) for a, b in box)] if box else full
+            for box, index in boxes:
+                p[index] = value[tuple(slice(lo, hi) for lo, hi in box)]
         return self
 
     def forward(self, x, targets=None):
@@ -595,10 +309,13 @@ class Stage(nn.Module):
             if self.sp:  # held (a CP rank's, else all); with SP this TP rank's n/T of them
                 pos = pos[t * n // T:(t + 1) * n // T]
             x = self.wte(x) + self.wpe(pos.to(x.device))
-            with sharded_if(self.sp, self.rng):
+            if self.sp:  # dropout on a sequence shard: this TP rank's own stream
+                with self.rng.sharded():
+                    x = self.drop(x)
+            else:  # on the replicated stream: the one the TP group shares
                 x = self.drop(x)
         for block in self.h:
-            x = block(x, self.rng)
+            x = block(x)
         if self.is_last:
             x = self.ln_f(x)  # the tied head: this rank's vocabulary, of the tokens held
             if self.sp:  # a column-parallel Linear too: keeps the sequence shard only
@@ -616,370 +333,7 @@ def counted_once(stage, name):
     gradient norm and in the checkpoint written: the tied head's copy on the first stage
     only, a TP-replicated parameter on TP rank 0 only (TP-split ones on every TP rank)."""
     tied_copy = name == "lm_head.weight" and not stage.is_first
-    return not tied_copy and (tp_split(name) != "replicated" or stage.mesh.tp_rank == 0)
-
-
-def reduce_replicated_grads(stage, group):
-    """With sequence parallelism each TP rank ran the replicated parameters (LayerNorms,
-    row-parallel biases, wpe) on its sequence shard only, so their gradients are partial:
-    sum them over the TP group (one all-reduce per step, 4Ψ_replicated bytes)."""
-    grads = [p.grad for name, p in stage.named_parameters() if tp_split(name) == "replicated"]
-    flat = torch.cat([g.view(-1) for g in grads])
-    dist.all_reduce(flat, group=group)  # every TP rank's partial gradients, summed
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-# ---------------------------------------------------------------------------------------
-# Context parallelism inside a stage's attention (restated from 09_context_parallel.py, on
-# the CP group, on this TP rank's heads)
-# ---------------------------------------------------------------------------------------
-
-def zigzag_chunks(rank, C):
-    """The two chunks (of 2C) that ring rank `rank` holds: one early, one late."""
-    return rank, 2 * C - 1 - rank
-
-
-def token_positions(s, C, cp_rank, impl):
-    """Positions (into the sequence of length s) of the tokens this CP rank holds, in the
-    order it holds them: ring, chunks r and 2C-1-r of length s/2C; Ulysses, a contiguous s/C."""
-    if impl == "ulysses" or C == 1:
-        return torch.arange(cp_rank * s // C, (cp_rank + 1) * s // C)
-    c = s // (2 * C)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunks(cp_rank, C)])
-
-
-class Ring:
-    """This rank's place in its CP group's ring: it sends to `next`, receives from `prev`."""
-
-    def __init__(self, group, ranks, rank):
-        self.group, self.size, self.rank = group, len(ranks), ranks.index(rank)
-        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
-
-    def pass_on(self, tensors, tag):
-        """Post, without waiting: send `tensors` to the next rank, receive the previous
-        rank's tensors of the same shapes. Returns (requests, received)."""
-        sent = [t.contiguous() for t in tensors]  # k, v: views of c_attn's output, copied to send
-        received = [torch.empty_like(t) for t in sent]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
-        return dist.batch_isend_irecv(ops), received  # our blocks to r+1, r-1's blocks to us
-
-    @staticmethod
-    def wait(pending):
-        requests, received = pending
-        for request in requests:
-            request.wait()
-        return received
-
-
-def ring_block(q_rank, kv_rank, C):
-    """(q halves, kv halves, causal): the part of one ring step's scores, between the tokens of
-    ring ranks q_rank and kv_rank, that the causal mask does not empty, as one block. Half 0 / 1
-    of a rank's tokens is its chunk r / 2C-1-r. Its own tokens: all of them, causal (a rank holds
-    its tokens in sequence order, so the local triangle is the global one). Key chunks j and
-    2C-1-j of an earlier rank (j < r): both query chunks see chunk j whole, chunk 2C-1-j is after
-    both. Of a later rank: only query chunk 2C-1-r sees them, both whole."""
-    if kv_rank == q_rank:
-        return (0, 1), (0, 1), True
-    if kv_rank < q_rank:
-        return (0, 1), (0,), False
-    return (1,), (0, 1), False
-
-
-def part(t, halves):
-    """The halves (0, 1 or both) of a [b, heads, tokens, ...] tensor's tokens, as a view."""
-    c = t.size(2) // 2
-    return t[:, :, halves[0] * c:(halves[-1] + 1) * c]
-
-
-aten = torch.ops.aten
-
-
-def block_forward(q, k, v, causal):
-    """One block's attention: its output O_b (normalised over the block's keys) and the
-    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], from the fused
-    attention kernel that returns it: on CPU torch's flash attention for CPU, on CUDA the
-    flash (fp16/bf16) or memory-efficient (fp32) kernel (as torchtitan's ring does; unverified:
-    neither 09 nor 08 has run on a GPU); elsewhere the explicit fp32 reference below."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse
-    if q.device.type == "cuda":  # its log-sum-exp is padded to a multiple of 32 queries
-        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-        return out, lse[..., :q.size(2)]
-    return explicit_block_forward(q, k, v, causal)
-
-
-def block_backward(dout, q, k, v, out, lse, causal):
-    """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
-    needs only those and dO, not the block's own): the fused kernel's backward, as in
-    block_forward, else the explicit fp32 reference."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):  # unverified
-        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: never read
-        return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, no_rng, no_rng)
-    if q.device.type == "cuda":  # unverified; the kernel reads L padded to 32 queries
-        no_rng = torch.empty((), dtype=torch.int64, device=q.device)
-        lse = F.pad(lse, (0, -q.size(2) % 32))
-        return aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
-    return explicit_block_backward(dout, q, k, v, out, lse, causal)
-
-
-def scores(q, k, causal):
-    """S = q kᵀ/√d for one block in fp32, the upper triangle -inf on a causal block."""
-    s = (q.float() / math.sqrt(q.size(-1))) @ k.float().transpose(-2, -1)
-    if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-def explicit_block_forward(q, k, v, causal):
-    """The readable reference (and the fallback where no fused kernel applies), in fp32:
-    L_b = logsumexp(S), O_b = exp(S - L_b) V."""
-    s = scores(q, k, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    return s.sub_(lse.unsqueeze(-1)).exp_() @ v.float(), lse  # softmax(S) V, S overwritten by P
-
-
-def explicit_block_backward(dout, q, k, v, out, lse, causal):
-    """FlashAttention-2's backward of one block in fp32, with the final O and L:
-    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)),
-    dQ = dS K/√d, dK = dSᵀ Q/√d."""
-    q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
-    p = scores(q, k, causal).sub_(lse.unsqueeze(-1)).exp_()
-    delta = (dout * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
-    ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
-    scale = 1.0 / math.sqrt(q.size(-1))
-    return (ds @ k).mul_(scale), (ds.transpose(-2, -1) @ q).mul_(scale), p.transpose(-2, -1) @ dout
-
-
-def merge(out, lse, block_out, block_lse):
-    """Exact merge of two softmax-attention results over disjoint keys, in place in the fp32
-    out and lse: L = log(e^L1 + e^L2), O = e^(L1-L)·O1 + e^(L2-L)·O2."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    w_old, w_new = torch.exp(lse - new_lse).unsqueeze(-1), torch.exp(block_lse - new_lse).unsqueeze(-1)
-    out.copy_(w_old * out + w_new * block_out)
-    lse.copy_(new_lse)
-
-
-class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence's keys. q, k, v:
-    [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape, in q's dtype.
-    Blocks run in q's dtype (the fused kernel; fp32 in the explicit fallback), they merge in
-    fp32."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, ring):
-        ctx.ring = ring
-        b, heads, t, d = q.shape
-        with torch.autocast(q.device.type, enabled=False):
-            # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
-            out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
-            lse = torch.full((b, heads, t), float("-inf"), device=q.device)
-            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
-            for step in range(ring.size):
-                if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
-                    pending = ring.pass_on(kv, tag=0)
-                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
-                o, l = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
-                merge(part(out, qh), part(lse, qh), o, l)
-                if step < ring.size - 1:
-                    kv = ring.wait(pending)
-            out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        with torch.autocast(q.device.type, enabled=False):
-            dout = dout.to(q.dtype)
-            dq = torch.zeros(q.shape, device=q.device)  # fp32 accumulators
-            kv, arriving = (k, v), None
-            for step in range(ring.size):
-                if step < ring.size - 1:  # K/V go around again, as in forward
-                    pending = ring.pass_on(kv, tag=0)
-                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
-                dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
-                                                  part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
-                                                  causal)
-                part(dq, qh).add_(dq_b)
-                dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
-                part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
-                part(dv, kh).add_(dv_b)
-                if arriving is not None:  # the shares of the ranks this K/V block visited before us
-                    dk_in, dv_in = ring.wait(arriving)
-                    dk += dk_in
-                    dv += dv_in
-                if ring.size > 1:  # dK/dV travel with their K/V; the last hop brings them home
-                    arriving = ring.pass_on((dk, dv), tag=1)
-                if step < ring.size - 1:
-                    kv = ring.wait(pending)
-            if ring.size > 1:
-                dk, dv = ring.wait(arriving)  # every rank's share of our own K and V
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
-def seq_to_heads(x, group, C):
-    """[b, H, s/C, d] (our tokens, every head) -> [b, H/C, s, d] (every token, our heads)."""
-    b, H, t, d = x.shape
-    send = x.reshape(b, C, H // C, t, d).transpose(0, 1).contiguous()  # [C = head group, ...]
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)  # head group j to rank j; its tokens to us
-    return received.permute(1, 2, 0, 3, 4).reshape(b, H // C, C * t, d)  # [C = token chunk, ...]
-
-
-def heads_to_seq(x, group, C):
-    """The inverse: [b, H/C, s, d] -> [b, H, s/C, d]."""
-    b, h, s, d = x.shape
-    send = x.reshape(b, h, C, s // C, d).permute(2, 0, 1, 3, 4).contiguous()  # [C = token chunk, ...]
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)  # token chunk j to rank j; its heads to us
-    return received.transpose(0, 1).reshape(b, C * h, s // C, d)  # [C = head group, ...]
-
-
-class SeqToHeads(torch.autograd.Function):
-    """All-to-all forward, the inverse all-to-all backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, C):
-        ctx.group, ctx.C = group, C
-        return seq_to_heads(x, group, C)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_seq(grad, ctx.group, ctx.C), None, None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, C):
-        ctx.group, ctx.C = group, C
-        return heads_to_seq(x, group, C)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad, ctx.group, ctx.C), None, None
-
-
-def ulysses_attention(q, k, v, group, C):
-    """Four all-to-alls: q, k, v to [b, H/C, s, d], causal attention, the output back."""
-    q, k, v = (SeqToHeads.apply(t, group, C) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return HeadsToSeq.apply(y, group, C)
-
-
-class ContextParallel:
-    """This rank's CP group (global ranks `ranks`, in cp order) and the attention it runs
-    over it: q, k, v are [b, H/T, s/C, d], this TP rank's heads of this CP rank's tokens."""
-
-    def __init__(self, group, ranks, rank, impl):
-        self.group, self.C, self.impl = group, len(ranks), impl
-        self.ring = Ring(group, ranks, rank)
-        self.cp_rank = ranks.index(rank)
-
-    def attention(self, q, k, v):
-        if self.impl == "ring":  # K/V around the ring, merged by their log-sum-exp
-            return RingAttention.apply(q, k, v, self.ring)
-        return ulysses_attention(q, k, v, self.group, self.C)  # heads H/(T·C), all s tokens
-
-
-# ---------------------------------------------------------------------------------------
-# Pipeline parallelism across stages (restated from 07_pipeline.py: 1F1B)
-# ---------------------------------------------------------------------------------------
-
-def stage_layers(n_layer, pp):
-    """(first layer, layer count) of each stage: as even as it goes, the last n_layer % pp
-    stages one layer more (under 1F1B the first stages hold the most activations)."""
-    base, extra = divmod(n_layer, pp)
-    sizes = [base + (s >= pp - extra) for s in range(pp)]
-    return [(sum(sizes[:s]), sizes[s]) for s in range(pp)]
-
-
-def one_f_one_b(p, stage, m):
-    """1F1B: p-stage-1 warm-up forwards, then one forward one backward, then cool-down."""
-    warmup = min(p - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warmup, m)]
-
-
-def run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=True):
-    """One step's 1F1B on this rank; every send is posted with the next receive (see 07).
-    A sent output's data is freed once its send completes (Megatron's pseudo-free, as in
-    07): only its autograd graph waits for the backward, so the memory in flight is what
-    autograd saved. Returns the sum of the micro-batch losses (last stage; zero elsewhere)."""
-    order = one_f_one_b(mesh.pp_size, mesh.pp_rank, m) if train else [("F", i) for i in range(m)]
-    pending, posted, saved = [], [], {}  # to send; sent (request, output to free or None)
-    loss_sum = torch.zeros((), device=env.device)
-
-    def retire(wait=False):
-        """Forget completed sends, freeing the data of sent outputs."""
-        still = []
-        for request, output in posted:
-            if wait:
-                request.wait()
-            if wait or request.is_completed():
-                if output is not None:
-                    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
-            else:
-                still.append((request, output))
-        posted[:] = still
-
-    def exchange(recv_from=None, tag=None):
-        ops = [dist.P2POp(dist.isend, t, peer, tag=tg) for peer, t, tg, _ in pending]
-        buffer = None
-        if recv_from is not None:
-            buffer = torch.empty(act_shape, device=env.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, recv_from, tag=tag))
-        requests = dist.batch_isend_irecv(ops) if ops else []  # activations / gradients, b·s·h
-        posted.extend((request, t if free else None)
-                      for request, (_, t, _, free) in zip(requests, pending))
-        pending.clear()
-        if buffer is not None:
-            requests[-1].wait()  # wait for the receive only (a send completes when received)
-        retire()
-        return buffer
-
-    for kind, i in order:
-        if kind == "F":
-            x = xs[i] if stage.is_first else exchange(mesh.prev, i).requires_grad_(train)
-            if stage.is_first:
-                exchange()
-            with torch.set_grad_enabled(train), autocast(env):
-                out = stage(x, ys[i] if stage.is_last else None)
-            if stage.is_last:
-                loss_sum += out.detach().float()
-                out = out / m  # backward of the mean over the micro-batches
-            else:
-                pending.append((mesh.next, out if train else out.detach(), i, train))
-            if train:
-                saved[i] = (x, out)
-        else:
-            x, out = saved.pop(i)
-            if stage.is_last:
-                exchange()
-                out.backward()
-            else:
-                grad = exchange(mesh.next, m + i)
-                # the output's data may have been freed after its send: run the engine
-                # directly, which (unlike tensor.backward) does not check the shapes
-                Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
-            if not stage.is_first:
-                pending.append((mesh.prev, x.grad, m + i, False))
-    exchange()
-    retire(wait=True)
-    return loss_sum
+    return not tied_copy and (tp_split(name) is not None or stage.mesh.tp_rank == 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1040,7 +394,7 @@ class DataParallel:
 
 
 class ZeRO1:
-    """ZeRO stage 1 over the DP group (restated from 04_zero.py; with CP the D·C ranks of
+    """ZeRO stage 1 over the DP group (as 04_zero.py's stage 1; with CP the D·C ranks of
     DP x CP, Megatron's distributed optimizer's group), DataParallel's interface: this
     rank's parameters as one flat buffer padded to a multiple of D; DP rank d owns
     shard d of it, with its AdamW state (P_os); gradients are reduce-scattered, parameters
@@ -1187,14 +541,14 @@ def add_flags(parser):
 
 
 @torch.no_grad()
-def evaluate(stage, mesh, data, args, env, m, act_shape):
+def evaluate(stage, pipeline, mesh, data, args, env, m):
     stage.eval()
     losses = {}
     for split in ("train", "val"):
         total = 0.0
         for k in range(args.eval_iters):
             xs, ys = micro_batches(data, split, k, stage, mesh, args, env, m, eval_split=True)
-            loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape, train=False)
+            loss_sum, _, _ = pipeline.run(forward_rounds(mesh.pp_size, m, 1), xs, ys, m, train=False)
             total += global_mean(loss_sum, mesh, m).item()
         losses[split] = total / args.eval_iters
     stage.train()
@@ -1222,22 +576,23 @@ def main():
     rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention dropout)
     cp = ContextParallel(mesh.cp_group, mesh.cp_ranks, env.rank, args.cp_impl) if C > 1 else None
 
-    first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
+    first_layer, n_layers = chunk_layers(config.n_layer, P)[mesh.pp_rank]  # 07's, one chunk per stage
     stage = Stage(config, mesh, first_layer, n_layers, rng, args.recompute, args.sequence_parallel, cp)
     stage = stage.init_weights(args.seed).to(env.device)
     ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's copies: wte, head
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
     replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # same calls
     act_shape = (args.micro_batch_size, config.block_size // C // (T if stage.sp else 1), config.n_embd)
+    pipeline = Pipeline([stage], env, mesh.pp_group, 1, act_shape, timed=False)  # 07's, on this pipeline
+    rounds = schedule_rounds("1f1b", P, mesh.pp_rank, m)  # ("F" | "B", micro-batch, chunk 0)
     extra_rng = run.begin(config, replicas.optimizer, costs, describe=describe(args, stage, m),
                           layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1,
                                   "sequence_parallel": args.sequence_parallel,
                                   **({"cp": C, "cp_impl": args.cp_impl} if C > 1 else {})},
                           pieces=replicas.checkpoint_pieces, held=replicas.held_bytes,
-                          evaluate=lambda: evaluate(stage, mesh, data, args, env, m, act_shape),
+                          evaluate=lambda: evaluate(stage, pipeline, mesh, data, args, env, m),
                           extra_rng=lambda: {"tp": rng.state})
-    if extra_rng is not None:  # resumed at the same layout: this rank's own dropout stream too
-        rng.state = extra_rng["tp"]
+    rng.resume(extra_rng, run.log)  # the same layout: this rank's own dropout stream continues too
 
     for step in run.steps():
         lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
@@ -1245,12 +600,12 @@ def main():
             group["lr"] = lr
         xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)  # first, last stage
         with run.meter:
-            loss_sum = run_pipeline(stage, mesh, env, xs, ys, m, act_shape)  # 1F1B; TP in the stage
+            loss_sum, _, _ = pipeline.run(rounds, xs, ys, m)  # 1F1B; TP (and CP) in the stage
         loss = global_mean(loss_sum, mesh, m)
         if tied is not None:  # the two copies of the wte shard stay equal: sum their gradients
             dist.all_reduce(tied.grad, group=mesh.embedding_group)
         if stage.sp:  # the replicated parameters saw only this rank's sequence shard
-            reduce_replicated_grads(stage, mesh.tp_group)
+            all_reduce_sequence_parallel_grads(stage, mesh.tp_group)
         replicas.reduce_gradients()  # the mean over the replicas (ZeRO-1: this DP rank's shard)
         if args.grad_clip > 0:
             clip_grad_norm(replicas, args.grad_clip)
@@ -1423,24 +778,34 @@ def stage_sizes(config, T, P, pp_rank):
         mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only
         with torch.device("meta"):
             stage = Stage(config, mesh, *stage_layers(config.n_layer, P)[pp_rank], None)
-        split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) != "replicated")
+        split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None)
         _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local
     return _STAGE_SIZES[key]
 
 
 def tp_pieces(stage, name, p, optimizer, write):
     """Where this rank's TP piece `p` of parameter `name` sits in 01's full parameter
-    (Stage.tp_layout, from TP_PLAN), as pieces of common.py's format: vocabulary rows without
+    (06's shard_boxes, from TP_PLAN), as pieces of common.py's format: vocabulary rows without
     the padding, [Q_t; K_t; V_t] rows as three pieces, c_fc rows, c_proj columns, replicated
     parameters whole. Written where they count once (counted_once: a replicated parameter by
     TP rank 0 of each stage, the tied embedding by the first stage; the last stage's copy is
     read, never written). With the optimizer: the AdamW moments too."""
     from infra import param_pieces
-    shape, boxes = stage.tp_layout(name, p)
+    shape, boxes = shard_boxes(name, p.shape, stage.config.vocab_size, stage.mesh.tp_size, stage.mesh.tp_rank)
     write = write and counted_once(stage, name)
-    return [piece for box, rows in boxes
+    return [piece for box, index in boxes
             for piece in param_pieces(stage.full_name(name), shape, p, optimizer, box=box,
-                                      index=rows, write=write)]
+                                      index=index, write=write)]
+
+
+def stage_layers(n_layer, pp):
+    """(first layer, layer count) of each stage: 07's chunk_layers at one chunk per stage."""
+    return chunk_layers(n_layer, pp)
+
+
+def one_f_one_b(p, stage, m):
+    """1F1B's order on `stage`, as (kind, micro-batch): 07's schedule at one chunk per stage."""
+    return [(kind, i) for kind, i, _ in schedule("1f1b", p, stage, m)]
 
 
 def plan(args, world, T, P, m):
@@ -1481,6 +846,919 @@ def context_parallel(args, config):
     return (f", context parallelism ({args.cp_impl}) over {args.cp} ranks, {config.block_size // args.cp} of "
             f"{config.block_size} tokens per sequence each"
             + ("; no dropout on the attention probabilities (as in 09)" if config.dropout > 0 else ""))
+
+
+# =======================================================================================
+# Restated, word for word, from 06_tensor_parallel.py, 07_pipeline.py and 09_context_parallel.py:
+# the same names and the same code (tests/test_restated.py checks every block against its source)
+# =======================================================================================
+
+
+# ---- restated from 06_tensor_parallel.py: TP_PLAN, tp_split, shard_boxes (word for word; tests/test_restated.py checks it) ----
+# the tensor-parallel plan
+
+# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` of the
+# parameter T ways; with parts = 3 that dimension is three blocks stacked (c_attn's rows
+# [Q; K; V]) and each block is split, so that rank t holds its heads of Q, K and V. The
+# vocabulary is padded to a multiple of T first. Every parameter not named is replicated:
+# LayerNorms, the position embedding, the row-parallel biases (added once, after g).
+TP_PLAN = {
+    "wte.weight":         ("vocab", 0, 1),   # rows [t·V/T, (t+1)·V/T): the embedding and the tied head
+    "lm_head.weight":     ("vocab", 0, 1),   # the tied head where it is a copy (08_3d.py's last stage)
+    "attn.c_attn.weight": ("column", 0, 3),  # column-parallel: output rows, this rank's heads of Q, K, V
+    "attn.c_attn.bias":   ("column", 0, 3),
+    "attn.c_proj.weight": ("row", 1, 1),     # row-parallel: input columns (this rank's heads' outputs)
+    "mlp.c_fc.weight":    ("column", 0, 1),  # column-parallel: output rows
+    "mlp.c_fc.bias":      ("column", 0, 1),
+    "mlp.c_proj.weight":  ("row", 1, 1),     # row-parallel: input columns
+}
+
+
+def tp_split(name):
+    """TP_PLAN's (how, dim, parts) for parameter `name`, or None: replicated."""
+    return next((split for suffix, split in TP_PLAN.items() if name.endswith(suffix)), None)
+
+
+def shard_boxes(name, shape, vocab_size, tp_size, tp_rank):
+    """Where the shard of parameter `name` (local `shape`) that rank `tp_rank` holds lies in
+    the full parameter, from TP_PLAN: (the full shape, [(box, index), ...]) where `box` is
+    the region of the full parameter ([start, stop) per dimension) that shard[index] holds.
+    One box per block of the split dimension (three for c_attn); the vocabulary's full shape
+    is the unpadded V, its padding rows in no box; a replicated parameter: one box, whole."""
+    full, whole = list(shape), [[0, s] for s in shape]
+    split = tp_split(name)
+    if split is None:
+        return tuple(full), [(whole, ...)]
+    how, dim, parts = split
+    n = shape[dim] // parts  # this rank's part of each block
+    full[dim] = vocab_size if how == "vocab" else shape[dim] * tp_size
+    boxes = []
+    for j in range(parts):
+        lo = j * n * tp_size + tp_rank * n  # block j of the full dimension starts at j·n·T
+        hi = min(lo + n, full[dim])  # shorter (or empty) only where the vocabulary's padding is
+        if lo < hi:
+            boxes.append((whole[:dim] + [[lo, hi]] + whole[dim + 1:],
+                          (slice(None),) * dim + (slice(j * n, j * n + hi - lo),)))
+    return tuple(full), boxes
+# ---- end restated ----
+
+
+# ---- restated from 06_tensor_parallel.py: CopyToTP, ReduceFromTP, _all_gather_seq, _reduce_scatter_seq, GatherSequenceLinear, ScatterSequence (word for word; tests/test_restated.py checks it) ----
+# Megatron's f and g, and their sequence-parallel forms
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward; backward all-reduce over the TP group, since every rank's
+    branch contributed a part of the gradient of the shared input."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce of the partial sums over the TP group; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _all_gather_seq(x, group):
+    """[b, s/T, h] on each rank -> [b, s, h], the shards in rank order."""
+    tp_size, (b, s_local, h) = dist.get_world_size(group), x.shape
+    parts = torch.empty((tp_size * b, s_local, h), dtype=x.dtype, device=x.device)  # rank-major
+    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)  # every rank's sequence shard
+    return parts.view(tp_size, b, s_local, h).permute(1, 0, 2, 3).reshape(b, tp_size * s_local, h)
+
+
+def _reduce_scatter_seq(x, group):
+    """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of
+    the sum."""
+    tp_size = dist.get_world_size(group)
+    b, s, h = x.shape
+    chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3).reshape(tp_size * b, s // tp_size, h)
+    out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps sequence chunk t
+    return out
+
+
+class GatherSequenceLinear(torch.autograd.Function):
+    """f and a column-parallel Linear with sequence parallelism, Y_t = all-gather(X) A_t^T +
+    b_t, keeping only this rank's sequence shard of X for backward (Korthikanti et al. 2022,
+    Sec. 4.2.2; Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication). Autograd
+    through an all-gather and F.linear would keep the gathered [b, s, h] input, T times the
+    shard; instead backward all-gathers the shard again for the weight gradient (one more
+    all-gather of b·s·h, in the compute dtype) and reduce-scatters the input gradient.
+    Megatron overlaps both collectives with the matmuls; here they run in order, for clarity.
+
+    Under autocast the Linear runs in the compute dtype, as F.linear would: the shard is cast
+    before the gather (the same values as gathering and then casting, half the bytes in bf16),
+    and that cast shard is what is kept, as autocast would keep its cast input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        shard = x.to(dtype)
+        out = F.linear(_all_gather_seq(shard, group), weight.to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(shard, weight)  # [b, s/T, h], not the gathered [b, s, h]
+        ctx.has_bias, ctx.x_dtype, ctx.group = bias is not None, x.dtype, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        total = _all_gather_seq(shard, ctx.group)  # the whole sequence again, for the weight gradient
+        grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
+        # sum the parts of every rank's weight shard, keep this rank's sequence shard (the
+        # gradient in the input's dtype, as autocast's cast back would hand it to f)
+        grad_x = _reduce_scatter_seq(grad_x.to(ctx.x_dtype), ctx.group)
+        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_t^T X
+        grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """g with sequence parallelism: reduce-scatter forward, all-gather back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+# ---- end restated ----
+
+
+# ---- restated from 06_tensor_parallel.py: ShardedRNG (word for word; tests/test_restated.py checks it) ----
+# dropout streams
+
+class ShardedRNG:
+    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
+    swaps the device's default generator (the stream the TP group shares) to this rank's
+    own stream and back."""
+
+    def __init__(self, seed, rank, device):
+        self.device = device  # a fresh generator's state, made without reseeding the default one
+        self.state = torch.Generator(device=device).manual_seed(seed + 2718 + rank).get_state()
+
+    @contextmanager
+    def sharded(self):
+        shared = device_rng_state(self.device)
+        set_device_rng_state(self.device, self.state)
+        try:
+            yield
+        finally:
+            self.state = device_rng_state(self.device)
+            set_device_rng_state(self.device, shared)
+
+    def resume(self, saved, log):
+        """Continue this rank's stream from a checkpoint's state (`saved`: the same layout's
+        extra streams, else None). A state written on another device type does not fit this
+        device's generator (a CPU generator's state is 5056 bytes, a CUDA one's 16): the
+        stream then starts afresh, as at a layout change, and `log` says so once."""
+        if saved is None:
+            return
+        if saved["tp"].shape == self.state.shape:
+            self.state = saved["tp"]
+        else:
+            log(f"the tensor-parallel dropout stream was saved on another device type (a "
+                f"{saved['tp'].numel()}-byte state; this {self.device.type} generator's is "
+                f"{self.state.numel()} bytes): it starts afresh, as at a layout change")
+# ---- end restated ----
+
+
+# ---- restated from 06_tensor_parallel.py: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelCrossEntropy (word for word; tests/test_restated.py checks it) ----
+# the parallel layers
+
+class ColumnParallelLinear(nn.Module):
+    """Y_t = f(X) A_t: this rank's block of output columns (rows of nn.Linear's weight)."""
+
+    def __init__(self, in_features, out_local, bias, group, sequence_parallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_features))
+        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x):
+        if self.sequence_parallel:  # keeps only the sequence shard of x for backward
+            return GatherSequenceLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias is added once,
+    after the reduction."""
+
+    def __init__(self, in_local, out_features, bias, group, sequence_parallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x):
+        partial = F.linear(x, self.weight)
+        reduce = ScatterSequence if self.sequence_parallel else ReduceFromTP
+        y = reduce.apply(partial, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank t holds rows [start, start + V/T) of the (padded) token embedding."""
+
+    def __init__(self, vocab_local, n_embd, start, group, sequence_parallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_local, n_embd))
+        self.start, self.group, self.sequence_parallel = start, group, sequence_parallel
+
+    def forward(self, idx):
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks' tokens contribute zeros
+        return ScatterSequence.apply(x, self.group) if self.sequence_parallel else ReduceFromTP.apply(x, self.group)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from this rank's slice of the logits, never gathering them:
+    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,target - m_i), with m_i the global max. The
+    backward needs no communication: d loss / d z = softmax - onehot, computed locally."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, vocab_size, group):
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        ids = torch.arange(start, start + n_local, device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_target = targets - start
+        mine = (local_target >= 0) & (local_target < n_local)
+        target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(~mine, 0.0)
+        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
+        loss = sum_exp.log() - target_logit
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        return grad_logits * (grad / softmax[..., 0].numel()), None, None, None, None
+# ---- end restated ----
+
+
+# ---- restated from 06_tensor_parallel.py: TPAttention, TPMLP, TPBlock (word for word; tests/test_restated.py checks it) ----
+# the tensor-parallel block
+
+class TPAttention(nn.Module):
+    cp = None  # 08_3d.py's context parallelism: a ContextParallel (09's attention over the CP group)
+
+    def __init__(self, config, tp_size, sp, rng, group):
+        super().__init__()
+        h = config.n_embd
+        self.c_attn = ColumnParallelLinear(h, 3 * h // tp_size, config.bias, group, sp)
+        self.c_proj = RowParallelLinear(h // tp_size, h, config.bias, group, sp)
+        self.n_head_local, self.dropout, self.rng, self.sp = config.n_head // tp_size, config.dropout, rng, sp
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of Q, K and V
+        B, T, C = q.shape
+        q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
+        if self.cp is not None:  # this CP rank's queries meet every CP rank's keys (no dropout, as in 09)
+            y = self.cp.attention(q, k, v)
+        else:
+            with self.rng.sharded():  # attention dropout acts inside this rank's heads
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                   dropout_p=self.dropout if self.training else 0.0)
+        y = self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        if self.sp:  # with sequence parallelism the residual stream is sharded too
+            with self.rng.sharded():
+                return self.resid_dropout(y)
+        return self.resid_dropout(y)
+
+
+class TPMLP(nn.Module):
+    def __init__(self, config, tp_size, sp, rng, group):
+        super().__init__()
+        h = config.n_embd
+        self.c_fc = ColumnParallelLinear(h, 4 * h // tp_size, config.bias, group, sp)
+        self.gelu = nn.GELU()
+        self.c_proj = RowParallelLinear(4 * h // tp_size, h, config.bias, group, sp)
+        self.dropout, self.rng, self.sp = nn.Dropout(config.dropout), rng, sp
+
+    def forward(self, x):
+        y = self.c_proj(self.gelu(self.c_fc(x)))
+        if self.sp:
+            with self.rng.sharded():
+                return self.dropout(y)
+        return self.dropout(y)
+
+
+class TPBlock(nn.Module):
+    def __init__(self, config, tp_size, sp, rng, group):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = TPAttention(config, tp_size, sp, rng, group)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = TPMLP(config, tp_size, sp, rng, group)
+
+    recompute = False  # --recompute: keep the block's input only (its f/g run again in backward)
+
+    def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():
+            return recomputed(self.body, x, trackers=[self.attn.rng])  # the rank's own stream too
+        return self.body(x)
+
+    def body(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+# ---- end restated ----
+
+
+# ---- restated from 06_tensor_parallel.py: all_reduce_sequence_parallel_grads (word for word; tests/test_restated.py checks it) ----
+# the replicated parameters' gradients with sequence parallelism
+
+def all_reduce_sequence_parallel_grads(model, group):
+    """With sequence parallelism each rank saw only its sequence shard in the replicated
+    regions, so the replicated parameters' gradients are partial: sum them over the TP
+    `group`."""
+    grads = [p.grad for name, p in model.named_parameters() if tp_split(name) is None]
+    flat = torch.cat([g.view(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # sum of the TP ranks' partial gradients of the replicated parameters
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+# ---- end restated ----
+
+
+# ---- restated from 07_pipeline.py: schedule_rounds, schedule, forward_rounds, forward_tag, backward_tag, exchanges (word for word; tests/test_restated.py checks it) ----
+# the schedules and their messages
+
+def schedule_rounds(kind, p, rank, m, v=1):
+    """The operations rank `rank` of `p` runs for `m` micro-batches (v chunks per rank for
+    the interleaved schedule), in order, in rounds: between two rounds the rank exchanges
+    activations and gradients with its neighbours (exchanges()). A round is one operation,
+    except in the interleaved steady state (one forward and one backward) and in ZB-H1,
+    where a W rides in the round of the B before it: it runs once that B's gradient has
+    been posted to the previous stage, while the round's receives travel."""
+    if kind == "gpipe":  # every forward, then every backward
+        return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
+    if kind == "1f1b":
+        warmup = min(p - rank - 1, m)  # forwards before the first backward reaches this stage
+        forwards = [("F", i, 0) for i in range(m)]
+        backwards = [("B", i, 0) for i in range(m)]
+        order = forwards[:warmup]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            order += [forwards[warmup + i], backwards[i]]
+        return [(op,) for op in order + backwards[m - warmup:]]  # cool-down
+    if kind == "interleaved":  # Megatron's: forwards visit chunks in groups of p micro-batches
+        total = m * v
+
+        def forward_op(k):
+            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+        def backward_op(k):
+            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+        return ([(forward_op(k),) for k in range(warmup)]
+                + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
+                + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
+    # zero bubble, ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
+    # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
+    # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
+    # steady state, but stage `rank` defers the W of its first `rank` backwards; from then
+    # on each B is followed by the W of the oldest micro-batch whose W is pending, and the
+    # `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
+    assert kind == "zb", kind
+    warmup = min(p - rank - 1, m)
+    rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
+    for k in range(m):
+        if warmup + k < m:  # steady state: one forward, then one backward
+            rounds.append((("F", warmup + k, 0),))
+        if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
+            rounds.append((("B", k, 0), ("W", w, 0)))
+            w += 1
+        else:
+            rounds.append((("B", k, 0),))
+    return rounds + [(("W", j, 0),) for j in range(w, m)]
+
+
+def schedule(kind, p, rank, m, v=1):
+    """The operations of schedule_rounds(), one after the other."""
+    return [op for ops in schedule_rounds(kind, p, rank, m, v) for op in ops]
+
+
+def forward_rounds(p, m, v):
+    """Evaluation's rounds: forwards only, micro-batches in groups of p through chunk 0,
+    then chunk 1, ... (the interleaved order without its backwards); v = 1: 0..m-1."""
+    return [(("F", i, c),) for group in range(0, m, p) for c in range(v)
+            for i in range(group, min(group + p, m))]
+
+
+def forward_tag(i, g, n):
+    """The tag of the activation that chunk g (of n in the pipeline) sends forward for
+    micro-batch i: one number per (micro-batch, chunk), i·n + g."""
+    return i * n + g
+
+
+def backward_tag(i, g, n, m):
+    """The tag of the input gradient that chunk g sends back for micro-batch i: after all m·n
+    forward tags, n·m + i·n + g."""
+    return n * m + forward_tag(i, g, n)
+
+
+def exchanges(rounds, p, rank, v, m):
+    """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
+    receives it needs; after each round, the sends of what it computed (outputs to the next
+    stage, input gradients to the previous) together with the receives of the next round.
+    Megatron's p2p calls: send_forward_recv_forward after a forward (..._recv_backward when a
+    backward follows), send_backward_recv_backward after a backward (..._recv_forward), and
+    send_forward_backward_recv_forward_backward after an interleaved steady-state round.
+    An entry: [("send" | "recv", peer stage, tag)], tags from forward_tag and backward_tag.
+
+    Why one batch per round, sends and receives together: under NCCL a send completes only
+    once its receive is posted, and a rank's batches complete one after another. Posted this
+    way, no cycle of ranks waiting on each other's later batches forms, for every schedule at
+    every p, v and m the tests try (tests/test_schedules.py replays every rank's posting order
+    under NCCL's rules). Posted one batch per operation instead, the interleaved schedule
+    deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it."""
+    n = p * v
+
+    def receives(ops):
+        for kind, i, c in ops:
+            g = c * p + rank
+            if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
+                yield "recv", (rank - 1) % p, forward_tag(i, g - 1, n)
+            if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
+                yield "recv", (rank + 1) % p, backward_tag(i, g + 1, n, m)
+
+    def sends(ops):
+        for kind, i, c in ops:
+            g = c * p + rank
+            if kind == "F" and g < n - 1:
+                yield "send", (rank + 1) % p, forward_tag(i, g, n)
+            if kind == "B" and g > 0:
+                yield "send", (rank - 1) % p, backward_tag(i, g, n, m)
+
+    following = rounds[1:] + [()]
+    return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
+                                          for ops, nxt in zip(rounds, following)]
+# ---- end restated ----
+
+
+# ---- restated from 07_pipeline.py: chunk_layers (word for word; tests/test_restated.py checks it) ----
+# the layers of each stage
+
+def chunk_layers(n_layer, n_chunks):
+    """(first layer, layer count) of each of the n_chunks chunks, in pipeline order: n_layer
+    is cut as evenly as it goes, the last n_layer % n_chunks chunks taking one layer more
+    (under 1F1B the first stages hold the most micro-batches of activations, so they get
+    the fewer layers)."""
+    base, extra = divmod(n_layer, n_chunks)
+    sizes = [base + (c >= n_chunks - extra) for c in range(n_chunks)]
+    return [(sum(sizes[:c]), sizes[c]) for c in range(n_chunks)]
+# ---- end restated ----
+
+
+# ---- restated from 07_pipeline.py: Pipeline (word for word; tests/test_restated.py checks it) ----
+# the executor
+
+class Pipeline:
+    """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
+    rank in the group, and its messages name their peers by stage (group_peer), so that a
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: wait for
+    the device around every operation, to measure the compute time and so the bubble (08_3d.py
+    measures none, and keeps compute and communication overlapping on GPUs)."""
+
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
+        self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
+        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.synchronize = (lambda: synchronize(env)) if timed else (lambda: None)
+        self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
+        self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
+        self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
+
+    def global_chunk(self, c):
+        return c * self.p + self.rank
+
+    def _exchange(self, batch, outputs, meanwhile=lambda: None):
+        """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
+        after sending)}) and the receives together, run `meanwhile` (ZB's W passes, which
+        nobody waits for), and wait for the receives only; returns {tag: received tensor}.
+        Sends are retired once complete (with NCCL the whole batch completes at once; gloo
+        may complete a send later, after the peer's receive)."""
+        if self.p == 1:
+            for tag, (tensor, _) in outputs.items():
+                self.mailbox[tag] = tensor.detach().clone()
+            meanwhile()
+            return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
+        ops, received = [], {}
+        for op, peer, tag in batch:  # activations or gradients, b·s·h each
+            if op == "send":
+                ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
+            else:
+                received[tag] = torch.empty(self.act_shape, device=self.env.device)
+                ops.append(dist.P2POp(dist.irecv, received[tag], group=self.group, group_peer=peer, tag=tag))
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        if len(requests) != len(ops):  # NCCL coalesces the batch into one request
+            requests = requests[-1:] * len(ops)
+        meanwhile()
+        for request, (op, _, tag) in zip(requests, batch):
+            if op == "send":
+                self.posted_sends.append((request, *outputs[tag]))
+            else:
+                request.wait()
+        self._retire_sends(wait=False)
+        return received
+
+    def _retire_sends(self, wait):
+        """Forget completed sends (all of them, waiting, at the end of a step). A sent
+        output's data is freed then: only its autograd graph is kept (Megatron's pseudo-free)."""
+        still = []
+        for request, tensor, free in self.posted_sends:
+            if wait:
+                request.wait()
+            if wait or request.is_completed():
+                if free:
+                    tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
+            else:
+                still.append((request, tensor, free))
+        self.posted_sends = still
+
+    def run(self, rounds, inputs, targets, m, train=True):
+        """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
+        them); returns the summed loss (last stage), the peak number of micro-batch chunks in
+        flight (forward done, backward not; with zero bubble: W not), and the fraction of
+        the schedule's wall time this rank spent computing (1 - that is its measured bubble)."""
+        n = self.p * self.v
+        saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
+        weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
+        start = time.perf_counter()
+        batches = exchanges(rounds, self.p, self.rank, self.v, m)
+        received = self._exchange(batches[0], {})
+        for ops, batch in zip(rounds, batches[1:]):
+            # wait() on an NCCL request only orders the stream: the received activations may
+            # still be arriving, and a compute timer started now would count that wait as busy
+            self.synchronize()
+            outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
+
+            def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
+                nonlocal busy, in_flight
+                for kind, i, c in ops:
+                    if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
+                        t0 = time.perf_counter()
+                        torch.autograd.backward(weight_nodes.pop((i, c)))
+                        self.synchronize()
+                        busy += time.perf_counter() - t0
+                        in_flight -= 1
+            for kind, i, c in ops:
+                if kind == "W":
+                    continue
+                g = self.global_chunk(c)
+                t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
+                if kind == "F":
+                    x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
+                    with torch.set_grad_enabled(train), autocast(self.env):
+                        out = self.chunks[c](x, targets[i] if g == n - 1 else None)
+                    if g == n - 1:
+                        loss_sum += out.detach().float()
+                        out = out / m  # backward of the mean over micro-batches
+                    else:
+                        outputs[forward_tag(i, g, n)] = (out if train else out.detach(), train)
+                    if train:
+                        saved[(i, c)] = (x, out)
+                        in_flight += 1
+                        peak = max(peak, in_flight)
+                else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
+                    x, out = saved.pop((i, c))
+                    if g == n - 1:
+                        out.backward()
+                    else:
+                        grad = received.pop(backward_tag(i, g + 1, n, m))
+                        # the output's data was freed after sending (its shape is now [1]):
+                        # run autograd's engine directly, which, unlike out.backward(grad),
+                        # does not check that grad has out's shape
+                        Variable._execution_engine.run_backward(
+                            tensors=(out,), grad_tensors=(grad,),  # d loss / d out = grad
+                            keep_graph=False,  # free the graph as it goes (retain_graph=False)
+                            create_graph=False,  # no graph of the backward itself
+                            inputs=(),  # none named: every leaf the graph reaches (x, the weights)
+                            allow_unreachable=True,  # as backward() passes it (matters only with inputs)
+                            accumulate_grad=True)  # add into .grad, as backward() does
+                    if g > 0:
+                        outputs[backward_tag(i, g, n, m)] = (x.grad, False)
+                    if self.deferred is None:
+                        in_flight -= 1
+                    else:  # the micro-batch's W tensors stay until its W
+                        weight_nodes[(i, c)] = self.deferred[:]
+                        self.deferred.clear()
+                self.synchronize()  # for the busy time: this forgoes compute/communication overlap on GPUs
+                busy += time.perf_counter() - t0
+            received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
+        self._retire_sends(wait=True)
+        return loss_sum, peak, busy / (time.perf_counter() - start)  # the busy fraction
+# ---- end restated ----
+
+
+# ---- restated from 09_context_parallel.py: zigzag_chunks, token_positions (word for word; tests/test_restated.py checks it) ----
+# the tokens a CP rank holds
+
+def zigzag_chunks(rank, C):
+    """The two chunks (of 2C) that ring rank `rank` holds: one early, one late."""
+    return rank, 2 * C - 1 - rank
+
+
+def token_positions(s, C, cp_rank, impl):
+    """Positions (into the sequence of length s) of the tokens this CP rank holds, in the
+    order it holds them: ring, chunks r and 2C-1-r of length s/2C; Ulysses, a contiguous s/C."""
+    if impl == "ulysses" or C == 1:
+        return torch.arange(cp_rank * s // C, (cp_rank + 1) * s // C)
+    c = s // (2 * C)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunks(cp_rank, C)])
+# ---- end restated ----
+
+
+# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, block_forward, block_backward, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
+# ring attention
+
+class Ring:
+    """This rank's place in its CP group's ring: it sends to `next`, receives from `prev`."""
+
+    def __init__(self, group, ranks, rank):
+        self.group, self.size, self.rank = group, len(ranks), ranks.index(rank)
+        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
+
+    def pass_on(self, tensors, tag):
+        """Post, without waiting: send `tensors` to the next rank, receive the previous
+        rank's tensors of the same shapes. Returns (requests, received)."""
+        sent = [t.contiguous() for t in tensors]  # k, v: views of c_attn's output, copied to send
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
+        return dist.batch_isend_irecv(ops), received  # our blocks to r+1, r-1's blocks to us
+
+    @staticmethod
+    def wait(pending):
+        requests, received = pending
+        for request in requests:
+            request.wait()
+        return received
+
+
+def ring_block(q_rank, kv_rank, C):
+    """(q halves, kv halves, causal): the part of one ring step's scores, between the tokens of
+    ring ranks q_rank and kv_rank, that the causal mask does not empty, as one block. Half 0 / 1
+    of a rank's tokens is its chunk r / 2C-1-r. Its own tokens: all of them, causal (a rank holds
+    its tokens in sequence order, so the local triangle is the global one). Key chunks j and
+    2C-1-j of an earlier rank (j < r): both query chunks see chunk j whole, chunk 2C-1-j is after
+    both. Of a later rank: only query chunk 2C-1-r sees them, both whole."""
+    if kv_rank == q_rank:
+        return (0, 1), (0, 1), True
+    if kv_rank < q_rank:
+        return (0, 1), (0,), False
+    return (1,), (0, 1), False
+
+
+def part(t, halves):
+    """The halves (0, 1 or both) of a [b, heads, tokens, ...] tensor's tokens, as a view."""
+    c = t.size(2) // 2
+    return t[:, :, halves[0] * c:(halves[-1] + 1) * c]
+
+
+aten = torch.ops.aten
+
+
+def block_forward(q, k, v, causal):
+    """One block's attention: its output O_b (normalised over the block's keys) and the
+    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], from the fused
+    attention kernel that returns it: on CPU torch's flash attention for CPU, on CUDA the
+    flash (fp16/bf16) or memory-efficient (fp32) kernel (as torchtitan's ring does; unverified:
+    09 has not run on a GPU); elsewhere the explicit fp32 reference below."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        return out, lse
+    if q.device.type == "cuda":  # its log-sum-exp is padded to a multiple of 32 queries
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., :q.size(2)]
+    return explicit_block_forward(q, k, v, causal)
+
+
+def block_backward(dout, q, k, v, out, lse, causal):
+    """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
+    needs only those and dO, not the block's own): the fused kernel's backward, as in
+    block_forward, else the explicit fp32 reference."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):  # unverified
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: never read
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, no_rng, no_rng)
+    if q.device.type == "cuda":  # unverified; the kernel reads L padded to 32 queries
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+        lse = F.pad(lse, (0, -q.size(2) % 32))
+        return aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
+    return explicit_block_backward(dout, q, k, v, out, lse, causal)
+
+
+def scores(q, k, causal):
+    """S = q kᵀ/√d for one block in fp32, the upper triangle -inf on a causal block."""
+    s = (q.float() / math.sqrt(q.size(-1))) @ k.float().transpose(-2, -1)
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def explicit_block_forward(q, k, v, causal):
+    """The readable reference (and the fallback where no fused kernel applies), in fp32:
+    L_b = logsumexp(S), O_b = exp(S - L_b) V."""
+    s = scores(q, k, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return s.sub_(lse.unsqueeze(-1)).exp_() @ v.float(), lse  # softmax(S) V, S overwritten by P
+
+
+def explicit_block_backward(dout, q, k, v, out, lse, causal):
+    """FlashAttention-2's backward of one block in fp32, with the final O and L:
+    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)),
+    dQ = dS K/√d, dK = dSᵀ Q/√d."""
+    q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+    p = scores(q, k, causal).sub_(lse.unsqueeze(-1)).exp_()
+    delta = (dout * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
+    ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
+    scale = 1.0 / math.sqrt(q.size(-1))
+    return (ds @ k).mul_(scale), (ds.transpose(-2, -1) @ q).mul_(scale), p.transpose(-2, -1) @ dout
+
+
+def merge(out, lse, block_out, block_lse):
+    """Exact merge of two softmax-attention results over disjoint keys, in place in the fp32
+    out and lse: L = log(e^L1 + e^L2), O = e^(L1-L)·O1 + e^(L2-L)·O2."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    w_old, w_new = torch.exp(lse - new_lse).unsqueeze(-1), torch.exp(block_lse - new_lse).unsqueeze(-1)
+    out.copy_(w_old * out + w_new * block_out)
+    lse.copy_(new_lse)
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence's keys. q, k, v:
+    [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape, in q's dtype.
+    Blocks run in q's dtype (the fused kernel; fp32 in the explicit fallback), they merge in
+    fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        ctx.ring = ring
+        b, heads, t, d = q.shape
+        with torch.autocast(q.device.type, enabled=False):
+            # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
+            out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
+            lse = torch.full((b, heads, t), float("-inf"), device=q.device)
+            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            for step in range(ring.size):
+                if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
+                    pending = ring.pass_on(kv, tag=0)
+                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
+                o, l = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                merge(part(out, qh), part(lse, qh), o, l)
+                if step < ring.size - 1:
+                    kv = ring.wait(pending)
+            out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        with torch.autocast(q.device.type, enabled=False):
+            dout = dout.to(q.dtype)
+            dq = torch.zeros(q.shape, device=q.device)  # fp32 accumulators
+            kv, arriving = (k, v), None
+            for step in range(ring.size):
+                if step < ring.size - 1:  # K/V go around again, as in forward
+                    pending = ring.pass_on(kv, tag=0)
+                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
+                dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
+                                                  part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
+                                                  causal)
+                part(dq, qh).add_(dq_b)
+                dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+                part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
+                part(dv, kh).add_(dv_b)
+                if arriving is not None:  # the shares of the ranks this K/V block visited before us
+                    dk_in, dv_in = ring.wait(arriving)
+                    dk += dk_in
+                    dv += dv_in
+                if ring.size > 1:  # dK/dV travel with their K/V; the last hop brings them home
+                    arriving = ring.pass_on((dk, dv), tag=1)
+                if step < ring.size - 1:
+                    kv = ring.wait(pending)
+            if ring.size > 1:
+                dk, dv = ring.wait(arriving)  # every rank's share of our own K and V
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+# ---- end restated ----
+
+
+# ---- restated from 09_context_parallel.py: seq_to_heads, heads_to_seq, SeqToHeads, HeadsToSeq, ulysses_attention (word for word; tests/test_restated.py checks it) ----
+# Ulysses
+
+def seq_to_heads(x, group, C):
+    """[b, H, s/C, d] (our tokens, every head) -> [b, H/C, s, d] (every token, our heads)."""
+    b, H, t, d = x.shape
+    send = x.reshape(b, C, H // C, t, d).transpose(0, 1).contiguous()  # [C = head group, ...]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # head group j to rank j; its tokens to us
+    return received.permute(1, 2, 0, 3, 4).reshape(b, H // C, C * t, d)  # [C = token chunk, ...]
+
+
+def heads_to_seq(x, group, C):
+    """The inverse: [b, H/C, s, d] -> [b, H, s/C, d]."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, h, C, s // C, d).permute(2, 0, 1, 3, 4).contiguous()  # [C = token chunk, ...]
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # token chunk j to rank j; its heads to us
+    return received.transpose(0, 1).reshape(b, C * h, s // C, d)  # [C = head group, ...]
+
+
+class SeqToHeads(torch.autograd.Function):
+    """All-to-all forward, the inverse all-to-all backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, C):
+        ctx.group, ctx.C = group, C
+        return seq_to_heads(x, group, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq(grad, ctx.group, ctx.C), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, C):
+        ctx.group, ctx.C = group, C
+        return heads_to_seq(x, group, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads(grad, ctx.group, ctx.C), None, None
+
+
+def ulysses_attention(q, k, v, group, C):
+    """Four all-to-alls: q, k, v to [b, H/C, s, d], causal attention, the output back."""
+    q, k, v = (SeqToHeads.apply(t, group, C) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return HeadsToSeq.apply(y, group, C)
+# ---- end restated ----
+
+
+# ---- restated from 09_context_parallel.py: ContextParallel (word for word; tests/test_restated.py checks it) ----
+# the attention over the CP group
+
+class ContextParallel:
+    """This rank's CP group and the attention it runs over it."""
+
+    recompute = False  # --recompute: keep each block's input only (its ring / all-to-alls run again in backward)
+
+    def __init__(self, group, ranks, rank, impl):
+        self.group, self.C, self.impl = group, len(ranks), impl
+        self.ring = Ring(group, ranks, rank)
+        self.cp_rank = ranks.index(rank)
+
+    def attention(self, q, k, v):
+        if self.C == 1:  # nothing to share: ordinary causal attention
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.impl == "ring":
+            return RingAttention.apply(q, k, v, self.ring)
+        return ulysses_attention(q, k, v, self.group, self.C)
+# ---- end restated ----
 
 
 if __name__ == "__main__":

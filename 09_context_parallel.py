@@ -472,11 +472,12 @@ def make_groups(world_size, C, rank):
     return mine
 
 
-def all_reduce_grads(params):
-    """Every rank's gradient is its tokens' share of the global mean: summing over the whole
-    world (CP peers hold other tokens, DP peers other sequences) gives the full gradient."""
+def all_reduce_grads(params, group):
+    """Every rank's gradient is its tokens' share of the global mean: summing over `group`,
+    here the whole world (CP peers hold other tokens, DP peers other sequences), gives the
+    full gradient."""
     for p in params:
-        dist.all_reduce(p.grad)  # sum over every rank
+        dist.all_reduce(p.grad, group=group)  # sum over every rank holding these weights
 
 
 def add_flags(parser):
@@ -490,7 +491,7 @@ def add_flags(parser):
 
 
 @torch.no_grad()
-def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
+def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp, group):
     """Mean loss of each split over eval_iters fixed global batches: every rank sums its
     tokens' losses, the sums are added over the world and divided by the token count."""
     model.eval()
@@ -505,7 +506,7 @@ def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp):
                 with autocast(env):
                     total += loss_sum(model, x[rows], y[rows], positions.to(env.device), cp).float()
         total /= args.eval_iters * args.global_batch_size * model.config.block_size
-        dist.all_reduce(total)  # every rank's share of the global mean
+        dist.all_reduce(total, group=group)  # every rank's share of the global mean
         losses[split] = total.item()
     model.train()
     return losses
@@ -522,6 +523,7 @@ def main():
     torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
 
     cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
+    world = dist.group.WORLD  # every rank holds the same weights: the gradients' and the loss's group
     cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
     cp.recompute = args.recompute
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
@@ -529,7 +531,7 @@ def main():
     optimizer = make_adamw(model.parameters(), args, env.device.type)
     run.begin(config, optimizer, costs, layout={"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
-              evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp),
+              evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp, world),
               describe=f"{D} data-parallel x {C} context-parallel ({args.cp_impl}), "
                        f"{config.block_size // C} of {config.block_size} tokens per sequence per rank, "
                        f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step")
@@ -553,8 +555,8 @@ def main():
                     loss = loss_sum(model, x[rows], y[rows], device_positions, cp) / tokens
                 loss.backward()  # this rank's tokens' share of the global mean
                 loss_total += loss.detach().float()
-        all_reduce_grads(model.parameters())  # gradients are now the global mean, on every rank
-        dist.all_reduce(loss_total)  # the global batch's mean loss, for logging
+        all_reduce_grads(model.parameters(), world)  # gradients are now the global mean, on every rank
+        dist.all_reduce(loss_total, group=world)  # the global batch's mean loss, for logging
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         run.check(loss_total, (p.grad for p in model.parameters()))  # non-finite? asked to stop?

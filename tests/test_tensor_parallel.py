@@ -22,6 +22,26 @@ def test_parallel_layers_and_loss_equal_their_definitions(ranks):
     assert run.stdout.count("TP-UNITS OK") == ranks
 
 
+def test_layers_and_norms_work_unchanged_on_a_sub_group(tmp_path):
+    """06's model, sequence-parallel gradient all-reduce and clipping norm, handed the TP
+    groups {0, 1} and {2, 3} of a 4-rank world (two replicas fed other data), compute exactly
+    what they compute on a 2-rank world of their own: no collective falls back to the world."""
+    alone, mesh = tmp_path / "alone", tmp_path / "mesh"
+    alone.mkdir(), mesh.mkdir()
+    for ranks, out in ((2, alone), (4, mesh)):
+        run = launch("tests/tp_mesh_units.py", [out], nprocs=ranks, metrics=False, out_dir=False, timeout=120).ok()
+        assert run.stdout.count("TP-MESH-UNITS OK") == ranks
+    for replica in (0, 1):
+        for t in (0, 1):
+            want = torch.load(alone / f"rank{t}_seed{replica}.pt")
+            got = torch.load(mesh / f"rank{2 * replica + t}_seed{replica}.pt")
+            assert want.keys() == got.keys() and len(want) > 4
+            for key in want:
+                assert torch.equal(want[key], got[key]), (replica, t, key)
+    norms = [torch.load(alone / f"rank0_seed{s}.pt")["norm/sp0"] for s in (0, 1)]
+    assert not torch.equal(*norms)  # the replicas' data differ: a norm summed over both would show
+
+
 @pytest.fixture(scope="module")
 def reference():
     return {name: launch("01_single_gpu.py", BASE + extra + ["--sample_tokens", "0"]).ok()
