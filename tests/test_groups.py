@@ -140,7 +140,8 @@ def test_the_world_named_is_still_called_world():
     """A timed-out collective names its group (docs/failures.md): `group=dist.group.WORLD`
     reads "on group world", as a call that leaves the group out did."""
     import torch.distributed as dist
-    from common import CommLedger, _free_port
+    from common import _free_port
+    from infra import CommLedger
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         ledger = CommLedger()
