@@ -546,6 +546,10 @@ def add_flags(parser):
     g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
                    help="zb: zero bubble, ZB-H1 (Qi et al. 2023)")
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
+    g.add_argument("--measure_bubble", action="store_true",
+                   help="wait for the device around every forward and backward to measure each stage's busy "
+                        "time, and so the bubble (metrics: busy_fraction); on GPUs this serialises compute "
+                        "and communication and adds host syncs to every micro-batch")
     return parser
 
 
@@ -591,7 +595,8 @@ def main():
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
     optimizer = make_adamw(chunks.parameters(), args, env.device.type)
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
-    pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred)  # the pipeline: every rank
+    pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
+                        timed=args.measure_bubble)
     rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # ("F" | "B" | "W", micro-batch, chunk)
     run.begin(config, optimizer, costs, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
@@ -617,7 +622,8 @@ def main():
         if step == run.start_step and run.cost:  # next to the ledger
             run.log(f"activations in flight on stage {env.rank}: at most {in_flight} micro-batch chunk(s) "
                     f"(theory {run.cost['in_flight']})")
-        run.end_step(loss, {"activations_in_flight": in_flight, "busy_fraction": busy, "bubble_drawn": bubble,
+        run.end_step(loss, {"activations_in_flight": in_flight, "bubble_drawn": bubble,
+                            "busy_fraction": busy if args.measure_bubble else None,
                             "bubble_theory": bubble_theory(args.schedule, p, m, v)})  # ledger, metrics, ckpt
         optimizer.zero_grad(set_to_none=True)
     run.finish()
