@@ -1630,7 +1630,7 @@ def agree(env, problem):
                 problem = next(p for p in problems if p)
     if problem:
         if env.master:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
+            say(f"error: {problem}", sys.stderr)
         leave(env, 2)
 
 
@@ -2048,10 +2048,10 @@ class Guard:
                        f"({latest_checkpoint(self.args.out_dir)}) is intact" if WRITE_FAILURES else None)
         if first_bad:
             if env.master:
-                print(f"error: non-finite loss or gradient at step {step} (first seen on rank "
-                      f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
-                      f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
-                      file=sys.stderr, flush=True)
+                say(f"error: non-finite loss or gradient at step {step} (first seen on rank "
+                    f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
+                    f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
+                    sys.stderr)
             leave(env, NONFINITE_EXIT)
         self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
                        2: self.signal or "a SIGTERM, SIGUSR1 or SIGINT on another rank"}.get(asked)
@@ -2128,7 +2128,7 @@ class CommLedger:
             self.reported = True
             rank = dist.get_rank() if dist.is_initialized() else 0
             first = (str(error).strip().splitlines() or [""])[0][:200]
-            print(f"rank {rank} was in {where} when it failed: {first}", file=sys.stderr, flush=True)
+            say(f"rank {rank} was in {where} when it failed: {first}", sys.stderr)
 
     def watched(self, where, result):
         """Run a collective's result through `report` if waiting on it fails (async work)."""
@@ -2303,7 +2303,7 @@ def print_ledger(env, held, comm, cost, activations=None):
     differ = [f"{key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
               for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
     if differ:
-        print(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", file=sys.stderr, flush=True)
+        say(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", sys.stderr)
 
 
 def theory_bytes(cost):
@@ -2733,11 +2733,31 @@ def log_node_map(env):
 
 
 def log(env, message):
-    """Print on rank 0 only (through tqdm so a progress bar is not torn)."""
+    """Print on rank 0 only."""
     if env.master:
-        from tqdm import tqdm
-        tqdm.write(message, file=sys.stdout)
-        sys.stdout.flush()
+        say(message)
+
+
+def say(message, file=None):
+    """Print `message` to stdout (or `file`) and flush it, through tqdm so that a progress bar
+    is not torn. A stream that can no longer be written is no reason to lose a step: when the
+    reader of a pipe is gone (Python ignores SIGPIPE, so the write raises BrokenPipeError) or a
+    terminal has hung up (EIO), the stream is pointed at /dev/null for the rest of the run,
+    which trains on and writes its checkpoint with nothing more printed there."""
+    file = file or sys.stdout
+    if file is None:  # started with that descriptor closed
+        return
+    from tqdm import tqdm
+    try:
+        tqdm.write(message, file=file)
+        file.flush()
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, file.fileno())  # what is still buffered goes there too, at exit
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 def progress(env, start, stop):
