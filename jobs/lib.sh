@@ -98,8 +98,9 @@ has_checkpoint() {
 
 # run_args SCRIPT FLAGS...: the command line to launch, in the array RUN_ARGS: the one given,
 # plus --resume when its --out_dir (default: out) already holds a checkpoint, so that
-# resubmitting the same job continues the run; plus --time_limit TIME_LIMIT_MINUTES when that
-# is set and the flags do not give one.
+# resubmitting the same job continues the run (not with --overwrite, which asks to replace that
+# run: the scripts refuse the two together); plus --time_limit TIME_LIMIT_MINUTES when that is
+# set and the flags do not give one.
 run_args() {
     RUN_ARGS=("$@")
     local out=out resume=0 limit=0 prev="" arg
@@ -107,7 +108,7 @@ run_args() {
         [ "$prev" != --out_dir ] || out=$arg
         case $arg in
             --out_dir=*) out=${arg#--out_dir=} ;;
-            --resume) resume=1 ;;
+            --resume|--overwrite) resume=1 ;;  # the flags already say what to do with a checkpoint there
             --time_limit|--time_limit=*) limit=1 ;;
         esac
         prev=$arg

@@ -449,6 +449,19 @@ def test_walltime_and_automatic_resume(scheduler, tmp_path):
         assert ("#SBATCH" not in text) or "#SBATCH --signal=USR1@180" in text, script
 
 
+def test_overwrite_through_a_job_script_is_not_given_resume_too(scheduler, tmp_path):
+    """--overwrite replaces the run in out_dir: the job script must not add --resume to it
+    (the scripts refuse the two together); without either, it adds --resume."""
+    out = tmp_path / "out"
+    (out / "ckpt" / "step_4").mkdir(parents=True)
+    (out / "ckpt" / "step_4" / "metadata.json").write_text("{}")  # a committed set (common.py's format)
+    for flag in ("--overwrite", "--resume"):
+        p, lines = scheduler("frontier.sh", "03_ddp.py", "--out_dir", str(out), flag, kind="slurm", launch_only=True)
+        assert p.returncode == 0 and "resuming" not in p.stdout, p.stdout + p.stderr
+        assert launch_line(lines, "srun").split(" |")[0].endswith(f"03_ddp.py --out_dir {out} {flag}")
+    p, lines = scheduler("frontier.sh", "03_ddp.py", "--out_dir", str(out), kind="slurm", launch_only=True)
+    assert launch_line(lines, "srun").split(" |")[0].endswith(f"03_ddp.py --out_dir {out} --resume")
+
 def local_env():
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV + ("OMP_NUM_THREADS",)}
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # the venv's python, mpiexec/torchrun
