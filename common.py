@@ -1220,11 +1220,31 @@ def micro_batch_sizes(args, dp_size, aim=1, multiple=1):
 
 
 def log(env, message):
-    """Print on rank 0 only (through tqdm so a progress bar is not torn)."""
+    """Print on rank 0 only."""
     if env.master:
-        from tqdm import tqdm
-        tqdm.write(message, file=sys.stdout)
-        sys.stdout.flush()
+        say(message)
+
+
+def say(message, file=None):
+    """Print `message` to stdout (or `file`) and flush it, through tqdm so that a progress bar
+    is not torn. A stream that can no longer be written is no reason to lose a step: when the
+    reader of a pipe is gone (Python ignores SIGPIPE, so the write raises BrokenPipeError) or a
+    terminal has hung up (EIO), the stream is pointed at /dev/null for the rest of the run,
+    which trains on and writes its checkpoint with nothing more printed there."""
+    file = file or sys.stdout
+    if file is None:  # started with that descriptor closed
+        return
+    from tqdm import tqdm
+    try:
+        tqdm.write(message, file=file)
+        file.flush()
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, file.fileno())  # what is still buffered goes there too, at exit
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 def progress(env, start, stop):

@@ -40,7 +40,7 @@ import torch.nn as nn
 import common
 from common import (Data, GPTConfig, Launch, SHAKESPEARE_TRAIN_FRACTION, SHAKESPEARE_TXT, SPLITS, SYNTHETIC_TOKENS,
                     check, check_batch, count_params, detect_launcher, fail, log, micro_batch_sizes,
-                    model_block_size, model_config, pick_device, progress, rng_state, set_rng_state, setup,
+                    model_block_size, model_config, pick_device, progress, rng_state, say, set_rng_state, setup,
                     synchronize, teardown)
 
 STARTED = time.monotonic()  # --time_limit counts from here (the job's walltime runs since about then)
@@ -522,7 +522,7 @@ def agree(env, problem):
                 problem = next(p for p in problems if p)
     if problem:
         if env.master:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
+            say(f"error: {problem}", sys.stderr)
         leave(env, 2)
 
 
@@ -992,10 +992,10 @@ class Guard:
                        f"({latest_checkpoint(self.args.out_dir)}) is intact" if WRITE_FAILURES else None)
         if first_bad:
             if env.master:
-                print(f"error: non-finite loss or gradient at step {step} (first seen on rank "
-                      f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
-                      f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
-                      file=sys.stderr, flush=True)
+                say(f"error: non-finite loss or gradient at step {step} (first seen on rank "
+                    f"{env.world_size - first_bad}): stopped before the optimizer step; the last "
+                    f"checkpoint in {self.args.out_dir} is untouched (lower --lr, or raise --warmup_iters)",
+                    sys.stderr)
             leave(env, NONFINITE_EXIT)
         self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
                        2: self.signal or "a SIGTERM, SIGUSR1 or SIGINT on another rank"}.get(asked)
@@ -1072,7 +1072,7 @@ class CommLedger:
             self.reported = True
             rank = dist.get_rank() if dist.is_initialized() else 0
             first = (str(error).strip().splitlines() or [""])[0][:200]
-            print(f"rank {rank} was in {where} when it failed: {first}", file=sys.stderr, flush=True)
+            say(f"rank {rank} was in {where} when it failed: {first}", sys.stderr)
 
     def watched(self, where, result):
         """Run a collective's result through `report` if waiting on it fails (async work)."""
@@ -1255,7 +1255,7 @@ def print_ledger(env, held, comm, cost, activations=None):
     differ = [f"{key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
               for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
     if differ:
-        print(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", file=sys.stderr, flush=True)
+        say(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", sys.stderr)
 
 
 def theory_bytes(cost):

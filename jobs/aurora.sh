@@ -74,5 +74,5 @@ export OMP_NUM_THREADS=4                   # threads per rank = cores bound to i
 
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${PBS_JOBID:-local}")
 echo "aurora: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
-mpiexec -n "$WORLD" --ppn "$RANKS_PER_NODE" --cpu-bind "$CPU_BIND" \
-    python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"
+run_logged "$LOG" mpiexec -n "$WORLD" --ppn "$RANKS_PER_NODE" --cpu-bind "$CPU_BIND" \
+    python "${RUN_ARGS[@]}"

@@ -75,5 +75,5 @@ export OMP_NUM_THREADS=7
 
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${SLURM_JOB_ID}")
 echo "frontier: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
-srun -N "$NNODES" -n "$WORLD" -c7 --gpus-per-task=1 --gpu-bind=closest --kill-on-bad-exit=1 \
-    python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"
+run_logged "$LOG" srun -N "$NNODES" -n "$WORLD" -c7 --gpus-per-task=1 --gpu-bind=closest --kill-on-bad-exit=1 \
+    python "${RUN_ARGS[@]}"

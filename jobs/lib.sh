@@ -58,6 +58,33 @@ gpt_log() {
     echo "$1/logs/$2.log"
 }
 
+# run_logged LOG COMMAND...: run COMMAND (the launcher and its ranks) with its output and
+# errors copied to this job's own output and to LOG, and return COMMAND's exit status.
+#
+# Why not just `COMMAND 2>&1 | tee LOG`: at walltime PBS and Slurm send SIGTERM to every
+# process of the job, and a terminal's Ctrl-C sends SIGINT to the whole foreground process
+# group, so tee and this shell get the signal too. A tee killed by it closes the pipe: the
+# launcher's and the ranks' next line fails (EPIPE) while they are still writing the
+# checkpoint; and a job script killed by it ends the job, which PBS and Slurm then tear down.
+# So here only the ranks act on a stop signal (they finish the step, write a checkpoint and
+# exit 0; mpiexec and srun forward the signal to them as well, and keep relaying their output
+# until they exit):
+#   - tee ignores the stop signals, so it ends only at the end of its input, after the
+#     launcher's last line; with -p it also outlives a reader that goes away (`| head`, a
+#     closed terminal): it stops copying to that reader and goes on writing LOG;
+#   - this shell traps them: a trapped signal waits for the pipeline to end (a signal
+#     ignored with `trap ''` would be ignored by the launcher and the ranks too).
+run_logged() {
+    local log=$1 status=0
+    shift
+    local tee=(tee -p)
+    tee -p < /dev/null > /dev/null 2>&1 || tee=(tee)  # BSD and macOS tee have no -p
+    trap : TERM INT USR1 HUP
+    "$@" 2>&1 | ( trap '' TERM INT USR1 HUP; exec "${tee[@]}" "$log" ) || status=${PIPESTATUS[0]}
+    trap - TERM INT USR1 HUP
+    return "$status"
+}
+
 # Compilation caches on node-local storage: never on the shared home file system.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/${USER:-$(id -un)}/torchinductor}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/${USER:-$(id -un)}/triton}
@@ -71,8 +98,9 @@ has_checkpoint() {
 
 # run_args SCRIPT FLAGS...: the command line to launch, in the array RUN_ARGS: the one given,
 # plus --resume when its --out_dir (default: out) already holds a checkpoint, so that
-# resubmitting the same job continues the run; plus --time_limit TIME_LIMIT_MINUTES when that
-# is set and the flags do not give one.
+# resubmitting the same job continues the run (not with --overwrite, which asks to replace that
+# run: the scripts refuse the two together); plus --time_limit TIME_LIMIT_MINUTES when that is
+# set and the flags do not give one.
 run_args() {
     RUN_ARGS=("$@")
     local out=out resume=0 limit=0 prev="" arg
@@ -80,7 +108,7 @@ run_args() {
         [ "$prev" != --out_dir ] || out=$arg
         case $arg in
             --out_dir=*) out=${arg#--out_dir=} ;;
-            --resume) resume=1 ;;
+            --resume|--overwrite) resume=1 ;;  # the flags already say what to do with a checkpoint there
             --time_limit|--time_limit=*) limit=1 ;;
         esac
         prev=$arg

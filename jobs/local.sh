@@ -23,4 +23,4 @@ else
     LAUNCH=(torchrun --standalone --nproc_per_node "$RANKS")
 fi
 echo "local: ${LAUNCH[*]} ($OMP_NUM_THREADS threads per rank), log $LOG"
-"${LAUNCH[@]}" python "$@" 2>&1 | tee "$LOG"
+run_logged "$LOG" "${LAUNCH[@]}" python "$@"

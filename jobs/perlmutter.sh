@@ -44,5 +44,5 @@ export OMP_NUM_THREADS=16                  # threads per rank = physical cores b
 
 LOG=$(gpt_log "$ROOT" "gpt-parallel-${SLURM_JOB_ID}")
 echo "perlmutter: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
-srun -N "$NNODES" -n "$WORLD" --ntasks-per-node "$RANKS_PER_NODE" -c 32 --cpu-bind=cores \
-    --gpus-per-node 4 --gpu-bind=none --kill-on-bad-exit=1 python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"
+run_logged "$LOG" srun -N "$NNODES" -n "$WORLD" --ntasks-per-node "$RANKS_PER_NODE" -c 32 --cpu-bind=cores \
+    --gpus-per-node 4 --gpu-bind=none --kill-on-bad-exit=1 python "${RUN_ARGS[@]}"

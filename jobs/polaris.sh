@@ -51,5 +51,5 @@ LOG=$(gpt_log "$ROOT" "gpt-parallel-${PBS_JOBID:-local}")
 echo "polaris: $NNODES nodes x $RANKS_PER_NODE ranks = $WORLD, log $LOG"
 # --depth 8 --cpu-bind depth: local rank r on cores 8r..8r+7 (NUMA domain r); the wrapper gives
 # it the GPU of that domain, 3 - r (Polaris numbers its GPUs in reverse of the NUMA domains)
-mpiexec -n "$WORLD" --ppn "$RANKS_PER_NODE" --depth "$DEPTH" --cpu-bind depth \
-    "$ROOT/jobs/polaris_gpu_affinity.sh" python "${RUN_ARGS[@]}" 2>&1 | tee "$LOG"
+run_logged "$LOG" mpiexec -n "$WORLD" --ppn "$RANKS_PER_NODE" --depth "$DEPTH" --cpu-bind depth \
+    "$ROOT/jobs/polaris_gpu_affinity.sh" python "${RUN_ARGS[@]}"

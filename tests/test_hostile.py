@@ -7,8 +7,10 @@ the case needs ranks; each ends with one line naming the cause, or with the righ
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -16,8 +18,9 @@ import torch
 
 import common
 import infra
-from harness import TINY, dry, launch
+from harness import LAUNCHER_ENV, ROOT, TINY, dry, launch
 from test_failures import committed, refused
+from test_reliability import wait_for_rows
 
 ONE = TINY + ["--sample_tokens", "0", "--ckpt_interval", "2", "--max_iters", "4", "--lr_decay_iters", "8"]
 
@@ -334,3 +337,32 @@ def test_a_checkpoint_written_before_the_moe_fields_still_resumes(saved, tmp_pat
     open(path, "w").write(json.dumps(meta))
     run = launch("01_single_gpu.py", ONE + ["--out_dir", out, "--resume", "--max_iters", "5"]).ok()
     assert [row["step"] for row in run.steps] == [4]
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stdout and stderr"])
+def test_a_run_whose_output_reader_went_away_still_checkpoints_at_a_sigterm(tmp_path, stream):
+    """`python 01_single_gpu.py ... | head`: the reader of the run's output exits mid-run.
+    Python ignores SIGPIPE, so the next line printed raises BrokenPipeError; common.say then
+    sends that stream to /dev/null and the run trains on: a SIGTERM still ends it with a
+    committed checkpoint and exit 0 (the lines of the step log and of the stop go nowhere)."""
+    out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
+    flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, "--out_dir", out]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "01_single_gpu.py"), *map(str, flags)],
+                           env=dict(env, OMP_NUM_THREADS="1"), cwd=str(tmp_path), text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT if stream == "stdout and stderr" else subprocess.DEVNULL)
+    try:
+        for line in run.stdout:  # until training is under way
+            if line.startswith("step 2:"):
+                break
+        run.stdout.close()
+        rows = len(metrics.read_text().splitlines())
+        wait_for_rows(metrics, rows + 4, seconds=20)  # several step lines printed into the closed pipe
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 0 and committed(out) and "LOCK" not in os.listdir(out)
+    assert len(metrics.read_text().splitlines()) > rows + 4

@@ -11,12 +11,15 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from harness import ROOT
+from harness import LAUNCHER_ENV, ROOT, TINY
+from test_failures import committed
+from test_reliability import wait_for_rows
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "jobs", "*.sh")))
 STUB = """#!/bin/bash
@@ -444,3 +447,89 @@ def test_walltime_and_automatic_resume(scheduler, tmp_path):
     for script in SCRIPTS:
         text = open(script).read()
         assert ("#SBATCH" not in text) or "#SBATCH --signal=USR1@180" in text, script
+
+
+def test_overwrite_through_a_job_script_is_not_given_resume_too(scheduler, tmp_path):
+    """--overwrite replaces the run in out_dir: the job script must not add --resume to it
+    (the scripts refuse the two together); without either, it adds --resume."""
+    out = tmp_path / "out"
+    (out / "ckpt" / "step_4").mkdir(parents=True)
+    (out / "ckpt" / "step_4" / "metadata.json").write_text("{}")  # a committed set (common.py's format)
+    for flag in ("--overwrite", "--resume"):
+        p, lines = scheduler("frontier.sh", "03_ddp.py", "--out_dir", str(out), flag, kind="slurm", launch_only=True)
+        assert p.returncode == 0 and "resuming" not in p.stdout, p.stdout + p.stderr
+        assert launch_line(lines, "srun").split(" |")[0].endswith(f"03_ddp.py --out_dir {out} {flag}")
+    p, lines = scheduler("frontier.sh", "03_ddp.py", "--out_dir", str(out), kind="slurm", launch_only=True)
+    assert launch_line(lines, "srun").split(" |")[0].endswith(f"03_ddp.py --out_dir {out} --resume")
+
+def local_env():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV + ("OMP_NUM_THREADS",)}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # the venv's python, mpiexec/torchrun
+    return env
+
+
+def stopped_local_job(tmp_path, sig, close_reader=False):
+    """`bash jobs/local.sh 2 03_ddp.py` on a long run, in a session of its own as a scheduler
+    starts a job; once it trains, `sig` goes to every process of it at once (os.killpg: the
+    job script, the launcher, the ranks, and tee), as PBS and Slurm do at walltime and a
+    terminal's Ctrl-C does. close_reader: the reader of the job's output goes away first
+    (`| head`). Returns (returncode, the lines read, the log's text, out_dir)."""
+    out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
+    flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, "--out_dir", out]
+    job = subprocess.Popen(["bash", os.path.join(ROOT, "jobs", "local.sh"), "2", "03_ddp.py", *map(str, flags)],
+                           env=local_env(), cwd=str(tmp_path), start_new_session=True, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in job.stdout:  # until training is under way
+            lines.append(line)
+            if line.startswith("step 2:") or len(lines) > 200:
+                break
+        if close_reader:
+            job.stdout.close()
+        wait_for_rows(metrics, 4)
+        os.killpg(job.pid, sig)
+        if not close_reader:
+            lines += job.stdout.readlines()
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    log = re.search(r", log (\S+)", "".join(lines))
+    assert log, "".join(lines)
+    return job.returncode, lines, open(log.group(1)).read(), out
+
+
+def assert_stopped_with_a_checkpoint(returncode, lines, log, out, sig):
+    stopped = [line for line in log.splitlines() if line.startswith("stopped after step")]
+    assert returncode == 0 and len(stopped) == 1 and f"({sig.name})" in stopped[0], "".join(lines)[-3000:] + log[-3000:]
+    assert committed(out) and "LOCK" not in os.listdir(out)
+    return int(stopped[0].split()[3])
+
+
+def test_sigterm_to_every_process_of_a_local_job_checkpoints_and_resumes(tmp_path):
+    """At walltime PBS and Slurm send SIGTERM to every process of the job, tee included: the
+    job script, tee and the launcher outlive it (jobs/lib.sh's run_logged), the ranks finish
+    the step and commit a checkpoint, the job exits 0, and its log ends with the stop line.
+    Resubmitted with --resume, the run continues from that step."""
+    returncode, lines, log, out = stopped_local_job(tmp_path, signal.SIGTERM)
+    step = assert_stopped_with_a_checkpoint(returncode, lines, log, out, signal.SIGTERM)
+    assert "".join(lines).endswith(log[-500:])  # the job's output got every line the log got
+    p = subprocess.run(["bash", os.path.join(ROOT, "jobs", "local.sh"), "2", "03_ddp.py",
+                        *TINY, "--max_iters", str(step + 2), "--lr_decay_iters", "100000", "--out_dir", str(out),
+                        "--resume"], env=local_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resumed step {step} from" in p.stdout and f"step {step + 1}: loss" in p.stdout, p.stdout[-3000:]
+
+
+def test_ctrl_c_at_the_terminal_of_a_local_job_checkpoints(tmp_path):
+    """Ctrl-C sends SIGINT to the whole foreground process group: the same as at walltime."""
+    assert_stopped_with_a_checkpoint(*stopped_local_job(tmp_path, signal.SIGINT), signal.SIGINT)
+
+
+def test_a_local_job_whose_reader_went_away_still_checkpoints(tmp_path):
+    """`bash jobs/local.sh ... | head`: the reader of the job's output exits mid-run, then
+    SIGTERM: tee goes on writing the log (tee -p), the launcher's output never breaks, and the
+    run stops with a checkpoint as before."""
+    assert_stopped_with_a_checkpoint(*stopped_local_job(tmp_path, signal.SIGTERM, close_reader=True), signal.SIGTERM)
