@@ -20,8 +20,8 @@ Start-up. No rank ever holds the whole model's parameters, gradients or optimize
 even while it initialises: the GPT is made on the meta device (shapes, no memory), and each
 unit builds on its rank only what the stage keeps there, from common.param_init, a pure
 function of (seed, name): stages 1-2 write the whole unit (they replicate the parameters by
-design), stage 3 only this rank's shard. The one transient is a single parameter's fp32
-initial value. (tests/test_zero.py counts every live tensor byte of start-up to prove it.)
+design), stage 3 only this rank's shard. The transients are one parameter's fp32 initial
+value or one unit. (tests/test_zero.py counts every live tensor byte of start-up to prove it.)
 
     unit (flat, padded)   [ block 3 : ln_1 | attn.c_attn | attn.c_proj | ln_2 | mlp.c_fc | mlp.c_proj | pad ]
     shards                [  rank 0   |  rank 1   |  rank 2   |  rank 3   ]
@@ -137,13 +137,14 @@ class Unit:
     """The parameters of one module as one flat buffer, padded to a multiple of N and cut
     into N equal shards, N the size of the data-parallel `group`; this rank (its rank r in
     the group) owns elements [lo, hi) = [r·shard, (r+1)·shard). `full` is the whole buffer in
-    the compute dtype (None in stage 3 while the unit is not gathered); `master` is this
+    the compute dtype (stage 3: its memory given back while the unit is not gathered); `master` is this
     rank's fp32 shard, the copy the optimizer updates.
 
     Built where it lives, one parameter at a time, from `init(name, shape)` (common.param_init,
     a pure function of (seed, name)): stages 1-2 write every parameter into the whole buffer
-    they keep, stage 3 only the pieces that fall in this rank's shard. Nothing else of the
-    unit is ever allocated, so the largest transient is one parameter's fp32 initial value:
+    they keep, stage 3 only the pieces that fall in this rank's shard. The transients: one
+    parameter's fp32 initial value, and in stage 3 the unit's buffer for as long as its
+    parameters' views are made (its memory is given back at once, see allocate):
 
         param_init(wte)  [..........................]   one parameter, then freed
         stage 1-2 full   [ wte | wpe | ln_f | pad ]     the working copy (kept)
@@ -169,6 +170,20 @@ class Unit:
         alias = keep_full and compute_dtype == torch.float32 and not offload
         full = torch.zeros(self.shard_numel * n, dtype=compute_dtype, device=env.device) if keep_full else None
         shard = None if alias else torch.zeros(self.shard_numel, dtype=torch.float32)
+        self.initialise(init, prefix, full, shard)
+        place = (lambda t: to_host(t, env.device)) if offload else (lambda t: t.to(env.device))
+        self.master = full[self.lo:self.hi] if alias else place(shard)
+        self.grad_shard = place(torch.zeros(self.shard_numel, dtype=torch.float32))
+        self.grad_full = None
+        if keep_full:
+            self.bind(full)
+        else:  # stage 3: the parameters' views are made once, over memory given back at once
+            self.bind(torch.empty(self.shard_numel * n, dtype=compute_dtype, device=env.device))
+            self.release()
+
+    def initialise(self, init, prefix, full, shard):
+        """Write each parameter's initial value into the whole unit `full` (if kept) and its
+        part in this rank's range [lo, hi) into the fp32 `shard` (if a buffer of its own)."""
         for k, shape, offset in zip(self.names, self.shapes, self.offsets):
             a, b = max(offset, self.lo), min(offset + shape.numel(), self.hi)  # the part in shard r
             if full is None and a >= b:
@@ -178,24 +193,29 @@ class Unit:
                 full[offset:offset + shape.numel()].copy_(value)  # to the compute dtype and device
             if shard is not None and a < b:
                 shard[a - self.lo:b - self.lo].copy_(value[a - offset:b - offset])
-        place = (lambda t: to_host(t, env.device)) if offload else (lambda t: t.to(env.device))
-        self.master = full[self.lo:self.hi] if alias else place(shard)
-        self.grad_shard = place(torch.zeros(self.shard_numel, dtype=torch.float32))
-        self.full = self.grad_full = None
-        self.bind(full) if keep_full else self.release()
 
     def bind(self, full):
         """Point every parameter of the unit at its slice of `full` (the whole unit)."""
-        self.full = full
+        self.full, self.gathered = full, True
         for p, shape, offset in zip(self.params, self.shapes, self.offsets):
             p.data = full[offset:offset + shape.numel()].view(shape)
 
+    # -- stage 3: the whole unit's memory, taken and given back in place --------------------
+    # The parameters stay views of `full` for the whole run; what comes and goes is the
+    # memory under it (its storage resized, as PyTorch FSDP frees its flat parameters).
+    # Dropping the tensor instead would free nothing in training: autograd keeps the
+    # weights a block's forward used (a Linear saves weight.t(), a view of `full`) until
+    # backward reaches the block, so every block's gathered copy, the whole model, would
+    # be alive when backward begins. Emptied in place, those saved views hold no memory,
+    # and the gather before the block's backward refills the same storage under them.
+    def allocate(self):
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.gathered = True
+
     def release(self):
-        """Stage 3: drop the full parameters; only the shard remains."""
-        self.full = None
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for p in self.params:
-            p.data = empty
+        """Stage 3: give back the full parameters' memory; only the shard remains."""
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
 
     def segments(self):
         """(start, stop, decayed) pieces of this rank's shard, one per parameter it overlaps,
@@ -273,11 +293,10 @@ class ZeRO:
 
     # -- stage 3: parameters gathered on demand ------------------------------------------
     def gather(self, unit):
-        if unit.full is None:
-            full = torch.empty(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
+        if not unit.gathered:
+            unit.allocate()
             # every rank's shard of this unit -> the whole unit, on every rank
-            dist.all_gather_into_tensor(full, self.working_shard(unit), group=self.group)
-            unit.bind(full)
+            dist.all_gather_into_tensor(unit.full, self.working_shard(unit), group=self.group)
 
     def _after_forward(self, unit, out):
         unit.release()  # free the block's parameters until backward needs them again
