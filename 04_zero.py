@@ -16,6 +16,13 @@ buffers keep every reduce-scatter and all-gather aligned with a unit, which lets
 reduce a block's gradients the moment backward finishes it, and stage 3 gather one block at
 a time. (The alternative, per-parameter dim-0 shards, is FSDP2's; see 05_fsdp.py.)
 
+Start-up. No rank ever holds the whole model's parameters, gradients or optimizer state, not
+even while it initialises: the GPT is made on the meta device (shapes, no memory), and each
+unit builds on its rank only what the stage keeps there, from common.param_init, a pure
+function of (seed, name): stages 1-2 write the whole unit (they replicate the parameters by
+design), stage 3 only this rank's shard. The transients are one parameter's fp32 initial
+value or one unit. (tests/test_zero.py counts every live tensor byte of start-up to prove it.)
+
     unit (flat, padded)   [ block 3 : ln_1 | attn.c_attn | attn.c_proj | ln_2 | mlp.c_fc | mlp.c_proj | pad ]
     shards                [  rank 0   |  rank 1   |  rank 2   |  rank 3   ]
     each rank holds       AdamW exp_avg + exp_avg_sq (+ fp32 master) of its shard only;
@@ -47,6 +54,21 @@ micro-batch's backward:
     backward, last micro-batch   [ block 3 ][ block 2 ][ block 1 ][ block 0 ][ root ]
     reduce-scatters (async)                 [ rs 3 ]   [ rs 2 ]   [ rs 1 ]   [ rs 0 ][ rs root ]
                                                                  wait for all -> clip, AdamW
+
+How many in flight. Stage 1 reduces the full gradients it keeps anyway, so all its
+reduce-scatters may be in flight at once at no cost in memory. Stages 2-3 reduce a full-size
+fp32 copy of the unit's gradients, made for the reduction: kept until its reduce-scatter is
+waited on, they would add up to 4Ψ bytes by the end of backward (the whole model's fp32
+gradients, on a rank that is meant to hold 4Ψ/N). So stages 2-3 keep at most ONE reduce-scatter
+in flight, 05_fsdp.py's rule: before packing unit k's gradients, wait for unit k+1's, whose
+input is then freed. At most one unit's fp32 copy is alive (4 x the largest unit's elements:
+the root, whose token embedding is also the head). The price is overlap: rs k+1 has block k's
+backward to run in, not the rest of backward; when it takes longer, backward waits for it
+(only then: on a fast network it has finished and the wait returns at once):
+
+    stage 2-3 backward   [ block 3 ][ block 2 ][ block 1 ][ block 0 ][ root ]
+    reduce-scatters                 [ rs 3 ]   [ rs 2 ]   [ rs 1 ]   [ rs 0 ][ rs root ]
+                                              ^ rs 3 waited for here, as block 2's gradients are packed
 
 Gradient clipping uses the global norm: every rank squares its gradient shard, one
 all-reduce sums them. Precision: fp32 on CPU. With --dtype bfloat16 (the default on GPUs) the
@@ -104,9 +126,10 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from common import (autocast, build_model, check, Data, GPT, is_decayed, lr_at, make_adamw, make_parser,
-                    model_block_size, model_config, to_device, to_host)
+from common import (autocast, check, Data, GPT, is_decayed, lr_at, make_adamw, make_parser, model_block_size,
+                    model_config, param_init, to_device, to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -114,47 +137,85 @@ class Unit:
     """The parameters of one module as one flat buffer, padded to a multiple of N and cut
     into N equal shards, N the size of the data-parallel `group`; this rank (its rank r in
     the group) owns elements [lo, hi) = [r·shard, (r+1)·shard). `full` is the whole buffer in
-    the compute dtype (None in stage 3 while the unit is not gathered); `master` is this
-    rank's fp32 shard, the copy the optimizer updates."""
+    the compute dtype (stage 3: its memory given back while the unit is not gathered); `master` is this
+    rank's fp32 shard, the copy the optimizer updates.
 
-    def __init__(self, name, named_params, group, env, compute_dtype, keep_full, offload=False):
+    Built where it lives, one parameter at a time, from `init(name, shape)` (common.param_init,
+    a pure function of (seed, name)): stages 1-2 write every parameter into the whole buffer
+    they keep, stage 3 only the pieces that fall in this rank's shard. The transients: one
+    parameter's fp32 initial value, and in stage 3 the unit's buffer for as long as its
+    parameters' views are made (its memory is given back at once, see allocate):
+
+        param_init(wte)  [..........................]   one parameter, then freed
+        stage 1-2 full   [ wte | wpe | ln_f | pad ]     the working copy (kept)
+        stage 3 master         [ rank r ]               the shard alone
+    """
+
+    def __init__(self, name, prefix, named_params, shapes, init, group, env, compute_dtype, keep_full,
+                 offload=False):
         self.name = name
-        self.names, self.params = zip(*named_params)
-        self.shapes = [p.shape for p in self.params]
+        self.names, self.params = zip(*named_params)  # the module's own (empty) parameters
+        self.shapes = [shapes[prefix + k] for k in self.names]  # the full shapes, from the meta model
         self.offsets, offset = [], 0
-        for p in self.params:
+        for shape in self.shapes:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += shape.numel()
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         self.shard_numel = math.ceil(offset / n)
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.device, self.dtype = env.device, compute_dtype
-        flat = torch.zeros(self.shard_numel * n, dtype=torch.float32, device=env.device)
-        for p, offset in zip(self.params, self.offsets):
-            flat[offset:offset + p.numel()].copy_(p.data.view(-1))  # the fp32 initialisation
-        full = flat.to(compute_dtype)  # the working copy (the same tensor in fp32)
         # the fp32 master shard, from the fp32 initialisation: a view of the full buffer when
-        # that is fp32 and kept (stages 1-2 on CPU), else a copy of its own; with --offload a
-        # copy in host memory, with the gradient shard the optimizer reads
-        place = (lambda t: to_host(t, env.device)) if offload else torch.clone
+        # that is fp32 and kept (stages 1-2 on CPU), else a buffer of its own; with --offload
+        # in host memory, with the gradient shard the optimizer reads
         alias = keep_full and compute_dtype == torch.float32 and not offload
-        self.master = full[self.lo:self.hi] if alias else place(flat[self.lo:self.hi])
-        self.grad_shard = place(torch.zeros(self.shard_numel, dtype=torch.float32, device=env.device))
-        self.full = self.grad_full = None
-        self.bind(full)
+        full = torch.zeros(self.shard_numel * n, dtype=compute_dtype, device=env.device) if keep_full else None
+        shard = None if alias else torch.zeros(self.shard_numel, dtype=torch.float32)
+        self.initialise(init, prefix, full, shard)
+        place = (lambda t: to_host(t, env.device)) if offload else (lambda t: t.to(env.device))
+        self.master = full[self.lo:self.hi] if alias else place(shard)
+        self.grad_shard = place(torch.zeros(self.shard_numel, dtype=torch.float32))
+        self.grad_full = None
+        if keep_full:
+            self.bind(full)
+        else:  # stage 3: the parameters' views are made once, over memory given back at once
+            self.bind(torch.empty(self.shard_numel * n, dtype=compute_dtype, device=env.device))
+            self.release()
+
+    def initialise(self, init, prefix, full, shard):
+        """Write each parameter's initial value into the whole unit `full` (if kept) and its
+        part in this rank's range [lo, hi) into the fp32 `shard` (if a buffer of its own)."""
+        for k, shape, offset in zip(self.names, self.shapes, self.offsets):
+            a, b = max(offset, self.lo), min(offset + shape.numel(), self.hi)  # the part in shard r
+            if full is None and a >= b:
+                continue  # stage 3: none of this parameter is ours, nothing to build
+            value = init(prefix + k, shape).view(-1)  # one whole parameter, fp32, on the host
+            if full is not None:
+                full[offset:offset + shape.numel()].copy_(value)  # to the compute dtype and device
+            if shard is not None and a < b:
+                shard[a - self.lo:b - self.lo].copy_(value[a - offset:b - offset])
 
     def bind(self, full):
         """Point every parameter of the unit at its slice of `full` (the whole unit)."""
-        self.full = full
+        self.full, self.gathered = full, True
         for p, shape, offset in zip(self.params, self.shapes, self.offsets):
             p.data = full[offset:offset + shape.numel()].view(shape)
 
+    # -- stage 3: the whole unit's memory, taken and given back in place --------------------
+    # The parameters stay views of `full` for the whole run; what comes and goes is the
+    # memory under it (its storage resized, as PyTorch FSDP frees its flat parameters).
+    # Dropping the tensor instead would free nothing in training: autograd keeps the
+    # weights a block's forward used (a Linear saves weight.t(), a view of `full`) until
+    # backward reaches the block, so every block's gathered copy, the whole model, would
+    # be alive when backward begins. Emptied in place, those saved views hold no memory,
+    # and the gather before the block's backward refills the same storage under them.
+    def allocate(self):
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.gathered = True
+
     def release(self):
-        """Stage 3: drop the full parameters; only the shard remains."""
-        self.full = None
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for p in self.params:
-            p.data = empty
+        """Stage 3: give back the full parameters' memory; only the shard remains."""
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
 
     def segments(self):
         """(start, stop, decayed) pieces of this rank's shard, one per parameter it overlaps,
@@ -171,18 +232,36 @@ class Unit:
         return pieces
 
 
+def materialize(model, device, dtype):
+    """Swap the meta-device parameters for empty ones on `device` (tied ones stay tied): the
+    units point them at their buffers (as 05_fsdp.py's materialize)."""
+    new = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+                module._parameters[name] = new[id(p)]
+
+
 class ZeRO:
     """The partitioned model states of one stage, and its collectives, over the data-parallel
     `group` (here the world; passed in, so that the class copied into a bigger mesh
     partitions over the replicas and nothing else)."""
 
     def __init__(self, model, stage, group, env, args):
+        """`model`: a GPT on the meta device (shapes only). Its parameters are swapped for
+        empty ones on the device, and each unit builds only what this rank keeps (above)."""
         self.stage, self.group, self.world_size = stage, group, dist.get_world_size(group)
         self.compute_dtype, self.device, self.offload = env.dtype, env.device, args.offload
-        root = [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]
-        self.root = Unit("root", root, group, env, env.dtype, keep_full=stage < 3, offload=args.offload)
-        self.blocks = [Unit(f"transformer.h.{i}.", list(block.named_parameters()), group, env, env.dtype,
-                            keep_full=stage < 3, offload=args.offload) for i, block in enumerate(model.transformer.h)]
+        shapes = {k: p.shape for k, p in model.named_parameters()}
+        materialize(model, env.device, env.dtype)
+        init = lambda name, shape: param_init(name, shape, model.config, args.seed)
+        unit = lambda name, prefix, named: Unit(name, prefix, named, shapes, init, group, env, env.dtype,
+                                                keep_full=stage < 3, offload=args.offload)
+        self.root = unit("root", "", [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")])
+        self.blocks = [unit(f"transformer.h.{i}.", f"transformer.h.{i}.", list(block.named_parameters()))
+                       for i, block in enumerate(model.transformer.h)]
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.offset_of = {p: offset for u in self.units for p, offset in zip(u.params, u.offsets)}
@@ -206,21 +285,18 @@ class ZeRO:
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.first, self.sync, self.shard_empty = True, stage > 1, True
-        self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
+        self.pending, self.reduced, self.waiting = [], False, {u: len(u.params) for u in self.units}
         if stage == 3:
             for block, unit in zip(model.transformer.h, self.blocks):
                 block.register_forward_pre_hook(lambda module, args, unit=unit: self.gather(unit))
                 block.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
-                unit.release()
-            self.root.release()
 
     # -- stage 3: parameters gathered on demand ------------------------------------------
     def gather(self, unit):
-        if unit.full is None:
-            full = torch.empty(unit.shard_numel * self.world_size, dtype=unit.dtype, device=unit.device)
+        if not unit.gathered:
+            unit.allocate()
             # every rank's shard of this unit -> the whole unit, on every rank
-            dist.all_gather_into_tensor(full, self.working_shard(unit), group=self.group)
-            unit.bind(full)
+            dist.all_gather_into_tensor(unit.full, self.working_shard(unit), group=self.group)
 
     def _after_forward(self, unit, out):
         unit.release()  # free the block's parameters until backward needs them again
@@ -259,6 +335,9 @@ class ZeRO:
         if self.stage == 1:  # the full gradients, accumulated, stay (stage 1 keeps them)
             flat = unit.grad_full
         else:  # the unit's gradients in fp32, reduced in fp32 as 03 and 05 reduce them
+            # one reduce-scatter in flight at a time (05's rule): finish the previous unit's
+            # first, so that its full-size input is freed before this one is allocated
+            self.finish_reductions()
             flat = torch.zeros(unit.shard_numel * self.world_size, dtype=torch.float32, device=unit.device)
             for p, offset in zip(unit.params, unit.offsets):
                 flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
@@ -271,23 +350,30 @@ class ZeRO:
         # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
         # backward continues on the earlier blocks meanwhile
         handle = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
-        self.pending.append((handle, unit, shard, flat))
+        self.pending.append((handle, unit, shard, flat))  # holds `flat` until the wait
+        self.reduced = True
         if self.stage == 3 and unit is not self.root:
             unit.release()  # its backward is over: drop the gathered parameters
 
-    def after_backward(self):
-        """After each micro-batch's backward: wait for its reduce-scatters (stage 1: none but
-        in the last) and add the reduced shards that were not reduced into place."""
-        if self.sync:
-            check(all(w == 0 for w in self.waiting.values()),
-                  "a gradient never arrived (a parameter unused in forward?)")
+    def finish_reductions(self):
+        """Wait for the reduce-scatters in flight and add the reduced shards that were not
+        reduced into place; dropping them frees their full-size inputs (stages 2-3)."""
         for handle, unit, shard, _ in self.pending:
             handle.wait()
             if shard is not unit.grad_shard:  # --offload: down to the host
                 shard = shard.to(unit.grad_shard.device)
                 unit.grad_shard.copy_(shard) if self.shard_empty else unit.grad_shard.add_(shard)
-        self.shard_empty = self.shard_empty and not self.pending
-        self.pending, self.waiting = [], {u: len(u.params) for u in self.units}
+        self.pending = []
+
+    def after_backward(self):
+        """After each micro-batch's backward: wait for its reduce-scatters (stage 1: all of
+        them, and none but in the last micro-batch; stages 2-3: the last one)."""
+        if self.sync:
+            check(all(w == 0 for w in self.waiting.values()),
+                  "a gradient never arrived (a parameter unused in forward?)")
+        self.finish_reductions()
+        self.shard_empty = self.shard_empty and not self.reduced
+        self.reduced, self.waiting = False, {u: len(u.params) for u in self.units}
 
     # -- the update ----------------------------------------------------------------------
     def clip_grad_norm(self, max_norm):
@@ -372,8 +458,11 @@ def main():
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
-    model = build_model(config, args.seed, env.device, recompute=args.recompute)  # every rank builds all ...
-    zero = ZeRO(model, args.stage, dp_group, env, args)  # ... and keeps only what its stage needs
+    with torch.device("meta"):
+        model = GPT(config)  # no memory: shapes only
+    for block in model.transformer.h:
+        block.recompute = args.recompute
+    zero = ZeRO(model, args.stage, dp_group, env, args)  # each rank builds only what its stage keeps
     run.begin(config, zero.optimizer, costs, layout={"strategy": "zero", "stage": args.stage},
               pieces=lambda: checkpoint_pieces(zero), held=lambda: held_bytes(zero),
               evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps, dp_group),

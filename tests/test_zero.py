@@ -2,6 +2,7 @@
 by 3, so padding is exercised), model-state bytes and communication equal to the formulas,
 resume, export into 01, and the refusals."""
 
+import json
 import math
 import os
 
@@ -69,6 +70,27 @@ def test_state_shrinks_with_the_stage(reference):
     run = launch("04_zero.py", BASE + CLIP + ["--stage", "3"], nprocs=4).ok()
     held = sum(run.steps[0]["state_bytes"].values())
     assert single / 4 <= held < single / 4 * 1.001
+
+
+def test_stage_3_starts_and_trains_where_the_whole_model_does_not_fit(reference, tmp_path):
+    """Issue 48: ZeRO-3 exists to train a model one rank cannot hold. Under tests/live_bytes.py
+    (every live tensor byte counted at every op), a rank may allocate at start-up less than
+    the whole model's fp32 parameters, 4Ψ bytes (its full fp32 state with AdamW is 16Ψ): the
+    op that would go past that raises MemoryError, as a device out of memory does. 04 --stage
+    3 at 4 ranks starts under it (each rank builds only its shards, 8Ψ/N: 2Ψ here, plus one
+    unit or one parameter at a time) and trains with 01's losses. The old build (the whole
+    model on every rank, then sharded) peaked at 1,499,840 bytes here, 1.8 x the limit."""
+    with torch.device("meta"):
+        psi = sum(p.numel() for p in GPT(GPTConfig(vocab_size=65, **PRESETS["tiny"])).parameters())
+    limit = 4 * psi
+    run = launch("tests/live_bytes.py", ["04_zero.py"] + BASE + CLIP + ["--stage", "3"], nprocs=4,
+                 env={"LIVE_BYTES_OUT": str(tmp_path), "LIVE_BYTES_STARTUP_LIMIT": str(limit)}).ok()
+    assert_losses_match(reference["clip"], run, what="zero-3 x4 under a start-up limit of 4Ψ bytes")
+    for rank in range(4):
+        live = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert live["startup_end"] is not None  # start-up was measured up to the first forward ...
+        assert live["startup_end"] <= live["startup_peak"] <= limit  # ... and stayed under the limit
+        assert live["startup_end"] >= 8 * psi // 4  # the count sees the shards (masters + gradients)
 
 
 @pytest.mark.parametrize("stage", [2])  # stages 3 and 1 resume in tests/test_checkpoints.py (chain B)
