@@ -33,7 +33,7 @@ import time
 import torch
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, count_params, Data, load_model_file, make_adamw, make_parser,
+                    check, count_params, Data, formula, load_model_file, make_adamw, make_parser,
                     model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
 
 
@@ -136,7 +136,8 @@ def costs(args, config, world_size, dtype):
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": "one device",
-            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
+            "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
+                     "optim": formula("8*Ψ", Ψ=psi)},
             "sent": {},
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 

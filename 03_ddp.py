@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
-                    check, count_params, Data, LEDGER, make_adamw, make_parser,
+                    check, count_params, Data, formula, LEDGER, make_adamw, make_parser,
                     model_block_size, model_config, param_pieces, parse_args, Run, state_bytes, to_device)
 
 
@@ -224,8 +224,9 @@ def costs(args, config, world_size, dtype):
     b = args.micro_batch_size or args.global_batch_size // world_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": f"{world_size} replicas",
-            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
-            "sent": {"all_reduce": ("4Ψ grads + 4 loss", 4 * psi + 4)},
+            "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
+                     "optim": formula("8*Ψ", Ψ=psi)},
+            "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)},  # the gradients, the logged loss
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 

@@ -133,7 +133,7 @@ from torch.nn import functional as F
 from common import (activation_device_type, activation_phases, activation_terms, autocast, check,
                     Data, device_rng_state, format_bytes, is_decayed, LEDGER, make_adamw,
                     make_parser, model_config, param_init, param_pieces, parse_args, planned_dtype,
-                    recomputed, Run, sdpa_logsumexp_bytes, set_device_rng_state, state_bytes,
+                    recomputed, Run, sdpa_logsumexp, set_device_rng_state, state_bytes,
                     to_device)
 
 

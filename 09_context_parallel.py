@@ -124,7 +124,7 @@ from torch.nn import functional as F
 from common import (activation_device_type, activation_terms, activations_of_layers, autocast, build_model,
                     check, count_params, Data, LEDGER, make_adamw, make_parser,
                     model_config, param_pieces, parse_args, recomputed, Run,
-                    sdpa_logsumexp_bytes, state_bytes, to_device)
+                    sdpa_logsumexp, state_bytes, to_device)
 
 
 # ----------------------------------------------------------------------------------------
