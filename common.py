@@ -2438,10 +2438,19 @@ def formula(expr, show="", **symbols):
                 setattr(node, field, inline(child))
             elif isinstance(child, list):
                 setattr(node, field, [inline(c) for c in child])
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)) and "shown" in (
-                getattr(node.left, "kind", None), getattr(node.right, "kind", None)) and \
+        if not isinstance(node, ast.BinOp):
+            return node
+        # shown values as the papers would write them: k - 1 at k = 3 is 2, 1·x is x, 0·x + y is y
+        left, right = (c.value if getattr(c, "kind", None) == "shown" else None for c in (node.left, node.right))
+        if isinstance(node.op, (ast.Add, ast.Sub)) and (left, right) != (None, None) and \
                 isinstance(node.left, ast.Constant) and isinstance(node.right, ast.Constant):
-            return ast.Constant(int(_evaluate(node, {})), kind="shown")  # k - 1 with k = 3: 2
+            return ast.Constant(int(_evaluate(node, {})), kind="shown")
+        if isinstance(node.op, ast.Mult) and 0 in (left, right):
+            return ast.Constant(0, kind="shown")
+        if isinstance(node.op, ast.Mult) and 1 in (left, right):
+            return node.right if left == 1 else node.left
+        if isinstance(node.op, (ast.Add, ast.Sub)) and right == 0 or isinstance(node.op, ast.Add) and left == 0:
+            return node.left if right == 0 else node.right
         return node
 
     tree = inline(ast.parse(expr, mode="eval").body)
@@ -2608,13 +2617,11 @@ def activations_of_layers(terms, n_layers, recompute, first=True, last=True, in_
     """The formula of the peak this rank holds for backward: `in_flight` micro-batches through
     n_layers blocks have run their forward, and the oldest runs its backward (see
     activation_phases; 1F1B's stage holds min(p - stage, m) of them)."""
-    ends = " + embedding" * first + " + head" * last
+    emb, head = "embedding + " * first, " + head" * last
     if not recompute:  # backward only frees
-        expr = f"L*layer{ends}" if in_flight == 1 else f"k*(L*layer{ends})"
-    elif in_flight == 1:
-        expr = "embedding + " * first + f"max(L*input{' + head' * last}, (L - 1)*input + layer)"
-    else:
-        expr = f"max(k*(L*input{ends}), (k - 1)*(L*input{ends}) + {'embedding + ' * first}(L - 1)*input + layer)"
+        expr = f"k*({emb}L*layer{head})"
+    else:  # the others keep their block inputs; the oldest's backward holds a whole layer
+        expr = f"(k - 1)*({emb}L*input{head}) + {emb}max(L*input{head}, (L - 1)*input + layer)"
     return formula(expr, show="k L", k=in_flight, L=n_layers, layer=terms["layer"], input=terms["block_input"],
                    embedding=terms["embedding"], head=terms["head"])
 
