@@ -2468,18 +2468,11 @@ def plus(*terms):
     return formula(" + ".join(terms) or "0", show=" ".join(terms), **terms)
 
 
-def _evaluate(node, symbols):
-    """The exact value of an expression tree (Fraction), as formula() evaluates it."""
-    if isinstance(node, ast.Constant):
-        return Fraction(node.value)
-    if isinstance(node, ast.Name):
-        return Fraction(symbols[node.id])
-    if isinstance(node, ast.Call):
-        args = [_evaluate(a, symbols) for a in node.args]
-        return Fraction(math.ceil(args[0])) if node.func.id == "ceil" else {"max": max, "min": min}[node.func.id](args)
-    a, b = _evaluate(node.left, symbols), _evaluate(node.right, symbols)
-    return {ast.Add: a.__add__, ast.Sub: a.__sub__, ast.Mult: a.__mul__, ast.Div: a.__truediv__,
-            ast.Pow: a.__pow__}[type(node.op)](b)
+def _evaluate(tree, symbols):
+    """The exact value of an expression tree: its symbols as fractions, so that / is exact."""
+    code = compile(ast.fix_missing_locations(ast.Expression(tree)), "<formula>", "eval")
+    scope = {"max": max, "min": min, "ceil": lambda x: Fraction(math.ceil(x)), "__builtins__": {}}
+    return Fraction(eval(code, scope, {name: Fraction(v) for name, v in symbols.items()}))
 
 
 def _written(node):
