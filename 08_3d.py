@@ -1296,8 +1296,7 @@ def cost(expr, x, **more):
 
 
 def dp_costs(args, x):
-    """Model states held, and the DP group's (D·C ranks: DP x CP) reductions; with --zero1
-    the flat buffer padded to D·C ranks, reduce-scattered and all-gathered."""
+    """The docstring's memory and DP lines (its group: the D·C ranks of DP x CP)."""
     pad = "D*C*ceil(Ψ_rank/(D*C))"  # Ψ_rank padded to a multiple of D·C
     if args.zero1:
         held = {"params": cost(f"4*{pad}", x), "grads": cost(f"4*({pad} + ceil(Ψ_rank/(D*C)))", x),
@@ -1313,11 +1312,8 @@ def dp_costs(args, x):
 
 
 def tp_costs(args, x, first, last):
-    """Per micro-batch and layer, g's forward in the compute dtype (e) and f's backward in
-    fp32, twice each (attention, MLP); the embedding's on the first stage, the head's and the
-    3·4bs of loss statistics on the last. With SP each all-reduce is an all-gather and a
-    reduce-scatter, the column-parallel inputs are gathered again in backward, and the
-    replicated parameters' gradients are all-reduced; --recompute repeats g twice per layer."""
+    """The docstring's TP and SP lines: the embedding's on the first stage only, the head's
+    and the loss statistics (3·4bs) on the last only; --recompute repeats g (2e per layer)."""
     again = " + m*L*2*e*b*s*h" if args.recompute else ""
     if not args.sequence_parallel:
         return {"all_reduce[tp]": cost("m*(L*(2*e + 2*4)*b*s*h" + " + 4*b*s*h" * first
@@ -1330,9 +1326,7 @@ def tp_costs(args, x, first, last):
 
 
 def pp_costs(args, x, first, last):
-    """Per micro-batch the fp32 residual stream across each boundary this stage sits on, each
-    way (with SP this rank's sequence shard, /T); the tied wte shard's gradient between the
-    first and the last stage; the logged loss over the stages."""
+    """The docstring's PP line, n the stage boundaries this rank sits on; the logged loss."""
     sent = {"all_reduce[pp]": cost("4*loss", x)}
     if x["P"] > 1:
         sent["send"] = sent["recv"] = cost("m*n*4*b*s*h" + "/T" * args.sequence_parallel, x, n=2 - first - last)
@@ -1342,9 +1336,7 @@ def pp_costs(args, x, first, last):
 
 
 def cp_costs(args, x):
-    """Per micro-batch and layer, this TP rank's heads (h/T): the ring sends K and V (e) C-1
-    hops forward and again in backward (and in the recomputed forward) and the fp32 dK, dV C
-    hops; Ulysses all-to-alls q, k, v and the output there and back (and again)."""
+    """The docstring's CP line, on this TP rank's heads (h/T)."""
     if x["C"] == 1:
         return {}
     if args.cp_impl == "ring":
@@ -1354,12 +1346,9 @@ def cp_costs(args, x):
 
 
 def activation_costs(args, config, dtype, x, in_flight, first, last):
-    """Megatron's TP split of a micro-batch's activations (common.activation_terms; with SP
-    every term of a block /T), with 06's vocabulary-parallel ends (the embedding's
-    out-of-slice mask, b·s bool; the head's input, /T with SP, this rank's fp32 softmax of
-    V/T and the target mask) and 09's attention with CP (the ring keeps q|k|v, O and the fp32
-    L; Ulysses SDPA's q, k, v, output and log-sum-exp over all C·s tokens of a/(T·C) heads,
-    and c_proj's input back); 1F1B holds `in_flight` micro-batches (P - stage)."""
+    """The docstring's activations line: common.activation_terms with 06's vocabulary-parallel
+    ends (the embedding's out-of-slice mask, b·s bool; the head's input, this rank's fp32
+    softmax of V/T and the target mask) and, with CP, 09's attention; `in_flight` of them."""
     T, C, sp, device_type = x["T"], x["C"], args.sequence_parallel, activation_device_type(args)
     sp_T, attention = "/T" if sp else "", None
     if C > 1 and args.cp_impl == "ring":
