@@ -316,7 +316,7 @@ def costs(args, config, world_size, dtype, received=None):
     """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
     this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
     balanced routing: k·b·s each."""
-    ep = getattr(args, "ep", None) or math.gcd(config.n_expert, world_size)
+    ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
         model = GPT(config)  # shapes only
