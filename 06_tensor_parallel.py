@@ -621,6 +621,7 @@ def costs(args, config, world_size, dtype):
     --sequence_parallel f's all-gathers (in forward, and again in backward) move the
     LayerNorm output cast to the compute dtype: e bytes."""
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
+    check_layout(args, config, T)  # first: the formulas divide by T exactly
     with torch.device("meta"):
         model = TPGPT(config, T, 0, sp, None, None)  # shapes only
     n_sharded = sum(p.numel() for name, p in model.named_parameters() if tp_split(name))  # 1/T of each
