@@ -23,7 +23,7 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
     parameters 4Ψ + gradients 4Ψ + optimizer 8Ψ = 16Ψ      (fp32, and also with bf16
                                                             autocast: weights stay fp32)
     communication: none
-    activations (one micro-batch of b x s tokens, width h, common.activation_terms counts
+    activations (one micro-batch of b x s tokens, width h, infra.activation_terms counts
     them op by op): per block 64bsh + 16bs + 4·b·heads·s in fp32, 36bsh + ... under bf16
     autocast, plus the head's 4bsV log-softmax; --recompute keeps only each block's input
 """
@@ -132,12 +132,13 @@ def costs(args, config, world_size, dtype):
     AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
     the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
     layers (infra.activation_terms counts them op by op; --recompute keeps block inputs)."""
-    from infra import activation_device_type, activation_terms, activations_of_layers
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula
     psi, _ = count_params(config)
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": "one device",
-            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
+            "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
+                     "optim": formula("8*Ψ", Ψ=psi)},
             "sent": {},
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 

@@ -232,14 +232,15 @@ def costs(args, config, world_size, dtype):
     """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
-    from infra import activation_device_type, activation_terms, activations_of_layers
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula
     psi, _ = count_params(config)
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
     b = args.micro_batch_size or args.global_batch_size // world_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": f"{world_size} replicas",
-            "held": {"params": ("4Ψ", 4 * psi), "grads": ("4Ψ", 4 * psi), "optim": ("8Ψ", 8 * psi)},
-            "sent": {"all_reduce": ("4Ψ grads + 4 loss", 4 * psi + 4)},
+            "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
+                     "optim": formula("8*Ψ", Ψ=psi)},
+            "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)},  # the gradients, the logged loss
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 

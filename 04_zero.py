@@ -514,40 +514,36 @@ def unit_numels(config):
 
 def costs(args, config, world_size, dtype):
     """The docstring's formulas in bytes per rank. Ψ is the parameter count with every unit
-    padded to a multiple of N (as the flat shards are), b the bytes of a working parameter
+    padded to a multiple of N (as the flat shards are), e the bytes of a working parameter
     element (4 in fp32, 2 in bf16; gradients are summed and reduced in fp32: 4), K = 8
     (AdamW's two fp32 moments) plus 4 for the fp32 master when it is a copy of its own
-    (mixed precision)."""
-    from infra import activation_device_type, activation_terms, activations_of_layers
+    (mixed precision), m the micro-batches per step."""
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n
-    b = dtype.itemsize
-    K = 8 if b == 4 else 12
-    accum = args.global_batch_size // (args.micro_batch_size * n)
-    held = {"optim": (f"{K}Ψ/N", K * psi // n)}
+    e = dtype.itemsize
+    K = 8 if e == 4 else 12
+    m = args.global_batch_size // (args.micro_batch_size * n)
+
+    def f(expr):  # Ψ padded to N per unit; root and blocks: the root unit's and the blocks' Ψ
+        return formula(expr, show="e K m", Ψ=psi, N=n, e=e, K=K, m=m, root=root, blocks=psi - root)
+    held = {"optim": f("K*Ψ/N")}
     if stage == 1:
         # the full fp32 gradients (kept through accumulation) + the reduced fp32 shard
-        held.update(params=(f"{b}Ψ", b * psi), grads=("4Ψ + 4Ψ/N", 4 * psi + 4 * psi // n))
-    else:
-        held.update(params=(f"{b}Ψ", b * psi) if stage == 2 else
-                    (("4Ψ/N", 4 * psi // n) if b == 4 else ("0 (gathered from the master)", 0)),
-                    grads=("4Ψ/N", 4 * psi // n))
-    if args.offload:  # ZeRO-Offload: what stays on the device, and the host's share
-        held = {"params": (f"{b}Ψ", b * psi) if stage < 3 else ("0 (gathered from the host's master)", 0),
-                "grads": ("4Ψ", 4 * psi) if stage == 1 else ("0", 0), "optim": ("0", 0),
-                "grads (host)": ("4Ψ/N", 4 * psi // n), "optim (host)": ("(8 + 4 master)Ψ/N", 12 * psi // n)}
+        held.update(params=f("e*Ψ"), grads=f("4*Ψ + 4*Ψ/N"))
+    else:  # stage 3 in mixed precision gathers its parameters from the fp32 master (optim)
+        held.update(params=f("e*Ψ") if stage == 2 else f("4*Ψ/N") if e == 4 else f("0"), grads=f("4*Ψ/N"))
+    if args.offload:  # ZeRO-Offload: what stays on the device, and the host's share (AdamW + master)
+        held = {"params": f("e*Ψ") if stage < 3 else f("0"), "grads": f("4*Ψ") if stage == 1 else f("0"),
+                "optim": f("0"), "grads (host)": f("4*Ψ/N"), "optim (host)": f("(8 + 4)*Ψ/N")}
     clipping = args.grad_clip > 0
-    sent = {"all_reduce": ("4 loss" + (" + 4 norm" if clipping else ""), 4 + 4 * clipping)}
+    sent = {"all_reduce": formula("4*loss + 4*norm" if clipping else "4*loss", loss=1, norm=1)}
     if stage == 1:
-        sent.update(reduce_scatter_tensor=("4Ψ", 4 * psi), all_gather_into_tensor=(f"{b}Ψ", b * psi))
-    elif stage == 2:
-        sent.update(reduce_scatter_tensor=(f"{accum} micro x 4Ψ", accum * 4 * psi),
-                    all_gather_into_tensor=(f"{b}Ψ", b * psi))
-    else:
-        sent.update(reduce_scatter_tensor=(f"{accum} micro x 4Ψ", accum * 4 * psi),
-                    all_gather_into_tensor=(f"root + {accum} micro x 2 x blocks",
-                                            b * (root + accum * 2 * (psi - root))))
+        sent.update(reduce_scatter_tensor=f("4*Ψ"), all_gather_into_tensor=f("e*Ψ"))
+    else:  # stages 2 and 3 reduce-scatter every micro-batch; 3 gathers each block twice in it
+        sent.update(reduce_scatter_tensor=f("m*4*Ψ"),
+                    all_gather_into_tensor=f("e*Ψ") if stage == 2 else f("e*(root + m*2*blocks)"))
     # activations: each rank runs 01's model on its micro-batch; partitioning the model
     # states leaves them as they are (01's count per micro-batch)
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),

@@ -375,8 +375,9 @@ def main():
 def costs(args, config, world_size, dtype):
     """The docstring's formulas in bytes per rank. S = N/R ranks per shard group; Ψ counts
     every parameter with its rows padded to a multiple of S (each rank holds ceil(rows/S)
-    rows); e is the compute dtype's element size, rb the reduce dtype's."""
-    from infra import activation_device_type, activation_terms, activations_of_layers
+    rows); e is the compute dtype's element size, rb the reduce dtype's, m the micro-batches
+    per step."""
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula
     S, R = world_size // args.replicate, args.replicate
     with torch.device("meta"):
         model = GPT(config)
@@ -385,26 +386,27 @@ def costs(args, config, world_size, dtype):
     per_block = [sum(v for k, v in padded.items() if k.startswith(f"transformer.h.{i}.")) for i in range(config.n_layer)]
     psi, blocks = sum(padded.values()), sum(per_block)
     e, rb = dtype.itemsize, getattr(torch, args.reduce_dtype).itemsize
-    accum = args.global_batch_size // (args.micro_batch_size * world_size)
+    m = args.global_batch_size // (args.micro_batch_size * world_size)
     reshard, prefetch = not args.no_reshard, not args.no_prefetch
-    held = {"params": ("4Ψ/S", 4 * psi // S), "grads": ("4Ψ/S", 4 * psi // S), "optim": ("8Ψ/S", 8 * psi // S)}
-    if args.offload:  # the shards and AdamW in host memory: the device keeps the gathered units only
-        held = {"params": ("0", 0), "grads": ("0", 0), "optim": ("0", 0),
-                **{f"{k} (host)": v for k, v in held.items()}}
     # blocks are gathered in every micro-batch's forward and backward, or once per step
-    # when they stay gathered (--no_reshard); the root once per step
-    block_gathers = 2 * accum if reshard else 1
-    sent = {"all_gather_into_tensor[shard]": (f"{e}(root + {block_gathers} x blocks)", e * (root + block_gathers * blocks)),
-            "reduce_scatter_tensor[shard]": (f"{accum} micro x {rb}Ψ", accum * rb * psi),
-            "all_reduce[shard]": ("4 norm", 4 * (args.grad_clip > 0)),
-            "all_reduce": ("4 loss", 4)}
-    if R > 1:
-        sent["all_reduce[replicate]"] = (f"{accum} micro x {rb}Ψ/S", accum * rb * psi // S)
-    sent = {k: v for k, v in sent.items() if v[1]}
-    # the gathered (compute-dtype) parameters at the peak: the root and one block, two with
-    # prefetch, every block without resharding
+    # when they stay gathered (--no_reshard); the root once per step. At the peak: the root
+    # and one block gathered, two with prefetch, every block without resharding
     resident = config.n_layer if not reshard else (2 if prefetch else 1)
-    gathered = (f"{e}(root + {resident if reshard else 'every'} block(s))", e * (root + resident * max(per_block)))
+
+    def f(expr):  # root, blocks: the root unit's and the blocks' Ψ; block: the largest block's
+        return formula(expr, show="e rb m k", Ψ=psi, S=S, e=e, rb=rb, m=m, k=resident, root=root,
+                       blocks=blocks, block=max(per_block), loss=1, norm=1)
+    held = {"params": f("4*Ψ/S"), "grads": f("4*Ψ/S"), "optim": f("8*Ψ/S")}
+    if args.offload:  # the shards and AdamW in host memory: the device keeps the gathered units only
+        held = {"params": f("0"), "grads": f("0"), "optim": f("0"), **{f"{k} (host)": v for k, v in held.items()}}
+    sent = {"all_gather_into_tensor[shard]": f("e*(root + 2*m*blocks)" if reshard else "e*(root + blocks)"),
+            "reduce_scatter_tensor[shard]": f("m*rb*Ψ"),
+            "all_reduce[shard]": f("4*norm" if args.grad_clip > 0 else "0"),
+            "all_reduce": f("4*loss")}
+    if R > 1:
+        sent["all_reduce[replicate]"] = f("m*rb*Ψ/S")
+    sent = {k: v for k, v in sent.items() if v[1]}
+    gathered = f("e*(root + k*block)")
     # activations: each rank runs 01's model on its micro-batch; sharding the model states
     # leaves them as they are, but the residual stream is in the compute dtype
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),

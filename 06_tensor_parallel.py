@@ -72,7 +72,7 @@ Cost per rank, T ranks, L layers, h width, b micro-batch, s sequence, bytes in f
             of b·s·h per layer (with --sequence_parallel, + 2 all-gathers and 2
             reduce-scatters)
     activations per micro-batch: the attention and MLP parts of a block /T; with
-            --sequence_parallel every term /T (common.activation_terms; costs() below);
+            --sequence_parallel every term /T (infra.activation_terms; costs() below);
             --recompute keeps each block's input only
 """
 
@@ -611,64 +611,55 @@ def main():
 # ----------------------------------------------------------------------------------------
 
 def costs(args, config, world_size, dtype):
-    """The docstring's formulas in bytes per rank, T = world_size. Parameters: the sharded
-    ones (1/T each; the vocabulary padded to a multiple of T) and the replicated ones, all
-    fp32. Activations: b·s·h elements each; under autocast the row-parallel outputs (g's
-    forward) are in the compute dtype (b_c bytes) while LayerNorm outputs, the embedding and
-    the gradients flowing into f are fp32, so f's backward and the embedding/head all-reduces
-    move 4 bytes an element. With --sequence_parallel f's all-gathers (in forward, and again
-    in backward) move the LayerNorm output cast to the compute dtype: b_c bytes."""
-    from infra import activation_device_type, activation_terms, activations_of_layers
+    """The docstring's formulas in bytes per rank, T = world_size, m micro-batches of b
+    sequences. Parameters: the sharded ones (1/T each; the vocabulary padded to a multiple
+    of T) and the replicated ones, all fp32. Activations: b·s·h elements each; under
+    autocast the row-parallel outputs (g's forward) are in the compute dtype (e bytes) while
+    LayerNorm outputs, the embedding and the gradients flowing into f are fp32, so f's
+    backward and the embedding/head all-reduces move 4 bytes an element. With
+    --sequence_parallel f's all-gathers (in forward, and again in backward) move the
+    LayerNorm output cast to the compute dtype: e bytes."""
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula, plus
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
+    check_layout(args, config, T)  # first: the formulas divide by T exactly
     with torch.device("meta"):
         model = TPGPT(config, T, 0, sp, None, None)  # shapes only
     n_sharded = sum(p.numel() for name, p in model.named_parameters() if tp_split(name))  # 1/T of each
     n_replicated = sum(p.numel() for name, p in model.named_parameters() if tp_split(name) is None)
-    psi_local = n_sharded + n_replicated
-    held = {"params": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
-            "grads": ("4(Ψ_sharded/T + Ψ_replicated)", 4 * psi_local),
-            "optim": ("8(Ψ_sharded/T + Ψ_replicated)", 8 * psi_local)}
-    accum = args.global_batch_size // args.micro_batch_size
-    bsh = args.micro_batch_size * config.block_size * config.n_embd  # one activation, elements
-    bs = args.micro_batch_size * config.block_size
-    bc, clip = dtype.itemsize, 4 * (args.grad_clip > 0)
+    m, b = args.global_batch_size // args.micro_batch_size, args.micro_batch_size
+    s, h, e = config.block_size, config.n_embd, dtype.itemsize
+
+    def f(expr):  # Ψ_s: the parameters TP_PLAN splits (the vocabulary padded), Ψ_r the rest
+        return formula(expr, show="m e", Ψ_s=n_sharded * T, Ψ_r=n_replicated, T=T, L=L, m=m, b=b, s=s, h=h, e=e,
+                       V=model.vocab_local * T, norm=int(args.grad_clip > 0))
+    held = {"params": f("4*(Ψ_s/T + Ψ_r)"), "grads": f("4*(Ψ_s/T + Ψ_r)"), "optim": f("8*(Ψ_s/T + Ψ_r)")}
     if sp:
-        # all-gather: f of c_attn, c_fc and the head, of the LayerNorm output cast to b_c,
+        # all-gather: f of c_attn, c_fc and the head, of the LayerNorm output cast to e,
         # twice each (forward, and again in backward: only the shard was kept); the backward
-        # of g (a b_c gradient) and of the embedding's reduce-scatter (fp32).
-        # reduce-scatter: g (forward, b_c; the embedding's fp32), the backward of f (fp32)
-        sent = {"all_gather_into_tensor": (f"{accum} micro x (L(2·2·{bc} + 2·{bc}) + 2·{bc} + 4) b·s·h",
-                                           accum * (L * 6 * bc + 2 * bc + 4) * bsh),
-                "reduce_scatter_tensor": (f"{accum} micro x (L(2·{bc} + 2·4) + 2·4) b·s·h",
-                                          accum * (L * (2 * bc + 8) + 8) * bsh),
-                "all_reduce": ("3·4 b·s per micro (loss) + 4Ψ_replicated grads + norm",
-                               accum * 12 * bs + 4 * n_replicated + clip)}
-    else:
-        sent = {"all_reduce": (f"{accum} micro x ((L(2·{bc} + 2·4) + 2·4) b·s·h + 3·4 b·s) + norm",
-                               accum * ((L * (2 * bc + 8) + 8) * bsh + 12 * bs) + clip)}
-    if args.recompute:  # backward runs each block's forward again, its f and g collectives too
-        for op, formula, nbytes in ((["all_gather_into_tensor", f"L·2·{bc}", 2 * bc], ["reduce_scatter_tensor", f"L·2·{bc}", 2 * bc])
-                                    if sp else [["all_reduce", f"L·2·{bc}", 2 * bc]]):
-            f, v = sent[op]
-            sent[op] = (f"{f} + {accum} micro x {formula} b·s·h recomputed", v + accum * L * nbytes * bsh)
-    # activations: Megatron's split (common.activation_terms with tp, sp), plus the
+        # of g (an e gradient) and of the embedding's reduce-scatter (fp32).
+        # reduce-scatter: g (forward, e; the embedding's fp32), the backward of f (fp32).
+        # all-reduce: the loss statistics (3·4bs), the replicated parameters' gradients, the norm
+        sent = {"all_gather_into_tensor": f("m*(L*(2*2*e + 2*e) + 2*e + 4)*b*s*h"),
+                "reduce_scatter_tensor": f("m*(L*(2*e + 2*4) + 2*4)*b*s*h"),
+                "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm")}
+    else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head
+        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm")}
+    if args.recompute:  # backward runs each block's forward again, its g (e) twice too
+        for op in ("all_gather_into_tensor", "reduce_scatter_tensor") if sp else ("all_reduce",):
+            sent[op] = plus(sent[op], f("m*L*2*e*b*s*h"))
+    # activations: Megatron's split (infra.activation_terms with tp, sp), plus the
     # vocabulary-parallel ends: the embedding's out-of-slice mask (bool, b·s) and a head
-    # that keeps its input (the whole sequence), this rank's fp32 softmax (b·s·V/T) and the
-    # target-ownership mask (bool, b·s) instead of the log-softmax of all V
-    b, s, h, e = args.micro_batch_size, config.block_size, config.n_embd, dtype.itemsize
-    n = 4  # the LayerNorm inputs and statistics: fp32 (the parameters are)
-    rep = T if sp else 1
+    # that keeps its input (the whole sequence, its shard with SP), this rank's fp32 softmax
+    # (b·s·V/T) and the target-ownership mask (bool, b·s) instead of the log-softmax of all V;
+    # LayerNorm inputs and statistics are fp32 (the parameters are)
+    sp_T = "/T" if sp else ""
     terms = activation_terms(config, b, s, dtype, activation_device_type(args), tp=T, sp=sp)
-    emb_f, emb = terms["embedding"]
-    terms["embedding"] = (f"{emb_f} + bs", emb + b * s)
+    terms["embedding"] = plus(terms["embedding"], f("b*s"))
     if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu"):
         # the row-parallel bias is added after g, promoting the output to fp32: CPU's
         # dropout masks (in their input's dtype) are then fp32
-        layer_f, layer = terms["layer"]
-        terms["layer"] = (f"{layer_f} + 2·{4 - e}bsh{'/T' if sp else ''}", layer + 2 * (4 - e) * b * s * h // rep)
-    sp_div = "/T" if sp else ""  # with SP the head keeps only its input's sequence shard too
-    terms["head"] = (f"({n}bsh + {2 * n}bs + {e}bsh){sp_div} + 4bsV/T + bs",
-                     (n * b * s * h + 2 * n * b * s + e * b * s * h) // rep + 4 * b * s * model.vocab_local + b * s)
+        terms["layer"] = plus(terms["layer"], f(f"2*(4 - e)*b*s*h{sp_T}"))
+    terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
             "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated),
             "activations": activations_of_layers(terms, L, args.recompute)}

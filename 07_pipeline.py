@@ -640,7 +640,7 @@ def costs(args, config, world_size, dtype, rank=0):
     gradients it sends and receives across stage boundaries, which stay fp32 under autocast
     (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
     all-reduced between the first and last stage, the norm and the logged loss."""
-    from infra import activation_device_type, activation_phases, activation_terms
+    from infra import formula
     p, v = world_size, args.virtual_stages if args.schedule == "interleaved" else 1
     m = args.global_batch_size // args.micro_batch_size
     with torch.device("meta"):
@@ -654,52 +654,54 @@ def costs(args, config, world_size, dtype, rank=0):
                 if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
     if p == 1:  # one rank holds every chunk: activations pass between chunks in memory
         sends = recvs = 0
-    act_bytes = 4 * args.micro_batch_size * config.block_size * config.n_embd  # one fp32 b·s·h tensor
-    tied = 4 * config.vocab_size * config.n_embd if p > 1 and (first or last) else 0
-    sent = {"send": (f"{sends} x 4 b·s·h", sends * act_bytes),
-            "recv": (f"{recvs} x 4 b·s·h", recvs * act_bytes),
-            "broadcast": ("4 loss", 4),
-            "all_reduce": ("4V·h wte grad (first/last stage)" + (" + 4 norm" if args.grad_clip > 0 else ""),
-                           tied + 4 * (args.grad_clip > 0 and p > 1))}
-    # activations: each micro-batch chunk holds 01's count for its layers (common's
-    # activation_terms) from its forward to its backward; walking this rank's schedule
-    # gives the peak: m chunks in flight for GPipe, p - rank for 1F1B, the interleaved
-    # warm-up's count (in_flight below), each with the size of its own chunk; zero bubble:
-    # from B to W the micro-batch holds its W tensors instead (zero_bubble_phases)
-    terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype,
-                             activation_device_type(args))
+    b, s, h = args.micro_batch_size, config.block_size, config.n_embd
+    sent = {"send": formula("n*4*b*s*h", show="n", n=sends, b=b, s=s, h=h),
+            "recv": formula("n*4*b*s*h", show="n", n=recvs, b=b, s=s, h=h),
+            "broadcast": formula("4*loss", loss=1),
+            # the tied wte's gradient between the first and the last stage; the norm
+            "all_reduce": formula(" + ".join(["4*V*h"] * (p > 1 and (first or last))
+                                             + ["4*norm"] * (args.grad_clip > 0 and p > 1)) or "0",
+                                  V=config.vocab_size, h=h, norm=1)}
+    held = {"params": formula("4*Ψ_stage", Ψ_stage=psi), "grads": formula("4*Ψ_stage", Ψ_stage=psi),
+            "optim": formula("8*Ψ_stage", Ψ_stage=psi)}
+    in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
+                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
+    return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
+            "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
+            "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank)}
+
+
+def activation_peak(args, config, dtype, order, p, v, rank):
+    """The most this stage holds for backward, walking its schedule: micro-batch chunk g
+    holds kept_g (common's activation_terms for its layers) from its forward to its
+    backward, during_g while its backward runs, and (zero bubble) W_g from B to W, the x
+    and dy of its Linears (zero_bubble_phases). The formula is the sum at the peak: m
+    chunks in flight for GPipe, p - rank for 1F1B, the interleaved warm-up's count."""
+    from infra import activation_device_type, activation_phases, activation_terms, formula
+    b = args.micro_batch_size
+    terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     e = torch.tensor([], dtype=dtype).element_size()
-    e_bsh = e * args.micro_batch_size * config.block_size * config.n_embd  # one b·s·h tensor, compute dtype
+    e_bsh = e * b * config.block_size * config.n_embd  # one b·s·h tensor, compute dtype
     # the MLP's dropout mask, which B frees just before it keeps its first dy (zero bubble):
     # bool on GPUs, the compute dtype on CPU, as common's activation_terms counts it
     gpu = activation_device_type(args) in ("cuda", "xpu")
     mask = (e_bsh // e if gpu else e_bsh) if config.dropout > 0 else 0
-    layout, now, peak = chunk_layers(config.n_layer, p * v), 0, 0
+    layout, now, peak, values = chunk_layers(config.n_layer, p * v), {}, {}, {}
     for kind, i, c in order:
         g = c * p + rank
         chunk = (terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
         if args.schedule == "zb":
-            kept, during, for_w = zero_bubble_phases(*chunk, e_bsh, mask)
+            values[f"kept_{g}"], values[f"during_{g}"], values[f"W_{g}"] = zero_bubble_phases(*chunk, e_bsh, mask)
         else:
-            (kept, during), for_w = activation_phases(*chunk), 0
-        if kind == "F":
-            peak, now = max(peak, now + kept), now + kept
-        elif kind == "B":
-            peak, now = max(peak, now - kept + during), now - kept + for_w
-        else:  # W
-            now -= for_w
-    in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
-                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
-    per_chunk = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
-                 else "n·layer + embedding + head")
-    if args.schedule == "zb":
-        per_chunk += ", from B to W n·16e·bsh"
-    activations = (f"{args.schedule}: up to {in_flight} micro-batch chunk(s) in flight x ({per_chunk})", peak)
-    return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
-            "held": {"params": ("4 x stage parameters", 4 * psi), "grads": ("4 x stage parameters", 4 * psi),
-                     "optim": ("8 x stage parameters", 8 * psi)},
-            "sent": {k: val for k, val in sent.items() if val[1]},
-            "in_flight": in_flight, "activations": activations}
+            (values[f"kept_{g}"], values[f"during_{g}"]), values[f"W_{g}"] = activation_phases(*chunk), 0
+        held = f"{'W' if kind == 'W' else 'kept'}_{g}"  # F keeps the chunk's tensors, B and W free them
+        now[held] = now.get(held, 0) + (1 if kind == "F" else -1)
+        held = {**now, f"during_{g}": 1} if kind == "B" else now
+        if sum(n * values[k] for k, n in held.items()) > sum(n * values[k] for k, n in peak.items()):
+            peak = {k: n for k, n in held.items() if n and values[k]}
+        if kind == "B":  # until its W, the chunk keeps what W needs
+            now[f"W_{g}"] = now.get(f"W_{g}", 0) + 1
+    return formula(" + ".join(f"{n}*{k}" if n > 1 else k for k, n in sorted(peak.items())) or "0", **values)
 
 
 def zero_bubble_phases(terms, n_layers, recompute, first, last, e_bsh, mask):

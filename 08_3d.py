@@ -621,149 +621,108 @@ def main():
 # ----------------------------------------------------------------------------------------
 
 def costs(args, config, world_size, dtype, rank=0):
-    """The docstring's formulas in bytes for `rank`. Ψ_rank = this rank's parameters (its
-    stage's; those TP_PLAN splits 1/T each, the replicated ones whole; fp32). TP: per
-    micro-batch and layer two all-reduces of b·s·h in the compute dtype (the row-parallel
-    outputs, b_c bytes) and two in fp32 (the gradients entering f), + the embedding's (fp32)
-    on the first stage, the head's (fp32) and 3 b·s of loss statistics on the last;
-    --recompute repeats the two compute-dtype all-reduces (g in the recomputed forward).
-    --sequence_parallel: each all-reduce becomes an all-gather and a reduce-scatter of the
-    same b·s·h, plus per layer 2 all-gathers (b_c) of the column-parallel inputs again in
-    backward (and the head's on the last stage), plus one all-reduce of the replicated
-    parameters' gradients (4Ψ_replicated) per step; --recompute then repeats 2 all-gathers
-    and 2 reduce-scatters (b_c) per layer. PP: b·s·h fp32 (the residual stream; with SP
-    b·s·h/T, the sequence shard) per micro-batch per boundary each way, and the tied
-    embedding's gradient shard between the first and last stage. DP: 4Ψ_rank of gradients
-    (--zero1: reduce-scatter + all-gather of the flat buffer padded to D). Control: the
-    logged loss, 4 bytes over pp and over dp; with clipping, the squared norm, 4 bytes over
-    the model group (--zero1: over the world, the shards' sum).
-    --cp C: s is the s/C tokens a CP rank holds in every formula above; the DP group is the
-    D·C ranks of DP x CP (gradients, ZeRO-1's shards: padded to D·C, the loss). Ring, per
-    micro-batch and layer, A = b·s·(h/T)·b_c (this TP rank's heads' K, or V): K and V C-1
-    hops forward and again in backward, 4(C-1)·A, and the fp32 dK, dV C hops, 8C·b·s·h/T
-    (--recompute: + 2(C-1)·A); in "send"/"recv", beside the pipeline's. Ulysses: 8
-    all-to-alls of A (q, k, v, out forward and back; --recompute: 12)."""
-    from infra import activation_device_type, activation_phases, activation_terms, sdpa_logsumexp_bytes
-    T, P, C, sp = args.tp, args.pp, args.cp, args.sequence_parallel
+    """The module docstring's cost per rank, for `rank`, axis by axis. In every formula L is
+    the layers of this rank's stage, s the tokens of a sequence on this CP rank (s/C), e the
+    bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's parameters
+    and Ψ_r the TP-replicated ones among them."""
+    from infra import plus
+    T, P, C = args.tp, args.pp, args.cp
     D = world_size // (T * P * C)
-    R = D * C  # the gradient reduction's group, DP x CP
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
     split, n_local, vocab_local = stage_sizes(config, T, P, mesh.pp_rank)  # Ψ_rank = split + the rest
-    m = args.global_batch_size // (args.micro_batch_size * D)
-    group = "D·C" if C > 1 else "D"
-    if args.zero1:
-        shard = math.ceil(n_local / R)
-        held = {"params": (f"4Ψ_rank (padded to {group})", 4 * shard * R),
-                "grads": ("4Ψ_rank + its DP shard", 4 * (shard * R + shard)),
-                "optim": (f"8Ψ_rank / {group}", 8 * shard)}
-    else:
-        held = {"params": ("4Ψ_rank", 4 * n_local), "grads": ("4Ψ_rank", 4 * n_local),
-                "optim": ("8Ψ_rank", 8 * n_local)}
-    tokens = config.block_size // C  # of each sequence, on this CP rank
-    bsh = args.micro_batch_size * tokens * config.n_embd  # one activation, elements
-    bs = args.micro_batch_size * tokens
-    bc, first, last = dtype.itemsize, mesh.pp_rank == 0, mesh.pp_rank == P - 1
-    rep, div = (T, "/T") if sp else (1, "")  # SP: sequence shards
-    if sp:  # f and g become all-gathers and reduce-scatters of the same b·s·h
-        # all-gather: f of c_attn and c_fc (and the head's), of the LayerNorm output cast to
-        # b_c, twice each (forward, and again in backward: only the shard was kept); the
-        # backward of g (a b_c gradient) and of the embedding's reduce-scatter (fp32).
-        # reduce-scatter: g (forward, b_c; the embedding's fp32), the backward of f (fp32)
-        sent = {"all_gather_into_tensor[tp]": (
-                    f"{m} micro x ({n_layers} layers x (2·2·{bc} + 2·{bc}) b·s·h"
-                    + (" + embedding 4 b·s·h" if first else "")
-                    + (f" + head 2·{bc} b·s·h" if last else "") + ")",
-                    m * (6 * bc * n_layers + 4 * first + 2 * bc * last) * bsh),
-                "reduce_scatter_tensor[tp]": (
-                    f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h"
-                    + (" + embedding 4 b·s·h" if first else "")
-                    + (" + head 4 b·s·h" if last else "") + ")",
-                    m * ((2 * bc + 8) * n_layers + 4 * first + 4 * last) * bsh),
-                "all_reduce[tp]": ((f"{m} micro x loss 3·4 b·s + " if last else "")
-                                   + "4Ψ_replicated grads",
-                                   12 * m * bs * last + 4 * (n_local - split))}
-    else:
-        sent = {"all_reduce[tp]": (f"{m} micro x ({n_layers} layers x (2·{bc} + 2·4) b·s·h "
-                                   "+ embedding/head 4 b·s·h + loss 3·4 b·s)",
-                                   m * ((2 * bc + 8) * n_layers * bsh + 4 * bsh * first
-                                        + (4 * bsh + 12 * bs) * last))}
-    sent["all_reduce[pp]"] = ("4 loss", 4)
-    sent["all_reduce[dp]"] = ("4 loss" + ("" if args.zero1 else " + 4Ψ_rank grads"),
-                              4 + (0 if args.zero1 else 4 * n_local))
-    if P > 1:  # with SP a boundary carries this rank's sequence shard: 1/T of the bytes
-        boundaries = 2 - first - last  # stage boundaries this rank sits on
-        sent["send"] = sent["recv"] = (f"{m} micro x {boundaries} x 4 b·s·h" + div,
-                                       m * boundaries * 4 * bsh // rep)
-        if first or last:
-            sent["all_reduce[embedding]"] = ("4 x wte shard grad",
-                                             4 * vocab_local * config.n_embd)
-    if C > 1 and args.cp_impl == "ring":  # K/V around the ring (b_c), dK/dV back (fp32)
-        A, hops = bsh // T * bc, 4 + 2 * args.recompute
-        f = f"{m} micro x {n_layers} layers x ({hops}(C-1)·b·s·h/T·{bc} + 8C·b·s·h/T)"
-        v = m * n_layers * (hops * (C - 1) * A + 8 * C * bsh // T)
-        f0, v0 = sent.get("send", ("", 0))
-        sent["send"] = sent["recv"] = ((f0 + " + ring " if f0 else "ring ") + f, v0 + v)
-    elif C > 1:  # Ulysses: q, k, v to heads, the output back, forward and backward
-        calls = 8 + 4 * args.recompute
-        sent["all_to_all_single[cp]"] = (f"{m} micro x {n_layers} layers x {calls}·b·s·h/T·{bc}",
-                                         m * n_layers * calls * (bsh // T * bc))
-    if args.zero1:
-        shard = math.ceil(n_local / R)
-        sent["reduce_scatter_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * R)
-        sent["all_gather_into_tensor[dp]"] = ("4Ψ_rank (padded)", 4 * shard * R)
-    if args.grad_clip > 0:
-        sent["all_reduce" if args.zero1 else "all_reduce[model]"] = ("4 norm", 4)
-    if args.recompute:  # backward runs each block's forward again, its f/g collectives too
-        for op in (["all_gather_into_tensor[tp]", "reduce_scatter_tensor[tp]"] if sp
-                   else ["all_reduce[tp]"]):
-            f, v = sent[op]
-            sent[op] = (f"{f} + {m} micro x {n_layers} x 2·{bc} b·s·h recomputed",
-                        v + m * n_layers * 2 * bc * bsh)
-    # activations: Megatron's TP split of each micro-batch's (common.activation_terms with
-    # tp; with SP every term of a block /T), the vocabulary-parallel ends as in 06 (the
-    # embedding's out-of-slice mask, b·s bool; the head's input, /T with SP, fp32 softmax of
-    # V/T and target mask), and 1F1B's micro-batches in flight (p - stage) walked through
-    # this stage's schedule
-    # With CP s = s/C, and the attention is 09's on this TP rank's H/T heads: the ring
-    # keeps q, k, v (c_attn's output), its output O (c_proj's input) and the fp32 L;
-    # Ulysses SDPA's all-to-all'd q, k, v, output and log-sum-exp over all C·s tokens of
-    # H/(T·C) heads, and c_proj's input back in [b, s, h/T]
-    b, s, h, e = args.micro_batch_size, tokens, config.n_embd, dtype.itemsize
-    device_type, heads, attention = activation_device_type(args), config.n_head // T, None
-    if C > 1 and args.cp_impl == "ring":
-        attention = (f"(3·{e}bsh + {e}bsh)/T + 4b(a/T)s", 4 * e * b * s * h // T + 4 * b * heads * s)
-    elif C > 1:
-        attention = (f"(3·{e}bsh + {e}bsh + {e}bsh)/T + 4b(a/TC)(Cs)",
-                     5 * e * b * s * h // T + sdpa_logsumexp_bytes(b, heads // C, C * s, dtype, device_type))
-    terms = activation_terms(config, b, s, dtype, device_type, tp=T, sp=sp, attention=attention)
-    emb_f, emb = terms["embedding"]
-    terms["embedding"] = (f"{emb_f} + bs", emb + b * s)
-    if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu"):
-        # the row-parallel bias is added after g, promoting the output to fp32: CPU's
-        # dropout masks (in their input's dtype) are then fp32
-        layer_f, layer = terms["layer"]
-        terms["layer"] = (f"{layer_f} + 2·{4 - e}bsh{div}",
-                          layer + 2 * (4 - e) * b * s * h // rep)
-    terms["head"] = (f"(4bsh + 8bs + {e}bsh){div} + 4bsV/T + bs",
-                     (4 * b * s * h + 8 * b * s + e * b * s * h) // rep
-                     + 4 * b * s * vocab_local + b * s)
-    now = peak = 0
-    for kind, i in one_f_one_b(P, mesh.pp_rank, m):
-        kept, during = activation_phases(terms, n_layers, args.recompute, first, last)
-        peak = max(peak, now + kept if kind == "F" else now - kept + during)
-        now += kept if kind == "F" else -kept
-    per_stage = ("embedding + max(n·input + head, (n-1)·input + layer)" if args.recompute
-                 else "n·layer + embedding + head")
-    in_flight = min(P - mesh.pp_rank, m)
-    activations = (f"1F1B: {in_flight} micro-batch(es) in flight x ({per_stage}), TP-sharded"
-                   + (", sequence-sharded" if sp else ""), peak)
-    cp = f", cp {mesh.cp_rank}" if C > 1 else ""
-    layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}{cp}, tp {mesh.tp_rank}: layers {first_layer}-"
-              f"{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
+    x = dict(T=T, P=P, C=C, D=D, L=n_layers, m=args.global_batch_size // (args.micro_batch_size * D),
+             b=args.micro_batch_size, s=config.block_size // C, h=config.n_embd, a=config.n_head,
+             V=vocab_local * T, e=dtype.itemsize, Ψ_rank=n_local, Ψ_r=n_local - split, loss=1, norm=1)
+    ends = (mesh.pp_rank == 0, mesh.pp_rank == P - 1)  # first, last stage
+    held, sent = dp_costs(args, x)
+    sent.update(tp_costs(args, x, *ends))
+    sent.update(pp_costs(args, x, *ends))
+    for op, f in cp_costs(args, x).items():  # the ring's K/V share send/recv with the pipeline
+        sent[op] = plus(sent.get(op), f)
+    layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}{f', cp {mesh.cp_rank}' if C > 1 else ''}, tp {mesh.tp_rank}: "
+              f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
     return {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
-            "activations": activations}
+            "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
+
+
+def cost(expr, x, **more):
+    """One of 08's formulas at this rank's symbols; m and e printed by value."""
+    from infra import formula
+    return formula(expr, show="m e n", **x, **more)
+
+
+def dp_costs(args, x):
+    """The docstring's memory and DP lines (its group: the D·C ranks of DP x CP)."""
+    pad = "D*C*ceil(Ψ_rank/(D*C))"  # Ψ_rank padded to a multiple of D·C
+    if args.zero1:
+        held = {"params": cost(f"4*{pad}", x), "grads": cost(f"4*({pad} + ceil(Ψ_rank/(D*C)))", x),
+                "optim": cost("8*ceil(Ψ_rank/(D*C))", x)}
+        sent = {"all_reduce[dp]": cost("4*loss", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
+                "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)}
+    else:
+        held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x), "optim": cost("8*Ψ_rank", x)}
+        sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank", x)}
+    if args.grad_clip > 0:  # the squared norm, over the model group (--zero1: the world)
+        sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)
+    return held, sent
+
+
+def tp_costs(args, x, first, last):
+    """The docstring's TP and SP lines: the embedding's on the first stage only, the head's
+    and the loss statistics (3·4bs) on the last only; --recompute repeats g (2e per layer)."""
+    again = " + m*L*2*e*b*s*h" if args.recompute else ""
+    if not args.sequence_parallel:
+        return {"all_reduce[tp]": cost("m*(L*(2*e + 2*4)*b*s*h" + " + 4*b*s*h" * first
+                                       + " + 4*b*s*h + 3*4*b*s" * last + ")" + again, x)}
+    return {"all_gather_into_tensor[tp]": cost("m*(L*(2*2*e + 2*e)" + " + 4" * first + " + 2*e" * last
+                                               + ")*b*s*h" + again, x),
+            "reduce_scatter_tensor[tp]": cost("m*(L*(2*e + 2*4)" + " + 4" * first + " + 4" * last
+                                              + ")*b*s*h" + again, x),
+            "all_reduce[tp]": cost("m*3*4*b*s + 4*Ψ_r" if last else "4*Ψ_r", x)}
+
+
+def pp_costs(args, x, first, last):
+    """The docstring's PP line, n the stage boundaries this rank sits on; the logged loss."""
+    sent = {"all_reduce[pp]": cost("4*loss", x)}
+    if x["P"] > 1:
+        sent["send"] = sent["recv"] = cost("m*n*4*b*s*h" + "/T" * args.sequence_parallel, x, n=2 - first - last)
+        if first or last:
+            sent["all_reduce[embedding]"] = cost("4*V/T*h", x)
+    return sent
+
+
+def cp_costs(args, x):
+    """The docstring's CP line, on this TP rank's heads (h/T)."""
+    if x["C"] == 1:
+        return {}
+    if args.cp_impl == "ring":
+        ring = cost(f"m*L*({6 if args.recompute else 4}*(C - 1)*e*b*s*h/T + 8*C*b*s*h/T)", x)
+        return {"send": ring, "recv": ring}
+    return {"all_to_all_single[cp]": cost(f"m*L*{12 if args.recompute else 8}*e*b*s*h/T", x)}
+
+
+def activation_costs(args, config, dtype, x, in_flight, first, last):
+    """The docstring's activations line: infra.activation_terms with 06's vocabulary-parallel
+    ends (the embedding's out-of-slice mask, b·s bool; the head's input, this rank's fp32
+    softmax of V/T and the target mask) and, with CP, 09's attention; `in_flight` of them."""
+    from infra import activation_device_type, activation_terms, activations_of_layers, plus, sdpa_logsumexp
+    T, C, sp, device_type = x["T"], x["C"], args.sequence_parallel, activation_device_type(args)
+    sp_T, attention = "/T" if sp else "", None
+    if C > 1 and args.cp_impl == "ring":
+        attention = cost("(3*e*b*s*h + e*b*s*h)/T + 4*b*(a/T)*s", x)
+    elif C > 1:
+        lse = sdpa_logsumexp("(a/(T*C))", "(C*s)", dtype, device_type)
+        attention = cost(f"(3*e*b*s*h + e*b*s*h + e*b*s*h)/T + {lse}", x)
+    terms = activation_terms(config, x["b"], x["s"], dtype, device_type, tp=T, sp=sp, attention=attention)
+    terms["embedding"] = plus(terms["embedding"], cost("b*s", x))
+    if config.dropout > 0 and config.bias and device_type not in ("cuda", "xpu"):
+        # the row-parallel bias is added after g, promoting the output to fp32: CPU's
+        # dropout masks (in their input's dtype) are then fp32
+        terms["layer"] = plus(terms["layer"], cost(f"2*(4 - e)*b*s*h{sp_T}", x))
+    terms["head"] = cost(f"(4*b*s*h + 8*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s", x)
+    return activations_of_layers(terms, x["L"], args.recompute, first, last, in_flight)
 
 
 _STAGE_SIZES = {}

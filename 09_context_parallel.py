@@ -82,7 +82,7 @@ batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C 
 
     memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated)
     activations (what autograd keeps for backward, one micro-batch, T = s/C tokens per
-             sequence; common.activation_terms on T tokens, 01's terms, with each attention's
+             sequence; infra.activation_terms on T tokens, 01's terms, with each attention's
              own saved tensors; V = vocabulary):
                per block:  LayerNorms 2(4bTh + 8bT + e·bTh) + MLP 8e·bTh + attention
                            (+ residual dropout masks 2·bTh on GPUs, 2e·bTh on CPU, if p > 0)
@@ -573,44 +573,40 @@ def main():
 def costs(args, config, world_size, dtype):
     """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step,
     activations (the layout is validated first, so --dry_run refuses what a launch would
-    refuse). Activations: common.activation_terms on this rank's T = s/C tokens per
-    sequence, with the attention term replaced by what this script's attention saves."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, sdpa_logsumexp_bytes
+    refuse). In every formula s is this rank's block_size/C tokens of a sequence (the
+    docstring's T). Activations: infra.activation_terms on them, with the attention term
+    replaced by what this script's attention saves."""
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula, sdpa_logsumexp
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     micro = args.micro_batch_size or args.global_batch_size // D
     m = args.global_batch_size // (micro * D)
     e = torch.tensor([], dtype=dtype).element_size()
-    L, s, h = config.n_layer, config.block_size, config.n_embd
-    A = micro * (s // C) * h * e  # one rank's K (or V, or q, or attention output) per layer
-    sent = {"all_reduce": ("4Ψ grads + 4 loss", 4 * n_params + 4)}
-    recompute = args.recompute  # the recomputed forward sends its K/V (ring) or its 4 all-to-alls again
-    if C > 1 and args.cp_impl == "ring":
-        ring = m * L * ((4 + 2 * recompute) * (C - 1) * A + 8 * C * micro * (s // C) * h)
-        formula = f"m·L·({6 if recompute else 4}(C-1)·b·(s/C)·h·e + 8C·b·(s/C)·h)"
-        sent.update({"send": (formula, ring), "recv": (formula, ring)})
-    elif C > 1:
-        sent["all_to_all_single[cp]"] = (f"m·L·{12 if recompute else 8}·b·(s/C)·h·e", m * L * (8 + 4 * recompute) * A)
-    # activations of one micro-batch of b sequences of T = s/C tokens, a = H heads
-    b, T, a = micro, s // C, config.n_head
+    L, s, h, a = config.n_layer, config.block_size // C, config.n_embd, config.n_head  # s: this rank's tokens
     device_type = activation_device_type(args)
+
+    def f(expr):
+        return formula(expr, show="m e", Ψ=n_params, L=L, m=m, C=C, b=micro, s=s, h=h, a=a, e=e, loss=1)
+    sent = {"all_reduce": f("4*Ψ + 4*loss")}
+    # the recomputed forward sends its K/V (ring) or its 4 all-to-alls again
+    if C > 1 and args.cp_impl == "ring":  # K, V (e) C-1 hops forward and in backward; dK, dV (fp32) C hops
+        sent["send"] = sent["recv"] = f(f"m*L*({6 if args.recompute else 4}*(C - 1)*e*b*s*h + 8*C*b*s*h)")
+    elif C > 1:  # q, k, v to heads and the output back, forward and backward
+        sent["all_to_all_single[cp]"] = f(f"m*L*{12 if args.recompute else 8}*e*b*s*h")
+    # activations of one micro-batch of b sequences of s = block_size/C tokens, a = H heads
     if C == 1:  # plain SDPA without dropout: q, k, v (c_attn's output), its output = c_proj's input, logsumexp
-        attention = (f"{4 * e}bTh + 4baT", 4 * e * b * T * h + sdpa_logsumexp_bytes(b, a, T, dtype, device_type))
+        attention = f(f"4*e*b*s*h + {sdpa_logsumexp('a', 's', dtype, device_type)}")
     elif args.cp_impl == "ring":  # RingAttention saves q, k, v (views of c_attn's whole q|k|v
-        # output), its output O (allocated in [b, T, heads, d] order: the transpose back to
-        # [b, T, h] is a view, so c_proj's input is O itself) and the fp32 log-sum-exp L
-        attention = (f"3·{e}bTh + {e}bTh + 4baT", 4 * e * b * T * h + 4 * b * a * T)
-    else:  # SDPA saves the all-to-all'd q, k, v (3 storages of b·(H/C)·s·d = b·T·h), its output
-        # and logsumexp (b·(H/C)·s); c_proj saves the output back in [b, T, h] (another storage)
-        attention = (f"3·{e}bTh + {e}bTh + 4b(a/C)s + {e}bTh",
-                     5 * e * b * T * h + sdpa_logsumexp_bytes(b, a // C, s, dtype, device_type))
-    terms = activation_terms(config, b, T, dtype, device_type, attention=attention)
-    act_formula, act_bytes = activations_of_layers(terms, L, recompute)
+        # output), its output O (allocated in [b, s, heads, d] order: the transpose back to
+        # [b, s, h] is a view, so c_proj's input is O itself) and the fp32 log-sum-exp L
+        attention = f("3*e*b*s*h + e*b*s*h + 4*b*a*s")
+    else:  # SDPA saves the all-to-all'd q, k, v (3 storages of b·(H/C)·Cs·d = b·s·h), its output
+        # and logsumexp (b·(H/C)·Cs); c_proj saves the output back in [b, s, h] (another storage)
+        attention = f(f"3*e*b*s*h + e*b*s*h + {sdpa_logsumexp('(a/C)', '(C*s)', dtype, device_type)} + e*b*s*h")
+    terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
     return {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
-            "held": {"params": ("4Ψ", 4 * n_params), "grads": ("4Ψ", 4 * n_params),
-                     "optim": ("8Ψ", 8 * n_params)},
-            "sent": sent,
-            "activations": (f"{act_formula}, of T = s/C = {T} tokens per sequence", act_bytes)}
+            "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ")},
+            "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
 
 
 def checkpoint_pieces(model, optimizer, env):

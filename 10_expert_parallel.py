@@ -65,7 +65,7 @@ parameters (8h² + biases), Ψ_d the rest (replicated):
     activations: 01's block with the MLP's 8e·b·s·h replaced by the router's and the
               combine's (e·k·b·s·h + 4b·s(E + 2k + 1)) and the experts' 9e·R·h, R the rows this
               rank's experts received in that layer: k·b·s when balanced, 9e·h·(R - k·b·s)
-              more per layer when not (common.activation_terms; the ledger on each step's R)
+              more per layer when not (infra.activation_terms; the ledger on each step's R)
 """
 
 import math
@@ -321,47 +321,51 @@ def costs(args, config, world_size, dtype, received=None):
     """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
     this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
     balanced routing: k·b·s each."""
-    ep = getattr(args, "ep", None) or math.gcd(config.n_expert, world_size)
+    from infra import formula
+    ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
         model = GPT(config)  # shapes only
     psi_e = sum(p.numel() for name, p in model.named_parameters() if is_expert(name))  # all L·E experts
     psi_d = sum(p.numel() for name, p in model.named_parameters() if not is_expert(name))
-    psi = psi_d + psi_e // ep
-    held = {"params": ("4(Ψ_d + L·Ψ_e·E/N)", 4 * psi), "grads": ("4(Ψ_d + L·Ψ_e·E/N)", 4 * psi),
-            "optim": ("8(Ψ_d + L·Ψ_e·E/N)", 8 * psi)}
     b = args.micro_batch_size or args.global_batch_size // world_size
-    accum, bs = args.global_batch_size // (b * world_size), b * config.block_size
-    dispatched = L * accum * k * bs  # rows this rank routes over the step
-    received = [[k * bs] * accum] * L if received is None else received  # [layer][micro-batch]
-    R = sum(map(sum, received))
+    m, s = args.global_batch_size // (b * world_size), config.block_size
+    received = [[k * b * s] * m] * L if received is None else received  # [layer][micro-batch]
     passes = 3 if args.recompute else 2  # forward, backward (and the forward again)
-    # all-to-all inputs: the routed rows out and the experts' outputs back (R of them), in
-    # forward and again in backward (and the forward once more with --recompute), + the counts
-    all_to_all = (f"{passes}·{e}h(L·accum·k·b·s + R) + {passes - 1}·8E·L·accum, R = {R}",
-                  passes * e * h * (dispatched + R) + (passes - 1) * 8 * E * L * accum)
-    dp_experts = world_size > ep  # the experts' gradients are all-reduced over dp ranks
-    all_reduce = ("4Ψ_d + 4(1 + L·E) loss and expert counts" + (" + 4L·Ψ_e·E/N experts" if dp_experts else "")
-                  + (" + 4 norm" if args.grad_clip > 0 else ""),
-                  4 * psi_d + 4 * (1 + L * E) + (4 * psi_e // ep if dp_experts else 0) + 4 * (args.grad_clip > 0))
-    sent = {"all_to_all_single": all_to_all, "all_reduce": all_reduce}
+
+    def f(expr):  # Ψ_d: the dense parameters, Ψ_e: one expert's; R: the rows received over the step
+        return formula(expr, show="e m p R", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), L=L, E=E, N=ep, k=k, h=h, e=e,
+                       b=b, s=s, m=m, p=passes, R=sum(map(sum, received)), norm=1)
+    held = {"params": f("4*(Ψ_d + L*Ψ_e*E/N)"), "grads": f("4*(Ψ_d + L*Ψ_e*E/N)"), "optim": f("8*(Ψ_d + L*Ψ_e*E/N)")}
+    # all-to-all inputs: the L·m·k·b·s routed rows out and the experts' outputs back (R of
+    # them), in forward and again in backward (and the forward once more with --recompute),
+    # + the counts (8E per layer and micro-batch, forward and recompute)
+    all_to_all = f("p*e*h*(L*m*k*b*s + R) + (p - 1)*8*E*L*m")
+    # the dense gradients, the loss and the expert counts (1 + L·E), over all ranks; the
+    # experts' gradients over the dp ranks that hold the same experts; the norm
+    dp_experts = world_size > ep
+    all_reduce = f("4*Ψ_d + 4*(1 + L*E)" + (" + 4*L*Ψ_e*E/N" if dp_experts else "")
+                   + (" + 4*norm" if args.grad_clip > 0 else ""))
     return {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
-            "held": held, "sent": sent, "activations": max((activations(args, config, b, dtype, rows)
-                                                            for rows in zip(*received)), key=lambda a: a[1])}
+            "held": held, "sent": {"all_to_all_single": all_to_all, "all_reduce": all_reduce},
+            "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
+                               key=lambda a: a[1])}
 
 
 def activations(args, config, b, dtype, rows):
-    """(formula, bytes) held for backward for one micro-batch whose layer l's experts received
-    rows[l] rows (common.activation_terms): every layer's until backward; with --recompute the
-    block inputs, and while layer l's backward runs, the inputs below it and its internals."""
-    from infra import activation_device_type, activation_terms, activations_of_layers
+    """The formula of what one micro-batch holds for backward when layer l's experts
+    received rows[l] rows (infra.activation_terms): every layer's until backward; with
+    --recompute the block inputs, and while layer l's backward runs, the inputs below it and
+    its internals."""
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula
     def terms(n):
         return activation_terms(config, b, config.block_size, dtype, activation_device_type(args), expert_rows=n)
     if args.recompute:  # layer l as the top of l + 1 layers: its backward holds l inputs and itself
         return max((activations_of_layers(terms(n), l + 1, True) for l, n in enumerate(rows)), key=lambda a: a[1])
-    each = [activations_of_layers(terms(n), 1, False, first=l == 0, last=l == len(rows) - 1)[1]
-            for l, n in enumerate(rows)]
-    return f"Σ_l layer(R_l) + embedding + head, R_l = {list(rows)}", sum(each)
+    layers = {f"layer_{l}": terms(n)["layer"] for l, n in enumerate(rows)}  # layer l on its R_l rows
+    ends = terms(rows[0])
+    return formula(" + ".join(layers) + " + embedding + head", **layers, embedding=ends["embedding"],
+                   head=ends["head"])
 
 
 def expert_metrics(cost, load):

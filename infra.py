@@ -15,6 +15,7 @@ checkpoint pieces import what they need from here inside the function, so a copy
 with `from common import Run` and common.py alone imports and trains."""
 
 import argparse
+import ast
 import atexit
 import inspect
 import json
@@ -30,6 +31,7 @@ import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from functools import wraps
 
 import numpy as np
@@ -1350,6 +1352,110 @@ class ActivationMeter:
         self.stop()
 
 
+# ----------------------------------------------------------------------------------------
+# Cost formulas: one expression gives both the text printed beside a number and the number
+# ----------------------------------------------------------------------------------------
+
+class Formula(tuple):
+    """(text, bytes), the pair every reader of costs() takes; `expr` (Python) and `symbols`
+    (the values of the letters left in the text) say where both came from."""
+
+
+def formula(expr, show="", **symbols):
+    """One cost, written once: `expr` is Python arithmetic over named symbols (Ψ, b, s, h,
+    ...), evaluated exactly for the number (fractions; a result that is not whole is an
+    error) and written as the papers write it for the text: 4*b*s*h -> 4bsh, s**2 -> s²,
+    ceil(x) -> ⌈x⌉. A symbol keeps its letter unless `show` names it (e=2 bytes, m=4
+    micro-batches): then its value is printed. A symbol may be a Formula: by name it stands
+    for its bytes ("n·layer"); shown, its expression is written in place.
+        formula("4*Ψ + 4*loss", Ψ=10, loss=1)             -> ("4Ψ + 4·loss", 44)
+        formula("m*2*e*b*s*h", show="m e", m=3, e=2, ...)  -> ("3·2·2bsh", 12·b·s·h)"""
+    shown, kept = set(show.split()), {}
+
+    def inline(node):  # shown symbols by their value (a shown Formula: its own expression)
+        if isinstance(node, ast.Name) and node.id in shown:
+            value = symbols[node.id]
+            if isinstance(value, Formula):
+                for name, v in value.symbols.items():
+                    if kept.setdefault(name, v) != v:
+                        raise ValueError(f"{expr}: symbol {name} is {kept[name]} and {v}")
+                return ast.parse(value.expr, mode="eval").body
+            return ast.Constant(value, kind="shown")
+        if isinstance(node, ast.Name) and node.id not in ("max", "min", "ceil"):
+            value = int(symbols[node.id][1] if isinstance(symbols[node.id], Formula) else symbols[node.id])
+            if kept.setdefault(node.id, value) != value:
+                raise ValueError(f"{expr}: symbol {node.id} is {kept[node.id]} and {value}")
+        for field, child in ast.iter_fields(node):
+            if isinstance(child, ast.AST):
+                setattr(node, field, inline(child))
+            elif isinstance(child, list):
+                setattr(node, field, [inline(c) for c in child])
+        if not isinstance(node, ast.BinOp):
+            return node
+        # shown values as the papers would write them: k - 1 at k = 3 is 2, 1·x is x, 0·x + y is y
+        left, right = (c.value if getattr(c, "kind", None) == "shown" else None for c in (node.left, node.right))
+        if isinstance(node.op, (ast.Add, ast.Sub)) and (left, right) != (None, None) and \
+                isinstance(node.left, ast.Constant) and isinstance(node.right, ast.Constant):
+            return ast.Constant(int(_evaluate(node, {})), kind="shown")
+        if isinstance(node.op, ast.Mult) and 0 in (left, right):
+            return ast.Constant(0, kind="shown")
+        if isinstance(node.op, ast.Mult) and 1 in (left, right):
+            return node.right if left == 1 else node.left
+        if isinstance(node.op, (ast.Add, ast.Sub)) and right == 0 or isinstance(node.op, ast.Add) and left == 0:
+            return node.left if right == 0 else node.right
+        return node
+
+    tree = inline(ast.parse(expr, mode="eval").body)
+    value = _evaluate(tree, kept)
+    if value.denominator != 1:
+        raise ValueError(f"cost formula {expr} = {value} at {symbols}: not a whole number of bytes")
+    out = Formula((_written(tree)[0], int(value)))
+    out.expr, out.symbols = ast.unparse(tree), kept
+    return out
+
+
+def plus(*terms):
+    """The sum of some formulas (None: a term that does not apply), each written in place."""
+    terms = {f"t{i}": t for i, t in enumerate(terms) if t is not None}
+    return formula(" + ".join(terms) or "0", show=" ".join(terms), **terms)
+
+
+def _evaluate(tree, symbols):
+    """The exact value of an expression tree: its symbols as fractions, so that / is exact."""
+    code = compile(ast.fix_missing_locations(ast.Expression(tree)), "<formula>", "eval")
+    scope = {"max": max, "min": min, "ceil": lambda x: Fraction(math.ceil(x)), "__builtins__": {}}
+    return Fraction(eval(code, scope, {name: Fraction(v) for name, v in symbols.items()}))
+
+
+def _written(node):
+    """(text, precedence, first atom, last atom) of an expression tree: products juxtaposed
+    where the papers would (4bsh, 2(...), L·layer), a quotient's divisor always a single atom."""
+    if isinstance(node, ast.Constant):
+        return str(node.value), 9, "num", "num"
+    if isinstance(node, ast.Name):
+        atom = "short" if len(node.id) == 1 else "psi" if node.id.startswith("Ψ") else "long"
+        return node.id, 9, atom, "long" if atom == "psi" else atom
+    if isinstance(node, ast.Call):
+        inner = ", ".join(_written(a)[0] for a in node.args)
+        return (f"⌈{inner}⌉", 9, "paren", "paren") if node.func.id == "ceil" else (
+            f"{node.func.id}({inner})", 9, "long", "paren")
+    op = type(node.op)
+    prec = {ast.Add: 1, ast.Sub: 1, ast.Mult: 2, ast.Div: 2, ast.Pow: 3}[op]
+    left, right = _written(node.left), _written(node.right)
+    lt = f"({left[0]})" if left[1] < prec else left[0]
+    rt = f"({right[0]})" if right[1] < prec + (op in (ast.Sub, ast.Div, ast.Pow)) else right[0]
+    first = "paren" if left[1] < prec else left[2]
+    last = "paren" if right[1] < prec + (op in (ast.Sub, ast.Div)) else right[3]
+    if op is ast.Pow:
+        return lt + rt.translate(str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")), prec, first, "long"
+    if op is ast.Mult:
+        juxtapose = (left[3] if left[1] >= prec else "paren") in ("num", "short", "paren") and \
+            (right[2] if right[1] >= prec else "paren") in ("short", "psi", "paren")
+        return lt + ("" if juxtapose else "·") + rt, prec, first, last
+    return f"{lt}{' + ' if op is ast.Add else ' - ' if op is ast.Sub else '/'}{rt}", prec, first, \
+        "long" if op is ast.Div else last
+
+
 def activation_device_type(args):
     """The device whose kernels decide what is saved: --device, or for auto the GPU a dry
     run plans for, and in a live run the device this machine has."""
@@ -1358,12 +1464,12 @@ def activation_device_type(args):
     return "cuda" if args.dry_run else pick_device("auto", 0)[0].type
 
 
-def sdpa_logsumexp_bytes(b, heads, s, dtype, device_type):
-    """The fp32 logsumexp SDPA's flash / memory-efficient kernels save for backward, b x heads
-    x s; in fp32 on GPUs the memory-efficient kernel pads s to a multiple of 32."""
-    gpu = device_type in ("cuda", "xpu")
-    e = torch.tensor([], dtype=dtype).element_size()
-    return 4 * b * heads * (s if (not gpu or e == 2) else 32 * math.ceil(s / 32))
+def sdpa_logsumexp(heads, tokens, dtype, device_type):
+    """The expression of the fp32 logsumexp SDPA's flash / memory-efficient kernels save for
+    backward, b x heads x tokens; in fp32 on GPUs the memory-efficient kernel pads the tokens
+    to a multiple of 32."""
+    padded = device_type in ("cuda", "xpu") and torch.tensor([], dtype=dtype).element_size() == 4
+    return f"4*b*{heads}*" + (f"32*ceil({tokens}/32)" if padded else tokens)
 
 
 def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dtype=torch.float32,
@@ -1375,7 +1481,7 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
     not) and sequence parallelism (the replicated parts are sharded along s instead, and the
     column-parallel Linears keep only their input's sequence shard: every term of a block is
     /T, so a block holds 1/T of what it holds without tensor parallelism).
-    Returns {term: (formula, bytes)} with `layer` (one transformer block), `block_input`
+    Returns {term: formula (text, bytes)} with `layer` (one transformer block), `block_input`
     (what --recompute keeps of a block), `embedding` (dropout's mask) and `head` (ln_f,
     the head's input, the log-softmax of the logits; with tp the caller adds its own
     vocabulary-parallel head). Per block, with e = bytes of the compute dtype (fp32 or
@@ -1394,55 +1500,47 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
                     mask, dropped) instead of q, k, v, output and logsumexp
       fp32, dropout 0:  64bsh + 16bs + 4bas   (Korthikanti et al.'s 34sbh + 5as^2b in 16 bits)
       bf16, dropout 0:  36bsh + 16bs + 4bas
-    `attention`, a (formula, bytes), replaces the attention term where a script runs another
-    attention than common's (09's ring attention and Ulysses, which also apply no dropout
+    `attention`, a formula over these symbols, replaces the attention term where a script
+    runs another attention than common's (09's ring attention and Ulysses, which also apply no dropout
     to the attention probabilities)."""
     h, a, V = config.n_embd, config.n_head, config.vocab_size
     e = torch.tensor([], dtype=dtype).element_size()
     gpu = device_type in ("cuda", "xpu")
     dropout = config.dropout > 0
-    rep = tp if sp else 1  # the divisor of the replicated parts (sequence parallelism)
     r = torch.tensor([], dtype=param_dtype).element_size()  # the residual stream's bytes
     n = 4 if gpu else r  # what a LayerNorm saves of its input, and of its mean and rstd
-    terms = {}
+    d = 1 if gpu else e  # a dropout mask: bool on GPUs, the input's dtype on CPU
+    sp_T = "/T" if sp else ""  # sequence parallelism: the replicated parts are /T too
+
+    def term(expr, **more):
+        return formula(expr, show="e r n d R", b=b, s=s, h=h, a=a, V=V, T=tp, e=e, r=r, n=n, d=d, **more)
+
     # with sequence parallelism the LayerNorms work on sequence shards, and the
     # column-parallel Linears after them keep only that shard of their input (they gather
     # it again in backward), so the whole term is /T
-    ln = 2 * (n * b * s * h + 2 * n * b * s + e * b * s * h) // rep
-    terms["layernorms"] = (f"2({n}bsh + {2 * n}bs + {e}bsh){'/T' if sp else ''}", ln)
+    terms = {"layernorms": term(f"2*(n*b*s*h + 2*n*b*s + e*b*s*h){sp_T}")}
     if attention is not None:
         terms["attention"] = attention
-        attn = attention[1]
-    elif dropout and not gpu:
-        attn = (12 * b * s * h + 12 * b * a * s * s) // tp + e * b * s * h // tp
-        terms["attention"] = (f"(12bsh + 12bas² + {e}bsh)/T (CPU math kernel, dropout)", attn)
+    elif dropout and not gpu:  # CPU's math kernel
+        terms["attention"] = term("(12*b*s*h + 12*b*a*s**2 + e*b*s*h)/T")
     else:
-        attn = (4 * e * b * s * h + sdpa_logsumexp_bytes(b, a, s, dtype, device_type)) // tp
-        terms["attention"] = (f"({4 * e}bsh + 4bas)/T", attn)
-    mlp = 8 * e * b * s * h // tp
-    terms["mlp"] = (f"{8 * e}bsh/T", mlp)
-    mask_e = 1 if gpu else None
-    masks = 0
+        terms["attention"] = term(f"(4*e*b*s*h + {sdpa_logsumexp('a', 's', dtype, device_type)})/T")
+    terms["mlp"] = term("8*e*b*s*h/T")
     if dropout:  # residual dropouts: after c_proj (compute dtype) in attention and MLP
-        masks = 2 * (mask_e or e) * b * s * h // rep
-        terms["dropout masks"] = (f"2·{mask_e or e}bsh{'/T' if sp else ''}", masks)
+        terms["dropout masks"] = term(f"2*d*b*s*h{sp_T}")
     if config.n_expert:  # a mixture of experts (no tp): R rows through the experts (k·b·s, or
         # `expert_rows`: those a rank's experts received), each an MLP's 9e·h (its input cast,
         # GELU's and c_proj's inputs); the combine keeps the k·b·s outputs and the fp32 weights;
         # the router its probabilities (bsE), the top-k (2bsk), their sum (bs), f_e (bE)
-        k, E, R = config.top_k, config.n_expert, expert_rows if expert_rows is not None else config.top_k * b * s
-        mlp = 9 * e * R * h + e * k * b * s * h + 4 * b * s * (E + 2 * k + 1) + 4 * b * E
-        terms["mlp"] = (f"{9 * e}Rh + {e * k}bsh + 4bs(E + 2k + 1) + 4bE, R = {R}", mlp)
+        k, E = config.top_k, config.n_expert
+        R = expert_rows if expert_rows is not None else k * b * s
+        terms["mlp"] = term("9*e*R*h + e*k*b*s*h + 4*b*s*(E + 2*k + 1) + 4*b*E", k=k, E=E, R=R)
         if dropout:  # each expert's output dropout, instead of the MLP's
-            masks += (mask_e or e) * (R - b * s) * h
-            terms["dropout masks"] = (f"{mask_e or e}bsh + {mask_e or e}Rh", masks)
-    layer = ln + attn + mlp + masks
-    out = {"layer": (" + ".join(f for f, _ in terms.values()), layer),
-           "block_input": (f"{r}bsh{'/T' if sp else ''}", r * b * s * h // rep),
-           "embedding": (f"{mask_e or r}bsh{'/T' if sp else ''}" if dropout else "0",
-                         (mask_e or r) * b * s * h // rep if dropout else 0),
-           "head": (f"{n}bsh + {2 * n}bs + {e}bsh + 4bsV + 4", n * b * s * h + 2 * n * b * s + e * b * s * h + 4 * b * s * V + 4)}
-    return out
+            terms["dropout masks"] = term("d*b*s*h + d*R*h", R=R)
+    return {"layer": plus(*terms.values()),
+            "block_input": term(f"r*b*s*h{sp_T}"),
+            "embedding": term(f"{'d' if gpu else 'r'}*b*s*h{sp_T}" if dropout else "0"),
+            "head": term("n*b*s*h + 2*n*b*s + e*b*s*h + 4*b*s*V + 4")}
 
 
 def activation_phases(terms, n_layers, recompute, first=True, last=True):
@@ -1460,13 +1558,17 @@ def activation_phases(terms, n_layers, recompute, first=True, last=True):
     return emb + n_layers * block_in + head, emb + (n_layers - 1) * block_in + layer
 
 
-def activations_of_layers(terms, n_layers, recompute, first=True, last=True):
-    """(formula, bytes): the peak this rank holds for backward for one micro-batch through
-    n_layers blocks (see activation_phases)."""
-    kept, during = activation_phases(terms, n_layers, recompute, first, last)
-    if not recompute:
-        return f"{n_layers}·layer + embedding + head", kept
-    return f"embedding + max({n_layers}·input + head, {n_layers - 1}·input + layer)", max(kept, during)
+def activations_of_layers(terms, n_layers, recompute, first=True, last=True, in_flight=1):
+    """The formula of the peak this rank holds for backward: `in_flight` micro-batches through
+    n_layers blocks have run their forward, and the oldest runs its backward (see
+    activation_phases; 1F1B's stage holds min(p - stage, m) of them)."""
+    emb, head = "embedding + " * first, " + head" * last
+    if not recompute:  # backward only frees
+        expr = f"k*({emb}L*layer{head})"
+    else:  # the others keep their block inputs; the oldest's backward holds a whole layer
+        expr = f"(k - 1)*({emb}L*input{head}) + {emb}max(L*input{head}, (L - 1)*input + layer)"
+    return formula(expr, show="k L", k=in_flight, L=n_layers, layer=terms["layer"], input=terms["block_input"],
+                   embedding=terms["embedding"], head=terms["head"])
 
 
 # ----------------------------------------------------------------------------------------

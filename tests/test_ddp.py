@@ -36,7 +36,7 @@ def test_losses_equal_single_gpu(reference, ranks, micro, overlap, clip, bucket_
     for step in run.steps:
         assert step["comm_bytes"] == {"all_reduce": 4 * n_params + 4}
         assert step["state_bytes"] == reference[clip].steps[0]["state_bytes"]
-    assert "ledger (rank 0)" in run.stdout and "4Ψ grads + 4 loss" in run.stdout
+    assert "ledger (rank 0)" in run.stdout and "4Ψ + 4·loss" in run.stdout
 
 
 def test_eval_losses_are_the_global_mean(reference):
