@@ -22,7 +22,7 @@ def main():
                         help="this rank sleeps past --timeout before the second all-reduce (a hang)")
     args = parse_args(parser)
     env = setup(args)
-    LEDGER.install()  # count what this probe sends (a training script's Run.setup does this)
+    LEDGER.install()  # count what this probe sends (a training script's Run.start does this)
     value = torch.tensor([float(env.rank)])
     dist.all_reduce(value)  # the sum of all ranks
     report = dict(kind=env.launch.kind, rank=env.rank, world_size=env.world_size,
