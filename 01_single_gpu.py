@@ -71,10 +71,12 @@ def main():
     check(run.world_size == 1, f"01_single_gpu.py runs as one process, not {run.world_size}: "
           "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
-    check(not (getattr(args, "resume", False) and args.init_from), "--resume and --init_from both say where the weights come from: "
+    resume = getattr(args, "resume", False)  # (infra.py's flag: a plain copy has none)
+    check(not (resume and args.init_from), "--resume and --init_from both say where the weights come from: "
           "pass one (--resume continues a run; --init_from starts a new one from a one-file model)")
     env, accum_steps = run.start(costs, dp_size=1)  # the process up; --micro_batch_size auto: what fits
-    run.dry_run(costs, lambda config: [f"layout: one device, {accum_steps} micro-batch(es) of {args.micro_batch_size}"])
+    run.dry_run(costs, lambda config: [f"layout: one device, {accum_steps} micro-batch(es) of "
+                                       f"{args.micro_batch_size}"])  # --dry_run: the plan, then exit
     torch.manual_seed(args.seed)  # dropout's random stream (weights are seeded by name)
 
     data = Data(args.data, args.seed, model_block_size(args))
