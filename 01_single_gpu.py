@@ -109,9 +109,10 @@ def main():
                     _, loss = train_model(x[rows], y[rows])
                 (loss / accum_steps).backward()  # accumulate the mean over the global batch
                 loss_sum += loss.detach().float()
+        norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        run.check(loss_sum, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop
         optimizer.zero_grad(set_to_none=True)

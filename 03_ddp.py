@@ -215,9 +215,10 @@ def main():
         buckets.finish()  # gradients are now the mean over the global batch, on every rank
         loss_sum /= accum_steps  # this replica's mean loss
         mean_over_replicas(loss_sum, dp_group)  # the global batch's mean loss, for logging
+        norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        run.check(loss_sum, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum)  # ledger, metrics, checkpoint, stop
         buckets.zero_grad()

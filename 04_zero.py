@@ -491,9 +491,8 @@ def main():
         zero.release_root()
         loss_sum /= accum_steps * env.world_size
         dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
-        if args.grad_clip > 0:
-            zero.clip_grad_norm(args.grad_clip)
-        run.check(loss_sum, (u.grad_shard for u in zero.units))  # non-finite? asked to stop?
+        norm = zero.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
+        run.check(loss_sum, (u.grad_shard for u in zero.units), norm)  # non-finite? asked to stop?
         zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
         run.end_step(loss_sum)  # ledger, metrics, checkpoint, stop
         zero.zero_grad()

@@ -248,9 +248,11 @@ class FSDP:
         """Global norm from the shards (padding rows are zero); the replicas hold equal shards."""
         squares = sum(s.grad.float().pow(2).sum() for s in self.shards()).to(self.device)
         dist.all_reduce(squares, group=self.shard_group)  # the sum over the shard group
-        coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0).to(self.shards()[0].device)
+        total_norm = squares.sqrt()
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(self.shards()[0].device)
         for s in self.shards():
             s.grad.mul_(coef)
+        return total_norm
 
     def __str__(self):
         replicas = self.world_size // self.shard_size
@@ -356,9 +358,8 @@ def main():
         fsdp.end()  # free the root (and, with --no_reshard, every block)
         loss_sum /= accum_steps * env.world_size
         dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
-        if args.grad_clip > 0:
-            fsdp.clip_grad_norm(args.grad_clip)
-        run.check(loss_sum, (s.grad for s in fsdp.shards()))  # non-finite? asked to stop?
+        norm = fsdp.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
+        run.check(loss_sum, (s.grad for s in fsdp.shards()), norm)  # non-finite? asked to stop?
         optimizer.step()  # AdamW on this rank's fp32 rows only
         if step == run.start_step and run.cost:  # next to the ledger: the gathered parameters, their bound
             log_gathered(run, fsdp)

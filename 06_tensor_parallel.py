@@ -597,9 +597,10 @@ def main():
                 loss_sum += loss.detach().float()
         if args.sequence_parallel:  # the replicated parameters saw only this rank's sequence shard
             all_reduce_sequence_parallel_grads(model, tp_group)
+        norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
-            clip_grad_norm(model, args.grad_clip, tp_group)  # the norm over every rank's shards
-        run.check(loss_sum, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+            norm = clip_grad_norm(model, args.grad_clip, tp_group)  # the norm over every rank's shards
+        run.check(loss_sum, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop
         optimizer.zero_grad(set_to_none=True)

@@ -535,9 +535,11 @@ def clip_grad_norm(chunks, max_norm, group):
                   if not (head_copy and n.endswith("lm_head.weight")))
     if dist.get_world_size(group) > 1:
         dist.all_reduce(squares, group=group)  # every stage's squared gradient norm
-    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+    total_norm = squares.sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for t in chunks.parameters():
         t.grad.mul_(coef)
+    return total_norm
 
 
 def add_flags(parser):
@@ -615,9 +617,8 @@ def main():
         if p > 1 and (first or last):
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
                 dist.all_reduce(weight.grad, group=embedding_group)
-        if args.grad_clip > 0:
-            clip_grad_norm(chunks, args.grad_clip, pipeline.group)
-        run.check(loss, (t.grad for t in chunks.parameters()))  # non-finite? asked to stop?
+        norm = clip_grad_norm(chunks, args.grad_clip, pipeline.group) if args.grad_clip > 0 else None
+        run.check(loss, (t.grad for t in chunks.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         if step == run.start_step and run.cost:  # next to the ledger
             run.log(f"activations in flight on stage {env.rank}: at most {in_flight} micro-batch chunk(s) "

@@ -494,9 +494,11 @@ def clip_grad_norm(replicas, max_norm):
     whole model, is at most max_norm."""
     squares = replicas.squared_norm()
     dist.all_reduce(squares, group=replicas.norm_group)  # over the ranks of distinct gradients
-    coef = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+    total_norm = squares.sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in replicas.grad_tensors():
         g.mul_(coef)
+    return total_norm
 
 
 # ---------------------------------------------------------------------------------------
@@ -607,9 +609,8 @@ def main():
         if stage.sp:  # the replicated parameters saw only this rank's sequence shard
             all_reduce_sequence_parallel_grads(stage, mesh.tp_group)
         replicas.reduce_gradients()  # the mean over the replicas (ZeRO-1: this DP rank's shard)
-        if args.grad_clip > 0:
-            clip_grad_norm(replicas, args.grad_clip)
-        run.check(loss, replicas.grad_tensors())  # non-finite? asked to stop?
+        norm = clip_grad_norm(replicas, args.grad_clip) if args.grad_clip > 0 else None  # the global norm
+        run.check(loss, replicas.grad_tensors(), norm)  # non-finite? asked to stop?
         replicas.step()  # AdamW (ZeRO-1: on this DP rank's shard, then the parameters all-gathered)
         run.end_step(loss)  # ledger, metrics, checkpoint, stop
         replicas.zero_grad()

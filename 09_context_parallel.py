@@ -557,9 +557,10 @@ def main():
                 loss_total += loss.detach().float()
         all_reduce_grads(model.parameters(), world)  # gradients are now the global mean, on every rank
         dist.all_reduce(loss_total, group=world)  # the global batch's mean loss, for logging
+        norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        run.check(loss_total, (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        run.check(loss_total, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_total)  # ledger, metrics, checkpoint, stop
         optimizer.zero_grad(set_to_none=True)

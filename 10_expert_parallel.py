@@ -239,6 +239,7 @@ def clip_grad_norm(model, max_norm, ep_group):
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in model.parameters():
         p.grad.mul_(coef)
+    return total
 
 
 @torch.no_grad()
@@ -303,9 +304,10 @@ def main():
         received, load = take_routing(model, env.device)
         stats = torch.cat([(loss_sum / (accum_steps * env.world_size)).view(1), load.float().view(-1)])
         dist.all_reduce(stats, group=data_group)  # the global batch's mean loss and tokens per expert, for logging
+        norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
-            clip_grad_norm(model, args.grad_clip, ep_group)  # the norm over every expert once
-        run.check(stats[0], (p.grad for p in model.parameters()))  # non-finite? asked to stop?
+            norm = clip_grad_norm(model, args.grad_clip, ep_group)  # the norm over every expert once
+        run.check(stats[0], (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(stats[0], extra=lambda: expert_metrics(run.cost, stats[1:].view(config.n_layer, -1)),
                      received=received)  # this step's routing: what its costs() depend on

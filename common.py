@@ -1126,7 +1126,7 @@ class Run:
             lr = lr_at(step, args) ...                    # the learning rate, set in the loop
             with run.meter:                               # (infra: the activations autograd holds)
                 ... forwards and backwards ...
-            run.check(loss, grads)                        # (infra: non-finite? asked to stop?)
+            run.check(loss, grads, norm)                  # (infra: non-finite? asked to stop?)
             optimizer.step()
             run.end_step(loss)                            # one line at --log_interval
         run.finish()                                      # end the process group in step
@@ -1183,7 +1183,7 @@ class Run:
         log(self.env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         return losses
 
-    def check(self, loss, grads):
+    def check(self, loss, grads, norm=None):
         """infra's Run: every rank agrees whether a loss or gradient is non-finite (stop before
         the update) and whether one was asked to stop. Here: nothing."""
 

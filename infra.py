@@ -281,7 +281,7 @@ class Run(common.Run):
         run.begin(config, optimizer, costs, ...)        # + resume; the ledger's formulas; metrics
         for step in run.steps():                        # + the ledger's window opens
             with run.meter:                             # + the activations autograd holds
-            run.check(loss, grads)                      # + non-finite? asked to stop? (every rank)
+            run.check(loss, grads, norm)                # + non-finite? asked to stop? (every rank)
             run.end_step(loss)                          # + ledger, metrics, checkpoint, stop
         run.finish()                                    # + out_dir released
 
@@ -395,9 +395,10 @@ class Run(common.Run):
         costs(), evaluated for this rank: the ledger's theory column (`run.cost`). `layout`:
         what a checkpoint records of this strategy's layout (the same layout resumes bit for
         bit). `pieces()`: this rank's checkpoint pieces; `held()`: the model-state bytes it
-        holds, by kind (default: the optimizer's parameters, their gradients and its state); `evaluate()`: {"train": loss, "val": loss} over --eval_iters batches;
-        `extra_rng()`: random streams besides the default ones (a TP rank's own dropout
-        stream); `after_resume()`: what the strategy rebuilds from what it read. Resumes from
+        holds, by kind (default: the optimizer's parameters, their gradients and its state);
+        `evaluate()`: {"train": loss, "val": loss} over --eval_iters batches; `extra_rng()`:
+        random streams besides the default ones (a TP rank's own dropout stream);
+        `after_resume()`: what the strategy rebuilds from what it read. Resumes from
         --resume (a checkpoint of any script at any layout) and returns the extra streams read
         back (same layout only; else None)."""
         args, env = self.args, self.env
@@ -455,13 +456,14 @@ class Run(common.Run):
         LEDGER.take()  # evaluation traffic is not a training step's
         return losses
 
-    def check(self, loss, grads):
-        """Right before the optimizer step, with this rank's loss and gradient tensors: every
+    def check(self, loss, grads, norm=None):
+        """Right before the optimizer step, with this rank's loss and gradient tensors (and the
+        global gradient norm where clipping took it: then read instead of the gradients): every
         rank agrees (one small all-reduce) whether any holds a non-finite value, which ends
         the run here before the update, and whether any was asked to stop (a signal,
         --time_limit), which ends it after this step's checkpoint."""
         LEDGER.phase = "optimizer"  # the guard's flags, the update and what follows it
-        self.stopping = self.guard.check(self.step, loss, grads)
+        self.stopping = self.guard.check(self.step, loss, grads, norm)
 
     def end_step(self, loss, extra=None, **step_costs):
         """After the optimizer step, with the global batch's mean loss (a tensor, read only
@@ -971,15 +973,16 @@ class Guard:
         self.slowest, self.last = max(self.slowest, now - self.last), now  # a step, with its eval and saves
         return now - STARTED + 2 * self.slowest > self.args.time_limit * 60
 
-    def check(self, step, loss, grads):
+    def check(self, step, loss, grads, norm=None):
         """Call after backward (and clipping), right before optimizer.step(), with this rank's
-        loss and its gradient tensors. Returns True when every rank should stop after this step."""
+        loss and its gradient tensors, or the global gradient norm clipping took (non-finite
+        exactly when a gradient is). Returns True when every rank should stop after this step."""
         env, rank = self.env, self.env.rank
-        grads = [g.detach() for g in grads if g is not None]
-        # one norm per device in one fused call (with --offload the gradient shards live in
-        # host memory); the sum of norms and the loss are non-finite exactly when one value is
-        norms = [torch._foreach_norm(group) for group in by_device(grads)]
-        total = loss.detach().float().reshape(()) + sum(torch.stack(n).sum().to(env.device) for n in norms)
+        if norm is None:  # one norm per device in one fused call (with --offload the gradient
+            # shards live in host memory); their sum is non-finite exactly when a value is
+            grads = [g.detach() for g in grads if g is not None]
+            norm = sum(torch.stack(torch._foreach_norm(group)).sum().to(env.device) for group in by_device(grads))
+        total = loss.detach().float().reshape(()) + torch.as_tensor(norm, device=env.device).detach().float()
         asked = 2 if self.signal else 1 if self._time_is_up() else 0
         # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop;
         # a failed write): computed on the device, read once below
