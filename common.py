@@ -750,8 +750,9 @@ def parse_args(parser, argv=None):
     check(cfg["n_expert"] or (args.top_k is None and args.aux_loss_coef is None),
           "--top_k and --aux_loss_coef belong to a mixture of experts: pass --n_expert E")
     if cfg["n_expert"]:
+        given = "" if args.top_k is not None else " (the default: pass --top_k)"
         check(1 <= cfg["top_k"] <= cfg["n_expert"], f"--top_k must be in [1, n_expert = "
-              f"{cfg['n_expert']}], got {cfg['top_k']}")
+              f"{cfg['n_expert']}], got {cfg['top_k']}{given}")
         check(cfg.get("aux_loss_coef", 0) >= 0, f"--aux_loss_coef must not be negative, got {cfg['aux_loss_coef']}")
     check(args.global_batch_size <= MAX_BATCH, f"--global_batch_size {args.global_batch_size} is more than "
           f"{MAX_BATCH:,} sequences per step: a typo?")

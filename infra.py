@@ -116,6 +116,9 @@ def parse_args(parser, argv=None):
           "it needs --ckpt_interval (the final step is always saved)")
     check(not (args.resume and args.overwrite), "--resume continues the run in --out_dir, --overwrite replaces it: "
           "pass one")
+    check(args.wandb != "", "--wandb needs a project name, got an empty one (an unset variable in a job script?): "
+          "name the project, or leave --wandb out")
+    check(args.out_dir != "", "--out_dir is empty (an unset variable in a job script?): name a directory")
     check(not args.wandb or wandb_installed(), f"--wandb {args.wandb}: the wandb package is not installed "
           "(it is optional: pip install wandb)")
     return args

@@ -366,3 +366,23 @@ def test_a_run_whose_output_reader_went_away_still_checkpoints_at_a_sigterm(tmp_
             run.wait()
     assert run.returncode == 0 and committed(out) and "LOCK" not in os.listdir(out)
     assert len(metrics.read_text().splitlines()) > rows + 4
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--wandb", ""], "--wandb needs a project name, got an empty one (an unset variable in a job script?): "
+                      "name the project, or leave --wandb out"),
+    (["--out_dir", ""], "--out_dir is empty (an unset variable in a job script?): name a directory"),
+])
+def test_an_empty_variable_in_a_job_script_is_named(flags, line):
+    """`--wandb "$PROJECT"` or `--out_dir "$OUT"` with the variable unset: one line saying so,
+    not a run with wandb silently off or a directory named ''."""
+    p = dry("03_ddp.py", "--world_size", 2, *flags)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: {line}"], p.stderr
+
+
+def test_a_default_top_k_above_the_experts_says_it_is_the_default():
+    p = dry("10_expert_parallel.py", "--world_size", 1, "--n_expert", 1)
+    assert p.returncode == 2 and p.stderr.strip() == \
+        "error: --top_k must be in [1, n_expert = 1], got 2 (the default: pass --top_k)", p.stderr
+    p = dry("10_expert_parallel.py", "--world_size", 1, "--n_expert", 1, "--top_k", 3)
+    assert p.returncode == 2 and p.stderr.strip() == "error: --top_k must be in [1, n_expert = 1], got 3", p.stderr
