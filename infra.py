@@ -365,7 +365,8 @@ class Run(common.Run):
         def need(**changes):
             return rank_need(args, costs, self.world_size, dtype, device_type, ranks, **changes)
         needed, per = need(), (f"of --gpu_mem_gb {args.gpu_mem_gb:g}" if args.gpu_mem_gb else f"of a {args.machine} GPU"
-                               if args.machine else f"this host's available memory / {args.ranks_per_node} rank(s)")
+                               if args.machine else f"this host's room (MemAvailable, the job's cgroup, ulimit -v) / "
+                                                    f"{args.ranks_per_node} rank(s)")
         usable = f"{GPU_USABLE:.0%} " if args.gpu_mem_gb or args.machine else ""
         verdict = "fits" if needed <= room else f"does not fit: {fit_fixes(args, need, room)}"
         return [f"fit: {verdict} (needs {format_bytes(needed)} per rank: {allowance_text(device_type)}; "
@@ -777,36 +778,104 @@ def fit_need(cost, device_type):
     return base + int(share * base) + mib * 2**20
 
 
-def host_available():
-    """This host's MemAvailable in bytes, or None where /proc/meminfo is not there."""
+# The memory a job may use on this host is bounded three ways, and the fit check takes the least:
+# the host's MemAvailable; the job's memory cgroup (Slurm's --mem, PBS's mem=, a shared node),
+# whose limit the kernel enforces with the OOM killer long before the host runs out; and the
+# process's own address-space limit (ulimit -v, RLIMIT_AS), which makes an allocation fail.
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the cgroup file systems are mounted (tests point it elsewhere)
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+def _read_int(path):
+    """The integer in a one-value file (a cgroup's limit or usage), or None ("max", missing)."""
     try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+        with open(path) as f:
+            text = f.read().strip()
+        return int(text) if text.isdigit() else None
+    except OSError:
         return None
 
 
+def cgroup_room():
+    """The bytes this process's memory cgroup still allows (its limit less its usage), or None
+    without a limit: cgroup v2 (memory.max, memory.current) or v1 (memory.limit_in_bytes,
+    memory.usage_in_bytes; v1's "no limit" is a huge number, larger than any host)."""
+    try:
+        with open(PROC_SELF_CGROUP) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    rooms = []
+    for _, controllers, path in lines:
+        if controllers == "":  # v2: one unified hierarchy
+            folder, files = os.path.join(CGROUP_ROOT, path.lstrip("/")), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
+            folder = os.path.join(CGROUP_ROOT, "memory", path.lstrip("/"))
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        limit, usage = _read_int(os.path.join(folder, files[0])), _read_int(os.path.join(folder, files[1]))
+        if limit is not None and limit < 2**60:
+            rooms.append(max(0, limit - (usage or 0)))
+    return min(rooms) if rooms else None
+
+
+def address_space_room():
+    """The bytes this process may still map under its RLIMIT_AS (ulimit -v) less what it has
+    mapped (VmSize), or None without a limit."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        size = 0
+    return max(0, soft - size)
+
+
+def host_available():
+    """The bytes the ranks of this job on this host may still take, together: the least of
+    MemAvailable and the memory cgroup's room (None where neither is known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = None
+    known = [room for room in (available, cgroup_room()) if room is not None]
+    return min(known) if known else None
+
+
+def host_room(local_ranks):
+    """One rank's room on this host: its share of host_available(), within its own
+    address-space limit."""
+    available = host_available()
+    share = available and available // max(1, local_ranks)
+    known = [room for room in (share, address_space_room()) if room is not None]
+    return min(known) if known else None
+
+
 def memory_room(env):
-    """Bytes this rank can have: the device's free memory, or on CPU the host's available
-    memory shared by the ranks on this node (each one's runtime is already resident)."""
+    """Bytes this rank can have: the device's free memory, or on CPU host_room(): the host's
+    available memory within the job's cgroup, shared by the ranks on this node (each one's
+    runtime is already resident), within the rank's address-space limit."""
     if env.device.type == "cuda":
         return torch.cuda.mem_get_info(env.device)[0]
     if env.device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
         return torch.xpu.mem_get_info(env.device)[0]
-    available = host_available() if env.device.type == "cpu" else None  # mps: unknown
-    return available and available // max(1, env.launch.local_world_size or 1)
+    return host_room(env.launch.local_world_size or 1) if env.device.type == "cpu" else None  # mps: unknown
 
 
 def planned_room(args):
     """The room a dry run (and plan.py) plans for, per rank: GPU_USABLE of --gpu_mem_gb or of
-    --machine's GPU; with neither and --device cpu, this host's available memory shared by
-    --ranks_per_node ranks; else None (no verdict: the GPU is not named)."""
+    --machine's GPU; with neither and --device cpu, host_room() for --ranks_per_node ranks
+    on this host; else None (no verdict: the GPU is not named)."""
     gb = args.gpu_mem_gb or GPU_MEMORY_GB.get(args.machine)
     if gb:
         return int(gb * 1e9 * GPU_USABLE)
-    available = host_available() if args.device == "cpu" else None
-    return available and available // args.ranks_per_node
+    return host_room(args.ranks_per_node) if args.device == "cpu" else None
 
 
 def rank_need(args, costs, world_size, dtype, device_type, ranks=(0,), **changes):

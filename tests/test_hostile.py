@@ -6,6 +6,7 @@ the case needs ranks; each ends with one line naming the cause, or with the righ
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -386,3 +387,55 @@ def test_a_default_top_k_above_the_experts_says_it_is_the_default():
         "error: --top_k must be in [1, n_expert = 1], got 2 (the default: pass --top_k)", p.stderr
     p = dry("10_expert_parallel.py", "--world_size", 1, "--n_expert", 1, "--top_k", 3)
     assert p.returncode == 2 and p.stderr.strip() == "error: --top_k must be in [1, n_expert = 1], got 3", p.stderr
+
+
+def fake_cgroup(tmp_path, monkeypatch, version, limit, usage):
+    """Point infra at a made-up memory cgroup of this process: v2 (one hierarchy) or v1."""
+    if version == 2:
+        proc, folder, files = "0::/job.slice\n", tmp_path / "job.slice", ("memory.max", "memory.current")
+    else:
+        proc, folder = "12:cpu,cpuacct:/slurm/job\n5:memory:/slurm/job\n", tmp_path / "memory" / "slurm" / "job"
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    folder.mkdir(parents=True)
+    (folder / files[0]).write_text(f"{limit}\n")
+    (folder / files[1]).write_text(f"{usage}\n")
+    (tmp_path / "cgroup").write_text(proc)
+    monkeypatch.setattr(infra, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(infra, "PROC_SELF_CGROUP", str(tmp_path / "cgroup"))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_room_on_cpu_honours_the_jobs_memory_cgroup(tmp_path, monkeypatch, version):
+    """Slurm's --mem, PBS's mem= or a shared node put the job in a memory cgroup whose limit
+    the OOM killer enforces long before MemAvailable runs out (a bare 01 under a 3 GiB limit
+    chose micro-batch 48 from MemAvailable and was killed): the room is the least of the two."""
+    host = infra.host_available()
+    fake_cgroup(tmp_path, monkeypatch, version, limit=3 * 2**30, usage=2**30)
+    assert infra.cgroup_room() == 2 * 2**30
+    assert infra.host_available() == min(host, 2 * 2**30)
+    unlimited = "max" if version == 2 else str(2**63 - 4096)
+    (tmp_path / ("job.slice/memory.max" if version == 2 else "memory/slurm/job/memory.limit_in_bytes")).write_text(
+        unlimited + "\n")
+    assert infra.cgroup_room() is None
+
+
+def test_a_dry_run_on_cpu_chooses_for_the_cgroups_room(tmp_path, monkeypatch):
+    """The same command, the same host: a small cgroup makes --micro_batch_size auto choose a
+    smaller micro-batch, and the verdict name the room it was made for."""
+    flags = ["--world_size", 1, "--device", "cpu", "--model", "shakespeare", "--global_batch_size", 64]
+    roomy = dry("01_single_gpu.py", *flags)
+    fake_cgroup(tmp_path, monkeypatch, 2, limit=1200 * 2**20, usage=0)
+    tight = dry("01_single_gpu.py", *flags)
+    chosen = [int(re.search(r"--micro_batch_size auto: (\d+)", p.stdout).group(1)) for p in (roomy, tight)]
+    assert roomy.returncode == tight.returncode == 0 and chosen[1] < chosen[0], (chosen, tight.stdout)
+    assert "room 1.2 GiB" in tight.stdout or "room 1.1 GiB" in tight.stdout, tight.stdout
+
+
+def test_the_room_honours_the_address_space_limit():
+    """ulimit -v (RLIMIT_AS): what this process may still map, within the host's share."""
+    code = ("import resource, infra; resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY)); "
+            "room = infra.address_space_room(); share = infra.host_room(1); "
+            "assert 0 < room < 8 * 2**30 and share <= room, (room, share); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.stdout.strip() == "ok", done.stderr
