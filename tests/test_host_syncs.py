@@ -48,3 +48,9 @@ def test_host_syncs_per_step(script, ranks, flags, expected, why):
                  env={"GPTPAR_COUNT_SYNCS": "1"}).ok()
     counts = [row["host_syncs"] for row in run.steps]
     assert counts == [expected] * 3, f"{script} {flags}: {counts} host syncs per step, expected {expected} ({why})"
+    if script == "07_pipeline.py":  # the busy time is measured only when asked: the flag works
+        busy = [row["busy_fraction"] for row in run.steps]
+        if "--measure_bubble" in flags:
+            assert all(0 < b <= 1 for b in busy), busy
+        else:
+            assert busy == [None] * 3, busy
