@@ -47,9 +47,12 @@ Where a backend lacks reduce_scatter (gloo before torch 2.6), it falls back to a
 followed by taking this rank's chunk: the same result at twice the traffic.
 """
 
+import importlib.util
 import json
 import math
 import os
+import socket
+import statistics
 import sys
 import time
 
@@ -57,7 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import base_parser, check, detect_launcher, log, mpi_comm, setup, synchronize, teardown
+from common import base_parser, check, detect_launcher, log, mpi_comm, say, setup, synchronize, teardown
 
 
 MAX_BYTES = 16 * 2**30  # the largest message a sweep may ask for: more than one GPU holds
@@ -72,6 +75,15 @@ def add_flags(parser):
                         help="largest message (default: 16 MiB on CPU, 1 GiB on GPUs)")
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions per size")
     parser.add_argument("--metrics", default=None, help="JSONL: one row per (operation, size)")
+    g = parser.add_argument_group("the doctor: is this allocation healthy? (see doctor())")
+    g.add_argument("--doctor", action="store_true",
+                   help="check the environment of every rank, time every GPU, sweep the links inside and across "
+                        "nodes; exit 0 when healthy, 2 with one line per problem")
+    g.add_argument("--machine", default=None, choices=sorted(DOCUMENTED),
+                   help="the facility whose documented settings to check (default: recognised from the environment)")
+    g.add_argument("--json", default=None, help="write everything the doctor saw and measured to this file")
+    g.add_argument("--straggler_margin", type=float, default=STRAGGLER_MARGIN,
+                   help="a rank or node this much slower than the median of the others is a straggler")
     return parser
 
 
@@ -351,6 +363,600 @@ def bench(env, args, world):
     return rows
 
 
+# ---------------------------------------------------------------------------------------
+# The doctor: is this allocation healthy, and what do its links really do?
+# ---------------------------------------------------------------------------------------
+#
+# What goes wrong first on a real allocation is rarely the strategy: mpi4py built against
+# another MPI, a rank that sees the wrong GPU or runs on the far socket, a network plugin
+# that is not loaded (RCCL then talks TCP sockets between nodes), a libfabric setting that
+# hangs, a slow node. `--doctor` checks all of that in three passes, each rank reporting to
+# rank 0, which prints one line per problem:
+#
+#   environment   per rank, a pure function of (environment variables, what the rank sees):
+#                 check_environment(); and per node, across its ranks: check_nodes()
+#   hardware      a matmul and a host-to-device copy timed on every rank (best of --iters);
+#                 a rank, or a node, slower than the median of the others by more than
+#                 --straggler_margin is a straggler: stragglers()
+#   network       the all_reduce sweep of --bench inside each node and across nodes (one
+#                 group per node; one group per local rank across the nodes), each link
+#                 type fitted to the ring's alpha-beta model, the one plan.py prices with:
+#
+#                     t(S) = 2(g-1)·alpha + 2(g-1)/g · S / beta      (fit_link())
+#
+#                 alpha: the latency of one ring step; beta: the bandwidth of the link, the
+#                 bus bandwidth of a large message. A link below LINK_FRACTION of its
+#                 datasheet figure (plan.MACHINES) is a problem. `plan.py --measured
+#                 FILE` prices layouts with these alpha and beta instead of the datasheet's.
+
+STRAGGLER_MARGIN = 0.2  # 20% slower than the median of the others
+LINK_FRACTION = 0.25    # a link below a quarter of its datasheet bandwidth: TCP sockets, a missing plugin
+RESERVED = object()     # marks a documented value that must stay unset
+
+# What each facility documents (jobs/README.md gives the pages; jobs/*.sh set these). For
+# each machine: how it is recognised, the module that brings torch, the backend, how many
+# devices one rank should see, the launch line that binds ranks to cores, the CPUs next to
+# each device (sysfs's local_cpulist is read first; these tables stand in where it is
+# missing), reserved cores, and the variables to check: name -> (good values, why, fix).
+DOCUMENTED = {
+    "polaris": dict(
+        site="ALCF Polaris", module="module use /soft/modulefiles; module load conda; conda activate",
+        backends=("nccl",), devices_per_rank=1,
+        launch="mpiexec --ppn 4 --depth 8 --cpu-bind depth jobs/polaris_gpu_affinity.sh python ...",
+        gpu_fix="launch through jobs/polaris_gpu_affinity.sh (CUDA_VISIBLE_DEVICES = 3 - local rank, ALCF's "
+                "set_affinity_gpu_polaris.sh)",
+        # ALCF "Polaris Device Affinity Information": GPU g sits on NUMA domain 3 - g
+        device_cpus={0: "24-31,56-63", 1: "16-23,48-55", 2: "8-15,40-47", 3: "0-7,32-39"},
+        reserved_cores="", plugin="libnccl-net",
+        plugin_fix="module load conda (it puts the aws-ofi-nccl plugin, libnccl-net*.so, on LD_LIBRARY_PATH)",
+        multi_node={"NCCL_NET": (("AWS Libfabric",), "NCCL over libfabric, never TCP sockets (ALCF's NCCL page)")},
+        recommended=["NCCL_NET_GDR_LEVEL=PHB", "NCCL_CROSS_NIC=1", "NCCL_COLLNET_ENABLE=1",
+                     "FI_CXI_DISABLE_HOST_REGISTER=1", "FI_MR_CACHE_MONITOR=userfaultfd",
+                     "FI_CXI_DEFAULT_CQ_SIZE=131072"]),
+    "aurora": dict(
+        site="ALCF Aurora", module="module load frameworks", backends=("xccl", "ccl"), devices_per_rank=12,
+        launch="mpiexec --ppn 12 --cpu-bind list:4-7:8-11:12-15:16-19:20-23:24-27:56-59:60-63:64-67:68-71:72-75:76-79",
+        gpu_fix="export ZE_FLAT_DEVICE_HIERARCHY=FLAT (one device per tile; the frameworks module's default) and "
+                "no per-rank ZE_AFFINITY_MASK",
+        # 2 sockets of 52 cores (+104: their hyperthreads); GPUs 0-2 (tiles 0-5) on socket 0
+        device_cpus={t: ("0-51,104-155" if t < 6 else "52-103,156-207") for t in range(12)},
+        # "Since March 31, 2025, cores 0 (104) and 52 (156) ... reserved for system services"
+        # (ALCF's running-jobs page; argonne-lcf/user-guides #836)
+        reserved_cores="0,52,104,156", plugin=None, plugin_fix="",
+        multi_node={"CCL_PROCESS_LAUNCHER": (("pmix",), "oneCCL learns the ranks from PALS' PMIx"),
+                    "CCL_ATL_TRANSPORT": (("mpi",), "oneCCL moves data across nodes over MPI"),
+                    "CCL_KVS_MODE": (("mpi",), "oneCCL's key-value store bootstraps over MPI")},
+        recommended=["ZE_FLAT_DEVICE_HIERARCHY=FLAT", "CCL_KVS_USE_MPI_RANKS=1", "CCL_CONFIGURATION=cpu_gpu_dpcpp",
+                     "FI_MR_CACHE_MONITOR=disabled", "FI_CXI_RX_MATCH_MODE=hybrid"]),
+    "frontier": dict(
+        site="OLCF Frontier", module="module load rocm/$ROCM_VERSION rccl-net-plugin (your ROCm PyTorch environment)",
+        backends=("nccl",), devices_per_rank=1,
+        launch="srun -N n -n N -c7 --gpus-per-task=1 --gpu-bind=closest python ...",
+        gpu_fix="srun ... -c7 --gpus-per-task=1 --gpu-bind=closest (each task then sees its own GCD as device 0)",
+        device_cpus={}, reserved_cores="", plugin="librccl-net",
+        plugin_fix="module load rccl-net-plugin after rocm, or set NCCL_NET_PLUGIN to your librccl-net.so "
+                   "(jobs/frontier.sh: RCCL_NET_PLUGIN_DIR)",
+        multi_node={"NCCL_NET": (("OFI",), "RCCL stops if the plugin is not initialised, instead of falling back "
+                                           "to TCP sockets (OLCF's PyTorch page)")},
+        single_node={"NCCL_NET": (("Socket", None), "the network is not configured for single-node jobs and the "
+                                                    "plugin will not initialise (OLCF)")},
+        recommended=["NCCL_CROSS_NIC=1", "NCCL_NET_GDR_LEVEL=PHB", "HSA_FORCE_FINE_GRAIN_PCIE=1",
+                     "FI_CXI_DISABLE_HOST_REGISTER=1", "FI_CXI_DEFAULT_CQ_SIZE=131072", "FI_CXI_DEFAULT_TX_SIZE=2048",
+                     "FI_CXI_RX_MATCH_MODE=hybrid"]),
+    "perlmutter": dict(
+        site="NERSC Perlmutter", module="module load pytorch", backends=("nccl",), devices_per_rank=None,
+        launch="srun --ntasks-per-node 4 -c 32 --cpu-bind=cores --gpus-per-node 4 --gpu-bind=none python ... "
+               "with CUDA_VISIBLE_DEVICES=3,2,1,0",
+        gpu_fix="export CUDA_VISIBLE_DEVICES=3,2,1,0 (NERSC's scripts: the GPU order that matches Slurm's default "
+                "CPU binding)",
+        # one 64-core EPYC in 4 NUMA domains of 16 cores; GPU g next to domain 3 - g (jobs/README.md)
+        device_cpus={g: f"{16 * (3 - g)}-{16 * (3 - g) + 15},{64 + 16 * (3 - g)}-{64 + 16 * (3 - g) + 15}"
+                     for g in range(4)},
+        reserved_cores="", plugin=None, plugin_fix="", multi_node={},
+        recommended=["FI_MR_CACHE_MONITOR=userfaultfd"]),
+}
+
+# How a machine is recognised: (variable, text it contains, machine), first match wins. The
+# module system and the schedulers name the cluster; PBS_O_HOST is the login node.
+RECOGNISE = [("NERSC_HOST", "perlmutter", "perlmutter"), ("SLURM_CLUSTER_NAME", "perlmutter", "perlmutter"),
+             ("LMOD_SYSTEM_NAME", "perlmutter", "perlmutter"), ("SLURM_CLUSTER_NAME", "frontier", "frontier"),
+             ("LMOD_SYSTEM_NAME", "frontier", "frontier"), ("PBS_O_HOST", "polaris", "polaris"),
+             ("PBS_O_HOST", "aurora", "aurora"), ("HOSTNAME", ".polaris.alcf", "polaris"),
+             ("HOSTNAME", ".aurora.alcf", "aurora"), ("HOSTNAME", "frontier", "frontier")]
+
+
+def recognise_machine(environ, hostname=""):
+    """(machine or None, how it was recognised): from the schedulers' and the module system's
+    variables, then the host name."""
+    seen = dict(environ, HOSTNAME=environ.get("HOSTNAME") or hostname)
+    for variable, text, machine in RECOGNISE:
+        if text in seen.get(variable, "").lower():
+            return machine, f"{variable}={seen[variable]}"
+    return None, "no PBS/Slurm cluster name, module system or host name that names one of " + ", ".join(DOCUMENTED)
+
+
+def cpu_set(text):
+    """'0-7,32-39' -> {0, ..., 7, 32, ..., 39} (a cpulist, as Linux and the launchers write them)."""
+    cpus = set()
+    for part in filter(None, str(text).replace(" ", "").split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def cpu_list(cpus):
+    """The inverse of cpu_set: {0, 1, 2, 5} -> '0-2,5'."""
+    runs, cpus = [], sorted(cpus)
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) or "none"
+
+
+def find_library(environ, prefix):
+    """The first `prefix*.so` on LD_LIBRARY_PATH (or NCCL_NET_PLUGIN's file), or None."""
+    plugin = environ.get("NCCL_NET_PLUGIN", "")
+    if os.path.basename(plugin).startswith(prefix) and os.path.isfile(plugin):
+        return plugin
+    for folder in filter(None, environ.get("LD_LIBRARY_PATH", "").split(":")):
+        try:
+            found = sorted(f for f in os.listdir(folder) if f.startswith(prefix) and ".so" in f)
+        except OSError:
+            continue
+        if found:
+            return os.path.join(folder, found[0])
+    return None
+
+
+def local_facts(environ, launch):
+    """What this rank sees before any process group exists: its launcher's variables, what
+    mpi4py's MPI says (under mpiexec), its CPU binding, the torch backends and accelerators,
+    the network plugins on its library path."""
+    facts = dict(host=socket.gethostname(), launcher=launch.kind, rank=launch.rank, world_size=launch.world_size,
+                 local_rank=launch.local_rank, local_world_size=launch.local_world_size, cpus=os.cpu_count(),
+                 affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                 torch=torch.__version__, hip=getattr(torch.version, "hip", None), mpi=None,
+                 libraries={p: find_library(environ, p) for p in ("librccl-net", "libnccl-net")})
+    nodefile = environ.get("PBS_NODEFILE")
+    if nodefile and os.path.isfile(nodefile):
+        with open(nodefile) as f:
+            facts["pbs_nodes"] = len({line.strip() for line in f if line.strip()})
+    if launch.kind == "mpi":
+        try:
+            from mpi4py import MPI  # MPI_Init: under mpiexec only, as common.setup does
+            facts["mpi"] = dict(size=MPI.COMM_WORLD.Get_size(), rank=MPI.COMM_WORLD.Get_rank(),
+                                library=" ".join(MPI.Get_library_version().split()[:4]))
+        except ImportError as e:
+            facts["mpi"] = dict(error=str(e))
+    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    facts["accelerators"] = dict(cuda=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                                 xpu=torch.xpu.device_count() if xpu else 0)
+    facts["backends"] = dict(nccl=dist.is_nccl_available(), gloo=dist.is_gloo_available(),
+                             xccl=bool(getattr(dist, "is_xccl_available", lambda: False)()),
+                             ccl=importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None)
+    return facts
+
+
+def device_facts(environ, device):
+    """The device this rank computes on: its index, name, the physical device behind it (the
+    visible-devices variable's entry), a unique id, and the CPUs next to it (sysfs)."""
+    info = dict(type=device.type, index=device.index, name=None, physical=None, uid=None, near_cpus=None)
+    if device.type not in ("cuda", "xpu"):
+        return info
+    module = torch.cuda if device.type == "cuda" else torch.xpu
+    props = module.get_device_properties(device)
+    info["name"] = props.name
+    visible = next((environ[v] for v in ("ZE_AFFINITY_MASK", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                                         "CUDA_VISIBLE_DEVICES") if environ.get(v)), None)
+    entries = visible.split(",") if visible else None
+    physical = entries[device.index] if entries and device.index < len(entries) else str(device.index)
+    info["physical"] = int(physical) if physical.isdigit() else physical
+    info["uid"] = str(getattr(props, "uuid", "") or physical)
+    if hasattr(props, "pci_bus_id"):  # the CPUs on the device's NUMA domain, as the kernel knows them
+        address = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        try:
+            with open(f"/sys/bus/pci/devices/{address}/local_cpulist") as f:
+                info["near_cpus"] = f.read().strip()
+        except OSError:
+            pass
+    return info
+
+
+def _known_bad_monitor(environ, machine):
+    """libfabric's memory-registration cache monitor: memhooks can hang RCCL and NCCL over the
+    CXI provider (HPE's guidance, olcf-user-docs #947); on Frontier an unset one was memhooks."""
+    value = environ.get("FI_MR_CACHE_MONITOR")
+    if value == "memhooks":
+        return ("FI_MR_CACHE_MONITOR=memhooks can hang RCCL/NCCL on Slingshot (olcf-user-docs #947): export "
+                f"FI_MR_CACHE_MONITOR={'kdreg2' if machine == 'frontier' else 'userfaultfd'}")
+    if value is None and machine == "frontier":
+        return ("FI_MR_CACHE_MONITOR is unset (libfabric's default was memhooks, which can hang RCCL: "
+                "olcf-user-docs #947): export FI_MR_CACHE_MONITOR=kdreg2")
+    return None
+
+
+def check_environment(environ, facts, machine=None):
+    """The problems one rank's environment has, one line each naming what to set or load: a
+    pure function of the environment variables and of what the rank saw (local_facts, plus
+    `device` from device_facts), so that recorded environments can be checked anywhere."""
+    doc = DOCUMENTED.get(machine, {})
+    problems = []
+    job = environ.get("PBS_JOBID") or environ.get("SLURM_JOB_ID")
+    nodes = facts.get("nodes") or int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 0) \
+        or facts.get("pbs_nodes") or 1
+    # the launcher: one process in a multi-node allocation trains on one GPU of one node
+    if facts["launcher"] == "single" and job and nodes > 1:
+        problems.append(f"one process in a {nodes}-node job: launch with {doc.get('launch', 'mpiexec or srun')}")
+    # mpi4py against the launcher's MPI: built against another MPI, every rank is rank 0 of 1
+    mpi = facts.get("mpi")
+    if mpi and "error" in mpi and not environ.get("SLURM_PROCID"):
+        problems.append(f"launched by mpiexec but mpi4py does not import ({mpi['error']}): "
+                        "MPICC=cc pip install --no-binary mpi4py mpi4py, against this MPI")
+    elif mpi and "size" in mpi and (mpi["size"], mpi["rank"]) != (facts["world_size"], facts["rank"]):
+        problems.append(f"mpi4py's MPI ({mpi['library']}) sees rank {mpi['rank']} of {mpi['size']} where the "
+                        f"launcher started rank {facts['rank']} of {facts['world_size']}: mpi4py is built against "
+                        "another MPI; rebuild it against the launcher's: "
+                        "MPICC=cc pip install --force-reinstall --no-binary mpi4py mpi4py")
+    elif mpi and "library" in mpi:
+        family = "Open MPI" if "OMPI_COMM_WORLD_RANK" in environ else "MPICH" if (
+            "PMI_RANK" in environ or "PALS_RANKID" in environ) else None
+        if family == "Open MPI" and "open mpi" not in mpi["library"].lower() or \
+                family == "MPICH" and "open mpi" in mpi["library"].lower():
+            problems.append(f"the launcher is {family}'s but mpi4py's MPI is {mpi['library']}: rebuild mpi4py "
+                            "against the launcher's MPI (MPICC=cc pip install --no-binary mpi4py mpi4py)")
+    # the device: an accelerator, of the expected kind, as many visible as the facility binds
+    accelerators = facts["accelerators"]
+    device = facts.get("device") or {}
+    if job and not any(accelerators.values()):
+        problems.append(f"no GPU visible to torch {facts['torch']} in batch job {job}: "
+                        f"{doc.get('module', 'load the facility PyTorch module')} (a CPU torch cannot see one)")
+    want = doc.get("devices_per_rank")
+    seen = accelerators["cuda"] or accelerators["xpu"]
+    if want and seen and seen != want:
+        problems.append(f"each rank sees {seen} device(s) where {doc['site']} gives it {want}: {doc['gpu_fix']}")
+    wanted_backends = doc.get("backends") or ({"cuda": ("nccl",), "xpu": ("xccl", "ccl")}.get(device.get("type")))
+    if wanted_backends and device.get("type") in ("cuda", "xpu") and not any(facts["backends"].get(b)
+                                                                               for b in wanted_backends):
+        problems.append(f"torch has no {' or '.join(wanted_backends)} backend for its {device['type']} devices: "
+                        f"{doc.get('module', 'install a PyTorch built with it')}")
+    # CPU binding: bound at all, next to the device, clear of reserved cores and of oneCCL's workers
+    affinity = set(facts["affinity"] or [])
+    all_cpus = set(range(facts["cpus"] or 0))
+    local = facts.get("local_world_size") or 1
+    if machine and affinity and affinity >= all_cpus and local > 1:
+        problems.append(f"not bound to cores (may run on any of the {len(all_cpus)} CPUs, next to another "
+                        f"rank's GPU): launch with {doc['launch']}")
+    else:
+        near = device.get("near_cpus") or doc.get("device_cpus", {}).get(device.get("physical"))
+        if near and affinity and not affinity <= cpu_set(near):
+            problems.append(f"runs on CPUs {cpu_list(affinity)}, not next to its device {device.get('physical')} "
+                            f"(CPUs {near}): bind as {doc.get('launch', 'the facility documents')}")
+    reserved = cpu_set(doc.get("reserved_cores", ""))
+    if affinity & reserved:
+        problems.append(f"bound to reserved core(s) {cpu_list(affinity & reserved)} (kept for system services on "
+                        f"{doc['site']} since 31 March 2025, user-guides #836): {doc['launch']}")
+    workers = environ.get("CCL_WORKER_AFFINITY")
+    if workers is not None and machine == "aurora":
+        cores = cpu_set(workers) if workers.replace(",", "").replace("-", "").isdigit() else set()
+        if cores & (affinity | reserved):
+            problems.append(f"CCL_WORKER_AFFINITY={workers} puts oneCCL's workers on core(s) "
+                            f"{cpu_list(cores & (affinity | reserved))}, which this rank or the system uses "
+                            "(ezpz #34): unset CCL_WORKER_AFFINITY, or list one free core per local rank")
+        elif cores and len(cores) < local:
+            problems.append(f"CCL_WORKER_AFFINITY={workers} names {len(cores)} core(s) for {local} local ranks: "
+                            "list one core per local rank, or unset it")
+    threads = environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and affinity and int(threads) > len(affinity):
+        problems.append(f"OMP_NUM_THREADS={threads} threads on {len(affinity)} bound CPU(s): "
+                        f"export OMP_NUM_THREADS={len(affinity)}")
+    # the facility's variables
+    bad = _known_bad_monitor(environ, machine)
+    if bad:
+        problems.append(bad)
+    for name, (good, why) in (doc.get("multi_node", {}) if nodes > 1 else doc.get("single_node", {})).items():
+        if environ.get(name) not in good:
+            value = f"{name}={environ[name]}" if name in environ else f"{name} is unset"
+            fix = f"export {name}={good[0]}" if good[0] else f"unset {name}"
+            problems.append(f"{value} on {nodes} node(s): {fix} ({why})")
+    if nodes > 1 and doc.get("plugin") and not facts["libraries"].get(doc["plugin"]):
+        problems.append(f"no network plugin ({doc['plugin']}*.so on LD_LIBRARY_PATH or NCCL_NET_PLUGIN) on "
+                        f"{nodes} nodes: collectives across nodes go over TCP sockets: {doc['plugin_fix']}")
+    if machine == "frontier" and environ.get("FI_CXI_RDZV_PROTO") == "alt_read" and \
+            "SLURM_NETWORK" in environ and "disable_rdzv_get" not in environ["SLURM_NETWORK"]:
+        problems.append("FI_CXI_RDZV_PROTO=alt_read without the allocation's --network=disable_rdzv_get: "
+                        "add #SBATCH --network=disable_rdzv_get, or unset FI_CXI_RDZV_PROTO (OLCF: both or neither)")
+    missing = [v for v in doc.get("recommended", []) if environ.get(v.split("=")[0]) != v.split("=", 1)[1]
+               and not (v.startswith("FI_MR_CACHE_MONITOR") and bad)]
+    if missing and nodes > 1:
+        problems.append(f"not set as {doc['site']} documents for jobs across nodes: export {' '.join(missing)} "
+                        f"(jobs/{machine}.sh sets them)")
+    return problems
+
+
+def check_nodes(rows, environ_of=None):
+    """Problems across the ranks of each node (rows: every rank's facts, gathered): two ranks
+    driving one device, ranks bound to the same cores, the launcher's idea of the ranks per
+    node against the host names, oneCCL's workers on another rank's cores."""
+    problems = []
+    by_host = {}
+    for row in rows:
+        by_host.setdefault(row["host"], []).append(row)
+    for host, ranks in by_host.items():
+        names = [r["rank"] for r in ranks]
+        if any((r.get("local_world_size") or len(ranks)) != len(ranks) for r in ranks):
+            problems.append(f"node {host}: the launcher says {ranks[0].get('local_world_size')} ranks per node, "
+                            f"the host names say {len(ranks)} (ranks {ranks_text(names)}): check --ppn / "
+                            "--ntasks-per-node")
+        devices = {}
+        for r in ranks:
+            uid = (r.get("device") or {}).get("uid")
+            if uid is not None:
+                devices.setdefault(uid, []).append(r["rank"])
+        for uid, sharing in devices.items():
+            if len(sharing) > 1:
+                problems.append(f"node {host}: ranks {ranks_text(sharing)} all compute on one device ({uid}): "
+                                "give each rank its own GPU (the facility's binding: see jobs/README.md)")
+        for i, a in enumerate(ranks):
+            for b in ranks[i + 1:]:
+                shared = set(a["affinity"] or []) & set(b["affinity"] or [])
+                if shared and set(a["affinity"]) != set(range(a["cpus"] or 0)):
+                    problems.append(f"node {host}: ranks {a['rank']} and {b['rank']} are bound to the same "
+                                    f"CPU(s) {cpu_list(shared)}: give each rank cores of its own")
+        workers = {r["rank"]: cpu_set(r.get("ccl_workers") or "") for r in ranks}
+        for r in ranks:
+            clash = set().union(*(w for k, w in workers.items() if k != r["rank"])) & set(r["affinity"] or [])
+            if clash and any(workers.values()):
+                problems.append(f"node {host}: CCL_WORKER_AFFINITY puts oneCCL workers on core(s) {cpu_list(clash)} "
+                                f"of rank {r['rank']} (ezpz #34): unset it, or choose cores outside every rank's binding")
+    return problems
+
+
+def ranks_text(ranks):
+    return cpu_list(ranks)  # the same run-length text: 0-7,12
+
+
+# ---------------------------------------------------------------------------------------
+# The hardware: every rank times a matmul and a host-to-device copy
+# ---------------------------------------------------------------------------------------
+
+def matmul(a, b):
+    """The compute probe (a function of its own, so a test can slow one rank down)."""
+    return a @ b
+
+
+def best_seconds(env, work, iters):
+    """The fastest of `iters` timed runs of work() after one warm-up: the hardware's speed,
+    with the noise of a shared node taken out (a straggler is slow every time)."""
+    work()
+    synchronize(env)
+    best = math.inf
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        work()
+        synchronize(env)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_hardware(env, iters):
+    """A square matmul (n = 4096 in bf16 on a GPU, 512 in fp32 on a CPU: 2n^3 FLOPs) and a
+    copy from pinned host memory to the device (256 MiB; 16 MiB host to host on a CPU)."""
+    accelerator = env.device.type in ("cuda", "xpu")
+    n, dtype = (4096, torch.bfloat16) if accelerator else (512, torch.float32)
+    a = torch.randn(n, n, device=env.device, dtype=dtype)
+    b = torch.randn(n, n, device=env.device, dtype=dtype)
+    matmul_s = best_seconds(env, lambda: matmul(a, b), iters)
+    nbytes = 256 * 2**20 if accelerator else 16 * 2**20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=accelerator)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
+    copy_s = best_seconds(env, lambda: target.copy_(host, non_blocking=True), iters)
+    return dict(matmul_n=n, matmul_dtype=str(dtype).removeprefix("torch."), matmul_s=matmul_s,
+                matmul_tflops=2 * n**3 / matmul_s / 1e12, copy_bytes=nbytes, copy_s=copy_s,
+                copy_GBps=nbytes / copy_s / 1e9)
+
+
+def stragglers(rows, margin):
+    """Ranks, then nodes, slower than the median of the others by more than `margin` (0.2:
+    20%), in the matmul or the copy: one line each. rows: dict(rank, host, matmul_s, copy_s)."""
+    problems = []
+    what = {"matmul_s": "matmul", "copy_s": "host-to-device copy"}
+    for key, name in what.items():
+        for r in rows:
+            others = [o[key] for o in rows if o is not r]
+            if others and r[key] > (1 + margin) * statistics.median(others):
+                med = statistics.median(others)
+                problems.append(f"straggler: rank {r['rank']} ({r['host']}): {name} {r[key] * 1e3:.3g} ms, "
+                                f"{r[key] / med:.2f}x the median {med * 1e3:.3g} ms of the other ranks (margin "
+                                f"{margin:.0%}): check its binding and its GPU (clocks, errors), or leave the node out")
+        hosts = {}
+        for r in rows:
+            hosts.setdefault(r["host"], []).append(r[key])
+        medians = {h: statistics.median(v) for h, v in hosts.items()}
+        for host, value in medians.items():
+            others = [v for h, v in medians.items() if h != host]
+            if others and value > (1 + margin) * statistics.median(others):
+                problems.append(f"straggler node {host}: median {name} {value * 1e3:.3g} ms, "
+                                f"{value / statistics.median(others):.2f}x the other nodes' (margin {margin:.0%}): "
+                                "leave it out (Slurm --exclude, PBS: select other hosts) and tell the facility")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------
+# The network: the all_reduce sweep per link type, fitted as alpha and beta
+# ---------------------------------------------------------------------------------------
+
+def link_groups(env, hosts):
+    """Every rank's groups: `intra` (the ranks of its node) and `inter` (the ranks with its
+    local index on every node), as (group, size) or None where the group has one rank.
+    hosts[r]: rank r's host name. Each group is created by its members only, in the same
+    order on each (use_local_synchronization)."""
+    nodes = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(rank)
+    members = list(nodes.values())
+    mine = nodes[hosts[env.rank]]
+    index = mine.index(env.rank)
+    groups = {}
+    for kind, ranks in (("intra", mine), ("inter", [m[index] for m in members if len(m) > index])):
+        groups[kind] = (dist.new_group(ranks, use_local_synchronization=True), len(ranks)) if len(ranks) > 1 else None
+    return groups, len(members), max(len(m) for m in members)
+
+
+def sweep_link(env, group, g, sizes, iters, world):
+    """all_reduce times per message size on `group` (g ranks), every group of this kind at
+    once: the median of `iters` timed calls; the time of a size is the slowest rank's in the
+    whole world (the step waits for the slowest group)."""
+    rows = []
+    for size in sizes:
+        numel = max(g, size // 4 // g * g)
+        buffer = torch.ones(numel, device=env.device)
+        seconds = 0.0
+        if group is not None:
+            for _ in range(2):  # warm-up: connections, algorithm selection
+                dist.all_reduce(buffer, group=group)
+            synchronize(env)
+            dist.barrier(group=group)
+            times = []
+            for _ in range(iters):  # each timed alone: the median shrugs off a rank descheduled once
+                t0 = time.perf_counter()
+                dist.all_reduce(buffer, group=group)  # the link's traffic: 2(g-1)/g · S per rank
+                synchronize(env)
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times)
+        slowest = torch.tensor([seconds], dtype=torch.float64 if env.device.type == "cpu" else torch.float32,
+                               device=env.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)  # the slowest group of this kind
+        t = slowest.item()
+        rows.append(dict(bytes=numel * 4, time_us=t * 1e6, busbw_GBps=bus_factor("all_reduce", g) * numel * 4 / t / 1e9))
+    return rows
+
+
+def fit_link(rows, g):
+    """alpha (s per ring step) and beta (bytes/s) of t(S) = 2(g-1)·alpha + 2(g-1)/g · S / beta,
+    by least squares on the relative error (so the small messages, which measure alpha, count
+    as much as the large ones, which measure beta); with the fit's largest relative error."""
+    t = np.array([r["time_us"] * 1e-6 for r in rows])
+    S = np.array([float(r["bytes"]) for r in rows])
+    (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, S / t], axis=1), np.ones_like(t), rcond=None)
+    if b <= 0:  # no size large enough to see the bandwidth: the largest message's
+        b = t[-1] / S[-1]
+    a = max(a, 0.0)
+    steps = 2 * (g - 1)
+    error = float(np.max(np.abs(a + b * S - t) / t))
+    return dict(group_size=g, alpha_s=a / steps, beta_GBps=bus_factor("all_reduce", g) / b / 1e9,
+                max_rel_error=error, rows=rows)
+
+
+def check_links(links, machine):
+    """A link below LINK_FRACTION of its datasheet bandwidth (plan.MACHINES) is a problem."""
+    if machine is None:
+        return []
+    from plan import MACHINES  # the datasheet figures plan.py prices with
+    sheet = MACHINES[machine]
+    problems = []
+    for kind, fit in links.items():
+        expected = sheet[f"{kind}_gbps"]
+        if fit["beta_GBps"] < LINK_FRACTION * expected:
+            where = "inside a node" if kind == "intra" else "across nodes"
+            fix = (DOCUMENTED[machine]["plugin_fix"] or "check the network settings above") if kind == "inter" else \
+                "check that each rank has its own GPU and that the backend is " + "/".join(DOCUMENTED[machine]["backends"])
+            problems.append(f"{where}: {fit['beta_GBps']:.3g} GB/s per GPU, under {LINK_FRACTION:.0%} of "
+                            f"{DOCUMENTED[machine]['site']}'s {expected:g} GB/s: {fix}")
+    return problems
+
+
+def doctor(args):
+    """--doctor: the environment, the hardware and the network of this allocation; one line per
+    problem; exit 0 when healthy, 2 otherwise (on every rank)."""
+    launch = detect_launcher(os.environ)
+    machine, how = (args.machine, "--machine") if args.machine else recognise_machine(os.environ, socket.gethostname())
+    master = launch.rank == 0
+    if master:
+        say(f"doctor: machine {machine or 'not recognised'} ({how}), {launch.world_size} rank(s) "
+            f"launched by {launch.kind}" + ("" if machine else "; the general checks only (--machine names one)"))
+    facts = local_facts(os.environ, launch)
+    mpi = facts["mpi"]
+    if mpi and "size" in mpi and mpi["size"] != launch.world_size:  # no process group can form: say so and stop
+        for line in check_environment(os.environ, facts, machine):
+            if master and line.startswith("mpi4py"):
+                say(f"problem: {line}")
+        sys.exit(2)
+    if args.device == "auto" and not any(facts["accelerators"].values()):
+        args.device = "cpu"  # the environment check names the missing GPU; the rest runs on CPU
+    env = setup(args, launch)
+    world = dist.group.WORLD  # every collective below names its group
+    facts["device"] = device_facts(os.environ, env.device)
+    facts["ccl_workers"] = os.environ.get("CCL_WORKER_AFFINITY")
+    facts["problems"] = check_environment(os.environ, facts, machine)
+    rows = [None] * env.world_size
+    dist.all_gather_object(rows, facts, group=world)  # every rank's facts, for the node checks and the report
+    report = dict(machine=machine, recognised_by=how, world_size=env.world_size, backend=env.backend,
+                  ranks=rows, problems=[])
+    problems = {}  # message -> ranks that have it
+    for row in rows:
+        for line in row["problems"]:
+            problems.setdefault(line, []).append(row["rank"])
+    for line in check_nodes(rows):
+        problems.setdefault(line, [])
+    hosts = [r["host"] for r in rows]
+    log(env, f"environment: {len(rows)} rank(s) on {len(set(hosts))} node(s), backend {env.backend}")
+    for row in rows[:16]:
+        d = row["device"]
+        log(env, f"  rank {row['rank']:>3} {row['host']}: {row['launcher']} local {row['local_rank']}/"
+                 f"{row['local_world_size']}, CPUs {cpu_list(row['affinity'] or [])}, {d['type']}"
+                 + (f" {d['index']} = {d['physical']} ({d['name']}), near CPUs {d['near_cpus'] or '?'}"
+                    if d["name"] else "") + (f", mpi4py {row['mpi']['library']}" if row["mpi"] and
+                                             "library" in row["mpi"] else ""))
+    if len(rows) > 16:
+        log(env, f"  ... {len(rows) - 16} more ranks (--json)")
+    # the hardware
+    mine = dict(rank=env.rank, host=facts["host"], **time_hardware(env, args.iters))
+    timed = [None] * env.world_size
+    dist.all_gather_object(timed, mine, group=world)
+    report["hardware"] = timed
+    for line in stragglers(timed, args.straggler_margin):
+        problems.setdefault(line, [])
+    tflops = [r["matmul_tflops"] for r in timed]
+    copies = [r["copy_GBps"] for r in timed]
+    log(env, f"hardware: matmul {timed[0]['matmul_n']}^3 {timed[0]['matmul_dtype']}: {min(tflops):.3g} / "
+             f"{statistics.median(tflops):.3g} / {max(tflops):.3g} TFLOP/s (min / median / max over ranks); copy "
+             f"{timed[0]['copy_bytes'] >> 20} MiB to the device: {min(copies):.3g} / {statistics.median(copies):.3g}"
+             f" / {max(copies):.3g} GB/s")
+    # the network
+    max_bytes = args.max_bytes or (2**30 if env.device.type in ("cuda", "xpu") else 16 * 2**20)
+    sizes = [args.min_bytes * 4**k for k in range(64) if args.min_bytes * 4**k <= max_bytes]
+    groups, n_nodes, per_node = link_groups(env, hosts)
+    report["links"] = {}
+    for kind, where in (("intra", "inside a node"), ("inter", "across nodes")):
+        g = per_node if kind == "intra" else n_nodes
+        if g < 2:
+            log(env, f"network {where}: one rank per {'node' if kind == 'intra' else 'job'}, nothing to sweep")
+            continue
+        mine_group = groups[kind]
+        link_rows = sweep_link(env, mine_group[0] if mine_group else None, g, sizes, args.iters, world)
+        fit = fit_link(link_rows, g)
+        report["links"][kind] = fit
+        log(env, f"network {where}: all_reduce over {g} ranks, {len(sizes)} sizes {sizes[0]} B..{sizes[-1] >> 10} KiB: "
+                 f"alpha {fit['alpha_s'] * 1e6:.3g} us per ring step, beta {fit['beta_GBps']:.3g} GB/s "
+                 f"(fit within {fit['max_rel_error']:.0%}; busbw at the largest size {link_rows[-1]['busbw_GBps']:.3g} GB/s)")
+    for line in check_links(report["links"], machine):
+        problems.setdefault(line, [])
+    # the verdict: identical on every rank (they all hold the gathered rows); rank 0 prints it
+    report["problems"] = [(f"ranks {ranks_text(r)}: " if len(r) > 1 else f"rank {r[0]}: " if r else "") + line
+                          for line, r in problems.items()]
+    for line in report["problems"]:
+        log(env, f"problem: {line}")
+    log(env, "healthy: no problem found" if not problems else f"{len(problems)} problem(s): fix the lines above, "
+             "then run the doctor again (jobs/README.md says what each means)")
+    if args.json and env.master:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    teardown(env)
+    sys.exit(2 if problems else 0)
+
+
 def main():
     args = add_flags(base_parser(__doc__)).parse_args()
     args.dtype = "float32"
@@ -362,6 +968,15 @@ def main():
     folder = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
     check(folder is None or os.path.isdir(folder) and os.access(folder, os.W_OK),
           f"--metrics {args.metrics}: the directory {folder} does not exist or is not writable")
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    check(folder is None or os.path.isdir(folder) and os.access(folder, os.W_OK),
+          f"--json {args.json}: the directory {folder} does not exist or is not writable")
+    check(math.isfinite(args.straggler_margin) and args.straggler_margin > 0,
+          f"--straggler_margin must be a positive fraction (0.2: 20% slower), got {args.straggler_margin}")
+    check(args.doctor or not (args.json or args.machine), "--json and --machine go with --doctor")
+    check(not (args.doctor and args.bench), "--doctor runs its own sweep: give --doctor or --bench, not both")
+    if args.doctor:
+        doctor(args)
     launch = detect_launcher(os.environ)
     env = setup(args, launch)
     log(env, f"{env.world_size} rank(s), backend {env.backend}, device {env.device}"
