@@ -426,7 +426,7 @@ DOCUMENTED = {
         multi_node={"CCL_PROCESS_LAUNCHER": (("pmix",), "oneCCL learns the ranks from PALS' PMIx"),
                     "CCL_ATL_TRANSPORT": (("mpi",), "oneCCL moves data across nodes over MPI"),
                     "CCL_KVS_MODE": (("mpi",), "oneCCL's key-value store bootstraps over MPI")},
-        recommended=["ZE_FLAT_DEVICE_HIERARCHY=FLAT", "CCL_KVS_USE_MPI_RANKS=1", "CCL_CONFIGURATION=cpu_gpu_dpcpp",
+        recommended=["CCL_KVS_USE_MPI_RANKS=1", "CCL_CONFIGURATION=cpu_gpu_dpcpp",
                      "FI_MR_CACHE_MONITOR=disabled", "FI_CXI_RX_MATCH_MODE=hybrid"]),
     "frontier": dict(
         site="OLCF Frontier", module="module load rocm/$ROCM_VERSION rccl-net-plugin (your ROCm PyTorch environment)",

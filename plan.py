@@ -449,6 +449,9 @@ def parse(argv=None):
                    help="metrics JSONL of `02_collectives.py --bench`: its best all_reduce bus bandwidth "
                         "replaces the link bandwidth and its fastest all_reduce's time per ring step the "
                         "latency (inside a node if it ran on one node, else across)")
+    g.add_argument("--measured", default=None,
+                   help="the --json of `02_collectives.py --doctor`: its fitted alpha and beta, inside a node and "
+                        "across nodes, replace the datasheet's; the plan says where the ranking changed and why")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
     g = p.add_argument_group("output")
@@ -590,8 +593,156 @@ def as_json(psi, scored, refused, choice, why):
             "recommendation": dict(pick(choice), reason=why) if choice else {"reason": why}}
 
 
+# ----------------------------------------------------------------------------------------
+# --measured: this allocation's links, as the doctor fitted them, in place of the datasheet
+# ----------------------------------------------------------------------------------------
+#
+# `02_collectives.py --doctor --json FILE` fits each link type to the same alpha-beta model
+# comm_seconds() prices with (t = steps·alpha + busfactor·bytes/beta), so its alpha and beta
+# drop in for the datasheet's: ALPHA_INTRA/intra_gbps inside a node, ALPHA_INTER/inter_gbps
+# across nodes. The plan is made twice, with the datasheet and with the measurement (the
+# scripts' dry runs, which do not depend on the links, are made once), and the candidates
+# whose place changed are listed with their bytes and seconds per link: the why.
+
+LINKS = {"intra": "inside a node", "inter": "across nodes"}
+
+
+def measured_machine(path, machine, machine_name):
+    """`machine` with the doctor's alpha and beta from `path` in place of its figures, and the
+    links read; one line and exit 2 on a file that is not the doctor's."""
+    def refuse(message):
+        print(f"error: --measured {path}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        refuse(f"cannot read it as the doctor's --json ({e})")
+    links = report.get("links") if isinstance(report, dict) else None
+    if not isinstance(links, dict) or not links or not set(links) <= set(LINKS):
+        refuse("no measured links in it (02_collectives.py --doctor --json FILE on 2 or more ranks writes them)")
+    for kind, fit in links.items():
+        ok = isinstance(fit, dict) and all(isinstance(fit.get(k), (int, float)) and not isinstance(fit.get(k), bool)
+                                           and math.isfinite(fit[k]) for k in ("alpha_s", "beta_GBps"))
+        if not ok or fit["alpha_s"] < 0 or fit["beta_GBps"] <= 0:
+            refuse(f"its {kind} link lacks a non-negative alpha_s and a positive beta_GBps")
+    if machine_name and report.get("machine") and report["machine"] != machine_name:
+        refuse(f"it was measured on {report['machine']}, the plan is for --machine {machine_name}")
+    measured = dict(machine)
+    for kind, fit in links.items():
+        measured[f"{kind}_gbps"] = fit["beta_GBps"]
+        measured[f"alpha_{kind}"] = fit["alpha_s"]
+    return measured, links
+
+
+@contextlib.contextmanager
+def dry_runs_remembered():
+    """Inside: dry_run() answers a repeated question from memory (the second plan asks the
+    scripts exactly what the first did)."""
+    global dry_run
+    original, answers = dry_run, {}
+
+    def remembered(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
+        key = (name, tuple(flags), gpus, gpus_per_node, gpu_mem_gb)
+        if key not in answers:
+            answers[key] = original(name, flags, gpus, gpus_per_node, gpu_mem_gb)
+        return answers[key]
+
+    dry_run = remembered
+    try:
+        yield
+    finally:
+        dry_run = original
+
+
+def per_link(c, plan_args, machine):
+    """{link: (bytes, seconds)} per step of candidate c on its slowest rank under `machine`:
+    what it sends inside a node and across nodes, and what that costs there."""
+    n, G = plan_args.gpus, machine["gpus_per_node"]
+    args, config, _ = dry_run(c["script"], c["flags"], n, G, machine.get("gpu_mem_gb"))
+    worst = None
+    for rank in ranks_to_price(c["script"], args, config, n):
+        cost = rank_costs(c["script"], args, config, n, planned_dtype(args), rank)
+        split = {kind: [0, 0.0] for kind in LINKS}
+        for op, (_, nbytes) in cost["sent"].items():
+            g, across = group_of(c["script"], op, args, n, G)
+            kind = "inter" if across else "intra"
+            split[kind][0] += nbytes if g > 1 and op.split("[")[0] != "recv" else 0
+            split[kind][1] += comm_seconds(op, nbytes, g, across, machine)
+        if worst is None or sum(s for _, s in split.values()) > sum(s for _, s in worst.values()):
+            worst = split
+    return {kind: tuple(v) for kind, v in worst.items()}
+
+
+def ranking_changes(plan_args, sheet, measured, before, after, top=5):
+    """What the measured links changed: the recommendation (old -> new), and the candidates
+    among the measured plan's first `top` whose place moved, each with its bytes and seconds
+    per link under both: a dict for --json, and its lines."""
+    key = lambda c: (c["script"], tuple(c["flags"]))  # noqa: E731
+    place = lambda scored: {key(c): i + 1 for i, c in enumerate(c for c in scored if c["fits"])}  # noqa: E731
+    old_place, new_place = place(before[1]), place(after[1])
+
+    def why(c):
+        was, now = per_link(c, plan_args, sheet), per_link(c, plan_args, measured)
+        parts = [f"{LINKS[k]} {format_bytes(now[k][0])}: {was[k][1] * 1e3:.3g} -> {now[k][1] * 1e3:.3g} ms"
+                 for k in LINKS if now[k][0]]
+        return "; ".join(parts) or "sends nothing", {k: dict(bytes=now[k][0], datasheet_s=was[k][1],
+                                                           measured_s=now[k][1]) for k in LINKS}
+
+    old, new = before[3], after[3]
+    result = dict(recommendation_changed=bool(old and new and key(old) != key(new)), moves=[])
+    lines = []
+    if old and new and key(old) != key(new):
+        old_why, result["old_links"] = why(old)
+        new_why, result["new_links"] = why(new)
+        result.update(old=old["label"], new=new["label"])
+        lines.append(f"the recommendation changes from {old['label']} to {new['label']}: with the measured links "
+                     f"{old['label']} takes {old['step_time_s']:.3g} -> "
+                     f"{next(c for c in after[1] if key(c) == key(old))['step_time_s']:.3g} s per step "
+                     f"({old_why}), {new['label']} {new['step_time_s']:.3g} s ({new_why})")
+    elif new:
+        lines.append(f"the recommendation stays {new['label']} ({new['step_time_s']:.3g} s per step with the measured "
+                     f"links, {old['step_time_s']:.3g} s with the datasheet's)")
+    for c in [c for c in after[1] if c["fits"]][:top]:
+        was, now = old_place.get(key(c)), new_place[key(c)]
+        if was != now:
+            text, links = why(c)
+            result["moves"].append(dict(label=c["label"], command=c["command"], datasheet_place=was,
+                                        measured_place=now, links=links))
+            lines.append(f"  #{was} -> #{now} {c['label']}: {text}")
+    if len(lines) == 1 and lines[0].startswith("the recommendation stays"):
+        lines.append(f"  the first {top} places are the datasheet's")
+    return result, lines
+
+
+def main_measured(args, machine):
+    """plan.py ... --measured FILE: the plan with the doctor's links, and what they changed."""
+    measured, links = measured_machine(args.measured, machine, args.machine)
+    with dry_runs_remembered():
+        before = plan(args, machine)
+        after = plan(args, measured)
+        changes, lines = ranking_changes(args, machine, measured, before, after)
+    said = [f"{LINKS[k]}: alpha {f['alpha_s'] * 1e6:.3g} us, beta {f['beta_GBps']:.3g} GB/s (datasheet "
+            f"{machine[f'alpha_{k}'] * 1e6:.3g} us, {machine[f'{k}_gbps']:.3g} GB/s)" for k, f in links.items()]
+    if args.json:
+        out = as_json(*after)
+        out["measured"] = dict(file=args.measured, links={k: {"alpha_s": f["alpha_s"], "beta_GBps": f["beta_GBps"]}
+                                                           for k, f in links.items()},
+                               datasheet_recommendation=as_json(*before)["recommendation"], **changes)
+        print(json.dumps(out))
+        return
+    print(f"measured links ({args.measured}): " + "; ".join(said))
+    print_table(args, measured, *after)
+    print("what the measured links changed:")
+    for line in lines:
+        print(line)
+
+
 def main(argv=None):
     args, machine = parse(argv)
+    if args.measured:
+        return main_measured(args, machine)
     psi, scored, refused, choice, why = plan(args, machine)
     if args.json:
         print(json.dumps(as_json(psi, scored, refused, choice, why)))
