@@ -37,10 +37,18 @@ Bandwidth, in nccl-tests' conventions (S = the size column, t = time per operati
     broadcast 1. S is the buffer for all_reduce/broadcast, the output of all_gather, the
     input of reduce_scatter and all_to_all.
 
+Before a job, the doctor (`--doctor`, see doctor() below) asks whether the allocation is
+healthy: every rank's environment against what its facility documents (launcher, mpi4py,
+device, CPU binding, backend, network plugin and libfabric settings), a matmul and a
+host-to-device copy timed on every rank (a straggler is named), and the all_reduce sweep
+inside and across nodes fitted to the ring's alpha-beta model, which `plan.py --measured`
+then prices layouts with. It exits 0 when healthy, 2 with one line per problem.
+
 Run:
 
     mpiexec -n 4 python 02_collectives.py                 # show and check every collective
     torchrun --standalone --nproc_per_node 8 02_collectives.py --bench --metrics bench.jsonl
+    mpiexec -n 8 --ppn 4 python 02_collectives.py --doctor --json doctor.json   # before the job
 
 Any world size >= 1 (send/recv needs 2 ranks and says so). gloo on CPU, nccl/xccl on GPUs.
 Where a backend lacks reduce_scatter (gloo before torch 2.6), it falls back to all_reduce
@@ -60,7 +68,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import base_parser, check, detect_launcher, log, mpi_comm, say, setup, synchronize, teardown
+from common import (base_parser, check, detect_launcher, log, mpi_comm, say, setup, synchronize, teardown,
+                    xpu_backend)
 
 
 MAX_BYTES = 16 * 2**30  # the largest message a sweep may ask for: more than one GPU holds
@@ -527,7 +536,7 @@ def local_facts(environ, launch):
         try:
             from mpi4py import MPI  # MPI_Init: under mpiexec only, as common.setup does
             facts["mpi"] = dict(size=MPI.COMM_WORLD.Get_size(), rank=MPI.COMM_WORLD.Get_rank(),
-                                library=" ".join(MPI.Get_library_version().split()[:4]))
+                                library=" ".join(MPI.Get_library_version().split())[:60])
         except ImportError as e:
             facts["mpi"] = dict(error=str(e))
     xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
@@ -675,10 +684,11 @@ def check_environment(environ, facts, machine=None):
     return problems
 
 
-def check_nodes(rows, environ_of=None):
+def check_nodes(rows):
     """Problems across the ranks of each node (rows: every rank's facts, gathered): two ranks
     driving one device, ranks bound to the same cores, the launcher's idea of the ranks per
-    node against the host names, oneCCL's workers on another rank's cores."""
+    node against the host names. (oneCCL's workers on a rank's cores: every rank checks the
+    whole CCL_WORKER_AFFINITY list against its own binding in check_environment.)"""
     problems = []
     by_host = {}
     for row in rows:
@@ -704,12 +714,6 @@ def check_nodes(rows, environ_of=None):
                 if shared and set(a["affinity"]) != set(range(a["cpus"] or 0)):
                     problems.append(f"node {host}: ranks {a['rank']} and {b['rank']} are bound to the same "
                                     f"CPU(s) {cpu_list(shared)}: give each rank cores of its own")
-        workers = {r["rank"]: cpu_set(r.get("ccl_workers") or "") for r in ranks}
-        for r in ranks:
-            clash = set().union(*(w for k, w in workers.items() if k != r["rank"])) & set(r["affinity"] or [])
-            if clash and any(workers.values()):
-                problems.append(f"node {host}: CCL_WORKER_AFFINITY puts oneCCL workers on core(s) {cpu_list(clash)} "
-                                f"of rank {r['rank']} (ezpz #34): unset it, or choose cores outside every rank's binding")
     return problems
 
 
@@ -883,12 +887,13 @@ def doctor(args):
             if master and line.startswith("mpi4py"):
                 say(f"problem: {line}")
         sys.exit(2)
-    if args.device == "auto" and not any(facts["accelerators"].values()):
+    if args.device == "auto" and not any(facts["accelerators"].values()) and xpu_backend() is None:
         args.device = "cpu"  # the environment check names the missing GPU; the rest runs on CPU
     env = setup(args, launch)
     world = dist.group.WORLD  # every collective below names its group
     facts["device"] = device_facts(os.environ, env.device)
-    facts["ccl_workers"] = os.environ.get("CCL_WORKER_AFFINITY")
+    if env.device.type == "xpu":  # XPUs that only intel_extension_for_pytorch makes visible
+        facts["accelerators"]["xpu"] = torch.xpu.device_count()
     facts["problems"] = check_environment(os.environ, facts, machine)
     rows = [None] * env.world_size
     dist.all_gather_object(rows, facts, group=world)  # every rank's facts, for the node checks and the report
