@@ -271,3 +271,14 @@ def test_a_bad_measured_file_is_one_line_and_status_2(tmp_path, content, reason,
         plan.main(PLAN + ["--measured", str(path)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and reason in err and err.startswith("error: --measured")
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--doctor", "--json", "/nonexistent-gptpar/doctor.json"], "--json /nonexistent-gptpar/doctor.json: the directory"),
+    (["--doctor", "--straggler_margin", "nan"], "--straggler_margin must be a positive fraction"),
+    (["--machine", "polaris"], "--json and --machine go with --doctor"),
+    (["--doctor", "--bench"], "give --doctor or --bench, not both"),
+])
+def test_bad_doctor_flags_are_one_line_and_status_2(flags, reason):
+    run = launch("02_collectives.py", ["--device", "cpu"] + flags, nprocs=2, metrics=False, out_dir=False, timeout=60)
+    assert run.returncode == 2 and len(run.error_lines) == 1 and reason in run.error_lines[0], run.stderr
