@@ -16,12 +16,13 @@
 # step, write a checkpoint and exit 0 (resubmitting the job resumes it)
 #
 # Sources (each environment line below names its source in brackets; read 2026-11-25):
-#   [nersc-launchers] https://docs.nersc.gov/machinelearning/launchers (the stored copy shows no
-#                     date): srun with one task per GPU, -c 32, MASTER_ADDR the first node of
+#   [nersc-launchers] https://docs.nersc.gov/machinelearning/launchers (read 2026-11-25; the copy
+#                     shows no date of its own): srun with one task per GPU, -c 32, MASTER_ADDR the first node of
 #                     `scontrol show hostnames`, and NCCL's network plugin from NERSC's container
 #                     (`#SBATCH --module=gpu,nccl-plugin` with the nersc/pytorch image)
 #   [nersc-sc25]      https://github.com/NERSC/sc25-dl-tutorial/blob/main/submit_pm.sh (NERSC's SC25
-#                     tutorial, read 2026-11-25): CUDA_VISIBLE_DEVICES=3,2,1,0, FI_MR_CACHE_MONITOR=userfaultfd
+#                     tutorial, at 6f7a074, read 2026-11-25): CUDA_VISIBLE_DEVICES=3,2,1,0,
+#                     FI_MR_CACHE_MONITOR=userfaultfd, with the nersc/pytorch:25.06.01 image
 #   [nersc-pytorch]   https://docs.nersc.gov/machinelearning/pytorch/ (read 2026-11-25: no current copy
 #                     could be read; `module load pytorch` and that it brings NCCL's libfabric plugin
 #                     are unverified, as are NCCL_NET_GDR_LEVEL and NCCL_SOCKET_IFNAME below)
@@ -31,7 +32,7 @@ ROOT=$(gpt_root)
 cd "$ROOT"
 [ $# -gt 0 ] || set -- 03_ddp.py
 
-# environment, as NERSC documents it: the pytorch module (PyTorch, NCCL, mpi4py)
+# environment: the pytorch module (PyTorch, NCCL, mpi4py); NERSC's pages now show its container instead
 module load pytorch                        # [nersc-pytorch] (unverified: see above)
 [ -z "${VENV:-}" ] || source "$VENV/bin/activate"
 

@@ -352,7 +352,7 @@ def test_perlmutter(scheduler):
 
 
 SOURCED = re.compile(r"^#\s+\[([\w-]+)\]\s+(\S+)")
-ENVIRONMENT = re.compile(r"(?:^|[|&;]\s*|\bthen\s+|\belse\s+)\s*(export\s|unset\s|module\s+(?:load|use)\s|conda\s+activate)")
+ENVIRONMENT = re.compile(r"(?:^|[|&;]\s*|\bthen\s+|\belse\s+)\s*(export\s|unset\s|module\s+(?:load|use)\s|conda\s+activate)", re.M)
 
 
 def uncited_environment_lines(text, sources):
