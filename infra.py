@@ -1141,6 +1141,7 @@ class CommLedger:
         phase = self.phase
         if phase == "step":  # inside autograd's backward, or the forward
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        self.leave_trail(name, group, phase)
         return f"{op} #{self.posted[name]} on group {name}, step {self.step}, {phase}"
 
     def report(self, where, error):
@@ -1150,6 +1151,41 @@ class CommLedger:
             rank = dist.get_rank() if dist.is_initialized() else 0
             first = (str(error).strip().splitlines() or [""])[0][:200]
             say(f"rank {rank} was in {where} when it failed: {first}", sys.stderr)
+            dump_flight_recorder()  # what NCCL's watchdog writes at its timeout; gloo writes none by itself
+
+    # The trail beside the Flight Recorder's dumps. torch records every collective of every
+    # process group (NCCL, XCCL and, in torch 2.13, gloo) in a ring buffer, and NCCL's watchdog
+    # writes it to TORCH_FR_DUMP_TEMP_FILE<rank> when a collective times out: operation, group,
+    # sequence number, state, the time it was posted. The step and phase are not in it; this
+    # trail adds them, as a few JSON lines per micro-batch, never one per collective.
+    trail = None  # this rank's open trail file; False when there is none to write
+    trail_at = None  # the (step, phase) of its last line
+    trail_groups = frozenset()  # the groups it has described
+
+    def leave_trail(self, name, group, phase):
+        """One line `{"t_ns", "step", "phase"}` each time the step or phase of this rank's
+        collectives changes, stamped with the recorder's clock (CLOCK_REALTIME, ns): the entry
+        posted at time t belongs to the last line before t. One line `{"group", "name",
+        "ranks"}` the first time a group is used (gloo's dumps do not list their ranks).
+        `python plot.py --hangs DIR` reads both beside the dumps."""
+        if self.trail is None:
+            self.trail = open_trail()
+        if not self.trail:
+            return
+        group = group if group is not None else dist.group.WORLD
+        lines = []
+        key = getattr(group, "group_name", None)
+        if key is not None and key not in self.trail_groups:
+            self.trail_groups = self.trail_groups | {key}
+            lines.append({"group": key, "name": name, "ranks": dist.get_process_group_ranks(group)})
+        if (self.step, phase) != self.trail_at:
+            self.trail_at = (self.step, phase)
+            lines.append({"t_ns": time.time_ns(), "step": self.step, "phase": phase})
+        try:
+            for line in lines:
+                self.trail.write(json.dumps(line) + "\n")
+        except OSError:  # a full or vanished disk must not stop training: no trail from here on
+            self.trail = False
 
     def watched(self, where, result):
         """Run a collective's result through `report` if waiting on it fails (async work)."""
@@ -1254,6 +1290,63 @@ class CommLedger:
         """The bytes counted since the last take (one optimizer step's worth)."""
         counted, self.bytes = self.bytes, {}
         return counted
+
+
+def flight_recorder_prefix():
+    """The path prefix torch's Flight Recorder writes this job's dumps to (the rank is
+    appended): TORCH_FR_DUMP_TEMP_FILE, torch 2.13's name, or TORCH_NCCL_DEBUG_INFO_TEMP_FILE,
+    the name it still reads; None when neither is set (NCCL's default, /tmp/nccl_trace_rank_,
+    is node-local: jobs/*.sh put it on the shared file system)."""
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or None
+
+
+def trail_path(prefix, rank):
+    """Where rank `rank` leaves its trail: `ledger.<rank>.jsonl` in the dumps' folder. The name
+    holds no dump prefix and does not end in the rank, so torch's fr_trace skips it."""
+    return os.path.join(os.path.dirname(prefix) or ".", f"ledger.{rank}.jsonl")
+
+
+def open_trail():
+    """This rank's trail file, line-buffered (each line is on disk before the collective it
+    stamps is posted, so a process the watchdog ends keeps it), or False when no dump
+    prefix is set or the file cannot be written (one note, then training goes on)."""
+    prefix = flight_recorder_prefix()
+    if not prefix:
+        return False
+    path = trail_path(prefix, dist.get_rank() if dist.is_initialized() else 0)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "w", buffering=1, encoding="utf-8")
+    except OSError as e:
+        say(f"note: no Flight Recorder trail ({path}: {e.strerror or e}); hangs will be reported without "
+            f"their step and phase", sys.stderr)
+        return False
+
+
+def dump_flight_recorder():
+    """Write this rank's Flight Recorder buffer where NCCL's watchdog writes it at a timeout
+    (the prefix + the rank), unless a dump is there already; the path, or None. NCCL's
+    watchdog and its monitor thread dump every rank of a stalled job themselves (the ranks
+    that wait, and, told through the store, the one that stalled); gloo has no watchdog, so
+    a rank whose collective fails calls this. Never raises: the failure it reports matters more."""
+    prefix = flight_recorder_prefix()
+    if not prefix or not dist.is_initialized():
+        return None
+    path = f"{prefix}{dist.get_rank()}"
+    try:
+        if not os.path.exists(path):
+            folder = os.path.dirname(path) or "."
+            os.makedirs(folder, exist_ok=True)
+            # written aside and renamed, under a name without the prefix (fr_trace reads every
+            # file that contains it): a reader never sees half a dump
+            fd, partial = tempfile.mkstemp(dir=folder, prefix=".partial-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(torch._C._distributed_c10d._dump_fr_trace())
+            os.replace(partial, path)
+        return path
+    except Exception as e:  # noqa: BLE001 (a dump is help, never a second failure)
+        say(f"note: no Flight Recorder dump written to {path}: {e}", sys.stderr)
+        return None
 
 
 class _Watched:

@@ -5,6 +5,7 @@
     python plot.py bench.jsonl --peak_gbps 200     # 02_collectives.py --bench: bus bandwidth
     python plot.py --schedule 1f1b --pp 4 --micro_batches 8          # 07_pipeline.py's timeline
     python plot.py --schedule interleaved --pp 4 --micro_batches 8 --virtual_stages 2
+    python plot.py --hangs logs/fr-JOBID           # a stalled job's Flight Recorder dumps, as text
 
 A metrics file (docs/design.md's JSONL, any training script) gives six panels: loss and val
 loss against step; tokens/s; the step time over ranks (min, mean, max: a straggler shows as a
@@ -20,6 +21,10 @@ with unit costs by its simulate(), as its log draws in text): forwards, backward
 weight-gradient passes, W, where a schedule has them) coloured, each box labelled with its
 micro-batch (and chunk), the bubble drawn and in theory in the title.
 
+--hangs reads the Flight Recorder dumps a stalled job left (jobs/*.sh set them up) and prints
+one line per rank: the operation it waits in, its group, and the step and phase it was posted
+at (docs/failures.md, "Hangs on GPUs").
+
 The kind is read from the files (every file must be of one kind). Without -o the picture is
 written next to the (first) file, with .png for its extension, or to schedule_<...>.png
 (-o may name a .svg or .pdf instead).
@@ -32,6 +37,8 @@ import importlib.util
 import json
 import math
 import os
+import pickle
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -358,6 +365,178 @@ def plot_schedule(plt, kind, p, m, v):
 # The command line
 # ----------------------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------------------
+# --hangs: where every rank of a stalled job waits, from torch's Flight Recorder dumps
+# ----------------------------------------------------------------------------------------
+
+TRAIL = "ledger.{rank}.jsonl"  # infra.trail_path's name: the step/phase trail beside the dumps
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """A Flight Recorder dump is a pickle of dicts, lists, strings and numbers: refuse any
+    other object, so reading a dump never runs code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: not a Flight Recorder dump")
+
+
+def read_dumps(folder):
+    """{rank: dump} of the Flight Recorder dumps in `folder` (files named <prefix><rank>, all
+    with one prefix, as TORCH_FR_DUMP_TEMP_FILE writes them), and {rank: trail lines}."""
+    if not os.path.isdir(folder):
+        raise Refused(f"--hangs {folder}: no such directory")
+    dumps, trails, prefixes = {}, {}, set()
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        trail = re.fullmatch(TRAIL.replace(".", r"\.").replace("{rank}", r"(\d+)"), name)
+        if trail:
+            trails[int(trail.group(1))] = load_rows(path)
+            continue
+        found = re.fullmatch(r"(.*?)(\d+)", name)
+        if not found or name.startswith(".") or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                dump = _PlainUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, OSError) as e:
+            raise Refused(f"{path} is not a Flight Recorder dump ({e})") from None
+        if not (isinstance(dump, dict) and isinstance(dump.get("entries"), list)):
+            raise Refused(f"{path} is not a Flight Recorder dump (no entries)")
+        prefixes.add(found.group(1))
+        dumps[int(found.group(2))] = dump
+    if not dumps:
+        raise Refused(f"--hangs {folder}: no Flight Recorder dumps (files <prefix><rank>) in it")
+    if len(prefixes) > 1:
+        raise Refused(f"--hangs {folder}: dumps of several prefixes ({', '.join(sorted(prefixes))}): one job's only")
+    return dumps, trails
+
+
+def hang_lines(folder):
+    """One line per rank of a stalled job: the operation it waits in (Flight Recorder's own
+    number on its group: the SeqNum NCCL's watchdog prints), its group, and the step and phase
+    it was posted at (the ledger's trail), or that it waits in none and which operation the
+    others wait for it to post; then the first operation that not every rank of its group
+    posted. An operation is done when its state says so (NCCL, XCCL); gloo does not update
+    the state, so there an operation is done once every member of its group posted it,
+    unless it is the last operation every one of them posted.
+
+        rank 0 waits in operation #3 (all_reduce) on group world, posted at step 7, phase forward
+        rank 2 waits in no operation: it has not posted #3 on group world, which ranks 0, 1 wait in;
+               its last was #2 (all_reduce) on group world, posted at step 6, phase optimizer
+    """
+    dumps, trails = read_dumps(folder)
+    groups = {}  # group name -> {"name", "ranks"}
+    for rank, dump in dumps.items():
+        for key, config in (dump.get("pg_config") or {}).items():
+            if key and isinstance(config, dict):
+                ranks = config.get("ranks")
+                ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
+                if ranks:
+                    groups.setdefault(key, {})["ranks"] = list(ranks)
+    for rows in trails.values():
+        for row in rows:
+            if "group" in row:
+                groups.setdefault(str(row["group"]), {}).update(name=row.get("name"), ranks=row.get("ranks"))
+
+    def label(entry):
+        key, desc = entry["process_group"]
+        known = groups.get(key, {})
+        if known.get("name"):
+            return known["name"]
+        if desc == "default_pg":
+            return "world"
+        if desc and desc != "undefined":
+            return desc
+        return "ranks " + ",".join(map(str, known.get("ranks") or [])) if known.get("ranks") else f"group {key}"
+
+    def number(entry):
+        return entry["p2p_seq_id"] if entry.get("is_p2p") else entry["collective_seq_id"]
+
+    def operation(entry):
+        return entry.get("profiling_name", "?").split(":", 1)[-1]
+
+    def posted(rank, entry):
+        rows = [r for r in trails.get(rank, []) if "t_ns" in r and r["t_ns"] <= entry.get("time_created_ns", 0)]
+        if not rows:
+            return "at an unknown step and phase (no ledger trail)" if rank not in trails else \
+                "before the first step"
+        return f"at step {rows[-1]['step']}, phase {rows[-1]['phase']}"
+
+    # the highest collective number each rank posted on each group
+    last = {}
+    for rank, dump in dumps.items():
+        for e in dump["entries"]:
+            if not e.get("is_p2p"):
+                key = e["process_group"][0]
+                last[rank, key] = max(last.get((rank, key), 0), e["collective_seq_id"])
+
+    final = {}  # each rank's last collective: (group, number)
+    for rank, dump in dumps.items():
+        entries = sorted(dump["entries"], key=lambda e: e.get("record_id", 0))
+        if entries and not entries[-1].get("is_p2p"):
+            final[rank] = (entries[-1]["process_group"][0], entries[-1]["collective_seq_id"])
+
+    def members(key):
+        ranks = groups.get(key, {}).get("ranks") or sorted({r for r, k in last if k == key})
+        return [r for r in ranks if r in dumps]
+
+    def pending(rank, entry, entries):
+        if not entry["profiling_name"].startswith("gloo:"):
+            return entry.get("state") != "completed"
+        key = entry["process_group"][0]
+        if entry.get("is_p2p"):  # not numbered alike on both sides: pending while the last on its group
+            return entry is [e for e in entries if e["process_group"][0] == key][-1]
+        seq = entry["collective_seq_id"]
+        if not all(last.get((r, key), 0) >= seq for r in members(key)):
+            return True  # a member has not posted it: it cannot have completed
+        # every member posted it: done, unless it is the last thing every member posted (they
+        # all wait in it together: a link, not a disagreement)
+        return all(final.get(r) == (key, seq) for r in members(key))
+
+    waits, lines = {}, []
+    for rank in sorted(dumps):
+        entries = sorted(dumps[rank]["entries"], key=lambda e: e.get("record_id", 0))
+        waits[rank] = next((e for e in entries if pending(rank, e, entries)), None)
+    missing = {}  # (group, number) -> ranks that did not post it
+    for rank, entry in waits.items():
+        if entry is not None and not entry.get("is_p2p"):
+            key, seq = entry["process_group"][0], entry["collective_seq_id"]
+            late = [r for r in members(key) if last.get((r, key), 0) < seq]
+            if late:
+                missing.setdefault((key, seq, label(entry)), set()).update(late)
+    for rank in sorted(dumps):
+        entry = waits[rank]
+        if entry is not None:
+            lines.append(f"rank {rank} waits in operation #{number(entry)} ({operation(entry)}) on group "
+                         f"{label(entry)}, posted {posted(rank, entry)}")
+            continue
+        line = f"rank {rank} waits in no operation"
+        for (key, seq, name), late in sorted(missing.items()):
+            if rank in late:
+                waiting = sorted(r for r, e in waits.items() if e is not None and e["process_group"][0] == key
+                                 and not e.get("is_p2p") and e["collective_seq_id"] == seq)
+                line += f": it has not posted #{seq} on group {name}, which rank(s) {', '.join(map(str, waiting))} wait in"
+                break
+        entries = sorted(dumps[rank]["entries"], key=lambda e: e.get("record_id", 0))
+        if entries:
+            e = entries[-1]
+            line += f"; its last was #{number(e)} ({operation(e)}) on group {label(e)}, posted {posted(rank, e)}"
+        lines.append(line)
+    world = max((len(g.get("ranks") or []) for g in groups.values()), default=0)
+    absent = [rank for rank in range(world) if rank not in dumps]
+    lines += [f"rank {rank}: no dump (its process ended before it could write one)" for rank in absent]
+    if missing:
+        (key, seq, name), late = min(missing.items(), key=lambda item: item[0][1])
+        lines.append(f"the hang: rank(s) {', '.join(map(str, sorted(late)))} never posted #{seq} on group {name}")
+    elif absent and any(e is not None for e in waits.values()):
+        lines.append(f"the hang: every rank with a dump posted what the others wait in; rank(s) "
+                     f"{', '.join(map(str, absent))} left none: look at its log first")
+    elif any(e is not None for e in waits.values()):
+        lines.append("the hang: every rank posted the operations the others wait in: a slow or failed link, "
+                     "not ranks that disagree on what comes next")
+    return lines
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise Refused(message)
@@ -374,7 +553,13 @@ def parse(argv):
     g.add_argument("--pp", type=int, default=4, help="pipeline stages")
     g.add_argument("--micro_batches", type=int, default=8)
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per stage (interleaved)")
+    p.add_argument("--hangs", metavar="DIR", default=None,
+                   help="a stalled job's Flight Recorder dumps (TORCH_FR_DUMP_TEMP_FILE's folder): one line per rank")
     args = p.parse_args(argv)
+    if args.hangs is not None:
+        if args.files or args.schedule:
+            raise Refused("--hangs reads a folder of dumps: give it alone")
+        return args
     if bool(args.files) == bool(args.schedule):
         raise Refused("give metrics files or --schedule (07_pipeline.py's timeline), one of the two")
     if args.peak_gbps is not None and not (math.isfinite(args.peak_gbps) and args.peak_gbps > 0):
@@ -410,6 +595,9 @@ def parse(argv):
 def main(argv=None):
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
+        if args.hangs is not None:
+            print("\n".join(hang_lines(args.hangs)))
+            return 0
         all_rows = [load_rows(path) for path in args.files]
         kinds = {kind_of(path, rows) for path, rows in zip(args.files, all_rows)}
         if len(kinds) > 1:

@@ -85,9 +85,33 @@ run_logged() {
     return "$status"
 }
 
+# Sources of the environment lines in this file and in the job scripts that source it (each
+# line names its source in brackets; tests/test_jobs.py checks that every one does):
+#   [torch-fr]  https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html, and
+#               torch 2.13.0's own sources (c10d/FlightRecorder.hpp reads TORCH_FR_BUFFER_SIZE, then
+#               TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000; ProcessGroupNCCL.hpp: TORCH_NCCL_DUMP_ON_TIMEOUT;
+#               libtorch reads TORCH_FR_DUMP_TEMP_FILE, then TORCH_NCCL_DEBUG_INFO_TEMP_FILE), read 2026-11-25
+#   [here]      this project's own choice, explained beside the line and in jobs/README.md (2026-11-25)
+
 # Compilation caches on node-local storage: never on the shared home file system.
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/${USER:-$(id -un)}/torchinductor}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/${USER:-$(id -un)}/triton}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/${USER:-$(id -un)}/torchinductor}  # [here]
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/${USER:-$(id -un)}/triton}  # [here]
+
+# flight_recorder FOLDER: when a collective hangs on NCCL, RCCL or XCCL, torch's watchdog ends
+# the job from C++ at --timeout and the ranks' Python never says where they were. Its Flight
+# Recorder keeps the last collectives of every rank in a ring buffer; these variables make the
+# watchdog write every rank's buffer to FOLDER (the shared file system: NCCL's default,
+# /tmp/nccl_trace_rank_, is node-local and gone with the job) before it ends the job. Beside
+# the dumps the ledger leaves each rank's step and phase (infra.py), and
+#   python plot.py --hangs FOLDER
+# says where every rank waits (docs/failures.md, "Hangs on GPUs").
+flight_recorder() {
+    mkdir -p "$1"
+    export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}  # [torch-fr] entries kept per rank (0 turns the recorder off)
+    export TORCH_NCCL_DUMP_ON_TIMEOUT=1    # [torch-fr] dump every rank's buffer when a collective times out
+    export TORCH_FR_DUMP_TEMP_FILE=$1/rank_  # [torch-fr] the dumps: FOLDER/rank_<rank>, on the shared file system
+    echo "a hang leaves its Flight Recorder dumps in $1: python plot.py --hangs $1"
+}
 
 # has_checkpoint OUT_DIR: OUT_DIR holds a committed checkpoint to resume from. The one place
 # that knows the checkpoint's file names: every script writes OUT_DIR/ckpt/step_N/, committed

@@ -15,7 +15,7 @@ shift
 check_layout "$RANKS" "$RANKS" "$@"
 # split the cores among the ranks (common.py does this too, unless OMP_NUM_THREADS is set)
 CORES=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / RANKS > 0 ? CORES / RANKS : 1 ))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / RANKS > 0 ? CORES / RANKS : 1 ))}  # [here]
 LOG=$(gpt_log "$ROOT" "local-$(date +%Y%m%d-%H%M%S)")
 if command -v mpiexec > /dev/null; then
     LAUNCH=(mpiexec -n "$RANKS")

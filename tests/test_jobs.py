@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -217,7 +218,20 @@ def test_polaris(scheduler, tmp_path):
     assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in scheduler.launch["ranks"]] == ["3", "2", "1", "0"]
     env = scheduler.launch["env"]
     assert {k: env.get(k) for k in POLARIS_ENV} == POLARIS_ENV
-    assert "warning" not in p.stderr
+    assert "warning" not in p.stderr and "note: ALCF warns" not in p.stdout
+    # ALCF's NCCL page puts the aws-ofi-nccl plugin and hwloc on LD_LIBRARY_PATH itself
+    assert env["LD_LIBRARY_PATH"].split(":")[:3] == ["/soft/libraries/hwloc/lib/", "/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib",
+                                                     str(plugin)], env["LD_LIBRARY_PATH"]
+    # its warning (Megatron-DeepSpeed hangs with the plugin): a note for the pipeline scripts, and
+    # its remedy on request
+    p, _ = scheduler("polaris.sh", "07_pipeline.py", "--pp", "4", env={"LD_LIBRARY_PATH": str(plugin)}, launch_only=True)
+    assert p.returncode == 0 and "note: ALCF warns that pipeline-parallel jobs" in p.stdout and "NCCL_PLUGIN=off" in p.stdout
+    p, _ = scheduler("polaris.sh", "07_pipeline.py", "--pp", "4", launch_only=True,
+                     env={"LD_LIBRARY_PATH": str(plugin), "NCCL_PLUGIN": "off"})
+    env = scheduler.launch["env"]
+    assert p.returncode == 0 and "note: ALCF warns" not in p.stdout
+    assert [k for k in ("NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC", "NCCL_COLLNET_ENABLE", "NCCL_NET") if k in env] == []
+    assert env["FI_MR_CACHE_MONITOR"] == "userfaultfd"  # the page unsets only the four NCCL variables
     # the conda module puts the aws-ofi-nccl plugin on LD_LIBRARY_PATH; without it: a warning
     p, _ = scheduler("polaris.sh", "03_ddp.py", env={"LD_LIBRARY_PATH": ""}, launch_only=True)
     assert p.returncode == 0 and "warning: no aws-ofi-nccl plugin (libnccl-net*.so) on LD_LIBRARY_PATH" in p.stderr
@@ -228,13 +242,13 @@ POLARIS_ENV = {  # ALCF's NCCL page for Polaris
     "FI_CXI_DISABLE_HOST_REGISTER": "1", "FI_MR_CACHE_MONITOR": "userfaultfd", "FI_CXI_DEFAULT_CQ_SIZE": "131072",
 }
 
-AURORA_ENV = {  # ALCF's oneCCL page for Aurora (the set for runs at scale, and the CXI/PALS list)
+AURORA_ENV = {  # ALCF's oneCCL page for Aurora (its minimal set, the set for runs at scale, and the CXI/PALS list)
     "CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "CCL_KVS_MODE": "mpi", "CCL_KVS_USE_MPI_RANKS": "1",
     "CCL_KVS_CONNECTION_TIMEOUT": "600", "CCL_CONFIGURATION": "cpu_gpu_dpcpp", "CCL_CONFIGURATION_PATH": "",
     "CCL_ALLREDUCE": "topo", "CCL_ALLREDUCE_SCALEOUT": "direct:0-1048576;rabenseifner:1048577-max",
     "CCL_BCAST": "double_tree", "CCL_ZE_CACHE_OPEN_IPC_HANDLES_THRESHOLD": "1024", "MPI_PROVIDER": "cxi",
     "FI_CXI_DEFAULT_CQ_SIZE": "1048576", "FI_CXI_OFLOW_BUF_SIZE": "8388608", "FI_CXI_CQ_FILL_PERCENT": "30",
-    "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_MR_CACHE_MONITOR": "disabled", "FI_MR_ZE_CACHE_MONITOR_ENABLED": "0",
+    "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_MR_CACHE_MONITOR": "userfaultfd", "FI_MR_ZE_CACHE_MONITOR_ENABLED": "0",
     "PALS_PING_PERIOD": "240", "PALS_RPC_TIMEOUT": "240",
     "ZE_FLAT_DEVICE_HIERARCHY": "FLAT", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1",  # tile t = GPU t // 2, in PCI order
 }
@@ -279,7 +293,9 @@ def test_frontier(scheduler, tmp_path):
                          env={"LD_LIBRARY_PATH": f"/opt/rocm/lib:{plugin}"})
     assert p.returncode == 0, p.stderr
     modules = [line.split(" |")[0] for line in lines if line.startswith("module load")]
-    assert modules.index("module load rocm/7.1.1") < modules.index("module load rccl-net-plugin"), modules
+    # OLCF's PyTorch page (2026-07-07): its batch script's modules, in its order
+    assert modules == ["module load PrgEnv-gnu/8.7.0", "module load cpe/26.03", "module load miniforge3/23.11.0-0",
+                       "module load rocm/7.1.1", "module load rccl-net-plugin", "module load craype-accel-amd-gfx90a"]
     line = launch_line(lines, "srun")
     assert line.startswith("srun -N 2 -n 16 -c7 --gpus-per-task=1 --gpu-bind=closest --kill-on-bad-exit=1 "
                            "python 03_ddp.py --model gpt2 |")
@@ -289,6 +305,10 @@ def test_frontier(scheduler, tmp_path):
     assert env["NCCL_NET_PLUGIN"] == f"{plugin}/librccl-net.so"
     assert str(plugin) in env["LD_LIBRARY_PATH"].split(":")
     assert env["NCCL_NET"] == "OFI" and "warning" not in p.stderr  # 2 nodes: the plugin or a refusal, never TCP
+    # "Because using a non-default CPE": the Cray libraries of cpe/26.03 first
+    p, _ = scheduler("frontier.sh", "03_ddp.py", kind="slurm", launch_only=True,
+                     env={"LD_LIBRARY_PATH": "/opt/rocm/lib", "CRAY_LD_LIBRARY_PATH": "/opt/cray/pe/lib64"})
+    assert scheduler.launch["env"]["LD_LIBRARY_PATH"].split(":")[-2:] == ["/opt/cray/pe/lib64", "/opt/rocm/lib"]
 
 
 def test_frontier_plugin_of_your_own_and_none(scheduler, tmp_path):
@@ -331,6 +351,81 @@ def test_perlmutter(scheduler):
     assert_ranks_sit_next_to_their_devices("perlmutter", scheduler.launch)
 
 
+SOURCED = re.compile(r"^#\s+\[([\w-]+)\]\s+(\S+)")
+ENVIRONMENT = re.compile(r"(?:^|[|&;]\s*|\bthen\s+|\belse\s+)\s*(export\s|unset\s|module\s+(?:load|use)\s|conda\s+activate)", re.M)
+
+
+def uncited_environment_lines(text, sources):
+    """The lines of a job script that set its environment (export, unset, module load/use,
+    conda activate) without naming a source in brackets, or naming one that `sources` (tag ->
+    its definition: a URL and the date it was read, or this project's own reason) lacks."""
+    bad = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or not ENVIRONMENT.search(line):
+            continue
+        tags = re.findall(r"\[([\w-]+)\]", line.partition(" # ")[2] or line.partition("  #")[2])
+        if not tags or any(t not in sources for t in tags):
+            bad.append(line)
+    return bad
+
+
+def sources_of(text):
+    """{tag: its definition} from a script's header, each a `#   [tag]  URL` line and the
+    comment lines that continue it."""
+    found, tag = {}, None
+    for line in text.splitlines():
+        m = SOURCED.match(line)
+        if m:
+            tag = m.group(1)
+            found[tag] = line
+        elif tag and re.match(r"^#\s{4,}\S", line):
+            found[tag] += "\n" + line
+        else:
+            tag = None
+    return found
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if ENVIRONMENT.search(re.sub(r"(?m)^\s*#.*$", "", open(s).read()))],
+                         ids=os.path.basename)
+def test_every_environment_line_cites_its_source(script):
+    """Each export, unset and module line of a job script names, in brackets, a source defined
+    in its header (or in jobs/lib.sh, which it sources): the facility's page with the date and
+    commit it was read at, or this project's own reason."""
+    text = open(script).read()
+    sources = sources_of(text)
+    if "jobs/lib.sh" in text:
+        sources.update(sources_of(open(os.path.join(ROOT, "jobs", "lib.sh")).read()))
+    for tag, definition in sources.items():
+        assert re.search(r"\d{4}-\d{2}-\d{2}", definition), f"{script}: [{tag}] says when it was read"
+        assert "https://" in definition or (tag == "here" and "jobs/README.md" in definition), (script, definition)
+    assert uncited_environment_lines(text, sources) == [], script
+
+
+def test_the_citation_check_sees_a_missing_or_unknown_source():
+    sources = {"alcf-nccl": "#   [alcf-nccl] https://docs.alcf.anl.gov/... 2026-11-25"}
+    text = ("export NCCL_NET=x   # [alcf-nccl] fine\nexport FI_X=1   # no source\n"
+            "[ -z \"$A\" ] || export B=$A  # [elsewhere] unknown\nmodule load foo\n# export C=1 (a comment)\n")
+    assert uncited_environment_lines(text, sources) == [
+        "export FI_X=1   # no source", "[ -z \"$A\" ] || export B=$A  # [elsewhere] unknown", "module load foo"]
+
+
+@pytest.mark.parametrize("script, kind", [("polaris.sh", "pbs"), ("aurora.sh", "pbs"), ("frontier.sh", "slurm"),
+                                          ("perlmutter.sh", "slurm")])
+def test_gpu_jobs_keep_their_flight_recorder_dumps(scheduler, script, kind):
+    """NCCL's watchdog ends a hung job from C++: these variables make it write every rank's
+    Flight Recorder buffer first, on the shared file system, for `python plot.py --hangs`."""
+    p, _ = scheduler(script, "03_ddp.py", kind=kind, launch_only=True)
+    assert p.returncode == 0, p.stderr
+    env = scheduler.launch["env"]
+    folder = os.path.join(ROOT, "logs", "fr-" + ("1234.polaris-pbs" if kind == "pbs" else "4242"))
+    try:
+        assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+        assert env["TORCH_FR_DUMP_TEMP_FILE"] == folder + "/rank_" and os.path.isdir(folder)
+        assert f"python plot.py --hangs {folder}" in p.stdout
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 COMMUNICATION = re.compile(r"^\s*(?:export|unset)\s+(NCCL_|RCCL_|FI_|CCL_|MPIR_|MPI_|PALS_|ZE_|HSA_|MASTER_|CUDA_VISIBLE)")
 
 
@@ -371,7 +466,7 @@ def test_every_job_configuration_dry_runs_clean(scheduler, script, kind, world):
     at tp 4 was found)."""
     p, lines = scheduler(script, kind=kind)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"dry run: " in p.stdout and f"on {world} rank(s)" in p.stdout, p.stdout
+    assert "dry run: " in p.stdout and f"on {world} rank(s)" in p.stdout, p.stdout
     assert "per rank:" in p.stdout and "holds model state in all" in p.stdout
     for expected in LAUNCHED.get(script, ()):
         assert expected in launch_line(lines, "srun" if kind == "slurm" else "mpiexec") + p.stdout, expected
