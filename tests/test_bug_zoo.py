@@ -3,7 +3,7 @@ the check it names run at the smallest layout that shows it: the test passes onl
 check FAILS the way the zoo says (a check is trusted once it has been seen to fail). A bug no
 check catches yet is a strict xfail whose reason says which check must grow.
 
-    tmp/  common.py  infra.py  NN_script.py (one bug applied)  ->  harness.launch (fork server)
+    tmp/  common.py  infra.py  the script (one bug applied)    ->  harness.launch (fork server)
                                                               ->  the check: oracle, ledger, NCCL
                                                                   replay, hang report, checksum,
                                                                   refusal, crash
