@@ -26,16 +26,24 @@ The checks (what each prints first when it fires):
                  CommLedger.report): "rank R was in OP #N on group G, step S, PHASE when it failed"
     checksum     a damaged checkpoint refused on resume (infra.Checkpoint.verify)
     refusal      one line and exit 2 on every rank (common.check)
+    streams      each rank's dropout generator state at every draw (a probe run before the
+                 script): inside TP's sharded heads the ranks' streams must differ, on the
+                 replicated residual stream agree: "rank 0 and rank 1 drew attention dropout
+                 #1 from the same stream"
     crash        an exception that ends the job, its message shown (common's abort hook): an
                  error in backward, or 07's own replay of its schedule (simulate()) refusing it
+
+`perturb`: the run is made irregular the way real ranks are (tests/test_bug_zoo.py's
+PERTURBATIONS: e.g. one rank's gradients ready in another order), since a CPU run keeps every
+rank alike; the script without the bug is run the same way and must pass.
 
 `slips`: the bug passes every check we have; the entry says which check must grow, and the
 test expects it to slip (strict xfail: the day a check catches it, the test says so)."""
 
 from dataclasses import dataclass
 
-ORACLE, RESUME, LEDGER, NCCL, HANG, CHECKSUM, REFUSAL, CRASH = (
-    "oracle", "resume", "ledger", "nccl", "hang", "checksum", "refusal", "crash")
+ORACLE, RESUME, LEDGER, NCCL, HANG, CHECKSUM, REFUSAL, CRASH, STREAMS = (
+    "oracle", "resume", "ledger", "nccl", "hang", "checksum", "refusal", "crash", "streams")
 
 MOE = ("--n_expert", "4", "--top_k", "2")
 
@@ -53,6 +61,7 @@ class Bug:
     flags: tuple = ()  # the smallest layout that shows it (added to the test's base flags)
     slips: str = ""  # set when no check catches it yet: which must grow
     damage: str = ""  # not an edit of the script but of what it wrote (a checkpoint file)
+    perturb: str = ""  # run under a perturbation that makes the ranks differ (test_bug_zoo.PERTURBATIONS)
 
 
 BUGS = [
@@ -66,13 +75,11 @@ BUGS = [
           "            self.next_to_launch += 1"),),
         origin="Li et al. 2020 (PyTorch DDP, VLDB) §3.2.3: buckets must be all-reduced in the same order on "
                "every rank; the ready order differs across ranks and the collectives mismatch (wrong sums or a hang)",
-        symptom="nothing on CPU: every rank's backward readies the gradients in the same order, so the "
-                "completion order is the index order everywhere",
-        check=NCCL, first_line="collective 0 of group",
-        flags=("--bucket_mb", "0.01"),
-        slips="the NCCL replay compares the ranks' collective orders, but on CPU every rank readies its "
-              "gradients in the same order; it must grow a perturbed ready order (e.g. a hook that lets one "
-              "rank finish its buckets in another order) before the replay can see this"),
+        symptom="nothing in a plain CPU run (every rank readies its gradients in the same order); once rank 1 "
+                "readies them in another order, its k-th all-reduce is another bucket than rank 0's: gloo "
+                "fails or sums the wrong buckets, NCCL sums them or hangs",
+        check=NCCL, first_line="mismatch: collective",
+        flags=("--bucket_mb", "0.01"), perturb="grad_ready_order_reversed_on_rank_1"),
     Bug("ddp_grad_accum_not_averaged", "03_ddp.py",
         (("(loss / accum_steps).backward()", "loss.backward()"),),
         origin="nanoGPT train.py scales the loss by 1/gradient_accumulation_steps; forgetting it is the "
@@ -173,11 +180,10 @@ BUGS = [
           "if True:  # (attention dropout from the stream every rank shares)"),),
         origin="Shoeybi et al. 2019 §3 / Megatron's model-parallel RNG tracker: dropout inside the "
                "sharded heads must draw a different mask on every rank",
-        symptom="every rank's heads drop the same positions: correlated masks, a silently worse regulariser",
-        check=ORACLE, first_line="losses differ from 01",
-        slips="the oracle runs at dropout 0; with dropout 01's masks are another stream altogether, so no "
-              "loss comparison can tell forked masks from shared ones; it must grow a mask check (the masks "
-              "drawn inside the sharded heads differ across TP ranks, those in replicated regions agree)"),
+        symptom="every rank's heads drop the same positions: correlated masks, a silently worse regulariser; "
+                "the oracle runs at dropout 0 and cannot see it",
+        check=STREAMS, first_line="rank 0 and rank 1 drew attention dropout #1 from the same stream",
+        flags=("--dropout", "0.1", "--max_iters", "1")),
     Bug("tp_norm_counts_replicated_params_per_rank", "06_tensor_parallel.py",
         (("replicated += square", "sharded += square  # (every parameter summed over the group)"),),
         origin="NVIDIA/Megatron-LM's clip_grad_norm: replicated parameters counted once (not on every TP "

@@ -11,7 +11,9 @@ check catches yet is a strict xfail whose reason says which check must grow.
 Each run is two or three steps of the tiny model at one or two ranks (the fork server starts a
 rank in milliseconds), against 01_single_gpu.py's losses for the same flags."""
 
+import dataclasses
 import glob
+import json
 import os
 import shutil
 
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 import nccl_replay
-from bug_zoo import BUGS, CHECKSUM, CRASH, HANG, LEDGER, NCCL, ORACLE, REFUSAL, RESUME
+from bug_zoo import BUGS, CHECKSUM, CRASH, HANG, LEDGER, NCCL, ORACLE, REFUSAL, RESUME, STREAMS
 from harness import ROOT, TINY, assert_losses_match, launch
 
 BASE = TINY + ["--max_iters", "3", "--lr_decay_iters", "3", "--micro_batch_size", "2", "--grad_clip", "0.05"]
@@ -42,6 +44,126 @@ def apply(bug, directory):
     with open(path, "w") as f:
         f.write(source)
     return path
+
+
+# What makes the ranks differ where a CPU run keeps them alike: the code each wrapper runs
+# before the script (every rank imports it; the script then runs as __main__, as under
+# `python script`).
+PERTURBATIONS = {
+    # Rank 1's gradients become ready in the reverse of the order its backward produced them:
+    # every post-accumulate-grad hook is deferred to the end of backward (autograd's
+    # queue_callback) and run there last-first, as when ranks' backward passes finish their
+    # gradients in different orders (Li et al. 2020, §3.2.3). Code that launches in an order
+    # of its own (03's buckets in index order) posts the same collectives; code that launches
+    # as gradients arrive does not.
+    "grad_ready_order_reversed_on_rank_1": '''
+import os
+import torch
+from torch.autograd.variable import Variable
+
+if os.environ.get("RANK") == "1":
+    _register, _pending = torch.Tensor.register_post_accumulate_grad_hook, []
+
+    def _flush():
+        calls = _pending[::-1]
+        _pending.clear()
+        for hook, param in calls:
+            hook(param)
+
+    def _register_deferred(self, hook):
+        def deferred(param):
+            if not _pending:
+                Variable._execution_engine.queue_callback(_flush)
+            _pending.append((hook, param))
+        return _register(self, deferred)
+    torch.Tensor.register_post_accumulate_grad_hook = _register_deferred
+''',
+}
+
+# The dropout-stream probe (the "streams" check): every rank records, for every dropout it
+# draws in training, the state of the generator it draws from (a digest), so that the test can
+# compare the ranks. In 06 without sequence parallelism, attention dropout acts inside this
+# rank's heads (a sharded region: the TP ranks' streams must differ, or every rank drops the
+# same positions of different heads) and every other dropout on the replicated residual stream
+# (the streams must agree, or the replicas diverge).
+STREAMS_PROBE = '''
+import hashlib
+import json
+import os
+import torch
+import torch.nn.functional as F
+
+_file = open(os.path.join(os.environ["ZOO_STREAMS"], "rank" + os.environ.get("RANK", "0") + ".jsonl"), "a")
+
+
+def _record(kind):
+    state = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+    _file.write(json.dumps({"kind": kind, "state": state}) + "\\n")
+    _file.flush()
+
+
+_attention, _dropout = F.scaled_dot_product_attention, F.dropout
+
+
+def _scaled_dot_product_attention(*args, **kwargs):
+    if kwargs.get("dropout_p", 0.0) > 0:
+        _record("attention")
+    return _attention(*args, **kwargs)
+
+
+def _dropout_recorded(input, p=0.5, training=True, inplace=False):
+    if training and p > 0:
+        _record("dropout")
+    return _dropout(input, p, training, inplace)
+F.scaled_dot_product_attention, F.dropout = _scaled_dot_product_attention, _dropout_recorded
+'''
+
+
+def streams_verdict(directory, ranks):
+    """The first dropout whose stream is wrong: an attention dropout (sharded heads) drawn from
+    the same state on two ranks, or a residual-stream dropout (replicated) from different
+    states; None when every one is right."""
+    draws = []
+    for rank in range(ranks):
+        with open(os.path.join(directory, f"rank{rank}.jsonl")) as f:
+            draws.append([json.loads(line) for line in f if line.strip()])
+    assert draws[0] and all(len(d) == len(draws[0]) for d in draws), [len(d) for d in draws]
+    count = {}
+    for same_call in zip(*draws):
+        kind = same_call[0]["kind"]
+        count[kind] = count.get(kind, 0) + 1
+        states = {d["state"] for d in same_call}
+        if kind == "attention" and len(states) < ranks:
+            return (f"rank 0 and rank 1 drew attention dropout #{count[kind]} from the same stream "
+                    "(inside the sharded heads the streams must differ)")
+        if kind == "dropout" and len(states) > 1:
+            return (f"the ranks drew residual dropout #{count[kind]} from different streams "
+                    "(on the replicated residual stream they must agree)")
+    return None
+
+
+WRAPPER = '''"""Runs sys.argv[1] as __main__ (its arguments after it) under a perturbation of the bug zoo."""
+import os
+import runpy
+import sys
+{code}
+target = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(target))
+runpy.run_path(target, run_name="__main__")
+'''
+
+
+def perturbed(bug, directory, command, code=None):
+    """`command` ([script, args...]) as run under the bug's perturbation (or `code`):
+    [wrapper, script, args...]."""
+    code = code or (PERTURBATIONS[bug.perturb] if bug.perturb else None)
+    if code is None:
+        return command
+    wrapper = os.path.join(directory, "perturbed.py")
+    with open(wrapper, "w") as f:
+        f.write(WRAPPER.format(code=code))
+    return [wrapper] + command
 
 
 _references = {}
@@ -104,10 +226,35 @@ def caught(bug, tmp_path):
     if bug.check == NCCL:  # gloo runs it; the recorded posting order is replayed under NCCL's rules
         record = tmp_path / "record"
         recorder = os.path.join(ROOT, "tests", "nccl_replay.py")
-        launch(recorder, [record, script] + flags + ["--max_iters", "1"], nprocs=bug.ranks).ok()
+        if bug.perturb:  # the control: the script as it is, under the same perturbation, replays
+            control = tmp_path / "control"
+            control.mkdir()
+            plain = apply(dataclasses.replace(bug, edits=()), str(control))
+            command = perturbed(bug, str(control), [recorder, control / "record", plain] + flags + ["--max_iters", "1"])
+            launch(command[0], command[1:], nprocs=bug.ranks).ok()
+            verdict = nccl_replay.replay(nccl_replay.read_records(control / "record"))
+            assert verdict.ok, f"{what}: the script without the bug fails under the perturbation:\n{verdict.report()}"
+        command = perturbed(bug, str(tmp_path), [recorder, record, script] + flags + ["--max_iters", "1"])
+        run = launch(command[0], command[1:], nprocs=bug.ranks, timeout=120)
+        if not bug.perturb:  # gloo buffers sends: the run itself passes
+            run.ok()
         result = nccl_replay.replay(nccl_replay.read_records(record))
         assert not result.ok, f"{what}: its posting order replays under NCCL's rules"
         return result.report().splitlines()[0]
+
+    if bug.check == STREAMS:  # the dropout streams each rank draws from, without and with the bug
+        verdicts = []
+        for name, path in (("control", None), ("bug", script)):
+            directory = tmp_path / name
+            (directory / "streams").mkdir(parents=True)
+            if path is None:
+                path = apply(dataclasses.replace(bug, edits=()), str(directory))
+            command = perturbed(bug, str(directory), [path] + flags, code=STREAMS_PROBE)
+            launch(command[0], command[1:], nprocs=bug.ranks, env={"ZOO_STREAMS": str(directory / "streams")}).ok()
+            verdicts.append(streams_verdict(directory / "streams", bug.ranks))
+        assert verdicts[0] is None, f"{what}: the script without the bug fails the streams check: {verdicts[0]}"
+        assert verdicts[1], f"{what}: every dropout drew from the right stream"
+        return verdicts[1]
 
     if bug.check == RESUME:  # the bug writes the checkpoint; 01 at one rank resumes it
         first = launch(script, flags + ["--out_dir", out], nprocs=bug.ranks).ok()
@@ -159,7 +306,7 @@ def test_the_zoo_is_whole():
     assert len(BUGS) >= 24
     assert len({b.name for b in BUGS}) == len(BUGS)
     for b in BUGS:
-        assert b.check in (ORACLE, RESUME, LEDGER, NCCL, HANG, CHECKSUM, REFUSAL, CRASH), b
+        assert b.check in (ORACLE, RESUME, LEDGER, NCCL, HANG, CHECKSUM, REFUSAL, CRASH, STREAMS), b
         assert b.script[:2].isdigit() and os.path.exists(os.path.join(ROOT, b.script)), b
         assert b.edits or b.damage, f"{b.name}: neither an edit nor damage"
         assert b.origin and b.symptom and b.first_line, b
