@@ -167,7 +167,8 @@ BUGS = [
           "        return VocabParallelCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.view(-1),\n"
           "                                               0,"),),
         origin="NVIDIA/NeMo#7452: gathered logits fed to the vocab-parallel cross-entropy, loss off by log(TP)",
-        symptom="every rank holds the whole vocabulary, so the all-reduces count it T times: the loss is off",
+        symptom="every rank holds the whole vocabulary, so the all-reduces count it T times: log T too much "
+                "from the denominator, and here the target's logit T times over",
         check=ORACLE, first_line="losses differ from 01"),
     Bug("sp_layernorm_grads_not_all_reduced", "06_tensor_parallel.py",
         (("all_reduce_sequence_parallel_grads(model, tp_group)", "pass"),),
