@@ -2764,7 +2764,7 @@ def _rehearsal_mode_class():
                     return func(*args, **kwargs)
             if not fake:  # made from real tensors only: small integer results and scalars stay real
                 outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-                if outs and all(t.numel() <= (1 if t.is_floating_point() or t.is_complex() else SMALL_REAL)
+                if outs and all(t.dim() == 0 if t.is_floating_point() or t.is_complex() else t.numel() <= SMALL_REAL
                                 for t in outs):
                     with no_dispatch():
                         return func(*args, **kwargs)
