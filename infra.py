@@ -2776,23 +2776,37 @@ def _rehearsal_mode_class():
 def rehearsal_tensors():
     """Fake tensors for everything made inside (shapes and dtypes, no storage), with the
     stand-ins; real tensors met inside are taken as fakes (allow_non_fake_inputs)."""
-    to = nn.Module.to
+    to, to_empty = nn.Module.to, nn.Module.to_empty
 
+    # Module.to() and to_empty() swap every fake parameter for its copy (swap_tensors), which a
+    # tied weight refuses. To the device it is on, .to() is a no-op for real parameters: so
+    # here too; to_empty() gives each parameter (each tied one once) an empty one.
     @wraps(to)
     def same_device_to(module, *args, **kwargs):
-        # Module.to() swaps every fake parameter, even for itself, which a tied weight refuses;
-        # to the device it is on and the dtype it has, it is a no-op for real ones: so here too
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is None and all(device is None or t.device == device
                                  for t in [*module.parameters(), *module.buffers()]):
             return module
         return to(module, *args, **kwargs)
-    nn.Module.to = same_device_to
+
+    @wraps(to_empty)
+    def fake_to_empty(module, *, device, recurse=True):
+        new = {}
+        for m in module.modules() if recurse else [module]:
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        if id(t) not in new:
+                            empty = torch.empty_like(t, device=device)
+                            new[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                        table[name] = new[id(t)]
+        return module
+    nn.Module.to, nn.Module.to_empty = same_device_to, fake_to_empty
     try:
         with _rehearsal_mode_class()(allow_non_fake_inputs=True):
             yield
     finally:
-        nn.Module.to = to
+        nn.Module.to, nn.Module.to_empty = to, to_empty
 
 
 def _symmetric(op, bound, group_size):
