@@ -2841,7 +2841,10 @@ def record_posts(write, interned=None):
 
     def emit(entry, group):
         entry["desc"] = LEDGER.group_name(group) or "world"
-        entry["where"] = f"step {LEDGER.step}, {LEDGER.phase}"
+        phase = LEDGER.phase
+        if phase == "step":  # inside autograd's backward, or the forward (as CommLedger.position says)
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        entry["where"] = f"step {LEDGER.step}, {phase}"
         RECORDED["write"](entry)
 
     def group_of(group):
