@@ -3109,7 +3109,9 @@ def replay_verdict(result, posts):
     if result.blocked:
         rank = min(result.blocked)
         entry = posts[rank][result.completed[rank]]
+        op = _describe(entry) if entry["kind"] in ("batch", "send", "recv") else \
+            f"{entry['kind']} of {entry.get('bytes')} bytes over ranks {spans(list(entry['ranks']))}"
         return (f"replay under NCCL's rules: DEADLOCK: rank {rank} blocks first, at its operation "
-                f"{result.completed[rank]}: {_describe(entry)} on group {entry.get('desc', entry['group'])} "
+                f"{result.completed[rank]}: {op} on group {entry.get('desc', entry['group'])} "
                 f"({entry.get('where', 'where unknown')}); {len(result.blocked)} rank(s) blocked")
     return f"replay under NCCL's rules: mismatch: {result.mismatches[0]}"

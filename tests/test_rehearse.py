@@ -119,3 +119,22 @@ def test_a_bad_layout_is_one_line_and_exit_2(tmp_path):
     run, _ = rehearse(tmp_path, "03_ddp.py", [], ranks="0,5", world_size=2, ok=False)
     assert run.returncode == 2 and run.error_lines == ["error: --rehearse 0,5: ranks run from 0 to 1 "
                                                        "(--world_size 2)"], run.stderr
+
+
+def test_the_replay_verdict_names_a_size_mismatch_and_a_collective_one_rank_never_posts():
+    """infra.replay_verdict, the rehearsal's last line, on posting orders built by hand: a
+    collective whose sizes differ between members, and one that a member never posts."""
+    import infra
+
+    def collective(kind, nbytes, where="step 0, forward"):
+        return {"kind": kind, "group": "1", "desc": "tp", "ranks": (0, 1), "bytes": nbytes, "where": where}
+    sizes = {0: [collective("all_reduce", 4)], 1: [collective("all_reduce", 8)]}
+    verdict = infra.replay_verdict(infra.replay(sizes), sizes)
+    assert verdict.startswith("replay under NCCL's rules: mismatch: collective 0 of group 1") and "8 bytes" in verdict
+    missing = {0: [collective("all_reduce", 4), collective("all_gather", 4, "step 1, backward")],
+               1: [collective("all_reduce", 4)]}
+    verdict = infra.replay_verdict(infra.replay(missing), missing)
+    assert verdict == ("replay under NCCL's rules: DEADLOCK: rank 0 blocks first, at its operation 1: all_gather of "
+                       "4 bytes over ranks 0-1 on group tp (step 1, backward); 1 rank(s) blocked"), verdict
+    fine = {0: [collective("all_reduce", 4)], 1: [collective("all_reduce", 4)]}
+    assert "no deadlock" in infra.replay_verdict(infra.replay(fine), fine)
