@@ -1862,6 +1862,16 @@ def finite_or_null(value):
     return value
 
 
+def spans(ranks):
+    """A sorted list of ranks in short: [0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ",".join(out)
+
+
 def log_node_map(env):
     """Once at start: which ranks run on which host (one small gather)."""
     hosts = [socket.gethostname()]
@@ -1871,14 +1881,6 @@ def log_node_map(env):
     nodes = {}
     for rank, host in enumerate(hosts):
         nodes.setdefault(host, []).append(rank)
-
-    def spans(ranks):  # [0, 1, 2, 5] -> "0-2,5"
-        out, start = [], ranks[0]
-        for a, b in zip(ranks, ranks[1:] + [None]):
-            if b != a + 1:
-                out.append(f"{start}-{a}" if a > start else f"{a}")
-                start = b
-        return ",".join(out)
     log(env, f"nodes: {len(nodes)}; " + "; ".join(f"{host}: ranks {spans(r)}" for host, r in nodes.items()))
 
 
@@ -2490,9 +2492,11 @@ def run_config(args, config, world_layout):
 # (.item(), .tolist()) reads 0 (the loss, the evaluation, the guard's flags: finite, no stop);
 # a bincount (MoE routing) is balanced; small integer tensors and scalars made from no fake
 # tensor (token ids, rank tables, routing counts, AdamW's step count) stay real, and a
-# collective over real integers acts as if every rank held what this one holds. What it cannot see: the allocator's fragmentation and
-# caching, the network's speed, the kernels' speed and workspaces, a GPU's own kernels (it
-# runs the CPU's, whose saved tensors can differ: costs() is asked for the CPU's).
+# collective over real integers acts as if every rank held what this one holds.
+#
+# What it cannot see: the allocator's fragmentation and caching, the network's speed, the
+# kernels' speed and workspaces, a GPU's own kernels (it runs the CPU's, whose saved tensors
+# can differ: costs() is asked for the CPU's), the values themselves (docs/planning.md).
 
 REHEARSAL_STEPS = 2  # the first step builds the optimizer state; the second is the steady state
 STAND_INS = ("the data: token id 0 everywhere (only the vocabulary size is read)",
@@ -2609,18 +2613,6 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     print("\n".join(lines), flush=True)
     REHEARSING = None
     sys.exit(status)
-
-
-def spans(ranks):
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
 
 
 def rehearsal_lines(rank, result):
