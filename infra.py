@@ -16,8 +16,10 @@ with `from common import Run` and common.py alone imports and trains."""
 
 import argparse
 import ast
+import dataclasses
 import atexit
 import inspect
+import io
 import json
 import math
 import os
@@ -29,7 +31,7 @@ import tempfile
 import threading
 import time
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from functools import wraps
@@ -40,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import common
-from common import (Data, GPTConfig, Launch, SHAKESPEARE_TRAIN_FRACTION, SHAKESPEARE_TXT, SPLITS, SYNTHETIC_TOKENS,
+from common import (Data, Env, GPTConfig, Launch, SHAKESPEARE_TRAIN_FRACTION, SHAKESPEARE_TXT, SPLITS, SYNTHETIC_TOKENS,
                     check, check_batch, count_params, detect_launcher, fail, log, micro_batch_sizes,
                     model_block_size, model_config, pick_device, progress, rng_state, say, set_rng_state, setup,
                     synchronize, teardown)
@@ -93,15 +95,22 @@ def add_run_flags(parser):
     g.add_argument("--gpu_mem_gb", type=float, default=None,
                    help="the dry run's GPU memory in GB, for the fit verdict (instead of --machine); without "
                         "either, --device cpu plans for this host's memory")
+    g.add_argument("--rehearse", default=None, metavar="RANKS",
+                   help="execute the real steps of these ranks of a --world_size run (0,17,511 | roles | all) in "
+                        "this one process, on the fake backend with fake tensors: what each holds and sends next to "
+                        "costs(); with all, the posting orders replayed under NCCL's rules (infra.py: rehearsal)")
     return parser
 
 
 def parse_args(parser, argv=None):
     """common.parse_args with the infrastructure's flags added and checked."""
     args = common.parse_args(add_run_flags(parser), argv)
-    if args.dry_run:
+    check(not (args.dry_run and args.rehearse), "--dry_run prices the layout from the formulas, --rehearse executes "
+          "it: pass one")
+    if args.dry_run or args.rehearse:
         check(args.world_size is not None and args.world_size > 0,
-              "--dry_run needs --world_size N (the number of ranks to plan for), N > 0")
+              f"{'--rehearse' if args.rehearse else '--dry_run'} needs --world_size N (the number of ranks to "
+              "plan for), N > 0")
         args.ranks_per_node = args.ranks_per_node or args.world_size
         check(args.ranks_per_node > 0, f"--ranks_per_node must be positive, got {args.ranks_per_node}")
         check(args.gpu_mem_gb is None or args.gpu_mem_gb > 0, f"--gpu_mem_gb must be positive, got {args.gpu_mem_gb}")
@@ -311,6 +320,8 @@ class Run(common.Run):
         starts: the choice is made against planned_room() at `ranks` (the ranks whose costs
         differ) and env is None. Returns (env, accumulation steps)."""
         args = self.args
+        if args.rehearse:  # --rehearse: the named ranks' real steps on the fake backend, then exit (rehearsal)
+            return rehearsal_start(self, costs, dp_size, aim, multiple, ranks, sys._getframe(1))
         if not args.dry_run:
             self.env = setup(args, self.launch)
             LEDGER.install(self.env.device)
@@ -1369,6 +1380,12 @@ class _Watched:
 LEDGER = CommLedger()
 
 
+def storage_key(storage):
+    """A storage's identity: its StorageImpl, which views and tied weights share (a fake
+    tensor's, in a rehearsal, has no data pointer to tell it apart)."""
+    return storage._cdata
+
+
 def tensor_bytes(tensors):
     """Bytes of distinct storages among `tensors` (a tied weight counts once)."""
     seen, total = set(), 0
@@ -1376,7 +1393,7 @@ def tensor_bytes(tensors):
         if t is None or t.device.type == "meta":
             continue
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        key = (t.untyped_storage().data_ptr(), t.device)
+        key = (storage_key(t.untyped_storage()), t.device)
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
@@ -1481,7 +1498,7 @@ class ActivationMeter:
         if not (t.is_floating_point() or t.dtype == torch.bool) or _is_parameter(t):
             return t
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device)
+        key = (storage_key(storage), t.device)
         if key in self.live:
             self.live[key][1] += 1
         else:
@@ -1938,6 +1955,16 @@ def finite_or_null(value):
     return value
 
 
+def spans(ranks):
+    """A sorted list of ranks in short: [0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ",".join(out)
+
+
 def log_node_map(env):
     """Once at start: which ranks run on which host (one small gather)."""
     hosts = [socket.gethostname()]
@@ -1947,14 +1974,6 @@ def log_node_map(env):
     nodes = {}
     for rank, host in enumerate(hosts):
         nodes.setdefault(host, []).append(rank)
-
-    def spans(ranks):  # [0, 1, 2, 5] -> "0-2,5"
-        out, start = [], ranks[0]
-        for a, b in zip(ranks, ranks[1:] + [None]):
-            if b != a + 1:
-                out.append(f"{start}-{a}" if a > start else f"{a}")
-                start = b
-        return ",".join(out)
     log(env, f"nodes: {len(nodes)}; " + "; ".join(f"{host}: ranks {spans(r)}" for host, r in nodes.items()))
 
 
@@ -1974,6 +1993,9 @@ def launch_for(args):
     the --world_size ranks being planned (no launcher, network or accelerator is touched)."""
     if args.dry_run:
         return Launch("dry_run", 0, 0, args.world_size, args.ranks_per_node)
+    if args.rehearse:  # the rank being rehearsed (the rehearsal section), rank 0 before
+        rank = REHEARSING.rank if REHEARSING else 0
+        return Launch("rehearse", rank, rank % args.ranks_per_node, args.world_size, args.ranks_per_node)
     return detect_launcher(os.environ)
 
 
@@ -2538,3 +2560,643 @@ def run_config(args, config, world_layout):
     if os.path.isdir(run["data"]):  # the same directory however it is spelled (a trailing slash)
         run["data"] = os.path.normpath(run["data"])
     return run
+
+
+# ----------------------------------------------------------------------------------------
+# The rehearsal: any rank of an N-rank run, its real code, in this one process
+# ----------------------------------------------------------------------------------------
+
+# `--rehearse RANKS --world_size N` runs the script's own main() once per named rank, in this
+# process, as that rank of an N-rank job:
+#
+#   Run.start (the first call)          for rank r in RANKS:          -> RehearsedRun
+#     the micro-batch: the dry run's      fake process group (rank r of N: torch's "fake"
+#     choice; the ledger; the recorder    backend: every collective returns at once, moving
+#                                         nothing), fake tensors (FakeTensorMode: shapes and
+#                                         dtypes, no storage), the data's vocabulary only
+#                                         main()  ->  two full steps, an evaluation, the
+#                                                     checkpoint's pieces; every collective and
+#                                                     send/recv counted (ledger) and recorded
+#     the report: per rank, held / activations / sent next to costs(); --metrics: one row
+#     per rank; with `all`: the posting orders replayed under NCCL's rules (replay below)
+#
+# A 175B model's stage needs no memory: its tensors have shapes and no storage. What depends
+# on the data gets a stand-in, said in the report (STAND_INS): every value read on the host
+# (.item(), .tolist()) reads 0 (the loss, the evaluation, the guard's flags: finite, no stop);
+# a bincount (MoE routing) is balanced; small integer tensors and scalars made from no fake
+# tensor (token ids, rank tables, routing counts, AdamW's step count) stay real, and a
+# collective over real integers acts as if every rank held what this one holds.
+#
+# What it cannot see: the allocator's fragmentation and caching, the network's speed, the
+# kernels' speed and workspaces, a GPU's own kernels (it runs the CPU's, whose saved tensors
+# can differ: costs() is asked for the CPU's), the values themselves (docs/planning.md).
+
+REHEARSAL_STEPS = 2  # the first step builds the optimizer state; the second is the steady state
+STAND_INS = ("the data: token id 0 everywhere (only the vocabulary size is read)",
+             "every value read on the host (.item(), .tolist()) is 0: the loss, the evaluation's losses, "
+             "the guard's flags (finite, nobody asked to stop)",
+             "MoE routing: balanced (a bincount gives every expert an equal share)",
+             "the evaluation: --eval_iters 1; the checkpoint: its pieces listed, nothing written",
+             "--micro_batch_size auto: the dry run's choice")
+REHEARSING = None  # the Rehearsal under way (the rank being rehearsed), else None
+
+
+@dataclass
+class Rehearsal:
+    ranks: list
+    micro_batch_size: int
+    dtype: str
+    rank: int = None
+    posts: dict = None  # rank -> its posted operations, in posting order (replay's entries)
+    results: dict = None  # rank -> {"rows": [...], "cost": costs(), "pieces": (n, bytes)}
+    interned: dict = None  # one tuple per distinct group membership
+
+
+def rehearsal_ranks(spec, world_size, roles):
+    """RANKS of --rehearse as a sorted list: `all`; `roles`: the ranks whose costs differ as
+    the script says (run.start's `ranks`: each pipeline stage's first rank) and the first
+    and last rank (the first and last data-parallel replica); or a list `0,17,511`."""
+    if spec == "all":
+        return list(range(world_size))
+    if spec == "roles":
+        return sorted({0, world_size - 1, *roles})
+    try:
+        ranks = sorted({int(r) for r in spec.split(",")})
+    except ValueError:
+        fail(f"--rehearse {spec}: expected ranks (0,17,511), roles or all")
+    check(all(0 <= r < world_size for r in ranks), f"--rehearse {spec}: ranks run from 0 to {world_size - 1} "
+          f"(--world_size {world_size})")
+    return ranks
+
+
+def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller):
+    """Run.start under --rehearse. The first call (the script's own main()) drives the
+    rehearsal and exits; inside it, each rank's main() calls here again and gets its fake
+    process group, as setup() would give it a real one."""
+    if REHEARSING is None:
+        rehearse(run, costs, dp_size, aim, multiple, roles, caller.f_globals[caller.f_code.co_name])
+    args, state = run.args, REHEARSING
+    args.micro_batch_size, args.device, args.dtype = state.micro_batch_size, "cpu", state.dtype
+    args.eval_iters, args.resume = 1, False
+    for flag in ("compile", "sample_tokens"):  # 01's: no compiler for fake tensors; no sample
+        if hasattr(args, flag):
+            setattr(args, flag, 0)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=state.rank, world_size=args.world_size)
+    run.env = Env(run.launch, torch.device("cpu"), "fake", getattr(torch, state.dtype))
+    LEDGER.install(run.env.device)
+    LEDGER.take()
+    LEDGER.step, LEDGER.phase, LEDGER.posted = None, "setup", {}
+    run.__class__, run.rows, run.pieces_count = RehearsedRun, [], None
+    run.meter = ActivationMeter()
+    run.guard = Guard(args, run.env)
+    return run.env, check_batch(args, dp_size)
+
+
+def rehearse(run, costs, dp_size, aim, multiple, roles, main):
+    """Drive the rehearsal: the micro-batch as the dry run chooses it, then `main()` once per
+    rank, then the report and, with every rank, the replay. Exits: 0, or 1 when the replay
+    finds a deadlock or a mismatch."""
+    global REHEARSING
+    args = run.args
+    ranks = rehearsal_ranks(args.rehearse, args.world_size, roles)
+    dtype = str(planned_dtype(args)).replace("torch.", "")
+    if args.micro_batch_size == "auto":
+        args.dry_run = True  # the choice a dry run makes, for the device it plans for
+        run.choose_micro_batch(costs, dp_size, aim, multiple, roles)
+        args.dry_run = False
+    check_batch(args, dp_size)
+    REHEARSING = state = Rehearsal(ranks, args.micro_batch_size, dtype, posts={}, results={}, interned={})
+    record_posts(lambda entry: state.posts[state.rank].append(entry), state.interned)
+    t0 = time.perf_counter()
+    for rank in ranks:
+        state.rank, state.posts[rank] = rank, []
+        with rehearsal_tensors(), data_stand_in(), redirect_stdout(io.StringIO()):
+            main()
+    elapsed = time.perf_counter() - t0
+    lines = [f"rehearsal: {run.script} as rank(s) {spans(ranks)} of {args.world_size} ({args.ranks_per_node} per "
+             f"node), {dtype}, micro-batch {args.micro_batch_size}: {REHEARSAL_STEPS} steps, an evaluation and the "
+             f"checkpoint's pieces each, on the fake backend with fake tensors, in {elapsed:.1f} s",
+             *(f"  stand-in: {s}" for s in STAND_INS)]
+    if run.chose:
+        lines.append(f"  {run.chose}")
+    differ = []
+    for rank in ranks:
+        result = state.results[rank]
+        text, problems = rehearsal_lines(rank, result)
+        lines += text
+        differ += problems
+    lines.append("costs(): every rehearsed rank holds and sends what its formulas say" if not differ else
+                 f"costs(): {len(differ)} difference(s): " + "; ".join(differ[:8]))
+    if args.metrics:
+        with open(args.metrics, "a") as f:
+            for rank in ranks:
+                f.write(json.dumps(finite_or_null(state.results[rank]["rows"][-1]), allow_nan=False) + "\n")
+    status = 0
+    if args.rehearse == "all" or len(ranks) == args.world_size:
+        result = replay(state.posts)
+        verdict = replay_verdict(result, state.posts)
+        status = 0 if result.ok else 1
+        if not result.ok:
+            lines.append(result.report())
+        lines.append(verdict)
+    else:
+        lines.append(f"replay: not done ({len(ranks)} of {args.world_size} ranks rehearsed; --rehearse all replays "
+                     "every rank's posting order under NCCL's rules)")
+    print("\n".join(lines), flush=True)
+    REHEARSING = None
+    sys.exit(status)
+
+
+def rehearsal_lines(rank, result):
+    """One rank's report: held, activation peak and bytes sent by operation, each next to
+    costs(); the differences, as the ledger's check names them."""
+    row, cost = result["rows"][-1], result["cost"]
+    held, sent = row["state_bytes"], row["comm_bytes"]
+    measured = {**{f"held {k}": v for k, v in held.items()}, "held activations": row["activation_bytes"],
+                **{f"sent {op}": v for op, v in sent.items()}}
+    theory = {**{f"held {k}": v for k, (_, v) in cost["held"].items()},
+              **{f"sent {op}": v for op, (_, v) in cost["sent"].items()}}
+    if "activations" in cost:
+        theory["held activations"] = cost["activations"][1]
+    problems = [f"rank {rank} {key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
+                for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
+    first, steady = result["rows"][0]["comm_bytes"], sent
+    if first != steady:
+        problems.append(f"rank {rank} sends differently in step 0 ({first}) and step 1 ({steady})")
+    pieces, nbytes = result["pieces"]
+    lines = [f"rank {rank}: {cost['layout'] if 'layout' in cost else ''}",
+             "  holds " + ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items())
+             + f"; activations (peak) {format_bytes(row['activation_bytes'])}"
+             + (f" | costs() {format_bytes(theory['held activations'])}" if "held activations" in theory else ""),
+             "  sends per step " + (", ".join(f"{op} {format_bytes(v)}" for op, v in sorted(sent.items())) or "nothing"),
+             f"  checkpoint: {pieces} piece(s), {format_bytes(nbytes)} written by this rank",
+             "  = costs()" if not problems else "  differs from costs(): " + "; ".join(p.split(" ", 2)[2]
+                                                                               for p in problems)]
+    return lines, problems
+
+
+class RehearsedRun(Run):
+    """The run protocol of a rehearsed rank (Run.start turns the script's Run into one):
+    two steps, then an evaluation and the checkpoint's pieces; the ledger and the meter as in
+    a real run; nothing written, nothing resumed, no metrics file of its own (the driver
+    writes one row per rank)."""
+
+    def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
+              after_resume=None):
+        self.config, self.costs, self.optimizer, self.pieces = config, costs, optimizer, pieces
+        self.cost = self.costs_of()
+        self.held = held or (lambda: state_bytes([p for g in optimizer.param_groups for p in g["params"]], optimizer))
+        self._evaluate, self.start_step = evaluate, 0
+        LEDGER.take()  # the set-up's traffic is not a step's (it is in the posting order)
+        return None
+
+    def steps(self):
+        for step in range(REHEARSAL_STEPS):
+            self.step = LEDGER.step = step
+            LEDGER.phase, self.stopping, self.t0 = "step", False, time.perf_counter()
+            yield step
+        self.evaluate(REHEARSAL_STEPS)
+        LEDGER.phase = "checkpoint"
+        pieces = [piece for piece in self.pieces() if piece.write]
+        self.pieces_count = (len(pieces), sum(_nbytes(piece.tensor) for piece in pieces))
+        LEDGER.take()
+
+    def evaluate(self, step):
+        LEDGER.step, LEDGER.phase = step, "evaluation"
+        losses = self._evaluate()
+        LEDGER.take()
+        return losses
+
+    def end_step(self, loss, extra=None, **step_costs):
+        comm = LEDGER.take()
+        if step_costs:
+            self.cost = self.costs_of(**step_costs)
+        extra = extra() if callable(extra) else extra
+        held, (state_theory, comm_theory) = self.held(), theory_bytes(self.cost)
+        args, dt = self.args, time.perf_counter() - self.t0
+        row = dict(step=self.step, loss=float(loss.item()), lr=self.optimizer.param_groups[0]["lr"], dt_ms=None,
+                   tokens_per_s=None, mfu=None, mem_peak_bytes=None, mem_host_bytes=host_bytes(held),
+                   state_bytes=held, comm_bytes=comm, state_bytes_theory=state_theory, comm_bytes_theory=comm_theory,
+                   activation_bytes=self.meter.peak,
+                   activation_bytes_theory=self.cost["activations"][1] if "activations" in self.cost else None,
+                   micro_batch_size=args.micro_batch_size, **{f"dt_ms_{k}": None for k in
+                                                              ("min", "max", "mean", "max_rank", "max_host")},
+                   rank=self.env.rank, rehearsal_s=dt)
+        self.rows.append({**row, **(extra or {})})
+
+    def save(self, step):
+        pass  # the checkpoint's pieces are listed after the steps; nothing is written
+
+    def log(self, message):
+        pass
+
+    def finish(self):
+        ignore_stop_signals()
+        dist.destroy_process_group()
+        REHEARSING.results[self.env.rank] = {"rows": self.rows, "cost": self.cost, "pieces": self.pieces_count}
+
+
+@contextmanager
+def data_stand_in():
+    """common.Data, reading nothing but the vocabulary size: every batch is token 0."""
+    init, batch, decode = Data.__init__, Data.batch, Data.decode
+
+    def stand_in_init(self, spec, seed, block_size):
+        self.seed, self.block_size, self.itos, self.splits = seed, block_size, None, None
+        self.vocab_size = Data.vocab_size_of(spec)
+
+    def stand_in_batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
+        rows = torch.zeros(global_batch_size // dp_size, self.block_size, dtype=torch.long)
+        return rows, rows.clone()
+    Data.__init__, Data.batch, Data.decode = stand_in_init, stand_in_batch, lambda self, ids: ""
+    try:
+        yield
+    finally:
+        Data.__init__, Data.batch, Data.decode = init, batch, decode
+
+
+SMALL_REAL = 1 << 20  # integer tensors made from no fake tensor stay real up to this many elements
+
+
+def _rehearsal_mode_class():
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                               FakeTensorMode)
+    from torch.utils._mode_utils import no_dispatch
+    from torch.utils._pytree import tree_leaves
+    aten = torch.ops.aten
+
+    class RehearsalTensors(FakeTensorMode):
+        """FakeTensorMode with the rehearsal's stand-ins (see STAND_INS)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            fake = any(isinstance(t, FakeTensor) for t in inputs)
+            if func is aten._local_scalar_dense.default and fake:  # a value read on the host
+                t = args[0]
+                return False if t.dtype == torch.bool else 0.0 if t.dtype.is_floating_point else 0
+            if func is aten.bincount.default and fake:  # routing counts: balanced
+                n, bins = args[0].numel(), max(kwargs.get("minlength", args[2] if len(args) > 2 else 0), 1)
+                with no_dispatch():
+                    return torch.tensor([n // bins + (e < n % bins) for e in range(bins)], dtype=torch.long)
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            except (DataDependentOutputException, DynamicOutputShapeException):
+                if fake:
+                    raise
+                with no_dispatch():  # a real tensor's value or shape: read it for real
+                    return func(*args, **kwargs)
+            if not fake:  # made from real tensors only: small integer results and scalars stay real
+                outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if outs and all(t.dim() == 0 if t.is_floating_point() or t.is_complex() else t.numel() <= SMALL_REAL
+                                for t in outs):
+                    with no_dispatch():
+                        return func(*args, **kwargs)
+            return out
+    return RehearsalTensors
+
+
+@contextmanager
+def rehearsal_tensors():
+    """Fake tensors for everything made inside (shapes and dtypes, no storage), with the
+    stand-ins; real tensors met inside are taken as fakes (allow_non_fake_inputs)."""
+    to, to_empty = nn.Module.to, nn.Module.to_empty
+
+    # Module.to() and to_empty() swap every fake parameter for its copy (swap_tensors), which a
+    # tied weight refuses. To the device it is on, .to() is a no-op for real parameters: so
+    # here too; to_empty() gives each parameter (each tied one once) an empty one.
+    @wraps(to)
+    def same_device_to(module, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and all(device is None or t.device == device
+                                 for t in [*module.parameters(), *module.buffers()]):
+            return module
+        return to(module, *args, **kwargs)
+
+    @wraps(to_empty)
+    def fake_to_empty(module, *, device, recurse=True):
+        new = {}
+        for m in module.modules() if recurse else [module]:
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        if id(t) not in new:
+                            empty = torch.empty_like(t, device=device)
+                            new[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                        table[name] = new[id(t)]
+        return module
+    nn.Module.to, nn.Module.to_empty = same_device_to, fake_to_empty
+    try:
+        with _rehearsal_mode_class()(allow_non_fake_inputs=True):
+            yield
+    finally:
+        nn.Module.to, nn.Module.to_empty = to, to_empty
+
+
+def _symmetric(op, bound, group_size):
+    """A collective over real integer tensors on the fake backend (which moves nothing), as
+    if every rank of the group held what this one holds (the rehearsal's stand-in)."""
+    if op == "all_to_all_single" and bound.get("output_split_sizes") is None:
+        out, inp = bound["output"], bound["input"]
+        me = dist.get_rank(bound.get("group"))
+        chunk = inp.view(group_size, -1)[me]
+        out.view(group_size, -1).copy_(chunk.expand(group_size, -1))
+    elif op == "all_reduce" and bound.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.SUM:
+        bound["tensor"].mul_(group_size)
+
+
+RECORDED = {"installed": False, "write": None}
+
+
+def record_posts(write, interned=None):
+    """Wrap torch.distributed so that every operation this process posts is handed to
+    `write` as one replay entry, in posting order: a batch_isend_irecv as {"kind": "batch",
+    "group", "ops": [{"op": "send" | "recv", "peer" (global rank), "bytes", "tag"}]}; a lone
+    isend / irecv / send / recv as {"kind": "send" | "recv", "group", "peer", "bytes", "tag"};
+    a collective as {"kind": "all_reduce", ..., "group", "ranks", "bytes"}. "group" is the
+    communicator (torch's group_name: two groups of the same ranks are two communicators);
+    "desc" its name in the ledger, "where" the step and phase. Install before the ledger
+    (CommLedger.install), once per process; a later call changes only `write`."""
+    RECORDED["write"] = write
+    if RECORDED["installed"]:
+        return
+    RECORDED["installed"] = True
+    interned = {} if interned is None else interned
+
+    def emit(entry, group):
+        entry["desc"] = LEDGER.group_name(group) or "world"
+        phase = LEDGER.phase
+        if phase == "step":  # inside autograd's backward, or the forward (as CommLedger.position says)
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        entry["where"] = f"step {LEDGER.step}, {phase}"
+        RECORDED["write"](entry)
+
+    def group_of(group):
+        group = group if group is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return group.group_name, interned.setdefault(ranks, ranks)
+
+    def nbytes(value):
+        if torch.is_tensor(value):
+            return value.numel() * value.element_size()
+        if isinstance(value, (list, tuple)) and value and all(torch.is_tensor(v) for v in value):
+            return sum(nbytes(v) for v in value)
+        return None  # Python objects (all_gather_object, ...): their pickles' size is not known here
+
+    def collective(name, fn):
+        signature = inspect.signature(fn)
+
+        @wraps(fn)
+        def recorded(*args, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            group = bound.get("group")
+            if group == dist.GroupMember.NON_GROUP_MEMBER:  # not a member: torch posts nothing
+                return fn(*args, **kwargs)
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            name_, ranks = group_of(group)
+            emit({"kind": name, "group": name_, "ranks": ranks, "bytes": nbytes(first)}, group)
+            result = fn(*args, **kwargs)
+            if REHEARSING is not None:
+                tensors = [t for v in bound.values() for t in (v if isinstance(v, (list, tuple)) else [v])
+                           if torch.is_tensor(t)]
+                if tensors and not any(t.is_floating_point() or type(t) is not torch.Tensor for t in tensors):
+                    _symmetric(name, bound, len(ranks))
+            return result
+        return recorded
+
+    def point_to_point(name, fn):
+        @wraps(fn)
+        def recorded(tensor, peer=None, group=None, tag=0, **kwargs):
+            emit({"kind": "send" if name in ("send", "isend") else "recv", "group": group_of(group)[0],
+                  "peer": peer, "bytes": nbytes(tensor), "tag": tag}, group)
+            return fn(tensor, peer, group, tag, **kwargs)
+        return recorded
+
+    for name in RECORDED_COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, collective(name, getattr(dist, name)))
+    for name in ("send", "recv", "isend", "irecv"):
+        setattr(dist, name, point_to_point(name, getattr(dist, name)))
+
+    class P2POp(dist.P2POp):
+        """torch's P2POp accepts only its own isend/irecv: hand it the unwrapped ones."""
+
+        @staticmethod
+        def _unwrap(op):
+            while hasattr(op, "__wrapped__"):
+                op = op.__wrapped__
+            return op
+
+        def __new__(cls, op, *args, **kwargs):
+            return super().__new__(cls, cls._unwrap(op), *args, **kwargs)
+
+        def __init__(self, op, *args, **kwargs):
+            super().__init__(self._unwrap(op), *args, **kwargs)
+    dist.P2POp = P2POp
+    original = dist.batch_isend_irecv
+
+    @wraps(original)
+    def batch_isend_irecv(p2p_ops):
+        emit({"kind": "batch", "group": group_of(p2p_ops[0].group)[0] if p2p_ops else None,
+              "ops": [{"op": "send" if p.op.__name__ == "isend" else "recv", "peer": p.peer,
+                       "bytes": nbytes(p.tensor), "tag": p.tag} for p in p2p_ops]},
+             p2p_ops[0].group if p2p_ops else None)
+        return original(p2p_ops)
+    dist.batch_isend_irecv = batch_isend_irecv
+
+
+RECORDED_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                        "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+                        "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+
+
+# ----------------------------------------------------------------------------------------
+# The replay: would these posting orders complete under NCCL's semantics?
+# ----------------------------------------------------------------------------------------
+
+# The posting orders are what record_posts() writes: a rehearsal's (every rank's, in this
+# process) or a real CPU run's (tests/nccl_replay.py records each rank to a file). gloo, which
+# the CPU runs use, buffers a send whatever the receiver is doing, so an order that hangs on
+# GPUs passes every CPU run.
+#
+# The model (NCCL's point-to-point and collective semantics, taken strictly):
+#
+#  1. A rank's operations complete in the order it posts them. NCCL runs every operation of a
+#     communicator on one CUDA stream, in posting order; and in these scripts each operation
+#     waits for the one before it through the compute stream (a received input is computed
+#     on before the next send is posted), so one queue per rank is the model: a rank works
+#     on the first of its operations that has not completed (its head), and on nothing later.
+#  2. A batch_isend_irecv is one NCCL group (ncclGroupStart/End): its sends and receives are
+#     posted together, progress independently, and the batch completes when all of them have;
+#     only then does the rank move on. A lone send or receive is a batch of one.
+#  3. A send completes only when its matching receive is posted, and vice versa
+#     (rendezvous: NCCL does not buffer a send for a receiver that has not posted). Posted
+#     means: in the head batch of its rank.
+#  4. Matching is FIFO per (communicator, sender, receiver): the k-th send from a to b is
+#     received by b's k-th receive from a. NCCL ignores tags, so a pair whose tags or sizes
+#     differ is a mismatch (the wrong tensor would arrive), reported as an error.
+#  5. A collective completes when every member of its communicator has it at its head; the
+#     k-th collective of a communicator must be the same operation (and size) on every member.
+#
+# Deadlock: no rule can move any rank and some rank has operations left. The report lists,
+# for every blocked rank, its head operation and, for each of its unmatched sends and
+# receives, where the counterpart is (a later operation of the peer, or never posted).
+
+
+@dataclass
+class Replay:
+    ok: bool
+    blocked: dict = dataclasses.field(default_factory=dict)  # rank -> what it waits on (lines)
+    mismatches: list = dataclasses.field(default_factory=list)  # matched pairs whose tag or size differ
+    completed: dict = dataclasses.field(default_factory=dict)  # rank -> operations completed
+
+    def report(self):
+        if self.ok:
+            return "no deadlock: every rank completed every operation"
+        lines = [f"mismatch: {m}" for m in self.mismatches]
+        if self.blocked:
+            lines.append("DEADLOCK under NCCL's semantics; blocked ranks:")
+            for rank, waits in sorted(self.blocked.items()):
+                lines.append(f"  rank {rank} (after {self.completed[rank]} completed operations):")
+                lines += [f"    {w}" for w in waits]
+        return "\n".join(lines)
+
+
+def _describe(entry):
+    def op(o, kind):
+        return f"{kind} {'to' if kind == 'send' else 'from'} {o['peer']} tag {o['tag']}"
+    if entry["kind"] == "batch":
+        return "batch_isend_irecv[" + ", ".join(op(o, o["op"]) for o in entry["ops"]) + "]"
+    if entry["kind"] in ("send", "recv"):
+        return op(entry, entry["kind"])
+    return f"{entry['kind']} on group {entry['group']} {entry.get('ranks')}"
+
+
+def replay(posts):
+    """posts: {rank: [entry, ...]} in posting order (the recorded JSON lines, or orders
+    computed the same way). Returns a Replay: ok, or the deadlock / mismatches found."""
+    # every operation as (rank, position in its queue), p2p ops numbered per channel
+    items, channel_count, where = {}, {}, {}
+    for rank, entries in posts.items():
+        items[rank] = []
+        for position, entry in enumerate(entries):
+            if entry["kind"] in ("batch", "send", "recv"):
+                ops = entry["ops"] if entry["kind"] == "batch" else [dict(entry, op=entry["kind"])]
+                keyed = []
+                for op in ops:
+                    side = op["op"]
+                    src, dst = (rank, op["peer"]) if side == "send" else (op["peer"], rank)
+                    channel = (entry.get("group"), src, dst)
+                    k = channel_count.get((channel, side), 0)
+                    channel_count[(channel, side)] = k + 1
+                    key = (channel, k)
+                    where[(key, side)] = (rank, position, op)
+                    keyed.append((key, side))
+                items[rank].append(("p2p", entry, keyed))
+            else:
+                items[rank].append(("collective", entry, None))
+    collective_seq = {}  # (rank, position) -> index of this collective within its group, on its rank
+    seen = {}
+    for rank, queue in items.items():
+        for position, (kind, entry, _) in enumerate(queue):
+            if kind == "collective":
+                n = seen.get((rank, entry["group"]), 0)
+                seen[(rank, entry["group"])] = n + 1
+                collective_seq[(rank, position)] = n
+
+    pos = {rank: 0 for rank in items}
+    done, mismatches = set(), []
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, queue in items.items():
+            if pos[rank] == len(queue):
+                continue
+            kind, entry, keyed = queue[pos[rank]]
+            if kind == "p2p":
+                for key, side in keyed:
+                    if (key, side) in done:
+                        continue
+                    other = "recv" if side == "send" else "send"
+                    peer = where.get((key, other))
+                    if peer is None or pos[peer[0]] != peer[1]:
+                        continue  # the counterpart is not posted (yet)
+                    done.update({(key, side), (key, other)})
+                    mine, theirs = where[(key, side)][2], peer[2]
+                    if mine.get("tag") != theirs.get("tag") or mine.get("bytes") != theirs.get("bytes"):
+                        send, recv = (mine, theirs) if side == "send" else (theirs, mine)
+                        mismatches.append(f"channel {key[0][1]}->{key[0][2]} message {key[1]}: sent tag "
+                                          f"{send.get('tag')} ({send.get('bytes')} bytes), received as tag "
+                                          f"{recv.get('tag')} ({recv.get('bytes')} bytes)")
+                if all(k in done for k in keyed):
+                    pos[rank] += 1
+                    progressed = True
+            else:
+                members = entry["ranks"]
+                n = collective_seq[(rank, pos[rank])]
+                heads = []
+                for member in members:
+                    if member not in items or pos[member] == len(items[member]):
+                        break
+                    head = items[member][pos[member]]
+                    if head[0] != "collective" or head[1]["group"] != entry["group"]:
+                        break
+                    if collective_seq[(member, pos[member])] != n:
+                        break
+                    heads.append(head[1])
+                else:
+                    if any((h["kind"], h.get("bytes")) != (entry["kind"], entry.get("bytes")) for h in heads):
+                        mismatches.append(f"collective {n} of group {entry['group']}: "
+                                          + ", ".join(f"rank {m} {h['kind']} ({h.get('bytes')} bytes)"
+                                                      for m, h in zip(members, heads)))
+                    for member in members:
+                        pos[member] += 1
+                    progressed = True
+
+    def head(rank):
+        return _describe(items[rank][pos[rank]][1]) if pos[rank] < len(items[rank]) else "done"
+
+    blocked = {}
+    for rank, queue in items.items():
+        if pos[rank] == len(queue):
+            continue
+        kind, entry, keyed = queue[pos[rank]]
+        waits = [f"head: {_describe(entry)}"]
+        for key, side in keyed or ():
+            if (key, side) in done:
+                continue
+            other = "recv" if side == "send" else "send"
+            peer = where.get((key, other))
+            (src, dst), k = key[0][1:], key[1]
+            what = (f"{side} {'to ' + str(dst) if side == 'send' else 'from ' + str(src)} "
+                    f"(message {k} of {src}->{dst})")
+            if peer is None:
+                waits.append(f"{what}: its {other} is never posted")
+            else:
+                waits.append(f"{what}: its {other} is rank {peer[0]}'s operation {peer[1]}, which waits "
+                             f"behind {peer[1] - pos[peer[0]]} operation(s) of its own: {head(peer[0])}")
+        if kind == "collective":
+            waits.append("members' heads: " + "; ".join(f"rank {m}: {head(m)}" for m in entry["ranks"]))
+        blocked[rank] = waits
+    return Replay(ok=not blocked and not mismatches, blocked=blocked, mismatches=mismatches,
+                  completed={rank: pos[rank] for rank in items})
+
+
+def replay_verdict(result, posts):
+    """The replay in one line: no deadlock and every collective matched on every group, or
+    the first rank (lowest) that would block, its group and operation, or the first mismatch."""
+    if result.ok:
+        groups = {e["desc"] if "desc" in e else e["group"] for entries in posts.values() for e in entries}
+        n = sum(len(entries) for entries in posts.values())
+        return (f"replay under NCCL's rules: no deadlock; every collective and send/recv matched on every group "
+                f"({n} operations of {len(posts)} ranks on {len(groups)} group(s): {', '.join(sorted(map(str, groups)))})")
+    if result.blocked:
+        rank = min(result.blocked)
+        entry = posts[rank][result.completed[rank]]
+        op = _describe(entry) if entry["kind"] in ("batch", "send", "recv") else \
+            f"{entry['kind']} of {entry.get('bytes')} bytes over ranks {spans(list(entry['ranks']))}"
+        return (f"replay under NCCL's rules: DEADLOCK: rank {rank} blocks first, at its operation "
+                f"{result.completed[rank]}: {op} on group {entry.get('desc', entry['group'])} "
+                f"({entry.get('where', 'where unknown')}); {len(result.blocked)} rank(s) blocked")
+    return f"replay under NCCL's rules: mismatch: {result.mismatches[0]}"

@@ -458,6 +458,9 @@ def parse(argv=None):
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     g.add_argument("--show_invalid", action="store_true", help="list refused layouts with the reason")
     g.add_argument("--top", type=int, default=25, help="rows of the table")
+    g.add_argument("--rehearse", action="store_true",
+                   help="then rehearse the recommended layout: its script's real steps as each distinct rank "
+                        "(--rehearse roles, on the fake backend with fake tensors), next to its costs()")
     args = p.parse_args(argv)
 
     def error(message):
@@ -739,15 +742,41 @@ def main_measured(args, machine):
         print(line)
 
 
+def rehearse(choice, n, machine):
+    """The recommended layout rehearsed: its script run, in a fresh interpreter, with the
+    plan's flags and `--rehearse roles --world_size N` (infra.py's rehearsal: each distinct
+    rank's real steps on the fake backend with fake tensors). Returns {"rehearsed": True when
+    it ran and every rehearsed rank equals its costs(), "status", "lines"}."""
+    import subprocess
+    argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), choice["script"]),
+            *choice["flags"], "--rehearse", "roles", "--world_size", str(n),
+            "--ranks_per_node", str(min(n, machine["gpus_per_node"]))]
+    if machine.get("gpu_mem_gb"):  # --micro_batch_size auto: the plan's choice
+        argv += ["--gpu_mem_gb", str(machine["gpu_mem_gb"])]
+    done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    lines = done.stdout.splitlines() or [line for line in done.stderr.splitlines() if line.startswith("error:")][-1:]
+    agreed = done.returncode == 0 and any(line.startswith("costs(): every rehearsed rank") for line in lines)
+    return {"rehearsed": agreed, "status": done.returncode, "lines": lines}
+
+
 def main(argv=None):
     args, machine = parse(argv)
     if args.measured:
         return main_measured(args, machine)
     psi, scored, refused, choice, why = plan(args, machine)
+    rehearsal = rehearse(choice, args.gpus, machine) if args.rehearse and choice else None
     if args.json:
-        print(json.dumps(as_json(psi, scored, refused, choice, why)))
+        print(json.dumps({**as_json(psi, scored, refused, choice, why),
+                          **({"rehearsal": rehearsal} if rehearsal else {})}))
     else:
         print_table(args, machine, psi, scored, refused, choice, why)
+        if rehearsal:
+            print("\n".join(rehearsal["lines"]))
+            print("plan: REHEARSED: the recommended layout's real steps equal its costs() on every distinct rank"
+                  if rehearsal["rehearsed"] else
+                  f"plan: the rehearsal of the recommended layout did not agree (exit {rehearsal['status']}): see above")
+    if rehearsal and not rehearsal["rehearsed"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

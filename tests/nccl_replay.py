@@ -6,8 +6,8 @@ of point-to-point operations that hangs on GPUs passes every CPU test. This modu
 the order and replays it under the rules below; a deadlock (or a mismatched pair) is reported
 with what every rank is blocked on.
 
-Recording. Run a script through this file, which wraps torch.distributed's functions and
-then runs the script as __main__ (harness.launch runs it like any script):
+Recording. Run a script through this file, which wraps torch.distributed's functions
+(infra.record_posts) and then runs the script as __main__ (harness.launch runs it like any script):
 
     python tests/nccl_replay.py RECORD_DIR 07_pipeline.py --schedule interleaved ...
 
@@ -18,7 +18,8 @@ irecv / send / recv as {"kind": "send" | "recv", "group", "peer", "bytes", "tag"
 collective as {"kind": "all_reduce", ..., "group", "ranks", "bytes"}. "group" names the
 communicator (torch's group_name: two groups of the same ranks are two communicators).
 
-The model (NCCL's point-to-point and collective semantics, taken strictly):
+The model (NCCL's point-to-point and collective semantics, taken strictly; infra.replay
+implements it, for this file and for --rehearse all):
 
  1. A rank's operations complete in the order it posts them. NCCL runs every operation of a
     communicator on one CUDA stream, in posting order; and in these scripts each operation
@@ -45,151 +46,11 @@ import json
 import os
 import runpy
 import sys
-from dataclasses import dataclass, field
-from functools import wraps
 
-# ----------------------------------------------------------------------------------------
-# Replay
-# ----------------------------------------------------------------------------------------
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # infra.py, beside the scripts
+from infra import Replay, record_posts, replay  # noqa: E402  (the model and the recorder live in infra.py)
 
-
-@dataclass
-class Replay:
-    ok: bool
-    blocked: dict = field(default_factory=dict)  # rank -> what it waits on (lines)
-    mismatches: list = field(default_factory=list)  # matched pairs whose tag or size differ
-    completed: dict = field(default_factory=dict)  # rank -> operations completed
-
-    def report(self):
-        if self.ok:
-            return "no deadlock: every rank completed every operation"
-        lines = [f"mismatch: {m}" for m in self.mismatches]
-        if self.blocked:
-            lines.append("DEADLOCK under NCCL's semantics; blocked ranks:")
-            for rank, waits in sorted(self.blocked.items()):
-                lines.append(f"  rank {rank} (after {self.completed[rank]} completed operations):")
-                lines += [f"    {w}" for w in waits]
-        return "\n".join(lines)
-
-
-def _describe(entry):
-    def op(o, kind):
-        return f"{kind} {'to' if kind == 'send' else 'from'} {o['peer']} tag {o['tag']}"
-    if entry["kind"] == "batch":
-        return "batch_isend_irecv[" + ", ".join(op(o, o["op"]) for o in entry["ops"]) + "]"
-    if entry["kind"] in ("send", "recv"):
-        return op(entry, entry["kind"])
-    return f"{entry['kind']} on group {entry['group']} {entry.get('ranks')}"
-
-
-def replay(posts):
-    """posts: {rank: [entry, ...]} in posting order (the recorded JSON lines, or orders
-    computed the same way). Returns a Replay: ok, or the deadlock / mismatches found."""
-    # every operation as (rank, position in its queue), p2p ops numbered per channel
-    items, channel_count, where = {}, {}, {}
-    for rank, entries in posts.items():
-        items[rank] = []
-        for position, entry in enumerate(entries):
-            if entry["kind"] in ("batch", "send", "recv"):
-                ops = entry["ops"] if entry["kind"] == "batch" else [dict(entry, op=entry["kind"])]
-                keyed = []
-                for op in ops:
-                    side = op["op"]
-                    src, dst = (rank, op["peer"]) if side == "send" else (op["peer"], rank)
-                    channel = (entry.get("group"), src, dst)
-                    k = channel_count.get((channel, side), 0)
-                    channel_count[(channel, side)] = k + 1
-                    key = (channel, k)
-                    where[(key, side)] = (rank, position, op)
-                    keyed.append((key, side))
-                items[rank].append(("p2p", entry, keyed))
-            else:
-                items[rank].append(("collective", entry, None))
-    collective_seq = {}  # (rank, position) -> index of this collective within its group, on its rank
-    seen = {}
-    for rank, queue in items.items():
-        for position, (kind, entry, _) in enumerate(queue):
-            if kind == "collective":
-                n = seen.get((rank, entry["group"]), 0)
-                seen[(rank, entry["group"])] = n + 1
-                collective_seq[(rank, position)] = n
-
-    pos = {rank: 0 for rank in items}
-    done, mismatches = set(), []
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, queue in items.items():
-            if pos[rank] == len(queue):
-                continue
-            kind, entry, keyed = queue[pos[rank]]
-            if kind == "p2p":
-                for key, side in keyed:
-                    if (key, side) in done:
-                        continue
-                    other = "recv" if side == "send" else "send"
-                    peer = where.get((key, other))
-                    if peer is None or pos[peer[0]] != peer[1]:
-                        continue  # the counterpart is not posted (yet)
-                    done.update({(key, side), (key, other)})
-                    mine, theirs = where[(key, side)][2], peer[2]
-                    if mine.get("tag") != theirs.get("tag") or mine.get("bytes") != theirs.get("bytes"):
-                        send, recv = (mine, theirs) if side == "send" else (theirs, mine)
-                        mismatches.append(f"channel {key[0][1]}->{key[0][2]} message {key[1]}: sent tag "
-                                          f"{send.get('tag')} ({send.get('bytes')} bytes), received as tag "
-                                          f"{recv.get('tag')} ({recv.get('bytes')} bytes)")
-                if all(k in done for k in keyed):
-                    pos[rank] += 1
-                    progressed = True
-            else:
-                members = entry["ranks"]
-                n = collective_seq[(rank, pos[rank])]
-                heads = []
-                for member in members:
-                    if member not in items or pos[member] == len(items[member]):
-                        break
-                    head = items[member][pos[member]]
-                    if head[0] != "collective" or head[1]["group"] != entry["group"]:
-                        break
-                    if collective_seq[(member, pos[member])] != n:
-                        break
-                    heads.append(head[1])
-                else:
-                    if any((h["kind"], h.get("bytes")) != (entry["kind"], entry.get("bytes")) for h in heads):
-                        mismatches.append(f"collective {n} of group {entry['group']}: "
-                                          + ", ".join(f"rank {m} {h['kind']} ({h.get('bytes')} bytes)"
-                                                      for m, h in zip(members, heads)))
-                    for member in members:
-                        pos[member] += 1
-                    progressed = True
-
-    def head(rank):
-        return _describe(items[rank][pos[rank]][1]) if pos[rank] < len(items[rank]) else "done"
-
-    blocked = {}
-    for rank, queue in items.items():
-        if pos[rank] == len(queue):
-            continue
-        kind, entry, keyed = queue[pos[rank]]
-        waits = [f"head: {_describe(entry)}"]
-        for key, side in keyed or ():
-            if (key, side) in done:
-                continue
-            other = "recv" if side == "send" else "send"
-            peer = where.get((key, other))
-            (src, dst), k = key[0][1:], key[1]
-            what = (f"{side} {'to ' + str(dst) if side == 'send' else 'from ' + str(src)} "
-                    f"(message {k} of {src}->{dst})")
-            if peer is None:
-                waits.append(f"{what}: its {other} is never posted")
-            else:
-                waits.append(f"{what}: its {other} is rank {peer[0]}'s operation {peer[1]}, which waits "
-                             f"behind {peer[1] - pos[peer[0]]} operation(s) of its own: {head(peer[0])}")
-        if kind == "collective":
-            waits.append("members' heads: " + "; ".join(f"rank {m}: {head(m)}" for m in entry["ranks"]))
-        blocked[rank] = waits
-    return Replay(ok=not blocked and not mismatches, blocked=blocked, mismatches=mismatches,
-                  completed={rank: pos[rank] for rank in items})
+__all__ = ["Replay", "replay", "read_records", "install"]
 
 
 def read_records(directory):
@@ -203,17 +64,11 @@ def read_records(directory):
 
 
 # ----------------------------------------------------------------------------------------
-# Recording: wrap torch.distributed's functions before the script imports them
+# Recording: infra.record_posts, each rank to its own file
 # ----------------------------------------------------------------------------------------
-
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
-               "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-
 
 def install(directory):
     """Wrap torch.distributed so that every rank appends what it posts to directory/rank<r>.jsonl."""
-    import torch
     import torch.distributed as dist
     os.makedirs(directory, exist_ok=True)
     files = {}
@@ -223,68 +78,7 @@ def install(directory):
         if rank not in files:
             files[rank] = open(os.path.join(directory, f"rank{rank}.jsonl"), "a", buffering=1)
         files[rank].write(json.dumps(entry) + "\n")
-
-    def group_of(group):
-        group = group if group is not None else dist.group.WORLD
-        return group.group_name, dist.get_process_group_ranks(group)
-
-    def nbytes(value):
-        if torch.is_tensor(value):
-            return value.numel() * value.element_size()
-        if isinstance(value, (list, tuple)) and value and all(torch.is_tensor(v) for v in value):
-            return sum(nbytes(v) for v in value)
-        return None  # Python objects (all_gather_object, ...): their pickles' size is not known here
-
-    def collective(name, fn):
-        @wraps(fn)
-        def recorded(*args, **kwargs):
-            group = kwargs.get("group")
-            if group is None:
-                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-            first = args[0] if args else next(iter(kwargs.values()), None)
-            name_, ranks = group_of(group)
-            write({"kind": name, "group": name_, "ranks": ranks, "bytes": nbytes(first)})
-            return fn(*args, **kwargs)
-        return recorded
-
-    def point_to_point(name, fn):
-        @wraps(fn)
-        def recorded(tensor, peer=None, group=None, tag=0, **kwargs):
-            write({"kind": "send" if name in ("send", "isend") else "recv", "group": group_of(group)[0],
-                   "peer": peer, "bytes": nbytes(tensor), "tag": tag})
-            return fn(tensor, peer, group, tag, **kwargs)
-        return recorded
-
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            setattr(dist, name, collective(name, getattr(dist, name)))
-    for name in ("send", "recv", "isend", "irecv"):
-        setattr(dist, name, point_to_point(name, getattr(dist, name)))
-
-    class P2POp(dist.P2POp):
-        """torch's P2POp accepts only its own isend/irecv: hand it the unwrapped ones."""
-
-        @staticmethod
-        def _unwrap(op):
-            while hasattr(op, "__wrapped__"):
-                op = op.__wrapped__
-            return op
-
-        def __new__(cls, op, *args, **kwargs):
-            return super().__new__(cls, cls._unwrap(op), *args, **kwargs)
-
-        def __init__(self, op, *args, **kwargs):
-            super().__init__(self._unwrap(op), *args, **kwargs)
-    dist.P2POp = P2POp
-    original = dist.batch_isend_irecv
-
-    @wraps(original)
-    def batch_isend_irecv(p2p_ops):
-        write({"kind": "batch", "group": group_of(p2p_ops[0].group)[0] if p2p_ops else None,
-               "ops": [{"op": "send" if p.op.__name__ == "isend" else "recv", "peer": p.peer,
-                        "bytes": nbytes(p.tensor), "tag": p.tag} for p in p2p_ops]})
-        return original(p2p_ops)
-    dist.batch_isend_irecv = batch_isend_irecv
+    record_posts(write)
 
 
 if __name__ == "__main__":  # python tests/nccl_replay.py RECORD_DIR SCRIPT ARGS...
