@@ -819,9 +819,9 @@ def detect_launcher(environ):
         launch = Launch("mpi", geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_LOCAL_RANK"),
                         geti("OMPI_COMM_WORLD_SIZE"), geti("OMPI_COMM_WORLD_LOCAL_SIZE"))
     elif "PALS_RANKID" in e:  # Cray PALS (Polaris, Aurora); srun's cray_shasta plugin (PMI_SIZE since 23.02)
-        launch = Launch("mpi", geti("PALS_RANKID"), geti("PALS_LOCAL_RANKID"),
+        launch = Launch("mpi", geti("PALS_RANKID"), geti("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"),
                         geti("PMI_SIZE", "PALS_SIZE", "SLURM_NTASKS"),
-                        geti("PALS_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"))
+                        geti("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"))
     elif "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH Hydra, Intel MPI, flux run (and Cray MPICH under srun)
         launch = Launch("mpi", geti("PMI_RANK"),
                         geti("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID", "FLUX_TASK_LOCAL_ID"),
@@ -906,7 +906,7 @@ def pick_device(requested, local_rank, local_world_size=1):
         # more ranks than devices put two on one (NCCL refuses it), unless the launcher bound one to each
         bound = count == 1 and any(os.environ.get(v) for v in DEVICE_MASKS)
         if local_world_size > count and not bound:
-            if local_rank == 0:
+            if local_rank == count:  # the first rank that would share (one line per node)
                 say(f"error: {local_world_size} ranks on {socket.gethostname()} but {count} {kind} devices: local ranks "
                     f"{count} and up would share one; start at most {count} per node, or bind one to each rank", sys.stderr)
             sys.exit(2)
@@ -994,7 +994,8 @@ def _mpi_world(launch):
     if slurm.kind == "slurm" and slurm.rank == launch.rank:
         return slurm
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT") and launch.world_size:
-        return Launch("env", launch.rank, launch.local_rank or 0, launch.world_size, launch.local_world_size or 1)
+        local = launch.local_rank or 0  # (a local size not given: at least this rank's)
+        return Launch("env", launch.rank, local, launch.world_size, launch.local_world_size or local + 1)
     fail(f"the launcher's variables make this rank {launch.rank} of {launch.world_size}, but {have} rank {rank} "
          f"of {size}: build mpi4py on the launcher's MPI (MPICC=mpicc pip install --no-binary mpi4py mpi4py), "
          "or export MASTER_ADDR and MASTER_PORT (a rendezvous without MPI)", everyone=launch.rank != 0)
