@@ -776,9 +776,10 @@ def check(condition, message, everyone=False):
 
 def fail(message, everyone=False):
     """Invalid configuration: every rank reaches the same verdict from the same flags and
-    environment, so no communication is needed: rank 0 prints one line (`everyone`: each rank,
-    where the rank itself is wrong), all exit with 2."""
-    if everyone or launcher_rank(os.environ) == 0:
+    environment, so no communication is needed: rank 0 (as the launcher's variables tell) prints
+    one line (`everyone`: each rank, where the rank itself is wrong), all exit with 2."""
+    names = ("RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMI_RANK", "SLURM_PROCID", "FLUX_TASK_RANK")
+    if everyone or next((int(os.environ[n]) for n in names if os.environ.get(n, "").isdigit()), 0) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
@@ -838,12 +839,6 @@ def detect_launcher(environ):
     check(r < (w or r + 1) and (lr or 0) < (lw or (lr or 0) + 1), f"rank {r} (local rank {lr}) is outside its world of "
           f"{w} ranks ({lw} on this node): {seen}; unset what a launcher did not set", everyone=True)
     return launch
-
-
-def launcher_rank(environ):
-    """This process's rank as far as the launcher's variables tell (0 if none does): who prints."""
-    names = ("RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMI_RANK", "SLURM_PROCID", "FLUX_TASK_RANK")
-    return next((int(environ[n]) for n in names if environ.get(n, "").isdigit()), 0)
 
 
 def first_slurm_host(nodelist):
@@ -1032,8 +1027,8 @@ def _job_store(launch, where, timeout):
     instead of waiting --timeout for ranks that will never come."""
     addr, port = where.removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(addr, int(port), launch.world_size, launch.rank == 0, timeout, wait_for_workers=False)
-    ids = ("SLURM_JOB_ID", "SLURM_STEP_ID", "PBS_JOBID", "FLUX_JOB_ID")
-    job = " ".join(f"{v}={os.environ[v]}" for v in ids if os.environ.get(v)) or "no scheduler job"
+    job = " ".join(f"{v}={os.environ[v]}" for v in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PBS_JOBID", "FLUX_JOB_ID")
+                   if os.environ.get(v)) or "no scheduler job"
     if launch.rank == 0:
         store.set("gptpar/job", job)
     elif (theirs := store.get("gptpar/job").decode()) != job:
