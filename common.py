@@ -769,15 +769,17 @@ def check_batch(args, dp_size):
     return args.global_batch_size // (args.micro_batch_size * dp_size)
 
 
-def check(condition, message):
+def check(condition, message, everyone=False):
     if not condition:
-        fail(message)
+        fail(message, everyone)
 
 
-def fail(message):
+def fail(message, everyone=False):
     """Invalid configuration: every rank reaches the same verdict from the same flags and
-    environment, so no communication is needed: rank 0 prints one line, all exit with 2."""
-    if detect_launcher(os.environ).rank == 0:
+    environment, so no communication is needed: rank 0 (as the launcher's variables tell) prints
+    one line (`everyone`: each rank, where the rank itself is wrong), all exit with 2."""
+    names = ("RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMI_RANK", "SLURM_PROCID", "FLUX_TASK_RANK")
+    if everyone or next((int(os.environ[n]) for n in names if os.environ.get(n, "").isdigit()), 0) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
@@ -788,7 +790,7 @@ def fail(message):
 
 @dataclass
 class Launch:
-    kind: str  # torchrun | mpi | slurm | single
+    kind: str  # torchrun | mpi | slurm | env (MPI's launcher, MASTER_ADDR/PORT's rendezvous) | single
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -798,33 +800,45 @@ class Launch:
 def detect_launcher(environ):
     """Rank, local rank and world size from the launcher's environment, in docs/design.md's order:
     torchrun, MPI (MPICH/Hydra and Intel MPI: PMI_*; Cray PALS: PALS_*; Open MPI:
-    OMPI_COMM_WORLD_*), Slurm. Local sizes that a launcher does not export are None here and
-    are asked of MPI later."""
-    e = environ
+    OMPI_COMM_WORLD_*), Slurm. Sizes that a launcher does not export are None here and are
+    asked of MPI later (setup cross-checks MPI's world against these). A value that is not a
+    whole number, or a rank outside its world, is one line and exit 2."""
+    e, seen = environ, []
 
     def geti(*names):
         for n in names:
             if e.get(n, "") != "":
+                seen.append(f"{n}={e[n]}")
+                check(e[n].strip().isdigit(), f"{n}={e[n]} in the environment is not a whole number")
                 return int(e[n])
         return None
 
     if "RANK" in e and "WORLD_SIZE" in e:
-        return Launch("torchrun", int(e["RANK"]), geti("LOCAL_RANK") or 0, int(e["WORLD_SIZE"]),
-                      geti("LOCAL_WORLD_SIZE") or int(e["WORLD_SIZE"]))
-    if "OMPI_COMM_WORLD_RANK" in e:
-        return Launch("mpi", geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_LOCAL_RANK"),
-                      geti("OMPI_COMM_WORLD_SIZE"), geti("OMPI_COMM_WORLD_LOCAL_SIZE"))
-    if "PALS_RANKID" in e:  # Cray PALS (Polaris, Aurora)
-        return Launch("mpi", geti("PALS_RANKID"), geti("PALS_LOCAL_RANKID"),
-                      geti("PMI_SIZE", "PALS_SIZE"), geti("PALS_LOCAL_SIZE", "MPI_LOCALNRANKS"))
-    if "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH Hydra, Intel MPI (and Cray MPICH under srun)
-        return Launch("mpi", geti("PMI_RANK"), geti("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"),
-                      geti("PMI_SIZE"), geti("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"))
-    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        world = geti("WORLD_SIZE")
+        launch = Launch("torchrun", geti("RANK"), geti("LOCAL_RANK") or 0, world, geti("LOCAL_WORLD_SIZE") or world)
+    elif "OMPI_COMM_WORLD_RANK" in e:
+        launch = Launch("mpi", geti("OMPI_COMM_WORLD_RANK"), geti("OMPI_COMM_WORLD_LOCAL_RANK"),
+                        geti("OMPI_COMM_WORLD_SIZE"), geti("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    elif "PALS_RANKID" in e:  # Cray PALS (Polaris, Aurora); srun's cray_shasta plugin (PMI_SIZE since 23.02)
+        launch = Launch("mpi", geti("PALS_RANKID"), geti("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"),
+                        geti("PMI_SIZE", "PALS_SIZE", "SLURM_NTASKS"),
+                        geti("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"))
+    elif "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH Hydra, Intel MPI, flux run (and Cray MPICH under srun)
+        launch = Launch("mpi", geti("PMI_RANK"),
+                        geti("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID", "FLUX_TASK_LOCAL_ID"),
+                        geti("PMI_SIZE"), geti("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"))
+    elif "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
         ntasks, nnodes = geti("SLURM_NTASKS"), geti("SLURM_NNODES") or 1
-        per_node = geti("SLURM_NTASKS_PER_NODE") or (ntasks // nnodes if ntasks % nnodes == 0 else None)
-        return Launch("slurm", geti("SLURM_PROCID"), geti("SLURM_LOCALID") or 0, ntasks, per_node)
-    return Launch("single")
+        # the most tasks any node holds, where Slurm does not say (fewer threads, never more)
+        per_node = geti("SLURM_NTASKS_PER_NODE") or -(-ntasks // nnodes)
+        launch = Launch("slurm", geti("SLURM_PROCID"), geti("SLURM_LOCALID") or 0, ntasks, per_node)
+    else:
+        return Launch("single")
+    (r, w, lr, lw), seen = (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size), " ".join(seen)
+    check(w != 0 and lw != 0, f"a world of no ranks ({seen})")
+    check(r < (w or r + 1) and (lr or 0) < (lw or (lr or 0) + 1), f"rank {r} (local rank {lr}) is outside its world of "
+          f"{w} ranks ({lw} on this node): {seen}; unset what a launcher did not set", everyone=True)
+    return launch
 
 
 def first_slurm_host(nodelist):
@@ -842,21 +856,14 @@ class Env:
     device: torch.device
     backend: str
     dtype: torch.dtype
-
-    @property
-    def rank(self):
-        return self.launch.rank
-
-    @property
-    def world_size(self):
-        return self.launch.world_size
-
-    @property
-    def master(self):
-        return self.launch.rank == 0
+    rank = property(lambda self: self.launch.rank)
+    world_size = property(lambda self: self.launch.world_size)
+    master = property(lambda self: self.launch.rank == 0)
 
 
-BATCH_JOB_VARIABLES = ("PBS_JOBID", "SLURM_JOB_ID")  # set inside a PBS or Slurm job
+BATCH_JOB_VARIABLES = ("PBS_JOBID", "SLURM_JOB_ID", "FLUX_JOB_ID")  # set inside a PBS, Slurm or Flux job
+# a launcher that binds one device to each rank sets one of these (srun --gpus-per-task, affinity scripts)
+DEVICE_MASKS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
 
 
 def xpu_backend():
@@ -869,8 +876,8 @@ def xpu_backend():
             import intel_extension_for_pytorch  # noqa: F401  (registers the XPUs)
         except ImportError:
             return None
-        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-            return None
+    if not torch.xpu.is_available():
+        return None
     if getattr(dist, "is_xccl_available", lambda: False)():
         return "xccl"
     try:
@@ -880,16 +887,25 @@ def xpu_backend():
         return "xccl"  # init_process_group names what is missing
 
 
-def pick_device(requested, local_rank):
-    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend.
-    Inside a batch job, --device auto that finds no accelerator is an error, never a
-    silent CPU run: a GPU stack the job cannot see (the facility's module not loaded) would
-    otherwise train a whole allocation on CPU."""
+def pick_device(requested, local_rank, local_world_size=1):
+    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend; rank
+    `local_rank` of a node takes device local_rank % count. Inside a batch job, --device auto
+    that finds no accelerator is an error, never a silent CPU run: a GPU stack the job cannot
+    see (the facility's module not loaded) would otherwise train a whole allocation on CPU."""
     if requested in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
-    backend = xpu_backend() if requested in ("auto", "xpu") else None
+        kind, backend = "cuda", "nccl"
+    else:
+        kind, backend = "xpu", xpu_backend() if requested in ("auto", "xpu") else None
     if backend:
-        return torch.device("xpu", local_rank % torch.xpu.device_count()), backend
+        count = torch.get_device_module(kind).device_count()
+        # more ranks than devices put two on one (NCCL refuses it), unless the launcher bound one to each
+        bound = count == 1 and any(os.environ.get(v) for v in DEVICE_MASKS)
+        if local_world_size > count and not bound:
+            if local_rank == count:  # the first rank that would share (one line per node)
+                say(f"error: {local_world_size} ranks on {socket.gethostname()} but {count} {kind} devices: local ranks "
+                    f"{count} and up would share one; start at most {count} per node, or bind one to each rank", sys.stderr)
+            sys.exit(2)
+        return torch.device(kind, local_rank % count), backend
     if requested in ("auto", "mps") and torch.backends.mps.is_available():
         return torch.device("mps"), "gloo"
     check(requested in ("auto", "cpu"), f"--device {requested} is not available on this machine")
@@ -911,8 +927,7 @@ _MPI_COMM = None
 
 
 def mpi_comm():
-    """mpi4py's COMM_WORLD when the job was launched by mpiexec, else None."""
-    return _MPI_COMM
+    return _MPI_COMM  # mpi4py's COMM_WORLD when the job was launched by mpiexec (and it matches), else None
 
 
 def setup(args, launch=None, distributed=True):
@@ -920,23 +935,10 @@ def setup(args, launch=None, distributed=True):
     when a distributed script runs as one process, so its collectives still work), install
     the abort-on-exception hook. Returns an Env. (A training script calls it through
     Run.start; infra's adds the ledger, the start-up checks, the out_dir lock and the guard.)"""
-    global _MPI_COMM
     launch = launch or detect_launcher(os.environ)
     if launch.kind == "mpi":
-        # mpi4py only under mpiexec: importing it calls MPI_Init
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            # srun on Cray systems exports PMI_* too; without mpi4py, use Slurm's rendezvous
-            check("SLURM_PROCID" in os.environ, "launched by mpiexec, but mpi4py is not installed "
-                  "(pip install mpi4py, built against this MPI)")
-            launch = detect_launcher({k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PALS_", "OMPI_"))})
-    if launch.kind == "mpi":
-        _MPI_COMM = MPI.COMM_WORLD
-        if launch.local_rank is None or launch.local_world_size is None:
-            node = _MPI_COMM.Split_type(MPI.COMM_TYPE_SHARED)
-            launch.local_rank, launch.local_world_size = node.Get_rank(), node.Get_size()
-    device, backend = pick_device(args.device, launch.local_rank)
+        launch = _mpi_world(launch)
+    device, backend = pick_device(args.device, launch.local_rank, launch.local_world_size)
     # gloo takes CPU and CUDA tensors only, and MPS has no collective backend of its own
     check(device.type != "mps" or launch.world_size == 1 or not distributed,
           f"MPS has no collective backend ({launch.world_size} ranks asked): run 01_single_gpu.py on MPS, "
@@ -945,45 +947,93 @@ def setup(args, launch=None, distributed=True):
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # split the cores among the ranks on this node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
-    elif device.type == "xpu":
-        torch.xpu.set_device(device)
+    if device.type in ("cuda", "xpu"):  # before init_process_group, so NCCL / XCCL bind the right device
+        torch.get_device_module(device).set_device(device)
     if distributed:
         timeout = datetime.timedelta(seconds=args.timeout)
-        init_method = _rendezvous(launch)
+        # a group made later by dist.new_group gets torch's default timeout (30 minutes on gloo),
+        # not the world's: make --timeout theirs too, so a frozen peer ends every group's wait
+        dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = timeout
+        where = _rendezvous(launch)
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
-                                    world_size=launch.world_size, timeout=timeout)
+            joined = dict(store=_job_store(launch, where, timeout)) if launch.kind in ("slurm", "env") else \
+                dict(init_method=where)
+            # device_id: NCCL/XCCL make the world's communicator now, and split every sub-group's from it
+            dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+                                    device_id=device if backend in ("nccl", "xccl") else None, **joined)
         except Exception as e:  # a taken port, an unreachable rank 0, a rank that never came
-            _could_not_join(launch, init_method, args.timeout, e)
+            _could_not_join(launch, where, args.timeout, e)
     _install_abort_hook(launch)  # after init_process_group, whose own hook it wraps
     return Env(launch, device, backend, dtype)
 
 
+def _mpi_world(launch):
+    """MPI's own world, checked against the launcher's variables: under srun with Slurm's
+    cray_shasta plugin (PALS_* and PMI_* beside SLURM_*), an mpi4py built on another MPI (a
+    PyPI wheel) is a singleton, a world of one, on every rank; then Slurm's variables, or
+    MASTER_ADDR/PORT, are the rendezvous and MPI is not used."""
+    global _MPI_COMM
+    try:
+        from mpi4py import MPI  # importing it calls MPI_Init
+        comm, have = MPI.COMM_WORLD, "mpi4py's MPI sees"
+        size, rank = comm.Get_size(), comm.Get_rank()
+    except ImportError:
+        comm, have, size, rank = None, "mpi4py is not installed, which sees", 1, 0
+    if comm and launch.world_size in (None, size) and launch.rank == rank:
+        _MPI_COMM, launch.world_size = comm, size
+        if launch.local_rank is None or launch.local_world_size is None:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            launch.local_rank, launch.local_world_size = node.Get_rank(), node.Get_size()
+        return launch
+    slurm = detect_launcher({k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PALS_", "OMPI_"))})
+    if slurm.kind == "slurm" and slurm.rank == launch.rank:
+        return slurm
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT") and launch.world_size:
+        local = launch.local_rank or 0  # (a local size not given: at least this rank's)
+        return Launch("env", launch.rank, local, launch.world_size, launch.local_world_size or local + 1)
+    fail(f"the launcher's variables make this rank {launch.rank} of {launch.world_size}, but {have} rank {rank} "
+         f"of {size}: build mpi4py on the launcher's MPI (MPICC=mpicc pip install --no-binary mpi4py mpi4py), "
+         "or export MASTER_ADDR and MASTER_PORT (a rendezvous without MPI)", everyone=launch.rank != 0)
+
+
 def _rendezvous(launch):
-    """The init_method URL. torchrun exports MASTER_ADDR/PORT; under MPI, rank 0 picks its
-    host name and a free port and broadcasts them; under plain srun the job script exports
-    MASTER_ADDR (else the first host of the allocation) and MASTER_PORT."""
+    """Where the ranks meet. torchrun exports MASTER_ADDR/PORT (env://); under MPI, rank 0
+    picks its host name and a free port and broadcasts them; under plain srun (or MPI's
+    launcher without its mpi4py) the job script exports MASTER_ADDR (else the allocation's
+    first host) and MASTER_PORT (else one derived from the job id)."""
+    if launch.kind == "single":
+        return f"tcp://127.0.0.1:{_free_port()}"
+    e, port = os.environ, os.environ.get("MASTER_PORT", "")
+    check(port == "" or port.isdigit() and int(port) < 65536, f"MASTER_PORT={port} is not a port number (1-65535)")
     if launch.kind == "torchrun":
-        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not e.get(v)]
         check(not missing, f"RANK and WORLD_SIZE are set (a torchrun-style launch) but {' and '.join(missing)} "
               f"{'is' if len(missing) == 1 else 'are'} not: export MASTER_ADDR=<rank 0's host> and "
               "MASTER_PORT=<a free port>, or start the job with torchrun, mpiexec or srun")
         return "env://"
-    if launch.kind == "single":
-        return f"tcp://127.0.0.1:{_free_port()}"
     if launch.kind == "mpi":
-        addr = port = None
-        if launch.rank == 0:
-            addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
+        addr = e.get("MASTER_ADDR") or socket.gethostname() if launch.rank == 0 else None
+        port = int(port or 0) or _free_port() if launch.rank == 0 else None
         addr, port = _MPI_COMM.bcast((addr, port), root=0)
         return f"tcp://{addr}:{port}"
-    addr = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ.get("SLURM_NODELIST", "localhost"))
+    addr = e.get("MASTER_ADDR") or first_slurm_host(e.get("SLURM_NODELIST", "localhost"))
     # a port of this job's own (jobs sharing a node differ in id; 20000 ports apart before they meet)
-    port = os.environ.get("MASTER_PORT") or str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000)
-    return f"tcp://{addr}:{port}"
+    return f"tcp://{addr}:{int(port or 0) or 20000 + int(e.get('SLURM_JOB_ID') or 0) % 20000}"
+
+
+def _job_store(launch, where, timeout):
+    """Rank 0's store at `where`, marked with this job's ids: a rank that finds another job's
+    mark there (two jobs on one node with the same derived MASTER_PORT) says so at once,
+    instead of waiting --timeout for ranks that will never come."""
+    addr, port = where.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(addr, int(port), launch.world_size, launch.rank == 0, timeout, wait_for_workers=False)
+    job = " ".join(f"{v}={os.environ[v]}" for v in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PBS_JOBID", "FLUX_JOB_ID")
+                   if os.environ.get(v)) or "no scheduler job"
+    if launch.rank == 0:
+        store.set("gptpar/job", job)
+    elif (theirs := store.get("gptpar/job").decode()) != job:
+        raise RuntimeError(f"that port is another job's ({theirs}; this is {job}): export MASTER_PORT=<a free port>")
+    return store
 
 
 def _could_not_join(launch, init_method, timeout, error):
@@ -993,7 +1043,9 @@ def _could_not_join(launch, init_method, timeout, error):
     text = " ".join(str(error).split())
     where = init_method.removeprefix("tcp://") if init_method.startswith("tcp://") else \
         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+    if "another job's" in text:
+        cause = text
+    elif "address already in use" in text.lower() or "EADDRINUSE" in text:
         cause = (f"port {where.rsplit(':', 1)[-1]} on {where.rsplit(':', 1)[0]} is already taken (another job "
                  "on this node, or a stray listener): set MASTER_PORT to a free port")
     elif "timeout" in text.lower() or "timed out" in text.lower():
@@ -1067,24 +1119,16 @@ def synchronize(env):
 def device_rng_state(device):
     """The state of the generator that random ops on `device` (dropout) draw from: the CPU
     generator on CPU, the device's own on cuda (NVIDIA, ROCm), xpu (Intel) and mps."""
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    if device.type == "xpu":
-        return torch.xpu.get_rng_state(device)
-    if device.type == "mps":
-        return torch.mps.get_rng_state()
-    return torch.get_rng_state()
+    if device.type in ("cuda", "xpu"):
+        return torch.get_device_module(device).get_rng_state(device)
+    return torch.mps.get_rng_state() if device.type == "mps" else torch.get_rng_state()
 
 
 def set_device_rng_state(device, state):
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    elif device.type == "xpu":
-        torch.xpu.set_rng_state(state, device)
-    elif device.type == "mps":
-        torch.mps.set_rng_state(state)
+    if device.type in ("cuda", "xpu"):
+        torch.get_device_module(device).set_rng_state(state, device)
     else:
-        torch.set_rng_state(state)
+        (torch.mps.set_rng_state if device.type == "mps" else torch.set_rng_state)(state)
 
 
 def seeded_rng_state(device, seed):

@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import atexit
+import errno
 import inspect
 import io
 import json
@@ -188,8 +189,10 @@ def data_problem(spec, block_size, rank=0, world_size=1):
         path = os.path.join(spec, f"{split}.bin")
         if os.path.isdir(path):
             return f"--data {spec}: {path} is a directory, not a token file"
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             return f"--data {spec}: {split}.bin is missing"
+        if not os.path.isfile(path):  # a FIFO, a socket, a device: token files are read at random positions
+            return f"--data {spec}: {path} is not a regular file (a FIFO, socket or device): token files must be files"
         size = os.path.getsize(path)
         if size % 2:
             return f"{path} is {size} bytes, not a whole number of uint16 tokens (truncated or not nanoGPT's format?)"
@@ -563,9 +566,11 @@ def startup_problem(args, env):
         return problem
     problem = output_problems(args)
     if problem is None and args.metrics:
-        try:
-            open(args.metrics, "a").close()
+        try:  # without blocking: a plain open of a FIFO waits for ever for a reader
+            os.close(os.open(args.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644))
         except OSError as e:
+            if e.errno == errno.ENXIO:  # (a FIFO with a reader, as `--metrics >(jq .)` makes, is fine)
+                return f"--metrics {args.metrics} is a FIFO that nothing reads: start its reader first, or name a file"
             return f"--metrics {args.metrics} cannot be written: {e.strerror}"
     # the other ranks wait in `agree` meanwhile: never longer than half the collective timeout
     problem = problem or lock_out_dir(args.out_dir, wait_s=min(LOCK_STALE_S, args.timeout / 2))
@@ -586,7 +591,10 @@ def output_problems(args):
     without writing anything (a dry run calls it too): --metrics and --export need an
     existing, writable directory; --out_dir must be a writable directory or creatable (a
     directory is made and removed in it, or in the deepest part of its path that exists)."""
-    for flag, path in (("--metrics", args.metrics), ("--export", getattr(args, "export", None))):
+    outputs = (("--metrics", args.metrics), ("--export", getattr(args, "export", None)))
+    if all(path for _, path in outputs) and os.path.realpath(args.metrics) == os.path.realpath(args.export):
+        return f"--metrics and --export name the same file, {args.export}: the export would overwrite the metrics"
+    for flag, path in outputs:
         if not path:
             continue
         folder = os.path.dirname(os.path.abspath(path))
@@ -626,8 +634,18 @@ _LOCK = {}  # path, the holder record, and the heartbeat's stop event, while thi
 
 
 def _lock_holder():
-    return {"host": socket.gethostname(), "pid": os.getpid(),
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
             "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")}
+
+
+def _started(pid):
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's 22nd field), or
+    None: with the pid, it names one process, where a pid alone is reused once it has exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 LOCK_WRITE_S = 5  # an empty or unreadable lock older than this is a start that failed to write it
@@ -643,8 +661,9 @@ def _is_zombie(pid):
 
 
 def _lock_is_stale(path, holder):
-    """A dead job's lock: its process is gone or a zombie (same host), its heartbeat
-    stopped, or it was never written (a start that failed on a full disk)."""
+    """A dead job's lock: its process is gone, a zombie, or its pid now another process's
+    (same host), its heartbeat stopped, or it was never written (a start that failed on a
+    full disk)."""
     try:
         age = time.time() - os.path.getmtime(path)
     except FileNotFoundError:
@@ -652,14 +671,15 @@ def _lock_is_stale(path, holder):
     if not holder:
         return age > LOCK_WRITE_S
     if holder.get("host") == socket.gethostname():
+        pid = holder.get("pid")
         try:
-            os.kill(int(holder.get("pid")), 0)
-            if _is_zombie(int(holder.get("pid"))):
-                return True
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             return True
         except (PermissionError, TypeError, ValueError):
-            pass
+            pass  # alive but another user's, or no pid recorded
+        if isinstance(pid, int) and (_is_zombie(pid) or holder.get("started") not in (None, _started(pid))):
+            return True  # exited (not yet reaped), or the pid was reused by a process started since
     return age > LOCK_STALE_S
 
 

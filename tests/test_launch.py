@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common import Launch, detect_launcher, first_slurm_host
-from harness import launch
+from harness import LAUNCHER_ENV, launch
 
 
 @pytest.mark.parametrize("environ, expected", [
@@ -90,7 +90,7 @@ def test_a_timed_out_collective_is_named_by_every_rank_that_can_speak():
             run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("variable", ["PBS_JOBID", "SLURM_JOB_ID"])
+@pytest.mark.parametrize("variable", ["PBS_JOBID", "SLURM_JOB_ID", "FLUX_JOB_ID"])
 def test_device_auto_in_a_batch_job_without_a_gpu_is_one_line(monkeypatch, capsys, variable):
     """A batch job whose GPU stack is not visible must not train on CPU in silence."""
     import common
@@ -151,3 +151,147 @@ def test_real_run_logs_node_map_micro_batch_and_stats_over_ranks():
     for row in run.steps:
         assert row["micro_batch_size"] == 2 and row["dt_ms_min"] <= row["dt_ms_mean"] <= row["dt_ms_max"]
         assert row["dt_ms_max_rank"] in (0, 1) and row["dt_ms_max_host"] == socket.gethostname()
+
+
+# ---- srun with Slurm's cray_shasta MPI plugin, and an mpi4py built on another MPI ----------
+
+def cray_shasta(rank, ntasks=2, since_23_02=True):
+    """A task's environment under `srun --mpi=cray_shasta` on one node: Slurm's own variables
+    and what the plugin sets (src/plugins/mpi/cray_shasta/mpi_cray_shasta.c, mpi_p_slurmstepd_task);
+    before Slurm 23.02 it set neither PALS_LOCAL_RANKID nor any PMI_* but PMI_CONTROL_PORT."""
+    spool = "/var/spool/slurmd/mpi_cray_shasta/4242.0"
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+           "SLURM_NTASKS": str(ntasks), "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
+           "PALS_APID": "4242.0", "PALS_APINFO": f"{spool}/apinfo", "PALS_RANKID": str(rank), "PALS_NODEID": "0",
+           "PALS_SPOOL_DIR": spool, "PMI_CONTROL_PORT": "11000"}
+    if since_23_02:
+        env.update(PALS_LOCAL_RANKID=str(rank), PMI_JOBID="4242", PMI_LOCAL_RANK=str(rank), PMI_LOCAL_SIZE=str(ntasks),
+                   PMI_RANK=str(rank), PMI_SIZE=str(ntasks), PMI_UNIVERSE_SIZE=str(ntasks), PMI_SHARED_SECRET="8675309")
+    return env
+
+
+@pytest.fixture
+def singleton_mpi4py(monkeypatch):
+    """mpi4py as it is when built on another MPI than the launcher's: a world of one."""
+    import sys
+    import types
+
+    class World:
+        def Get_size(self):
+            return 1
+
+        def Get_rank(self):
+            return 0
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=types.SimpleNamespace(COMM_WORLD=World())))
+
+
+def launcher_environ(monkeypatch, environ):
+    import os
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "PMI_", "PALS_", "OMPI_", "FLUX_")) or name in LAUNCHER_ENV:
+            monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("since_23_02", [True, False])
+def test_srun_cray_shasta_with_a_singleton_mpi4py_falls_back_to_slurm(monkeypatch, singleton_mpi4py, since_23_02):
+    """Every rank of srun's job, not only rank 0, finds its place: MPI's world of one does not
+    match the launcher's 2 ranks, so Slurm's variables are used (and a world size is known even
+    where the plugin exports no PMI_SIZE)."""
+    import common
+    for rank in (0, 1):
+        launcher_environ(monkeypatch, cray_shasta(rank, since_23_02=since_23_02))
+        detected = detect_launcher(cray_shasta(rank, since_23_02=since_23_02))
+        assert detected == Launch("mpi", rank, rank, 2, 2 if since_23_02 else None)
+        assert common._mpi_world(detected) == Launch("slurm", rank, rank, 2, 2)
+        assert common.mpi_comm() is None  # the singleton is not used for the rendezvous
+
+
+def test_an_mpi_launch_without_its_mpi4py_needs_master_addr_and_port(monkeypatch, singleton_mpi4py, capsys):
+    """PALS's mpiexec (Polaris, Aurora) with a pip-installed mpi4py: MASTER_ADDR/PORT, if the job
+    exported them, are the rendezvous; else one line says what is wrong on every rank."""
+    import common
+    pals = {"PALS_RANKID": "1", "PALS_LOCAL_RANKID": "1", "PMI_RANK": "1", "PMI_SIZE": "4"}
+    launcher_environ(monkeypatch, pals)
+    with pytest.raises(SystemExit) as exit:
+        common._mpi_world(detect_launcher(pals))
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: the launcher's variables make this rank 1 of 4, but mpi4py's MPI sees rank 0 of 1: build "
+                   "mpi4py on the launcher's MPI (MPICC=mpicc pip install --no-binary mpi4py mpi4py), or export "
+                   "MASTER_ADDR and MASTER_PORT (a rendezvous without MPI)"]
+    launcher_environ(monkeypatch, {**pals, "MASTER_ADDR": "x3005c0s7b0n0", "MASTER_PORT": "29400"})
+    assert common._mpi_world(detect_launcher(pals)) == Launch("env", 1, 1, 4, 2)
+    assert common._rendezvous(Launch("env", 1, 1, 4, 2)) == "tcp://x3005c0s7b0n0:29400"
+
+
+def test_srun_cray_shasta_with_the_real_singleton_mpi4py_trains_on_every_rank(tmp_path):
+    """The real thing on CPU: two tasks with the plugin's exact environment (no PMI server, so
+    the installed mpi4py's MPI_Init makes a singleton on each) and the job script's
+    MASTER_ADDR/PORT: both ranks join, and the all-reduce sums over both."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from harness import ROOT
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith(("SLURM_", "PMI_", "PALS_"))}
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tasks = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "dist_probe.py"), "--device", "cpu",
+                               "--timeout", "30"], env={**base, **cray_shasta(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+             for rank in (0, 1)]
+    outs = [task.communicate(timeout=90) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], [err[-2000:] for _, err in outs]
+    reports = [json.loads(out.split("PROBE ", 1)[1].splitlines()[0]) for out, _ in outs]
+    assert [(r["kind"], r["rank"], r["world_size"], r["sum"]) for r in reports] == [("slurm", 0, 2, 1.0), ("slurm", 1, 2, 1.0)]
+
+
+# ---- devices: oversubscription refused, device_id given to NCCL/XCCL ----------------------
+
+def test_more_local_ranks_than_gpus_is_refused_in_one_line(monkeypatch, capsys):
+    """local_rank % device_count would put ranks 4-7 of a node on GPUs 0-3 beside ranks 0-3."""
+    import common
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for name in common.DEVICE_MASKS:
+        monkeypatch.delenv(name, raising=False)
+    assert common.pick_device("auto", 3, 4) == (torch.device("cuda", 3), "nccl")
+    for local_rank in range(8):
+        with pytest.raises(SystemExit) as exit:
+            common.pick_device("auto", local_rank, 8)
+        assert exit.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: 8 ranks on ") and "but 4 cuda devices: local ranks 4 and up" in err[0]
+    # one device seen by each rank, bound by the launcher (srun --gpus-per-task=1, affinity scripts): allowed
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert common.pick_device("auto", 5, 8) == (torch.device("cuda", 0), "nccl")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(SystemExit):  # one GPU and nothing binding it: 8 ranks would share it
+        common.pick_device("auto", 1, 8)
+
+
+@pytest.mark.parametrize("device, backend, device_id", [("cuda:1", "nccl", "cuda:1"), ("cpu", "gloo", None)])
+def test_device_id_goes_to_init_process_group_on_accelerators(monkeypatch, device, backend, device_id):
+    """With device_id, NCCL makes the world's communicator at once and splits every sub-group's
+    from it (ncclCommSplit), instead of bootstrapping each group on its own; the groups made
+    later by dist.new_group get --timeout, not torch's 30-minute default."""
+    import argparse
+    import datetime
+    import common
+    import torch.distributed as dist
+    launcher_environ(monkeypatch, {})
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # setup leaves this process's threads alone
+    calls = {}
+    monkeypatch.setattr(common, "pick_device", lambda *a: (torch.device(device), backend))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(kw, backend=backend))
+    monkeypatch.setattr(dist.distributed_c10d, "default_pg_timeout", dist.distributed_c10d.default_pg_timeout)
+    monkeypatch.setattr(dist.distributed_c10d, "default_pg_nccl_timeout", dist.distributed_c10d.default_pg_nccl_timeout)
+    common.setup(argparse.Namespace(device="auto", dtype="float32", timeout=7.0))
+    assert calls["backend"] == backend and calls["device_id"] == (torch.device(device_id) if device_id else None)
+    assert dist.distributed_c10d.default_pg_timeout == datetime.timedelta(seconds=7)
