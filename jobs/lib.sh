@@ -124,9 +124,10 @@ has_checkpoint() {
 # plus --resume when its --out_dir (default: out) already holds a checkpoint, so that
 # resubmitting the same job continues the run (not with --overwrite, which asks to replace that
 # run: the scripts refuse the two together); plus --time_limit TIME_LIMIT_MINUTES when that is
-# set and the flags do not give one.
+# set and the flags do not give one. 02_collectives.py trains nothing: it gets neither.
 run_args() {
     RUN_ARGS=("$@")
+    case ${1##*/} in 02_collectives.py) return ;; esac  # the doctor and the bench keep no checkpoint
     local out=out resume=0 limit=0 prev="" arg
     for arg in "$@"; do
         [ "$prev" != --out_dir ] || out=$arg

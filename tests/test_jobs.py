@@ -628,3 +628,16 @@ def test_a_local_job_whose_reader_went_away_still_checkpoints(tmp_path):
     SIGTERM: tee goes on writing the log (tee -p), the launcher's output never breaks, and the
     run stops with a checkpoint as before."""
     assert_stopped_with_a_checkpoint(*stopped_local_job(tmp_path, signal.SIGTERM, close_reader=True), signal.SIGTERM)
+
+
+def test_run_args_gives_02_neither_resume_nor_time_limit(tmp_path):
+    """The doctor and the bench (02) keep no checkpoint and refuse --resume and --time_limit:
+    run_args adds them to training scripts only, also where out/ holds a checkpoint."""
+    (tmp_path / "out" / "ckpt" / "step_5").mkdir(parents=True)
+    (tmp_path / "out" / "ckpt" / "step_5" / "metadata.json").write_text("{}")
+    script = (f'. {os.path.join(ROOT, "jobs", "lib.sh")}; TIME_LIMIT_MINUTES=30; '
+              'run_args 02_collectives.py --doctor; echo "${RUN_ARGS[*]}"; '
+              'run_args 03_ddp.py --model gpt2; echo "${RUN_ARGS[*]}"')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path).stdout.splitlines()
+    assert out[0] == "02_collectives.py --doctor"
+    assert out[-1].startswith("03_ddp.py --model gpt2") and "--time_limit 30" in out[-1]
