@@ -46,7 +46,7 @@ check_layout "$RANKS_PER_NODE" "$WORLD" "$@"
 run_args "$@"             # + --resume when out_dir holds a checkpoint
 
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # [olcf-pytorch] rank 0's node (the page: the batch node's hostname -i)
-export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                                # [olcf-pytorch] "different Master Ports you can use": one per job, no clashes
+export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                                # [olcf-pytorch] "different Master Ports you can use": one per job (jobs 1000 ids apart on one node clash: refused in one line)
 # RCCL's network plugin (aws-ofi-rccl): without it RCCL talks TCP sockets between nodes. It is
 # your own build when RCCL_NET_PLUGIN_DIR is set (its install prefix or lib directory), else
 # what the rccl-net-plugin module set up (NCCL_NET_PLUGIN as a path, or LD_LIBRARY_PATH)

@@ -43,7 +43,7 @@ check_layout "$RANKS_PER_NODE" "$WORLD" "$@"
 run_args "$@"             # + --resume when out_dir holds a checkpoint
 
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # [nersc-launchers] rank 0's node
-export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                                # [nersc-launchers] its 29500, + a per-job offset: no clashes
+export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                                # [nersc-launchers] its 29500, + a per-job offset (jobs 1000 ids apart on one node clash: refused in one line)
 export NCCL_NET_GDR_LEVEL=PHB              # [nersc-pytorch] GPUDirect RDMA when GPU and NIC share a PCIe host bridge (unverified)
 export NCCL_SOCKET_IFNAME=hsn              # [nersc-pytorch] bootstrap over the Slingshot interfaces hsn0-3 (a prefix; unverified)
 export FI_MR_CACHE_MONITOR=userfaultfd     # [nersc-sc25] memory-registration cache monitor
