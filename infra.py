@@ -1980,8 +1980,8 @@ class Piece:
 def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=None, write=True, model=True):
     """The pieces of parameter `name` (nanoGPT's name, global shape `shape`) that this rank
     holds in `param` (or in param[index]): its value and, given the optimizer, its AdamW
-    moments, under the same box/flat. AdamW state is created (zeros) if it does not exist
-    yet, so that a resumed run has somewhere to load it into."""
+    moments (Muon's matrices: its momentum), under the same box/flat. AdamW state is created
+    (zeros) if it does not exist yet, so that a resumed run has somewhere to load it into."""
     shape = tuple(shape)
     box = [list(b) for b in box] if box is not None else [[0, s] for s in shape]
     flat = tuple(flat) if flat is not None else None
@@ -1989,6 +1989,8 @@ def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=
     pieces = [Piece(f"model/{name}", shape, box, flat, pick(param.data), write)] if model else []
     if optimizer is not None:
         state = optimizer.state[param]
+        if "momentum_buffer" in state:  # a Muon matrix (common.Muon makes its buffer at once)
+            return pieces + [Piece(f"optim/momentum/{name}", shape, box, flat, pick(state["momentum_buffer"]), write)]
         if "exp_avg" not in state:
             fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if fused else "cpu")

@@ -1,0 +1,100 @@
+"""--optimizer muon: common.Muon equals torch.optim.Muon (Moonlight's lr scaling) plus AdamW on the
+same parameter split, step for step; the scripts that hold whole matrices (03, 07, 09, 10)
+reproduce 01's Muon losses, their ledgers count Muon's one moment; checkpoints carry the
+momentum and resume across scripts; the sharded scripts refuse it in one line for now."""
+
+import argparse
+
+import pytest
+import torch
+
+from common import GPT, GPTConfig, Muon, is_hidden_matrix, make_adamw, orthogonalize
+from harness import TINY, assert_losses_match, launch
+
+BASE = TINY + ["--max_iters", "5", "--optimizer", "muon", "--lr", "1e-2"]
+MOE = ["--n_expert", "4", "--top_k", "2"]
+
+
+def test_muon_equals_torch_muon_with_adamw_for_the_rest():
+    config = GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+    args = argparse.Namespace(lr=1e-2, weight_decay=0.1)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT(config))
+
+    def split(model):
+        named = list(model.named_parameters())
+        return ([p for n, p in named if is_hidden_matrix(n, p.shape)],
+                [p for n, p in named if not is_hidden_matrix(n, p.shape)])
+    matrices, rest = split(models[0])
+    assert len(matrices) == 4 * config.n_layer  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
+    ours = [Muon(matrices, make_adamw(rest, args, "cpu"), args, torch.bfloat16)]  # bf16, as torch's
+    matrices, rest = split(models[1])
+    torchs = [torch.optim.Muon(matrices, lr=1e-2, weight_decay=0.1, momentum=0.95, nesterov=True,
+                               adjust_lr_fn="match_rms_adamw"), make_adamw(rest, args, "cpu")]
+    x, y = torch.randint(0, 32, (4, 16)), torch.randint(0, 32, (4, 16))
+    for step in range(4):
+        for model, optimizers in zip(models, (ours, torchs)):
+            model(x, y)[1].backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q), f"step {step}: common.Muon and torch.optim.Muon differ"
+
+
+def test_newton_schulz_flattens_the_singular_values():
+    g = torch.randn(48, 16, generator=torch.Generator().manual_seed(0)) * 3
+    s = torch.linalg.svdvals(orthogonalize(g))
+    assert s.min() > 0.5 and s.max() < 1.5  # Jordan's quintic: roughly U·Vᵀ, S' in (0.5, 1.5)
+    assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 2 * s.max() / s.min()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"dense": launch("01_single_gpu.py", BASE + ["--sample_tokens", "0"]).ok(),
+            "moe": launch("01_single_gpu.py", BASE + MOE + ["--sample_tokens", "0"]).ok()}
+
+
+def test_01_muon_is_not_adamw_and_its_ledger_holds(reference):
+    adamw = launch("01_single_gpu.py", TINY + ["--max_iters", "5", "--lr", "1e-2", "--sample_tokens", "0"]).ok()
+    muon = reference["dense"]
+    assert adamw.losses[0] == muon.losses[0] and adamw.losses[-1] != muon.losses[-1]
+    for run in (muon, reference["moe"]):
+        row = run.steps[0]
+        assert row["state_bytes"] == row["state_bytes_theory"]
+    # Muon keeps one fp32 moment for the matrices, AdamW two for the rest
+    assert muon.steps[0]["state_bytes"]["optim"] < adamw.steps[0]["state_bytes"]["optim"]
+    assert "held optim" in muon.stdout and "| 4Ψ_m + 8(Ψ - Ψ_m) = " in muon.stdout
+
+
+CASES = [  # (script, ranks, flags, reference)
+    ("03_ddp.py", 2, [], "dense"),
+    ("07_pipeline.py", 2, ["--schedule", "1f1b", "--micro_batch_size", "2"], "dense"),
+    ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"], "dense"),
+    ("09_context_parallel.py", 2, [], "dense"),
+    ("10_expert_parallel.py", 4, ["--ep", "2"] + MOE, "moe"),
+]
+
+
+@pytest.mark.parametrize("script, ranks, flags, which", CASES)
+def test_strategies_equal_01_with_muon(reference, script, ranks, flags, which):
+    run = launch(script, BASE + flags, nprocs=ranks).ok()
+    assert_losses_match(reference[which], run, what=f"{script} x{ranks} {flags} muon")
+    for row in run.steps:
+        assert row["state_bytes"] == row["state_bytes_theory"], f"{script} {flags}"
+
+
+def test_momentum_is_checkpointed_and_resumed_by_another_script(reference, tmp_path):
+    first = launch("03_ddp.py", BASE + ["--max_iters", "3", "--ckpt_interval", "3", "--lr_decay_iters", "5",
+                                        "--out_dir", tmp_path], nprocs=2).ok()
+    rest = launch("01_single_gpu.py", BASE + ["--resume", "--out_dir", tmp_path, "--lr_decay_iters", "5",
+                                              "--sample_tokens", "0"]).ok()
+    assert first.losses + rest.losses == pytest.approx(reference["dense"].losses, rel=2e-5)
+
+
+@pytest.mark.parametrize("script", ["04_zero.py", "05_fsdp.py", "06_tensor_parallel.py", "08_3d.py"])
+def test_sharded_scripts_refuse_muon_in_one_line(script):
+    run = launch(script, BASE, nprocs=2)
+    assert run.returncode == 2 and len(run.error_lines) == 1 and "--optimizer muon is not written" in run.error_lines[0]
