@@ -452,7 +452,7 @@ def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
     check(args.optimizer == "adamw", "--optimizer muon is not written for ZeRO's flat shards yet (issue 43): "
-          "01, 03, 07, 09 and 10 have it")
+          "01, 03, 06, 07, 09 and 10 have it")
     env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
     run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank

@@ -319,7 +319,7 @@ def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
     check(args.optimizer == "adamw", "--optimizer muon is not written for FSDP's flat shards yet (issue 43): "
-          "01, 03, 07, 09 and 10 have it")
+          "01, 03, 06, 07, 09 and 10 have it")
     check(args.replicate >= 1 and run.world_size % args.replicate == 0,
           f"--replicate {args.replicate} does not divide the world size {run.world_size}")
     env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits

@@ -443,14 +443,19 @@ def orthogonalize(g, dtype=torch.float32):
     return x.T if tall else x
 
 
-def muon_update(param, grad, momentum_buffer, lr, weight_decay, ns_dtype):
-    """One matrix's Muon step: Nesterov momentum, orthogonalised, applied with decoupled
-    weight decay; `param`, `grad` and the buffer are the whole matrix."""
-    momentum_buffer.lerp_(grad, 1 - MUON_MOMENTUM)        # B <- μ·B + (1-μ)·g
-    update = grad.lerp(momentum_buffer, MUON_MOMENTUM)     # Nesterov: g + μ·(B - g)
-    update = orthogonalize(update, ns_dtype).to(param.dtype)
+def muon_momentum(grad, momentum_buffer):
+    """Muon's update before orthogonalisation: Nesterov momentum. Element-wise, so a shard of
+    the matrix (a strategy's) gets its shard of the update."""
+    momentum_buffer.lerp_(grad, 1 - MUON_MOMENTUM)    # B <- μ·B + (1-μ)·g
+    return grad.lerp(momentum_buffer, MUON_MOMENTUM)  # Nesterov: g + μ·(B - g)
+
+
+def muon_apply(param, orthogonal, lr, weight_decay, shape):
+    """Decoupled weight decay, then the step along the orthogonalised update, scaled by
+    Moonlight's 0.2·sqrt(max(rows, cols)) of the whole matrix's `shape` (`param` and
+    `orthogonal` may be a shard of it)."""
     param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=-lr * 0.2 * math.sqrt(max(param.shape)))  # Moonlight's RMS match
+    param.add_(orthogonal.to(param.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
 
 
 class Muon(torch.optim.Optimizer):
@@ -471,8 +476,8 @@ class Muon(torch.optim.Optimizer):
         group = self.param_groups[0]
         for p in group["params"]:
             if p.grad is not None:
-                muon_update(p, p.grad, self.state[p]["momentum_buffer"], group["lr"], group["weight_decay"],
-                            self.ns_dtype)
+                update = muon_momentum(p.grad, self.state[p]["momentum_buffer"])
+                muon_apply(p, orthogonalize(update, self.ns_dtype), group["lr"], group["weight_decay"], p.shape)
         self.adamw.step()
 
 

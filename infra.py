@@ -2353,6 +2353,8 @@ def open_checkpoint(out_dir, run):
         value = saved.get(key)
         if key == "model" and isinstance(value, dict):  # written before a field existed: its default
             value = {**asdict(GPTConfig()), **value}
+        if key == "optimizer" and value is None:  # written before --optimizer existed: AdamW's
+            value = "adamw"
         if key == "data" and isinstance(value, str) and os.path.isdir(value):
             value = os.path.normpath(value)  # written before run_config normalised it
         if value != run[key]:
@@ -2360,7 +2362,7 @@ def open_checkpoint(out_dir, run):
             hint = (f" (to train on with the same schedule, pass --lr_decay_iters {saved.get(key)}: "
                     "its default is --max_iters)") if key == "lr_decay_iters" else ""
             raise CheckpointError(f"checkpoint {directory} holds {what}: it was written with {key}="
-                                  f"{saved.get(key)}, this run has {key}={run[key]}{hint}")
+                                  f"{value}, this run has {key}={run[key]}{hint}")
     return ckpt
 
 
@@ -2442,7 +2444,7 @@ def run_config(args, config, world_layout):
     """What a checkpoint must agree on to be resumed (all but the layout, which may change),
     and the layout that wrote it (the same layout resumes bit for bit, RNG included)."""
     keys = ("data", "global_batch_size", "seed", "lr", "min_lr", "warmup_iters",
-            "lr_decay_iters", "weight_decay", "grad_clip")
+            "lr_decay_iters", "weight_decay", "grad_clip", "optimizer")
     run = {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
     if os.path.isdir(run["data"]):  # the same directory however it is spelled (a trailing slash)
         run["data"] = os.path.normpath(run["data"])

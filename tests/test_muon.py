@@ -74,6 +74,8 @@ CASES = [  # (script, ranks, flags, reference)
     ("07_pipeline.py", 2, ["--schedule", "1f1b", "--micro_batch_size", "2"], "dense"),
     ("07_pipeline.py", 2, ["--schedule", "interleaved", "--virtual_stages", "2", "--micro_batch_size", "2"], "dense"),
     ("09_context_parallel.py", 2, [], "dense"),
+    ("06_tensor_parallel.py", 2, [], "dense"),
+    ("06_tensor_parallel.py", 2, ["--sequence_parallel"], "dense"),
     ("10_expert_parallel.py", 4, ["--ep", "2"] + MOE, "moe"),
 ]
 
@@ -84,17 +86,40 @@ def test_strategies_equal_01_with_muon(reference, script, ranks, flags, which):
     assert_losses_match(reference[which], run, what=f"{script} x{ranks} {flags} muon")
     for row in run.steps:
         assert row["state_bytes"] == row["state_bytes_theory"], f"{script} {flags}"
+        assert row["comm_bytes"] == row["comm_bytes_theory"], f"{script} {flags}"
 
 
-def test_momentum_is_checkpointed_and_resumed_by_another_script(reference, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tensor_parallel_muon_moves_whole_matrices_as_its_formula_says(dtype):
+    """06 at 3 ranks (c_attn's Q, K and V blocks each split in three): one all-to-all of every
+    rank's update shards to the matrices' owners and one back, in the Newton-Schulz dtype."""
+    flags = BASE + ["--dtype", dtype, "--n_head", "6", "--n_embd", "96"]
+    run = launch("06_tensor_parallel.py", flags, nprocs=3).ok()
+    row = run.steps[-1]
+    assert row["comm_bytes"]["all_to_all_single"] == row["comm_bytes_theory"]["all_to_all_single"] > 0
+    assert row["state_bytes"] == row["state_bytes_theory"]
+    if dtype == "float32":
+        single = launch("01_single_gpu.py", flags + ["--sample_tokens", "0"]).ok()
+        assert_losses_match(single, run, what="06 x3 muon")
+
+
+def test_momentum_is_checkpointed_and_resharded_by_another_script(reference, tmp_path):
     first = launch("03_ddp.py", BASE + ["--max_iters", "3", "--ckpt_interval", "3", "--lr_decay_iters", "5",
                                         "--out_dir", tmp_path], nprocs=2).ok()
-    rest = launch("01_single_gpu.py", BASE + ["--resume", "--out_dir", tmp_path, "--lr_decay_iters", "5",
-                                              "--sample_tokens", "0"]).ok()
+    rest = launch("06_tensor_parallel.py", BASE + ["--resume", "--out_dir", tmp_path, "--lr_decay_iters", "5"],
+                  nprocs=2).ok()  # the momentum resharded into TP_PLAN's rows and columns
     assert first.losses + rest.losses == pytest.approx(reference["dense"].losses, rel=2e-5)
 
 
-@pytest.mark.parametrize("script", ["04_zero.py", "05_fsdp.py", "06_tensor_parallel.py", "08_3d.py"])
+@pytest.mark.parametrize("script", ["04_zero.py", "05_fsdp.py", "08_3d.py"])
 def test_sharded_scripts_refuse_muon_in_one_line(script):
     run = launch(script, BASE, nprocs=2)
     assert run.returncode == 2 and len(run.error_lines) == 1 and "--optimizer muon is not written" in run.error_lines[0]
+
+
+def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
+    flags = TINY + ["--max_iters", "4", "--lr_decay_iters", "4", "--out_dir", tmp_path, "--sample_tokens", "0"]
+    launch("01_single_gpu.py", flags + ["--max_iters", "2", "--ckpt_interval", "2"]).ok()
+    run = launch("01_single_gpu.py", flags + ["--resume", "--optimizer", "muon"])
+    assert run.returncode == 2 and len(run.error_lines) == 1
+    assert "written with optimizer=adamw, this run has optimizer=muon" in run.error_lines[0]
