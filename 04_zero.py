@@ -441,13 +441,13 @@ def matrix_ranges(names, shapes, n):
     return matrices
 
 
-def muon_owners(shapes, tp_size):
+def muon_owners(shapes, group_size):
     """The rank that orthogonalises each hidden matrix (given their full shapes): largest
     first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
     evenly as whole matrices allow. The same on every rank: no communication."""
-    owners, load = [None] * len(shapes), [0] * tp_size
+    owners, load = [None] * len(shapes), [0] * group_size
     for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
-        owners[i] = min(range(tp_size), key=lambda t: load[t])
+        owners[i] = min(range(group_size), key=lambda t: load[t])
         load[owners[i]] += math.prod(shapes[i])
     return owners
 
@@ -463,9 +463,9 @@ class FlatMuon(Muon):
                              O = orthogonalize(U), cut back into the same pieces
           <── all-to-all ──  rank r: O_r of every matrix, applied to its piece
 
-    `matrices`: [(shape, piece, ranges)]: the full shape, this rank's piece (a view of the
-    master shard whose .grad is the gradient shard's; None where it holds nothing) and every
-    rank's element range (matrix_ranges)."""
+    `matrices`: [(shape, piece, ranges)]: the full shape, this rank's piece (a tensor whose
+    .grad is its gradient; None where it holds nothing; 05's rows end in padding, which is
+    left out) and every rank's range [a, b) of the matrix's elements (04's matrix_ranges)."""
 
     def __init__(self, matrices, adamw, args, env, group):
         super().__init__([piece for _, piece, _ in matrices if piece is not None], adamw, args, env.dtype)
@@ -478,8 +478,9 @@ class FlatMuon(Muon):
         group, N, me = self.param_groups[0], self.world_size, self.rank
         owned = [[i for i, owner in enumerate(self.owners) if owner == t] for t in range(N)]
         length = lambda i, r: self.matrices[i][2][r][1] - self.matrices[i][2][r][0]  # rank r's piece of i
-        updates = [muon_momentum(piece.grad, self.state[piece]["momentum_buffer"]).to(self.device, self.ns_dtype)
-                   if piece is not None else None for _, piece, _ in self.matrices]
+        updates = [muon_momentum(piece.grad, self.state[piece]["momentum_buffer"]).reshape(-1)[:length(i, me)]
+                   .to(self.device, self.ns_dtype) if piece is not None else None
+                   for i, (_, piece, _) in enumerate(self.matrices)]
         out_sizes = [sum(length(i, me) for i in owned[t]) for t in range(N)]  # to owner t
         in_sizes = [sum(length(i, r) for i in owned[me]) for r in range(N)]  # from rank r
         # 1: to each owner (in rank order) this rank's pieces of the matrices it owns
@@ -503,9 +504,10 @@ class FlatMuon(Muon):
             for i in owned[t]:
                 shape, piece, _ = self.matrices[i]
                 if piece is not None:
-                    muon_apply(piece, back[offset:offset + piece.numel()].to(piece.device), group["lr"],
+                    n = length(i, me)
+                    muon_apply(piece.view(-1)[:n], back[offset:offset + n].to(piece.device), group["lr"],
                                group["weight_decay"], shape)
-                    offset += piece.numel()
+                    offset += n
         self.adamw.step()
 
 

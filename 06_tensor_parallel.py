@@ -522,15 +522,17 @@ def all_reduce_sequence_parallel_grads(model, group):
 # Muon on tensor-parallel shards: each matrix orthogonalised whole, by one owner rank
 # ---------------------------------------------------------------------------------------
 
-def muon_owners(shapes, tp_size):
+# ---- restated from 04_zero.py: muon_owners (word for word; tests/test_restated.py checks it) ----
+def muon_owners(shapes, group_size):
     """The rank that orthogonalises each hidden matrix (given their full shapes): largest
     first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
     evenly as whole matrices allow. The same on every rank: no communication."""
-    owners, load = [None] * len(shapes), [0] * tp_size
+    owners, load = [None] * len(shapes), [0] * group_size
     for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
-        owners[i] = min(range(tp_size), key=lambda t: load[t])
+        owners[i] = min(range(group_size), key=lambda t: load[t])
         load[owners[i]] += math.prod(shapes[i])
     return owners
+# ---- end restated ----
 
 
 class ShardedMuon(Muon):
