@@ -452,6 +452,15 @@ def muon_owners(shapes, group_size):
     return owners
 
 
+def muon_balance(shapes, group_size):
+    """The dry run's line on Muon: how evenly the owners' Newton-Schulz work (their matrices'
+    elements; an iteration costs about 5·(4m²n + 2m³) FLOPs for an m x n matrix, m <= n) spreads."""
+    owners = muon_owners(shapes, group_size)
+    load = [sum(math.prod(shape) for shape, owner in zip(shapes, owners) if owner == t) for t in range(group_size)]
+    return (f"  Muon: {len(shapes)} matrices, each orthogonalised whole by its owner: {min(load):,} to "
+            f"{max(load):,} elements per rank (the busiest {max(load) * group_size / sum(load):.2f}x the mean)")
+
+
 class FlatMuon(Muon):
     """Muon on ZeRO's flat shards. Momentum is element-wise, so each rank keeps its shard's, as
     it keeps AdamW's moments. Newton-Schulz is not: it needs the whole matrix, which the flat
@@ -673,9 +682,11 @@ def costs(args, config, world_size, dtype, rank=0):
 def layout_lines(args, world_size, accum_steps):
     """The dry run's layout line."""
     config = model_config(args, Data.vocab_size_of(args.data))
-    return [f"layout: ZeRO stage {args.stage} over {world_size} ranks (units: root + {config.n_layer} blocks, "
-            f"each cut into {world_size} shards), {accum_steps} micro-batch(es) of {args.micro_batch_size} "
-            "per rank per step"]
+    return ([f"layout: ZeRO stage {args.stage} over {world_size} ranks (units: root + {config.n_layer} blocks, "
+             f"each cut into {world_size} shards), {accum_steps} micro-batch(es) of {args.micro_batch_size} "
+             "per rank per step"]
+            + ([muon_balance([shape for shape, _ in muon_layout(config, world_size)], world_size)]
+               if args.optimizer == "muon" else []))
 
 
 def held_bytes(zero):

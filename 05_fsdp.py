@@ -301,7 +301,7 @@ def fsdp_optimizer(fsdp, args, env):
     return FlatMuon(matrices, make_adamw(rest, args, device_type), args, env, fsdp.shard_group)
 
 
-# ---- restated from 04_zero.py: muon_owners, FlatMuon (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 04_zero.py: muon_owners, muon_balance, FlatMuon (word for word; tests/test_restated.py checks it) ----
 def muon_owners(shapes, group_size):
     """The rank that orthogonalises each hidden matrix (given their full shapes): largest
     first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
@@ -311,6 +311,15 @@ def muon_owners(shapes, group_size):
         owners[i] = min(range(group_size), key=lambda t: load[t])
         load[owners[i]] += math.prod(shapes[i])
     return owners
+
+
+def muon_balance(shapes, group_size):
+    """The dry run's line on Muon: how evenly the owners' Newton-Schulz work (their matrices'
+    elements; an iteration costs about 5·(4m²n + 2m³) FLOPs for an m x n matrix, m <= n) spreads."""
+    owners = muon_owners(shapes, group_size)
+    load = [sum(math.prod(shape) for shape, owner in zip(shapes, owners) if owner == t) for t in range(group_size)]
+    return (f"  Muon: {len(shapes)} matrices, each orthogonalised whole by its owner: {min(load):,} to "
+            f"{max(load):,} elements per rank (the busiest {max(load) * group_size / sum(load):.2f}x the mean)")
 
 
 class FlatMuon(Muon):
@@ -521,7 +530,7 @@ def costs(args, config, world_size, dtype, rank=0):
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                              param_dtype=dtype)  # the gathered units: stored in the compute dtype
     return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
-            "held": held, "sent": sent, "gathered": gathered,
+            "held": held, "sent": sent, "gathered": gathered, "muon": matrices,
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
@@ -537,13 +546,15 @@ def layout_lines(args, world_size, accum_steps):
     """The dry run's layout lines: the shard groups, and the gathered parameters at the peak."""
     from infra import format_bytes, planned_dtype
     config = model_config(args, Data.vocab_size_of(args.data))
-    formula, value = costs(args, config, world_size, planned_dtype(args))["gathered"]
+    cost = costs(args, config, world_size, planned_dtype(args))
+    (formula, value), matrices = cost["gathered"], cost["muon"]
     S = world_size // args.replicate
     return ([f"layout: shard groups of {S} consecutive ranks x {args.replicate} replica(s); "
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
              f"  gathered parameters at the peak: {format_bytes(value)} ({formula})"]
             + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
-                "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else []))
+                "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else [])
+            + ([muon_balance([shape for _, shape in matrices], S)] if matrices else []))
 
 
 def held_bytes(fsdp, optimizer):

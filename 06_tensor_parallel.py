@@ -522,7 +522,7 @@ def all_reduce_sequence_parallel_grads(model, group):
 # Muon on tensor-parallel shards: each matrix orthogonalised whole, by one owner rank
 # ---------------------------------------------------------------------------------------
 
-# ---- restated from 04_zero.py: muon_owners (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 04_zero.py: muon_owners, muon_balance (word for word; tests/test_restated.py checks it) ----
 def muon_owners(shapes, group_size):
     """The rank that orthogonalises each hidden matrix (given their full shapes): largest
     first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
@@ -532,6 +532,15 @@ def muon_owners(shapes, group_size):
         owners[i] = min(range(group_size), key=lambda t: load[t])
         load[owners[i]] += math.prod(shapes[i])
     return owners
+
+
+def muon_balance(shapes, group_size):
+    """The dry run's line on Muon: how evenly the owners' Newton-Schulz work (their matrices'
+    elements; an iteration costs about 5·(4m²n + 2m³) FLOPs for an m x n matrix, m <= n) spreads."""
+    owners = muon_owners(shapes, group_size)
+    load = [sum(math.prod(shape) for shape, owner in zip(shapes, owners) if owner == t) for t in range(group_size)]
+    return (f"  Muon: {len(shapes)} matrices, each orthogonalised whole by its owner: {min(load):,} to "
+            f"{max(load):,} elements per rank (the busiest {max(load) * group_size / sum(load):.2f}x the mean)")
 # ---- end restated ----
 
 
@@ -750,7 +759,7 @@ def costs(args, config, world_size, dtype, rank=0):
         terms["layer"] = plus(terms["layer"], f(f"2*(4 - e)*b*s*h{sp_T}"))
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
-            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated),
+            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
             "activations": activations_of_layers(terms, L, args.recompute)}
 
 
@@ -775,13 +784,15 @@ def layout_lines(args, config, tp_size, accum_steps):
     """The dry run's layout: the group, heads per rank, micro-batches; and a warning when the
     group spans nodes (TP's per-layer all-reduces want a node's fast links)."""
     check_layout(args, config, tp_size)  # the heads and the vocabulary divide among the ranks
+    matrices = costs(args, config, tp_size, torch.float32)["muon"]  # Muon's, whole (none with AdamW)
     return ([f"layout: one tensor-parallel group of {tp_size} ranks"
              + (" with sequence parallelism" if args.sequence_parallel else "")
              + f", {config.n_head // tp_size} head(s) per rank; {accum_steps} micro-batch(es) of "
              f"{args.micro_batch_size} per step"]
             + ([f"  warning: the group spans nodes of {args.ranks_per_node} ranks: keep TP inside a node "
                 "(08_3d.py adds data and pipeline parallelism across nodes)"]
-               if tp_size > args.ranks_per_node else []))
+               if tp_size > args.ranks_per_node else [])
+            + ([muon_balance(matrices, tp_size)] if matrices else []))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common import GPT, GPTConfig, Muon, is_hidden_matrix, make_adamw, orthogonalize
-from harness import TINY, assert_losses_match, launch
+from harness import TINY, assert_losses_match, dry, launch
 
 BASE = TINY + ["--max_iters", "5", "--optimizer", "muon", "--lr", "1e-2"]
 MOE = ["--n_expert", "4", "--top_k", "2"]
@@ -130,3 +130,11 @@ def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
     run = launch("01_single_gpu.py", flags + ["--resume", "--optimizer", "muon"])
     assert run.returncode == 2 and len(run.error_lines) == 1
     assert "written with optimizer=adamw, this run has optimizer=muon" in run.error_lines[0]
+
+
+@pytest.mark.parametrize("script, ranks", [("04_zero.py", 8), ("05_fsdp.py", 8), ("06_tensor_parallel.py", 4)])
+def test_the_dry_run_says_how_the_owners_share_the_work(script, ranks):
+    done = dry(script, "--world_size", ranks, "--model", "gpt2", "--optimizer", "muon")
+    assert done.returncode == 0, done.stderr
+    assert "Muon: 48 matrices, each orthogonalised whole by its owner" in done.stdout  # 4 per block, 12 blocks
+    assert "all_to_all_single" in done.stdout
