@@ -30,8 +30,8 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
 
 import torch
 
-from common import (autocast, build_model, check, count_params, Data, lr_at, make_adamw,
-                    make_parser, model_block_size, model_config, to_device)
+from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, lr_at,
+                    make_optimizer, make_parser, model_block_size, model_config, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -86,7 +86,7 @@ def main():
         from infra import load_model_file  # the checkpoint reader, which refuses pickled code
         model.load_state_dict(load_model_file(args.init_from, config))
     train_model = torch.compile(model) if args.compile else model
-    optimizer = make_adamw(model.parameters(), args, env.device.type)
+    optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     run.begin(config, optimizer, costs, layout={"world_size": 1},
               pieces=lambda: checkpoint_pieces(model, optimizer),
               evaluate=lambda: evaluate(train_model, data, args, env, accum_steps),
@@ -141,7 +141,9 @@ def costs(args, config, world_size, dtype):
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": "one device",
             "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
-                     "optim": formula("8*Ψ", Ψ=psi)},
+                     # AdamW's two moments; Muon keeps one (its momentum) for the Ψ_m matrix entries
+                     "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
+                     formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
             "sent": {},
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 

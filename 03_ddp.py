@@ -38,8 +38,8 @@ Cost per rank, Ψ parameters, N ranks (bytes):
 import torch
 import torch.distributed as dist
 
-from common import (autocast, build_model, check, count_params, Data, lr_at, make_adamw, make_parser,
-                    model_block_size, model_config, to_device)
+from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, lr_at,
+                    make_optimizer, make_parser, model_block_size, model_config, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -189,7 +189,7 @@ def main():
         dist.broadcast(tensor.data, group=dp_group, group_src=0)  # the first replica's values to all
     buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, dp_group,
                               overlap=not args.no_overlap)
-    optimizer = make_adamw(model.parameters(), args, env.device.type)
+    optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     run.begin(config, optimizer, costs, layout={"strategy": "data parallel"},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_group),
@@ -240,7 +240,9 @@ def costs(args, config, world_size, dtype):
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     return {"layout": f"{world_size} replicas",
             "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
-                     "optim": formula("8*Ψ", Ψ=psi)},
+                     # AdamW's two moments; Muon keeps one (its momentum) for the Ψ_m matrix entries
+                     "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
+                     formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
             "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)},  # the gradients, the logged loss
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 

@@ -128,8 +128,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import (autocast, check, Data, GPT, is_decayed, lr_at, make_adamw, make_parser, model_block_size,
-                    model_config, param_init, to_device, to_host)
+from common import (autocast, check, Data, GPT, is_decayed, is_hidden_matrix, lr_at, make_adamw, make_parser,
+                    model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init,
+                    to_device, to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -218,17 +219,17 @@ class Unit:
         self.gathered = False
 
     def segments(self):
-        """(start, stop, decayed) pieces of this rank's shard, one per parameter it overlaps,
-        plus the padding: AdamW gets one tensor per piece so that weight decay applies to
-        matrices only, exactly as in 01."""
+        """(k, (start, stop, decayed)) pieces of this rank's shard, one per parameter k it
+        overlaps, plus the padding (k None): the optimizer gets one tensor per piece so that
+        weight decay applies to matrices only, exactly as in 01 (and Muon finds its matrices)."""
         pieces = []
-        for shape, offset in zip(self.shapes, self.offsets):
+        for k, (shape, offset) in enumerate(zip(self.shapes, self.offsets)):
             a, b = max(offset, self.lo), min(offset + shape.numel(), self.hi)
             if a < b:
-                pieces.append((a - self.lo, b - self.lo, is_decayed(shape)))
-        covered = pieces[-1][1] if pieces else 0
+                pieces.append((k, (a - self.lo, b - self.lo, is_decayed(shape))))
+        covered = pieces[-1][1][1] if pieces else 0
         if covered < self.shard_numel:  # padding (or nothing of this unit on this rank)
-            pieces.append((covered, self.shard_numel, False))
+            pieces.append((None, (covered, self.shard_numel, False)))
         return pieces
 
 
@@ -265,17 +266,24 @@ class ZeRO:
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.offset_of = {p: offset for u in self.units for p, offset in zip(u.params, u.offsets)}
-        segments = {True: [], False: []}
+        segments, matrices = {True: [], False: []}, []
         for unit in self.units:
             unit.pieces = []  # the optimizer's tensors, in order (for the checkpoint)
-            for a, b, decayed in unit.segments():
+            names = [k if unit is self.root else unit.name + k for k in unit.names]
+            muon = dict(matrix_ranges(names, unit.shapes, self.world_size)) if args.optimizer == "muon" else {}
+            for k, (a, b, decayed) in unit.segments():
                 piece = unit.master[a:b]
-                piece.grad = unit.grad_shard[a:b]  # AdamW reads this rank's gradient shard
-                segments[decayed].append(piece)
+                piece.grad = unit.grad_shard[a:b]  # the optimizer reads this rank's gradient shard
+                (segments[decayed] if k not in muon else []).append(piece)
                 unit.pieces.append(piece)
+            for k, ranges in muon.items():  # Muon's matrices, with this rank's piece of each
+                mine = [piece for (j, _), piece in zip(unit.segments(), unit.pieces) if j == k]
+                matrices.append((unit.shapes[k], mine[0] if mine else None, ranges))
         # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
         self.optimizer = make_adamw(segments[True], args, "cpu" if args.offload else env.device.type,
                                     not_decayed=segments[False])
+        if args.optimizer == "muon":  # AdamW for the rest, inside
+            self.optimizer = FlatMuon(matrices, self.optimizer, args, env, group)
         if stage == 1:  # full gradients, kept through accumulation: one fp32 buffer per unit
             for unit in self.units:
                 unit.grad_full = torch.zeros_like(unit.full, dtype=torch.float32)
@@ -414,6 +422,104 @@ class ZeRO:
         return sum(u.shard_numel for u in self.units) * self.world_size
 
 
+# ---------------------------------------------------------------------------------------
+# Muon on flat shards: each matrix orthogonalised whole, by one owner rank
+# ---------------------------------------------------------------------------------------
+
+def matrix_ranges(names, shapes, n):
+    """The hidden matrices (common.is_hidden_matrix) of one unit, given its parameters' full
+    names and shapes in flattening order, cut into n shards as Unit cuts them: [(k, ranges)]
+    for parameter k, ranges[r] = the elements [a, b) of the matrix that rank r's shard holds
+    (a == b where it holds none)."""
+    shard = math.ceil(sum(shape.numel() for shape in shapes) / n)
+    matrices, offset = [], 0
+    for k, (name, shape) in enumerate(zip(names, shapes)):
+        clip = lambda x: min(max(x - offset, 0), shape.numel())
+        if is_hidden_matrix(name, shape):
+            matrices.append((k, [(clip(r * shard), clip((r + 1) * shard)) for r in range(n)]))
+        offset += shape.numel()
+    return matrices
+
+
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+
+
+def muon_balance(shapes, group_size):
+    """The dry run's line on Muon: how evenly the owners' Newton-Schulz work (their matrices'
+    elements; an iteration costs about 5·(4m²n + 2m³) FLOPs for an m x n matrix, m <= n) spreads."""
+    owners = muon_owners(shapes, group_size)
+    load = [sum(math.prod(shape) for shape, owner in zip(shapes, owners) if owner == t) for t in range(group_size)]
+    return (f"  Muon: {len(shapes)} matrices, each orthogonalised whole by its owner: {min(load):,} to "
+            f"{max(load):,} elements per rank (the busiest {max(load) * group_size / sum(load):.2f}x the mean)")
+
+
+class FlatMuon(Muon):
+    """Muon on ZeRO's flat shards. Momentum is element-wise, so each rank keeps its shard's, as
+    it keeps AdamW's moments. Newton-Schulz is not: it needs the whole matrix, which the flat
+    cut scatters over one or more ranks (a matrix may straddle shard boundaries). Two
+    all-to-alls per step move whole matrices, by hand:
+
+        rank r: its pieces U_r of every matrix's update (the momentum, in the NS dtype)
+          ── all-to-all ──>  owner o: all pieces of each matrix it owns, laid end to end,
+                             O = orthogonalize(U), cut back into the same pieces
+          <── all-to-all ──  rank r: O_r of every matrix, applied to its piece
+
+    `matrices`: [(shape, piece, ranges)]: the full shape, this rank's piece (a tensor whose
+    .grad is its gradient; None where it holds nothing; 05's rows end in padding, which is
+    left out) and every rank's range [a, b) of the matrix's elements (04's matrix_ranges)."""
+
+    def __init__(self, matrices, adamw, args, env, group):
+        super().__init__([piece for _, piece, _ in matrices if piece is not None], adamw, args, env.dtype)
+        self.matrices, self.group, self.device = matrices, group, env.device
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.owners = muon_owners([shape for shape, _, _ in matrices], self.world_size)
+
+    @torch.no_grad()
+    def step(self):
+        group, N, me = self.param_groups[0], self.world_size, self.rank
+        owned = [[i for i, owner in enumerate(self.owners) if owner == t] for t in range(N)]
+        length = lambda i, r: self.matrices[i][2][r][1] - self.matrices[i][2][r][0]  # rank r's piece of i
+        updates = [muon_momentum(piece.grad, self.state[piece]["momentum_buffer"]).reshape(-1)[:length(i, me)]
+                   .to(self.device, self.ns_dtype) if piece is not None else None
+                   for i, (_, piece, _) in enumerate(self.matrices)]
+        out_sizes = [sum(length(i, me) for i in owned[t]) for t in range(N)]  # to owner t
+        in_sizes = [sum(length(i, r) for i in owned[me]) for r in range(N)]  # from rank r
+        # 1: to each owner (in rank order) this rank's pieces of the matrices it owns
+        send = torch.cat([torch.zeros(0, dtype=self.ns_dtype, device=self.device)] +
+                         [updates[i] for t in range(N) for i in owned[t] if updates[i] is not None])
+        pieces = send.new_empty(sum(in_sizes))
+        dist.all_to_all_single(pieces, send, in_sizes, out_sizes, group=self.group)
+        starts = [sum(in_sizes[:r]) for r in range(N)]  # where rank r's pieces begin
+        for i in owned[me]:  # each of my matrices put together, orthogonalised, cut back in place
+            shape, _, ranges = self.matrices[i]
+            whole = torch.cat([pieces[starts[r]:starts[r] + length(i, r)] for r in range(N)])
+            whole = orthogonalize(whole.view(shape), self.ns_dtype).reshape(-1)
+            for r, (a, b) in enumerate(ranges):
+                pieces[starts[r]:starts[r] + b - a] = whole[a:b]
+                starts[r] += b - a
+        # 2: the orthogonalised pieces back to the ranks that hold them
+        back = send.new_empty(send.numel())
+        dist.all_to_all_single(back, pieces, out_sizes, in_sizes, group=self.group)
+        offset = 0
+        for t in range(N):
+            for i in owned[t]:
+                shape, piece, _ = self.matrices[i]
+                if piece is not None:
+                    n = length(i, me)
+                    muon_apply(piece.view(-1)[:n], back[offset:offset + n].to(piece.device), group["lr"],
+                               group["weight_decay"], shape)
+                    offset += n
+        self.adamw.step()
+
+
 def add_flags(parser):
     g = parser.add_argument_group("04_zero")
     g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
@@ -511,12 +617,26 @@ def unit_numels(config):
     return [root] + [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
 
 
-def costs(args, config, world_size, dtype):
+def muon_layout(config, n):
+    """Muon's matrices in ZeRO's order, as it cuts them over n ranks: [(full shape, ranges)]
+    (matrix_ranges of every unit; from shapes only)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    units = [[(k, p.shape) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]]
+    units += [[(f"transformer.h.{i}.{k}", p.shape) for k, p in block.named_parameters()]
+              for i, block in enumerate(model.transformer.h)]
+    return [(unit[k][1], ranges) for unit in units
+            for k, ranges in matrix_ranges([name for name, _ in unit], [shape for _, shape in unit], n)]
+
+
+def costs(args, config, world_size, dtype, rank=0):
     """The docstring's formulas in bytes per rank. Ψ is the parameter count with every unit
     padded to a multiple of N (as the flat shards are), e the bytes of a working parameter
     element (4 in fp32, 2 in bf16; gradients are summed and reduced in fp32: 4), K = 8
     (AdamW's two fp32 moments) plus 4 for the fp32 master when it is a copy of its own
-    (mixed precision), m the micro-batches per step."""
+    (mixed precision), m the micro-batches per step. --optimizer muon: Ψ_mr of this rank's
+    elements are Muon's (one fp32 moment, not two), and it sends its pieces of them to their
+    owners and receives back, in the compute dtype, the Ψ_o elements of the matrices it owns."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
@@ -525,9 +645,14 @@ def costs(args, config, world_size, dtype):
     K = 8 if e == 4 else 12
     m = args.global_batch_size // (args.micro_batch_size * n)
 
+    matrices = muon_layout(config, n) if args.optimizer == "muon" else []
+    owners = muon_owners([shape for shape, _ in matrices], n)
+
     def f(expr):  # Ψ padded to N per unit; root and blocks: the root unit's and the blocks' Ψ
-        return formula(expr, show="e K m", Ψ=psi, N=n, e=e, K=K, m=m, root=root, blocks=psi - root)
-    held = {"optim": f("K*Ψ/N")}
+        return formula(expr, show="e K m", Ψ=psi, N=n, e=e, K=K, m=m, root=root, blocks=psi - root,
+                       Ψ_mr=sum(b - a for _, ranges in matrices for a, b in ranges[rank:rank + 1]),
+                       Ψ_o=sum(shape.numel() for (shape, _), owner in zip(matrices, owners) if owner == rank))
+    held = {"optim": f("K*Ψ/N - 4*Ψ_mr") if matrices else f("K*Ψ/N")}
     if stage == 1:
         # the full fp32 gradients (kept through accumulation) + the reduced fp32 shard
         held.update(params=f("e*Ψ"), grads=f("4*Ψ + 4*Ψ/N"))
@@ -535,7 +660,8 @@ def costs(args, config, world_size, dtype):
         held.update(params=f("e*Ψ") if stage == 2 else f("4*Ψ/N") if e == 4 else f("0"), grads=f("4*Ψ/N"))
     if args.offload:  # ZeRO-Offload: what stays on the device, and the host's share (AdamW + master)
         held = {"params": f("e*Ψ") if stage < 3 else f("0"), "grads": f("4*Ψ") if stage == 1 else f("0"),
-                "optim": f("0"), "grads (host)": f("4*Ψ/N"), "optim (host)": f("(8 + 4)*Ψ/N")}
+                "optim": f("0"), "grads (host)": f("4*Ψ/N"),
+                "optim (host)": f("(8 + 4)*Ψ/N - 4*Ψ_mr") if matrices else f("(8 + 4)*Ψ/N")}
     clipping = args.grad_clip > 0
     sent = {"all_reduce": formula("4*loss + 4*norm" if clipping else "4*loss", loss=1, norm=1)}
     if stage == 1:
@@ -543,6 +669,8 @@ def costs(args, config, world_size, dtype):
     else:  # stages 2 and 3 reduce-scatter every micro-batch; 3 gathers each block twice in it
         sent.update(reduce_scatter_tensor=f("m*4*Ψ"),
                     all_gather_into_tensor=f("e*Ψ") if stage == 2 else f("e*(root + m*2*blocks)"))
+    if matrices:  # Muon: this rank's pieces to their owners, its own matrices' pieces back
+        sent["all_to_all_single"] = f("e*(Ψ_mr + Ψ_o)")
     # activations: each rank runs 01's model on its micro-batch; partitioning the model
     # states leaves them as they are (01's count per micro-batch)
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
@@ -554,9 +682,11 @@ def costs(args, config, world_size, dtype):
 def layout_lines(args, world_size, accum_steps):
     """The dry run's layout line."""
     config = model_config(args, Data.vocab_size_of(args.data))
-    return [f"layout: ZeRO stage {args.stage} over {world_size} ranks (units: root + {config.n_layer} blocks, "
-            f"each cut into {world_size} shards), {accum_steps} micro-batch(es) of {args.micro_batch_size} "
-            "per rank per step"]
+    return ([f"layout: ZeRO stage {args.stage} over {world_size} ranks (units: root + {config.n_layer} blocks, "
+             f"each cut into {world_size} shards), {accum_steps} micro-batch(es) of {args.micro_batch_size} "
+             "per rank per step"]
+            + ([muon_balance([shape for shape, _ in muon_layout(config, world_size)], world_size)]
+               if args.optimizer == "muon" else []))
 
 
 def held_bytes(zero):
@@ -565,7 +695,8 @@ def held_bytes(zero):
     from infra import tensor_bytes
     units = zero.units
     masters = [u.master for u in units]
-    moments = [v for state in zero.optimizer.state.values() for k, v in state.items() if k.startswith("exp_")]
+    moments = [v for state in zero.optimizer.state.values() for k, v in state.items()
+               if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
     full_grads = [u.grad_full for u in units if u.grad_full is not None]
     if zero.offload:  # the device keeps the working parameters (and stage 1's full grads)
         return {"params": tensor_bytes([u.full for u in units]) if zero.stage < 3 else 0,

@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (autocast, check, Data, GPT, lr_at, make_adamw, make_parser, model_config, param_init,
-                    to_device, to_host)
+from common import (autocast, check, Data, GPT, is_hidden_matrix, lr_at, make_adamw, make_parser, model_config,
+                    Muon, muon_apply, muon_momentum, orthogonalize, param_init, to_device, to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -277,6 +277,111 @@ def materialize(model, device, dtype):
                 module._parameters[name] = new[id(p)]
 
 
+# ---------------------------------------------------------------------------------------
+# Muon on dim-0 shards: each matrix orthogonalised whole, by one owner rank of the shard group
+# ---------------------------------------------------------------------------------------
+
+def fsdp_optimizer(fsdp, args, env):
+    """AdamW on this rank's fp32 rows; or --optimizer muon: Muon for the blocks' matrices, each
+    put together whole by one owner of the shard group (04's FlatMuon: a rank's rows of a
+    matrix are a contiguous range of its elements, its padding rows left out), AdamW for
+    the rest. With HSDP every replica group does the same, on equal shards."""
+    device_type = "cpu" if args.offload else env.device.type  # --offload: the optimizer on the CPU
+    if args.optimizer == "adamw":
+        return make_adamw(fsdp.shards(), args, device_type)
+    matrices, rest, S = [], [], fsdp.shard_size
+    for unit in fsdp.units:
+        for name, shape, rows, shard in zip(unit.names, unit.shapes, unit.rows, unit.shards):
+            if not is_hidden_matrix(name, shape):
+                rest.append(shard)
+                continue
+            row = math.prod(shape[1:])  # elements per row: rank r holds rows [r·rows, (r+1)·rows)
+            ranges = [(min(r * rows, shape[0]) * row, min((r + 1) * rows, shape[0]) * row) for r in range(S)]
+            matrices.append((shape, shard, ranges))
+    return FlatMuon(matrices, make_adamw(rest, args, device_type), args, env, fsdp.shard_group)
+
+
+# ---- restated from 04_zero.py: muon_owners, muon_balance, FlatMuon (word for word; tests/test_restated.py checks it) ----
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+
+
+def muon_balance(shapes, group_size):
+    """The dry run's line on Muon: how evenly the owners' Newton-Schulz work (their matrices'
+    elements; an iteration costs about 5·(4m²n + 2m³) FLOPs for an m x n matrix, m <= n) spreads."""
+    owners = muon_owners(shapes, group_size)
+    load = [sum(math.prod(shape) for shape, owner in zip(shapes, owners) if owner == t) for t in range(group_size)]
+    return (f"  Muon: {len(shapes)} matrices, each orthogonalised whole by its owner: {min(load):,} to "
+            f"{max(load):,} elements per rank (the busiest {max(load) * group_size / sum(load):.2f}x the mean)")
+
+
+class FlatMuon(Muon):
+    """Muon on ZeRO's flat shards. Momentum is element-wise, so each rank keeps its shard's, as
+    it keeps AdamW's moments. Newton-Schulz is not: it needs the whole matrix, which the flat
+    cut scatters over one or more ranks (a matrix may straddle shard boundaries). Two
+    all-to-alls per step move whole matrices, by hand:
+
+        rank r: its pieces U_r of every matrix's update (the momentum, in the NS dtype)
+          ── all-to-all ──>  owner o: all pieces of each matrix it owns, laid end to end,
+                             O = orthogonalize(U), cut back into the same pieces
+          <── all-to-all ──  rank r: O_r of every matrix, applied to its piece
+
+    `matrices`: [(shape, piece, ranges)]: the full shape, this rank's piece (a tensor whose
+    .grad is its gradient; None where it holds nothing; 05's rows end in padding, which is
+    left out) and every rank's range [a, b) of the matrix's elements (04's matrix_ranges)."""
+
+    def __init__(self, matrices, adamw, args, env, group):
+        super().__init__([piece for _, piece, _ in matrices if piece is not None], adamw, args, env.dtype)
+        self.matrices, self.group, self.device = matrices, group, env.device
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.owners = muon_owners([shape for shape, _, _ in matrices], self.world_size)
+
+    @torch.no_grad()
+    def step(self):
+        group, N, me = self.param_groups[0], self.world_size, self.rank
+        owned = [[i for i, owner in enumerate(self.owners) if owner == t] for t in range(N)]
+        length = lambda i, r: self.matrices[i][2][r][1] - self.matrices[i][2][r][0]  # rank r's piece of i
+        updates = [muon_momentum(piece.grad, self.state[piece]["momentum_buffer"]).reshape(-1)[:length(i, me)]
+                   .to(self.device, self.ns_dtype) if piece is not None else None
+                   for i, (_, piece, _) in enumerate(self.matrices)]
+        out_sizes = [sum(length(i, me) for i in owned[t]) for t in range(N)]  # to owner t
+        in_sizes = [sum(length(i, r) for i in owned[me]) for r in range(N)]  # from rank r
+        # 1: to each owner (in rank order) this rank's pieces of the matrices it owns
+        send = torch.cat([torch.zeros(0, dtype=self.ns_dtype, device=self.device)] +
+                         [updates[i] for t in range(N) for i in owned[t] if updates[i] is not None])
+        pieces = send.new_empty(sum(in_sizes))
+        dist.all_to_all_single(pieces, send, in_sizes, out_sizes, group=self.group)
+        starts = [sum(in_sizes[:r]) for r in range(N)]  # where rank r's pieces begin
+        for i in owned[me]:  # each of my matrices put together, orthogonalised, cut back in place
+            shape, _, ranges = self.matrices[i]
+            whole = torch.cat([pieces[starts[r]:starts[r] + length(i, r)] for r in range(N)])
+            whole = orthogonalize(whole.view(shape), self.ns_dtype).reshape(-1)
+            for r, (a, b) in enumerate(ranges):
+                pieces[starts[r]:starts[r] + b - a] = whole[a:b]
+                starts[r] += b - a
+        # 2: the orthogonalised pieces back to the ranks that hold them
+        back = send.new_empty(send.numel())
+        dist.all_to_all_single(back, pieces, out_sizes, in_sizes, group=self.group)
+        offset = 0
+        for t in range(N):
+            for i in owned[t]:
+                shape, piece, _ = self.matrices[i]
+                if piece is not None:
+                    n = length(i, me)
+                    muon_apply(piece.view(-1)[:n], back[offset:offset + n].to(piece.device), group["lr"],
+                               group["weight_decay"], shape)
+                    offset += n
+        self.adamw.step()
+# ---- end restated ----
+
+
 def add_flags(parser):
     g = parser.add_argument_group("05_fsdp")
     g.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
@@ -333,7 +438,7 @@ def main():
         block.recompute = args.recompute
     fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
     # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
-    optimizer = make_adamw(fsdp.shards(), args, "cpu" if args.offload else env.device.type)
+    optimizer = fsdp_optimizer(fsdp, args, env)  # AdamW (or Muon + AdamW) on this rank's fp32 rows
     run.begin(config, optimizer, costs, layout={"strategy": "fsdp", "replicate": args.replicate},
               pieces=lambda: checkpoint_pieces(fsdp, optimizer), held=lambda: held_bytes(fsdp, optimizer),
               evaluate=lambda: evaluate(model, fsdp, data, args, env, accum_steps, dp_group),
@@ -373,11 +478,13 @@ def main():
 # Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
 # ----------------------------------------------------------------------------------------
 
-def costs(args, config, world_size, dtype):
+def costs(args, config, world_size, dtype, rank=0):
     """The docstring's formulas in bytes per rank. S = N/R ranks per shard group; Ψ counts
     every parameter with its rows padded to a multiple of S (each rank holds ceil(rows/S)
     rows); e is the compute dtype's element size, rb the reduce dtype's, m the micro-batches
-    per step."""
+    per step. --optimizer muon: Ψ_m of Ψ are Muon's (one fp32 moment, not two); this rank
+    sends its Ψ_mr elements of them to their owners and receives back, in the compute dtype,
+    the Ψ_o elements of the matrices it owns (fsdp_optimizer)."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
     S, R = world_size // args.replicate, args.replicate
     with torch.device("meta"):
@@ -394,10 +501,18 @@ def costs(args, config, world_size, dtype):
     # and one block gathered, two with prefetch, every block without resharding
     resident = config.n_layer if not reshard else (2 if prefetch else 1)
 
+    matrices = [(k, p.shape) for k, p in model.named_parameters()
+                if args.optimizer == "muon" and is_hidden_matrix(k, p.shape)]
+    owners, r = muon_owners([shape for _, shape in matrices], S), rank % S  # r: in the shard group
+    rows = {k: math.ceil(shape[0] / S) for k, shape in matrices}
+
     def f(expr):  # root, blocks: the root unit's and the blocks' Ψ; block: the largest block's
         return formula(expr, show="e rb m k", Ψ=psi, S=S, e=e, rb=rb, m=m, k=resident, root=root,
-                       blocks=blocks, block=max(per_block), loss=1, norm=1)
-    held = {"params": f("4*Ψ/S"), "grads": f("4*Ψ/S"), "optim": f("8*Ψ/S")}
+                       blocks=blocks, block=max(per_block), loss=1, norm=1,
+                       Ψ_m=sum(padded[k] for k, _ in matrices),
+                       Ψ_mr=sum((min((r + 1) * rows[k], s[0]) - min(r * rows[k], s[0])) * s[1] for k, s in matrices),
+                       Ψ_o=sum(s.numel() for (_, s), owner in zip(matrices, owners) if owner == r))
+    held = {"params": f("4*Ψ/S"), "grads": f("4*Ψ/S"), "optim": f("8*Ψ/S - 4*Ψ_m/S") if matrices else f("8*Ψ/S")}
     if args.offload:  # the shards and AdamW in host memory: the device keeps the gathered units only
         held = {"params": f("0"), "grads": f("0"), "optim": f("0"), **{f"{k} (host)": v for k, v in held.items()}}
     sent = {"all_gather_into_tensor[shard]": f("e*(root + 2*m*blocks)" if reshard else "e*(root + blocks)"),
@@ -406,6 +521,8 @@ def costs(args, config, world_size, dtype):
             "all_reduce": f("4*loss")}
     if R > 1:
         sent["all_reduce[replicate]"] = f("m*rb*Ψ/S")
+    if matrices:  # Muon: this rank's rows to their owners, its own matrices' rows back
+        sent["all_to_all_single[shard]"] = f("e*(Ψ_mr + Ψ_o)")
     sent = {k: v for k, v in sent.items() if v[1]}
     gathered = f("e*(root + k*block)")
     # activations: each rank runs 01's model on its micro-batch; sharding the model states
@@ -413,7 +530,7 @@ def costs(args, config, world_size, dtype):
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                              param_dtype=dtype)  # the gathered units: stored in the compute dtype
     return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
-            "held": held, "sent": sent, "gathered": gathered,
+            "held": held, "sent": sent, "gathered": gathered, "muon": matrices,
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 
@@ -429,13 +546,15 @@ def layout_lines(args, world_size, accum_steps):
     """The dry run's layout lines: the shard groups, and the gathered parameters at the peak."""
     from infra import format_bytes, planned_dtype
     config = model_config(args, Data.vocab_size_of(args.data))
-    formula, value = costs(args, config, world_size, planned_dtype(args))["gathered"]
+    cost = costs(args, config, world_size, planned_dtype(args))
+    (formula, value), matrices = cost["gathered"], cost["muon"]
     S = world_size // args.replicate
     return ([f"layout: shard groups of {S} consecutive ranks x {args.replicate} replica(s); "
              f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
              f"  gathered parameters at the peak: {format_bytes(value)} ({formula})"]
             + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
-                "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else []))
+                "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else [])
+            + ([muon_balance([shape for _, shape in matrices], S)] if matrices else []))
 
 
 def held_bytes(fsdp, optimizer):

@@ -84,8 +84,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common import (autocast, check, Data, device_rng_state, lr_at, make_adamw, make_parser, model_block_size,
-                    model_config, param_init, recomputed, set_device_rng_state, to_device)
+from common import (autocast, check, Data, device_rng_state, is_hidden_matrix, lr_at, make_adamw, make_parser,
+                    model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init,
+                    recomputed, set_device_rng_state, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -517,6 +518,93 @@ def all_reduce_sequence_parallel_grads(model, group):
         offset += g.numel()
 
 
+# ---------------------------------------------------------------------------------------
+# Muon on tensor-parallel shards: each matrix orthogonalised whole, by one owner rank
+# ---------------------------------------------------------------------------------------
+
+# ---- restated from 04_zero.py: muon_owners, muon_balance (word for word; tests/test_restated.py checks it) ----
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+
+
+def muon_balance(shapes, group_size):
+    """The dry run's line on Muon: how evenly the owners' Newton-Schulz work (their matrices'
+    elements; an iteration costs about 5·(4m²n + 2m³) FLOPs for an m x n matrix, m <= n) spreads."""
+    owners = muon_owners(shapes, group_size)
+    load = [sum(math.prod(shape) for shape, owner in zip(shapes, owners) if owner == t) for t in range(group_size)]
+    return (f"  Muon: {len(shapes)} matrices, each orthogonalised whole by its owner: {min(load):,} to "
+            f"{max(load):,} elements per rank (the busiest {max(load) * group_size / sum(load):.2f}x the mean)")
+# ---- end restated ----
+
+
+class ShardedMuon(Muon):
+    """Muon where every rank holds 1/T of each matrix (TP_PLAN's rows or columns). Momentum is
+    element-wise, so each rank keeps its shard's. Newton-Schulz is not: it needs the whole
+    matrix. Two all-to-alls per step move whole matrices, by hand:
+
+        rank t: its shards U_t of every matrix's update (the momentum, in the NS dtype)
+          ── all-to-all ──>  owner o: all T shards of each matrix it owns, placed by shard_boxes,
+                             O = orthogonalize(U), cut back into its T shards
+          <── all-to-all ──  rank t: O_t of every matrix, applied to its shard
+
+    Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
+    on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
+    steps, for every matrix, and every rank would repeat the small products.)"""
+
+    def __init__(self, model, args, env, group):
+        named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
+        rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
+                          args, env.device.type)
+        super().__init__([p for _, p in named], rest, args, env.dtype)
+        self.group, self.tp_size, self.tp_rank = group, model.tp_size, model.tp_rank
+        self.boxes = [[shard_boxes(name, p.shape, 0, model.tp_size, t) for t in range(model.tp_size)]
+                      for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
+        self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], model.tp_size)
+
+    @torch.no_grad()
+    def step(self):
+        group, T, me = self.param_groups[0], self.tp_size, self.tp_rank
+        params = group["params"]
+        updates = [muon_momentum(p.grad, self.state[p]["momentum_buffer"]).to(self.ns_dtype) for p in params]
+        owned = [[i for i, owner in enumerate(self.owners) if owner == t] for t in range(T)]  # by owner
+        sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
+        # 1: to each owner (in rank order) this rank's shards of the matrices it owns
+        send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
+        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
+        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
+        shards = shards.view(T, sizes[me])
+        offset = 0
+        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
+            full, n = self.boxes[i][0][0], updates[i].numel()
+            whole = shards.new_empty(full)
+            pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
+                      for t in range(T) for box, index in self.boxes[i][t][1]]
+            for shard, box, index in pieces:
+                whole[tuple(slice(*b) for b in box)] = shard[index]
+            whole = orthogonalize(whole, self.ns_dtype)
+            for shard, box, index in pieces:
+                shard[index] = whole[tuple(slice(*b) for b in box)]
+            offset += n
+        # 2: the orthogonalised shards back to the ranks that hold them
+        back = send.new_empty(send.numel())
+        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
+        offset = 0
+        for t in range(T):
+            for i in owned[t]:
+                n = updates[i].numel()
+                muon_apply(params[i], back[offset:offset + n].view_as(updates[i]), group["lr"],
+                           group["weight_decay"], self.boxes[i][0][0])
+                offset += n
+        self.adamw.step()
+
+
 def add_flags(parser):
     g = parser.add_argument_group("06_tensor_parallel")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel size (= world size)")
@@ -569,7 +657,8 @@ def main():
     tp_group = dist.group.WORLD  # the tensor-parallel group: here every rank
     model = TPGPT(config, tp_size, env.rank, args.sequence_parallel, rng, tp_group,
                   recompute=args.recompute).init_from_full(args.seed).to(env.device)
-    optimizer = make_adamw(model.parameters(), args, env.device.type)
+    optimizer = make_adamw(model.parameters(), args, env.device.type) if args.optimizer == "adamw" else \
+        ShardedMuon(model, args, env, tp_group)  # Muon: each matrix orthogonalised whole by its owner
     sp = " with sequence parallelism" if args.sequence_parallel else ""
     saved = run.begin(config, optimizer, costs, layout={"strategy": "tensor parallel",
                                                        "sequence_parallel": args.sequence_parallel},
@@ -611,7 +700,7 @@ def main():
 # Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
 # ----------------------------------------------------------------------------------------
 
-def costs(args, config, world_size, dtype):
+def costs(args, config, world_size, dtype, rank=0):
     """The docstring's formulas in bytes per rank, T = world_size, m micro-batches of b
     sequences. Parameters: the sharded ones (1/T each; the vocabulary padded to a multiple
     of T) and the replicated ones, all fp32. Activations: b·s·h elements each; under
@@ -629,11 +718,17 @@ def costs(args, config, world_size, dtype):
     n_replicated = sum(p.numel() for name, p in model.named_parameters() if tp_split(name) is None)
     m, b = args.global_batch_size // args.micro_batch_size, args.micro_batch_size
     s, h, e = config.block_size, config.n_embd, dtype.itemsize
+    matrices = [shard_boxes(name, p.shape, 0, T, 0)[0] for name, p in model.named_parameters()
+                if args.optimizer == "muon" and is_hidden_matrix(name, p.shape)]  # Muon's, whole
+    owners = muon_owners(matrices, T)
 
-    def f(expr):  # Ψ_s: the parameters TP_PLAN splits (the vocabulary padded), Ψ_r the rest
+    def f(expr):  # Ψ_s: the parameters TP_PLAN splits (the vocabulary padded), Ψ_r the rest;
+        # Muon: Ψ_m its matrices' parameters (all split), Ψ_o those of the matrices this rank owns
         return formula(expr, show="m e", Ψ_s=n_sharded * T, Ψ_r=n_replicated, T=T, L=L, m=m, b=b, s=s, h=h, e=e,
-                       V=model.vocab_local * T, norm=int(args.grad_clip > 0))
-    held = {"params": f("4*(Ψ_s/T + Ψ_r)"), "grads": f("4*(Ψ_s/T + Ψ_r)"), "optim": f("8*(Ψ_s/T + Ψ_r)")}
+                       V=model.vocab_local * T, norm=int(args.grad_clip > 0), Ψ_m=sum(map(math.prod, matrices)),
+                       Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == rank))
+    held = {"params": f("4*(Ψ_s/T + Ψ_r)"), "grads": f("4*(Ψ_s/T + Ψ_r)"),
+            "optim": f("8*(Ψ_s/T + Ψ_r)" if args.optimizer == "adamw" else "4*Ψ_m/T + 8*((Ψ_s - Ψ_m)/T + Ψ_r)")}
     if sp:
         # all-gather: f of c_attn, c_fc and the head, of the LayerNorm output cast to e,
         # twice each (forward, and again in backward: only the shard was kept); the backward
@@ -645,6 +740,8 @@ def costs(args, config, world_size, dtype):
                 "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm")}
     else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head
         sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm")}
+    if matrices:  # Muon: this rank's update shards to their owners, its own matrices' shards back
+        sent["all_to_all_single"] = f("e*(Ψ_m/T + Ψ_o)")
     if args.recompute:  # backward runs each block's forward again, its g (e) twice too
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor") if sp else ("all_reduce",):
             sent[op] = plus(sent[op], f("m*L*2*e*b*s*h"))
@@ -662,7 +759,7 @@ def costs(args, config, world_size, dtype):
         terms["layer"] = plus(terms["layer"], f(f"2*(4 - e)*b*s*h{sp_T}"))
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
-            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated),
+            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
             "activations": activations_of_layers(terms, L, args.recompute)}
 
 
@@ -687,13 +784,15 @@ def layout_lines(args, config, tp_size, accum_steps):
     """The dry run's layout: the group, heads per rank, micro-batches; and a warning when the
     group spans nodes (TP's per-layer all-reduces want a node's fast links)."""
     check_layout(args, config, tp_size)  # the heads and the vocabulary divide among the ranks
+    matrices = costs(args, config, tp_size, torch.float32)["muon"]  # Muon's, whole (none with AdamW)
     return ([f"layout: one tensor-parallel group of {tp_size} ranks"
              + (" with sequence parallelism" if args.sequence_parallel else "")
              + f", {config.n_head // tp_size} head(s) per rank; {accum_steps} micro-batch(es) of "
              f"{args.micro_batch_size} per step"]
             + ([f"  warning: the group spans nodes of {args.ranks_per_node} ranks: keep TP inside a node "
                 "(08_3d.py adds data and pipeline parallelism across nodes)"]
-               if tp_size > args.ranks_per_node else []))
+               if tp_size > args.ranks_per_node else [])
+            + ([muon_balance(matrices, tp_size)] if matrices else []))
 
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (autocast, Block, check, Data, lr_at, make_adamw, make_parser, model_config, param_init,
-                    synchronize, to_device)
+from common import (autocast, Block, check, Data, is_hidden_matrix, lr_at, make_optimizer, make_parser, model_config,
+                    param_init, synchronize, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -595,7 +595,7 @@ def main():
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
     embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
-    optimizer = make_adamw(chunks.parameters(), args, env.device.type)
+    optimizer = make_optimizer(chunks.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
                         timed=args.measure_bubble)
@@ -647,6 +647,7 @@ def costs(args, config, world_size, dtype, rank=0):
     with torch.device("meta"):
         chunks = build_chunks(config, p, v, rank)
     psi = sum(t.numel() for t in chunks.parameters())
+    psi_m = sum(t.numel() for name, t in chunks.named_parameters() if is_hidden_matrix(name, t.shape))
     first, last = chunks[0].is_first, chunks[-1].is_last
     order = schedule(args.schedule, p, rank, m, v)
     sends = sum(1 for kind, i, c in order
@@ -664,7 +665,8 @@ def costs(args, config, world_size, dtype, rank=0):
                                              + ["4*norm"] * (args.grad_clip > 0 and p > 1)) or "0",
                                   V=config.vocab_size, h=h, norm=1)}
     held = {"params": formula("4*Ψ_stage", Ψ_stage=psi), "grads": formula("4*Ψ_stage", Ψ_stage=psi),
-            "optim": formula("8*Ψ_stage", Ψ_stage=psi)}
+            "optim": formula("8*Ψ_stage", Ψ_stage=psi) if args.optimizer == "adamw" else
+            formula("4*Ψ_m + 8*(Ψ_stage - Ψ_m)", Ψ_stage=psi, Ψ_m=psi_m)}  # Muon: one moment of its matrices
     in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
                  "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
     return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),

@@ -560,6 +560,8 @@ def evaluate(stage, pipeline, mesh, data, args, env, m):
 def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
+    check(args.optimizer == "adamw", "--optimizer muon is not written for 08's sharded meshes yet (issue 43): "
+          "01, 03-07, 09 and 10 have it")
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
     check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"

@@ -121,8 +121,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (autocast, build_model, check, count_params, Data, lr_at, make_adamw, make_parser,
-                    model_config, recomputed, to_device)
+from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, lr_at,
+                    make_optimizer, make_parser, model_config, recomputed, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -528,7 +528,7 @@ def main():
     cp.recompute = args.recompute
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
-    optimizer = make_adamw(model.parameters(), args, env.device.type)
+    optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     run.begin(config, optimizer, costs, layout={"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp, world),
@@ -580,6 +580,7 @@ def costs(args, config, world_size, dtype):
     from infra import activation_device_type, activation_terms, activations_of_layers, formula, sdpa_logsumexp
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
+    psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices
     micro = args.micro_batch_size or args.global_batch_size // D
     m = args.global_batch_size // (micro * D)
     e = torch.tensor([], dtype=dtype).element_size()
@@ -587,7 +588,7 @@ def costs(args, config, world_size, dtype):
     device_type = activation_device_type(args)
 
     def f(expr):
-        return formula(expr, show="m e", Ψ=n_params, L=L, m=m, C=C, b=micro, s=s, h=h, a=a, e=e, loss=1)
+        return formula(expr, show="m e", Ψ=n_params, Ψ_m=psi_m, L=L, m=m, C=C, b=micro, s=s, h=h, a=a, e=e, loss=1)
     sent = {"all_reduce": f("4*Ψ + 4*loss")}
     # the recomputed forward sends its K/V (ring) or its 4 all-to-alls again
     if C > 1 and args.cp_impl == "ring":  # K, V (e) C-1 hops forward and in backward; dK, dV (fp32) C hops
@@ -606,7 +607,7 @@ def costs(args, config, world_size, dtype):
         attention = f(f"3*e*b*s*h + e*b*s*h + {sdpa_logsumexp('(a/C)', '(C*s)', dtype, device_type)} + e*b*s*h")
     terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
     return {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
-            "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ")},
+            "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ" if args.optimizer == "adamw" else "4*Ψ_m + 8*(Ψ - Ψ_m)")},
             "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
 
 

@@ -74,8 +74,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (autocast, check, combine, Data, GPT, lr_at, make_adamw, make_parser, model_block_size,
-                    model_config, route, to_device)
+from common import (autocast, check, combine, Data, GPT, is_hidden_matrix, lr_at, make_optimizer, make_parser,
+                    model_block_size, model_config, route, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -278,7 +278,7 @@ def main():
     ep_group, dp_group = expert_groups(env.world_size, ep)
     data_group = dist.group.WORLD  # every rank trains on its own slice of the batch: ep x dp ranks
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
-    optimizer = make_adamw(model.parameters(), args, env.device.type)
+    optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     run.begin(config, optimizer, costs, layout={"strategy": "expert parallel", "ep": ep},
               pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, data_group),
@@ -330,15 +330,20 @@ def costs(args, config, world_size, dtype, received=None):
         model = GPT(config)  # shapes only
     psi_e = sum(p.numel() for name, p in model.named_parameters() if is_expert(name))  # all L·E experts
     psi_d = sum(p.numel() for name, p in model.named_parameters() if not is_expert(name))
+    muon = {expert: sum(p.numel() for name, p in model.named_parameters()  # Muon's matrices, if it runs
+                        if args.optimizer == "muon" and is_hidden_matrix(name, p.shape) and is_expert(name) == expert)
+            for expert in (False, True)}
     b = args.micro_batch_size or args.global_batch_size // world_size
     m, s = args.global_batch_size // (b * world_size), config.block_size
     received = [[k * b * s] * m] * L if received is None else received  # [layer][micro-batch]
     passes = 3 if args.recompute else 2  # forward, backward (and the forward again)
 
     def f(expr):  # Ψ_d: the dense parameters, Ψ_e: one expert's; R: the rows received over the step
-        return formula(expr, show="e m p R", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), L=L, E=E, N=ep, k=k, h=h, e=e,
+        return formula(expr, show="e m p R", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), Ψ_dm=muon[False],
+                       Ψ_em=muon[True] // (L * E), L=L, E=E, N=ep, k=k, h=h, e=e,
                        b=b, s=s, m=m, p=passes, R=sum(map(sum, received)), norm=1)
-    held = {"params": f("4*(Ψ_d + L*Ψ_e*E/N)"), "grads": f("4*(Ψ_d + L*Ψ_e*E/N)"), "optim": f("8*(Ψ_d + L*Ψ_e*E/N)")}
+    held = {"params": f("4*(Ψ_d + L*Ψ_e*E/N)"), "grads": f("4*(Ψ_d + L*Ψ_e*E/N)"), "optim": f("8*(Ψ_d + L*Ψ_e*E/N)" if args.optimizer == "adamw" else  # Muon: one moment of its matrices
+                   "4*(Ψ_dm + L*Ψ_em*E/N) + 8*(Ψ_d - Ψ_dm + L*(Ψ_e - Ψ_em)*E/N)")}
     # all-to-all inputs: the L·m·k·b·s routed rows out and the experts' outputs back (R of
     # them), in forward and again in backward (and the forward once more with --recompute),
     # + the counts (8E per layer and micro-batch, forward and recompute)

@@ -25,6 +25,7 @@ import hashlib
 import math
 import os
 import pickle
+import re
 import socket
 import sys
 import time
@@ -405,6 +406,91 @@ def make_adamw(params, args, device_type, not_decayed=None):
     return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS, **({"fused": True} if fused else {}))
 
 
+# Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers"; Liu et al. 2025, "Muon is
+# scalable for LLM training", Moonlight): the blocks' weight matrices take the momentum, made
+# (nearly) orthogonal, as their update; embeddings, the head, the router, norms and biases keep
+# AdamW. We follow Moonlight's scaling, update · 0.2·sqrt(max(rows, cols)), which matches the
+# update's RMS to AdamW's, so that one learning rate and one weight decay (the loop's) serve both.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: steepest slope at 0 that still converges
+NS_STEPS = 5
+MUON_MOMENTUM = 0.95
+
+
+def is_hidden_matrix(name, shape):
+    """Muon's share: the 2-D weights inside the transformer blocks (attention, MLP, experts),
+    by name (01's "transformer.h.3.mlp.c_fc.weight", 07's chunks' "0.h.1.attn.c_attn.weight")."""
+    return len(shape) == 2 and re.search(r"(^|\.)h\.\d+\.", name) is not None and ".router." not in name
+
+
+def hidden_matrix_params(config):
+    """Ψ_m, the parameters Muon updates, from the shapes of a meta-device model."""
+    with torch.device("meta"):
+        return sum(p.numel() for name, p in GPT(config).named_parameters() if is_hidden_matrix(name, p.shape))
+
+
+def orthogonalize(g, dtype=torch.float32):
+    """Newton-Schulz: about U·Vᵀ of g = U·S·Vᵀ, every singular value pushed towards 1 by NS_STEPS
+    odd quintic steps X <- a·X + (b·A + c·A·A)·X, A = X·Xᵀ, from X = g/‖g‖ on its wide side
+    (A is then the smaller Gram matrix). No SVD: matrix products only, in `dtype`."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=1e-7)  # singular values now at most 1, where the iteration converges
+    for _ in range(NS_STEPS):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_momentum(grad, momentum_buffer):
+    """Muon's update before orthogonalisation: Nesterov momentum. Element-wise, so a shard of
+    the matrix (a strategy's) gets its shard of the update."""
+    momentum_buffer.lerp_(grad, 1 - MUON_MOMENTUM)    # B <- μ·B + (1-μ)·g
+    return grad.lerp(momentum_buffer, MUON_MOMENTUM)  # Nesterov: g + μ·(B - g)
+
+
+def muon_apply(param, orthogonal, lr, weight_decay, shape):
+    """Decoupled weight decay, then the step along the orthogonalised update, scaled by
+    Moonlight's 0.2·sqrt(max(rows, cols)) of the whole matrix's `shape` (`param` and
+    `orthogonal` may be a shard of it)."""
+    param.mul_(1 - lr * weight_decay)
+    param.add_(orthogonal.to(param.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for `matrices`, with `adamw` (make_adamw's, for every other parameter) inside:
+    one optimizer to the loop, whose learning rate reaches both, and one state table
+    (optimizer.state[p]: "momentum_buffer" for a matrix, AdamW's moments for the rest)."""
+
+    def __init__(self, matrices, adamw, args, ns_dtype):
+        super().__init__([{"params": list(matrices), "weight_decay": args.weight_decay}], {"lr": args.lr})
+        self.adamw, self.ns_dtype = adamw, ns_dtype
+        self.state = adamw.state
+        self.param_groups += adamw.param_groups  # the same dicts: the loop's lr reaches AdamW's groups
+        for p in self.param_groups[0]["params"]:  # made now: a checkpoint (or a resume) finds it at once
+            self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def step(self):
+        group = self.param_groups[0]
+        for p in group["params"]:
+            if p.grad is not None:
+                update = muon_momentum(p.grad, self.state[p]["momentum_buffer"])
+                muon_apply(p, orthogonalize(update, self.ns_dtype), group["lr"], group["weight_decay"], p.shape)
+        self.adamw.step()
+
+
+def make_optimizer(named_params, args, env):
+    """--optimizer adamw: make_adamw. muon: Muon for the blocks' matrices, AdamW for the
+    rest; the Newton-Schulz iteration in the run's dtype (bf16 in a bf16 run, as Jordan's)."""
+    named = [(name, p) for name, p in named_params if p.requires_grad]
+    if args.optimizer == "adamw":
+        return make_adamw([p for _, p in named], args, env.device.type)
+    rest = make_adamw([p for name, p in named if not is_hidden_matrix(name, p.shape)], args, env.device.type)
+    return Muon([p for name, p in named if is_hidden_matrix(name, p.shape)], rest, args, env.dtype)
+
+
 def lr_at(step, args):
     """Linear warm-up, then cosine decay to min_lr at lr_decay_iters (nanoGPT's get_lr)."""
     if step < args.warmup_iters:
@@ -684,6 +770,8 @@ def make_parser(doc, experts=False):
     g.add_argument("--lr_decay_iters", type=int, default=None,
                    help="end of the cosine decay (default: max_iters)")
     g.add_argument("--weight_decay", type=float, default=0.1)
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="muon: Muon for the blocks' weight matrices, AdamW for the rest (one --lr)")
     g.add_argument("--grad_clip", type=float, default=1.0, help="0 disables clipping")
     g.add_argument("--seed", type=int, default=1337)
     g = p.add_argument_group("evaluation and logging")

@@ -2115,8 +2115,8 @@ class Piece:
 def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=None, write=True, model=True):
     """The pieces of parameter `name` (nanoGPT's name, global shape `shape`) that this rank
     holds in `param` (or in param[index]): its value and, given the optimizer, its AdamW
-    moments, under the same box/flat. AdamW state is created (zeros) if it does not exist
-    yet, so that a resumed run has somewhere to load it into."""
+    moments (Muon's matrices: its momentum), under the same box/flat. AdamW state is created
+    (zeros) if it does not exist yet, so that a resumed run has somewhere to load it into."""
     shape = tuple(shape)
     box = [list(b) for b in box] if box is not None else [[0, s] for s in shape]
     flat = tuple(flat) if flat is not None else None
@@ -2124,6 +2124,8 @@ def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=
     pieces = [Piece(f"model/{name}", shape, box, flat, pick(param.data), write)] if model else []
     if optimizer is not None:
         state = optimizer.state[param]
+        if "momentum_buffer" in state:  # a Muon matrix (common.Muon makes its buffer at once)
+            return pieces + [Piece(f"optim/momentum/{name}", shape, box, flat, pick(state["momentum_buffer"]), write)]
         if "exp_avg" not in state:
             fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if fused else "cpu")
@@ -2486,6 +2488,8 @@ def open_checkpoint(out_dir, run):
         value = saved.get(key)
         if key == "model" and isinstance(value, dict):  # written before a field existed: its default
             value = {**asdict(GPTConfig()), **value}
+        if key == "optimizer" and value is None:  # written before --optimizer existed: AdamW's
+            value = "adamw"
         if key == "data" and isinstance(value, str) and os.path.isdir(value):
             value = os.path.normpath(value)  # written before run_config normalised it
         if value != run[key]:
@@ -2493,7 +2497,7 @@ def open_checkpoint(out_dir, run):
             hint = (f" (to train on with the same schedule, pass --lr_decay_iters {saved.get(key)}: "
                     "its default is --max_iters)") if key == "lr_decay_iters" else ""
             raise CheckpointError(f"checkpoint {directory} holds {what}: it was written with {key}="
-                                  f"{saved.get(key)}, this run has {key}={run[key]}{hint}")
+                                  f"{value}, this run has {key}={run[key]}{hint}")
     return ckpt
 
 
@@ -2575,7 +2579,7 @@ def run_config(args, config, world_layout):
     """What a checkpoint must agree on to be resumed (all but the layout, which may change),
     and the layout that wrote it (the same layout resumes bit for bit, RNG included)."""
     keys = ("data", "global_batch_size", "seed", "lr", "min_lr", "warmup_iters",
-            "lr_decay_iters", "weight_decay", "grad_clip")
+            "lr_decay_iters", "weight_decay", "grad_clip", "optimizer")
     run = {"model": asdict(config), "layout": world_layout, **{k: getattr(args, k) for k in keys}}
     if os.path.isdir(run["data"]):  # the same directory however it is spelled (a trailing slash)
         run["data"] = os.path.normpath(run["data"])

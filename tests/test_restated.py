@@ -87,3 +87,24 @@ def test_08_defines_no_restated_name_outside_its_fences():
     assert sum(1 for node in ast.parse(text).body
                if getattr(node, "name", None) in restated) == sum(
         1 for node in ast.parse(fenced).body if getattr(node, "name", None) in restated)
+
+
+SCRIPTS = sorted(f for f in os.listdir(ROOT) if f[:2].isdigit() and f.endswith(".py") and f != "08_3d.py")
+OTHER_BLOCKS = [(script, *block) for script in SCRIPTS for block in fenced_blocks(os.path.join(ROOT, script))]
+
+
+def test_other_scripts_restate_muons_pieces_from_04():
+    """05 and 06 move whole matrices for Muon as 04 does: its owners, and 05 its FlatMuon."""
+    assert {(script, source) for script, source, _, _ in OTHER_BLOCKS} == {
+        ("05_fsdp.py", "04_zero.py"), ("06_tensor_parallel.py", "04_zero.py")}
+
+
+@pytest.mark.parametrize("script, source, names, block", OTHER_BLOCKS,
+                         ids=[f"{script}: {', '.join(n)}" for script, _, n, _ in OTHER_BLOCKS])
+def test_restated_blocks_of_other_scripts_are_word_for_word(script, source, names, block):
+    inside = definitions(block)
+    assert list(inside) == names, f"{script}: the fence's header names {names}, it holds {list(inside)}"
+    original = definitions(open(os.path.join(ROOT, source)).read())
+    own = definitions(open(os.path.join(ROOT, script)).read())
+    for name in names:
+        assert inside[name] == original[name] == own[name], f"{script}'s {name} differs from {source}'s"
