@@ -2497,6 +2497,13 @@ def open_checkpoint(out_dir, run, unverified=False):
             value = {**asdict(GPTConfig()), **value}
         if key == "data" and isinstance(value, str) and os.path.isdir(value):
             value = os.path.normpath(value)  # written before run_config normalised it
+        recorded = ckpt.meta.get("data_files")
+        if key == "data" and value == run[key] and isinstance(recorded, dict) and os.path.isdir(value):
+            if data_fingerprint(value) != recorded:  # the same path, other files: not the same run
+                raise CheckpointError(f"checkpoint {directory} was written with data={value}, whose files have "
+                                      "changed since (their sizes or checksums differ): restore them, or start a "
+                                      "new run (--overwrite, or another --out_dir)")
+            continue
         if key == "data" and value != run[key] and os.path.isdir(run[key]):  # the same files elsewhere?
             why = _moved_data(ckpt, value, run[key])
             if why:
