@@ -371,7 +371,7 @@ class Run(common.Run):
                                if args.machine else f"this host's room (MemAvailable, the job's cgroup, ulimit -v) / "
                                                     f"{args.ranks_per_node} rank(s)")
         usable = f"{GPU_USABLE:.0%} " if args.gpu_mem_gb or args.machine else ""
-        verdict = "fits" if needed <= room else f"does not fit: {fit_fixes(args, need, room)}"
+        verdict = "fits" if needed <= room else f"does not fit: {fit_fixes(args, need, room, device_type)}"
         return [f"fit: {verdict} (needs {format_bytes(needed)} per rank: {allowance_text(device_type)}; "
                 f"room {format_bytes(room)}, {usable}{per})"]
 
@@ -909,22 +909,45 @@ def fit_problem(args, env, costs, room=None):
     where = (f" x {local} rank(s) on this node = {format_bytes(needed * local)}, {format_bytes(room * local)} "
              "available" if env.device.type == "cpu" else f", {format_bytes(room)} free on {env.device}")
     return (f"rank {env.rank} needs {format_bytes(needed)} ({allowance_text(env.device.type)} for "
-            f"transients){where}: {fit_fixes(args, need, room)} (--no_fit_check skips this check)")
+            f"transients){where}: {fit_fixes(args, need, room, env.device.type)} (--no_fit_check skips this check)")
 
 
-def fit_fixes(args, need, room):
-    """The cheapest changes that fit: the largest smaller micro-batch, --recompute, or else
-    sharding the model state."""
+def fit_fixes(args, need, room, device_type="cpu"):
+    """The cheapest changes that fit, each checked by evaluating costs() at the changed flags
+    (`need`): the largest smaller micro-batch, --recompute, or both. When none fits, what is
+    too big, so that the advice is one that could help:
+
+        room < the allowance (768 MiB on CPU)         -> no model fits: more memory, fewer ranks
+        the state (need at b = 1, recompute, less one
+          sequence's activations) is over the room    -> shard the state or split the model
+        else one sequence's activations are           -> a shorter context, or split the
+                                                         sequence (09) or the layers (06-08)"""
     fixes, micro = [], args.micro_batch_size
     smaller = next((m for m in range(micro - 1, 0, -1) if micro % m == 0 and need(micro_batch_size=m) <= room), None)
     if smaller:
         fixes.append(f"--micro_batch_size {smaller} fits ({micro // smaller}x the accumulation steps)")
     if not args.recompute and need(recompute=True) <= room:
         fixes.append("--recompute fits")
-    if not fixes:
-        fixes.append("the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py), split the "
-                     "model (06-08), or use more nodes")
-    return ", or ".join(fixes)
+    if not fixes and not args.recompute:
+        both = next((m for m in range(micro - 1, 0, -1)
+                     if micro % m == 0 and need(micro_batch_size=m, recompute=True) <= room), None)
+        if both:
+            fixes.append(f"--micro_batch_size {both} --recompute fits ({micro // both}x the accumulation steps)")
+    if fixes:
+        return ", or ".join(fixes)
+    _, mib = fit_allowance(device_type)
+    if room <= mib * 2**20:
+        more = ("ask the scheduler for more memory (Slurm --mem, PBS mem=) or run fewer ranks per node"
+                if device_type == "cpu" else "free the device: other processes hold its memory")
+        return (f"the room, {format_bytes(room)}, is less than the {mib} MiB every rank needs for transients "
+                f"whatever the model: {more}")
+    least, two = need(micro_batch_size=1, recompute=True), need(micro_batch_size=2, recompute=True)
+    state = least - (two - least) - mib * 2**20  # (activations grow with the micro-batch, the state does not)
+    if state > room - mib * 2**20:
+        return ("the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py), split the "
+                "model (06-08), or use more nodes (the ranks of one host share its memory)")
+    return (f"one sequence's activations do not fit (--micro_batch_size 1 --recompute needs {format_bytes(least)}): "
+            "a shorter --block_size, or split the sequence (09_context_parallel.py) or the layers (06-08)")
 
 
 # ----------------------------------------------------------------------------------------
