@@ -210,7 +210,7 @@ def test_the_advice_fits_the_problem(monkeypatch):
     assert f"one sequence's activations do not fit (--micro_batch_size 1 --recompute needs " in verdict(least - 1)
 
 
-def test_a_launch_whose_room_is_below_the_allowance_is_told_so():
+def test_a_launch_whose_room_is_below_the_allowance_is_told_so(tmp_path):
     """The round's case, run for real: a 3 MiB model where a few hundred MB are left (an
     address-space limit set after torch is loaded): no sharding advice, one line, exit 2."""
     code = ("import resource, runpy, sys, torch; "
@@ -218,8 +218,9 @@ def test_a_launch_whose_room_is_below_the_allowance_is_told_so():
             "resource.setrlimit(resource.RLIMIT_AS, (size + 500 * 2**20, resource.RLIM_INFINITY)); "
             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
     p = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "01_single_gpu.py"), "--model", "tiny",
-                        "--device", "cpu", "--max_iters", "1", "--out_dir", "/nonexistent-gptpar/out"],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+                        "--device", "cpu", "--max_iters", "1", "--out_dir", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT},
+                       cwd=tmp_path)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "every rank needs for transients whatever the model: ask the scheduler for more memory" in errors[0]
