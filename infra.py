@@ -2130,35 +2130,38 @@ def _is_int(value, low=0, high=None):
     return type(value) is int and value >= low and (high is None or value < high)
 
 
-def _metadata_problem(meta):
-    """What is wrong with a parsed metadata.json of this format, or None: every field the
-    reader relies on has its kind and its range, so that a damaged or hand-edited file is one
-    line naming the field, never a KeyError or a TypeError deep in a resume. The checksums
-    are checked here for their shape only (a list of one {key: CRC-32} per rank file); a set
-    without them cannot be verified (Checkpoint says so)."""
-    kinds = {"step": int, "optimizer_step": int, "run": dict, "layout": dict, "tensors": dict}
-    for key, kind in kinds.items():
+def _metadata_problems(meta):
+    """What is wrong with a parsed metadata.json of this format (a list, empty when nothing
+    is): every field the reader relies on has its kind and its range, so that a damaged or
+    hand-edited file is one line naming the fields, never a KeyError or a TypeError deep in a
+    resume. The checksums are checked here for their shape only (a list of one {key: CRC-32}
+    per rank file); a set without them cannot be verified (Checkpoint says so)."""
+    found = []
+    for key, kind in {"step": int, "optimizer_step": int, "run": dict, "layout": dict, "tensors": dict}.items():
         if type(meta.get(key)) is not kind or kind is int and meta[key] < 0:
-            return f'"{key}" is missing or not a{"" if kind is dict else " non-negative"} {kind.__name__}'
+            found.append(f'{key} is missing or not a{"" if kind is dict else " non-negative"} {kind.__name__}')
     stamp = meta.get("time")
     if type(stamp) not in (int, float) or not math.isfinite(stamp):
-        return f'"time" is {json.dumps(stamp)[:40]}, not the commit\'s time in seconds'
-    world = meta["layout"].get("world_size")
-    if not _is_int(world, 1):
-        return f'"layout"/"world_size" is {json.dumps(world)[:40]}, not a positive whole number of rank files'
+        found.append(f"time is {json.dumps(stamp)[:40]}, not the commit's time in seconds")
+    world = meta["layout"].get("world_size") if isinstance(meta.get("layout"), dict) else None
+    if isinstance(meta.get("layout"), dict) and not _is_int(world, 1):
+        found.append(f"layout/world_size is {json.dumps(world)[:40]}, not a positive whole number of rank files")
+    world = world if _is_int(world, 1) else None
     sums = meta.get("checksums")
-    if sums is not None:
+    if sums is not None and world is not None:
         if not isinstance(sums, list) or len(sums) != world:
-            return (f'"checksums" is {"a list of " + str(len(sums)) if isinstance(sums, list) else "a " + type(sums).__name__}'
-                    f", not a list of one {{key: CRC-32}} table per rank file (the layout has {world})")
-        for rank, table in enumerate(sums):
-            if not isinstance(table, dict) or not all(isinstance(k, str) and _is_int(v, 0, 2**32) for k, v in table.items()):
-                return f'"checksums"[{rank}] is not a {{key: CRC-32}} table of rank{rank}.pt'
-    for name, entry in meta["tensors"].items():
+            found.append(f'checksums is {"a list of " + str(len(sums)) if isinstance(sums, list) else "a " + type(sums).__name__}'
+                         f", not a list of one {{key: CRC-32}} table per rank file (the layout has {world})")
+        else:
+            found += [f"checksums[{rank}] is not a {{key: CRC-32}} table of rank{rank}.pt"
+                      for rank, table in enumerate(sums) if not isinstance(table, dict)
+                      or not all(isinstance(k, str) and _is_int(v, 0, 2**32) for k, v in table.items())]
+    tensors = meta.get("tensors") if isinstance(meta.get("tensors"), dict) else {}
+    for name, entry in tensors.items():
         problem = _tensor_entry_problem(entry, world)
         if problem:
-            return f'"tensors"/"{name[:120]}": {problem}'
-    return None
+            found.append(f"tensors/{name[:120]}: {problem}")
+    return found
 
 
 def _tensor_entry_problem(entry, world):
@@ -2175,7 +2178,8 @@ def _tensor_entry_problem(entry, world):
         if not (isinstance(piece, dict) and isinstance(piece.get("key"), str) and isinstance(piece.get("box"), list)):
             return "a piece without its key or box"
         if not _is_int(piece.get("rank"), 0, world):
-            return f"a piece on rank {json.dumps(piece.get('rank'))[:20]}, not one of the {world} rank files"
+            return (f"a piece on rank {json.dumps(piece.get('rank'))[:20]}, not one of the "
+                    + (f"{world} rank files" if world else "layout's rank files"))
         box = piece["box"]
         if len(box) != len(shape) or not all(isinstance(b, list) and len(b) == 2 and _is_int(b[0]) and _is_int(b[1])
                                              and b[0] <= b[1] <= s for b, s in zip(box, shape)):
@@ -2202,9 +2206,10 @@ def _read_metadata(path):
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not the metadata of a checkpoint of these scripts "
                               f"(no \"format\": \"{CHECKPOINT_FORMAT}\")")
-    problem = _metadata_problem(meta)
-    if problem:
-        raise CheckpointError(f"checkpoint metadata {path} is damaged: {problem}")
+    problems = _metadata_problems(meta)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint metadata {path} is damaged: {'; '.join(problems[:3])}{more}")
     return meta
 
 

@@ -57,23 +57,23 @@ RESUME = FLAGS + ["--max_iters", "3", "--resume"]
 
 DAMAGE = {  # what a user or a disk did to metadata.json -> what the one line says
     "checksums keyed by rank": (lambda m: m.update(checksums={str(r): c for r, c in enumerate(m["checksums"])}),
-                                '"checksums" is a dict, not a list of one {key: CRC-32} table per rank file'),
-    "time null": (lambda m: m.update(time=None), '"time" is null, not the commit\'s time'),
+                                'checksums is a dict, not a list of one {key: CRC-32} table per rank file'),
+    "time null": (lambda m: m.update(time=None), 'time is null, not the commit\'s time'),
     "nested thousands deep": (lambda m: "[" * 100000 + "]" * 100000, "its JSON is nested thousands of levels deep"),
     "checksums of fewer ranks": (lambda m: m.update(checksums=m["checksums"][:1]),
-                                 '"checksums" is a list of 1, not a list of one {key: CRC-32} table per rank file '
+                                 'checksums is a list of 1, not a list of one {key: CRC-32} table per rank file '
                                  "(the layout has 2)"),
     "checksums null": (lambda m: m.update(checksums=None),
                        "records no checksums of its rank files, so what they hold cannot be verified"),
     "a piece on a rank file that is not there": (
         lambda m: m["tensors"]["model/transformer.wte.weight"]["pieces"][0].update(rank=5),
-        '"tensors"/"model/transformer.wte.weight": a piece on rank 5, not one of the 2 rank files'),
+        'tensors/model/transformer.wte.weight: a piece on rank 5, not one of the 2 rank files'),
     "a box outside the shape": (
         lambda m: m["tensors"]["model/transformer.wte.weight"]["pieces"][0].update(box=[[0, 66], [0, 64]]),
         "the box [[0, 66], [0, 64]] of model/transformer.wte.weight#0 is not inside the shape [65, 64]"),
     "a dtype that is not one": (lambda m: m["tensors"]["model/transformer.wte.weight"].update(dtype="os.system"),
                                 'its dtype "os.system" is not a tensor type'),
-    "a step that is not a number": (lambda m: m.update(step="2"), '"step" is missing or not a non-negative int'),
+    "a step that is not a number": (lambda m: m.update(step="2"), 'step is missing or not a non-negative int'),
 }
 
 
