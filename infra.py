@@ -2649,7 +2649,9 @@ def load_tensors(path, mmap=False):
 def load_model_file(path, config):
     """A one-file model (--export's, or nanoGPT's own ckpt.pt) for --init_from: its state
     dict, after checking that it is one and that it is this model; one line otherwise."""
-    check(os.path.isfile(path), f"--init_from {path}: no such file")
+    check(os.path.exists(path), f"--init_from {path}: no such file")
+    check(os.path.isfile(path), f"--init_from {path} is {'a directory' if os.path.isdir(path) else 'not a regular file'}"
+          ", not a one-file model (--export's, or nanoGPT's ckpt.pt)")  # /dev/zero would be read for ever
     obj, problem = load_tensors(path)
     check(problem is None, f"--init_from {path} {problem}")
     check(isinstance(obj, dict) and isinstance(obj.get("model"), dict) and isinstance(obj.get("model_args"), dict),

@@ -99,6 +99,8 @@ def test_a_tensor_without_its_checksum_is_refused_and_unverified_is_said(two_ran
     run = launch("01_single_gpu.py", RESUME + SOLO + ["--out_dir", out])
     refused(run, f"checkpoint metadata {path} lists no checksum for ")
     assert f"in {path.parent / 'rank0.pt'}, so it cannot be verified" in run.error_lines[0]
+    p = dry("01_single_gpu.py", "--world_size", 1, *FLAGS, "--unverified")
+    assert p.returncode == 2 and p.stderr == "error: --unverified belongs to --resume (a set without checksums)\n"
     out, path = damaged(two_ranks, tmp_path / "b", lambda m: m.update(checksums=None))
     run = launch("01_single_gpu.py", RESUME + SOLO + ["--out_dir", out, "--unverified"]).ok()
     assert f"warning: --unverified: {path.parent} records no checksums; its files are read unchecked" in run.stdout
@@ -241,6 +243,8 @@ def test_a_malicious_init_from_is_one_line_and_runs_nothing(tmp_path):
     refused(run, f"--init_from {evil} holds more than tensors (")
     assert run.stderr.count("\n") == 1 and "Warning" not in run.stderr, run.stderr
     assert not os.path.exists("/tmp/gptpar-pwned-by-init-from")
+    refused(launch("01_single_gpu.py", FLAGS + SOLO + ["--init_from", tmp_path]),
+            f"--init_from {tmp_path} is a directory, not a one-file model")
     torch.save({"model": Payload(), "model_args": {}}, evil)
     obj, problem = infra.load_tensors(str(evil))
     assert obj is None and problem.startswith("holds more than tensors (unsupported GLOBAL posix.system)")
