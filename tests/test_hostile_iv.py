@@ -209,7 +209,7 @@ def test_the_advice_fits_the_problem(monkeypatch):
     assert "is less than the 768 MiB every rank needs for transients whatever the model" in verdict(500 * 10**6)
     assert "the model state alone does not fit" in verdict(800 * 2**20)
     least = need(micro_batch_size=1, recompute=True)
-    assert f"one sequence's activations do not fit (--micro_batch_size 1 --recompute needs " in verdict(least - 1)
+    assert "one sequence's activations do not fit (--micro_batch_size 1 --recompute needs " in verdict(least - 1)
 
 
 def test_a_launch_whose_room_is_below_the_allowance_is_told_so(tmp_path):
