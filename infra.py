@@ -2194,6 +2194,9 @@ def _tensor_entry_problem(entry, world):
 def _read_metadata(path):
     """metadata.json parsed and checked (`_metadata_problem`); a CheckpointError naming the
     file and what is wrong with it otherwise."""
+    if not os.path.isfile(path):  # a link to a device (/dev/zero is read for ever) or a dangling one
+        raise CheckpointError(f"checkpoint metadata {path} is not a regular file (a link to a device, or to "
+                              "nothing?): not a checkpoint's metadata")
     try:
         with open(path) as f:
             meta = json.load(f)
@@ -2216,6 +2219,8 @@ def _read_metadata(path):
 def _commit_time(path):
     """The "time" a committed set's metadata.json records, else the file's modification time
     (an unreadable or damaged file: refused, with its name, if it is the set chosen)."""
+    if not os.path.isfile(path):
+        return os.lstat(path).st_mtime  # not read: refused, with its name, if it is the set chosen
     stamp = os.path.getmtime(path)
     try:
         with open(path) as f:
@@ -2233,7 +2238,7 @@ def latest_checkpoint(out_dir):
         return None
     for name in os.listdir(root):
         meta = os.path.join(root, name, "metadata.json")
-        if name.startswith("step_") and os.path.isfile(meta):
+        if name.startswith("step_") and os.path.lexists(meta):  # (a link to a device: refused when read)
             stamp = _commit_time(meta)
             if stamp > best[1]:
                 best = (os.path.join(root, name), stamp)
@@ -2249,7 +2254,7 @@ def unfinished_checkpoints(out_dir):
     found = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if ".tmp." in name or name.startswith("step_") and not os.path.isfile(os.path.join(path, "metadata.json")):
+        if ".tmp." in name or name.startswith("step_") and not os.path.lexists(os.path.join(path, "metadata.json")):
             found.append(path)
         elif os.path.isdir(path):
             found += [os.path.join(path, f) for f in sorted(os.listdir(path)) if ".tmp." in f]
@@ -2555,7 +2560,7 @@ def other_committed_sets(out_dir, directory):
     it resumed from) and names them."""
     root = checkpoint_root(out_dir)
     return [os.path.join(root, name) for name in sorted(os.listdir(root))
-            if name.startswith("step_") and os.path.isfile(os.path.join(root, name, "metadata.json"))
+            if name.startswith("step_") and os.path.lexists(os.path.join(root, name, "metadata.json"))
             and os.path.abspath(os.path.join(root, name)) != os.path.abspath(directory)]
 
 

@@ -87,6 +87,17 @@ def test_damaged_metadata_is_one_line_naming_the_file_and_the_field(two_ranks, t
     assert p.stderr.startswith(f"error: checkpoint metadata {path} ") and message in p.stderr, p.stderr
 
 
+def test_metadata_that_links_to_a_device_is_refused_not_read_or_removed(two_ranks, tmp_path):
+    out, path = damaged(two_ranks, tmp_path, lambda m: None)
+    path.unlink()
+    path.symlink_to("/dev/zero")  # json.load would read it for ever; a set "without metadata" would be removed
+    p = dry("03_ddp.py", "--world_size", 2, *RESUME, "--out_dir", out)
+    assert p.returncode == 2 and p.stderr == f"error: checkpoint metadata {path} is not a regular file (a link to a " \
+        "device, or to nothing?): not a checkpoint's metadata\n", p.stderr
+    refused(launch("03_ddp.py", RESUME + ["--out_dir", out], nprocs=2), f"checkpoint metadata {path} is not a regular")
+    assert os.path.islink(path) and (path.parent / "rank0.pt").exists()
+
+
 def test_checksums_keyed_by_rank_end_every_rank_with_2(two_ranks, tmp_path):
     """The round's KeyError: 0 on every rank, now one line and exit 2 on both ranks."""
     change, message = DAMAGE["checksums keyed by rank"]
