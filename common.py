@@ -800,6 +800,11 @@ def micro_batch_size_arg(text):
 
 
 MAX_BATCH = 2**24  # sequences per step: far more than any published run; a larger one is a typo
+# The largest model these scripts build: every count of parameters (and every costs()) builds
+# the model's modules on the meta device, about a millisecond each, so a typo such as
+# --n_expert 1000000 would spend minutes and gigabytes of Python objects before any check.
+MAX_WIDTH = 2**20  # --n_embd: 85x GPT-3 175B's 12,288
+MAX_MLPS = 2**16  # n_layer x max(1, n_expert) MLPs: 2x Switch-C's 15 x 2,048 experts
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer than any job, within what the process group accepts
 
 
@@ -842,6 +847,12 @@ def parse_args(parser, argv=None):
         check(1 <= cfg["top_k"] <= cfg["n_expert"], f"--top_k must be in [1, n_expert = "
               f"{cfg['n_expert']}], got {cfg['top_k']}{given}")
         check(cfg.get("aux_loss_coef", 0) >= 0, f"--aux_loss_coef must not be negative, got {cfg['aux_loss_coef']}")
+    check(cfg["n_embd"] <= MAX_WIDTH, f"--n_embd {cfg['n_embd']} is more than {MAX_WIDTH:,} (GPT-3 175B has "
+          "12,288): a typo?")
+    mlps = cfg["n_layer"] * max(1, cfg["n_expert"])
+    check(mlps <= MAX_MLPS, f"--n_layer {cfg['n_layer']}" + (f" x --n_expert {cfg['n_expert']}" if cfg["n_expert"] else "")
+          + f" = {mlps:,} MLPs, more than the {MAX_MLPS:,} these scripts build (Switch-C, the largest published "
+          "mixture of experts, has 30,720; GPT-3 175B 96 layers): a typo?")
     check(args.global_batch_size <= MAX_BATCH, f"--global_batch_size {args.global_batch_size} is more than "
           f"{MAX_BATCH:,} sequences per step: a typo?")
     check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")

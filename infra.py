@@ -79,6 +79,8 @@ def add_run_flags(parser):
                    help="continue from out_dir's newest checkpoint, written by any script at any layout")
     g.add_argument("--overwrite", action="store_true",
                    help="a new run may replace the checkpoint of another run in --out_dir (refused without it)")
+    g.add_argument("--unverified", action="store_true",
+                   help="--resume a set whose metadata records no checksums (read unchecked, with a warning)")
     g.add_argument("--export", default=None, metavar="FILE",
                    help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
     g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
@@ -126,6 +128,7 @@ def parse_args(parser, argv=None):
           "it needs --ckpt_interval (the final step is always saved)")
     check(not (args.resume and args.overwrite), "--resume continues the run in --out_dir, --overwrite replaces it: "
           "pass one")
+    check(not args.unverified or args.resume, "--unverified belongs to --resume (a set without checksums)")
     check(args.wandb != "", "--wandb needs a project name, got an empty one (an unset variable in a job script?): "
           "name the project, or leave --wandb out")
     check(args.out_dir != "", "--out_dir is empty (an unset variable in a job script?): name a directory")
@@ -382,7 +385,7 @@ class Run(common.Run):
                                if args.machine else f"this host's room (MemAvailable, the job's cgroup, ulimit -v) / "
                                                     f"{args.ranks_per_node} rank(s)")
         usable = f"{GPU_USABLE:.0%} " if args.gpu_mem_gb or args.machine else ""
-        verdict = "fits" if needed <= room else f"does not fit: {fit_fixes(args, need, room)}"
+        verdict = "fits" if needed <= room else f"does not fit: {fit_fixes(args, need, room, device_type)}"
         return [f"fit: {verdict} (needs {format_bytes(needed)} per rank: {allowance_text(device_type)}; "
                 f"room {format_bytes(room)}, {usable}{per})"]
 
@@ -431,7 +434,8 @@ class Run(common.Run):
         self.run_config = run_config(args, config, layout)
         self.start_step, extra = 0, None
         if args.resume:
-            self.start_step, extra = resume_checkpoint(args.out_dir, env, pieces(), self.run_config, optimizer)
+            self.start_step, extra = resume_checkpoint(args.out_dir, env, pieces(), self.run_config, optimizer,
+                                                            unverified=args.unverified)
             if after_resume:  # what the strategy rebuilds from the pieces it read (not a step's traffic)
                 after_resume()
             if self.start_step >= args.max_iters:  # a finished run: nothing to train, say so
@@ -936,22 +940,45 @@ def fit_problem(args, env, costs, room=None):
     where = (f" x {local} rank(s) on this node = {format_bytes(needed * local)}, {format_bytes(room * local)} "
              "available" if env.device.type == "cpu" else f", {format_bytes(room)} free on {env.device}")
     return (f"rank {env.rank} needs {format_bytes(needed)} ({allowance_text(env.device.type)} for "
-            f"transients){where}: {fit_fixes(args, need, room)} (--no_fit_check skips this check)")
+            f"transients){where}: {fit_fixes(args, need, room, env.device.type)} (--no_fit_check skips this check)")
 
 
-def fit_fixes(args, need, room):
-    """The cheapest changes that fit: the largest smaller micro-batch, --recompute, or else
-    sharding the model state."""
+def fit_fixes(args, need, room, device_type="cpu"):
+    """The cheapest changes that fit, each checked by evaluating costs() at the changed flags
+    (`need`): the largest smaller micro-batch, --recompute, or both. When none fits, what is
+    too big, so that the advice is one that could help:
+
+        room < the allowance (768 MiB on CPU)         -> no model fits: more memory, fewer ranks
+        the state (need at b = 1, recompute, less one
+          sequence's activations) is over the room    -> shard the state or split the model
+        else one sequence's activations are           -> a shorter context, or split the
+                                                         sequence (09) or the layers (06-08)"""
     fixes, micro = [], args.micro_batch_size
     smaller = next((m for m in range(micro - 1, 0, -1) if micro % m == 0 and need(micro_batch_size=m) <= room), None)
     if smaller:
         fixes.append(f"--micro_batch_size {smaller} fits ({micro // smaller}x the accumulation steps)")
     if not args.recompute and need(recompute=True) <= room:
         fixes.append("--recompute fits")
-    if not fixes:
-        fixes.append("the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py), split the "
-                     "model (06-08), or use more nodes")
-    return ", or ".join(fixes)
+    if not fixes and not args.recompute:
+        both = next((m for m in range(micro - 1, 0, -1)
+                     if micro % m == 0 and need(micro_batch_size=m, recompute=True) <= room), None)
+        if both:
+            fixes.append(f"--micro_batch_size {both} --recompute fits ({micro // both}x the accumulation steps)")
+    if fixes:
+        return ", or ".join(fixes)
+    _, mib = fit_allowance(device_type)
+    if room <= mib * 2**20:
+        more = ("ask the scheduler for more memory (Slurm --mem, PBS mem=) or run fewer ranks per node"
+                if device_type == "cpu" else "free the device: other processes hold its memory")
+        return (f"the room, {format_bytes(room)}, is less than the {mib} MiB every rank needs for transients "
+                f"whatever the model: {more}")
+    least, two = need(micro_batch_size=1, recompute=True), need(micro_batch_size=2, recompute=True)
+    state = least - (two - least) - mib * 2**20  # (activations grow with the micro-batch, the state does not)
+    if state > room - mib * 2**20:
+        return ("the model state alone does not fit: shard it (04_zero.py --stage 3, 05_fsdp.py), split the "
+                "model (06-08), or use more nodes (the ranks of one host share its memory)")
+    return (f"one sequence's activations do not fit (--micro_batch_size 1 --recompute needs {format_bytes(least)}): "
+            "a shorter --block_size, or split the sequence (09_context_parallel.py) or the layers (06-08)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -2040,7 +2067,7 @@ def dry_run(args, script, config, cost, layout_lines=()):
     check(problem is None, problem)
     if args.resume:  # the newest checkpoint, opened and checked against this run as a launch would
         try:
-            ckpt = open_checkpoint(args.out_dir, run_config(args, config, None))
+            ckpt = open_checkpoint(args.out_dir, run_config(args, config, None), args.unverified)
             ranks = {piece["rank"] for entry in ckpt.meta["tensors"].values() for piece in entry["pieces"]}
             for rank in sorted(ranks):  # a launch opens the files it reads: every one must be there
                 path = os.path.join(ckpt.directory, f"rank{rank}.pt")
@@ -2232,29 +2259,112 @@ def checkpoint_root(out_dir):
     return os.path.join(out_dir, "ckpt")
 
 
+DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def _is_int(value, low=0, high=None):
+    """A JSON whole number in [low, high) (True and 3.0 are not one)."""
+    return type(value) is int and value >= low and (high is None or value < high)
+
+
+def _metadata_problems(meta):
+    """What is wrong with a parsed metadata.json of this format (a list, empty when nothing
+    is): every field the reader relies on has its kind and its range, so that a damaged or
+    hand-edited file is one line naming the fields, never a KeyError or a TypeError deep in a
+    resume. The checksums are checked here for their shape only (a list of one {key: CRC-32}
+    per rank file); a set without them cannot be verified (Checkpoint says so)."""
+    found = []
+    for key, kind in {"step": int, "optimizer_step": int, "run": dict, "layout": dict, "tensors": dict}.items():
+        if type(meta.get(key)) is not kind or kind is int and meta[key] < 0:
+            found.append(f'{key} is missing or not a{"" if kind is dict else " non-negative"} {kind.__name__}')
+    stamp = meta.get("time")
+    if type(stamp) not in (int, float) or not math.isfinite(stamp):
+        found.append(f"time is {json.dumps(stamp)[:40]}, not the commit's time in seconds")
+    world = meta["layout"].get("world_size") if isinstance(meta.get("layout"), dict) else None
+    if isinstance(meta.get("layout"), dict) and not _is_int(world, 1):
+        found.append(f"layout/world_size is {json.dumps(world)[:40]}, not a positive whole number of rank files")
+    world = world if _is_int(world, 1) else None
+    sums = meta.get("checksums")
+    if sums is not None and world is not None:
+        if not isinstance(sums, list) or len(sums) != world:
+            found.append(f'checksums is {"a list of " + str(len(sums)) if isinstance(sums, list) else "a " + type(sums).__name__}'
+                         f", not a list of one {{key: CRC-32}} table per rank file (the layout has {world})")
+        else:
+            found += [f"checksums[{rank}] is not a {{key: CRC-32}} table of rank{rank}.pt"
+                      for rank, table in enumerate(sums) if not isinstance(table, dict)
+                      or not all(isinstance(k, str) and _is_int(v, 0, 2**32) for k, v in table.items())]
+    tensors = meta.get("tensors") if isinstance(meta.get("tensors"), dict) else {}
+    for name, entry in tensors.items():
+        problem = _tensor_entry_problem(entry, world)
+        if problem:
+            found.append(f"tensors/{name[:120]}: {problem}")
+    return found
+
+
+def _tensor_entry_problem(entry, world):
+    """What is wrong with one tensor's entry {shape, dtype, pieces}, or None: every piece on
+    a rank file that exists, its box inside the shape, its flat range inside its box."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("pieces"), list):
+        return "no list of pieces"
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
+        return "its shape is not a list of whole numbers"
+    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in {f"torch.{d}" for d in DTYPES}:
+        return f"its dtype {json.dumps(entry.get('dtype'))[:40]} is not a tensor type"
+    for piece in entry["pieces"]:
+        if not (isinstance(piece, dict) and isinstance(piece.get("key"), str) and isinstance(piece.get("box"), list)):
+            return "a piece without its key or box"
+        if not _is_int(piece.get("rank"), 0, world):
+            return (f"a piece on rank {json.dumps(piece.get('rank'))[:20]}, not one of the "
+                    + (f"{world} rank files" if world else "layout's rank files"))
+        box = piece["box"]
+        if len(box) != len(shape) or not all(isinstance(b, list) and len(b) == 2 and _is_int(b[0]) and _is_int(b[1])
+                                             and b[0] <= b[1] <= s for b, s in zip(box, shape)):
+            return f"the box {json.dumps(box)[:60]} of {piece['key'][:80]} is not inside the shape {shape}"
+        flat = piece.get("flat")
+        if flat is not None and not (isinstance(flat, list) and len(flat) == 2 and _is_int(flat[0]) and _is_int(flat[1])
+                                     and flat[0] <= flat[1] <= math.prod(b - a for a, b in box)):
+            return f"the flat range {json.dumps(flat)[:60]} of {piece['key'][:80]} is not inside its box"
+    return None
+
+
 def _read_metadata(path):
+    """metadata.json parsed and checked (`_metadata_problem`); a CheckpointError naming the
+    file and what is wrong with it otherwise."""
+    if not os.path.isfile(path):  # a link to a device (/dev/zero is read for ever) or a dangling one
+        raise CheckpointError(f"checkpoint metadata {path} is not a regular file (a link to a device, or to "
+                              "nothing?): not a checkpoint's metadata")
     try:
         with open(path) as f:
             meta = json.load(f)
+    except RecursionError:  # [[[[...]]]]: JSON nested deeper than the parser's recursion
+        raise CheckpointError(f"checkpoint metadata {path} is not a checkpoint's metadata: "
+                              "its JSON is nested thousands of levels deep") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint metadata {path} is unreadable (truncated or corrupt?): "
-                              f"{type(e).__name__}: {str(e)[:150]}")
+                              f"{type(e).__name__}: {str(e)[:150]}") from None
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not the metadata of a checkpoint of these scripts "
                               f"(no \"format\": \"{CHECKPOINT_FORMAT}\")")
-    kinds = {"step": int, "optimizer_step": int, "run": dict, "layout": dict, "tensors": dict}
-    damaged = [key for key, kind in kinds.items() if not isinstance(meta.get(key), kind)]
-    entries = meta.get("tensors") if isinstance(meta.get("tensors"), dict) else {}
-    damaged += [f"tensors/{name}" for name, entry in entries.items()
-                if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
-                        and isinstance(entry.get("dtype"), str) and isinstance(entry.get("pieces"), list)
-                        and all(isinstance(piece, dict) and isinstance(piece.get("rank"), int)
-                                and isinstance(piece.get("key"), str) and isinstance(piece.get("box"), list)
-                                for piece in entry["pieces"]))]
-    if damaged:
-        raise CheckpointError(f"checkpoint metadata {path} is damaged: {', '.join(damaged[:3])} "
-                              f"missing or malformed")
+    problems = _metadata_problems(meta)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint metadata {path} is damaged: {'; '.join(problems[:3])}{more}")
     return meta
+
+
+def _commit_time(path):
+    """The "time" a committed set's metadata.json records, else the file's modification time
+    (an unreadable or damaged file: refused, with its name, if it is the set chosen)."""
+    if not os.path.isfile(path):
+        return os.lstat(path).st_mtime  # not read: refused, with its name, if it is the set chosen
+    stamp = os.path.getmtime(path)
+    try:
+        with open(path) as f:
+            recorded = json.load(f).get("time")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return stamp
+    return float(recorded) if type(recorded) in (int, float) and math.isfinite(recorded) else stamp
 
 
 def latest_checkpoint(out_dir):
@@ -2265,12 +2375,8 @@ def latest_checkpoint(out_dir):
         return None
     for name in os.listdir(root):
         meta = os.path.join(root, name, "metadata.json")
-        if name.startswith("step_") and os.path.isfile(meta):
-            stamp = os.path.getmtime(meta)
-            try:
-                stamp = float(json.load(open(meta)).get("time", stamp))
-            except (OSError, ValueError, AttributeError):
-                pass  # unreadable: it is refused, with its name, if it is the one chosen
+        if name.startswith("step_") and os.path.lexists(meta):  # (a link to a device: refused when read)
+            stamp = _commit_time(meta)
             if stamp > best[1]:
                 best = (os.path.join(root, name), stamp)
     return best[0]
@@ -2285,7 +2391,7 @@ def unfinished_checkpoints(out_dir):
     found = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if ".tmp." in name or name.startswith("step_") and not os.path.isfile(os.path.join(path, "metadata.json")):
+        if ".tmp." in name or name.startswith("step_") and not os.path.lexists(os.path.join(path, "metadata.json")):
             found.append(path)
         elif os.path.isdir(path):
             found += [os.path.join(path, f) for f in sorted(os.listdir(path)) if ".tmp." in f]
@@ -2294,17 +2400,20 @@ def unfinished_checkpoints(out_dir):
 
 def clean_checkpoints(out_dir, keep, committed=True):
     """Rank 0: remove the leftovers of interrupted writes (sets without metadata, temporary
-    files) and, with `committed`, every committed set but `keep` (after a new commit: the
-    previous set). At start-up committed sets are never removed (a user may have copied an
-    older one back to roll back)."""
+    files) and the committed sets `committed` names but `keep`: True, every one (after the
+    first commit of an --overwrite run), or a list of directories (after a commit: the set it
+    replaces). At start-up committed sets are never removed (a user may have copied an older
+    one back to roll back)."""
     for path in unfinished_checkpoints(out_dir):
         if keep is None or os.path.abspath(path) != os.path.abspath(keep):
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
     root = checkpoint_root(out_dir)
     if committed and os.path.isdir(root):
+        named = None if committed is True else {os.path.abspath(p) for p in committed if p}
         for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name.startswith("step_") and (keep is None or os.path.abspath(path) != os.path.abspath(keep)):
+            path = os.path.abspath(os.path.join(root, name))
+            if (name.startswith("step_") and (keep is None or path != os.path.abspath(keep))
+                    and (named is None or path in named)):
                 shutil.rmtree(path, ignore_errors=True)
 
 
@@ -2314,9 +2423,10 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
     metadata.json (the commit) and only then removes the previous set. With --export, the
     final checkpoint is also written consolidated into one file. Returns nothing; a failed
     write on any rank is one line and exit 2 on every rank, the previous set intact."""
-    directory = [None]
+    directory, previous = [None], None
     if env.master:
-        clean_checkpoints(args.out_dir, keep=latest_checkpoint(args.out_dir), committed=False)
+        previous = latest_checkpoint(args.out_dir)  # the set this one replaces: resumed, or written last
+        clean_checkpoints(args.out_dir, keep=previous, committed=False)
         directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}"), 1
         while os.path.exists(directory[0]):  # a committed set of the same step stays until this one is
             directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}.{n}"), n + 1
@@ -2356,7 +2466,8 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
                 "optimizer_step": _optimizer_step(optimizer, step), "run": run,
                 "layout": {**run["layout"], "world_size": env.world_size},
                 "bytes_per_rank": [w for _, _, w, _ in everyone], "tensors": {},
-                "checksums": [c for *_, c in everyone]}  # per rank file: {key: CRC-32}
+                "checksums": [c for *_, c in everyone],  # per rank file: {key: CRC-32}
+                "data_files": data_fingerprint(run["data"])}  # to know the data again if it moves
         for rank, (_, described, _, _) in enumerate(everyone):
             for d in described:
                 entry = meta["tensors"].setdefault(d["name"], {"shape": d["shape"], "dtype": d["dtype"], "pieces": []})
@@ -2368,7 +2479,10 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
             assert held == math.prod(entry["shape"]), f"{name}: the written pieces hold {held} of {math.prod(entry['shape'])} elements"
         try:
             atomic_save(json.dumps(meta, indent=1), os.path.join(directory, "metadata.json"))  # the commit
-            clean_checkpoints(args.out_dir, keep=directory)  # only now: the previous set
+            # only now: the previous set; every other committed set only if --overwrite said so
+            # (an older set a user copied back stays: it was named when the run resumed)
+            replaced = True if getattr(args, "overwrite", False) and not args.resume else [previous]
+            clean_checkpoints(args.out_dir, keep=directory, committed=replaced)
             problem = None
         except OSError as e:
             problem = f"cannot write checkpoint metadata {directory}/metadata.json: {e}"
@@ -2406,20 +2520,33 @@ class Checkpoint:
     any tensor from the pieces that overlap it, opening only the rank files that hold them
     (memory-mapped, weights_only: nothing is unpickled but tensors)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, unverified=False):
         self.directory = directory
         self.meta = _read_metadata(os.path.join(directory, "metadata.json"))
         self.files, self.verified = {}, set()
+        # a set whose metadata records no checksums (written before they were, or edited)
+        # cannot be verified: refused, unless --unverified says to read it all the same
+        self.unverified = unverified and self.meta.get("checksums") is None
+        if self.meta.get("checksums") is None and not unverified:
+            raise CheckpointError(f"checkpoint metadata {os.path.join(directory, 'metadata.json')} records no "
+                                  "checksums of its rank files, so what they hold cannot be verified (a set "
+                                  "written before checksums were, or an edited one): resume it with --unverified "
+                                  "to read it unchecked, or from a copy that has them")
 
     def verify(self, rank, key, stored):
-        """The tensor read back is the one written: its CRC-32 against metadata.json's (sets
-        written before checksums were recorded have none to check)."""
-        sums = self.meta.get("checksums")
-        if not sums or (rank, key) in self.verified:
+        """The tensor read back is the one written: its CRC-32 against metadata.json's. A
+        tensor the checksums do not list cannot be verified, and is refused like a wrong one
+        (only a set without any checksums may be read, with --unverified)."""
+        if self.unverified or (rank, key) in self.verified:
             return
-        expected = sums[rank].get(key) if rank < len(sums) and isinstance(sums[rank], dict) else None
-        if expected is not None and tensor_checksum(stored) != expected:
-            raise CheckpointError(f"checkpoint file {os.path.join(self.directory, f'rank{rank}.pt')}: "
+        path = os.path.join(self.directory, f"rank{rank}.pt")
+        expected = self.meta["checksums"][rank].get(key)
+        if expected is None:
+            raise CheckpointError(f"checkpoint metadata {os.path.join(self.directory, 'metadata.json')} lists no "
+                                  f"checksum for {key.split('#')[0]} in {path}, so it cannot be verified "
+                                  "(an edited or foreign metadata.json?)")
+        if tensor_checksum(stored) != expected:
+            raise CheckpointError(f"checkpoint file {path}: "
                                   f"{key.split('#')[0]} fails its checksum (the file changed after it was "
                                   "written: a damaged disk or copy); resume from another copy of this set")
         self.verified.add((rank, key))
@@ -2429,11 +2556,9 @@ class Checkpoint:
             path = os.path.join(self.directory, f"rank{rank}.pt")
             if not os.path.exists(path):
                 raise CheckpointError(f"checkpoint file {path} is missing")
-            try:
-                data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:
-                raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt?): "
-                                      f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
+            data, problem = load_tensors(path, mmap=True)
+            if problem:
+                raise CheckpointError(f"checkpoint file {path} {problem}")
             if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
                 raise CheckpointError(f"checkpoint file {path} is not a rank file of these scripts "
                                       f"(it holds a {type(data).__name__}, not a dict of tensors)")
@@ -2468,9 +2593,60 @@ class Checkpoint:
         return out
 
 
-def open_checkpoint(out_dir, run):
+DATA_SAMPLES, DATA_SAMPLE_BYTES = 16, 1 << 16  # a token file's fingerprint: 16 windows of 64 KiB, 1 MiB read
+
+
+def data_fingerprint(spec):
+    """What identifies a --data directory's files whatever its path: per file (train.bin,
+    val.bin, meta.pkl) its size and a CRC-32 of DATA_SAMPLES windows spread evenly over it,
+    first and last bytes included (1 MiB read, whatever the file's size). Recorded in every
+    checkpoint, so that a run whose data moved ($HOME to $SCRATCH) is recognised as the same
+    run. None for the embedded corpora (their name says it)."""
+    if not os.path.isdir(spec):
+        return None
+    found = {}
+    for name in ("train.bin", "val.bin", "meta.pkl"):
+        path = os.path.join(spec, name)
+        if os.path.isfile(path):
+            stat = os.stat(path)
+            version = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+            if version not in _FINGERPRINTS:  # once per file and version in a process (every save asks)
+                _FINGERPRINTS[version] = [stat.st_size, _sampled_crc(path, stat.st_size)]
+            found[name] = _FINGERPRINTS[version]
+    return found
+
+
+_FINGERPRINTS = {}
+
+
+def _sampled_crc(path, size):
+    crc, span = 0, max(0, size - DATA_SAMPLE_BYTES)
+    with open(path, "rb") as f:
+        for i in range(DATA_SAMPLES):
+            f.seek(span * i // (DATA_SAMPLES - 1))
+            crc = zlib.crc32(f.read(DATA_SAMPLE_BYTES), crc)
+    return crc
+
+
+def _moved_data(ckpt, written, now):
+    """None if --data `now` holds the same files as `written`, the data the checkpoint was
+    written with (moved or linked elsewhere): compared by the fingerprint the checkpoint
+    recorded, or by both directories' when it recorded none and `written` still exists.
+    Else why the two cannot be taken for the same data."""
+    recorded = ckpt.meta.get("data_files")
+    if not isinstance(recorded, dict):
+        if not (isinstance(written, str) and os.path.isdir(written)):
+            return (f"{written} is gone and this set records no fingerprint of its files to compare {now}'s "
+                    "with (written before fingerprints were): put the data back at that path to resume")
+        recorded = data_fingerprint(written)
+    return None if os.path.isdir(now) and data_fingerprint(now) == recorded else (
+        f"the files in {now} are not those it was written with (their sizes and checksums differ)")
+
+
+def open_checkpoint(out_dir, run, unverified=False):
     """The newest committed set in out_dir, checked against this run; one line if there is
-    none, or if what is there is not a checkpoint of this run."""
+    none, or if what is there is not a checkpoint of this run. Data that moved is the same
+    run (a note says so: `ckpt.notes`) when its files are the same (`_moved_data`)."""
     directory = latest_checkpoint(out_dir)
     if directory is None:
         single = [f for f in ("ckpt.pt", "zero_ckpt.pt", "fsdp_ckpt.pt", "tp_ckpt.pt", "pp_ckpt.pt", "3d_ckpt.pt")
@@ -2480,7 +2656,8 @@ def open_checkpoint(out_dir, run):
                                   f"(expected {checkpoint_root(out_dir)}/step_<N>/metadata.json); "
                                   "to start from a one-file model, use 01_single_gpu.py --init_from")
         raise CheckpointError(f"no checkpoint in {checkpoint_root(out_dir)} to resume from")
-    ckpt = Checkpoint(directory)
+    ckpt = Checkpoint(directory, unverified)
+    ckpt.notes = []
     saved = ckpt.meta.get("run") or {}
     for key in run:
         if key == "layout":
@@ -2492,23 +2669,60 @@ def open_checkpoint(out_dir, run):
             value = "adamw"
         if key == "data" and isinstance(value, str) and os.path.isdir(value):
             value = os.path.normpath(value)  # written before run_config normalised it
+        recorded = ckpt.meta.get("data_files")
+        if key == "data" and value == run[key] and isinstance(recorded, dict) and os.path.isdir(value):
+            if data_fingerprint(value) != recorded:  # the same path, other files: not the same run
+                raise CheckpointError(f"checkpoint {directory} was written with data={value}, whose files have "
+                                      "changed since (their sizes or checksums differ): restore them, or start a "
+                                      "new run (--overwrite, or another --out_dir)")
+            continue
+        if key == "data" and value != run[key] and os.path.isdir(run[key]):  # the same files elsewhere?
+            why = _moved_data(ckpt, value, run[key])
+            if why:
+                raise CheckpointError(f"checkpoint {directory} holds another run: it was written with data="
+                                      f"{value}, this run has data={run[key]}, and {why}")
+            ckpt.notes.append(f"note: the data moved: {directory} was written with --data {value}; {run[key]} "
+                              "holds the same files (sizes and checksums): resuming on it")
+            continue
         if value != run[key]:
             what = "another model" if key == "model" else "another run"
             hint = (f" (to train on with the same schedule, pass --lr_decay_iters {saved.get(key)}: "
                     "its default is --max_iters)") if key == "lr_decay_iters" else ""
             raise CheckpointError(f"checkpoint {directory} holds {what}: it was written with {key}="
-                                  f"{value}, this run has {key}={run[key]}{hint}")
+                                  f"{str(value)[:200]}, this run has {key}={run[key]}{hint}")
     return ckpt
 
 
-def resume_checkpoint(out_dir, env, pieces, run, optimizer):
+def other_committed_sets(out_dir, directory):
+    """The committed sets in out_dir other than `directory`: an older set a user copied back,
+    or one a job ended before removing. A resumed run keeps them (it replaces only the set
+    it resumed from) and names them."""
+    root = checkpoint_root(out_dir)
+    return [os.path.join(root, name) for name in sorted(os.listdir(root))
+            if name.startswith("step_") and os.path.lexists(os.path.join(root, name, "metadata.json"))
+            and os.path.abspath(os.path.join(root, name)) != os.path.abspath(directory)]
+
+
+def resume_checkpoint(out_dir, env, pieces, run, optimizer, unverified=False):
     """Load every piece this rank holds from the newest committed set in out_dir, whatever
     the layout (and script) that wrote it; the RNG states too when the layout is the same
-    (then the run continues bit for bit). Returns (step, the extra RNG states or None)."""
+    (then the run continues bit for bit). Returns (step, the extra RNG states or None).
+    `unverified` (--unverified): a set without checksums is read, with a warning."""
     t0 = time.perf_counter()  # (setup() removed the leftovers of interrupted writes)
 
     def load():
-        ckpt = open_checkpoint(out_dir, run)
+        ckpt = open_checkpoint(out_dir, run, unverified)
+        if env.master:
+            for note in ckpt.notes:
+                log(env, note)
+            if ckpt.unverified:
+                log(env, f"warning: --unverified: {ckpt.directory} records no checksums; its files are read "
+                         "unchecked (a damaged file would be trained on)")
+            others = other_committed_sets(out_dir, ckpt.directory)
+            if others:
+                log(env, f"note: kept: {', '.join(others)}, committed set(s) besides {ckpt.directory}, the newest, "
+                         "resumed (this run replaces only the set it resumes; to resume an older set, remove "
+                         "the newer ones)")
         with torch.no_grad():
             for piece in pieces:
                 value = ckpt.read(piece.name, piece.shape, piece.box, piece.flat)
@@ -2554,15 +2768,36 @@ def export_checkpoint(out_dir, path):
                  "config": {**{k: v for k, v in run.items() if k != "model"}, "dataset": run["data"]}}, path)
 
 
+def load_tensors(path, mmap=False):
+    """torch.load(path) of tensors and plain containers only (weights_only: nothing else is
+    unpickled, so a malicious pickle runs nothing), quietly: (what it holds, None), or (None,
+    why not) in a few words. torch's own refusal is a paragraph about weights_only and its
+    warnings (an old pickle protocol) print lines with their source: the cause is kept."""
+    import pickle
+    import re
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap), None
+    except pickle.UnpicklingError as e:
+        found = re.search(r"(Unsupported global: GLOBAL \S+|unsupported GLOBAL \S+|Unsupported operand \d+)", str(e))
+        cause = found.group(1) if found else "objects other than tensors"
+        return None, (f"holds more than tensors ({cause}): refused unread (only tensors are ever unpickled; "
+                      "a pickle of code or of other objects is not a checkpoint of these scripts)")
+    except Exception as e:  # a zip torch cannot read, a short file, a directory
+        first = re.sub(r"\x1b\[[0-9;]*m", "", (str(e).splitlines() or [""])[0])[:150]
+        return None, f"is unreadable (truncated, corrupt, or not a torch file?): {type(e).__name__}: {first}"
+
+
 def load_model_file(path, config):
     """A one-file model (--export's, or nanoGPT's own ckpt.pt) for --init_from: its state
     dict, after checking that it is one and that it is this model; one line otherwise."""
-    check(os.path.isfile(path), f"--init_from {path}: no such file")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"--init_from {path} is unreadable (truncated, corrupt, or not a torch file?): "
-             f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:150]}")
+    check(os.path.exists(path), f"--init_from {path}: no such file")
+    check(os.path.isfile(path), f"--init_from {path} is {'a directory' if os.path.isdir(path) else 'not a regular file'}"
+          ", not a one-file model (--export's, or nanoGPT's ckpt.pt)")  # /dev/zero would be read for ever
+    obj, problem = load_tensors(path)
+    check(problem is None, f"--init_from {path} {problem}")
     check(isinstance(obj, dict) and isinstance(obj.get("model"), dict) and isinstance(obj.get("model_args"), dict),
           f"--init_from {path} is not a one-file model (expected a dict with 'model' and 'model_args', as "
           f"--export and nanoGPT write; it holds a {type(obj).__name__}"

@@ -422,6 +422,28 @@ def recommend(scored, n):
 # Command line and output
 # ----------------------------------------------------------------------------------------
 
+MAX_BENCH_BYTES = 64 * 2**20  # 02's --bench writes a few KiB: a larger file is not one
+
+
+def read_bench(path, error):
+    """The JSON rows of a --bench file, or one error line: a device or a pipe (/dev/zero
+    reads forever), a file too large to be 02's output, lines that are not JSON (or nested
+    too deep for the parser) all name the file and the cause."""
+    try:
+        if not os.path.isfile(path):
+            error(f"--bench {path}: {'no such file' if not os.path.exists(path) else 'not a regular file'} "
+                  "(expected 02_collectives.py --bench metrics, a JSONL file)")
+        if os.path.getsize(path) > MAX_BENCH_BYTES:
+            error(f"--bench {path}: {os.path.getsize(path):,} bytes, not 02_collectives.py --bench metrics "
+                  f"(a few KiB; at most {MAX_BENCH_BYTES // 2**20} MiB read)")
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except RecursionError:
+        error(f"--bench {path}: a line nests JSON thousands of levels deep: not 02_collectives.py --bench metrics")
+    except (OSError, ValueError) as e:
+        error(f"--bench {path}: cannot read it as 02_collectives.py --bench metrics ({str(e)[:150]})")
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -485,10 +507,7 @@ def parse(argv=None):
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
     machine.update({k: v for k, v in by_hand.items() if v is not None})
     for path in args.bench:
-        try:
-            rows = [json.loads(line) for line in open(path) if line.strip()]
-        except (OSError, ValueError) as e:
-            error(f"--bench {path}: cannot read it as 02_collectives.py --bench metrics ({e})")
+        rows = read_bench(path, error)
         rows = [r for r in rows if isinstance(r, dict) and r.get("op") == "all_reduce"]
         if not rows:
             error(f"{path} has no all_reduce rows of 02_collectives.py --bench")

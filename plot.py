@@ -68,6 +68,9 @@ def load_rows(path):
                         row = json.loads(line)
                     except ValueError:
                         raise Refused(f"{path}: line {number} is not JSON: not a metrics JSONL file") from None
+                    except RecursionError:  # [[[[...]]]]: deeper than the parser's recursion
+                        raise Refused(f"{path}: line {number} nests JSON thousands of levels deep: "
+                                      "not a metrics JSONL file") from None
                     if not isinstance(row, dict):
                         raise Refused(f"{path}: line {number} is not a JSON object: not a metrics JSONL file")
                     rows.append(row)
@@ -105,14 +108,15 @@ def clean(rows):
 
 
 def kind_of(path, rows):
-    """'metrics' (rows with step and loss: a training script's --metrics), 'bench' (rows of
-    02_collectives.py --bench), or a refusal."""
-    if any(number(r.get("loss")) for r in clean(rows)):
+    """'metrics' (rows with step and loss or val_loss: a training script's --metrics, even of
+    a run stopped after its step-0 evaluation), 'bench' (rows of 02_collectives.py --bench),
+    or a refusal."""
+    if clean(rows):
         return "metrics"
     if rows and all(isinstance(r.get("op"), str) and number(r.get("bytes")) and r["bytes"] > 0
                     and number(r.get("busbw_GBps")) for r in rows):
         return "bench"
-    raise Refused(f"{path}: neither a training script's --metrics JSONL (rows with step and loss) "
+    raise Refused(f"{path}: neither a training script's --metrics JSONL (rows with step and loss or val_loss) "
                   "nor 02_collectives.py --bench output (rows with op, bytes, busbw_GBps)")
 
 
@@ -210,6 +214,9 @@ def summary(label, rows):
     over ranks, and whether the ledger's measurement met its theory in every logged row."""
     train = [r for r in rows if number(r.get("loss"))]
     evals = [r for r in rows if number(r.get("val_loss"))]
+    if not train:  # a run stopped after its first evaluation, before a step was logged
+        return "\n".join([label, "  no training step logged"] + [f"  val loss {r['val_loss']:.4f} (step {r['step']})"
+                                                                   for r in evals[-1:]])
     lines = [label, f"  steps {train[0]['step']}..{train[-1]['step']} logged: {len(train)} rows"]
     lines.append(f"  last loss {train[-1]['loss']:.4f}" + (f", val loss {evals[-1]['val_loss']:.4f}"
                                                            f" (step {evals[-1]['step']})" if evals else ""))
@@ -549,7 +556,8 @@ def parse(argv):
     p.add_argument("--peak_gbps", type=float, default=None, help="--bench: the link's peak, drawn as a line")
     p.add_argument("--dpi", type=int, default=100)
     g = p.add_argument_group("07_pipeline.py's schedule (instead of files)")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None)
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"], default=None,
+                   help="zb: zero bubble (ZB-H1), its weight-gradient passes W drawn apart")
     g.add_argument("--pp", type=int, default=4, help="pipeline stages")
     g.add_argument("--micro_batches", type=int, default=8)
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per stage (interleaved)")
@@ -574,9 +582,10 @@ def parse(argv):
         if args.schedule == "interleaved" and args.micro_batches % args.pp:
             raise Refused(f"the interleaved schedule needs --micro_batches ({args.micro_batches}) to be a "
                           f"multiple of --pp {args.pp}")
-        if 2 * args.pp * args.micro_batches * v > MAX_OPS:
+        passes = 3 if args.schedule == "zb" else 2  # F and B, and ZB's W
+        if passes * args.pp * args.micro_batches * v > MAX_OPS:
             raise Refused(f"{args.pp} stages x {args.micro_batches} micro-batches x {v} chunks is too many "
-                          f"boxes to draw (at most {MAX_OPS // 2:,} per pass)")
+                          f"boxes to draw (at most {MAX_OPS // passes:,} per pass)")
         args.virtual_stages = v
     if args.out is None:
         args.out = (os.path.splitext(args.files[0])[0] + ".png" if args.files else
