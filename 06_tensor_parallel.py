@@ -563,10 +563,10 @@ class ShardedMuon(Muon):
         rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
                           args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
-        self.group, self.tp_size, self.tp_rank = group, model.tp_size, model.tp_rank
-        self.boxes = [[shard_boxes(name, p.shape, 0, model.tp_size, t) for t in range(model.tp_size)]
+        self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
                       for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
-        self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], model.tp_size)
+        self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
 
     @torch.no_grad()
     def step(self):

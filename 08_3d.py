@@ -139,8 +139,9 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (autocast, check, Data, device_rng_state, is_decayed, lr_at, make_adamw, make_parser,
-                    model_config, param_init, recomputed, set_device_rng_state, synchronize, to_device)
+from common import (autocast, check, Data, device_rng_state, is_decayed, is_hidden_matrix, lr_at, make_adamw,
+                    make_parser, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init, recomputed,
+                    set_device_rng_state, synchronize, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -340,6 +341,80 @@ def counted_once(stage, name):
 # Data parallelism across replicas: plain all-reduce or ZeRO-1, behind one interface
 # ---------------------------------------------------------------------------------------
 
+# ---- restated from 06_tensor_parallel.py: muon_owners, ShardedMuon (word for word; tests/test_restated.py checks it) ----
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+
+
+class ShardedMuon(Muon):
+    """Muon where every rank holds 1/T of each matrix (TP_PLAN's rows or columns). Momentum is
+    element-wise, so each rank keeps its shard's. Newton-Schulz is not: it needs the whole
+    matrix. Two all-to-alls per step move whole matrices, by hand:
+
+        rank t: its shards U_t of every matrix's update (the momentum, in the NS dtype)
+          ── all-to-all ──>  owner o: all T shards of each matrix it owns, placed by shard_boxes,
+                             O = orthogonalize(U), cut back into its T shards
+          <── all-to-all ──  rank t: O_t of every matrix, applied to its shard
+
+    Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
+    on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
+    steps, for every matrix, and every rank would repeat the small products.)"""
+
+    def __init__(self, model, args, env, group):
+        named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
+        rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
+                          args, env.device.type)
+        super().__init__([p for _, p in named], rest, args, env.dtype)
+        self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
+                      for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
+        self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
+
+    @torch.no_grad()
+    def step(self):
+        group, T, me = self.param_groups[0], self.tp_size, self.tp_rank
+        params = group["params"]
+        updates = [muon_momentum(p.grad, self.state[p]["momentum_buffer"]).to(self.ns_dtype) for p in params]
+        owned = [[i for i, owner in enumerate(self.owners) if owner == t] for t in range(T)]  # by owner
+        sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
+        # 1: to each owner (in rank order) this rank's shards of the matrices it owns
+        send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
+        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
+        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
+        shards = shards.view(T, sizes[me])
+        offset = 0
+        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
+            full, n = self.boxes[i][0][0], updates[i].numel()
+            whole = shards.new_empty(full)
+            pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
+                      for t in range(T) for box, index in self.boxes[i][t][1]]
+            for shard, box, index in pieces:
+                whole[tuple(slice(*b) for b in box)] = shard[index]
+            whole = orthogonalize(whole, self.ns_dtype)
+            for shard, box, index in pieces:
+                shard[index] = whole[tuple(slice(*b) for b in box)]
+            offset += n
+        # 2: the orthogonalised shards back to the ranks that hold them
+        back = send.new_empty(send.numel())
+        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
+        offset = 0
+        for t in range(T):
+            for i in owned[t]:
+                n = updates[i].numel()
+                muon_apply(params[i], back[offset:offset + n].view_as(updates[i]), group["lr"],
+                           group["weight_decay"], self.boxes[i][0][0])
+                offset += n
+        self.adamw.step()
+# ---- end restated ----
+
+
 class DataParallel:
     """Plain data parallelism over the DP group: every replica holds its stage's TP pieces
     whole, with their gradients and AdamW state, and averages the gradients with one
@@ -347,9 +422,10 @@ class DataParallel:
     `reduce_gradients()`, `grad_tensors()` (for the guard and the norm), `squared_norm()`
     with its `norm_group`, `step()`, `zero_grad()`, `held_bytes()`, `checkpoint_pieces()`."""
 
-    def __init__(self, stage, mesh, args, device):
+    def __init__(self, stage, mesh, args, env):
         self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
-        self.optimizer = make_adamw(self.params, args, device.type)
+        self.optimizer = make_adamw(self.params, args, env.device.type) if args.optimizer == "adamw" else \
+            ShardedMuon(stage, args, env, mesh.tp_group)  # Muon: 06's, each TP group on its stage's matrices
         self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: every gradient once
 
     def reduce_gradients(self):
@@ -400,8 +476,8 @@ class ZeRO1:
     shard d of it, with its AdamW state (P_os); gradients are reduce-scattered, parameters
     all-gathered after the update."""
 
-    def __init__(self, stage, mesh, args, device):
-        self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
+    def __init__(self, stage, mesh, args, env):
+        self.stage, self.mesh, self.params, device = stage, mesh, list(stage.parameters()), env.device
         D = mesh.reduce_size  # the DP group: D x C ranks with CP, which hold the same weights
         numel = sum(p.numel() for p in self.params)
         self.shard = math.ceil(numel / D)
@@ -560,8 +636,8 @@ def evaluate(stage, pipeline, mesh, data, args, env, m):
 def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
-    check(args.optimizer == "adamw", "--optimizer muon is not written for 08's sharded meshes yet (issue 43): "
-          "01, 03-07, 09 and 10 have it")
+    check(args.optimizer == "adamw" or not args.zero1, "--optimizer muon is not written for --zero1's flat shards "
+          "of TP pieces yet (issue 43): use it without --zero1")
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
     check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
@@ -585,7 +661,7 @@ def main():
     stage = stage.init_weights(args.seed).to(env.device)
     ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's copies: wte, head
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
-    replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env.device)  # same calls
+    replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env)  # same calls
     act_shape = (args.micro_batch_size, config.block_size // C // (T if stage.sp else 1), config.n_embd)
     pipeline = Pipeline([stage], env, mesh.pp_group, 1, act_shape, timed=False)  # 07's, on this pipeline
     rounds = schedule_rounds("1f1b", P, mesh.pp_rank, m)  # ("F" | "B", micro-batch, chunk 0)
@@ -633,10 +709,13 @@ def costs(args, config, world_size, dtype, rank=0):
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
-    split, n_local, vocab_local = stage_sizes(config, T, P, mesh.pp_rank)  # Ψ_rank = split + the rest
+    split, n_local, vocab_local, matrices = stage_sizes(config, T, P, mesh.pp_rank)  # Ψ_rank = split + the rest
+    owners = muon_owners(matrices, T) if args.optimizer == "muon" else []  # Muon: the stage's, whole
     x = dict(T=T, P=P, C=C, D=D, L=n_layers, m=args.global_batch_size // (args.micro_batch_size * D),
              b=args.micro_batch_size, s=config.block_size // C, h=config.n_embd, a=config.n_head,
-             V=vocab_local * T, e=dtype.itemsize, Ψ_rank=n_local, Ψ_r=n_local - split, loss=1, norm=1)
+             V=vocab_local * T, e=dtype.itemsize, Ψ_rank=n_local, Ψ_r=n_local - split, loss=1, norm=1,
+             Ψ_m=sum(map(math.prod, matrices)),
+             Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank))
     ends = (mesh.pp_rank == 0, mesh.pp_rank == P - 1)  # first, last stage
     held, sent = dp_costs(args, x)
     sent.update(tp_costs(args, x, *ends))
@@ -667,6 +746,10 @@ def dp_costs(args, x):
     else:
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x), "optim": cost("8*Ψ_rank", x)}
         sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank", x)}
+    if args.optimizer == "muon":  # 06's Muon on each TP group: one moment for the Ψ_m/T matrix elements,
+        # this rank's update shards to their owners and its own matrices' shards back
+        held["optim"] = cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)", x)
+        sent["all_to_all_single[tp]"] = cost("e*(Ψ_m/T + Ψ_o)", x)
     if args.grad_clip > 0:  # the squared norm, over the model group (--zero1: the world)
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)
     return held, sent
@@ -732,7 +815,8 @@ _STAGE_SIZES = {}
 
 
 def stage_sizes(config, T, P, pp_rank):
-    """(parameters TP_PLAN splits, all parameters, vocabulary rows) of a TP rank of stage
+    """(parameters TP_PLAN splits, all parameters, vocabulary rows, the full shapes of its
+    hidden matrices) of a TP rank of stage
     pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
     plan.py price many micro-batches of one layout."""
     key = (repr(config), T, P, pp_rank)
@@ -741,7 +825,9 @@ def stage_sizes(config, T, P, pp_rank):
         with torch.device("meta"):
             stage = Stage(config, mesh, *stage_layers(config.n_layer, P)[pp_rank], None)
         split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None)
-        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local
+        matrices = [shard_boxes(name, p.shape, 0, T, 0)[0] for name, p in stage.named_parameters()
+                    if is_hidden_matrix(name, p.shape)]  # Muon's, whole
+        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local, matrices
     return _STAGE_SIZES[key]
 
 

@@ -79,6 +79,8 @@ CASES = [  # (script, ranks, flags, reference)
     ("05_fsdp.py", 3, ["--global_batch_size", "12"], "dense12"),
     ("05_fsdp.py", 4, ["--replicate", "2", "--offload", "--global_batch_size", "12"], "dense12"),
     ("06_tensor_parallel.py", 2, [], "dense"),
+    ("08_3d.py", 4, ["--tp", "2", "--pp", "2"], "dense"),
+    ("08_3d.py", 4, ["--tp", "2", "--cp", "2", "--sequence_parallel"], "dense"),
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"], "dense"),
     ("10_expert_parallel.py", 4, ["--ep", "2"] + MOE, "moe"),
 ]
@@ -118,9 +120,8 @@ def test_momentum_is_checkpointed_and_resharded_by_another_script(reference, tmp
     assert first.losses + rest.losses == pytest.approx(reference["dense"].losses, rel=2e-5)
 
 
-@pytest.mark.parametrize("script", ["08_3d.py"])
-def test_sharded_scripts_refuse_muon_in_one_line(script):
-    run = launch(script, BASE, nprocs=2)
+def test_08_refuses_muon_with_zero1_in_one_line():
+    run = launch("08_3d.py", BASE + ["--zero1"], nprocs=2)
     assert run.returncode == 2 and len(run.error_lines) == 1 and "--optimizer muon is not written" in run.error_lines[0]
 
 
