@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (autocast, check, Data, GPT, lr_at, make_adamw, make_parser, model_config, param_init,
+from common import (autocast, check, Data, GPT, lr_at, make_adamw, make_parser, model_config, param_init, param_shapes,
                     to_device, to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
@@ -380,9 +380,7 @@ def costs(args, config, world_size, dtype):
     per step."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
     S, R = world_size // args.replicate, args.replicate
-    with torch.device("meta"):
-        model = GPT(config)
-    padded = {k: math.ceil(p.shape[0] / S) * S * math.prod(p.shape[1:]) for k, p in model.named_parameters()}
+    padded = {k: math.ceil(shape[0] / S) * S * math.prod(shape[1:]) for k, shape in param_shapes(config).items()}
     root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))
     per_block = [sum(v for k, v in padded.items() if k.startswith(f"transformer.h.{i}.")) for i in range(config.n_layer)]
     psi, blocks = sum(padded.values()), sum(per_block)
@@ -426,14 +424,11 @@ def log_gathered(run, fsdp):
 
 
 def layout_lines(args, world_size, accum_steps):
-    """The dry run's layout lines: the shard groups, and the gathered parameters at the peak."""
-    from infra import format_bytes, planned_dtype
-    config = model_config(args, Data.vocab_size_of(args.data))
-    formula, value = costs(args, config, world_size, planned_dtype(args))["gathered"]
+    """The dry run's layout lines: the shard groups (the gathered parameters at the peak are
+    among what it prints of costs())."""
     S = world_size // args.replicate
     return ([f"layout: shard groups of {S} consecutive ranks x {args.replicate} replica(s); "
-             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
-             f"  gathered parameters at the peak: {format_bytes(value)} ({formula})"]
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step"]
             + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
                 "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else []))
 

@@ -352,6 +352,7 @@ class Run(common.Run):
                       f"{f', at least {aim} micro-batches' if aim > 1 else ''})")
 
     room = None  # the memory the micro-batch was chosen for (None: read it at the fit check)
+    step_costs = None  # the step's own inputs run.cost was last evaluated for (end_step)
 
     def planned_fit(self, costs, ranks):
         """A dry run's fit verdict, the launch's fit check against planned_room() (else none)."""
@@ -478,12 +479,15 @@ class Run(common.Run):
         args, env, step = self.args, self.env, self.step
         comm = LEDGER.take()
         syncs = self.syncs.stop() if self.syncs else None  # the step's own, before the logging's
-        if step_costs:
-            self.cost = self.costs_of(**step_costs)
+        logged = step % args.log_interval == 0 or step == args.max_iters - 1
+        # costs() that depend on the step (10's routing) are evaluated only where they are read
+        # (the ledger's first step, a logged step), and only when the step's inputs changed
+        if step_costs and (step == self.start_step or logged) and step_costs != self.step_costs:
+            self.cost, self.step_costs = self.costs_of(**step_costs), step_costs
             self.metrics.theory(self.cost)
         if step == self.start_step:
             print_ledger(env, self.held(), comm, self.cost, self.meter.peak)
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
+        if logged:
             loss = loss.item()
             synchronize(env)
             extra = extra() if callable(extra) else extra
@@ -1923,6 +1927,9 @@ def dry_run(args, script, config, cost, layout_lines=()):
     for kind, (formula, value) in cost["held"].items():
         lines.append(f"  holds {kind:<26} {format_bytes(value):>11}   {formula}")
     lines.append(f"  holds {'model state in all':<26} {format_bytes(held):>11}")
+    if "gathered" in cost:  # ZeRO-3's and FSDP's working parameters, gathered at the peak
+        formula, value = cost["gathered"]
+        lines.append(f"  holds {'gathered params (peak)':<26} {format_bytes(value):>11}   {formula}")
     if "activations" in cost:
         formula, value = cost["activations"]
         lines.append(f"  holds {'activations (peak)':<26} {format_bytes(value):>11}   {formula}")

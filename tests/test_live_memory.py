@@ -1,0 +1,63 @@
+"""Issues 40 and 48: what a rank holds, counted from every live tensor, against costs().
+
+- common.param_shapes (the sizes every costs() and the fit check read, from the config
+  alone: no model, not even on the meta device) is the model's own named_parameters().
+- 04 --stage 3 counts its gathered working parameters as 05 does: the root unit, kept
+  gathered all step, and the one block being run. Measured (ZeRO.track sums the storages
+  of the gathered units as they are taken and given back) = costs()["gathered"], to the
+  byte, in fp32 and bf16, with padding (3 ranks) and accumulation; the fit check counts it.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import infra
+from common import GPT, GPTConfig, PRESETS, count_params, param_shapes
+from harness import ROOT, TINY, launch
+
+
+def script(name):
+    spec = importlib.util.spec_from_file_location(name.replace(".py", ""), os.path.join(ROOT, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("changes", [{}, {"bias": False}, {"n_expert": 4, "top_k": 2}, {"n_expert": 3, "bias": False}])
+def test_param_shapes_are_the_models(changes):
+    config = GPTConfig(vocab_size=65, **{**PRESETS["tiny"], **changes})
+    with torch.device("meta"):
+        model = GPT(config)
+    assert list(param_shapes(config).items()) == [(k, tuple(p.shape)) for k, p in model.named_parameters()]
+    assert count_params(config) == (sum(p.numel() for p in model.parameters()), model.num_params())
+
+
+@pytest.mark.parametrize("dtype, ranks", [("float32", 2), ("bfloat16", 3)])
+def test_zero3_counts_its_gathered_parameters(dtype, ranks):
+    flags = TINY + ["--dtype", dtype, "--stage", "3", "--global_batch_size", "12", "--micro_batch_size", "2",
+                    "--max_iters", "2"]
+    run = launch("04_zero.py", flags, nprocs=ranks).ok()
+    zero = script("04_zero.py")
+    config = GPTConfig(vocab_size=65, **PRESETS["tiny"])
+    numels = zero.unit_numels(config)
+    pad = lambda numel: -(-numel // ranks) * ranks
+    expected = getattr(torch, dtype).itemsize * (pad(numels[0]) + max(pad(n) for n in numels[1:]))
+    for step in run.steps:  # the root and one block, never two blocks: to the byte
+        assert step["gathered_peak_bytes"] == step["gathered_bound_bytes"] == expected
+
+
+def test_the_fit_check_counts_zero3s_gathered_parameters():
+    zero = script("04_zero.py")
+    args = infra.parse_args(zero.add_flags(infra.common.make_parser(zero.__doc__)),
+                            ["--model", "gpt2", "--stage", "3", "--micro_batch_size", "1", "--global_batch_size", "8",
+                             "--data", "synthetic"])
+    config = infra.model_config(args, infra.Data.vocab_size_of(args.data))
+    cost = zero.costs(args, config, 8, torch.bfloat16)
+    _, gathered = cost["gathered"]
+    root, block = zero.unit_numels(config)[0], zero.unit_numels(config)[1]
+    assert gathered == 2 * (-(-root // 8) * 8 + -(-block // 8) * 8)
+    without = {k: v for k, v in cost.items() if k != "gathered"}
+    assert infra.fit_need(cost, "cuda") - infra.fit_need(without, "cuda") >= gathered
