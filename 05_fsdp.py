@@ -80,7 +80,7 @@ class Unit:
             mine = full[r * rows:(r + 1) * rows]  # this rank's rows (the last rank may get padding)
             shard[:mine.shape[0]] = mine
             self.shards.append(nn.Parameter(fsdp.home(shard)))
-        self.gathered, self.pending = False, None
+        self.gathered, self.pending, self.full = False, None, None
         self.waiting = len(self.params)
 
     # -- parameters ----------------------------------------------------------------------
@@ -105,17 +105,27 @@ class Unit:
         handle.wait()
         self.pending = None
         out = out.view(self.fsdp.shard_size, self.numel)  # [rank, this rank's packed shards]
-        for p, shape, offset, numel in zip(self.params, self.shapes, self.offsets, self.shard_numels):
-            rows = out[:, offset:offset + numel].reshape((-1,) + tuple(shape[1:]))  # copy-out
-            p.data = rows[:shape[0]]  # drop the padding rows
+        if self.full is None:  # each parameter's full rows, made once; their memory comes and goes (release)
+            self.full = [torch.empty((self.fsdp.shard_size * rows,) + tuple(shape[1:]), dtype=out.dtype,
+                                     device=out.device) for rows, shape in zip(self.rows, self.shapes)]
+            for p, full, shape in zip(self.params, self.full, self.shapes):
+                p.data = full[:shape[0]]  # drop the padding rows
+        for full, offset, numel in zip(self.full, self.offsets, self.shard_numels):
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            full.view(self.fsdp.shard_size, numel).copy_(out[:, offset:offset + numel])  # copy-out
         self.gathered = True
 
+    # The parameters stay views of `full` for the whole run; what comes and goes is the memory
+    # under it (its storage resized, as PyTorch FSDP frees its parameters). Giving the module
+    # new tensors instead frees nothing in training: autograd keeps the weights a block's
+    # forward used (a Linear saves its weight) until backward reaches the block, so every
+    # block's gathered copy would be alive when backward begins, and the gather before a
+    # block's backward would make a second one.
     def release(self):
         if self.gathered:
             self.fsdp.track(-self.gathered_bytes())
-            empty = torch.empty(0, dtype=self.fsdp.compute_dtype, device=self.fsdp.device)
-            for p in self.params:
-                p.data = empty
+            for full in self.full:
+                full.untyped_storage().resize_(0)
             self.gathered = False
 
     def gathered_bytes(self):
