@@ -112,3 +112,24 @@ def test_planning_quotes_the_zero_paper_figures_the_scripts_compute():
     quoted = re.search(r"scaled to 7\.5B: ([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+) GB", text).groups()
     assert list(quoted) == [f"{x:.1f}" for x in figures]
     assert f"add {gathered * scale:.2f} GB at the peak" in text
+
+
+def test_plan_prices_a_group_by_where_its_ranks_sit():
+    """Issue 40 item 3: a collective over whole nodes has every GPU's share of the nodes' NICs
+    (k rings side by side), not one GPU's; a group with one rank per node has one GPU's share;
+    inside a node, the GPU links."""
+    import argparse
+
+    import plan
+    polaris = plan.MACHINES["polaris"]  # 4 GPUs, 2 x 25 GB/s of NICs per node: 12.5 GB/s per GPU
+    fsdp = argparse.Namespace(replicate=1)
+    assert plan.group_of("05_fsdp.py", "all_gather_into_tensor[shard]", fsdp, 8, 4) == (8, 4)  # two whole nodes
+    assert plan.group_of("05_fsdp.py", "all_gather_into_tensor[shard]", fsdp, 4, 4) == (4, None)  # one node
+    mesh = argparse.Namespace(tp=2, pp=2, cp=1)  # 08 at 16: tp x pp fill a node, dp groups one rank per node
+    assert plan.group_of("08_3d.py", "all_reduce[dp]", mesh, 16, 4) == (4, 1)
+    assert plan.group_of("08_3d.py", "all_reduce[tp]", mesh, 16, 4) == (2, None)
+    seconds = lambda g, k: plan.comm_seconds("reduce_scatter_tensor", 1e9, g, k, polaris)  # noqa: E731
+    wire = lambda g: (g - 1) / g * 1e9  # noqa: E731  (a reduce-scatter's bus factor)
+    assert seconds(8, 4) == pytest.approx(7 * polaris["alpha_inter"] + wire(8) / (4 * 12.5e9))
+    assert seconds(4, 1) == pytest.approx(3 * polaris["alpha_inter"] + wire(4) / 12.5e9)
+    assert seconds(4, None) == pytest.approx(3 * polaris["alpha_intra"] + wire(4) / 300e9)
