@@ -1806,8 +1806,6 @@ class Metrics:
         self.state_theory, self.comm_theory = theory_bytes(cost)
         # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
-        # every live tensor at its most, by phase (costs()'s "peak"; None where a script gives none)
-        self.live_theory = {phase: value for phase, (_, value) in cost["peak"].items()} if "peak" in cost else None
 
     def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None, live=None):
         """Log one optimizer step; `dt` in seconds; `state`, `comm`, `activations` (the
@@ -1823,7 +1821,9 @@ class Metrics:
                    state_bytes=state, comm_bytes=comm,
                    state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory,
                    activation_bytes=activations, activation_bytes_theory=self.activation_theory,
-                   live_bytes=live, live_bytes_theory=self.live_theory, micro_batch_size=self.micro_batch_size)
+                   micro_batch_size=self.micro_batch_size)
+        if live is not None:  # every live tensor's bytes by phase, where counted (GPTPAR_COUNT_LIVE=1, GPUs)
+            row["live_bytes"] = live
         ranks = self.over_ranks(row["dt_ms"], row["mem_peak_bytes"])
         straggler = ranks.pop("straggler", "")  # for the console line, not a metrics key
         row.update(ranks)
