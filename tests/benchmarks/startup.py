@@ -1,4 +1,4 @@
-"""Start-up to the first step, 01_single_gpu.py against nanoGPT's train.py, side by side
+"""Start-up to the first step, 01_single_gpu.py against nanoGPT's training script, side by side
 (issue 48): whole-process time, from the launch of a fresh interpreter to the line each
 prints after its first optimizer step ("step 0: ..." and "iter 0: ..."), at the same
 configuration (nanoGPT's baby GPT, 6 x 384, on CPU in fp32, 12 sequences of 64 tokens, no
@@ -8,7 +8,7 @@ makes at iteration 0). The runs alternate, so that the machine's load falls on b
     python tests/benchmarks/startup.py [--nanogpt DIR] [--repeats N]
 
 nanoGPT is run from its own files (DIR, default ../shared/anchors/nanoGPT), in a scratch
-directory that links them and holds the same corpus tokenised as its prepare.py does
+directory that links them and holds the same corpus tokenised as nanoGPT's data preparation does
 (characters, uint16 train.bin / val.bin, meta.pkl). Prints each run's seconds and the
 medians, their difference and ratio."""
 
@@ -28,7 +28,7 @@ SHAPE = dict(n_layer=6, n_head=6, n_embd=384, block_size=64, dropout=0.2, bias=F
 
 
 def nanogpt_dir(anchor):
-    """A scratch directory for nanoGPT: its three files linked, the corpus as its prepare.py makes it."""
+    """A scratch directory for nanoGPT: its three files linked, the corpus as nanoGPT's data preparation makes it."""
     work = tempfile.mkdtemp(prefix="nanogpt_")
     for name in ("train.py", "model.py", "configurator.py"):
         os.symlink(os.path.join(anchor, name), os.path.join(work, name))
