@@ -337,8 +337,8 @@ def comm_seconds(op, nbytes, g, per_node, machine):
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    across = per_node is not None
-    gbps = machine["intra_gbps"] if not across else min(machine["intra_gbps"], min(per_node, machine["gpus_per_node"])
+    across = bool(per_node)  # None (or False: the old "inside a node") inside; k, or True for one rank per node
+    gbps = machine["intra_gbps"] if not across else min(machine["intra_gbps"], min(int(per_node), machine["gpus_per_node"])
                                                         * machine["inter_gbps"])
     beta = 1e9 * gbps
     alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
