@@ -91,6 +91,9 @@ precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in bracke
     stage 1  2Ψ + 2Ψ + KΨ/N            [4Ψ + 4Ψ + 8Ψ/N]
     stage 2  2Ψ + (2 + K)Ψ/N           [4Ψ + (4 + 8)Ψ/N]
     stage 3  (2 + 2 + K)Ψ/N            [(4 + 4 + 8)Ψ/N]
+             + the gathered working parameters at the peak, 2(Ψ_root + Ψ_block) [4(...)]: the
+             root unit stays gathered all step, and one block is gathered while it runs
+             (costs()["gathered"]; the metrics' gathered_peak_bytes measure it)
     --offload (ZeRO-Offload, Ren et al. 2021): the fp32 master, gradient shard and AdamW state
              ((4 + 12)Ψ/N) move to pinned host memory and AdamW runs on the CPU; the device
              keeps 2Ψ (stages 1-2; + 4Ψ of fp32 full grads in stage 1, below) or nothing (stage 3)
@@ -130,7 +133,7 @@ from torch import nn
 
 from common import (autocast, check, Data, GPT, is_decayed, is_hidden_matrix, lr_at, make_adamw, make_parser,
                     model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init,
-                    to_device, to_host)
+                    param_shapes, to_device, to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -255,6 +258,7 @@ class ZeRO:
         empty ones on the device, and each unit builds only what this rank keeps (above)."""
         self.stage, self.group, self.world_size = stage, group, dist.get_world_size(group)
         self.compute_dtype, self.device, self.offload = env.dtype, env.device, args.offload
+        self.gathered_now = self.gathered_peak = 0  # stage 3: the gathered units' bytes (track)
         shapes = {k: p.shape for k, p in model.named_parameters()}
         materialize(model, env.device, env.dtype)
         init = lambda name, shape: param_init(name, shape, model.config, args.seed)
@@ -303,11 +307,23 @@ class ZeRO:
     def gather(self, unit):
         if not unit.gathered:
             unit.allocate()
+            self.track(+unit.full.numel() * unit.full.element_size())  # the whole unit's memory, from here on
             # every rank's shard of this unit -> the whole unit, on every rank
             dist.all_gather_into_tensor(unit.full, self.working_shard(unit), group=self.group)
 
+    def release(self, unit):
+        if unit.gathered:
+            unit.release()
+            self.track(-unit.full.numel() * unit.full.element_size())
+
+    def track(self, delta):
+        """The bytes of gathered units alive now, and their most this step (costs()'s
+        `gathered`: the root and the one block being run)."""
+        self.gathered_now += delta
+        self.gathered_peak = max(self.gathered_peak, self.gathered_now)
+
     def _after_forward(self, unit, out):
-        unit.release()  # free the block's parameters until backward needs them again
+        self.release(unit)  # free the block's parameters until backward needs them again
         if out.requires_grad:  # when backward reaches this block's output, gather it first
             out.register_hook(lambda grad: self.gather(unit))
 
@@ -319,7 +335,7 @@ class ZeRO:
 
     def release_root(self):
         if self.stage == 3:
-            self.root.release()
+            self.release(self.root)
 
     # -- gradients reduce-scattered while backward runs -----------------------------------
     def before_backward(self, first, last):
@@ -361,7 +377,7 @@ class ZeRO:
         self.pending.append((handle, unit, shard, flat))  # holds `flat` until the wait
         self.reduced = True
         if self.stage == 3 and unit is not self.root:
-            unit.release()  # its backward is over: drop the gathered parameters
+            self.release(unit)  # its backward is over: drop the gathered parameters
 
     def finish_reductions(self):
         """Wait for the reduce-scatters in flight and add the reduced shards that were not
@@ -431,13 +447,13 @@ def matrix_ranges(names, shapes, n):
     names and shapes in flattening order, cut into n shards as Unit cuts them: [(k, ranges)]
     for parameter k, ranges[r] = the elements [a, b) of the matrix that rank r's shard holds
     (a == b where it holds none)."""
-    shard = math.ceil(sum(shape.numel() for shape in shapes) / n)
+    shard = math.ceil(sum(map(math.prod, shapes)) / n)
     matrices, offset = [], 0
     for k, (name, shape) in enumerate(zip(names, shapes)):
-        clip = lambda x: min(max(x - offset, 0), shape.numel())
+        clip = lambda x: min(max(x - offset, 0), math.prod(shape))
         if is_hidden_matrix(name, shape):
             matrices.append((k, [(clip(r * shard), clip((r + 1) * shard)) for r in range(n)]))
-        offset += shape.numel()
+        offset += math.prod(shape)
     return matrices
 
 
@@ -600,7 +616,7 @@ def main():
         norm = zero.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
         run.check(loss_sum, (u.grad_shard for u in zero.units), norm)  # non-finite? asked to stop?
         zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
-        run.end_step(loss_sum)  # ledger, metrics, checkpoint, stop
+        run.end_step(loss_sum, lambda: gathered_row(run, zero))  # ledger, metrics, checkpoint, stop
         zero.zero_grad()
     run.finish()
 
@@ -611,20 +627,18 @@ def main():
 
 def unit_numels(config):
     """Elements of the root unit and of each block, as ZeRO groups them (from shapes only)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    root = sum(p.numel() for k, p in model.named_parameters() if not k.startswith("transformer.h."))
-    return [root] + [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
+    numels = [0] * (config.n_layer + 1)
+    for name, shape in param_shapes(config).items():  # transformer.h.<i>. goes to unit i + 1, the rest to the root
+        numels[int(name.split(".")[2]) + 1 if name.startswith("transformer.h.") else 0] += math.prod(shape)
+    return numels
 
 
 def muon_layout(config, n):
     """Muon's matrices in ZeRO's order, as it cuts them over n ranks: [(full shape, ranges)]
     (matrix_ranges of every unit; from shapes only)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    units = [[(k, p.shape) for k, p in model.named_parameters() if not k.startswith("transformer.h.")]]
-    units += [[(f"transformer.h.{i}.{k}", p.shape) for k, p in block.named_parameters()]
-              for i, block in enumerate(model.transformer.h)]
+    shapes = param_shapes(config).items()
+    units = [[(k, shape) for k, shape in shapes if not k.startswith("transformer.h.")]]
+    units += [[(k, shape) for k, shape in shapes if k.startswith(f"transformer.h.{i}.")] for i in range(config.n_layer)]
     return [(unit[k][1], ranges) for unit in units
             for k, ranges in matrix_ranges([name for name, _ in unit], [shape for _, shape in unit], n)]
 
@@ -648,10 +662,11 @@ def costs(args, config, world_size, dtype, rank=0):
     matrices = muon_layout(config, n) if args.optimizer == "muon" else []
     owners = muon_owners([shape for shape, _ in matrices], n)
 
-    def f(expr):  # Ψ padded to N per unit; root and blocks: the root unit's and the blocks' Ψ
+    def f(expr):  # Ψ padded to N per unit; root and blocks: the root unit's and the blocks' Ψ, block the largest's
         return formula(expr, show="e K m", Ψ=psi, N=n, e=e, K=K, m=m, root=root, blocks=psi - root,
+                       block=max(shards[1:], default=0) * n,
                        Ψ_mr=sum(b - a for _, ranges in matrices for a, b in ranges[rank:rank + 1]),
-                       Ψ_o=sum(shape.numel() for (shape, _), owner in zip(matrices, owners) if owner == rank))
+                       Ψ_o=sum(math.prod(shape) for (shape, _), owner in zip(matrices, owners) if owner == rank))
     held = {"optim": f("K*Ψ/N - 4*Ψ_mr") if matrices else f("K*Ψ/N")}
     if stage == 1:
         # the full fp32 gradients (kept through accumulation) + the reduced fp32 shard
@@ -675,8 +690,19 @@ def costs(args, config, world_size, dtype, rank=0):
     # states leaves them as they are (01's count per micro-batch)
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                              param_dtype=dtype)  # the working parameters: stored in the compute dtype
-    return {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent,
+    cost = {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent,
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
+    if stage == 3:  # the working parameters at the peak: the root, gathered all step, and the block being
+        cost["gathered"] = f("e*(root + block)")  # run (its backward releases it before the next is gathered)
+    return cost
+
+
+def gathered_row(run, zero):
+    """Stage 3's metrics keys: the gathered units' bytes at their peak, measured (ZeRO.track)
+    and costs()'s `gathered`."""
+    if zero.stage < 3:
+        return {}
+    return {"gathered_peak_bytes": zero.gathered_peak, "gathered_bound_bytes": run.cost["gathered"][1]}
 
 
 def layout_lines(args, world_size, accum_steps):

@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import (autocast, check, Data, GPT, is_hidden_matrix, lr_at, make_adamw, make_parser, model_config,
-                    Muon, muon_apply, muon_momentum, orthogonalize, param_init, to_device, to_host)
+                    Muon, muon_apply, muon_momentum, orthogonalize, param_init, param_shapes, to_device, to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -80,7 +80,7 @@ class Unit:
             mine = full[r * rows:(r + 1) * rows]  # this rank's rows (the last rank may get padding)
             shard[:mine.shape[0]] = mine
             self.shards.append(nn.Parameter(fsdp.home(shard)))
-        self.gathered, self.pending = False, None
+        self.gathered, self.pending, self.full = False, None, None
         self.waiting = len(self.params)
 
     # -- parameters ----------------------------------------------------------------------
@@ -105,17 +105,27 @@ class Unit:
         handle.wait()
         self.pending = None
         out = out.view(self.fsdp.shard_size, self.numel)  # [rank, this rank's packed shards]
-        for p, shape, offset, numel in zip(self.params, self.shapes, self.offsets, self.shard_numels):
-            rows = out[:, offset:offset + numel].reshape((-1,) + tuple(shape[1:]))  # copy-out
-            p.data = rows[:shape[0]]  # drop the padding rows
+        if self.full is None:  # each parameter's full rows, made once; their memory comes and goes (release)
+            self.full = [torch.empty((self.fsdp.shard_size * rows,) + tuple(shape[1:]), dtype=out.dtype,
+                                     device=out.device) for rows, shape in zip(self.rows, self.shapes)]
+            for p, full, shape in zip(self.params, self.full, self.shapes):
+                p.data = full[:shape[0]]  # drop the padding rows
+        for full, offset, numel in zip(self.full, self.offsets, self.shard_numels):
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            full.view(self.fsdp.shard_size, numel).copy_(out[:, offset:offset + numel])  # copy-out
         self.gathered = True
 
+    # The parameters stay views of `full` for the whole run; what comes and goes is the memory
+    # under it (its storage resized, as PyTorch FSDP frees its parameters). Giving the module
+    # new tensors instead frees nothing in training: autograd keeps the weights a block's
+    # forward used (a Linear saves its weight) until backward reaches the block, so every
+    # block's gathered copy would be alive when backward begins, and the gather before a
+    # block's backward would make a second one.
     def release(self):
         if self.gathered:
             self.fsdp.track(-self.gathered_bytes())
-            empty = torch.empty(0, dtype=self.fsdp.compute_dtype, device=self.fsdp.device)
-            for p in self.params:
-                p.data = empty
+            for full in self.full:
+                full.untyped_storage().resize_(0)
             self.gathered = False
 
     def gathered_bytes(self):
@@ -487,9 +497,7 @@ def costs(args, config, world_size, dtype, rank=0):
     the Ψ_o elements of the matrices it owns (fsdp_optimizer)."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
     S, R = world_size // args.replicate, args.replicate
-    with torch.device("meta"):
-        model = GPT(config)
-    padded = {k: math.ceil(p.shape[0] / S) * S * math.prod(p.shape[1:]) for k, p in model.named_parameters()}
+    padded = {k: math.ceil(shape[0] / S) * S * math.prod(shape[1:]) for k, shape in param_shapes(config).items()}
     root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))
     per_block = [sum(v for k, v in padded.items() if k.startswith(f"transformer.h.{i}.")) for i in range(config.n_layer)]
     psi, blocks = sum(padded.values()), sum(per_block)
@@ -501,7 +509,7 @@ def costs(args, config, world_size, dtype, rank=0):
     # and one block gathered, two with prefetch, every block without resharding
     resident = config.n_layer if not reshard else (2 if prefetch else 1)
 
-    matrices = [(k, p.shape) for k, p in model.named_parameters()
+    matrices = [(k, shape) for k, shape in param_shapes(config).items()
                 if args.optimizer == "muon" and is_hidden_matrix(k, p.shape)]
     owners, r = muon_owners([shape for _, shape in matrices], S), rank % S  # r: in the shard group
     rows = {k: math.ceil(shape[0] / S) for k, shape in matrices}
@@ -511,7 +519,7 @@ def costs(args, config, world_size, dtype, rank=0):
                        blocks=blocks, block=max(per_block), loss=1, norm=1,
                        Ψ_m=sum(padded[k] for k, _ in matrices),
                        Ψ_mr=sum((min((r + 1) * rows[k], s[0]) - min(r * rows[k], s[0])) * s[1] for k, s in matrices),
-                       Ψ_o=sum(s.numel() for (_, s), owner in zip(matrices, owners) if owner == r))
+                       Ψ_o=sum(math.prod(s) for (_, s), owner in zip(matrices, owners) if owner == r))
     held = {"params": f("4*Ψ/S"), "grads": f("4*Ψ/S"), "optim": f("8*Ψ/S - 4*Ψ_m/S") if matrices else f("8*Ψ/S")}
     if args.offload:  # the shards and AdamW in host memory: the device keeps the gathered units only
         held = {"params": f("0"), "grads": f("0"), "optim": f("0"), **{f"{k} (host)": v for k, v in held.items()}}
@@ -543,18 +551,17 @@ def log_gathered(run, fsdp):
 
 
 def layout_lines(args, world_size, accum_steps):
-    """The dry run's layout lines: the shard groups, and the gathered parameters at the peak."""
-    from infra import format_bytes, planned_dtype
+    """The dry run's layout lines: the shard groups, and how Muon's owners share the work (the
+    gathered parameters at the peak are among what it prints of costs())."""
     config = model_config(args, Data.vocab_size_of(args.data))
-    cost = costs(args, config, world_size, planned_dtype(args))
-    (formula, value), matrices = cost["gathered"], cost["muon"]
+    matrices = [shape for name, shape in param_shapes(config).items()
+                if args.optimizer == "muon" and is_hidden_matrix(name, shape)]
     S = world_size // args.replicate
     return ([f"layout: shard groups of {S} consecutive ranks x {args.replicate} replica(s); "
-             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
-             f"  gathered parameters at the peak: {format_bytes(value)} ({formula})"]
+             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step"]
             + ([f"  warning: a shard group of {S} ranks spans nodes of {args.ranks_per_node}: "
                 "use --replicate (HSDP) to keep the gathers inside a node"] if S > args.ranks_per_node else [])
-            + ([muon_balance([shape for _, shape in matrices], S)] if matrices else []))
+            + ([muon_balance(matrices, S)] if matrices else []))
 
 
 def held_bytes(fsdp, optimizer):

@@ -357,13 +357,40 @@ def model_config(args, vocab_size):
     return GPTConfig(vocab_size=vocab_size, **preset_config(args))
 
 
+def param_shapes(config):
+    """{name: shape} of GPT(config)'s parameters in named_parameters() order (the tied head
+    once, as transformer.wte.weight), from the config alone: the cost formulas and the fit
+    check need sizes, not a model, not even one on the meta device (its first initialiser
+    there imports much of torch: about a second at every start). tests/test_live_memory.py
+    checks it against the model's own."""
+    h = config.n_embd
+
+    def layer(name, *weight):  # a Linear (out, in) or a LayerNorm (h,), with its bias unless bias=False
+        return {f"{name}.weight": weight, **({f"{name}.bias": weight[:1]} if config.bias else {})}
+
+    def mlp(name):
+        return {**layer(f"{name}.c_fc", 4 * h, h), **layer(f"{name}.c_proj", h, 4 * h)}
+    shapes = {"transformer.wte.weight": (config.vocab_size, h), "transformer.wpe.weight": (config.block_size, h)}
+    for i in range(config.n_layer):
+        block = f"transformer.h.{i}"
+        shapes.update({**layer(f"{block}.ln_1", h), **layer(f"{block}.attn.c_attn", 3 * h, h),
+                       **layer(f"{block}.attn.c_proj", h, h), **layer(f"{block}.ln_2", h)})
+        if config.n_expert:  # the router (no bias), then the experts
+            shapes[f"{block}.mlp.router.weight"] = (config.n_expert, h)
+            for j in range(config.n_expert):
+                shapes.update(mlp(f"{block}.mlp.experts.{j}"))
+        else:
+            shapes.update(mlp(f"{block}.mlp"))
+    shapes.update(layer("transformer.ln_f", h))
+    return shapes
+
+
 def count_params(config):
-    """(Ψ, nanoGPT's count) for `config`, from a model built on the meta device: shapes only,
-    no memory, so it answers in milliseconds for GPT-3 175B. Ψ counts every parameter once
-    (the tied embedding/head once); nanoGPT's count leaves out the position embedding."""
-    with torch.device("meta"):
-        model = GPT(config)
-    return sum(p.numel() for p in model.parameters()), model.num_params()
+    """(Ψ, nanoGPT's count) for `config`, from its shapes (param_shapes): Ψ counts every
+    parameter once (the tied embedding/head once); nanoGPT's count leaves out the position
+    embedding."""
+    psi = sum(math.prod(shape) for shape in param_shapes(config).values())
+    return psi, psi - config.block_size * config.n_embd
 
 
 def build_model(config, seed, device, recompute=False):
@@ -423,9 +450,8 @@ def is_hidden_matrix(name, shape):
 
 
 def hidden_matrix_params(config):
-    """Ψ_m, the parameters Muon updates, from the shapes of a meta-device model."""
-    with torch.device("meta"):
-        return sum(p.numel() for name, p in GPT(config).named_parameters() if is_hidden_matrix(name, p.shape))
+    """Ψ_m, the parameters Muon updates (from the shapes alone)."""
+    return sum(math.prod(shape) for name, shape in param_shapes(config).items() if is_hidden_matrix(name, shape))
 
 
 def orthogonalize(g, dtype=torch.float32):

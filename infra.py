@@ -369,6 +369,7 @@ class Run(common.Run):
                       f"{f', at least {aim} micro-batches' if aim > 1 else ''})")
 
     room = None  # the memory the micro-batch was chosen for (None: read it at the fit check)
+    step_costs = None  # the step's own inputs run.cost was last evaluated for (end_step)
 
     def planned_fit(self, costs, ranks):
         """A dry run's fit verdict, the launch's fit check against planned_room() (else none)."""
@@ -496,19 +497,23 @@ class Run(common.Run):
         args, env, step = self.args, self.env, self.step
         comm = LEDGER.take()
         syncs = self.syncs.stop() if self.syncs else None  # the step's own, before the logging's
-        if step_costs:
-            self.cost = self.costs_of(**step_costs)
+        logged = step % args.log_interval == 0 or step == args.max_iters - 1
+        # costs() that depend on the step (10's routing) are evaluated only where they are read
+        # (the ledger's first step, a logged step), and only when the step's inputs changed
+        if step_costs and (step == self.start_step or logged) and step_costs != self.step_costs:
+            self.cost, self.step_costs = self.costs_of(**step_costs), step_costs
             self.metrics.theory(self.cost)
+        live = self.meter.live_peaks(env)  # every live tensor's bytes at their most, by phase (or None)
         if step == self.start_step:
             print_ledger(env, self.held(), comm, self.cost, self.meter.peak)
-        if step % args.log_interval == 0 or step == args.max_iters - 1:
+        if logged:
             loss = loss.item()
             synchronize(env)
             extra = extra() if callable(extra) else extra
             if syncs is not None:
                 extra = {**(extra or {}), "host_syncs": syncs}
             self.metrics.step(step, loss, self.optimizer.param_groups[0]["lr"], time.perf_counter() - self.t0,
-                              self.held(), comm, extra, activations=self.meter.peak)
+                              self.held(), comm, extra, activations=self.meter.peak, live=live)
         if self.stopping or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             self.save(step + 1)
         if self.stopping:
@@ -1529,6 +1534,62 @@ class _Saved:
         self.meter._release(self.key)
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+class LiveStorage:
+    """Every tensor storage alive on this rank, counted op by op, and its high-water mark in
+    each phase of a step: a TorchDispatchMode sees every aten op (factories, autograd's
+    gradients, the collectives' outputs, the optimizer's temporaries) and keeps a weak
+    reference to each new storage until it is freed; after each op it sums the present sizes
+    of those alive (a storage resized in place, 04's and FSDP's gathered units, at its new
+    size). A CPU has no allocator statistics, so this is how the tests measure the peak
+    (GPTPAR_COUNT_LIVE=1: every op pays a Python call; for tests and tiny models only).
+
+        phase      the ops counted in it
+        forward    the step's ops outside autograd's backward, up to the end of `with run.meter`
+        backward   the ops autograd's engine runs (torch._C._current_graph_task_id() >= 0)
+        optimizer  from the end of `with run.meter` to end_step: clipping, the update, gathers
+
+    Not seen: memory that is no tensor's (the allocator's slack, gloo's buffers, Python),
+    and tensors made outside the dispatcher (torch.from_numpy: the batch's token ids)."""
+
+    def __init__(self, meter):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_leaves
+        live = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                        storage = t.untyped_storage()
+                        ref = live.storages.get(storage._cdata)
+                        if ref is None or ref.expired():  # new (its address may be a freed one's)
+                            live.storages[storage._cdata] = StorageWeakRef(storage)
+                live.count(meter)
+                return out
+        self.storages, self.now, self.peak = {}, 0, dict.fromkeys(PHASES, 0)
+        self.mode = Mode()
+        self.mode.__enter__()  # from the start: the model's state is made under it too
+
+    def count(self, meter):
+        self.now = 0
+        for key, ref in list(self.storages.items()):
+            if ref.expired():
+                del self.storages[key]
+            else:
+                self.now += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        phase = meter.phase()
+        if phase is not None:
+            self.peak[phase] = max(self.peak[phase], self.now)
+
+    def reset(self):
+        self.peak = dict.fromkeys(PHASES, 0)
+
+
 class ActivationMeter:
     """The activation bytes autograd holds for backward on this rank, measured with
     torch.autograd.graph.saved_tensors_hooks: every tensor an op saves is packed through
@@ -1540,6 +1601,30 @@ class ActivationMeter:
 
     def __init__(self):
         self.live, self.current, self.peak = {}, 0, 0
+        # every live tensor byte, by phase: counted op by op on CPU under GPTPAR_COUNT_LIVE=1
+        # (LiveStorage); on GPUs the allocator's high-water mark (see live_peaks)
+        self.storage = LiveStorage(self) if os.environ.get("GPTPAR_COUNT_LIVE") == "1" else None
+        self.active, self.after, self.window_peak = False, False, None
+
+    def phase(self):
+        """The phase of a step the op now running belongs to (LiveStorage), or None."""
+        if torch._C._current_graph_task_id() >= 0:
+            return "backward"
+        return "forward" if self.active else "optimizer" if self.after else None
+
+    def live_peaks(self, env):
+        """{phase: the most bytes of live tensors in it} this step, and end the step's count:
+        counted (LiveStorage) where it runs; on GPUs the allocator's high-water mark since
+        the step began, through the forwards and backwards (one figure: the allocator cannot
+        tell them apart) and through the whole step; else None."""
+        self.after = False
+        if self.storage is not None:
+            peaks, _ = dict(self.storage.peak), self.storage.reset()
+            return peaks
+        step_peak = peak_memory(env)
+        if step_peak is None:
+            return None
+        return {"forward": None, "backward": self.window_peak, "optimizer": step_peak}
 
     def _pack(self, t):
         if not (t.is_floating_point() or t.dtype == torch.bool) or _is_parameter(t):
@@ -1570,10 +1655,14 @@ class ActivationMeter:
         self.peak = self.current
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        self.active, self.after = True, False
 
     def stop(self):
         """Stop counting; the peak bytes held since start()."""
         self._hooks.__exit__(None, None, None)
+        self.active, self.after = False, True  # what follows, to end_step, is the optimizer's phase
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.window_peak = torch.cuda.max_memory_allocated()
         return self.peak
 
     def __enter__(self):
@@ -1875,9 +1964,10 @@ class Metrics:
         # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
 
-    def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None):
-        """Log one optimizer step; `dt` in seconds; `state`, `comm` and `activations` (the
-        ActivationMeter's peak) from this rank."""
+    def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None, live=None):
+        """Log one optimizer step; `dt` in seconds; `state`, `comm`, `activations` (the
+        ActivationMeter's peak) and `live` (its peaks of every live tensor by phase) from
+        this rank."""
         tokens_per_s = self.tokens_per_step / dt
         mfu = None
         if self.peak is not None:
@@ -1889,6 +1979,8 @@ class Metrics:
                    state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory,
                    activation_bytes=activations, activation_bytes_theory=self.activation_theory,
                    micro_batch_size=self.micro_batch_size)
+        if live is not None:  # every live tensor's bytes by phase, where counted (GPTPAR_COUNT_LIVE=1, GPUs)
+            row["live_bytes"] = live
         ranks = self.over_ranks(row["dt_ms"], row["mem_peak_bytes"])
         straggler = ranks.pop("straggler", "")  # for the console line, not a metrics key
         row.update(ranks)
@@ -2085,6 +2177,9 @@ def dry_run(args, script, config, cost, layout_lines=()):
     for kind, (formula, value) in cost["held"].items():
         lines.append(f"  holds {kind:<26} {format_bytes(value):>11}   {formula}")
     lines.append(f"  holds {'model state in all':<26} {format_bytes(held):>11}")
+    if "gathered" in cost:  # ZeRO-3's and FSDP's working parameters, gathered at the peak
+        formula, value = cost["gathered"]
+        lines.append(f"  holds {'gathered params (peak)':<26} {format_bytes(value):>11}   {formula}")
     if "activations" in cost:
         formula, value = cost["activations"]
         lines.append(f"  holds {'activations (peak)':<26} {format_bytes(value):>11}   {formula}")

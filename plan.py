@@ -29,15 +29,18 @@ checks and its --dry_run prints: this file restates no formula), and scores each
     step time    compute + communication, nothing overlapped (an upper bound: DDP's buckets
                  and FSDP's prefetch hide part of it):
                    compute = training FLOPs of the global batch (infra.flops_per_token of
-                             nanoGPT's count, as the scripts' MFU; x 4/3 with --recompute, one
-                             more forward) / (N x peak x --efficiency),
+                             nanoGPT's count, as the scripts' MFU; with --recompute one more
+                             forward of the blocks, a third of their training FLOPs: the head,
+                             6Vh per token, is not recomputed) / (N x peak x --efficiency),
                              divided by (1 - bubble) for a pipeline (07's bubble_theory)
                    comm    = per operation, an alpha-beta model of a ring collective over its
                              group of g ranks: steps x alpha + busfactor(g) x bytes / beta,
                              busfactor from 02_collectives.py (all-reduce 2(g-1)/g,
                              all-gather / reduce-scatter (g-1)/g, send 1); beta is the link
-                             bandwidth inside a node, or the NIC bandwidth per GPU when the
-                             group spans nodes. The costs give bytes per step, not call
+                             bandwidth inside a node; across nodes, a group with k ranks on a
+                             node runs k rings side by side through k GPUs' share of the node's
+                             NICs: k x the NIC bandwidth per GPU (at most the node's NICs, at
+                             most the links inside). The costs give bytes per step, not call
                              counts, so alpha is paid once per operation and step (a lower
                              bound on latency; bandwidth dominates at these sizes)
                  the slowest rank's time is the step time; MFU = model FLOPs / (time x N x peak)
@@ -281,48 +284,63 @@ def per_gpu_bytes(cost):
     return held
 
 
+def ranks_per_node(ranks, gpus_per_node):
+    """None when `ranks` sit on one node; else the most of them on one node (k): a collective
+    across nodes runs k rings side by side (NCCL's channels), one per rank of the node, each
+    through its share of the node's NICs, so the group has k GPUs' worth of the network."""
+    nodes = {}
+    for r in ranks:
+        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
+    return None if len(nodes) == 1 else max(nodes.values())
+
+
 def group_of(name, op, args, n, gpus_per_node):
-    """(g, across): the size of the group an operation runs on, and whether it leaves a node.
-    Groups are ranks `stride` apart as the scripts build them (05: shard groups of S
+    """(g, k): the size of the group an operation runs on, and where its ranks sit (k, from
+    ranks_per_node: None inside a node, else the most ranks it has on one node), for rank 0's
+    group. Groups are ranks `stride` apart as the scripts build them (05: shard groups of S
     consecutive ranks; 08: rank = dp·pp·tp + pp·tp + tp); a pipeline's sends cross nodes on
-    the boundaries between them whenever the pipeline spans nodes, and the step waits for
-    those."""
+    the boundaries between them whenever the pipeline spans nodes (one pair: k = 1), and the
+    step waits for those."""
     group = op[op.index("[") + 1:-1] if "[" in op else "world"
     base = op.split("[")[0]
-    size, stride = n, 1
+    size, stride, G = n, 1, gpus_per_node
     if name.startswith("05"):
         S = n // args.replicate
         size, stride = {"shard": (S, 1), "replicate": (args.replicate, S)}.get(group, (n, 1))
     elif name.startswith("07"):
         if base in ("send", "recv"):
-            return 2, n > gpus_per_node
+            return 2, 1 if n > G else None
         size, stride = (2, n - 1) if base == "all_reduce" else (n, 1)  # the tied wte: first and last stage
     elif name.startswith("08"):  # rank = ((dp·P + pp)·C + cp)·T + tp
         T, P, C = args.tp, args.pp, args.cp
         if base in ("send", "recv"):  # the pipeline's boundaries, and the CP ring's
-            return 2, T * C * P > gpus_per_node
-        if group == "dp":  # DP x CP: D·C ranks, the first and last (C·P·T)(D-1) + (C-1)T apart
+            return 2, 1 if T * C * P > G else None
+        if group == "dp":  # DP x CP: D·C ranks
             D = n // (T * P * C)
-            return D * C, C * P * T * (D - 1) + (C - 1) * T >= gpus_per_node
+            return D * C, ranks_per_node([d * P * C * T + c * T for d in range(D) for c in range(C)], G)
         if group == "model":  # a replica's stages and TP ranks at one CP rank
-            return T * P, (P - 1) * C * T + T - 1 >= gpus_per_node
+            return T * P, ranks_per_node([p * C * T + t for p in range(P) for t in range(T)], G)
         size, stride = {"tp": (T, 1), "cp": (C, T), "pp": (P, C * T),
                         "embedding": (2, (P - 1) * C * T)}.get(group, (n, 1))
     elif name.startswith("09"):
         C = args.cp or n
         if base in ("send", "recv"):  # the ring of a context-parallel group
-            return 2, C > gpus_per_node
+            return 2, 1 if C > G else None
         size, stride = {"cp": (C, 1), "dp": (n // C, C)}.get(group, (n, 1))
-    return size, (size - 1) * stride >= gpus_per_node
+    return size, ranks_per_node([i * stride for i in range(size)], G)
 
 
-def comm_seconds(op, nbytes, g, across, machine):
-    """Alpha-beta time of one step's `nbytes` of `op` on a ring of g ranks, inside a node or
-    across nodes."""
+def comm_seconds(op, nbytes, g, per_node, machine):
+    """Alpha-beta time of one step's `nbytes` of `op` on a ring of g ranks: inside a node
+    (per_node None) over the GPU links; across nodes over per_node GPUs' share of the node's
+    NICs (k x inter_gbps, at most the node's NICs, and no faster than the links inside)."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    beta = 1e9 * (machine["inter_gbps"] if across else machine["intra_gbps"])
+    across = bool(per_node)  # None (or False: the old "inside a node") inside; k, or True for one rank per node
+    gbps = machine["intra_gbps"] if not across else min(machine["intra_gbps"], min(int(per_node), machine["gpus_per_node"])
+                                                        * machine["inter_gbps"])
+    beta = 1e9 * gbps
     alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
     if base == "send":
         return alpha + nbytes / beta
@@ -367,8 +385,12 @@ def score(name, flags, label, plan_args, machine):
     # compute: the model FLOPs of the global batch (nanoGPT's count, as the scripts' MFU)
     model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
     peak = machine["peak_tflops"] * 1e12
-    recompute = 4 / 3 if getattr(args, "recompute", False) else 1  # one more forward per block
-    compute_s = model_flops * recompute / (n * peak * plan_args.efficiency)
+    if getattr(args, "recompute", False):  # one more forward of every block; the head is not recomputed
+        head_flops = 6 * config.vocab_size * config.n_embd * args.global_batch_size * config.block_size
+        model_flops_run = model_flops + (model_flops - head_flops) / 3
+    else:
+        model_flops_run = model_flops
+    compute_s = model_flops_run / (n * peak * plan_args.efficiency)
     f = bubble(name, args, config, n)
     step_s = compute_s / (1 - f) + slowest_comm_s
     if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
