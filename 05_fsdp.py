@@ -510,7 +510,7 @@ def costs(args, config, world_size, dtype, rank=0):
     resident = config.n_layer if not reshard else (2 if prefetch else 1)
 
     matrices = [(k, shape) for k, shape in param_shapes(config).items()
-                if args.optimizer == "muon" and is_hidden_matrix(k, p.shape)]
+                if args.optimizer == "muon" and is_hidden_matrix(k, shape)]
     owners, r = muon_owners([shape for _, shape in matrices], S), rank % S  # r: in the shard group
     rows = {k: math.ceil(shape[0] / S) for k, shape in matrices}
 
