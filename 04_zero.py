@@ -131,9 +131,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import (autocast, check, Data, GPT, is_decayed, is_hidden_matrix, lr_at, make_adamw, make_parser,
-                    model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init,
-                    param_shapes, to_device, to_host)
+from common import (autocast, check, Data, GPT, HostCopies, is_decayed, is_hidden_matrix, lr_at, make_adamw,
+                    make_parser, model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize,
+                    param_init, param_shapes, to_device, to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -259,6 +259,8 @@ class ZeRO:
         self.stage, self.group, self.world_size = stage, group, dist.get_world_size(group)
         self.compute_dtype, self.device, self.offload = env.dtype, env.device, args.offload
         self.gathered_now = self.gathered_peak = 0  # stage 3: the gathered units' bytes (track)
+        self.copies = HostCopies(env.device) if args.offload else None  # --offload: on a side stream
+        self.landing = []  # --offload: (unit, gradient shard on its way down)
         shapes = {k: p.shape for k, p in model.named_parameters()}
         materialize(model, env.device, env.dtype)
         init = lambda name, shape: param_init(name, shape, model.config, args.seed)
@@ -384,10 +386,20 @@ class ZeRO:
         reduced into place; dropping them frees their full-size inputs (stages 2-3)."""
         for handle, unit, shard, _ in self.pending:
             handle.wait()
-            if shard is not unit.grad_shard:  # --offload: down to the host
-                shard = shard.to(unit.grad_shard.device)
+            if shard is not unit.grad_shard and self.copies:  # --offload: down to the host, beside backward
+                self.landing.append((unit, self.copies.down(shard, unit.grad_shard)))
+            elif shard is not unit.grad_shard:  # a later micro-batch's reduction, on the device
                 unit.grad_shard.copy_(shard) if self.shard_empty else unit.grad_shard.add_(shard)
         self.pending = []
+
+    def land(self):
+        """--offload, after a micro-batch's backward: wait for its gradient shards' copies
+        down (one wait for all of them), then write or add them into the host's shards."""
+        if self.landing:
+            self.copies.wait()
+        for unit, shard in self.landing:
+            unit.grad_shard.copy_(shard) if self.shard_empty else unit.grad_shard.add_(shard)
+        self.landing = []
 
     def after_backward(self):
         """After each micro-batch's backward: wait for its reduce-scatters (stage 1: all of
@@ -396,6 +408,7 @@ class ZeRO:
             check(all(w == 0 for w in self.waiting.values()),
                   "a gradient never arrived (a parameter unused in forward?)")
         self.finish_reductions()
+        self.land()
         self.shard_empty = self.shard_empty and not self.reduced
         self.reduced, self.waiting = False, {u: len(u.params) for u in self.units}
 
@@ -411,7 +424,10 @@ class ZeRO:
         return total_norm
 
     def working_shard(self, unit):
-        """This rank's shard in the compute dtype on the device (--offload: up from the host)."""
+        """This rank's shard in the compute dtype on the device (--offload: up from the host,
+        staged in pinned memory, on the side stream)."""
+        if self.copies:
+            return self.copies.up([unit.master], unit.dtype)
         return unit.master.to(self.device, unit.dtype, copy=True)
 
     def step(self):

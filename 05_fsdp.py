@@ -54,8 +54,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (autocast, check, Data, GPT, is_hidden_matrix, lr_at, make_adamw, make_parser, model_config,
-                    Muon, muon_apply, muon_momentum, orthogonalize, param_init, param_shapes, to_device, to_host)
+from common import (autocast, check, Data, GPT, HostCopies, is_hidden_matrix, lr_at, make_adamw, make_parser,
+                    model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init, param_shapes, to_device,
+                    to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -89,7 +90,10 @@ class Unit:
         if self.gathered or self.pending is not None:
             return
         S, dtype = self.fsdp.shard_size, self.fsdp.compute_dtype
-        packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(self.fsdp.device, dtype)  # copy-in (up, offloaded)
+        if self.fsdp.copies:  # --offload: up from the host, staged in pinned memory, on a side stream
+            packed = self.fsdp.copies.up(self.shards, dtype)
+        else:
+            packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(self.fsdp.device, dtype)  # copy-in
         out = torch.empty(S * self.numel, dtype=dtype, device=self.fsdp.device)
         # every shard-group rank's rows of every parameter of this unit -> all of them
         handle = dist.all_gather_into_tensor(out, packed, group=self.fsdp.shard_group, async_op=True)
@@ -141,7 +145,7 @@ class Unit:
         if self.waiting:
             return
         fsdp, S = self.fsdp, self.fsdp.shard_size
-        fsdp.finish_reductions()
+        fsdp.finish_reductions(land=False)  # (--offload: its shard lands after the backward)
         packed = torch.zeros(S, self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
         for p, shape, offset, numel, rows in zip(self.params, self.shapes, self.offsets, self.shard_numels, self.rows):
             grad = p.grad.to(fsdp.reduce_dtype).view(shape[0], -1)
@@ -170,6 +174,8 @@ class FSDP:
     def __init__(self, model, config, args, env):
         self.config, self.seed, self.device = config, args.seed, env.device
         self.offload = args.offload
+        self.copies = HostCopies(env.device) if args.offload else None  # --offload: on a side stream
+        self.landing = []  # --offload: (unit, gradient shard on its way down)
         self.world_size, R = env.world_size, args.replicate
         S = self.shard_size = env.world_size // R
         self.shard_rank, self.replica = env.rank % S, env.rank // S
@@ -231,16 +237,26 @@ class FSDP:
         if self.prefetch:
             self.blocks[0].start_gather()
 
-    def finish_reductions(self):
+    def finish_reductions(self, land=True):
         """Finish the reduce-scatter in flight (and, HSDP, all-reduce its shard across the
         replicas) and accumulate the gradient shard; called before the next unit's starts
-        and after each micro-batch's backward."""
+        and after each micro-batch's backward. With --offload the shard goes down to the
+        host on a side stream, and lands (one wait for all, then the host's sums) only
+        with `land`: after the micro-batch's backward, so the copies run beside it."""
         for handle, unit, out, _ in self.reductions:
             handle.wait()
             if self.replicate_group is not None:
                 dist.all_reduce(out, group=self.replicate_group)  # sum the replicas' shards
-            unit.accumulate(out)
+            if self.copies:
+                self.landing.append((unit, self.copies.down(out, unit.shards[0])))
+            else:
+                unit.accumulate(out)
         self.reductions = []
+        if land and self.landing:
+            self.copies.wait()
+            for unit, out in self.landing:
+                unit.accumulate(out)
+            self.landing = []
 
     def end(self):
         for unit in self.units:

@@ -91,7 +91,7 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (autocast, Block, check, Data, is_hidden_matrix, lr_at, make_optimizer, make_parser, model_config,
-                    param_init, synchronize, to_device)
+                    param_init, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -378,17 +378,42 @@ def check_layout(args, config, p):
 class Pipeline:
     """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
     rank in the group, and its messages name their peers by stage (group_peer), so that a
-    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: wait for
-    the device around every operation, to measure the compute time and so the bubble (08_3d.py
-    measures none, and keeps compute and communication overlapping on GPUs)."""
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: mark the
+    start and end of every F, B and W on the device's own timeline (mark()), to measure the
+    compute time and so the bubble without waiting for the device inside the step (08_3d.py
+    measures none)."""
 
     def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.synchronize = (lambda: synchronize(env)) if timed else (lambda: None)
+        self.timed = timed
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
         self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
+
+    def mark(self):
+        """Now, on this rank's compute stream: a device event recorded behind the kernels already
+        queued, which the host does not wait for (the F it ends may still be running, the next
+        one queued behind it), or on CPU, where an op has run when its call returns, the host
+        clock. A wait() on an NCCL receive only makes the stream wait, so an F's start event
+        records after its input has arrived: the spans count compute, never the wait."""
+        if self.env.device.type == "cpu":
+            return time.perf_counter()
+        event = torch.Event(self.env.device, enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def busy_fraction(spans, whole):
+        """The share of the schedule's time, `whole` (its first and last marks), that its F, B
+        and W `spans` took: read after the step, where waiting for the last event costs no
+        overlap (the events of one stream complete in order)."""
+        def seconds(start, end):
+            if isinstance(start, float):
+                return end - start
+            end.synchronize()  # this event only, not the device
+            return start.elapsed_time(end) / 1e3
+        return sum(seconds(*span) for span in spans) / seconds(*whole)
 
     def global_chunk(self, c):
         return c * self.p + self.rank
@@ -440,34 +465,32 @@ class Pipeline:
     def run(self, rounds, inputs, targets, m, train=True):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
-        flight (forward done, backward not; with zero bubble: W not), and the fraction of
-        the schedule's wall time this rank spent computing (1 - that is its measured bubble)."""
+        flight (forward done, backward not; with zero bubble: W not), and when timed a
+        function giving the fraction of the schedule's time this rank spent computing (1 -
+        that is its measured bubble; call it after the step: it reads the device's events)."""
         n = self.p * self.v
-        saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
+        saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
-        start = time.perf_counter()
+        mark = self.mark if self.timed else (lambda: None)
+        start = mark()
         batches = exchanges(rounds, self.p, self.rank, self.v, m)
         received = self._exchange(batches[0], {})
         for ops, batch in zip(rounds, batches[1:]):
-            # wait() on an NCCL request only orders the stream: the received activations may
-            # still be arriving, and a compute timer started now would count that wait as busy
-            self.synchronize()
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
 
             def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
-                nonlocal busy, in_flight
+                nonlocal in_flight
                 for kind, i, c in ops:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
-                        t0 = time.perf_counter()
+                        t0 = mark()
                         torch.autograd.backward(weight_nodes.pop((i, c)))
-                        self.synchronize()
-                        busy += time.perf_counter() - t0
+                        spans.append((t0, mark()))
                         in_flight -= 1
             for kind, i, c in ops:
                 if kind == "W":
                     continue
                 g = self.global_chunk(c)
-                t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
+                t0 = mark()  # compute only: waiting for the input is the bubble
                 if kind == "F":
                     x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
                     with torch.set_grad_enabled(train), autocast(self.env):
@@ -504,11 +527,11 @@ class Pipeline:
                     else:  # the micro-batch's W tensors stay until its W
                         weight_nodes[(i, c)] = self.deferred[:]
                         self.deferred.clear()
-                self.synchronize()  # for the busy time: this forgoes compute/communication overlap on GPUs
-                busy += time.perf_counter() - t0
+                spans.append((t0, mark()))
             received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
         self._retire_sends(wait=True)
-        return loss_sum, peak, busy / (time.perf_counter() - start)  # the busy fraction
+        whole = (start, mark())
+        return loss_sum, peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
 
 
 def micro_batches(data, split, step, args, env, m, eval_split=False):
@@ -549,9 +572,9 @@ def add_flags(parser):
                    help="zb: zero bubble, ZB-H1 (Qi et al. 2023)")
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
     g.add_argument("--measure_bubble", action="store_true",
-                   help="wait for the device around every forward and backward to measure each stage's busy "
-                        "time, and so the bubble (metrics: busy_fraction); on GPUs this serialises compute "
-                        "and communication and adds host syncs to every micro-batch")
+                   help="time every forward and backward with device events to measure each stage's busy "
+                        "time, and so the bubble (metrics: busy_fraction); the events are read after the "
+                        "step, so nothing waits for the device inside it")
     return parser
 
 
@@ -580,7 +603,9 @@ def main():
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
     # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches
     # (the bubble (p-1)/(m+p-1) is then about 1/3; the interleaved schedule needs m = kp)
-    env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p))
+    # the tied embedding's group (first and last stage), made before the fit check reads the room
+    env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p),
+                       groups=lambda env: dist.new_group([0, p - 1]) if p > 1 else None)  # every rank makes it
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
@@ -594,7 +619,7 @@ def main():
     first, last = chunks[0].is_first, chunks[-1].is_last
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
-    embedding_group = dist.new_group([0, p - 1]) if p > 1 else None  # every rank must call new_group
+    embedding_group = run.groups
     optimizer = make_optimizer(chunks.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
@@ -623,9 +648,9 @@ def main():
         if step == run.start_step and run.cost:  # next to the ledger
             run.log(f"activations in flight on stage {env.rank}: at most {in_flight} micro-batch chunk(s) "
                     f"(theory {run.cost['in_flight']})")
-        run.end_step(loss, {"activations_in_flight": in_flight, "bubble_drawn": bubble,
-                            "busy_fraction": busy if args.measure_bubble else None,
-                            "bubble_theory": bubble_theory(args.schedule, p, m, v)})  # ledger, metrics, ckpt
+        run.end_step(loss, lambda: {"activations_in_flight": in_flight, "bubble_drawn": bubble,  # read when logged
+                                    "busy_fraction": busy() if busy else None,  # --measure_bubble's events
+                                    "bubble_theory": bubble_theory(args.schedule, p, m, v)})  # ledger, metrics, ckpt
         optimizer.zero_grad(set_to_none=True)
     run.finish()
 

@@ -141,7 +141,7 @@ from torch.nn import functional as F
 
 from common import (autocast, check, Data, device_rng_state, is_decayed, is_hidden_matrix, lr_at, make_adamw,
                     make_parser, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init, recomputed,
-                    set_device_rng_state, synchronize, to_device)
+                    set_device_rng_state, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -644,10 +644,12 @@ def main():
           + (f" x cp {C}" if C > 1 else "") + f" = {T * P * C}")
     D = world // (T * P * C)  # CP ranks split the same sequences: the batch is shared by D
     # micro-batches per replica per step; --micro_batch_size auto: the largest that fits every
-    # stage, with about 2·pp micro-batches to fill a pipeline (none needed without one)
-    env, m = run.start(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)])
+    # stage, with about 2·pp micro-batches to fill a pipeline (none needed without one); the
+    # mesh's groups are made first, so that the fit check's room has their communicators in it
+    env, m = run.start(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)],
+                       groups=lambda env: Mesh(env.rank, world, T, P, C).make_groups())
     run.dry_run(costs, lambda config: plan(args, world, T, P, m))  # the mesh and every stage's bytes
-    mesh = Mesh(env.rank, world, T, P, C).make_groups()
+    mesh = run.groups
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
     check_layout(config, T, P, args.sequence_parallel, C, args.cp_impl)
@@ -1400,17 +1402,42 @@ def chunk_layers(n_layer, n_chunks):
 class Pipeline:
     """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
     rank in the group, and its messages name their peers by stage (group_peer), so that a
-    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: wait for
-    the device around every operation, to measure the compute time and so the bubble (08_3d.py
-    measures none, and keeps compute and communication overlapping on GPUs)."""
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: mark the
+    start and end of every F, B and W on the device's own timeline (mark()), to measure the
+    compute time and so the bubble without waiting for the device inside the step (08_3d.py
+    measures none)."""
 
     def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.synchronize = (lambda: synchronize(env)) if timed else (lambda: None)
+        self.timed = timed
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
         self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
+
+    def mark(self):
+        """Now, on this rank's compute stream: a device event recorded behind the kernels already
+        queued, which the host does not wait for (the F it ends may still be running, the next
+        one queued behind it), or on CPU, where an op has run when its call returns, the host
+        clock. A wait() on an NCCL receive only makes the stream wait, so an F's start event
+        records after its input has arrived: the spans count compute, never the wait."""
+        if self.env.device.type == "cpu":
+            return time.perf_counter()
+        event = torch.Event(self.env.device, enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def busy_fraction(spans, whole):
+        """The share of the schedule's time, `whole` (its first and last marks), that its F, B
+        and W `spans` took: read after the step, where waiting for the last event costs no
+        overlap (the events of one stream complete in order)."""
+        def seconds(start, end):
+            if isinstance(start, float):
+                return end - start
+            end.synchronize()  # this event only, not the device
+            return start.elapsed_time(end) / 1e3
+        return sum(seconds(*span) for span in spans) / seconds(*whole)
 
     def global_chunk(self, c):
         return c * self.p + self.rank
@@ -1462,34 +1489,32 @@ class Pipeline:
     def run(self, rounds, inputs, targets, m, train=True):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
-        flight (forward done, backward not; with zero bubble: W not), and the fraction of
-        the schedule's wall time this rank spent computing (1 - that is its measured bubble)."""
+        flight (forward done, backward not; with zero bubble: W not), and when timed a
+        function giving the fraction of the schedule's time this rank spent computing (1 -
+        that is its measured bubble; call it after the step: it reads the device's events)."""
         n = self.p * self.v
-        saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
+        saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
-        start = time.perf_counter()
+        mark = self.mark if self.timed else (lambda: None)
+        start = mark()
         batches = exchanges(rounds, self.p, self.rank, self.v, m)
         received = self._exchange(batches[0], {})
         for ops, batch in zip(rounds, batches[1:]):
-            # wait() on an NCCL request only orders the stream: the received activations may
-            # still be arriving, and a compute timer started now would count that wait as busy
-            self.synchronize()
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
 
             def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
-                nonlocal busy, in_flight
+                nonlocal in_flight
                 for kind, i, c in ops:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
-                        t0 = time.perf_counter()
+                        t0 = mark()
                         torch.autograd.backward(weight_nodes.pop((i, c)))
-                        self.synchronize()
-                        busy += time.perf_counter() - t0
+                        spans.append((t0, mark()))
                         in_flight -= 1
             for kind, i, c in ops:
                 if kind == "W":
                     continue
                 g = self.global_chunk(c)
-                t0 = time.perf_counter()  # compute only: waiting for the input is the bubble
+                t0 = mark()  # compute only: waiting for the input is the bubble
                 if kind == "F":
                     x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
                     with torch.set_grad_enabled(train), autocast(self.env):
@@ -1526,11 +1551,11 @@ class Pipeline:
                     else:  # the micro-batch's W tensors stay until its W
                         weight_nodes[(i, c)] = self.deferred[:]
                         self.deferred.clear()
-                self.synchronize()  # for the busy time: this forgoes compute/communication overlap on GPUs
-                busy += time.perf_counter() - t0
+                spans.append((t0, mark()))
             received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
         self._retire_sends(wait=True)
-        return loss_sum, peak, busy / (time.perf_counter() - start)  # the busy fraction
+        whole = (start, mark())
+        return loss_sum, peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
 # ---- end restated ----
 
 
@@ -1552,7 +1577,7 @@ def token_positions(s, C, cp_rank, impl):
 # ---- end restated ----
 
 
-# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, block_forward, block_backward, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, fused_kernel, block_forward, block_backward, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
 # ring attention
 
 class Ring:
@@ -1602,38 +1627,57 @@ def part(t, halves):
 aten = torch.ops.aten
 
 
+def fused_kernel(device_type, dtype, head_dim):
+    """The fused attention kernel a ring block runs, by the rules torch's SDPA checks before it
+    picks one (which calling the kernels directly skips): on CPU, flash attention for CPU; on
+    CUDA, flash (fp16/bf16, a head dim that is a multiple of 8 and at most 256) or else the
+    memory-efficient kernel (a multiple of 8; unverified on a GPU); any other head dim
+    (`--n_embd 100 --n_head 4`: 25) or device, the explicit fp32 block, exact, at the price
+    of one block's fp32 scores, (s/2C)² per head, while it runs."""
+    if device_type == "cpu":
+        return "flash_cpu"
+    if device_type == "cuda" and head_dim % 8 == 0:
+        return "flash" if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 else "efficient"
+    return "explicit"
+
+
 def block_forward(q, k, v, causal):
-    """One block's attention: its output O_b (normalised over the block's keys) and the
-    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], from the fused
-    attention kernel that returns it: on CPU torch's flash attention for CPU, on CUDA the
-    flash (fp16/bf16) or memory-efficient (fp32) kernel (as torchtitan's ring does; unverified:
-    09 has not run on a GPU); elsewhere the explicit fp32 reference below."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse
-    if q.device.type == "cuda":  # its log-sum-exp is padded to a multiple of 32 queries
-        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-        return out, lse[..., :q.size(2)]
-    return explicit_block_forward(q, k, v, causal)
+    """One block's attention: its output O_b (normalised over the block's keys), the
+    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], and what the
+    kernel's backward needs of its forward besides (its RNG state: dropout's Philox seed and
+    offset, which the backward must replay; the sequence lengths), from the kernel
+    fused_kernel() picks (the CUDA kernels as torchtitan's ring calls them; unverified: 09 has
+    not run on a GPU)."""
+    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    if kernel == "flash_cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse, ()
+    if kernel == "flash":  # (rng_state, unused) are the backward's (philox_seed, philox_offset)
+        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal)
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+    if kernel == "efficient":  # its log-sum-exp is padded to a multiple of 32 queries
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., :q.size(2)], (seed, offset)
+    return (*explicit_block_forward(q, k, v, causal), ())
 
 
-def block_backward(dout, q, k, v, out, lse, causal):
+def block_backward(dout, q, k, v, out, lse, causal, forward):
     """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
-    needs only those and dO, not the block's own): the fused kernel's backward, as in
-    block_forward, else the explicit fp32 reference."""
-    if q.device.type == "cpu":
+    needs only those and dO, not the block's own) and `forward`, what block_forward returned
+    for the kernel's backward: the same kernel's backward, else the explicit fp32 reference."""
+    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    if kernel == "flash_cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):  # unverified
-        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: never read
+    if kernel == "flash":  # unverified
+        cum_q, cum_k, max_q, max_k, rng_state, unused = forward
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, no_rng, no_rng)
-    if q.device.type == "cuda":  # unverified; the kernel reads L padded to 32 queries
-        no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused)
+    if kernel == "efficient":  # unverified; the kernel reads L padded to 32 queries
+        seed, offset = forward
         lse = F.pad(lse, (0, -q.size(2) % 32))
         return aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
     return explicit_block_backward(dout, q, k, v, out, lse, causal)
 
 
@@ -1689,11 +1733,13 @@ class RingAttention(torch.autograd.Function):
             out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
             lse = torch.full((b, heads, t), float("-inf"), device=q.device)
             kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            ctx.forwards = []  # each block's kernel state for its backward (RNG, lengths)
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
                     pending = ring.pass_on(kv, tag=0)
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
-                o, l = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                o, l, kernel_state = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                ctx.forwards.append(kernel_state)
                 merge(part(out, qh), part(lse, qh), o, l)
                 if step < ring.size - 1:
                     kv = ring.wait(pending)
@@ -1715,7 +1761,7 @@ class RingAttention(torch.autograd.Function):
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
                 dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
                                                   part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
-                                                  causal)
+                                                  causal, ctx.forwards[step])
                 part(dq, qh).add_(dq_b)
                 dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
                 part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V

@@ -224,38 +224,57 @@ def part(t, halves):
 aten = torch.ops.aten
 
 
+def fused_kernel(device_type, dtype, head_dim):
+    """The fused attention kernel a ring block runs, by the rules torch's SDPA checks before it
+    picks one (which calling the kernels directly skips): on CPU, flash attention for CPU; on
+    CUDA, flash (fp16/bf16, a head dim that is a multiple of 8 and at most 256) or else the
+    memory-efficient kernel (a multiple of 8; unverified on a GPU); any other head dim
+    (`--n_embd 100 --n_head 4`: 25) or device, the explicit fp32 block, exact, at the price
+    of one block's fp32 scores, (s/2C)² per head, while it runs."""
+    if device_type == "cpu":
+        return "flash_cpu"
+    if device_type == "cuda" and head_dim % 8 == 0:
+        return "flash" if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 else "efficient"
+    return "explicit"
+
+
 def block_forward(q, k, v, causal):
-    """One block's attention: its output O_b (normalised over the block's keys) and the
-    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], from the fused
-    attention kernel that returns it: on CPU torch's flash attention for CPU, on CUDA the
-    flash (fp16/bf16) or memory-efficient (fp32) kernel (as torchtitan's ring does; unverified:
-    09 has not run on a GPU); elsewhere the explicit fp32 reference below."""
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse
-    if q.device.type == "cuda":  # its log-sum-exp is padded to a multiple of 32 queries
-        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-        return out, lse[..., :q.size(2)]
-    return explicit_block_forward(q, k, v, causal)
+    """One block's attention: its output O_b (normalised over the block's keys), the
+    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], and what the
+    kernel's backward needs of its forward besides (its RNG state: dropout's Philox seed and
+    offset, which the backward must replay; the sequence lengths), from the kernel
+    fused_kernel() picks (the CUDA kernels as torchtitan's ring calls them; unverified: 09 has
+    not run on a GPU)."""
+    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    if kernel == "flash_cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse, ()
+    if kernel == "flash":  # (rng_state, unused) are the backward's (philox_seed, philox_offset)
+        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal)
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+    if kernel == "efficient":  # its log-sum-exp is padded to a multiple of 32 queries
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., :q.size(2)], (seed, offset)
+    return (*explicit_block_forward(q, k, v, causal), ())
 
 
-def block_backward(dout, q, k, v, out, lse, causal):
+def block_backward(dout, q, k, v, out, lse, causal, forward):
     """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
-    needs only those and dO, not the block's own): the fused kernel's backward, as in
-    block_forward, else the explicit fp32 reference."""
-    if q.device.type == "cpu":
+    needs only those and dO, not the block's own) and `forward`, what block_forward returned
+    for the kernel's backward: the same kernel's backward, else the explicit fp32 reference."""
+    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    if kernel == "flash_cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):  # unverified
-        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: never read
+    if kernel == "flash":  # unverified
+        cum_q, cum_k, max_q, max_k, rng_state, unused = forward
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, no_rng, no_rng)
-    if q.device.type == "cuda":  # unverified; the kernel reads L padded to 32 queries
-        no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused)
+    if kernel == "efficient":  # unverified; the kernel reads L padded to 32 queries
+        seed, offset = forward
         lse = F.pad(lse, (0, -q.size(2) % 32))
         return aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
     return explicit_block_backward(dout, q, k, v, out, lse, causal)
 
 
@@ -311,11 +330,13 @@ class RingAttention(torch.autograd.Function):
             out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
             lse = torch.full((b, heads, t), float("-inf"), device=q.device)
             kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            ctx.forwards = []  # each block's kernel state for its backward (RNG, lengths)
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
                     pending = ring.pass_on(kv, tag=0)
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
-                o, l = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                o, l, kernel_state = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                ctx.forwards.append(kernel_state)
                 merge(part(out, qh), part(lse, qh), o, l)
                 if step < ring.size - 1:
                     kv = ring.wait(pending)
@@ -337,7 +358,7 @@ class RingAttention(torch.autograd.Function):
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
                 dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
                                                   part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
-                                                  causal)
+                                                  causal, ctx.forwards[step])
                 part(dq, qh).add_(dq_b)
                 dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
                 part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
@@ -517,12 +538,13 @@ def main():
     args = run.args
     config = model_config(args, Data.vocab_size_of(args.data))
     C, D = check_layout(args, config, run.world_size)  # C and D: the sequence (and Ulysses' heads) decide
-    env, accum_steps = run.start(costs, dp_size=D)  # the processes up; auto: the largest that fits
+    env, accum_steps = run.start(costs, dp_size=D,  # the processes and the CP groups up; auto: the largest that fits
+                                 groups=lambda env: make_groups(env.world_size, C, env.rank))
     run.dry_run(costs, lambda config: layout_lines(args, config, C, D, accum_steps))
     data = Data(args.data, args.seed, config.block_size)
     torch.manual_seed(args.seed + env.rank)  # dropout: a stream per rank (each holds other tokens)
 
-    cp_group, cp_ranks, dp_rank = make_groups(env.world_size, C, env.rank)
+    cp_group, cp_ranks, dp_rank = run.groups
     world = dist.group.WORLD  # every rank holds the same weights: the gradients' and the loss's group
     cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
     cp.recompute = args.recompute

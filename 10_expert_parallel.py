@@ -147,7 +147,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.router, self.top_k, self.n_expert, self.group = moe.router, moe.top_k, len(moe.experts), group
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in local})
-        self.received, self.load = [], torch.zeros(self.n_expert, dtype=torch.long)
+        self.received, self.load = [], None  # load: on the device, summed there (no host read)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -159,9 +159,11 @@ class ExpertParallelMoE(nn.Module):
         # exchange counts: rank r gets, from every rank of the group, its counts for r's experts
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # E int64 counts
-        received = received.view(N, local).tolist()  # [source][local expert]
-        send = counts.view(N, local).sum(dim=1).tolist()
-        recv = [sum(row) for row in received]
+        # the one host read of the layer: all_to_all_single takes its split sizes as lists, and
+        # the receiver must know them to allocate its inbox (Megatron's dispatcher reads them
+        # too); what this rank sends comes back with it, in the same read
+        received, send = torch.stack([received.view(N, local), counts.view(N, local)]).tolist()
+        send, recv = [sum(row) for row in send], [sum(row) for row in received]  # [source][local expert]
         inbox = AllToAll.apply(rows, recv, send, self.group)  # dispatch
         # The dispatch delivers the rows source-major: from each source rank s, its rows for
         # each of this rank's experts j in turn. Each expert runs once on all of its rows, so
@@ -179,7 +181,7 @@ class ExpertParallelMoE(nn.Module):
         out = AllToAll.apply(back, send, recv, self.group)  # combine: to the tokens' ranks
         if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
             self.received.append(sum(recv))  # one entry per micro-batch
-            self.load += counts.cpu()
+            self.load = counts if self.load is None else self.load + counts  # kept on the device
         return combine(out, order, weights).view(B, T, C), aux
 
 
@@ -204,11 +206,11 @@ def is_expert(name):
 
 def take_routing(model, device):
     """This step's routing, and reset: (the rows this rank received, per layer per micro-batch,
-    an (L, E) tensor of this rank's tokens per expert)."""
+    an (L, E) tensor of this rank's tokens per expert, on the device)."""
     layers = [block.mlp for block in model.transformer.h]
     received, load = [m.received for m in layers], torch.stack([m.load for m in layers]).to(device)
     for m in layers:
-        m.received, m.load = [], torch.zeros_like(m.load)
+        m.received, m.load = [], None
     return received, load
 
 
@@ -268,14 +270,15 @@ def evaluate(model, data, args, env, accum_steps, data_group):
 def main():
     run = Run(add_flags(make_parser(__doc__, experts=True)), __file__)
     args = run.args
-    env, accum_steps = run.start(costs, dp_size=run.world_size)  # every rank its own slice; auto: what fits
+    config = model_config(args, Data.vocab_size_of(args.data))
+    ep = check_layout(args, config, run.world_size)
+    # every rank its own slice; the expert groups up before auto reads the room for what fits
+    env, accum_steps = run.start(costs, dp_size=run.world_size, groups=lambda env: expert_groups(env.world_size, ep))
     run.dry_run(costs, lambda config: layout_lines(args, config, run.world_size, accum_steps))  # checked first
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
     data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
-    ep = check_layout(args, config, env.world_size)
     dp = env.world_size // ep
-    ep_group, dp_group = expert_groups(env.world_size, ep)
+    ep_group, dp_group = run.groups
     data_group = dist.group.WORLD  # every rank trains on its own slice of the batch: ep x dp ranks
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
     optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW

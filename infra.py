@@ -314,20 +314,24 @@ class Run(common.Run):
         self.meter = ActivationMeter()  # `with run.meter:` around a step's forwards and backwards
         self.env, self.chose, self.fit_lines, self.syncs = None, None, [], None
 
-    def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,)):
+    def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,), groups=None):
         """The processes started (common.setup) with the ledger installed, the run's files
-        checked and out_dir locked (agreed by every rank, before anything heavy), and the
-        micro-batch: --micro_batch_size as given, or for auto (the default) the largest that
-        divides a replica's share of the global batch and fits every rank's memory (the fit
-        check's need, from costs(), against its room), preferring at least `aim` micro-batches
-        per step and a multiple of `multiple` (pipelines). The ranks' rooms differ and they
-        must agree on one micro-batch: the smallest choice wins (one all-reduce). Then the fit
-        check, and the guard armed (SIGTERM / SIGUSR1 / --time_limit). For --dry_run nothing
-        starts: the choice is made against planned_room() at `ranks` (the ranks whose costs
-        differ) and env is None. Returns (env, accumulation steps)."""
+        checked and out_dir locked (agreed by every rank, before anything heavy), the
+        script's process groups made (`groups(env)`, kept as run.groups) and the guard armed
+        (SIGTERM / SIGUSR1 / --time_limit; its group too), every group warmed by one
+        collective, and then the micro-batch: --micro_batch_size as given, or for auto (the
+        default) the largest that divides a replica's share of the global batch and fits
+        every rank's memory (the fit check's need, from costs(), against its room), preferring
+        at least `aim` micro-batches per step and a multiple of `multiple` (pipelines). The
+        ranks' rooms differ and they must agree on one micro-batch: the smallest choice wins
+        (one all-reduce). Then the fit check. Groups first, because on GPUs each
+        communicator takes its buffers from the device at its first collective (NCCL: some
+        MiB per peer and channel): read before them, the room is too large. For --dry_run
+        nothing starts: the choice is made against planned_room() at `ranks` (the ranks whose
+        costs differ) and env is None. Returns (env, accumulation steps)."""
         args = self.args
         if args.rehearse:  # --rehearse: the named ranks' real steps on the fake backend, then exit (rehearsal)
-            return rehearsal_start(self, costs, dp_size, aim, multiple, ranks, sys._getframe(1))
+            return rehearsal_start(self, costs, dp_size, aim, multiple, ranks, sys._getframe(1), groups)
         if not args.dry_run:
             self.env = setup(args, self.launch)
             LEDGER.install(self.env.device)
@@ -335,6 +339,11 @@ class Run(common.Run):
                 self.syncs = HostSyncs(self.env.device)
             log_node_map(self.env)
             agree(self.env, startup_problem(args, self.env))
+            made = []
+            with recording_groups(made):
+                self.groups = groups(self.env) if groups else None
+                self.guard = Guard(args, self.env)
+            self.groups_up = warm_groups(self.env, made)
         if args.micro_batch_size == "auto":
             self.choose_micro_batch(costs, dp_size, aim, multiple, ranks)
         accum_steps = check_batch(args, dp_size)
@@ -345,7 +354,7 @@ class Run(common.Run):
             if not args.no_fit_check:  # against the room the choice was made for (read again later,
                 # after the other ranks have grown, it could refuse what auto chose)
                 agree(self.env, fit_problem(args, self.env, costs, self.room))
-            self.guard = Guard(args, self.env)
+            self.before_step = memory_mark(self.env)  # what step 0's check measures from
         return self.env, accum_steps
 
     def choose_micro_batch(self, costs, dp_size, aim, multiple, ranks):
@@ -370,6 +379,7 @@ class Run(common.Run):
 
     room = None  # the memory the micro-batch was chosen for (None: read it at the fit check)
     step_costs = None  # the step's own inputs run.cost was last evaluated for (end_step)
+    groups, groups_up, before_step = None, 0, None  # the script's groups; how many this rank is in; memory_mark()
 
     def planned_fit(self, costs, ranks):
         """A dry run's fit verdict, the launch's fit check against planned_room() (else none)."""
@@ -506,6 +516,7 @@ class Run(common.Run):
         live = self.meter.live_peaks(env)  # every live tensor's bytes at their most, by phase (or None)
         if step == self.start_step:
             print_ledger(env, self.held(), comm, self.cost, self.meter.peak)
+            self.fit_after_step()
         if logged:
             loss = loss.item()
             synchronize(env)
@@ -518,6 +529,49 @@ class Run(common.Run):
             self.save(step + 1)
         if self.stopping:
             self.guard.stop(step + 1)  # says how to resume; exits 0 on every rank
+
+    def fit_after_step(self):
+        """After the first step: the fit check's estimate against what the step really took,
+        on the rank where the estimate was most off, in one line (one all-gather). On GPUs
+        what a rank took from the room the check read: the allocator's peak reservation
+        grown since then (mem_peak_bytes is its allocated part) and the device memory taken
+        outside the allocator meanwhile (communicators made by the step's first send/recv,
+        library workspaces). On CPU the process's peak resident memory grown since the check
+        (VmHWM, reset there), which also holds what glibc's heap keeps after freeing; and
+        beside it what the ledger counts of costs()'s own terms: the live model state and the
+        activations saved for backward."""
+        env = self.env
+        if self.before_step is None:
+            return
+        device_type = env.device.type
+        took, parts = memory_taken(env, self.before_step)
+        counted = sum(v for kind, v in self.held().items() if device_type == "cpu" or "host" not in kind) \
+            + (self.meter.peak or 0)
+        mine = torch.tensor([fit_need(self.cost, device_type), -1 if took is None else took, counted,
+                             fit_base(self.cost, device_type), *parts], dtype=torch.float64, device=env.device)
+        everyone = [torch.empty_like(mine) for _ in range(env.world_size)] if env.world_size > 1 else [mine]
+        if env.world_size > 1:
+            with LEDGER.paused():  # control traffic, once
+                dist.all_gather(everyone, mine, group=dist.group.WORLD)
+        rows = [[int(value) for value in row.tolist()] for row in everyone]
+        if all(row[1] < 0 for row in rows):
+            log(env, "fit after step 0: not measured (the device reports no memory)")
+            return
+        rank = max(range(len(rows)), key=lambda r: rows[r][1] / max(rows[r][0], 1))
+        estimate, took, counted, base, *parts = rows[rank]
+        if device_type == "cpu":
+            how = ("CPU: the peak resident memory grown since the fit check" if parts[0] else "CPU: the peak "
+                   "resident memory since the process began (VmHWM could not be reset)") + ", glibc's kept heap included"
+        else:
+            how = (f"the allocator's peak reservation grown by {format_bytes(parts[0])}, of it allocated at the peak "
+                   f"(mem_peak) {format_bytes(parts[1])}, + {format_bytes(parts[2])} outside it: communicators, "
+                   "workspaces")
+        off = took / estimate - 1
+        log(env, f"fit after step 0: rank {rank} took {format_bytes(took)} ({how}) against the fit check's "
+                 f"{format_bytes(estimate)} ({allowance_text(device_type)}, its room read with "
+                 f"{self.groups_up} process group(s) up): the estimate was {abs(off):.0%} "
+                 f"{'low' if off > 0 else 'high'}; the ledger counted {format_bytes(counted)} of costs()'s "
+                 f"{format_bytes(base)} (model state + saved activations)")
 
     def save(self, step):
         LEDGER.phase = "checkpoint"
@@ -808,12 +862,16 @@ def allowance_text(device_type):
 GPU_USABLE = 0.9
 
 
-def fit_need(cost, device_type):
-    """Bytes this rank needs on its device: costs()'s state (its host parts, with --offload,
-    only on CPU), 05's units gathered at the peak, and the activations, plus the transients'
-    allowance."""
+def fit_base(cost, device_type):
+    """costs()'s own bytes on this rank's device: its state (the host parts, with --offload,
+    only on CPU), 05's units gathered at the peak, and the activations."""
     held = sum(v for kind, (_, v) in cost["held"].items() if device_type == "cpu" or "host" not in kind)
-    base = held + sum(cost[k][1] for k in ("gathered", "activations") if k in cost)
+    return held + sum(cost[k][1] for k in ("gathered", "activations") if k in cost)
+
+
+def fit_need(cost, device_type):
+    """Bytes this rank needs on its device: fit_base(), plus the transients' allowance."""
+    base = fit_base(cost, device_type)
     share, mib = fit_allowance(device_type)
     return base + int(share * base) + mib * 2**20
 
@@ -946,6 +1004,83 @@ def fit_problem(args, env, costs, room=None):
              "available" if env.device.type == "cpu" else f", {format_bytes(room)} free on {env.device}")
     return (f"rank {env.rank} needs {format_bytes(needed)} ({allowance_text(env.device.type)} for "
             f"transients){where}: {fit_fixes(args, need, room, env.device.type)} (--no_fit_check skips this check)")
+
+
+@contextmanager
+def recording_groups(made):
+    """Inside, every process group dist.new_group makes that has this rank is appended to
+    `made` (in the order made: the same on every rank)."""
+    new_group = dist.new_group
+
+    @wraps(new_group)
+    def recorded(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        if isinstance(group, dist.ProcessGroup):  # not GroupMember.NON_GROUP_MEMBER
+            made.append(group)
+        return group
+    dist.new_group = recorded
+    try:
+        yield made
+    finally:
+        dist.new_group = new_group
+
+
+def warm_groups(env, made):
+    """One 4-byte all-reduce on the world and on every group in `made`, in the order they
+    were made (the same on every rank, so no rank waits in one group for a rank waiting in
+    another): on NCCL, RCCL and XCCL a communicator allocates its buffers at its first
+    collective, and the fit check must see them gone from the room. Returns how many groups
+    this rank is in (the world included)."""
+    if env.world_size == 1:
+        return 1
+    with LEDGER.paused():  # control traffic, not a step's
+        for group in [dist.group.WORLD, *made]:
+            dist.all_reduce(torch.zeros(1, device=env.device), group=group)
+    return 1 + len(made)
+
+
+def _proc_status(key):
+    """A /proc/self/status value in bytes (VmRSS, VmHWM), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def memory_mark(env):
+    """Where the room stands when the fit check has read it, for memory_taken() after step 0:
+    on CUDA / XPU the free device memory and the allocator's reservation; on CPU the resident
+    memory, with the peak (VmHWM) reset to it (/proc/self/clear_refs, Linux)."""
+    module = torch.get_device_module(env.device) if env.device.type in ("cuda", "xpu") else None
+    if module is not None and hasattr(module, "mem_get_info"):
+        return {"free": module.mem_get_info(env.device)[0], "reserved": module.memory_reserved(env.device)}
+    if env.device.type == "cpu":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5: reset the peak resident set size to the current one
+            reset = True
+        except OSError:
+            reset = False
+        return {"rss": _proc_status("VmRSS"), "reset": reset}
+    return {}
+
+
+def memory_taken(env, mark):
+    """(bytes, parts) that the run took from the room since memory_mark(), at its peak: on
+    CUDA / XPU parts are (the allocator's peak reservation less its reservation at the mark,
+    its peak allocation (mem_peak_bytes), the memory taken outside it); on CPU (whether VmHWM
+    was reset at the mark, 0, 0). None where the device says nothing."""
+    module = torch.get_device_module(env.device) if "free" in mark else None
+    if module is not None:
+        grown = module.max_memory_reserved(env.device) - mark["reserved"]
+        outside = max(0, (mark["free"] - module.mem_get_info(env.device)[0])
+                      - (module.memory_reserved(env.device) - mark["reserved"]))
+        return grown + outside, (grown, module.max_memory_allocated(env.device), outside)
+    hwm = _proc_status("VmHWM")
+    if mark.get("rss") is None or hwm is None:
+        return None, (0, 0, 0)
+    return max(0, hwm - mark["rss"]), (int(mark["reset"]), 0, 0)
 
 
 def fit_fixes(args, need, room, device_type="cpu"):
@@ -2983,7 +3118,7 @@ def rehearsal_ranks(spec, world_size, roles):
     return ranks
 
 
-def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller):
+def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller, groups=None):
     """Run.start under --rehearse. The first call (the script's own main()) drives the
     rehearsal and exits; inside it, each rank's main() calls here again and gets its fake
     process group, as setup() would give it a real one."""
@@ -3003,6 +3138,7 @@ def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller):
     LEDGER.step, LEDGER.phase, LEDGER.posted = None, "setup", {}
     run.__class__, run.rows, run.pieces_count = RehearsedRun, [], None
     run.meter = ActivationMeter()
+    run.groups = groups(run.env) if groups else None  # the script's process groups, as start() makes them
     run.guard = Guard(args, run.env)
     return run.env, check_batch(args, dp_size)
 

@@ -131,9 +131,9 @@ def test_merge_is_exact():
     q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 12, 8), torch.randn(2, 3, 12, 8)
     expected = torch.softmax(q @ k.transpose(-2, -1) / 8 ** 0.5, dim=-1) @ v
     for block in (cp_module.block_forward, cp_module.explicit_block_forward):
-        out, lse = block(q, k[:, :, :7], v[:, :, :7], causal=False)
+        out, lse = block(q, k[:, :, :7], v[:, :, :7], causal=False)[:2]  # (block_forward: + its kernel's state)
         out, lse = out.clone(), lse.clone()
-        o2, l2 = block(q, k[:, :, 7:], v[:, :, 7:], causal=False)
+        o2, l2 = block(q, k[:, :, 7:], v[:, :, 7:], causal=False)[:2]
         cp_module.merge(out, lse, o2, l2)
         assert torch.allclose(out, expected, atol=1e-6), block.__name__
 
@@ -148,12 +148,12 @@ def test_fused_block_equals_the_explicit_reference(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for tq, tk, causal in ((6, 6, True), (3, 6, False), (6, 3, False)):
         q, k, v, dout = (torch.randn(2, 3, t, 8).to(dt) for t in (tq, tk, tk, tq))
-        o, lse = cp_module.block_forward(q, k, v, causal)
+        o, lse, state = cp_module.block_forward(q, k, v, causal)
         o_ref, lse_ref = cp_module.explicit_block_forward(q, k, v, causal)
         assert o.dtype == dt and lse.dtype == torch.float32 and lse.shape == (2, 3, tq)
         assert torch.allclose(o.float(), o_ref, **tol) and torch.allclose(lse, lse_ref, **tol)
         final_out, final_lse = torch.randn(2, 3, tq, 8).to(dt), lse + torch.rand(2, 3, tq)
-        fused = cp_module.block_backward(dout, q, k, v, final_out, final_lse, causal)
+        fused = cp_module.block_backward(dout, q, k, v, final_out, final_lse, causal, state)
         explicit = cp_module.explicit_block_backward(dout, q, k, v, final_out, final_lse, causal)
         for name, a, b in zip(("dq", "dk", "dv"), fused, explicit):
             assert torch.allclose(a.float(), b, **tol), (name, tq, tk, causal, (a.float() - b).abs().max())
