@@ -168,10 +168,25 @@ class Unit:
             shard.grad = piece.clone() if shard.grad is None else shard.grad.add_(piece)
 
 
-class FSDP:
-    """The units of the model and the schedule of their collectives."""
+def shard_groups(world_size, replicate, rank):
+    """(this rank's shard group, its replicate group or None): consecutive ranks form a shard
+    group (one node), rank i of every shard group a replicate group. Made before the fit
+    check (Run.start's groups=), so that the room it reads has their communicators' buffers."""
+    S, shard, replicate_group = world_size // replicate, None, None
+    for g in range(replicate):
+        group = dist.new_group(list(range(g * S, (g + 1) * S)), group_desc="shard")  # the ledger's name
+        shard = group if g == rank // S else shard
+    for i in range(S):
+        group = dist.new_group(list(range(i, world_size, S)), group_desc="replicate")
+        replicate_group = group if i == rank % S and replicate > 1 else replicate_group
+    return shard, replicate_group
 
-    def __init__(self, model, config, args, env):
+
+class FSDP:
+    """The units of the model and the schedule of their collectives, over the `groups` of
+    shard_groups()."""
+
+    def __init__(self, model, config, args, env, groups):
         self.config, self.seed, self.device = config, args.seed, env.device
         self.offload = args.offload
         self.copies = HostCopies(env.device) if args.offload else None  # --offload: on a side stream
@@ -179,16 +194,7 @@ class FSDP:
         self.world_size, R = env.world_size, args.replicate
         S = self.shard_size = env.world_size // R
         self.shard_rank, self.replica = env.rank % S, env.rank // S
-        # consecutive ranks form a shard group (one node); rank i of every group a replica group
-        for g in range(R):
-            group = dist.new_group(list(range(g * S, (g + 1) * S)), group_desc="shard")  # the ledger's name
-            if g == self.replica:
-                self.shard_group = group
-        self.replicate_group = None
-        for i in range(S):
-            group = dist.new_group(list(range(i, env.world_size, S)), group_desc="replicate")
-            if i == self.shard_rank and R > 1:
-                self.replicate_group = group
+        self.shard_group, self.replicate_group = groups  # shard_groups()
         self.compute_dtype = env.dtype
         self.reduce_dtype = getattr(torch, args.reduce_dtype)
         self.prefetch, self.reshard = not args.no_prefetch, not args.no_reshard
@@ -451,7 +457,8 @@ def main():
     args = run.args
     check(args.replicate >= 1 and run.world_size % args.replicate == 0,
           f"--replicate {args.replicate} does not divide the world size {run.world_size}")
-    env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
+    env, accum_steps = run.start(costs, dp_size=run.world_size,  # processes up; auto: the largest that fits,
+                                 groups=lambda env: shard_groups(env.world_size, args.replicate, env.rank))
     run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
     dp_group = dist.group.WORLD  # the data-parallel group: every rank, each with its slice of the batch
@@ -462,7 +469,7 @@ def main():
         model = GPT(config)  # no memory: shapes only
     for block in model.transformer.h:
         block.recompute = args.recompute
-    fsdp = FSDP(model, config, args, env)  # each rank initialises and keeps only its rows
+    fsdp = FSDP(model, config, args, env, run.groups)  # each rank initialises and keeps only its rows
     # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
     optimizer = fsdp_optimizer(fsdp, args, env)  # AdamW (or Muon + AdamW) on this rank's fp32 rows
     run.begin(config, optimizer, costs, layout={"strategy": "fsdp", "replicate": args.replicate},
