@@ -1825,7 +1825,22 @@ def formula(expr, show="", **symbols):
     micro-batches): then its value is printed. A symbol may be a Formula: by name it stands
     for its bytes ("n·layer"); shown, its expression is written in place.
         formula("4*Ψ + 4*loss", Ψ=10, loss=1)             -> ("4Ψ + 4·loss", 44)
-        formula("m*2*e*b*s*h", show="m e", m=3, e=2, ...)  -> ("3·2·2bsh", 12·b·s·h)"""
+        formula("m*2*e*b*s*h", show="m e", m=3, e=2, ...)  -> ("3·2·2bsh", 12·b·s·h)
+    Remembered: plan.py and the fit check ask for the same formula at the same values
+    thousands of times (every rank of every layout, every micro-batch tried)."""
+    key = (expr, show, tuple(sorted((name, (v, v.expr, tuple(sorted(v.symbols.items())))
+                                     if isinstance(v, Formula) else v) for name, v in symbols.items())))
+    if key not in _FORMULAS:
+        if len(_FORMULAS) > 200_000:
+            _FORMULAS.clear()
+        _FORMULAS[key] = _formula(expr, show, symbols)
+    return _FORMULAS[key]
+
+
+_FORMULAS = {}
+
+
+def _formula(expr, show, symbols):
     shown, kept = set(show.split()), {}
 
     def inline(node):  # shown symbols by their value (a shown Formula: its own expression)
