@@ -93,7 +93,7 @@ def test_bfloat16_ledger_and_cost_function():
         n_params = run.steps[0]["state_bytes"]["params"] // 4
         assert run.steps[0]["comm_bytes"] == expected_sent(impl, 2, 2, 8, 64, 64, 4, n_params, e=2)
         args = argparse.Namespace(cp=2, cp_impl=impl, global_batch_size=8, micro_batch_size=None,
-                                  recompute=False, device="cpu", dry_run=False)
+                                  recompute=False, device="cpu", dry_run=False, optimizer="adamw")
         cost = cp_module.costs(args, GPTConfig(vocab_size=65, **PRESETS["tiny"]), 2, torch.bfloat16)
         assert {op: b for op, (_, b) in cost["sent"].items()} == run.steps[0]["comm_bytes"]
 
