@@ -108,6 +108,8 @@ def add_run_flags(parser):
 def parse_args(parser, argv=None):
     """common.parse_args with the infrastructure's flags added and checked."""
     args = common.parse_args(add_run_flags(parser), argv)
+    check(args.rehearse is None or args.rehearse.strip() != "", "--rehearse is empty (an unset variable?): "
+          "name the ranks (0,17,511), roles or all")
     check(not (args.dry_run and args.rehearse), "--dry_run prices the layout from the formulas, --rehearse executes "
           "it: pass one")
     if args.dry_run or args.rehearse:

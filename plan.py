@@ -659,10 +659,16 @@ def measured_machine(path, machine, machine_name):
         sys.exit(2)
 
     try:
+        if not os.path.isfile(path):  # a device or a pipe (/dev/zero reads forever)
+            refuse("no such file" if not os.path.exists(path) else "not a regular file (the doctor's --json is one)")
+        if os.path.getsize(path) > MAX_BENCH_BYTES:
+            refuse(f"{os.path.getsize(path):,} bytes: not the doctor's --json (a few KiB)")
         with open(path) as f:
             report = json.load(f)
+    except RecursionError:
+        refuse("JSON nested thousands of levels deep: not the doctor's --json")
     except (OSError, ValueError) as e:
-        refuse(f"cannot read it as the doctor's --json ({e})")
+        refuse(f"cannot read it as the doctor's --json ({str(e)[:150]})")
     links = report.get("links") if isinstance(report, dict) else None
     if not isinstance(links, dict) or not links or not set(links) <= set(LINKS):
         refuse("no measured links in it (02_collectives.py --doctor --json FILE on 2 or more ranks writes them)")

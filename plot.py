@@ -391,7 +391,8 @@ def read_dumps(folder):
     """{rank: dump} of the Flight Recorder dumps in `folder` (files named <prefix><rank>, all
     with one prefix, as TORCH_FR_DUMP_TEMP_FILE writes them), and {rank: trail lines}."""
     if not os.path.isdir(folder):
-        raise Refused(f"--hangs {folder}: no such directory")
+        raise Refused(f"--hangs {folder}: " + ("no such directory" if not os.path.exists(folder) else
+                      "not a directory (the folder of the Flight Recorder dumps, logs/fr-<job id>)"))
     dumps, trails, prefixes = {}, {}, set()
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)

@@ -287,3 +287,17 @@ def test_plot_draws_a_step_0_run_and_zero_bubble_and_refuses_deep_json(tmp_path,
     out = tmp_path / "zb.png"
     assert plot.main(["--schedule", "zb", "--pp", "4", "--micro_batches", "8", "-o", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["plan.py", "--model", "gpt2", "--gpus", "8", "--machine", "polaris", "--measured", "/dev/zero"],
+     "error: --measured /dev/zero: not a regular file"),  # read forever (and out of memory) before
+    (["plot.py", "--hangs", "/dev/null"], "error: --hangs /dev/null: not a directory"),
+    (["03_ddp.py", "--model", "tiny", "--device", "cpu", "--rehearse", "", "--world_size", "2"],
+     "error: --rehearse is empty (an unset variable?)"),
+])
+def test_the_new_entry_points_refuse_hostile_input_in_one_line(argv, reason):
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and done.stderr.strip().startswith(reason), done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
