@@ -82,6 +82,7 @@ Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
                    and last stage, of the clipping norm, and a broadcast of the loss per step
 """
 
+import re
 import time
 
 import torch
@@ -174,7 +175,25 @@ def backward_tag(i, g, n, m):
     return n * m + forward_tag(i, g, n)
 
 
-def exchanges(rounds, p, rank, v, m):
+def chunk_stage(p, rank, c, vee=False):
+    """The pipeline position (global chunk) of rank `rank`'s c-th chunk: c·p + rank
+    (interleaved: rank r holds r, r+p, ...), or in a V (ZB-V, DualPipeV: two chunks per
+    rank) r on the way down and 2p-1-r on the way back, so rank 0 holds the first and the
+    last chunk and rank p-1 the two in the middle, passed from one to the other in memory."""
+    return (2 * p - 1 - rank if c else rank) if vee else c * p + rank
+
+
+def stages_of(p, rank, v, vee=False):
+    """The global chunks rank `rank` holds, in its chunk order."""
+    return [chunk_stage(p, rank, c, vee) for c in range(v)]
+
+
+def stage_rank(p, g, vee=False):
+    """The rank that holds global chunk g (the inverse of chunk_stage)."""
+    return (g if g < p else 2 * p - 1 - g) if vee else g % p
+
+
+def exchanges(rounds, p, rank, v, m, vee=False):
     """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
     receives it needs; after each round, the sends of what it computed (outputs to the next
     stage, input gradients to the previous) together with the receives of the next round.
@@ -182,6 +201,7 @@ def exchanges(rounds, p, rank, v, m):
     backward follows), send_backward_recv_backward after a backward (..._recv_forward), and
     send_forward_backward_recv_forward_backward after an interleaved steady-state round.
     An entry: [("send" | "recv", peer stage, tag)], tags from forward_tag and backward_tag.
+    vee: the chunks sit in a V (chunk_stage), and a peer may be the rank itself (the V's turn).
 
     Why one batch per round, sends and receives together: under NCCL a send completes only
     once its receive is posted, and a rank's batches complete one after another. Posted this
@@ -193,23 +213,266 @@ def exchanges(rounds, p, rank, v, m):
 
     def receives(ops):
         for kind, i, c in ops:
-            g = c * p + rank
+            g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
-                yield "recv", (rank - 1) % p, forward_tag(i, g - 1, n)
+                yield "recv", stage_rank(p, g - 1, vee), forward_tag(i, g - 1, n)
             if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
-                yield "recv", (rank + 1) % p, backward_tag(i, g + 1, n, m)
+                yield "recv", stage_rank(p, g + 1, vee), backward_tag(i, g + 1, n, m)
 
     def sends(ops):
         for kind, i, c in ops:
-            g = c * p + rank
+            g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g < n - 1:
-                yield "send", (rank + 1) % p, forward_tag(i, g, n)
+                yield "send", stage_rank(p, g + 1, vee), forward_tag(i, g, n)
             if kind == "B" and g > 0:
-                yield "send", (rank - 1) % p, backward_tag(i, g, n, m)
+                yield "send", stage_rank(p, g - 1, vee), backward_tag(i, g, n, m)
 
     following = rounds[1:] + [()]
     return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
                                           for ops, nxt in zip(rounds, following)]
+
+
+# ---------------------------------------------------------------------------------------
+# Tables: a schedule as every rank's actions in order, in torch.distributed.pipelining's
+# notation; the executor, the drawing, costs() and the NCCL replay all read the table
+# ---------------------------------------------------------------------------------------
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank in a V (chunk_stage)
+
+
+def zbv_actions(p, rank, m):
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6), as torch's
+    ScheduleZBVZeroBubble orders it: rank r runs 2(p-r)-1 forwards down the V (its chunk
+    r), then alternates forwards of its two chunks, then from the bottom of the V a forward
+    of the way back (chunk 2p-1-r) with its I and W at once; in the steady state one F, I
+    and W of each chunk; the cool-down's Is, and the Ws last. Built for at least 2p-1
+    micro-batches (what fills the V), those beyond m then dropped."""
+    down, up, n = f"{rank}", f"{2 * p - 1 - rank}", max(2 * p - 1, m)
+    out, count = [], {}
+
+    def act(stage, kind):  # the next micro-batch of this stage and kind
+        key = (stage, kind)
+        count[key] = count.get(key, 0) + 1
+        out.append(f"{stage}{kind}{count[key] - 1}")
+    for _ in range(2 * (p - rank) - 1):  # warm-up: down the V
+        act(down, "F")
+    for _ in range(rank):
+        act(up, "F"), act(down, "F")
+    for _ in range(p - rank):  # the way back starts: its Is and Ws at once
+        act(up, "F"), act(up, "I"), act(up, "W")
+    while count[(down, "F")] < n or count.get((up, "F"), 0) < count[(down, "F")]:  # steady state
+        if count[(down, "F")] < n:
+            act(down, "F")
+        act(down, "I"), act(down, "W"), act(up, "F"), act(up, "I"), act(up, "W")
+    w_down, w_up = count.get((down, "W"), 0), count.get((up, "W"), 0)
+    for _ in range(rank):  # cool-down: input gradients first, what the other ranks wait for
+        act(down, "I"), act(up, "I")
+    for _ in range(p - rank):
+        act(down, "I")
+        out.append(f"{down}W{w_down}")
+        w_down += 1
+    out += [f"{up}W{i}" for i in range(w_up, count.get((up, "I"), 0))]
+    out += [f"{down}W{i}" for i in range(w_down, count[(down, "I")])]
+    return [a for a in out if int(re.match(r"\d+[A-Z]+(\d+)", a).group(1)) < m]
+
+
+def dualpipev_actions(p, rank, m):
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V, deepseek-ai/DualPipe), as torch's
+    ScheduleDualPipeV orders it (m >= 2p): the steady state is one forward of one chunk
+    overlapped with the full backward of the other, "(aFi;bBj)OVERLAP_F_B", which on GPUs
+    hides each one's communication behind the other's compute and here runs one after the
+    other; the first and last phases use zero bubble's I and W. B is a full backward."""
+    down, up = rank, 2 * p - 1 - rank
+    out, count, weights = [], {}, []
+
+    def act(stage, kind, emit=True):
+        key = (stage, "I" if kind == "B" else kind)
+        i = count.get(key, 0)
+        count[key] = i + 1
+        if kind == "I":
+            weights.append(f"{stage}W{i}")
+        if emit:
+            out.append(f"{stage}{kind}{i}")
+        return f"{stage}{kind}{i}"
+
+    def overlap(forward, backward):
+        out.append(f"({act(forward, 'F', False)};{act(backward, 'B', False)})OVERLAP_F_B")
+
+    def pending_weight():
+        if weights:
+            out.append(weights.pop(0))
+    for _ in range(2 * (p - rank - 1)):
+        act(down, "F")
+    for _ in range(rank + 1):
+        act(down, "F"), act(up, "F")
+    for _ in range(p - rank - 1):
+        act(up, "I"), pending_weight(), act(up, "F")
+    for k in range(m - 2 * p + rank + 1):  # the main phase: F0B1 and F1B0, overlapped
+        if k == 0 and rank == p - 1:  # not overlapped, to shorten the bubble
+            act(down, "F"), act(up, "B")
+        else:
+            overlap(down, up)
+        overlap(up, down)
+    for _ in range(p - rank - 1):
+        act(up, "B"), overlap(up, down)
+    zero_bubble = False
+    for k in range(rank + 1):  # the second half of the backwards uses I and W
+        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 1
+        act(up, "I" if zero_bubble else "B")
+        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 0
+        act(down, "I" if zero_bubble else "B")
+    for _ in range(p - rank - 1):
+        pending_weight(), act(down, "I" if zero_bubble else "B")
+    for _ in range(rank + 1):
+        pending_weight()
+    return out
+
+
+def table(kind, p, m, v=1):
+    """Every rank's actions, in order, as torch.distributed.pipelining writes them: "3F1"
+    (stage 3's forward of micro-batch 1), "3I1" (its backward-input, zero bubble's B), "3W1"
+    (backward-weight), "3B1" (a full backward), "(0F4;1B2)OVERLAP_F_B" (two run as one
+    round: the interleaved steady state's forward and backward, DualPipe's overlapped
+    pair). The four older schedules are their schedule_rounds() written so; a W rides in
+    the round of the I or B before it (table_rounds)."""
+    if kind == "zbv":
+        return [zbv_actions(p, r, m) for r in range(p)]
+    if kind == "dualpipev":
+        return [dualpipev_actions(p, r, m) for r in range(p)]
+    tables = []
+    for rank in range(p):
+        cells = []
+        for ops in schedule_rounds(kind, p, rank, m, v):
+            names = [f"{c * p + rank}{'I' if kind == 'zb' and op == 'B' else op}{i}" for op, i, c in ops]
+            cells += [f"({names[0]};{names[1]})OVERLAP_F_B"] if [o[0] for o in ops] == ["F", "B"] else names
+        tables.append(cells)
+    return tables
+
+
+ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
+
+
+def parse_action(text):
+    """[(stage, "F" | "I" | "W" | "B", micro-batch)] of one action (two for an overlapped pair)."""
+    pair = re.match(r"^\((.*);(.*)\)OVERLAP_F_B$", text.strip())
+    parts = [pair.group(1), pair.group(2)] if pair else [text]
+    found = [ACTION.match(part.strip()) for part in parts]
+    if not all(found):
+        raise ValueError(f"not an action: {text!r} (expected e.g. 2F0, 2I0, 2W0, 2B0 or (0F1;1B0)OVERLAP_F_B)")
+    return [(int(f.group(1)), f.group(2), int(f.group(3))) for f in found]
+
+
+def split_table(actions):
+    """Does the table split backwards into I and W (zero bubble: SplitLinear)?"""
+    return any(kind in "IW" for row in actions for text in row for _, kind, _ in parse_action(text))
+
+
+def table_rounds(row, p, rank, v, vee=False, split=False):
+    """The rounds the executor runs (Pipeline.run, exchanges()) from one rank's actions: one
+    round per action, an overlapped pair one round, and a W riding in the round of the
+    backward before it (it runs while that round's messages travel). Our ops: ("F" | "B" |
+    "W", micro-batch, local chunk), B being I when split; a full backward of a split table
+    is its B and W in one round."""
+    local = {chunk_stage(p, rank, c, vee): c for c in range(v)}
+    rounds = []
+    for text in row:
+        ops = []
+        for g, kind, i in parse_action(text):
+            ops.append(({"I": "B"}.get(kind, kind), i, local[g]))
+            if kind == "B" and split:
+                ops.append(("W", i, local[g]))
+        if [op[0] for op in ops] == ["W"] and rounds and rounds[-1][-1][0] == "B":
+            rounds[-1] += tuple(ops)
+        else:
+            rounds.append(tuple(ops))
+    return rounds
+
+
+def eval_rounds(p, m, v, vee=False):
+    """Evaluation's rounds: forward_rounds(), or in a V every micro-batch down, then back."""
+    return forward_rounds(p, m, v) if not vee else [(("F", i, c),) for c in range(2) for i in range(m)]
+
+
+def chunks_per_rank(args):
+    """(v, vee): chunks per rank, and whether they sit in a V (chunk_stage)."""
+    vee = args.schedule in V_SHAPED
+    return (2 if vee else args.virtual_stages if args.schedule == "interleaved" else 1), vee
+
+
+def run_table(args, p, m):
+    """(table, v, vee, split) of the run: --schedule's table, its chunks per rank, their
+    placement, and whether backwards split into I and W."""
+    v, vee = chunks_per_rank(args)
+    actions = table(args.schedule, p, m, v)
+    return actions, v, vee, split_table(actions)
+
+
+def nccl_batches(rounds_by_rank, p, v, m, vee=False):
+    """exchanges() of every rank, made to run under NCCL's point-to-point rules (those of
+    tests/nccl_replay.py: a rank's batches complete in posting order; a send completes only
+    once its receive is posted; the k-th send from a to b is b's k-th receive from a,
+    whatever the tags). The four older schedules' batches already do, and are returned as
+    they are. In a V one channel carries two streams (rank r passes chunk r's activations
+    and chunk 2p-1-r's gradients to rank r+1) and a rank may need a later message first
+    (ZB-V at p = 2: rank 1 runs 2I0 before 1F2, whose input rank 0 sent first): 1. a
+    receive is posted together with those its sender sends before it; 2. replaying the
+    batches, where ranks wait on each other (a send's receive behind its peer's own send,
+    posted alone), a receive whose send is already posted moves into the waiting rank's
+    batch. Early receives wait in the executor's `received` until their round. Raises
+    ValueError naming the rank and its batch where no move helps (a real deadlock)."""
+    batches = [[list(b) for b in exchanges(rounds_by_rank[r], p, r, v, m, vee)] for r in range(p)]
+    sent = {(q, r): [tag for b in batches[q] for op, peer, tag in b if op == "send" and peer == r]
+            for q in range(p) for r in range(p) if q != r}
+    for r in range(p):  # 1. receives in their senders' order
+        done = {q: 0 for q in range(p)}
+        for b in batches[r]:
+            wanted = [(q, tag) for op, q, tag in b if op == "recv" and q != r]
+            b[:] = [entry for entry in b if entry[0] == "send" or entry[1] == r]
+            for q, tag in wanted:
+                if tag in sent[(q, r)][done[q]:]:
+                    upto = sent[(q, r)].index(tag, done[q]) + 1
+                    b += [("recv", q, t) for t in sent[(q, r)][done[q]:upto]]
+                    done[q] = upto
+    while True:  # 2. replay; where stuck, move a receive whose send is posted to its waiting rank
+        where, ops_of = {}, []  # (channel, message number, op) -> its batch; per batch what it waits on
+        for r in range(p):
+            count, ops_of_r = {}, []
+            for j, b in enumerate(batches[r]):
+                ops_of_r.append([])
+                for op, q, _ in b:
+                    if q != r:
+                        channel = (r, q) if op == "send" else (q, r)
+                        count[channel] = count.get(channel, 0) + 1
+                        where[(channel, count[channel], op)] = j
+                        ops_of_r[-1].append(((channel, count[channel], "recv" if op == "send" else "send"), q))
+            ops_of.append(ops_of_r)
+        head, moved = [0] * p, True
+        while moved:
+            moved = False
+            for r in range(p):
+                while head[r] < len(batches[r]) and all(where.get(other, len(batches[q])) <= head[q]
+                                                        for other, q in ops_of[r][head[r]]):
+                    head[r], moved = head[r] + 1, True
+        if all(head[r] == len(batches[r]) for r in range(p)):
+            return batches
+        for r in (r for r in range(p) if head[r] < len(batches[r])):
+            for q in (q for q in range(p) if q != r and head[q] < len(batches[q])):
+                tags = [tag for op, peer, tag in batches[q][head[q]] if op == "send" and peer == r]
+                later = [(j, entry) for j in range(head[r] + 1, len(batches[r])) for entry in batches[r][j]
+                         if entry[0] == "recv" and entry[1] == q]
+                if tags and later and later[0][1][2] in tags:  # its send is posted: receive it now
+                    batches[r][later[0][0]].remove(later[0][1])
+                    batches[r][head[r]].append(later[0][1])
+                    break
+            else:
+                continue
+            break
+        else:
+            r = min(r for r in range(p) if head[r] < len(batches[r]))
+            raise ValueError(f"rank {r} deadlocks under NCCL's rules at its batch {head[r]} "
+                             f"{batches[r][head[r]]}: every rank waits on another")
+
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,13 +532,13 @@ def chunk_layers(n_layer, n_chunks):
     return [(sum(sizes[:c]), sizes[c]) for c in range(n_chunks)]
 
 
-def build_chunks(config, p, v, rank, seed=None, recompute=False):
-    """This rank's chunks r, r + p, ..., r + (v-1)p (on the current device), with 01's
-    initial values for `seed` (uninitialised without one)."""
+def build_chunks(config, p, v, rank, seed=None, recompute=False, vee=False):
+    """This rank's chunks r, r + p, ..., r + (v-1)p (in a V: r and 2p-1-r; chunk_stage) on
+    the current device, with 01's initial values for `seed` (uninitialised without one)."""
     layout = chunk_layers(config.n_layer, p * v)
     chunks = nn.ModuleList()
     for c in range(v):
-        g = c * p + rank
+        g = chunk_stage(p, rank, c, vee)
         chunks.append(Chunk(config, *layout[g], g == 0, g == p * v - 1))
         for block in chunks[-1].h:
             block.recompute = recompute
@@ -366,7 +629,7 @@ def split_backward(chunks):
 
 
 def check_layout(args, config, p):
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    v, _ = chunks_per_rank(args)
     check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}"
           + (f" x virtual_stages {v}" if v > 1 else "") + ": every chunk needs at least one layer")
 
@@ -380,10 +643,13 @@ class Pipeline:
     rank in the group, and its messages name their peers by stage (group_peer), so that a
     pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: wait for
     the device around every operation, to measure the compute time and so the bubble (08_3d.py
-    measures none, and keeps compute and communication overlapping on GPUs)."""
+    measures none, and keeps compute and communication overlapping on GPUs). `vee`: the
+    chunks sit in a V (chunk_stage; ZB-V and DualPipeV), so the rank passes some messages to
+    itself, in memory."""
 
-    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
+        self.vee = vee
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.synchronize = (lambda: synchronize(env)) if timed else (lambda: None)
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
@@ -391,7 +657,7 @@ class Pipeline:
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
 
     def global_chunk(self, c):
-        return c * self.p + self.rank
+        return chunk_stage(self.p, self.rank, c, self.vee)
 
     def _exchange(self, batch, outputs, meanwhile=lambda: None):
         """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
@@ -405,6 +671,12 @@ class Pipeline:
             meanwhile()
             return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
         ops, received = [], {}
+        for op, peer, tag in [entry for entry in batch if entry[1] == self.rank]:  # the V's turn: in memory
+            if op == "send":
+                self.mailbox[tag] = outputs[tag][0].detach().clone()
+            else:
+                received[tag] = self.mailbox.pop(tag)
+        batch = [entry for entry in batch if entry[1] != self.rank]
         for op, peer, tag in batch:  # activations or gradients, b·s·h each
             if op == "send":
                 ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
@@ -437,7 +709,7 @@ class Pipeline:
                 still.append((request, tensor, free))
         self.posted_sends = still
 
-    def run(self, rounds, inputs, targets, m, train=True):
+    def run(self, rounds, inputs, targets, m, train=True, batches=None):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
         flight (forward done, backward not; with zero bubble: W not), and the fraction of
@@ -446,7 +718,7 @@ class Pipeline:
         saved, loss_sum, in_flight, peak, busy = {}, torch.zeros((), device=self.env.device), 0, 0, 0.0
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
         start = time.perf_counter()
-        batches = exchanges(rounds, self.p, self.rank, self.v, m)
+        batches = batches or exchanges(rounds, self.p, self.rank, self.v, m, self.vee)  # or nccl_batches()'s
         received = self._exchange(batches[0], {})
         for ops, batch in zip(rounds, batches[1:]):
             # wait() on an NCCL request only orders the stream: the received activations may
@@ -520,9 +792,10 @@ def micro_batches(data, split, step, args, env, m, eval_split=False):
     return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
 
 
-def share_loss(loss_sum, group, m):
-    """The mean loss over the micro-batches, on every stage of the pipeline `group`."""
-    last = dist.get_world_size(group) - 1
+def share_loss(loss_sum, group, m, last=None):
+    """The mean loss over the micro-batches, on every stage of the pipeline `group`; `last`:
+    the stage that holds the last chunk (in a V the first, 0)."""
+    last = dist.get_world_size(group) - 1 if last is None else last
     dist.broadcast(loss_sum, group=group, group_src=last)  # the last stage's loss, to every stage for logging
     return loss_sum / m
 
@@ -545,8 +818,9 @@ def clip_grad_norm(chunks, max_norm, group):
 def add_flags(parser):
     g = parser.add_argument_group("07_pipeline")
     g.add_argument("--pp", type=int, default=None, help="pipeline stages (= world size)")
-    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
-                   help="zb: zero bubble, ZB-H1 (Qi et al. 2023)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="zb: zero bubble, ZB-H1 (Qi et al. 2023); zbv: its V-shaped ZB-V; dualpipev: "
+                        "DeepSeek's DualPipeV (both two chunks per rank, in a V)")
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
     g.add_argument("--measure_bubble", action="store_true",
                    help="wait for the device around every forward and backward to measure each stage's busy "
@@ -558,13 +832,15 @@ def add_flags(parser):
 @torch.no_grad()
 def evaluate(pipeline, chunks, data, args, env, p, m, v):
     chunks.eval()
-    losses = {}
+    losses, vee = {}, pipeline.vee
+    rounds = eval_rounds(p, m, v, vee)
+    batches = nccl_batches([rounds] * p, p, v, m, vee)[env.rank]
     for split in ("train", "val"):
         total = 0.0
         for k in range(args.eval_iters):
             xs, ys = micro_batches(data, split, k, args, env, m, eval_split=True)
-            loss_sum, _, _ = pipeline.run(forward_rounds(p, m, v), xs, ys, m, train=False)
-            total += share_loss(loss_sum, pipeline.group, m).item()
+            loss_sum, _, _ = pipeline.run(rounds, xs, ys, m, train=False, batches=batches)
+            total += share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee)).item()
         losses[split] = total / args.eval_iters
     chunks.train()
     return losses
@@ -574,7 +850,7 @@ def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
     p = run.world_size
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    v, vee = chunks_per_rank(args)
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
           "(08_3d.py combines PP with data and tensor parallelism)")
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
@@ -583,14 +859,17 @@ def main():
     env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p))
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    check(args.schedule != "dualpipev" or m >= 2 * p,
+          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
     check_layout(args, config, p)
     torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
 
-    chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute).to(env.device)
-    deferred = split_backward(chunks) if args.schedule == "zb" else None  # zero bubble: B and W apart
+    actions, v, vee, split = run_table(args, p, m)  # every rank's actions: the schedule's one source
+    chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute, vee).to(env.device)
+    deferred = split_backward(chunks) if split else None  # zero bubble: B (I) and W apart
     first, last = chunks[0].is_first, chunks[-1].is_last
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
@@ -598,8 +877,9 @@ def main():
     optimizer = make_adamw(chunks.parameters(), args, env.device.type)
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
-                        timed=args.measure_bubble)
-    rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # ("F" | "B" | "W", micro-batch, chunk)
+                        timed=args.measure_bubble, vee=vee)
+    every = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]  # ("F" | "B" | "W", micro-batch, chunk)
+    rounds, batches = every[env.rank], nccl_batches(every, p, v, m, vee)[env.rank]
     run.begin(config, optimizer, costs, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
               evaluate=lambda: evaluate(pipeline, chunks, data, args, env, p, m, v),
@@ -612,9 +892,9 @@ def main():
             group["lr"] = lr
         xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
         with run.meter:
-            loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m)  # busy: the share spent computing
-        loss = share_loss(loss_sum, pipeline.group, m)
-        if p > 1 and (first or last):
+            loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m, batches=batches)  # busy: computing
+        loss = share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee))
+        if p > 1 and first != last:  # (in a V, one rank holds both: the head is wte itself)
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
                 dist.all_reduce(weight.grad, group=embedding_group)
         norm = clip_grad_norm(chunks, args.grad_clip, pipeline.group) if args.grad_clip > 0 else None
@@ -642,37 +922,47 @@ def costs(args, config, world_size, dtype, rank=0):
     (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
     all-reduced between the first and last stage, the norm and the logged loss."""
     from infra import formula
-    p, v = world_size, args.virtual_stages if args.schedule == "interleaved" else 1
-    m = args.global_batch_size // args.micro_batch_size
+    p, m = world_size, args.global_batch_size // args.micro_batch_size
+    actions, v, vee, split = run_table(args, p, m)
     with torch.device("meta"):
-        chunks = build_chunks(config, p, v, rank)
+        chunks = build_chunks(config, p, v, rank, vee=vee)
     psi = sum(t.numel() for t in chunks.parameters())
     first, last = chunks[0].is_first, chunks[-1].is_last
-    order = schedule(args.schedule, p, rank, m, v)
-    sends = sum(1 for kind, i, c in order
-                if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
-    recvs = sum(1 for kind, i, c in order
-                if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
-    if p == 1:  # one rank holds every chunk: activations pass between chunks in memory
-        sends = recvs = 0
+    rounds = table_rounds(actions[rank], p, rank, v, vee, split)
+    order = [op for ops in rounds for op in ops]
+    # what crosses to another rank (one rank alone, or the V's turn, passes in memory)
+    posted = [op for batch in exchanges(rounds, p, rank, v, m, vee) for op, peer, _ in batch if peer != rank]
+    sends, recvs = posted.count("send"), posted.count("recv")
     b, s, h = args.micro_batch_size, config.block_size, config.n_embd
     sent = {"send": formula("n*4*b*s*h", show="n", n=sends, b=b, s=s, h=h),
             "recv": formula("n*4*b*s*h", show="n", n=recvs, b=b, s=s, h=h),
             "broadcast": formula("4*loss", loss=1),
             # the tied wte's gradient between the first and the last stage; the norm
-            "all_reduce": formula(" + ".join(["4*V*h"] * (p > 1 and (first or last))
+            "all_reduce": formula(" + ".join(["4*V*h"] * (p > 1 and first != last)
                                              + ["4*norm"] * (args.grad_clip > 0 and p > 1)) or "0",
                                   V=config.vocab_size, h=h, norm=1)}
     held = {"params": formula("4*Ψ_stage", Ψ_stage=psi), "grads": formula("4*Ψ_stage", Ψ_stage=psi),
             "optim": formula("8*Ψ_stage", Ψ_stage=psi)}
     in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
-                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
-    return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
+                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}.get(
+        args.schedule, held_peak(order, split))  # the V schedules: walked (ZB-V: 2p chunks, as 1F1B's stage 0)
+    return {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
+                                                if v > 1 else ""),
             "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
-            "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank)}
+            "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank, vee, split)}
 
 
-def activation_peak(args, config, dtype, order, p, v, rank):
+def held_peak(order, split):
+    """The most micro-batch chunks held at once along a rank's order: from F to its W (split)
+    or its B."""
+    held = peak = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1 if kind == ("W" if split else "B") else 0
+        peak = max(peak, held)
+    return peak
+
+
+def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=False):
     """The most this stage holds for backward, walking its schedule: micro-batch chunk g
     holds kept_g (common's activation_terms for its layers) from its forward to its
     backward, during_g while its backward runs, and (zero bubble) W_g from B to W, the x
@@ -689,9 +979,9 @@ def activation_peak(args, config, dtype, order, p, v, rank):
     mask = (e_bsh // e if gpu else e_bsh) if config.dropout > 0 else 0
     layout, now, peak, values = chunk_layers(config.n_layer, p * v), {}, {}, {}
     for kind, i, c in order:
-        g = c * p + rank
+        g = chunk_stage(p, rank, c, vee)
         chunk = (terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
-        if args.schedule == "zb":
+        if split:
             values[f"kept_{g}"], values[f"during_{g}"], values[f"W_{g}"] = zero_bubble_phases(*chunk, e_bsh, mask)
         else:
             (values[f"kept_{g}"], values[f"during_{g}"]), values[f"W_{g}"] = activation_phases(*chunk), 0
@@ -743,14 +1033,17 @@ def bubble_theory(kind, p, m, v):
     (m >= p; with fewer micro-batches the tail cannot be filled: (2p-1-m)/(2m+2p-1))."""
     if kind == "zb":  # fewer micro-batches than stages: stage 0 waits 2p-1-m units, not p-1
         return (p - 1) / (3 * m + p - 1) if m >= p else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
+    if kind in V_SHAPED:  # idle max((p-1)/2, 2p-1-m) units of 3m + idle: half of ZB-H1's once m >= (3p-1)/2
+        return (p - 1) / (6 * m + p - 1) if 2 * m >= 3 * p - 1 else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
     return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
 
 
 def bubble_formula(kind, v):
-    return {"zb": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(v·m+p-1)"}.get(kind, "(p-1)/(m+p-1)")
+    return {"zb": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(v·m+p-1)", "zbv": "(p-1)/(6m+p-1)",
+            "dualpipev": "(p-1)/(6m+p-1)"}.get(kind, "(p-1)/(m+p-1)")
 
 
-def simulate(orders, p, v):
+def simulate(orders, p, v, vee=False):
     """Replay the executed orders with unit costs (a forward or backward of a whole stage
     takes 1, of one of v chunks 1/v; ZB's B and W one each) and the pipeline's
     dependencies: returns, per rank, the (start, op) of each operation. This is the
@@ -764,7 +1057,7 @@ def simulate(orders, p, v):
             if position[r] == len(orders[r]):
                 continue
             kind, i, c = orders[r][position[r]]
-            g = c * p + r  # global chunk index
+            g = chunk_stage(p, r, c, vee)  # global chunk index
             if kind == "F":
                 needs = [("F", i, g - 1)] if g > 0 else []
             elif kind == "W":  # the weight gradient needs only its own B (the same stage)
@@ -807,8 +1100,9 @@ def describe(args, config, p, v, m):
 
 def log_timeline(run, args, p, v, m):
     """Log the schedule every stage runs as a unit-cost timeline; returns its drawn bubble."""
-    orders = [schedule(args.schedule, p, r, m, v) for r in range(p)]
-    timeline, bubble = draw(simulate(orders, p, v), p, v)
+    actions, v, vee, split = run_table(args, p, m)
+    orders = [[op for ops in table_rounds(actions[r], p, r, v, vee, split) for op in ops] for r in range(p)]
+    timeline, bubble = draw(simulate(orders, p, v, vee), p, v)
     run.log(f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
             f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
             f"({bubble_formula(args.schedule, v)})")
@@ -823,12 +1117,12 @@ def plan(args, p, v, m):
     check_layout(args, config, p)
     # the activation bytes are not in these lines: any dtype gives the same stage lines
     stages = [costs(args, config, p, torch.float32, rank) for rank in range(p)]
-    layout = chunk_layers(config.n_layer, p * v)
+    layout, vee = chunk_layers(config.n_layer, p * v), chunks_per_rank(args)[1]
     return ([f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
              f"{args.micro_batch_size}; bubble {bubble_formula(args.schedule, v)} = "
              f"{bubble_theory(args.schedule, p, m, v):.3f}"]
             + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
-               f"{', '.join(f'{layout[c * p + r][0]}-{sum(layout[c * p + r]) - 1}' for c in range(v))}, holds "
+               f"{', '.join(f'{layout[g][0]}-{sum(layout[g]) - 1}' for g in stages_of(p, r, v, vee))}, holds "
                f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
                f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
                f"{s['in_flight']} micro-batch(es) of activations in flight"
