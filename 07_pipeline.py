@@ -456,19 +456,17 @@ def nccl_batches(rounds_by_rank, p, v, m, vee=False):
                     head[r], moved = head[r] + 1, True
         if all(head[r] == len(batches[r]) for r in range(p)):
             return batches
+        moves = 0
         for r in (r for r in range(p) if head[r] < len(batches[r])):
             for q in (q for q in range(p) if q != r and head[q] < len(batches[q])):
                 tags = [tag for op, peer, tag in batches[q][head[q]] if op == "send" and peer == r]
-                later = [(j, entry) for j in range(head[r] + 1, len(batches[r])) for entry in batches[r][j]
-                         if entry[0] == "recv" and entry[1] == q]
-                if tags and later and later[0][1][2] in tags:  # its send is posted: receive it now
-                    batches[r][later[0][0]].remove(later[0][1])
-                    batches[r][head[r]].append(later[0][1])
-                    break
-            else:
-                continue
-            break
-        else:
+                later = next(((j, entry) for j in range(head[r] + 1, len(batches[r])) for entry in batches[r][j]
+                              if entry[0] == "recv" and entry[1] == q), None)
+                if tags and later and later[1][2] in tags:  # its send is posted: receive it now
+                    batches[r][later[0]].remove(later[1])
+                    batches[r][head[r]].append(later[1])
+                    moves += 1
+        if not moves:
             r = min(r for r in range(p) if head[r] < len(batches[r]))
             raise ValueError(f"rank {r} deadlocks under NCCL's rules at its batch {head[r]} "
                              f"{batches[r][head[r]]}: every rank waits on another")
