@@ -82,6 +82,7 @@ Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
                    and last stage, of the clipping norm, and a broadcast of the loss per step
 """
 
+import csv
 import re
 import time
 
@@ -91,7 +92,7 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (autocast, Block, check, Data, lr_at, make_adamw, make_parser, model_config, param_init,
+from common import (autocast, Block, check, Data, fail, lr_at, make_adamw, make_parser, model_config, param_init,
                     synchronize, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
@@ -394,8 +395,131 @@ def eval_rounds(p, m, v, vee=False):
     return forward_rounds(p, m, v) if not vee else [(("F", i, c),) for c in range(2) for i in range(m)]
 
 
+def read_table(path):
+    """Every rank's actions from a CSV file as torch.distributed.pipelining's _dump_csv
+    writes it and _load_csv reads it: one row per rank, one action per cell, an empty cell
+    an idle step."""
+    with open(path, newline="") as f:
+        return [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
+
+
+def write_table(actions, path):
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(actions)
+
+
+def placement_of(actions):
+    """(v, vee): the chunks per rank and their placement that the table's stages name; None
+    if no rank r holds r, r+p, ... (interleaved) or r and 2p-1-r (a V) for all r."""
+    p = len(actions)
+    held = [sorted({g for text in row for g, _, _ in parse_action(text)}) for row in actions]
+    v = max(len(h) for h in held)
+    for vee in (False, True) if v == 2 else (False,):
+        if all(h == sorted(stages_of(p, r, v, vee)) for r, h in enumerate(held)):
+            return v, vee
+    return None
+
+
+class Deadlock(ValueError):
+    def __init__(self, rank, batch, message):
+        super().__init__(message)
+        self.rank, self.batch = rank, batch
+
+
+def table_problem(actions, p, m):
+    """Why the table cannot run at p ranks and m micro-batches, in one line naming the rank
+    and the action, or None: rows not one per rank, an action that is not one, stages not
+    placed as 07 places them, an action missing or twice (its send would have no receive),
+    an I without its W or a W without its I, an action before its input exists or a W before
+    its I (the order, replayed with every rank waiting for what it needs, stops), or an order
+    that deadlocks under NCCL's rules (nccl_batches)."""
+    if len(actions) != p:
+        return f"the table has {len(actions)} rows, one per rank, for {p} ranks"
+    for r, row in enumerate(actions):
+        for text in row:
+            try:
+                parse_action(text)
+            except ValueError as e:
+                return f"rank {r}: {e}"
+    placement = placement_of(actions)
+    if placement is None:
+        return ("its stages are not placed as 07 places chunks: rank r holds r, r+p, ... (interleaved) "
+                "or r and 2p-1-r (a V), every rank as many")
+    (v, vee), seen = placement, {}
+    for r, row in enumerate(actions):
+        for text in row:
+            for g, kind, i in parse_action(text):
+                if (g, kind, i) in seen:
+                    return f"rank {r}, action {text}: {g}{kind}{i} runs twice"
+                if i >= m:
+                    return f"rank {r}, action {text}: micro-batch {i}, but the run has {m} (0 to {m - 1})"
+                seen[(g, kind, i)] = r
+    n = p * v
+    for g, i in ((g, i) for g in range(n) for i in range(m)):
+        r, back = stage_rank(p, g, vee), [k for k in "BI" if (g, k, i) in seen]
+        missing = (f"{g}F{i}" if (g, "F", i) not in seen else f"{g}B{i} (or {g}I{i} and {g}W{i})" if not back
+                   else f"{g}W{i} after its {g}I{i}" if back == ["I"] and (g, "W", i) not in seen else None)
+        if missing:
+            return f"rank {r}: never runs {missing}"
+        if len(back) > 1 or (back == ["B"] and (g, "W", i) in seen):
+            return f"rank {r}: {g}{'I' if len(back) > 1 else 'W'}{i} besides the full backward {g}B{i}"
+    def needs(g, kind, i):  # what must have run, on any rank, before this action
+        if kind == "F":
+            return [(g - 1, "F", i)] if g > 0 else []
+        if kind == "W":
+            return [(g, "I", i)]
+        return [(g, "F", i)] + [(g + 1, k, i) for k in "BI" if g < n - 1 and (g + 1, k, i) in seen]
+    flat = [[(text, sub) for text in row for sub in parse_action(text)] for row in actions]
+    done, position, moved = set(), [0] * p, True
+    while moved:  # every rank runs its next action once what it needs has run
+        moved = False
+        for r in range(p):
+            while position[r] < len(flat[r]) and all(need in done for need in needs(*flat[r][position[r]][1])):
+                done.add(flat[r][position[r]][1])
+                position[r], moved = position[r] + 1, True
+    stuck = [r for r in range(p) if position[r] < len(flat[r])]
+    for r in sorted(stuck, key=lambda r: not any(  # a rank waiting on itself first: the cause, not a victim
+            stage_rank(p, need[0], vee) == r for need in needs(*flat[r][position[r]][1]) if need not in done)):
+        text, action = flat[r][position[r]]
+        g, k, i = next(need for need in needs(*action) if need not in done)
+        holder = stage_rank(p, g, vee)
+        return (f"rank {r}, action {text}: needs {g}{k}{i} first, which this rank runs after it" if holder == r else
+                f"rank {r}, action {text}: needs {g}{k}{i} first, which rank {holder} runs only after "
+                f"what waits on this (the order deadlocks)")
+    split = split_table(actions)
+    rounds = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
+    try:
+        nccl_batches(rounds, p, v, m, vee)
+    except Deadlock as e:
+        ops = rounds[e.rank][e.batch - 1] if e.batch else ()
+        names = " ".join(f"{chunk_stage(p, e.rank, c, vee)}{'I' if k == 'B' and split else k}{i}" for k, i, c in ops)
+        return f"rank {e.rank}, after action {names or '(none)'}: {e}"
+    return None
+
+
+def use_table_file(args, p):
+    """--schedule_csv: read the user's table and refuse it, in one line naming the rank and
+    the action, if it cannot run (table_problem), before anything is built. Its micro-batch
+    count is the run's m: the micro-batch size is the global batch over it."""
+    try:
+        actions = read_table(args.schedule_csv)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        fail(f"--schedule_csv {args.schedule_csv}: cannot read it ({e})")
+    m = 1 + max((int(i) for row in actions for text in row for i in re.findall(r"[FIWB](\d+)", text)), default=-1)
+    check(m > 0 and args.global_batch_size % m == 0, f"--schedule_csv {args.schedule_csv}: its {m} micro-batches "
+          f"do not divide --global_batch_size {args.global_batch_size}")
+    check(args.micro_batch_size in ("auto", args.global_batch_size // m),
+          f"--schedule_csv {args.schedule_csv} has {m} micro-batches of {args.global_batch_size // m}: "
+          f"leave out --micro_batch_size {args.micro_batch_size}")
+    problem = table_problem(actions, p, m)
+    check(problem is None, f"--schedule_csv {args.schedule_csv}: {problem}")
+    args.micro_batch_size, args.schedule = args.global_batch_size // m, "csv"
+
+
 def chunks_per_rank(args):
     """(v, vee): chunks per rank, and whether they sit in a V (chunk_stage)."""
+    if args.schedule_csv:
+        return placement_of(read_table(args.schedule_csv))
     vee = args.schedule in V_SHAPED
     return (2 if vee else args.virtual_stages if args.schedule == "interleaved" else 1), vee
 
@@ -404,7 +528,7 @@ def run_table(args, p, m):
     """(table, v, vee, split) of the run: --schedule's table, its chunks per rank, their
     placement, and whether backwards split into I and W."""
     v, vee = chunks_per_rank(args)
-    actions = table(args.schedule, p, m, v)
+    actions = read_table(args.schedule_csv) if args.schedule_csv else table(args.schedule, p, m, v)
     return actions, v, vee, split_table(actions)
 
 
@@ -420,7 +544,7 @@ def nccl_batches(rounds_by_rank, p, v, m, vee=False):
     batches, where ranks wait on each other (a send's receive behind its peer's own send,
     posted alone), a receive whose send is already posted moves into the waiting rank's
     batch. Early receives wait in the executor's `received` until their round. Raises
-    ValueError naming the rank and its batch where no move helps (a real deadlock)."""
+    Deadlock naming the rank and its batch where no move helps (a real deadlock)."""
     batches = [[list(b) for b in exchanges(rounds_by_rank[r], p, r, v, m, vee)] for r in range(p)]
     sent = {(q, r): [tag for b in batches[q] for op, peer, tag in b if op == "send" and peer == r]
             for q in range(p) for r in range(p) if q != r}
@@ -468,8 +592,8 @@ def nccl_batches(rounds_by_rank, p, v, m, vee=False):
                     moves += 1
         if not moves:
             r = min(r for r in range(p) if head[r] < len(batches[r]))
-            raise ValueError(f"rank {r} deadlocks under NCCL's rules at its batch {head[r]} "
-                             f"{batches[r][head[r]]}: every rank waits on another")
+            raise Deadlock(r, head[r], f"its batch {batches[r][head[r]]} deadlocks under NCCL's rules "
+                                       "(every rank waits on another)")
 
 
 
@@ -820,6 +944,11 @@ def add_flags(parser):
                    help="zb: zero bubble, ZB-H1 (Qi et al. 2023); zbv: its V-shaped ZB-V; dualpipev: "
                         "DeepSeek's DualPipeV (both two chunks per rank, in a V)")
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
+    g.add_argument("--schedule_csv", default=None, metavar="FILE",
+                   help="run this table instead of --schedule: one row per rank of actions such as 0F1, 0I1, 0W1, 0B1 "
+                        "(torch.distributed.pipelining's _dump_csv/_load_csv format); its micro-batches set m")
+    g.add_argument("--write_schedule", default=None, metavar="FILE",
+                   help="write the run's table (any schedule) to FILE in that format (rank 0; also with --dry_run)")
     g.add_argument("--measure_bubble", action="store_true",
                    help="wait for the device around every forward and backward to measure each stage's busy "
                         "time, and so the bubble (metrics: busy_fraction); on GPUs this serialises compute "
@@ -852,6 +981,8 @@ def main():
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
           "(08_3d.py combines PP with data and tensor parallelism)")
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
+    if args.schedule_csv:  # a user's table: checked before anything is built
+        use_table_file(args, p)
     # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches
     # (the bubble (p-1)/(m+p-1) is then about 1/3; the interleaved schedule needs m = kp)
     env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p))
@@ -859,13 +990,15 @@ def main():
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
     check(args.schedule != "dualpipev" or m >= 2 * p,
           f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
+    actions, v, vee, split = run_table(args, p, m)  # every rank's actions: the schedule's one source
+    if args.write_schedule and (env is None or env.rank == 0):  # (a dry run has no env)
+        write_table(actions, args.write_schedule)
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
     check_layout(args, config, p)
     torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
 
-    actions, v, vee, split = run_table(args, p, m)  # every rank's actions: the schedule's one source
     chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute, vee).to(env.device)
     deferred = split_backward(chunks) if split else None  # zero bubble: B (I) and W apart
     first, last = chunks[0].is_first, chunks[-1].is_last
@@ -1031,6 +1164,8 @@ def bubble_theory(kind, p, m, v):
     (m >= p; with fewer micro-batches the tail cannot be filled: (2p-1-m)/(2m+2p-1))."""
     if kind == "zb":  # fewer micro-batches than stages: stage 0 waits 2p-1-m units, not p-1
         return (p - 1) / (3 * m + p - 1) if m >= p else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
+    if kind == "csv":  # a user's table: drawn only
+        return None
     if kind in V_SHAPED:  # idle max((p-1)/2, 2p-1-m) units of 3m + idle: half of ZB-H1's once m >= (3p-1)/2
         return (p - 1) / (6 * m + p - 1) if 2 * m >= 3 * p - 1 else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
     return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
@@ -1038,7 +1173,7 @@ def bubble_theory(kind, p, m, v):
 
 def bubble_formula(kind, v):
     return {"zb": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(v·m+p-1)", "zbv": "(p-1)/(6m+p-1)",
-            "dualpipev": "(p-1)/(6m+p-1)"}.get(kind, "(p-1)/(m+p-1)")
+            "dualpipev": "(p-1)/(6m+p-1)", "csv": "no formula: the table's own"}.get(kind, "(p-1)/(m+p-1)")
 
 
 def simulate(orders, p, v, vee=False):
@@ -1101,9 +1236,10 @@ def log_timeline(run, args, p, v, m):
     actions, v, vee, split = run_table(args, p, m)
     orders = [[op for ops in table_rounds(actions[r], p, r, v, vee, split) for op in ops] for r in range(p)]
     timeline, bubble = draw(simulate(orders, p, v, vee), p, v)
+    theory = bubble_theory(args.schedule, p, m, v)  # None for a user's table
     run.log(f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
-            f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
-            f"({bubble_formula(args.schedule, v)})")
+            f"bubble: {bubble:.3f} drawn"
+            + (f", {theory:.3f} in theory ({bubble_formula(args.schedule, v)})" if theory is not None else ""))
     return bubble
 
 
@@ -1118,7 +1254,7 @@ def plan(args, p, v, m):
     layout, vee = chunk_layers(config.n_layer, p * v), chunks_per_rank(args)[1]
     return ([f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
              f"{args.micro_batch_size}; bubble {bubble_formula(args.schedule, v)} = "
-             f"{bubble_theory(args.schedule, p, m, v):.3f}"]
+             f"{bubble_theory(args.schedule, p, m, v) or 0:.3f}"]
             + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
                f"{', '.join(f'{layout[g][0]}-{sum(layout[g]) - 1}' for g in stages_of(p, r, v, vee))}, holds "
                f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
