@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import _Action, ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 import nccl_replay
 from harness import ROOT, TINY, assert_losses_match, launch
@@ -112,7 +112,7 @@ def reference():
     return launch("01_single_gpu.py", BASE + EIGHT + ["--sample_tokens", "0"]).ok()
 
 
-@pytest.mark.parametrize("ranks, kind, micro", [(2, "zbv", 6), (2, "zbv", 3), (4, "zbv", 4), (4, "zbv", 2),
+@pytest.mark.parametrize("ranks, kind, micro", [(2, "zbv", 6), (4, "zbv", 4), (4, "zbv", 2),
                                                 (2, "dualpipev", 6), (4, "dualpipev", 3)])
 def test_v_runs_reproduce_01(reference, ranks, kind, micro):
     """01's losses and evaluation, with the activation ledger matching its theory on every
@@ -144,3 +144,69 @@ def test_recorded_zbv_run_posts_nccl_batches_and_replays(tmp_path):
         expected = plain(evaluation[r]) * 2 + plain(train[r]) + plain(evaluation[r]) * 2
         assert plain(recorded[r]) == expected, f"rank {r}"
     assert nccl_replay.replay(recorded).ok
+
+
+def test_tables_travel_through_torchs_csv_format(tmp_path):
+    """07 reads the CSV torch's _dump_csv writes (ZB-V's, idle steps as empty cells); torch's
+    _load_csv reads the one 07 writes (and lowers it to its runtime's sends and receives);
+    every action 07 writes parses with torch's _Action.from_str back to the same text."""
+    stages = [types.SimpleNamespace(stage_index=g, num_stages=6, group_size=3, group_rank=0,
+                                    submod=torch.nn.Linear(1, 1)) for g in (0, 5)]
+    schedule = ScheduleZBVZeroBubble(stages, 6)
+    schedule._dump_csv(tmp_path / "torch.csv", format="compute_only")
+    assert pp.read_table(tmp_path / "torch.csv") == pp.table("zbv", 3, 6)
+    pp.write_table(pp.table("zbv", 3, 6), tmp_path / "ours.csv")
+    schedule.pipeline_order = {}
+    schedule._load_csv(tmp_path / "ours.csv")
+    assert [[str(a) for a in schedule.pipeline_order[r]] for r in range(3)] == pp.table("zbv", 3, 6)
+    for kind, v in OLDER + [("zbv", 2), ("dualpipev", 2)]:
+        pp.write_table(pp.table(kind, 3, 6, v), tmp_path / f"{kind}.csv")
+        actions = pp.read_table(tmp_path / f"{kind}.csv")
+        assert actions == pp.table(kind, 3, 6, v) and pp.table_problem(actions, 3, 6) is None
+        assert all(str(_Action.from_str(text)) == text for row in actions for text in row), kind
+
+
+def test_a_table_that_cannot_run_is_refused_naming_the_rank_and_action():
+    good = pp.table("zb", 2, 3)  # [0F0 0F1 0I0 0W0 0F2 ...], [1F0 1I0 1F1 ...]
+
+    def problem(rank, change):
+        actions = [list(row) for row in good]
+        actions[rank] = change(actions[rank])
+        return pp.table_problem(actions, 2, 3)
+    assert problem(1, lambda row: ["1W0"] + [a for a in row if a != "1W0"]) == \
+        "rank 1, action 1W0: needs 1I0 first, which this rank runs after it"  # W before its B
+    crossed = [["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]  # each waits for the other's
+    assert pp.table_problem(crossed, 2, 2) == ("rank 0, action 0B0: needs 1B0 first, which rank 1 runs only "
+                                               "after what waits on this (the order deadlocks)")
+    assert problem(1, lambda row: [a for a in row if a != "1F2"]) == "rank 1: never runs 1F2"  # 0's send unmatched
+    assert problem(1, lambda row: row + ["1F2"]) == "rank 1, action 1F2: 1F2 runs twice"
+    assert problem(1, lambda row: [a for a in row if a != "1W2"]) == "rank 1: never runs 1W2 after its 1I2"
+    assert problem(0, lambda row: row + ["0F9"]).startswith("rank 0, action 0F9: micro-batch 9, but the run has 3")
+    assert problem(0, lambda row: row + ["0X1"]).startswith("rank 0: not an action: '0X1'")
+    assert problem(0, lambda row: [a.replace("0", "1", 1) if a[0] == "0" else a for a in row]).startswith(
+        "its stages are not placed as 07 places chunks")
+    # the posting orders themselves (the backstop behind the check above): where no
+    # receive can move, nccl_batches names the first rank waiting, and its batch
+    crossed = [[(("B", 0, 0),), (("F", 0, 0),)], [(("F", 0, 0),), (("B", 0, 0),)]]
+    with pytest.raises(pp.Deadlock) as caught:
+        pp.nccl_batches(crossed, 2, 1, 1)
+    assert (caught.value.rank, caught.value.batch) == (0, 0) and "deadlocks under NCCL's rules" in str(caught.value)
+
+
+def test_schedule_csv_runs_a_users_table_and_refuses_a_bad_one(reference, tmp_path):
+    """07 writes ZB-V's table (--write_schedule, a dry run) and runs it back from the file as
+    a user's table: 01's losses. A table with a W before its I: one line, before anything
+    is built, exit 2."""
+    flags = BASE + EIGHT + ["--micro_batch_size", "4"]
+    path = tmp_path / "zbv.csv"
+    launch("07_pipeline.py", flags + ["--schedule", "zbv", "--write_schedule", path, "--dry_run",
+                                      "--world_size", "2"]).ok()
+    run = launch("07_pipeline.py", flags + ["--schedule_csv", path], nprocs=2).ok()
+    assert_losses_match(reference, run, what="pp=2 zbv from its CSV")
+    assert "schedule csv" in run.stdout and "bubble: 0.027 drawn" in run.stdout
+    rows = pp.read_table(path)
+    rows[1] = ["1W0"] + [a for a in rows[1] if a != "1W0"]
+    pp.write_table(rows, path)
+    bad = launch("07_pipeline.py", BASE + EIGHT + ["--schedule_csv", path], nprocs=2, timeout=60)
+    assert bad.returncode == 2 and bad.error_lines == [
+        f"error: --schedule_csv {path}: rank 1, action 1W0: needs 1I0 first, which this rank runs after it"]
