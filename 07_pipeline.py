@@ -1,5 +1,6 @@
-"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B, interleaved 1F1B and zero
-bubble (ZB-H1), with the schedule that ran drawn as a timeline.
+"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B, interleaved 1F1B, zero bubble
+(ZB-H1) and its V-shaped ZB-V, DualPipeV, or any schedule given as a table, with the schedule
+that ran drawn as a timeline.
 
 The layers are split into P consecutive stages, one per rank; the embedding lives on the
 first stage, the final LayerNorm and the head on the last. The global batch is cut into m
@@ -50,6 +51,37 @@ for in idle time, the bubble, while the pipeline fills and drains.
     micro-batch also holds the head's b·s·V log-softmax; and W tensors are not recomputed,
     so --recompute saves far less than under 1F1B (docs/memory.md has GPT-2's figures).
 
+    ZB-V (Qi et al. 2024, section 6; torch.distributed.pipelining's ScheduleZBVZeroBubble)
+    cuts the model in 2p chunks and lays them in a V: rank r holds chunk r on the way down
+    and chunk 2p-1-r on the way back (chunk_stage), p = 2:
+      chunk   0     1     2     3          rank 0 holds the first and the last chunk: the
+      rank    0  →  1  →  1  →  0          loss's backward starts where the forwards start,
+                 (in memory)               and wte and its tied head are one tensor
+    so the backward of the last chunk follows its forward at once on the rank that would
+    idle longest, and the warm-up of 2(p-r)-1 forwards of chunk r holds 2p chunk-sized
+    micro-batches (p whole ones, 1F1B's stage-0 peak) on every rank. With F, B, W of a
+    chunk one half unit each ('a' down, 'b' back), p = 2, m = 4:
+      stage 0  F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b B2a W2a B3a W3a  .
+      stage 1   .  F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b B3a W2a W3b W3a
+    idle: max((p-1)/2, 2p-1-m) units of 3m + idle, so bubble = (p-1)/(6m+p-1) once
+    m >= (3p-1)/2, half of ZB-H1's; fewer micro-batches cannot fill the V:
+    (2p-1-m)/(2m+2p-1). DualPipeV (DeepSeek-V3's DualPipe folded into the same V; torch's
+    ScheduleDualPipeV; m >= 2p) overlaps the forward of one chunk with the full backward
+    of the other, written as one action "(0F3;3B1)OVERLAP_F_B": on GPUs each hides the
+    other's communication; here, on one stream, they run one after the other, so its drawn
+    bubble is ZB-V's formula, and it holds one chunk-sized micro-batch more, 2p+1 on every
+    rank (the overlapped pair's forward comes before its backward frees).
+
+Tables. Every schedule is one table: per rank, its actions in order, in the notation of
+torch.distributed.pipelining (its _dump_csv / _load_csv CSV, one row per rank): "3F1" is
+stage 3's forward of micro-batch 1, "3I1" its backward-input (zero bubble's B), "3W1" its
+backward-weight, "3B1" a full backward, "(0F4;1B2)OVERLAP_F_B" two actions in one round.
+The executor runs the table (table_rounds: one round per action, a W riding in the round of
+the backward before it), the drawing, the bubble, costs() and the NCCL replay read it, and
+the sends and receives are derived from it (exchanges, nccl_batches). --write_schedule FILE
+writes any schedule's table; --schedule_csv FILE runs a user's, refused before anything is
+built, in one line naming the rank and the action, when it cannot run (table_problem).
+
 Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
 steady state one forward and one backward; ZB's W rides in the round of the B before it)
 and between two rounds posts one batch_isend_irecv (exchanges()): the sends of what it just
@@ -66,6 +98,8 @@ Run:
 
     mpiexec -n 4 python 07_pipeline.py --schedule 1f1b --model gpt2 --micro_batch_size 4
     mpiexec -n 4 python 07_pipeline.py --schedule zb --model gpt2
+    mpiexec -n 4 python 07_pipeline.py --schedule zbv --model gpt2 --write_schedule zbv.csv
+    mpiexec -n 4 python 07_pipeline.py --schedule_csv zbv.csv --model gpt2
     torchrun --standalone --nproc_per_node 4 07_pipeline.py --schedule interleaved --virtual_stages 3 ...
 
 Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
@@ -75,7 +109,9 @@ Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
                    min(p-r, m) (1F1B), or min(v·m, 2(p-r-1) + (v-1)p + 1) chunk-sized ones
                    (interleaved: Megatron's warm-up of 2(p-r-1) + (v-1)p forwards, plus one);
                    ZB-H1 (m >= p): (p-r-1)·K + r·n·16e·bsh + the most one B holds, K being
-                   a micro-batch's activations, which B turns into its n·16e·bsh W tensors
+                   a micro-batch's activations, which B turns into its n·16e·bsh W tensors;
+                   ZB-V: up to 2p chunk-sized micro-batches (p whole: 1F1B's stage 0 on
+                   every rank), walked along the table (held_peak, activation_peak)
     communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward,
                    fp32 also under autocast (the residual stream); v times as many boundaries
                    when interleaved; + an all-reduce of the wte gradient (V·h) between first
