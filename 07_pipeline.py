@@ -787,9 +787,10 @@ def split_backward(chunks):
 
 
 def check_layout(args, config, p):
-    v, _ = chunks_per_rank(args)
-    check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}"
-          + (f" x virtual_stages {v}" if v > 1 else "") + ": every chunk needs at least one layer")
+    v, vee = chunks_per_rank(args)
+    chunks = f" x {v} chunks per rank ({args.schedule})" if vee else f" x virtual_stages {v}" if v > 1 else ""
+    check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}{chunks}: "
+          "every chunk needs at least one layer")
 
 
 # ---------------------------------------------------------------------------------------

@@ -212,3 +212,6 @@ def test_schedule_csv_runs_a_users_table_and_refuses_a_bad_one(reference, tmp_pa
     bad = launch("07_pipeline.py", BASE + EIGHT + ["--schedule_csv", path], nprocs=2, timeout=60)
     assert bad.returncode == 2 and bad.error_lines == [
         f"error: --schedule_csv {path}: rank 1, action 1W0: needs 1I0 first, which this rank runs after it"]
+    few = launch("07_pipeline.py", BASE + ["--schedule", "zbv", "--n_layer", "7", "--dry_run", "--world_size", "4"])
+    assert few.returncode == 2 and few.error_lines == [
+        "error: n_layer 7 is fewer than pp 4 x 2 chunks per rank (zbv): every chunk needs at least one layer"]
