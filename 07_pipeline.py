@@ -61,8 +61,8 @@ for in idle time, the bubble, while the pipeline fills and drains.
     idle longest, and the warm-up of 2(p-r)-1 forwards of chunk r holds 2p chunk-sized
     micro-batches (p whole ones, 1F1B's stage-0 peak) on every rank. With F, B, W of a
     chunk one half unit each ('a' down, 'b' back), p = 2, m = 4:
-      stage 0  F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b B2a W2a B3a W3a  .
-      stage 1   .  F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b B3a W2a W3b W3a
+      stage 0  F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b B2a W2a B3a W3a   .
+      stage 1    . F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b B3a W2a W3b W3a
     idle: max((p-1)/2, 2p-1-m) units of 3m + idle, so bubble = (p-1)/(6m+p-1) once
     m >= (3p-1)/2, half of ZB-H1's; fewer micro-batches cannot fill the V:
     (2p-1-m)/(2m+2p-1). DualPipeV (DeepSeek-V3's DualPipe folded into the same V; torch's

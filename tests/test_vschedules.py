@@ -100,6 +100,9 @@ def test_v_drawn_bubble_is_the_formula_and_the_first_and_last_chunk_sit_on_rank_
                 assert bubble == pytest.approx(pp.bubble_theory(kind, p, m, 2)), (kind, p, m)
                 if m >= 2 * p:  # the docstring's memory: 2p chunk-sized micro-batches (DualPipeV 2p+1)
                     assert {pp.held_peak(order, True) for order in orders} == {2 * p + (kind == "dualpipev")}
+    rounds = rounds_of("zbv", 2, 4, 2)  # the docstring's picture is the drawing
+    text, _ = pp.draw(pp.simulate([[op for ops in r for op in ops] for r in rounds], 2, 2, True), 2, 2)
+    assert all("    " + line.rstrip() in pp.__doc__ for line in text.split("\n"))
     assert [pp.stages_of(4, r, 2, True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [pp.stage_rank(4, g, True) for g in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
 
