@@ -1,5 +1,6 @@
-"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B, interleaved 1F1B and zero
-bubble (ZB-H1), with the schedule that ran drawn as a timeline.
+"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B, interleaved 1F1B, zero bubble
+(ZB-H1) and its V-shaped ZB-V, DualPipeV, or any schedule given as a table, with the schedule
+that ran drawn as a timeline.
 
 The layers are split into P consecutive stages, one per rank; the embedding lives on the
 first stage, the final LayerNorm and the head on the last. The global batch is cut into m
@@ -50,6 +51,37 @@ for in idle time, the bubble, while the pipeline fills and drains.
     micro-batch also holds the head's b·s·V log-softmax; and W tensors are not recomputed,
     so --recompute saves far less than under 1F1B (docs/memory.md has GPT-2's figures).
 
+    ZB-V (Qi et al. 2024, section 6; torch.distributed.pipelining's ScheduleZBVZeroBubble)
+    cuts the model in 2p chunks and lays them in a V: rank r holds chunk r on the way down
+    and chunk 2p-1-r on the way back (chunk_stage), p = 2:
+      chunk   0     1     2     3          rank 0 holds the first and the last chunk: the
+      rank    0  →  1  →  1  →  0          loss's backward starts where the forwards start,
+                 (in memory)               and wte and its tied head are one tensor
+    so the backward of the last chunk follows its forward at once on the rank that would
+    idle longest, and the warm-up of 2(p-r)-1 forwards of chunk r holds 2p chunk-sized
+    micro-batches (p whole ones, 1F1B's stage-0 peak) on every rank. With F, B, W of a
+    chunk one half unit each ('a' down, 'b' back), p = 2, m = 4:
+      stage 0  F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b B2a W2a B3a W3a   .
+      stage 1    . F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b B3a W2a W3b W3a
+    idle: max((p-1)/2, 2p-1-m) units of 3m + idle, so bubble = (p-1)/(6m+p-1) once
+    m >= (3p-1)/2, half of ZB-H1's; fewer micro-batches cannot fill the V:
+    (2p-1-m)/(2m+2p-1). DualPipeV (DeepSeek-V3's DualPipe folded into the same V; torch's
+    ScheduleDualPipeV; m >= 2p) overlaps the forward of one chunk with the full backward
+    of the other, written as one action "(0F3;3B1)OVERLAP_F_B": on GPUs each hides the
+    other's communication; here, on one stream, they run one after the other, so its drawn
+    bubble is ZB-V's formula, and it holds one chunk-sized micro-batch more, 2p+1 on every
+    rank (the overlapped pair's forward comes before its backward frees).
+
+Tables. Every schedule is one table: per rank, its actions in order, in the notation of
+torch.distributed.pipelining (its _dump_csv / _load_csv CSV, one row per rank): "3F1" is
+stage 3's forward of micro-batch 1, "3I1" its backward-input (zero bubble's B), "3W1" its
+backward-weight, "3B1" a full backward, "(0F4;1B2)OVERLAP_F_B" two actions in one round.
+The executor runs the table (table_rounds: one round per action, a W riding in the round of
+the backward before it), the drawing, the bubble, costs() and the NCCL replay read it, and
+the sends and receives are derived from it (exchanges, nccl_batches). --write_schedule FILE
+writes any schedule's table; --schedule_csv FILE runs a user's, refused before anything is
+built, in one line naming the rank and the action, when it cannot run (table_problem).
+
 Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
 steady state one forward and one backward; ZB's W rides in the round of the B before it)
 and between two rounds posts one batch_isend_irecv (exchanges()): the sends of what it just
@@ -66,6 +98,8 @@ Run:
 
     mpiexec -n 4 python 07_pipeline.py --schedule 1f1b --model gpt2 --micro_batch_size 4
     mpiexec -n 4 python 07_pipeline.py --schedule zb --model gpt2
+    mpiexec -n 4 python 07_pipeline.py --schedule zbv --model gpt2 --write_schedule zbv.csv
+    mpiexec -n 4 python 07_pipeline.py --schedule_csv zbv.csv --model gpt2
     torchrun --standalone --nproc_per_node 4 07_pipeline.py --schedule interleaved --virtual_stages 3 ...
 
 Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
@@ -75,13 +109,17 @@ Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
                    min(p-r, m) (1F1B), or min(v·m, 2(p-r-1) + (v-1)p + 1) chunk-sized ones
                    (interleaved: Megatron's warm-up of 2(p-r-1) + (v-1)p forwards, plus one);
                    ZB-H1 (m >= p): (p-r-1)·K + r·n·16e·bsh + the most one B holds, K being
-                   a micro-batch's activations, which B turns into its n·16e·bsh W tensors
+                   a micro-batch's activations, which B turns into its n·16e·bsh W tensors;
+                   ZB-V: up to 2p chunk-sized micro-batches (p whole: 1F1B's stage 0 on
+                   every rank), walked along the table (held_peak, activation_peak)
     communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward,
                    fp32 also under autocast (the residual stream); v times as many boundaries
                    when interleaved; + an all-reduce of the wte gradient (V·h) between first
                    and last stage, of the clipping norm, and a broadcast of the loss per step
 """
 
+import csv
+import re
 import time
 
 import torch
@@ -90,8 +128,8 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (autocast, Block, check, Data, is_hidden_matrix, lr_at, make_optimizer, make_parser, model_config,
-                    param_init, to_device)
+from common import (autocast, Block, check, Data, fail, is_hidden_matrix, lr_at, make_optimizer, make_parser,
+                    model_config, param_init, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -174,7 +212,25 @@ def backward_tag(i, g, n, m):
     return n * m + forward_tag(i, g, n)
 
 
-def exchanges(rounds, p, rank, v, m):
+def chunk_stage(p, rank, c, vee=False):
+    """The pipeline position (global chunk) of rank `rank`'s c-th chunk: c·p + rank
+    (interleaved: rank r holds r, r+p, ...), or in a V (ZB-V, DualPipeV: two chunks per
+    rank) r on the way down and 2p-1-r on the way back, so rank 0 holds the first and the
+    last chunk and rank p-1 the two in the middle, passed from one to the other in memory."""
+    return (2 * p - 1 - rank if c else rank) if vee else c * p + rank
+
+
+def stages_of(p, rank, v, vee=False):
+    """The global chunks rank `rank` holds, in its chunk order."""
+    return [chunk_stage(p, rank, c, vee) for c in range(v)]
+
+
+def stage_rank(p, g, vee=False):
+    """The rank that holds global chunk g (the inverse of chunk_stage)."""
+    return (g if g < p else 2 * p - 1 - g) if vee else g % p
+
+
+def exchanges(rounds, p, rank, v, m, vee=False):
     """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
     receives it needs; after each round, the sends of what it computed (outputs to the next
     stage, input gradients to the previous) together with the receives of the next round.
@@ -182,6 +238,7 @@ def exchanges(rounds, p, rank, v, m):
     backward follows), send_backward_recv_backward after a backward (..._recv_forward), and
     send_forward_backward_recv_forward_backward after an interleaved steady-state round.
     An entry: [("send" | "recv", peer stage, tag)], tags from forward_tag and backward_tag.
+    vee: the chunks sit in a V (chunk_stage), and a peer may be the rank itself (the V's turn).
 
     Why one batch per round, sends and receives together: under NCCL a send completes only
     once its receive is posted, and a rank's batches complete one after another. Posted this
@@ -193,23 +250,387 @@ def exchanges(rounds, p, rank, v, m):
 
     def receives(ops):
         for kind, i, c in ops:
-            g = c * p + rank
+            g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
-                yield "recv", (rank - 1) % p, forward_tag(i, g - 1, n)
+                yield "recv", stage_rank(p, g - 1, vee), forward_tag(i, g - 1, n)
             if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
-                yield "recv", (rank + 1) % p, backward_tag(i, g + 1, n, m)
+                yield "recv", stage_rank(p, g + 1, vee), backward_tag(i, g + 1, n, m)
 
     def sends(ops):
         for kind, i, c in ops:
-            g = c * p + rank
+            g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g < n - 1:
-                yield "send", (rank + 1) % p, forward_tag(i, g, n)
+                yield "send", stage_rank(p, g + 1, vee), forward_tag(i, g, n)
             if kind == "B" and g > 0:
-                yield "send", (rank - 1) % p, backward_tag(i, g, n, m)
+                yield "send", stage_rank(p, g - 1, vee), backward_tag(i, g, n, m)
 
     following = rounds[1:] + [()]
     return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
                                           for ops, nxt in zip(rounds, following)]
+
+
+# ---------------------------------------------------------------------------------------
+# Tables: a schedule as every rank's actions in order, in torch.distributed.pipelining's
+# notation; the executor, the drawing, costs() and the NCCL replay all read the table
+# ---------------------------------------------------------------------------------------
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank in a V (chunk_stage)
+
+
+def zbv_actions(p, rank, m):
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6), as torch's
+    ScheduleZBVZeroBubble orders it: rank r runs 2(p-r)-1 forwards down the V (its chunk
+    r), then alternates forwards of its two chunks, then from the bottom of the V a forward
+    of the way back (chunk 2p-1-r) with its I and W at once; in the steady state one F, I
+    and W of each chunk; the cool-down's Is, and the Ws last. Built for at least 2p-1
+    micro-batches (what fills the V), those beyond m then dropped."""
+    down, up, n = f"{rank}", f"{2 * p - 1 - rank}", max(2 * p - 1, m)
+    out, count = [], {}
+
+    def act(stage, kind):  # the next micro-batch of this stage and kind
+        key = (stage, kind)
+        count[key] = count.get(key, 0) + 1
+        out.append(f"{stage}{kind}{count[key] - 1}")
+    for _ in range(2 * (p - rank) - 1):  # warm-up: down the V
+        act(down, "F")
+    for _ in range(rank):
+        act(up, "F"), act(down, "F")
+    for _ in range(p - rank):  # the way back starts: its Is and Ws at once
+        act(up, "F"), act(up, "I"), act(up, "W")
+    while count[(down, "F")] < n or count.get((up, "F"), 0) < count[(down, "F")]:  # steady state
+        if count[(down, "F")] < n:
+            act(down, "F")
+        act(down, "I"), act(down, "W"), act(up, "F"), act(up, "I"), act(up, "W")
+    w_down, w_up = count.get((down, "W"), 0), count.get((up, "W"), 0)
+    for _ in range(rank):  # cool-down: input gradients first, what the other ranks wait for
+        act(down, "I"), act(up, "I")
+    for _ in range(p - rank):
+        act(down, "I")
+        out.append(f"{down}W{w_down}")
+        w_down += 1
+    out += [f"{up}W{i}" for i in range(w_up, count.get((up, "I"), 0))]
+    out += [f"{down}W{i}" for i in range(w_down, count[(down, "I")])]
+    return [a for a in out if int(re.match(r"\d+[A-Z]+(\d+)", a).group(1)) < m]
+
+
+def dualpipev_actions(p, rank, m):
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V, deepseek-ai/DualPipe), as torch's
+    ScheduleDualPipeV orders it (m >= 2p): the steady state is one forward of one chunk
+    overlapped with the full backward of the other, "(aFi;bBj)OVERLAP_F_B", which on GPUs
+    hides each one's communication behind the other's compute and here runs one after the
+    other; the first and last phases use zero bubble's I and W. B is a full backward."""
+    down, up = rank, 2 * p - 1 - rank
+    out, count, weights = [], {}, []
+
+    def act(stage, kind, emit=True):
+        key = (stage, "I" if kind == "B" else kind)
+        i = count.get(key, 0)
+        count[key] = i + 1
+        if kind == "I":
+            weights.append(f"{stage}W{i}")
+        if emit:
+            out.append(f"{stage}{kind}{i}")
+        return f"{stage}{kind}{i}"
+
+    def overlap(forward, backward):
+        out.append(f"({act(forward, 'F', False)};{act(backward, 'B', False)})OVERLAP_F_B")
+
+    def pending_weight():
+        if weights:
+            out.append(weights.pop(0))
+    for _ in range(2 * (p - rank - 1)):
+        act(down, "F")
+    for _ in range(rank + 1):
+        act(down, "F"), act(up, "F")
+    for _ in range(p - rank - 1):
+        act(up, "I"), pending_weight(), act(up, "F")
+    for k in range(m - 2 * p + rank + 1):  # the main phase: F0B1 and F1B0, overlapped
+        if k == 0 and rank == p - 1:  # not overlapped, to shorten the bubble
+            act(down, "F"), act(up, "B")
+        else:
+            overlap(down, up)
+        overlap(up, down)
+    for _ in range(p - rank - 1):
+        act(up, "B"), overlap(up, down)
+    zero_bubble = False
+    for k in range(rank + 1):  # the second half of the backwards uses I and W
+        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 1
+        act(up, "I" if zero_bubble else "B")
+        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 0
+        act(down, "I" if zero_bubble else "B")
+    for _ in range(p - rank - 1):
+        pending_weight(), act(down, "I" if zero_bubble else "B")
+    for _ in range(rank + 1):
+        pending_weight()
+    return out
+
+
+def table(kind, p, m, v=1):
+    """Every rank's actions, in order, as torch.distributed.pipelining writes them: "3F1"
+    (stage 3's forward of micro-batch 1), "3I1" (its backward-input, zero bubble's B), "3W1"
+    (backward-weight), "3B1" (a full backward), "(0F4;1B2)OVERLAP_F_B" (two run as one
+    round: the interleaved steady state's forward and backward, DualPipe's overlapped
+    pair). The four older schedules are their schedule_rounds() written so; a W rides in
+    the round of the I or B before it (table_rounds)."""
+    if kind == "zbv":
+        return [zbv_actions(p, r, m) for r in range(p)]
+    if kind == "dualpipev":
+        return [dualpipev_actions(p, r, m) for r in range(p)]
+    tables = []
+    for rank in range(p):
+        cells = []
+        for ops in schedule_rounds(kind, p, rank, m, v):
+            names = [f"{c * p + rank}{'I' if kind == 'zb' and op == 'B' else op}{i}" for op, i, c in ops]
+            cells += [f"({names[0]};{names[1]})OVERLAP_F_B"] if [o[0] for o in ops] == ["F", "B"] else names
+        tables.append(cells)
+    return tables
+
+
+ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
+
+
+def parse_action(text):
+    """[(stage, "F" | "I" | "W" | "B", micro-batch)] of one action (two for an overlapped pair)."""
+    pair = re.match(r"^\((.*);(.*)\)OVERLAP_F_B$", text.strip())
+    parts = [pair.group(1), pair.group(2)] if pair else [text]
+    found = [ACTION.match(part.strip()) for part in parts]
+    if not all(found):
+        raise ValueError(f"not an action: {text!r} (expected e.g. 2F0, 2I0, 2W0, 2B0 or (0F1;1B0)OVERLAP_F_B)")
+    return [(int(f.group(1)), f.group(2), int(f.group(3))) for f in found]
+
+
+def split_table(actions):
+    """Does the table split backwards into I and W (zero bubble: SplitLinear)?"""
+    return any(kind in "IW" for row in actions for text in row for _, kind, _ in parse_action(text))
+
+
+def table_rounds(row, p, rank, v, vee=False, split=False):
+    """The rounds the executor runs (Pipeline.run, exchanges()) from one rank's actions: one
+    round per action, an overlapped pair one round, and a W riding in the round of the
+    backward before it (it runs while that round's messages travel). Our ops: ("F" | "B" |
+    "W", micro-batch, local chunk), B being I when split; a full backward of a split table
+    is its B and W in one round."""
+    local = {chunk_stage(p, rank, c, vee): c for c in range(v)}
+    rounds = []
+    for text in row:
+        ops = []
+        for g, kind, i in parse_action(text):
+            ops.append(({"I": "B"}.get(kind, kind), i, local[g]))
+            if kind == "B" and split:
+                ops.append(("W", i, local[g]))
+        if [op[0] for op in ops] == ["W"] and rounds and rounds[-1][-1][0] == "B":
+            rounds[-1] += tuple(ops)
+        else:
+            rounds.append(tuple(ops))
+    return rounds
+
+
+def eval_rounds(p, m, v, vee=False):
+    """Evaluation's rounds: forward_rounds(), or in a V every micro-batch down, then back."""
+    return forward_rounds(p, m, v) if not vee else [(("F", i, c),) for c in range(2) for i in range(m)]
+
+
+def read_table(path):
+    """Every rank's actions from a CSV file as torch.distributed.pipelining's _dump_csv
+    writes it and _load_csv reads it: one row per rank, one action per cell, an empty cell
+    an idle step."""
+    with open(path, newline="") as f:
+        return [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
+
+
+def write_table(actions, path):
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(actions)
+
+
+def placement_of(actions):
+    """(v, vee): the chunks per rank and their placement that the table's stages name; None
+    if no rank r holds r, r+p, ... (interleaved) or r and 2p-1-r (a V) for all r."""
+    p = len(actions)
+    held = [sorted({g for text in row for g, _, _ in parse_action(text)}) for row in actions]
+    v = max(len(h) for h in held)
+    for vee in (False, True) if v == 2 else (False,):
+        if all(h == sorted(stages_of(p, r, v, vee)) for r, h in enumerate(held)):
+            return v, vee
+    return None
+
+
+class Deadlock(ValueError):
+    def __init__(self, rank, batch, message):
+        super().__init__(message)
+        self.rank, self.batch = rank, batch
+
+
+def table_problem(actions, p, m):
+    """Why the table cannot run at p ranks and m micro-batches, in one line naming the rank
+    and the action, or None: rows not one per rank, an action that is not one, stages not
+    placed as 07 places them, an action missing or twice (its send would have no receive),
+    an I without its W or a W without its I, an action before its input exists or a W before
+    its I (the order, replayed with every rank waiting for what it needs, stops), or an order
+    that deadlocks under NCCL's rules (nccl_batches)."""
+    if len(actions) != p:
+        return f"the table has {len(actions)} rows, one per rank, for {p} ranks"
+    for r, row in enumerate(actions):
+        for text in row:
+            try:
+                parse_action(text)
+            except ValueError as e:
+                return f"rank {r}: {e}"
+    placement = placement_of(actions)
+    if placement is None:
+        return ("its stages are not placed as 07 places chunks: rank r holds r, r+p, ... (interleaved) "
+                "or r and 2p-1-r (a V), every rank as many")
+    (v, vee), seen = placement, {}
+    for r, row in enumerate(actions):
+        for text in row:
+            for g, kind, i in parse_action(text):
+                if (g, kind, i) in seen:
+                    return f"rank {r}, action {text}: {g}{kind}{i} runs twice"
+                if i >= m:
+                    return f"rank {r}, action {text}: micro-batch {i}, but the run has {m} (0 to {m - 1})"
+                seen[(g, kind, i)] = r
+    n = p * v
+    for g, i in ((g, i) for g in range(n) for i in range(m)):
+        r, back = stage_rank(p, g, vee), [k for k in "BI" if (g, k, i) in seen]
+        missing = (f"{g}F{i}" if (g, "F", i) not in seen else f"{g}B{i} (or {g}I{i} and {g}W{i})" if not back
+                   else f"{g}W{i} after its {g}I{i}" if back == ["I"] and (g, "W", i) not in seen else None)
+        if missing:
+            return f"rank {r}: never runs {missing}"
+        if len(back) > 1 or (back == ["B"] and (g, "W", i) in seen):
+            return f"rank {r}: {g}{'I' if len(back) > 1 else 'W'}{i} besides the full backward {g}B{i}"
+    def needs(g, kind, i):  # what must have run, on any rank, before this action
+        if kind == "F":
+            return [(g - 1, "F", i)] if g > 0 else []
+        if kind == "W":
+            return [(g, "I", i)]
+        return [(g, "F", i)] + [(g + 1, k, i) for k in "BI" if g < n - 1 and (g + 1, k, i) in seen]
+    flat = [[(text, sub) for text in row for sub in parse_action(text)] for row in actions]
+    done, position, moved = set(), [0] * p, True
+    while moved:  # every rank runs its next action once what it needs has run
+        moved = False
+        for r in range(p):
+            while position[r] < len(flat[r]) and all(need in done for need in needs(*flat[r][position[r]][1])):
+                done.add(flat[r][position[r]][1])
+                position[r], moved = position[r] + 1, True
+    stuck = [r for r in range(p) if position[r] < len(flat[r])]
+    for r in sorted(stuck, key=lambda r: not any(  # a rank waiting on itself first: the cause, not a victim
+            stage_rank(p, need[0], vee) == r for need in needs(*flat[r][position[r]][1]) if need not in done)):
+        text, action = flat[r][position[r]]
+        g, k, i = next(need for need in needs(*action) if need not in done)
+        holder = stage_rank(p, g, vee)
+        return (f"rank {r}, action {text}: needs {g}{k}{i} first, which this rank runs after it" if holder == r else
+                f"rank {r}, action {text}: needs {g}{k}{i} first, which rank {holder} runs only after "
+                f"what waits on this (the order deadlocks)")
+    split = split_table(actions)
+    rounds = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
+    try:
+        nccl_batches(rounds, p, v, m, vee)
+    except Deadlock as e:
+        ops = rounds[e.rank][e.batch - 1] if e.batch else ()
+        names = " ".join(f"{chunk_stage(p, e.rank, c, vee)}{'I' if k == 'B' and split else k}{i}" for k, i, c in ops)
+        return f"rank {e.rank}, after action {names or '(none)'}: {e}"
+    return None
+
+
+def use_table_file(args, p):
+    """--schedule_csv: read the user's table and refuse it, in one line naming the rank and
+    the action, if it cannot run (table_problem), before anything is built. Its micro-batch
+    count is the run's m: the micro-batch size is the global batch over it."""
+    try:
+        actions = read_table(args.schedule_csv)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        fail(f"--schedule_csv {args.schedule_csv}: cannot read it ({e})")
+    m = 1 + max((int(i) for row in actions for text in row for i in re.findall(r"[FIWB](\d+)", text)), default=-1)
+    check(m > 0 and args.global_batch_size % m == 0, f"--schedule_csv {args.schedule_csv}: its {m} micro-batches "
+          f"do not divide --global_batch_size {args.global_batch_size}")
+    check(args.micro_batch_size in ("auto", args.global_batch_size // m),
+          f"--schedule_csv {args.schedule_csv} has {m} micro-batches of {args.global_batch_size // m}: "
+          f"leave out --micro_batch_size {args.micro_batch_size}")
+    problem = table_problem(actions, p, m)
+    check(problem is None, f"--schedule_csv {args.schedule_csv}: {problem}")
+    args.micro_batch_size, args.schedule = args.global_batch_size // m, "csv"
+
+
+def chunks_per_rank(args):
+    """(v, vee): chunks per rank, and whether they sit in a V (chunk_stage)."""
+    if args.schedule_csv:
+        return placement_of(read_table(args.schedule_csv))
+    vee = args.schedule in V_SHAPED
+    return (2 if vee else args.virtual_stages if args.schedule == "interleaved" else 1), vee
+
+
+def run_table(args, p, m):
+    """(table, v, vee, split) of the run: --schedule's table, its chunks per rank, their
+    placement, and whether backwards split into I and W."""
+    v, vee = chunks_per_rank(args)
+    actions = read_table(args.schedule_csv) if args.schedule_csv else table(args.schedule, p, m, v)
+    return actions, v, vee, split_table(actions)
+
+
+def nccl_batches(rounds_by_rank, p, v, m, vee=False):
+    """exchanges() of every rank, made to run under NCCL's point-to-point rules (those of
+    tests/nccl_replay.py: a rank's batches complete in posting order; a send completes only
+    once its receive is posted; the k-th send from a to b is b's k-th receive from a,
+    whatever the tags). The four older schedules' batches already do, and are returned as
+    they are. In a V one channel carries two streams (rank r passes chunk r's activations
+    and chunk 2p-1-r's gradients to rank r+1) and a rank may need a later message first
+    (ZB-V at p = 2: rank 1 runs 2I0 before 1F2, whose input rank 0 sent first): 1. a
+    receive is posted together with those its sender sends before it; 2. replaying the
+    batches, where ranks wait on each other (a send's receive behind its peer's own send,
+    posted alone), a receive whose send is already posted moves into the waiting rank's
+    batch. Early receives wait in the executor's `received` until their round. Raises
+    Deadlock naming the rank and its batch where no move helps (a real deadlock)."""
+    batches = [[list(b) for b in exchanges(rounds_by_rank[r], p, r, v, m, vee)] for r in range(p)]
+    sent = {(q, r): [tag for b in batches[q] for op, peer, tag in b if op == "send" and peer == r]
+            for q in range(p) for r in range(p) if q != r}
+    for r in range(p):  # 1. receives in their senders' order
+        done = {q: 0 for q in range(p)}
+        for b in batches[r]:
+            wanted = [(q, tag) for op, q, tag in b if op == "recv" and q != r]
+            b[:] = [entry for entry in b if entry[0] == "send" or entry[1] == r]
+            for q, tag in wanted:
+                if tag in sent[(q, r)][done[q]:]:
+                    upto = sent[(q, r)].index(tag, done[q]) + 1
+                    b += [("recv", q, t) for t in sent[(q, r)][done[q]:upto]]
+                    done[q] = upto
+    while True:  # 2. replay; where stuck, move a receive whose send is posted to its waiting rank
+        where, ops_of = {}, []  # (channel, message number, op) -> its batch; per batch what it waits on
+        for r in range(p):
+            count, ops_of_r = {}, []
+            for j, b in enumerate(batches[r]):
+                ops_of_r.append([])
+                for op, q, _ in b:
+                    if q != r:
+                        channel = (r, q) if op == "send" else (q, r)
+                        count[channel] = count.get(channel, 0) + 1
+                        where[(channel, count[channel], op)] = j
+                        ops_of_r[-1].append(((channel, count[channel], "recv" if op == "send" else "send"), q))
+            ops_of.append(ops_of_r)
+        head, moved = [0] * p, True
+        while moved:
+            moved = False
+            for r in range(p):
+                while head[r] < len(batches[r]) and all(where.get(other, len(batches[q])) <= head[q]
+                                                        for other, q in ops_of[r][head[r]]):
+                    head[r], moved = head[r] + 1, True
+        if all(head[r] == len(batches[r]) for r in range(p)):
+            return batches
+        moves = 0
+        for r in (r for r in range(p) if head[r] < len(batches[r])):
+            for q in (q for q in range(p) if q != r and head[q] < len(batches[q])):
+                tags = [tag for op, peer, tag in batches[q][head[q]] if op == "send" and peer == r]
+                later = next(((j, entry) for j in range(head[r] + 1, len(batches[r])) for entry in batches[r][j]
+                              if entry[0] == "recv" and entry[1] == q), None)
+                if tags and later and later[1][2] in tags:  # its send is posted: receive it now
+                    batches[r][later[0]].remove(later[1])
+                    batches[r][head[r]].append(later[1])
+                    moves += 1
+        if not moves:
+            r = min(r for r in range(p) if head[r] < len(batches[r]))
+            raise Deadlock(r, head[r], f"its batch {batches[r][head[r]]} deadlocks under NCCL's rules "
+                                       "(every rank waits on another)")
+
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,13 +690,13 @@ def chunk_layers(n_layer, n_chunks):
     return [(sum(sizes[:c]), sizes[c]) for c in range(n_chunks)]
 
 
-def build_chunks(config, p, v, rank, seed=None, recompute=False):
-    """This rank's chunks r, r + p, ..., r + (v-1)p (on the current device), with 01's
-    initial values for `seed` (uninitialised without one)."""
+def build_chunks(config, p, v, rank, seed=None, recompute=False, vee=False):
+    """This rank's chunks r, r + p, ..., r + (v-1)p (in a V: r and 2p-1-r; chunk_stage) on
+    the current device, with 01's initial values for `seed` (uninitialised without one)."""
     layout = chunk_layers(config.n_layer, p * v)
     chunks = nn.ModuleList()
     for c in range(v):
-        g = c * p + rank
+        g = chunk_stage(p, rank, c, vee)
         chunks.append(Chunk(config, *layout[g], g == 0, g == p * v - 1))
         for block in chunks[-1].h:
             block.recompute = recompute
@@ -366,9 +787,10 @@ def split_backward(chunks):
 
 
 def check_layout(args, config, p):
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
-    check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}"
-          + (f" x virtual_stages {v}" if v > 1 else "") + ": every chunk needs at least one layer")
+    v, vee = chunks_per_rank(args)
+    chunks = f" x {v} chunks per rank ({args.schedule})" if vee else f" x virtual_stages {v}" if v > 1 else ""
+    check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}{chunks}: "
+          "every chunk needs at least one layer")
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,10 +803,12 @@ class Pipeline:
     pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: mark the
     start and end of every F, B and W on the device's own timeline (mark()), to measure the
     compute time and so the bubble without waiting for the device inside the step (08_3d.py
-    measures none)."""
+    measures none). `vee`: the chunks sit in a V (chunk_stage; ZB-V and DualPipeV), so the
+    rank passes some messages to itself, in memory."""
 
-    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
+        self.vee = vee
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.timed = timed
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
@@ -416,7 +840,7 @@ class Pipeline:
         return sum(seconds(*span) for span in spans) / seconds(*whole)
 
     def global_chunk(self, c):
-        return c * self.p + self.rank
+        return chunk_stage(self.p, self.rank, c, self.vee)
 
     def _exchange(self, batch, outputs, meanwhile=lambda: None):
         """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
@@ -430,6 +854,12 @@ class Pipeline:
             meanwhile()
             return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
         ops, received = [], {}
+        for op, peer, tag in [entry for entry in batch if entry[1] == self.rank]:  # the V's turn: in memory
+            if op == "send":
+                self.mailbox[tag] = outputs[tag][0].detach().clone()
+            else:
+                received[tag] = self.mailbox.pop(tag)
+        batch = [entry for entry in batch if entry[1] != self.rank]
         for op, peer, tag in batch:  # activations or gradients, b·s·h each
             if op == "send":
                 ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
@@ -462,7 +892,7 @@ class Pipeline:
                 still.append((request, tensor, free))
         self.posted_sends = still
 
-    def run(self, rounds, inputs, targets, m, train=True):
+    def run(self, rounds, inputs, targets, m, train=True, batches=None):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
         flight (forward done, backward not; with zero bubble: W not), and when timed a
@@ -473,7 +903,7 @@ class Pipeline:
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
         mark = self.mark if self.timed else (lambda: None)
         start = mark()
-        batches = exchanges(rounds, self.p, self.rank, self.v, m)
+        batches = batches or exchanges(rounds, self.p, self.rank, self.v, m, self.vee)  # or nccl_batches()'s
         received = self._exchange(batches[0], {})
         for ops, batch in zip(rounds, batches[1:]):
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
@@ -543,9 +973,10 @@ def micro_batches(data, split, step, args, env, m, eval_split=False):
     return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
 
 
-def share_loss(loss_sum, group, m):
-    """The mean loss over the micro-batches, on every stage of the pipeline `group`."""
-    last = dist.get_world_size(group) - 1
+def share_loss(loss_sum, group, m, last=None):
+    """The mean loss over the micro-batches, on every stage of the pipeline `group`; `last`:
+    the stage that holds the last chunk (in a V the first, 0)."""
+    last = dist.get_world_size(group) - 1 if last is None else last
     dist.broadcast(loss_sum, group=group, group_src=last)  # the last stage's loss, to every stage for logging
     return loss_sum / m
 
@@ -568,9 +999,15 @@ def clip_grad_norm(chunks, max_norm, group):
 def add_flags(parser):
     g = parser.add_argument_group("07_pipeline")
     g.add_argument("--pp", type=int, default=None, help="pipeline stages (= world size)")
-    g.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
-                   help="zb: zero bubble, ZB-H1 (Qi et al. 2023)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="zb: zero bubble, ZB-H1 (Qi et al. 2023); zbv: its V-shaped ZB-V; dualpipev: "
+                        "DeepSeek's DualPipeV (both two chunks per rank, in a V)")
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per rank (interleaved)")
+    g.add_argument("--schedule_csv", default=None, metavar="FILE",
+                   help="run this table instead of --schedule: one row per rank of actions such as 0F1, 0I1, 0W1, 0B1 "
+                        "(torch.distributed.pipelining's _dump_csv/_load_csv format); its micro-batches set m")
+    g.add_argument("--write_schedule", default=None, metavar="FILE",
+                   help="write the run's table (any schedule) to FILE in that format (rank 0; also with --dry_run)")
     g.add_argument("--measure_bubble", action="store_true",
                    help="time every forward and backward with device events to measure each stage's busy "
                         "time, and so the bubble (metrics: busy_fraction); the events are read after the "
@@ -581,13 +1018,15 @@ def add_flags(parser):
 @torch.no_grad()
 def evaluate(pipeline, chunks, data, args, env, p, m, v):
     chunks.eval()
-    losses = {}
+    losses, vee = {}, pipeline.vee
+    rounds = eval_rounds(p, m, v, vee)
+    batches = nccl_batches([rounds] * p, p, v, m, vee)[env.rank]
     for split in ("train", "val"):
         total = 0.0
         for k in range(args.eval_iters):
             xs, ys = micro_batches(data, split, k, args, env, m, eval_split=True)
-            loss_sum, _, _ = pipeline.run(forward_rounds(p, m, v), xs, ys, m, train=False)
-            total += share_loss(loss_sum, pipeline.group, m).item()
+            loss_sum, _, _ = pipeline.run(rounds, xs, ys, m, train=False, batches=batches)
+            total += share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee)).item()
         losses[split] = total / args.eval_iters
     chunks.train()
     return losses
@@ -597,10 +1036,12 @@ def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
     p = run.world_size
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    v, vee = chunks_per_rank(args)
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
           "(08_3d.py combines PP with data and tensor parallelism)")
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
+    if args.schedule_csv:  # a user's table: checked before anything is built
+        use_table_file(args, p)
     # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches
     # (the bubble (p-1)/(m+p-1) is then about 1/3; the interleaved schedule needs m = kp)
     # the tied embedding's group (first and last stage), made before the fit check reads the room
@@ -608,14 +1049,19 @@ def main():
                        groups=lambda env: dist.new_group([0, p - 1]) if p > 1 else None)  # every rank makes it
     check(args.schedule != "interleaved" or m % p == 0,
           f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    check(args.schedule != "dualpipev" or m >= 2 * p,
+          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
+    actions, v, vee, split = run_table(args, p, m)  # every rank's actions: the schedule's one source
+    if args.write_schedule and (env is None or env.rank == 0):  # (a dry run has no env)
+        write_table(actions, args.write_schedule)
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
     check_layout(args, config, p)
     torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
 
-    chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute).to(env.device)
-    deferred = split_backward(chunks) if args.schedule == "zb" else None  # zero bubble: B and W apart
+    chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute, vee).to(env.device)
+    deferred = split_backward(chunks) if split else None  # zero bubble: B (I) and W apart
     first, last = chunks[0].is_first, chunks[-1].is_last
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
@@ -623,8 +1069,9 @@ def main():
     optimizer = make_optimizer(chunks.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
-                        timed=args.measure_bubble)
-    rounds = schedule_rounds(args.schedule, p, env.rank, m, v)  # ("F" | "B" | "W", micro-batch, chunk)
+                        timed=args.measure_bubble, vee=vee)
+    every = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]  # ("F" | "B" | "W", micro-batch, chunk)
+    rounds, batches = every[env.rank], nccl_batches(every, p, v, m, vee)[env.rank]
     run.begin(config, optimizer, costs, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
               evaluate=lambda: evaluate(pipeline, chunks, data, args, env, p, m, v),
@@ -637,9 +1084,9 @@ def main():
             group["lr"] = lr
         xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
         with run.meter:
-            loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m)  # busy: the share spent computing
-        loss = share_loss(loss_sum, pipeline.group, m)
-        if p > 1 and (first or last):
+            loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m, batches=batches)  # busy: computing
+        loss = share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee))
+        if p > 1 and first != last:  # (in a V, one rank holds both: the head is wte itself)
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
                 dist.all_reduce(weight.grad, group=embedding_group)
         norm = clip_grad_norm(chunks, args.grad_clip, pipeline.group) if args.grad_clip > 0 else None
@@ -667,39 +1114,49 @@ def costs(args, config, world_size, dtype, rank=0):
     (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
     all-reduced between the first and last stage, the norm and the logged loss."""
     from infra import formula
-    p, v = world_size, args.virtual_stages if args.schedule == "interleaved" else 1
-    m = args.global_batch_size // args.micro_batch_size
+    p, m = world_size, args.global_batch_size // args.micro_batch_size
+    actions, v, vee, split = run_table(args, p, m)
     with torch.device("meta"):
-        chunks = build_chunks(config, p, v, rank)
+        chunks = build_chunks(config, p, v, rank, vee=vee)
     psi = sum(t.numel() for t in chunks.parameters())
     psi_m = sum(t.numel() for name, t in chunks.named_parameters() if is_hidden_matrix(name, t.shape))
     first, last = chunks[0].is_first, chunks[-1].is_last
-    order = schedule(args.schedule, p, rank, m, v)
-    sends = sum(1 for kind, i, c in order
-                if (kind == "F" and c * p + rank < p * v - 1) or (kind == "B" and c * p + rank > 0))
-    recvs = sum(1 for kind, i, c in order
-                if (kind == "F" and c * p + rank > 0) or (kind == "B" and c * p + rank < p * v - 1))
-    if p == 1:  # one rank holds every chunk: activations pass between chunks in memory
-        sends = recvs = 0
+    rounds = table_rounds(actions[rank], p, rank, v, vee, split)
+    order = [op for ops in rounds for op in ops]
+    # what crosses to another rank (one rank alone, or the V's turn, passes in memory)
+    posted = [op for batch in exchanges(rounds, p, rank, v, m, vee) for op, peer, _ in batch if peer != rank]
+    sends, recvs = posted.count("send"), posted.count("recv")
     b, s, h = args.micro_batch_size, config.block_size, config.n_embd
     sent = {"send": formula("n*4*b*s*h", show="n", n=sends, b=b, s=s, h=h),
             "recv": formula("n*4*b*s*h", show="n", n=recvs, b=b, s=s, h=h),
             "broadcast": formula("4*loss", loss=1),
             # the tied wte's gradient between the first and the last stage; the norm
-            "all_reduce": formula(" + ".join(["4*V*h"] * (p > 1 and (first or last))
+            "all_reduce": formula(" + ".join(["4*V*h"] * (p > 1 and first != last)
                                              + ["4*norm"] * (args.grad_clip > 0 and p > 1)) or "0",
                                   V=config.vocab_size, h=h, norm=1)}
     held = {"params": formula("4*Ψ_stage", Ψ_stage=psi), "grads": formula("4*Ψ_stage", Ψ_stage=psi),
             "optim": formula("8*Ψ_stage", Ψ_stage=psi) if args.optimizer == "adamw" else
             formula("4*Ψ_m + 8*(Ψ_stage - Ψ_m)", Ψ_stage=psi, Ψ_m=psi_m)}  # Muon: one moment of its matrices
     in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
-                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}[args.schedule]
-    return {"layout": f"stage {rank} of {p}" + (f", chunks {[c * p + rank for c in range(v)]}" if v > 1 else ""),
+                 "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}.get(
+        args.schedule, held_peak(order, split))  # the V schedules: walked (ZB-V: 2p chunks, as 1F1B's stage 0)
+    return {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
+                                                if v > 1 else ""),
             "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
-            "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank)}
+            "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank, vee, split)}
 
 
-def activation_peak(args, config, dtype, order, p, v, rank):
+def held_peak(order, split):
+    """The most micro-batch chunks held at once along a rank's order: from F to its W (split)
+    or its B."""
+    held = peak = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1 if kind == ("W" if split else "B") else 0
+        peak = max(peak, held)
+    return peak
+
+
+def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=False):
     """The most this stage holds for backward, walking its schedule: micro-batch chunk g
     holds kept_g (common's activation_terms for its layers) from its forward to its
     backward, during_g while its backward runs, and (zero bubble) W_g from B to W, the x
@@ -716,9 +1173,9 @@ def activation_peak(args, config, dtype, order, p, v, rank):
     mask = (e_bsh // e if gpu else e_bsh) if config.dropout > 0 else 0
     layout, now, peak, values = chunk_layers(config.n_layer, p * v), {}, {}, {}
     for kind, i, c in order:
-        g = c * p + rank
+        g = chunk_stage(p, rank, c, vee)
         chunk = (terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
-        if args.schedule == "zb":
+        if split:
             values[f"kept_{g}"], values[f"during_{g}"], values[f"W_{g}"] = zero_bubble_phases(*chunk, e_bsh, mask)
         else:
             (values[f"kept_{g}"], values[f"during_{g}"]), values[f"W_{g}"] = activation_phases(*chunk), 0
@@ -770,14 +1227,19 @@ def bubble_theory(kind, p, m, v):
     (m >= p; with fewer micro-batches the tail cannot be filled: (2p-1-m)/(2m+2p-1))."""
     if kind == "zb":  # fewer micro-batches than stages: stage 0 waits 2p-1-m units, not p-1
         return (p - 1) / (3 * m + p - 1) if m >= p else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
+    if kind == "csv":  # a user's table: drawn only
+        return None
+    if kind in V_SHAPED:  # idle max((p-1)/2, 2p-1-m) units of 3m + idle: half of ZB-H1's once m >= (3p-1)/2
+        return (p - 1) / (6 * m + p - 1) if 2 * m >= 3 * p - 1 else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
     return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
 
 
 def bubble_formula(kind, v):
-    return {"zb": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(v·m+p-1)"}.get(kind, "(p-1)/(m+p-1)")
+    return {"zb": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(v·m+p-1)", "zbv": "(p-1)/(6m+p-1)",
+            "dualpipev": "(p-1)/(6m+p-1)", "csv": "no formula: the table's own"}.get(kind, "(p-1)/(m+p-1)")
 
 
-def simulate(orders, p, v):
+def simulate(orders, p, v, vee=False):
     """Replay the executed orders with unit costs (a forward or backward of a whole stage
     takes 1, of one of v chunks 1/v; ZB's B and W one each) and the pipeline's
     dependencies: returns, per rank, the (start, op) of each operation. This is the
@@ -791,7 +1253,7 @@ def simulate(orders, p, v):
             if position[r] == len(orders[r]):
                 continue
             kind, i, c = orders[r][position[r]]
-            g = c * p + r  # global chunk index
+            g = chunk_stage(p, r, c, vee)  # global chunk index
             if kind == "F":
                 needs = [("F", i, g - 1)] if g > 0 else []
             elif kind == "W":  # the weight gradient needs only its own B (the same stage)
@@ -834,11 +1296,13 @@ def describe(args, config, p, v, m):
 
 def log_timeline(run, args, p, v, m):
     """Log the schedule every stage runs as a unit-cost timeline; returns its drawn bubble."""
-    orders = [schedule(args.schedule, p, r, m, v) for r in range(p)]
-    timeline, bubble = draw(simulate(orders, p, v), p, v)
+    actions, v, vee, split = run_table(args, p, m)
+    orders = [[op for ops in table_rounds(actions[r], p, r, v, vee, split) for op in ops] for r in range(p)]
+    timeline, bubble = draw(simulate(orders, p, v, vee), p, v)
+    theory = bubble_theory(args.schedule, p, m, v)  # None for a user's table
     run.log(f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
-            f"bubble: {bubble:.3f} drawn, {bubble_theory(args.schedule, p, m, v):.3f} in theory "
-            f"({bubble_formula(args.schedule, v)})")
+            f"bubble: {bubble:.3f} drawn"
+            + (f", {theory:.3f} in theory ({bubble_formula(args.schedule, v)})" if theory is not None else ""))
     return bubble
 
 
@@ -850,12 +1314,12 @@ def plan(args, p, v, m):
     check_layout(args, config, p)
     # the activation bytes are not in these lines: any dtype gives the same stage lines
     stages = [costs(args, config, p, torch.float32, rank) for rank in range(p)]
-    layout = chunk_layers(config.n_layer, p * v)
+    layout, vee = chunk_layers(config.n_layer, p * v), chunks_per_rank(args)[1]
     return ([f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
              f"{args.micro_batch_size}; bubble {bubble_formula(args.schedule, v)} = "
-             f"{bubble_theory(args.schedule, p, m, v):.3f}"]
+             f"{bubble_theory(args.schedule, p, m, v) or 0:.3f}"]
             + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
-               f"{', '.join(f'{layout[c * p + r][0]}-{sum(layout[c * p + r]) - 1}' for c in range(v))}, holds "
+               f"{', '.join(f'{layout[g][0]}-{sum(layout[g]) - 1}' for g in stages_of(p, r, v, vee))}, holds "
                f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
                f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
                f"{s['in_flight']} micro-batch(es) of activations in flight"

@@ -1266,7 +1266,7 @@ def all_reduce_sequence_parallel_grads(model, group):
 # ---- end restated ----
 
 
-# ---- restated from 07_pipeline.py: schedule_rounds, schedule, forward_rounds, forward_tag, backward_tag, exchanges (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 07_pipeline.py: schedule_rounds, schedule, forward_rounds, forward_tag, backward_tag, chunk_stage, stage_rank, exchanges (word for word; tests/test_restated.py checks it) ----
 # the schedules and their messages
 
 def schedule_rounds(kind, p, rank, m, v=1):
@@ -1343,7 +1343,20 @@ def backward_tag(i, g, n, m):
     return n * m + forward_tag(i, g, n)
 
 
-def exchanges(rounds, p, rank, v, m):
+def chunk_stage(p, rank, c, vee=False):
+    """The pipeline position (global chunk) of rank `rank`'s c-th chunk: c·p + rank
+    (interleaved: rank r holds r, r+p, ...), or in a V (ZB-V, DualPipeV: two chunks per
+    rank) r on the way down and 2p-1-r on the way back, so rank 0 holds the first and the
+    last chunk and rank p-1 the two in the middle, passed from one to the other in memory."""
+    return (2 * p - 1 - rank if c else rank) if vee else c * p + rank
+
+
+def stage_rank(p, g, vee=False):
+    """The rank that holds global chunk g (the inverse of chunk_stage)."""
+    return (g if g < p else 2 * p - 1 - g) if vee else g % p
+
+
+def exchanges(rounds, p, rank, v, m, vee=False):
     """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
     receives it needs; after each round, the sends of what it computed (outputs to the next
     stage, input gradients to the previous) together with the receives of the next round.
@@ -1351,6 +1364,7 @@ def exchanges(rounds, p, rank, v, m):
     backward follows), send_backward_recv_backward after a backward (..._recv_forward), and
     send_forward_backward_recv_forward_backward after an interleaved steady-state round.
     An entry: [("send" | "recv", peer stage, tag)], tags from forward_tag and backward_tag.
+    vee: the chunks sit in a V (chunk_stage), and a peer may be the rank itself (the V's turn).
 
     Why one batch per round, sends and receives together: under NCCL a send completes only
     once its receive is posted, and a rank's batches complete one after another. Posted this
@@ -1362,19 +1376,19 @@ def exchanges(rounds, p, rank, v, m):
 
     def receives(ops):
         for kind, i, c in ops:
-            g = c * p + rank
+            g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
-                yield "recv", (rank - 1) % p, forward_tag(i, g - 1, n)
+                yield "recv", stage_rank(p, g - 1, vee), forward_tag(i, g - 1, n)
             if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
-                yield "recv", (rank + 1) % p, backward_tag(i, g + 1, n, m)
+                yield "recv", stage_rank(p, g + 1, vee), backward_tag(i, g + 1, n, m)
 
     def sends(ops):
         for kind, i, c in ops:
-            g = c * p + rank
+            g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g < n - 1:
-                yield "send", (rank + 1) % p, forward_tag(i, g, n)
+                yield "send", stage_rank(p, g + 1, vee), forward_tag(i, g, n)
             if kind == "B" and g > 0:
-                yield "send", (rank - 1) % p, backward_tag(i, g, n, m)
+                yield "send", stage_rank(p, g - 1, vee), backward_tag(i, g, n, m)
 
     following = rounds[1:] + [()]
     return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
@@ -1405,10 +1419,12 @@ class Pipeline:
     pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: mark the
     start and end of every F, B and W on the device's own timeline (mark()), to measure the
     compute time and so the bubble without waiting for the device inside the step (08_3d.py
-    measures none)."""
+    measures none). `vee`: the chunks sit in a V (chunk_stage; ZB-V and DualPipeV), so the
+    rank passes some messages to itself, in memory."""
 
-    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True):
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
+        self.vee = vee
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.timed = timed
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
@@ -1440,7 +1456,7 @@ class Pipeline:
         return sum(seconds(*span) for span in spans) / seconds(*whole)
 
     def global_chunk(self, c):
-        return c * self.p + self.rank
+        return chunk_stage(self.p, self.rank, c, self.vee)
 
     def _exchange(self, batch, outputs, meanwhile=lambda: None):
         """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
@@ -1454,6 +1470,12 @@ class Pipeline:
             meanwhile()
             return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
         ops, received = [], {}
+        for op, peer, tag in [entry for entry in batch if entry[1] == self.rank]:  # the V's turn: in memory
+            if op == "send":
+                self.mailbox[tag] = outputs[tag][0].detach().clone()
+            else:
+                received[tag] = self.mailbox.pop(tag)
+        batch = [entry for entry in batch if entry[1] != self.rank]
         for op, peer, tag in batch:  # activations or gradients, b·s·h each
             if op == "send":
                 ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
@@ -1486,7 +1508,7 @@ class Pipeline:
                 still.append((request, tensor, free))
         self.posted_sends = still
 
-    def run(self, rounds, inputs, targets, m, train=True):
+    def run(self, rounds, inputs, targets, m, train=True, batches=None):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
         flight (forward done, backward not; with zero bubble: W not), and when timed a
@@ -1497,7 +1519,7 @@ class Pipeline:
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
         mark = self.mark if self.timed else (lambda: None)
         start = mark()
-        batches = exchanges(rounds, self.p, self.rank, self.v, m)
+        batches = batches or exchanges(rounds, self.p, self.rank, self.v, m, self.vee)  # or nccl_batches()'s
         received = self._exchange(batches[0], {})
         for ops, batch in zip(rounds, batches[1:]):
             outputs = {}  # what this round sends: {tag: (tensor, free after sending)}

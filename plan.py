@@ -221,7 +221,7 @@ def candidates(n, gpus_per_node, n_layer, n_expert=0):
         yield "06_tensor_parallel.py", [], "TP"
         yield "06_tensor_parallel.py", ["--sequence_parallel"], "TP + SP"
     if 1 < n <= n_layer:
-        for schedule in ("gpipe", "1f1b", "interleaved", "zb"):
+        for schedule in ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"):
             yield "07_pipeline.py", ["--schedule", schedule], f"PP {schedule}"
     for tp in divisors(n):
         for pp in divisors(n // tp):
@@ -354,7 +354,7 @@ def bubble(name, args, config, n):
     """The idle fraction of a pipeline's step (07's formula; 08 runs 1F1B)."""
     pipeline = script("07_pipeline.py")
     if name.startswith("07"):
-        v = args.virtual_stages if args.schedule == "interleaved" else 1
+        v, _ = pipeline.chunks_per_rank(args)  # 2 for the V schedules
         return pipeline.bubble_theory(args.schedule, n, args.global_batch_size // args.micro_batch_size, v)
     if name.startswith("08") and args.pp > 1:
         D = n // (args.tp * args.pp * args.cp)

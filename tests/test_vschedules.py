@@ -1,0 +1,220 @@
+"""07_pipeline.py's schedules as tables (every rank's actions, torch.distributed.pipelining's
+notation): the four older schedules' tables give exactly their rounds; ZB-V's and DualPipeV's
+equal torch's ScheduleZBVZeroBubble and ScheduleDualPipeV (built here on CPU, with stand-in
+stages: the orders need no process group); their posting orders replay under NCCL's rules
+(tests/nccl_replay.py); their drawn bubble is the docstring's formula; and run for real they
+reproduce 01's losses, the ledger's every byte included, posting what nccl_batches() says."""
+
+import importlib
+import os
+import types
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import _Action, ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+import nccl_replay
+from harness import ROOT, TINY, assert_losses_match, launch
+
+pp = importlib.import_module("07_pipeline")
+OLDER = [(kind, v) for kind, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zb", [1]))
+         for v in vs]
+
+
+def rounds_of(kind, p, m, v=1):
+    actions = pp.table(kind, p, m, v)
+    vee, split = kind in pp.V_SHAPED, pp.split_table(actions)
+    return [pp.table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
+
+
+def test_the_older_schedules_tables_give_exactly_their_rounds():
+    """Written as tables and read back, gpipe, 1f1b, interleaved and zb are today's rounds
+    (so today's orders, exchanges and drawings), at p 2-8 and m from p to 4p; zb's B is
+    torch's I (backward-input), the interleaved steady state's pairs OVERLAP_F_B; and their
+    batches need none of nccl_batches()'s moves."""
+    for p in range(2, 9):
+        for m in range(p, 4 * p + 1):
+            for kind, v in OLDER:
+                if kind == "interleaved" and m % p:
+                    continue
+                rounds = rounds_of(kind, p, m, v)
+                assert rounds == [pp.schedule_rounds(kind, p, r, m, v) for r in range(p)], (kind, p, m, v)
+                if p <= 4:
+                    assert pp.nccl_batches(rounds, p, v, m) == [
+                        [list(b) for b in pp.exchanges(rounds[r], p, r, v, m)] for r in range(p)], (kind, p, m)
+    assert pp.table("zb", 2, 2)[1] == ["1F0", "1I0", "1F1", "1I1", "1W0", "1W1"]  # stage 1 defers one W
+    assert "(0F2;2B0)OVERLAP_F_B" in pp.table("interleaved", 2, 4, 2)[0]
+
+
+def torch_orders(cls, p, m):
+    """torch's own schedule object at p ranks and m micro-batches (rank 0's view: every rank's
+    order is computed on each), as its actions' strings."""
+    stages = [types.SimpleNamespace(stage_index=g, num_stages=2 * p, group_size=p, group_rank=0,
+                                    submod=torch.nn.Linear(1, 1)) for g in (0, 2 * p - 1)]
+    order = cls(stages, m).pipeline_order
+    return [[str(a) for a in order[r] if a is not None] for r in range(p)]
+
+
+def test_v_orders_equal_torchs():
+    for p in range(1, 9):
+        for m in range(1, 4 * p + 1):
+            assert pp.table("zbv", p, m) == torch_orders(ScheduleZBVZeroBubble, p, m), (p, m)
+            if m >= 2 * p:
+                assert pp.table("dualpipev", p, m) == torch_orders(ScheduleDualPipeV, p, m), (p, m)
+
+
+def posts(batches, p):
+    """Every rank's posted batches (the V's turn, a rank's message to itself, stays in memory)."""
+    return {r: [{"kind": "batch", "group": "world", "ops": [{"op": op, "peer": q, "tag": tag, "bytes": 4}
+                                                           for op, q, tag in b if q != r]}
+                for b in batches[r] if any(q != r for _, q, _ in b)] for r in range(p)}
+
+
+@pytest.mark.parametrize("kind", ["zbv", "dualpipev"])
+def test_v_schedules_replay_under_nccl(kind):
+    """Training and evaluation, p 2-8, m from p (2p for DualPipeV) to 4p: no deadlock, every
+    pair matched in FIFO order. Each micro-batch crosses 2p-1 chunk boundaries each way, one
+    of them (chunk p-1 to p) in memory. Without nccl_batches()'s moves ZB-V mismatches."""
+    for p in range(2, 9):
+        for m in sorted({p, 2 * p - 1, 2 * p, 3 * p + 1, 4 * p}):
+            if kind == "dualpipev" and m < 2 * p:
+                continue
+            rounds = rounds_of(kind, p, m, 2)
+            train = posts(pp.nccl_batches(rounds, p, 2, m, True), p)
+            result = nccl_replay.replay(train)
+            assert result.ok, (p, m, result.report())
+            assert sum(len(b["ops"]) for r in train for b in train[r]) == 2 * 2 * m * (2 * p - 2)
+            evaluation = posts(pp.nccl_batches([pp.eval_rounds(p, m, 2, True)] * p, p, 2, m, True), p)
+            assert nccl_replay.replay(evaluation).ok, (p, m)
+    plain = posts([pp.exchanges(r, 2, rank, 2, 4, True) for rank, r in enumerate(rounds_of("zbv", 2, 4, 2))], 2)
+    assert not nccl_replay.replay(plain).ok
+
+
+def test_v_drawn_bubble_is_the_formula_and_the_first_and_last_chunk_sit_on_rank_0():
+    for kind in pp.V_SHAPED:
+        for p in (2, 3, 4, 6):
+            for m in range(2 * p if kind == "dualpipev" else 1, 4 * p + 1):
+                rounds = rounds_of(kind, p, m, 2)
+                orders = [[op for ops in rounds[r] for op in ops] for r in range(p)]
+                text, bubble = pp.draw(pp.simulate(orders, p, 2, True), p, 2)
+                assert bubble == pytest.approx(pp.bubble_theory(kind, p, m, 2)), (kind, p, m)
+                if m >= 2 * p:  # the docstring's memory: 2p chunk-sized micro-batches (DualPipeV 2p+1)
+                    assert {pp.held_peak(order, True) for order in orders} == {2 * p + (kind == "dualpipev")}
+    rounds = rounds_of("zbv", 2, 4, 2)  # the docstring's picture is the drawing
+    text, _ = pp.draw(pp.simulate([[op for ops in r for op in ops] for r in rounds], 2, 2, True), 2, 2)
+    assert all("    " + line.rstrip() in pp.__doc__ for line in text.split("\n"))
+    assert [pp.stages_of(4, r, 2, True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [pp.stage_rank(4, g, True) for g in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+BASE = TINY + ["--global_batch_size", "24", "--max_iters", "3", "--grad_clip", "0.05",
+               "--eval_interval", "3", "--eval_iters", "1"]
+EIGHT = ["--n_layer", "8"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return launch("01_single_gpu.py", BASE + EIGHT + ["--sample_tokens", "0"]).ok()
+
+
+@pytest.mark.parametrize("ranks, kind, micro", [(2, "zbv", 6), (4, "zbv", 2),
+                                                (2, "dualpipev", 6), (4, "dualpipev", 3)])
+def test_v_runs_reproduce_01(reference, ranks, kind, micro):
+    """01's losses and evaluation, with the activation ledger matching its theory on every
+    stage; rank 0 holds the tied embedding once (no all-reduce of it) and the loss."""
+    run = launch("07_pipeline.py", BASE + EIGHT + ["--schedule", kind, "--micro_batch_size", micro],
+                 nprocs=ranks).ok()
+    assert_losses_match(reference, run, what=f"pp={ranks} {kind} m={24 // micro}")
+    assert run.evals[-1]["val_loss"] == pytest.approx(reference.evals[-1]["val_loss"], rel=2e-5)
+    step = run.steps[0]
+    assert step["comm_bytes"]["all_reduce"] == 4  # the norm only: wte and its head are one tensor on rank 0
+    assert step["comm_bytes"]["send"] == step["comm_bytes_theory"]["send"] > 0
+    assert step["activation_bytes"] == step["activation_bytes_theory"]
+    assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
+    assert step["bubble_drawn"] == pytest.approx(step["bubble_theory"])
+
+
+def test_recorded_zbv_run_posts_nccl_batches_and_replays(tmp_path):
+    ranks, m = 2, 4
+    flags = BASE + ["--n_layer", "4", "--schedule", "zbv", "--micro_batch_size", "6", "--max_iters", "1",
+                    "--eval_interval", "1"]
+    record = tmp_path / "record"
+    launch(os.path.join(ROOT, "tests", "nccl_replay.py"), [record, "07_pipeline.py"] + flags, nprocs=ranks).ok()
+    recorded = nccl_replay.read_records(record)
+    evaluation = posts(pp.nccl_batches([pp.eval_rounds(ranks, m, 2, True)] * ranks, ranks, 2, m, True), ranks)
+    train = posts(pp.nccl_batches(rounds_of("zbv", ranks, m, 2), ranks, 2, m, True), ranks)
+    for r in range(ranks):
+        def plain(entries):
+            return [[(o["op"], o["peer"], o["tag"]) for o in e["ops"]] for e in entries if e["kind"] == "batch"]
+        expected = plain(evaluation[r]) * 2 + plain(train[r]) + plain(evaluation[r]) * 2
+        assert plain(recorded[r]) == expected, f"rank {r}"
+    assert nccl_replay.replay(recorded).ok
+
+
+def test_tables_travel_through_torchs_csv_format(tmp_path):
+    """07 reads the CSV torch's _dump_csv writes (ZB-V's, idle steps as empty cells); torch's
+    _load_csv reads the one 07 writes (and lowers it to its runtime's sends and receives);
+    every action 07 writes parses with torch's _Action.from_str back to the same text."""
+    stages = [types.SimpleNamespace(stage_index=g, num_stages=6, group_size=3, group_rank=0,
+                                    submod=torch.nn.Linear(1, 1)) for g in (0, 5)]
+    schedule = ScheduleZBVZeroBubble(stages, 6)
+    schedule._dump_csv(tmp_path / "torch.csv", format="compute_only")
+    assert pp.read_table(tmp_path / "torch.csv") == pp.table("zbv", 3, 6)
+    pp.write_table(pp.table("zbv", 3, 6), tmp_path / "ours.csv")
+    schedule.pipeline_order = {}
+    schedule._load_csv(tmp_path / "ours.csv")
+    assert [[str(a) for a in schedule.pipeline_order[r]] for r in range(3)] == pp.table("zbv", 3, 6)
+    for kind, v in OLDER + [("zbv", 2), ("dualpipev", 2)]:
+        pp.write_table(pp.table(kind, 3, 6, v), tmp_path / f"{kind}.csv")
+        actions = pp.read_table(tmp_path / f"{kind}.csv")
+        assert actions == pp.table(kind, 3, 6, v) and pp.table_problem(actions, 3, 6) is None
+        assert all(str(_Action.from_str(text)) == text for row in actions for text in row), kind
+
+
+def test_a_table_that_cannot_run_is_refused_naming_the_rank_and_action():
+    good = pp.table("zb", 2, 3)  # [0F0 0F1 0I0 0W0 0F2 ...], [1F0 1I0 1F1 ...]
+
+    def problem(rank, change):
+        actions = [list(row) for row in good]
+        actions[rank] = change(actions[rank])
+        return pp.table_problem(actions, 2, 3)
+    assert problem(1, lambda row: ["1W0"] + [a for a in row if a != "1W0"]) == \
+        "rank 1, action 1W0: needs 1I0 first, which this rank runs after it"  # W before its B
+    crossed = [["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]  # each waits for the other's
+    assert pp.table_problem(crossed, 2, 2) == ("rank 0, action 0B0: needs 1B0 first, which rank 1 runs only "
+                                               "after what waits on this (the order deadlocks)")
+    assert problem(1, lambda row: [a for a in row if a != "1F2"]) == "rank 1: never runs 1F2"  # 0's send unmatched
+    assert problem(1, lambda row: row + ["1F2"]) == "rank 1, action 1F2: 1F2 runs twice"
+    assert problem(1, lambda row: [a for a in row if a != "1W2"]) == "rank 1: never runs 1W2 after its 1I2"
+    assert problem(0, lambda row: row + ["0F9"]).startswith("rank 0, action 0F9: micro-batch 9, but the run has 3")
+    assert problem(0, lambda row: row + ["0X1"]).startswith("rank 0: not an action: '0X1'")
+    assert problem(0, lambda row: [a.replace("0", "1", 1) if a[0] == "0" else a for a in row]).startswith(
+        "its stages are not placed as 07 places chunks")
+    # the posting orders themselves (the backstop behind the check above): where no
+    # receive can move, nccl_batches names the first rank waiting, and its batch
+    crossed = [[(("B", 0, 0),), (("F", 0, 0),)], [(("F", 0, 0),), (("B", 0, 0),)]]
+    with pytest.raises(pp.Deadlock) as caught:
+        pp.nccl_batches(crossed, 2, 1, 1)
+    assert (caught.value.rank, caught.value.batch) == (0, 0) and "deadlocks under NCCL's rules" in str(caught.value)
+
+
+def test_schedule_csv_runs_a_users_table_and_refuses_a_bad_one(reference, tmp_path):
+    """07 writes ZB-V's table (--write_schedule, a dry run) and runs it back from the file as
+    a user's table: 01's losses. A table with a W before its I: one line, before anything
+    is built, exit 2."""
+    flags = BASE + EIGHT + ["--micro_batch_size", "4"]
+    path = tmp_path / "zbv.csv"
+    launch("07_pipeline.py", flags + ["--schedule", "zbv", "--write_schedule", path, "--dry_run",
+                                      "--world_size", "2"]).ok()
+    run = launch("07_pipeline.py", flags + ["--schedule_csv", path], nprocs=2).ok()
+    assert_losses_match(reference, run, what="pp=2 zbv from its CSV")
+    assert "schedule csv" in run.stdout and "bubble: 0.027 drawn" in run.stdout
+    rows = pp.read_table(path)
+    rows[1] = ["1W0"] + [a for a in rows[1] if a != "1W0"]
+    pp.write_table(rows, path)
+    bad = launch("07_pipeline.py", BASE + EIGHT + ["--schedule_csv", path], nprocs=2, timeout=60)
+    assert bad.returncode == 2 and bad.error_lines == [
+        f"error: --schedule_csv {path}: rank 1, action 1W0: needs 1I0 first, which this rank runs after it"]
+    few = launch("07_pipeline.py", BASE + ["--schedule", "zbv", "--n_layer", "7", "--dry_run", "--world_size", "4"])
+    assert few.returncode == 2 and few.error_lines == [
+        "error: n_layer 7 is fewer than pp 4 x 2 chunks per rank (zbv): every chunk needs at least one layer"]
