@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (autocast, check, Data, GPT, HostCopies, is_hidden_matrix, lr_at, make_adamw, make_parser,
+from common import (autocast, check, Data, GPT, is_hidden_matrix, lr_at, make_adamw, make_parser,
                     model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init, param_shapes, to_device,
                     to_host)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
@@ -307,6 +307,60 @@ def materialize(model, device, dtype):
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
                 module._parameters[name] = new[id(p)]
+
+
+# ---- restated from 04_zero.py: HostCopies (word for word; tests/test_restated.py checks it) ----
+class HostCopies:
+    """--offload's copies between the device and host memory on a side stream, so that they
+    run beside the compute stream's kernels instead of between them (ZeRO-Offload's overlap
+    of the gradients' trip down with the rest of backward):
+
+        compute stream   ..B(l)..  reduce-scatter(l) ..B(l-1)..  ..B(l-2)..           | host reads
+        side stream                          down(l) ─────────> down(l-1) ──>      wait()
+
+    down(t): a pinned copy of device tensor `t`, arriving; read it only after wait(), which
+    makes the host wait for every copy down so far (once per micro-batch, before the CPU
+    adds them up). up(tensors, dtype): the host tensors packed into one pinned staging
+    buffer (a torch.cat of pinned tensors is not pinned) and copied to the device in
+    `dtype`; the compute stream waits for the copy, the host does not. On a CPU run (no
+    streams) both are the plain copies; unverified on GPUs (no GPU was lent)."""
+
+    def __init__(self, device):
+        self.device = device
+        accelerated = device.type in ("cuda", "xpu")
+        self.module = torch.get_device_module(device) if accelerated else None
+        self.stream = self.module.Stream(device) if accelerated else None
+
+    def down(self, t, like):
+        """`t` (on the device) in host memory, where `like` is."""
+        if self.stream is None:
+            return t.to(like.device)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.stream.wait_stream(self.module.current_stream(self.device))  # after the kernels that make t
+        with self.module.stream(self.stream):
+            out.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
+        return out
+
+    def wait(self):
+        """The host waits for the copies down (not for the compute stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def up(self, tensors, dtype):
+        """The host `tensors`, flattened one after the other, as one device tensor in `dtype`."""
+        if self.stream is None:
+            return torch.cat([t.detach().view(-1) for t in tensors]).to(self.device, dtype)
+        staged = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
+        torch.cat([t.detach().view(-1) for t in tensors], out=staged)
+        with self.module.stream(self.stream):  # from the side stream's own memory: no wait before
+            out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
+            out.copy_(staged, non_blocking=True)
+        current = self.module.current_stream(self.device)
+        current.wait_stream(self.stream)  # the compute stream reads `out` only once it has arrived
+        out.record_stream(current)
+        return out.to(dtype)
+# ---- end restated ----
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,15 +1,8 @@
 """What every script shares, and no strategy: the GPT model (nanoGPT's, dense or a mixture of
 experts), the optimizer and its schedule, the data, the shared command line, launch / device /
-process groups, and a plain `Run`, the run protocol doing only what a plain training loop needs.
-
-The run infrastructure (the communication ledger, the activation meter, the guard and stop
-signals, the fit check and --micro_batch_size auto by memory, metrics and wandb, checkpoints and
-the out_dir lock, the dry run) is infra.py's: its Run extends the plain one below. A numbered
-script's only tie to it is the line `from infra import Run`; with `from common import Run` in
-its place, the script and this file alone train with 01's losses.
-
-Read a numbered script first; come here when it calls something. The contract between the
-scripts (flags, determinism, metrics schema) is docs/design.md's; README.md is the front page.
+process groups, and a plain `Run` doing only what a plain loop needs; infra.py's Run extends it.
+With `from common import Run` in place of `from infra import Run`, a script and this file alone
+train with 01's losses. The contract (flags, determinism, metrics schema) is docs/design.md's.
 
 Two rules make every strategy comparable with 01_single_gpu.py:
   * the initial value of every parameter is a pure function of (seed, parameter name)
@@ -46,8 +39,6 @@ warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into
 SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 
-
-
 # ----------------------------------------------------------------------------------------
 # The GPT model (nanoGPT's, with the same module names)
 # ----------------------------------------------------------------------------------------
@@ -61,8 +52,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
-    # mixture of experts (MoE below): E expert MLPs per block, each token sent to its top_k;
-    # 0 experts = nanoGPT's dense MLP
+    # mixture of experts (MoE below): E expert MLPs per block, each token sent to its top_k; 0 = dense
     n_expert: int = 0
     top_k: int = 2
     aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per block
@@ -77,9 +67,8 @@ PRESETS = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, dropout=0.0, bias=True),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, dropout=0.0, bias=True),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, dropout=0.0, bias=True),
-    # Brown et al. 2020, Table 2.1 (context 2048). Two sizes cannot be built as printed: XL's
-    # 24 heads of 128 do not make its d_model 2048, so 16 heads of 128 are used; 13B's d_model
-    # 5140 is not a multiple of its 40 heads, so 5120 (heads of 128, as the table's d_head)
+    # Brown et al. 2020, Table 2.1 (context 2048); two sizes cannot be built as printed: XL's 24 heads
+    # of 128 do not make d_model 2048 (16 heads of 128 here); 13B's 5140 is not a multiple of 40 (5120)
     "gpt3-small": dict(n_layer=12, n_head=12, n_embd=768, block_size=2048, dropout=0.0, bias=True),
     "gpt3-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048, dropout=0.0, bias=True),
     "gpt3-large": dict(n_layer=24, n_head=16, n_embd=1536, block_size=2048, dropout=0.0, bias=True),
@@ -91,15 +80,11 @@ PRESETS = {
 }
 
 
-# the default: nanoGPT's baby GPT twice as deep, with 24 heads of 16, so that the bare
-# commands run at every node size: 24 heads divide tp = 1, 2, 3, 4, 6, 8, 12, 24 and 12
-# layers give pp up to 12 (stages may differ by one layer)
+# the default: nanoGPT's baby GPT twice as deep, 24 heads of 16, so that the bare commands run at
+# every node size: 24 heads divide tp = 1, 2, 3, 4, 6, 8, 12, 24; 12 layers give pp up to 12
 DEFAULT_MODEL = "baby"
-
-
 PRESETS[DEFAULT_MODEL] = dict(n_layer=12, n_head=24, n_embd=384, block_size=256, dropout=0.2, bias=False)
-# its mixture-of-experts variant, 10_expert_parallel.py's default: 8 experts of the same
-# width per block, 2 active per token (8 divides --ep = 1, 2, 4, 8)
+# its mixture of experts, 10_expert_parallel.py's default: 8 per block, 2 per token (8 divides --ep)
 DEFAULT_MOE_MODEL = DEFAULT_MODEL + "-moe"
 PRESETS[DEFAULT_MOE_MODEL] = dict(PRESETS[DEFAULT_MODEL], n_expert=8, top_k=2)
 
@@ -137,20 +122,14 @@ class MLP(nn.Module):
 
 
 def route(logits, top_k):
-    """Top-k routing (Mixtral's, Jiang et al. 2024) of the tokens of a (B, T, E) router output:
-    each token goes to the k experts of highest probability, their outputs weighted by those
-    k probabilities renormalised to sum to one. Returns (weights, order, counts, aux):
-    weights (B·T, k), row i token i's choices, best first; the permutation `order` that groups
-    the B·T·k (token, choice) entries by expert, stably (entry i·k + j is token i's j-th
-    choice); `counts` (E,), the entries each expert takes; and the load-balancing loss.
-
-    The loss is Switch Transformer's (Fedus et al. 2022, eq. 4), E·Σ_e f_e·P_e, where f_e is
-    the share of the token-to-expert assignments that went to expert e (no gradient) and P_e
-    the mean router probability of e (the gradient's path): 1 when the load is even, up to E
-    when one expert takes all. It is taken per sequence and averaged over the sequences, as
-    the cross-entropy is averaged over tokens (DeepSeek-V3's sequence-wise form), so that the
-    training objective is the same however the batch is split into ranks and micro-batches,
-    which always split between whole sequences: the equivalence oracle holds."""
+    """Top-k routing (Mixtral's, Jiang et al. 2024) of a (B, T, E) router output: each token goes
+    to its k most probable experts, weighted by those k probabilities renormalised to sum to one.
+    Returns weights (B·T, k), best first; `order`, the stable permutation grouping the B·T·k entries
+    by expert (entry i·k + j: token i's j-th choice); `counts` (E,); and aux, Switch Transformer's
+    balancing loss E·Σ_e f_e·P_e (Fedus et al. 2022, eq. 4; f_e the share of assignments to e, no
+    gradient; P_e e's mean router probability; 1 when even, E when one expert takes all), per
+    sequence and averaged (DeepSeek-V3's sequence-wise form), so that the objective is the same
+    however the batch is split into ranks and micro-batches: the equivalence oracle holds."""
     probs = F.softmax(logits.float(), dim=-1)  # (B, T, E), in fp32 also under autocast
     B, T, E = probs.shape
     top_p, experts = torch.topk(probs, top_k, dim=-1)
@@ -164,18 +143,15 @@ def route(logits, top_k):
 
 
 def combine(out, order, weights):
-    """Undo `route`'s grouping on the experts' outputs (row j of `out` is entry order[j]) and
-    sum each token's k outputs, weighted: (B·T, C)."""
+    """Undo `route`'s grouping (row j of `out` is entry order[j]); each token's k outputs, weighted."""
     k = weights.size(1)
     out = out[torch.argsort(order)].view(-1, k, out.size(-1))
     return (out * weights.unsqueeze(-1)).sum(dim=1)
 
 
 class MoE(nn.Module):
-    """A mixture of experts in place of the MLP (Shazeer et al. 2017): E expert MLPs, each
-    nanoGPT's MLP, and a linear router (h -> E, no bias). Dropless: every expert takes every
-    token routed to it, however many (no capacity factor, no token dropped), so its batch
-    varies from step to step. Returns the output and the block's load-balancing loss."""
+    """A mixture of experts for the MLP (Shazeer et al. 2017): E of nanoGPT's MLPs and a linear router
+    (no bias). Dropless (no capacity factor): an expert's batch varies by step. Returns (out, aux)."""
 
     def __init__(self, config):
         super().__init__()
@@ -192,8 +168,7 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). With
-    experts the MLP is a MoE and the block returns (x, its load-balancing loss)."""
+    """Pre-LayerNorm: x + attn(ln_1(x)), then x + mlp(ln_2(x)); with experts, (x, its balancing loss)."""
 
     def __init__(self, config):
         super().__init__()
@@ -219,10 +194,8 @@ class Block(nn.Module):
 
 
 def param_init(name, shape, config, seed):
-    """The initial value of parameter `name` (GPT-2 initialisation), a pure function of
-    (seed, name): N(0, 0.02) for matrices and embeddings, N(0, 0.02/sqrt(2*n_layer)) for the
-    residual projections (c_proj), ones for LayerNorm weights, zeros for biases. Any rank can
-    build any parameter, or any shard of it, without building the rest of the model."""
+    """`name`'s initial value (GPT-2's), a pure function of (seed, name), so any rank builds any shard
+    alone: N(0, 0.02), N(0, 0.02/sqrt(2*n_layer)) for c_proj, ones for LayerNorm, zeros for biases."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if ".ln_" in name:
@@ -255,8 +228,7 @@ class GPT(nn.Module):
         return self
 
     def num_params(self, non_embedding=True):
-        """Parameter count as nanoGPT reports it: without the position embedding (the token
-        embedding stays in because it is also the output head)."""
+        """Parameter count as nanoGPT reports it: without wpe (wte stays: it is also the head)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
@@ -293,14 +265,10 @@ class GPT(nn.Module):
 
 
 class _Recompute(torch.autograd.Function):
-    """Activation recomputation (Chen et al. 2016, "Training deep nets with sublinear memory
-    cost"): forward runs `fn` without recording a graph and saves only its input; backward
-    runs `fn` again, with the same autocast and random streams, and back-propagates through
-    that fresh graph. Written by hand rather than torch.utils.checkpoint because (1) the
-    input it keeps is then an ordinary saved tensor that the ActivationMeter sees, and the
-    recomputed block's tensors are saved through the meter's hooks too (checkpoint's own
-    hooks would hide both), and (2) extra random streams (the tensor-parallel rank's own
-    dropout stream, an object with a `.state`) are restored as well."""
+    """Activation recomputation (Chen et al. 2016): forward saves only the input; backward runs `fn`
+    again, with the same autocast and random streams, and back-propagates through that graph. By
+    hand, not torch.utils.checkpoint, so that the ActivationMeter sees the kept input and recomputed
+    tensors (checkpoint's hooks hide both) and extra streams (a `.state`: TP dropout) are restored."""
 
     @staticmethod
     def forward(ctx, fn, trackers, x):
@@ -347,8 +315,7 @@ def preset_config(args):
 
 
 def model_block_size(args):
-    """The context length of --model with its overrides (what the data loader needs before
-    the vocabulary, and so the whole config, is known)."""
+    """The context length of --model with its overrides (the data loader's, before the vocabulary)."""
     return preset_config(args)["block_size"]
 
 
@@ -358,11 +325,8 @@ def model_config(args, vocab_size):
 
 
 def param_shapes(config):
-    """{name: shape} of GPT(config)'s parameters in named_parameters() order (the tied head
-    once, as transformer.wte.weight), from the config alone: the cost formulas and the fit
-    check need sizes, not a model, not even one on the meta device (its first initialiser
-    there imports much of torch: about a second at every start). tests/test_live_memory.py
-    checks it against the model's own."""
+    """{name: shape} of GPT(config)'s parameters in named_parameters() order (tied head once, as wte),
+    from the config alone: costs need sizes, and a meta model's first init imports torch's bulk (1 s)."""
     h = config.n_embd
 
     def layer(name, *weight):  # a Linear (out, in) or a LayerNorm (h,), with its bias unless bias=False
@@ -386,16 +350,13 @@ def param_shapes(config):
 
 
 def count_params(config):
-    """(Ψ, nanoGPT's count) for `config`, from its shapes (param_shapes): Ψ counts every
-    parameter once (the tied embedding/head once); nanoGPT's count leaves out the position
-    embedding."""
+    """(Ψ: every parameter once, the tied embedding/head once; nanoGPT's count: Ψ less wpe)."""
     psi = sum(math.prod(shape) for shape in param_shapes(config).values())
     return psi, psi - config.block_size * config.n_embd
 
 
 def build_model(config, seed, device, recompute=False):
-    """The full model, initialised by `param_init`, on `device`; with `recompute`, every
-    block keeps only its input for backward."""
+    """The full model, initialised by `param_init`, on `device`; `recompute`: see Block."""
     model = GPT(config).init_weights(seed).to(device)
     for block in model.transformer.h:
         block.recompute = recompute
@@ -407,8 +368,7 @@ def build_model(config, seed, device, recompute=False):
 # ----------------------------------------------------------------------------------------
 
 def is_decayed(shape):
-    """nanoGPT's rule: weight decay on matrices (Linear weights, embeddings), not on biases
-    and LayerNorm weights. By shape, so that a flat shard of a parameter gets its rule too."""
+    """nanoGPT's rule, decay on matrices only; by shape, so that a flat shard gets its rule too."""
     return len(shape) >= 2
 
 
@@ -422,10 +382,7 @@ def decay_groups(params):
 
 
 def make_adamw(params, args, device_type, not_decayed=None):
-    """AdamW with nanoGPT's two parameter groups, weight decay on the matrices only (the
-    split of decay_groups); the fused kernel on GPUs. A strategy whose tensors no longer
-    have their parameters' shapes (ZeRO's flat shards) passes the two groups itself:
-    `params` decayed, `not_decayed` not."""
+    """AdamW in nanoGPT's two groups (decay_groups', or `params` and `not_decayed` given), fused on GPUs."""
     decayed, not_decayed = decay_groups(params) if not_decayed is None else (params, not_decayed)
     groups = [{"params": list(decayed), "weight_decay": args.weight_decay},
               {"params": list(not_decayed), "weight_decay": 0.0}]
@@ -433,19 +390,16 @@ def make_adamw(params, args, device_type, not_decayed=None):
     return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS, **({"fused": True} if fused else {}))
 
 
-# Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers"; Liu et al. 2025, "Muon is
-# scalable for LLM training", Moonlight): the blocks' weight matrices take the momentum, made
-# (nearly) orthogonal, as their update; embeddings, the head, the router, norms and biases keep
-# AdamW. We follow Moonlight's scaling, update · 0.2·sqrt(max(rows, cols)), which matches the
-# update's RMS to AdamW's, so that one learning rate and one weight decay (the loop's) serve both.
+# Muon (Jordan et al. 2024; Moonlight, Liu et al. 2025): the blocks' weight matrices take the
+# momentum, made (nearly) orthogonal, as their update; the rest keep AdamW. Moonlight's scale,
+# 0.2·sqrt(max(rows, cols)), matches the update's RMS to AdamW's: one lr and weight decay serve both.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: steepest slope at 0 that still converges
 NS_STEPS = 5
 MUON_MOMENTUM = 0.95
 
 
 def is_hidden_matrix(name, shape):
-    """Muon's share: the 2-D weights inside the transformer blocks (attention, MLP, experts),
-    by name (01's "transformer.h.3.mlp.c_fc.weight", 07's chunks' "0.h.1.attn.c_attn.weight")."""
+    """Muon's share: the blocks' 2-D weights (attention, MLP, experts), by name (01's or 07's chunks')."""
     return len(shape) == 2 and re.search(r"(^|\.)h\.\d+\.", name) is not None and ".router." not in name
 
 
@@ -470,24 +424,20 @@ def orthogonalize(g, dtype=torch.float32):
 
 
 def muon_momentum(grad, momentum_buffer):
-    """Muon's update before orthogonalisation: Nesterov momentum. Element-wise, so a shard of
-    the matrix (a strategy's) gets its shard of the update."""
+    """Nesterov momentum, element-wise: a strategy's shard of the matrix gets its shard of the update."""
     momentum_buffer.lerp_(grad, 1 - MUON_MOMENTUM)    # B <- μ·B + (1-μ)·g
     return grad.lerp(momentum_buffer, MUON_MOMENTUM)  # Nesterov: g + μ·(B - g)
 
 
 def muon_apply(param, orthogonal, lr, weight_decay, shape):
-    """Decoupled weight decay, then the step along the orthogonalised update, scaled by
-    Moonlight's 0.2·sqrt(max(rows, cols)) of the whole matrix's `shape` (`param` and
-    `orthogonal` may be a shard of it)."""
+    """Decoupled weight decay, then the step along the orthogonalised update scaled by Moonlight's
+    0.2·sqrt(max(rows, cols)) of the whole matrix's `shape` (`param` may be a shard of it)."""
     param.mul_(1 - lr * weight_decay)
     param.add_(orthogonal.to(param.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for `matrices`, with `adamw` (make_adamw's, for every other parameter) inside:
-    one optimizer to the loop, whose learning rate reaches both, and one state table
-    (optimizer.state[p]: "momentum_buffer" for a matrix, AdamW's moments for the rest)."""
+    """Muon for `matrices`, `adamw` (the rest) inside: one optimizer, one lr, one state table."""
 
     def __init__(self, matrices, adamw, args, ns_dtype):
         super().__init__([{"params": list(matrices), "weight_decay": args.weight_decay}], {"lr": args.lr})
@@ -508,8 +458,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def make_optimizer(named_params, args, env):
-    """--optimizer adamw: make_adamw. muon: Muon for the blocks' matrices, AdamW for the
-    rest; the Newton-Schulz iteration in the run's dtype (bf16 in a bf16 run, as Jordan's)."""
+    """adamw, or Muon for the blocks' matrices with Newton-Schulz in the run's dtype (as Jordan's)."""
     named = [(name, p) for name, p in named_params if p.requires_grad]
     if args.optimizer == "adamw":
         return make_adamw([p for _, p in named], args, env.device.type)
@@ -532,17 +481,12 @@ def lr_at(step, args):
 # ----------------------------------------------------------------------------------------
 
 SPLITS = {"train": 0, "val": 1}
-
-
 SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the text is train, the rest val (nanoGPT's split)
-
-
 EVAL_KEY = 2  # evaluation batches: streams of their own, the same at every evaluation
 
 
 class _Stub:
-    """What a pickle would build by calling a class or function (an object, a numpy scalar, an
-    exploit): its name and arguments recorded, nothing called."""
+    """What a pickle would build by calling something (an object, a numpy scalar, an exploit)."""
 
     def __new__(cls, *args):
         stub = object.__new__(cls)
@@ -557,16 +501,14 @@ class _Stub:
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles a pickle's plain data (dicts, lists, tuples, strings, numbers) and nothing
-    else: every class or function it names becomes a _Stub, so no code of the file runs."""
+    """A pickle's plain data only: every class or function it names is a _Stub, nothing runs."""
 
     def find_class(self, module, name):
         return type(f"{module}.{name}", (_Stub,), {"name": f"{module}.{name}"})
 
 
 def _plain_int(value):
-    """An int, or a numpy integer scalar as a pickle records it (numpy's `scalar` called with
-    an integer dtype and the value's bytes), decoded without numpy's unpickling; else None."""
+    """An int, or a pickled numpy integer scalar decoded without numpy's unpickling; else None."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, _Stub) and value.name.endswith("multiarray.scalar") and len(value.args) == 2:
@@ -582,8 +524,7 @@ def _plain_int(value):
 
 
 def read_vocab_size(meta_path):
-    """The top-level vocab_size of a nanoGPT meta.pkl, read without running any of its code
-    (_PlainUnpickler): a plain int or a numpy integer; a vocab_size nested deeper is not it."""
+    """A nanoGPT meta.pkl's top-level vocab_size (an int or numpy integer), none of its code run."""
     with open(meta_path, "rb") as f:
         meta = _PlainUnpickler(f).load()
     if not isinstance(meta, dict) or "vocab_size" not in meta:
@@ -596,10 +537,7 @@ def read_vocab_size(meta_path):
 
 
 class TokenFile:
-    """A nanoGPT token file (uint16), read a window at a time with pread. Not a memory map:
-    a file truncated under a running job would kill the rank with SIGBUS at the next batch;
-    here it is one line. Indexing takes an array of positions whose last axis is a window
-    of consecutive tokens, as Data.batch asks."""
+    """A nanoGPT token file (uint16) read by pread, not mmap: a truncated file is one line, not SIGBUS."""
 
     def __init__(self, path):
         self.path, self.fd = path, os.open(path, os.O_RDONLY)
@@ -630,12 +568,8 @@ def shakespeare_vocab_size():
 
 
 class Data:
-    """Token streams for the train and val splits and the deterministic batches drawn from
-    them.
-
-    The batch of step t is the same set of global_batch_size windows whatever the world size:
-    the window offsets come from a generator seeded by (seed, split, t); data-parallel rank r
-    of D takes rows [r·B/D, (r+1)·B/D). Concatenating every rank's rows gives 01's batch."""
+    """Token streams, and batches the same whatever the world size: step t's windows come from a
+    generator seeded by (seed, split, t); rank r of D takes rows [r·B/D, (r+1)·B/D) of 01's batch."""
 
     def __init__(self, spec, seed, block_size):
         self.seed, self.block_size, self.itos = seed, block_size, None
@@ -667,8 +601,7 @@ class Data:
 
     @staticmethod
     def vocabulary(spec):
-        """(vocab_size, where it comes from, None) of a --data directory, or (None, None, the
-        problem): meta.pkl's vocab_size, or GPT-2's padded 50304 without one."""
+        """(vocab_size, its source, None) of a --data directory, or (None, None, the problem)."""
         if not os.path.isdir(spec):
             return None, None, (f"--data {spec}: no such directory (expected shakespeare_char, synthetic, "
                                 "or a directory with train.bin and val.bin)")
@@ -684,9 +617,7 @@ class Data:
         return vocab, f"{meta}'s vocab_size", None
 
     def batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
-        """(x, y) int64 CPU tensors of shape (global_batch_size/dp_size, block_size): this
-        data-parallel rank's contiguous slice of the global batch of `step` (for evaluation
-        batches, eval_split=True and `step` is the evaluation iteration)."""
+        """(x, y) int64 (global_batch_size/dp_size, block_size): this rank's slice of `step`'s batch."""
         tokens = self.splits[split]
         stream = SPLITS[split] + (EVAL_KEY if eval_split else 0)
         rng = np.random.default_rng([self.seed, stream, step])
@@ -704,14 +635,11 @@ class Data:
 
 
 SYNTHETIC_VOCAB = 256
-
-
 SYNTHETIC_TOKENS = {"train": 1 << 21, "val": 1 << 17}
 
 
 def synthetic_corpus(n_train=SYNTHETIC_TOKENS["train"], n_val=SYNTHETIC_TOKENS["val"]):
-    """A learnable stream for offline benchmarks: a fixed random first-order Markov chain in
-    which every token has 4 likely successors (so the loss can fall to about log 4)."""
+    """A learnable stream for offline benchmarks: a Markov chain, 4 successors a token (loss ~log 4)."""
     rng = np.random.default_rng(1234)
     successors = rng.integers(0, SYNTHETIC_VOCAB, size=(SYNTHETIC_VOCAB, 4))
     choice = rng.integers(0, 4, size=n_train + n_val)
@@ -729,14 +657,8 @@ def to_device(t, env):
     return t.to(env.device)
 
 
-# ----------------------------------------------------------------------------------------
-# Host memory for --offload (04, 05), and a fake host that tells it apart on a CPU
-# ----------------------------------------------------------------------------------------
-
 def to_host(t, device):
-    """A copy of `t` in host memory (--offload's shards, their gradients and AdamW state),
-    pinned when the run's `device` is an accelerator, so that the copies to and from it are
-    asynchronous DMA. With GPTPAR_FAKE_HOST=1 in the environment (tests), infra's HostTensor."""
+    """`t` in host memory, pinned for asynchronous DMA; GPTPAR_FAKE_HOST=1 (tests): infra's HostTensor."""
     out = t.to("cpu", copy=True)
     if device.type in ("cuda", "xpu"):
         out = out.pin_memory()
@@ -744,58 +666,6 @@ def to_host(t, device):
         from infra import host_tensor
         out = host_tensor(out)
     return out
-
-
-class HostCopies:
-    """--offload's copies between the device and host memory on a side stream, so that they
-    run beside the compute stream's kernels instead of between them (ZeRO-Offload's overlap
-    of the gradients' trip down with the rest of backward):
-
-        compute stream   ..B(l)..  reduce-scatter(l) ..B(l-1)..  ..B(l-2)..           | host reads
-        side stream                          down(l) ─────────> down(l-1) ──>      wait()
-
-    down(t): a pinned copy of device tensor `t`, arriving; read it only after wait(), which
-    makes the host wait for every copy down so far (once per micro-batch, before the CPU
-    adds them up). up(tensors, dtype): the host tensors packed into one pinned staging
-    buffer (a torch.cat of pinned tensors is not pinned) and copied to the device in
-    `dtype`; the compute stream waits for the copy, the host does not. On a CPU run (no
-    streams) both are the plain copies; unverified on GPUs (no GPU was lent)."""
-
-    def __init__(self, device):
-        self.device = device
-        accelerated = device.type in ("cuda", "xpu")
-        self.module = torch.get_device_module(device) if accelerated else None
-        self.stream = self.module.Stream(device) if accelerated else None
-
-    def down(self, t, like):
-        """`t` (on the device) in host memory, where `like` is."""
-        if self.stream is None:
-            return t.to(like.device)
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.stream.wait_stream(self.module.current_stream(self.device))  # after the kernels that make t
-        with self.module.stream(self.stream):
-            out.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
-        return out
-
-    def wait(self):
-        """The host waits for the copies down (not for the compute stream)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def up(self, tensors, dtype):
-        """The host `tensors`, flattened one after the other, as one device tensor in `dtype`."""
-        if self.stream is None:
-            return torch.cat([t.detach().view(-1) for t in tensors]).to(self.device, dtype)
-        staged = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
-        torch.cat([t.detach().view(-1) for t in tensors], out=staged)
-        with self.module.stream(self.stream):  # from the side stream's own memory: no wait before
-            out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
-            out.copy_(staged, non_blocking=True)
-        current = self.module.current_stream(self.device)
-        current.wait_stream(self.stream)  # the compute stream reads `out` only once it has arrived
-        out.record_stream(current)
-        return out.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------
@@ -814,8 +684,7 @@ def base_parser(doc):
 
 
 def make_parser(doc, experts=False):
-    """The shared flags (docs/design.md); each script adds its own strategy flags. `experts`:
-    the script has a mixture-of-experts model (--n_expert > 0 is refused elsewhere)."""
+    """The shared flags (docs/design.md); `experts`: the script has a mixture of experts."""
     p = base_parser(doc)
     p.experts = experts
     g = p.add_argument_group("model")
@@ -845,8 +714,7 @@ def make_parser(doc, experts=False):
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min_lr", type=float, default=1e-4)
     g.add_argument("--warmup_iters", type=int, default=100)
-    g.add_argument("--lr_decay_iters", type=int, default=None,
-                   help="end of the cosine decay (default: max_iters)")
+    g.add_argument("--lr_decay_iters", type=int, default=None, help="end of the cosine decay (default: max_iters)")
     g.add_argument("--weight_decay", type=float, default=0.1)
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="muon: Muon for the blocks' weight matrices, AdamW for the rest (one --lr)")
@@ -878,25 +746,20 @@ def micro_batch_size_arg(text):
 
 
 MAX_BATCH = 2**24  # sequences per step: far more than any published run; a larger one is a typo
-# The largest model these scripts build: every count of parameters (and every costs()) builds
-# the model's modules on the meta device, about a millisecond each, so a typo such as
-# --n_expert 1000000 would spend minutes and gigabytes of Python objects before any check.
+# The largest model these scripts build: a typo such as --n_expert 1000000 is one line, not minutes.
 MAX_WIDTH = 2**20  # --n_embd: 85x GPT-3 175B's 12,288
 MAX_MLPS = 2**16  # n_layer x max(1, n_expert) MLPs: 2x Switch-C's 15 x 2,048 experts
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer than any job, within what the process group accepts
 
 
 def parse_args(parser, argv=None):
-    """Parse and validate the shared flags (every rank reaches the same verdict from the same
-    command line); the script validates its own afterwards. What depends on files (--data,
-    --out_dir, --metrics) infra's Run checks at start, once the ranks can agree."""
+    """The shared flags, validated alike on every rank; infra's Run checks what depends on files."""
     args = parser.parse_args(argv)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
     cfg = preset_config(args)
-    # float16 needs dynamic loss scaling whose overflow check every rank agrees on, over
-    # sharded gradients too; bfloat16 has float32's exponent range and needs none, and every
-    # GPU these scripts are for (A100, H100/H200, MI250X, Max 1550) computes in it
+    # float16 needs dynamic loss scaling whose overflow check every rank agrees on (sharded gradients
+    # too); bfloat16 has float32's range and needs none, and A100, H100/H200, MI250X, Max 1550 have it
     check(args.dtype != "float16", "--dtype float16 is not supported: it needs loss scaling, "
           "which these scripts leave out; use --dtype bfloat16 (float32's range, no scaling needed)")
     for name, value in vars(args).items():  # nan and inf pass no range check below: refuse them here
@@ -911,8 +774,7 @@ def parse_args(parser, argv=None):
         check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")
     check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
-    check(cfg["n_embd"] % cfg["n_head"] == 0,
-          f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
+    check(cfg["n_embd"] % cfg["n_head"] == 0, f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")
     check(cfg["n_expert"] >= 0, f"--n_expert must not be negative, got {cfg['n_expert']}")
     script = os.path.basename(sys.argv[0]) or "this script"
     check(not cfg["n_expert"] or getattr(parser, "experts", False), f"--n_expert {cfg['n_expert']}"
@@ -938,8 +800,7 @@ def parse_args(parser, argv=None):
 
 
 def check_batch(args, dp_size):
-    """Gradient-accumulation steps = global / (micro · dp) must be a whole number (the micro-
-    batch given, or chosen by Run.start for --micro_batch_size auto)."""
+    """Gradient-accumulation steps = global / (micro · dp), which must be a whole number."""
     check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
           f"--global_batch_size {args.global_batch_size} is not divisible by "
           f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
@@ -952,9 +813,7 @@ def check(condition, message, everyone=False):
 
 
 def fail(message, everyone=False):
-    """Invalid configuration: every rank reaches the same verdict from the same flags and
-    environment, so no communication is needed: rank 0 (as the launcher's variables tell) prints
-    one line (`everyone`: each rank, where the rank itself is wrong), all exit with 2."""
+    """Bad input, seen alike by every rank: rank 0 (`everyone`: each) prints one line; all exit 2."""
     names = ("RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMI_RANK", "SLURM_PROCID", "FLUX_TASK_RANK")
     if everyone or next((int(os.environ[n]) for n in names if os.environ.get(n, "").isdigit()), 0) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -975,11 +834,7 @@ class Launch:
 
 
 def detect_launcher(environ):
-    """Rank, local rank and world size from the launcher's environment, in docs/design.md's order:
-    torchrun, MPI (MPICH/Hydra and Intel MPI: PMI_*; Cray PALS: PALS_*; Open MPI:
-    OMPI_COMM_WORLD_*), Slurm. Sizes that a launcher does not export are None here and are
-    asked of MPI later (setup cross-checks MPI's world against these). A value that is not a
-    whole number, or a rank outside its world, is one line and exit 2."""
+    """Rank, local rank, world size from the environment (docs/design.md's order); unexported: None."""
     e, seen = environ, []
 
     def geti(*names):
@@ -1044,10 +899,7 @@ DEVICE_MASKS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEV
 
 
 def xpu_backend():
-    """Intel GPUs (Aurora): torch's native XPU and its xccl backend (torch >= 2.8), else the
-    IPEX era's stack: XPUs appear only once intel_extension_for_pytorch is imported, and
-    the collectives are oneCCL's "ccl" backend (oneccl_bindings_for_pytorch). None when no
-    XPU is visible either way."""
+    """Intel GPUs: native XPU and xccl (torch >= 2.8), else IPEX and oneCCL's "ccl"; None: no XPU."""
     if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         try:
             import intel_extension_for_pytorch  # noqa: F401  (registers the XPUs)
@@ -1065,10 +917,8 @@ def xpu_backend():
 
 
 def pick_device(requested, local_rank, local_world_size=1):
-    """cuda (NVIDIA and ROCm) -> xpu (Intel) -> mps -> cpu, and the matching backend; rank
-    `local_rank` of a node takes device local_rank % count. Inside a batch job, --device auto
-    that finds no accelerator is an error, never a silent CPU run: a GPU stack the job cannot
-    see (the facility's module not loaded) would otherwise train a whole allocation on CPU."""
+    """cuda (NVIDIA, ROCm) -> xpu -> mps -> cpu and its backend; device local_rank % count. In a batch
+    job no accelerator is an error, never a silent CPU run (the facility's GPU module not loaded)."""
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         kind, backend = "cuda", "nccl"
     else:
@@ -1108,10 +958,7 @@ def mpi_comm():
 
 
 def setup(args, launch=None, distributed=True):
-    """Detect the launcher, choose the device, create the process group (a one-rank group
-    when a distributed script runs as one process, so its collectives still work), install
-    the abort-on-exception hook. Returns an Env. (A training script calls it through
-    Run.start; infra's adds the ledger, the start-up checks, the out_dir lock and the guard.)"""
+    """The launcher, device, process group (one rank's for a lone process) and abort hook: an Env."""
     launch = launch or detect_launcher(os.environ)
     if launch.kind == "mpi":
         launch = _mpi_world(launch)
@@ -1122,7 +969,6 @@ def setup(args, launch=None, distributed=True):
           "or pass --device cpu")
     dtype = pick_dtype(args.dtype, device)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # split the cores among the ranks on this node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
     if device.type in ("cuda", "xpu"):  # before init_process_group, so NCCL / XCCL bind the right device
         torch.get_device_module(device).set_device(device)
@@ -1145,10 +991,8 @@ def setup(args, launch=None, distributed=True):
 
 
 def _mpi_world(launch):
-    """MPI's own world, checked against the launcher's variables: under srun with Slurm's
-    cray_shasta plugin (PALS_* and PMI_* beside SLURM_*), an mpi4py built on another MPI (a
-    PyPI wheel) is a singleton, a world of one, on every rank; then Slurm's variables, or
-    MASTER_ADDR/PORT, are the rendezvous and MPI is not used."""
+    """MPI's world, checked against the launcher's: under srun's cray_shasta plugin a PyPI mpi4py is a
+    world of one on every rank; then Slurm's variables, or MASTER_ADDR/PORT, are the rendezvous."""
     global _MPI_COMM
     try:
         from mpi4py import MPI  # importing it calls MPI_Init
@@ -1174,10 +1018,8 @@ def _mpi_world(launch):
 
 
 def _rendezvous(launch):
-    """Where the ranks meet. torchrun exports MASTER_ADDR/PORT (env://); under MPI, rank 0
-    picks its host name and a free port and broadcasts them; under plain srun (or MPI's
-    launcher without its mpi4py) the job script exports MASTER_ADDR (else the allocation's
-    first host) and MASTER_PORT (else one derived from the job id)."""
+    """Where the ranks meet: torchrun's env://; under MPI, rank 0's host and a free port, broadcast;
+    else MASTER_ADDR (or the first host) and MASTER_PORT (or one derived from the job id)."""
     if launch.kind == "single":
         return f"tcp://127.0.0.1:{_free_port()}"
     e, port = os.environ, os.environ.get("MASTER_PORT", "")
@@ -1199,9 +1041,7 @@ def _rendezvous(launch):
 
 
 def _job_store(launch, where, timeout):
-    """Rank 0's store at `where`, marked with this job's ids: a rank that finds another job's
-    mark there (two jobs on one node with the same derived MASTER_PORT) says so at once,
-    instead of waiting --timeout for ranks that will never come."""
+    """Rank 0's store, marked with the job's ids: another job's mark fails at once, not at --timeout."""
     addr, port = where.removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(addr, int(port), launch.world_size, launch.rank == 0, timeout, wait_for_workers=False)
     job = " ".join(f"{v}={os.environ[v]}" for v in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PBS_JOBID", "FLUX_JOB_ID")
@@ -1214,9 +1054,7 @@ def _job_store(launch, where, timeout):
 
 
 def _could_not_join(launch, init_method, timeout, error):
-    """One line from the rank that failed to join (whichever it is), then the whole job
-    ends: MPI_Abort under mpiexec; under torchrun and srun --kill-on-bad-exit the launcher
-    ends the others when this rank exits."""
+    """One line from the rank that failed to join, then the job ends (MPI_Abort, or the launcher)."""
     text = " ".join(str(error).split())
     where = init_method.removeprefix("tcp://") if init_method.startswith("tcp://") else \
         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -1244,11 +1082,8 @@ def _free_port():
 
 
 def _install_abort_hook(launch):
-    """An uncaught exception on any rank ends the whole job instead of leaving the others
-    blocked in a collective: print the traceback, then MPI_Abort under MPI (mpiexec kills
-    every rank), else exit at once (torchrun and srun --kill-on-bad-exit end the rest; gloo
-    and NCCL peers see the closed connection or hit --timeout). torch's own hook, installed
-    by init_process_group, still prints the rank-prefixed traceback first."""
+    """An uncaught exception on any rank ends the job, not leaving the others blocked in a
+    collective: the traceback, then MPI_Abort under MPI, else exit (the launcher ends the rest)."""
     if launch.world_size == 1:
         return
     previous = sys.excepthook
@@ -1280,22 +1115,19 @@ def teardown(env):
 
 
 def autocast(env):
-    """bf16 autocast (weights and optimizer stay fp32; float16 is refused at start: no loss
-    scaling here); nothing in fp32."""
+    """bf16 autocast (weights and optimizer stay fp32; float16 is refused: no loss scaling)."""
     if env.dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=env.device.type, dtype=env.dtype)
 
 
 def synchronize(env):
-    """Wait until the device has run all the work queued on it: a host sync (on CPU, where
-    ops run as they are called, torch.cpu.synchronize returns at once)."""
+    """Wait until the device has run all the work queued on it: a host sync (at once on CPU)."""
     torch.get_device_module(env.device).synchronize()
 
 
 def device_rng_state(device):
-    """The state of the generator that random ops on `device` (dropout) draw from: the CPU
-    generator on CPU, the device's own on cuda (NVIDIA, ROCm), xpu (Intel) and mps."""
+    """The state of the generator dropout on `device` draws from (the CPU's, or the device's)."""
     if device.type in ("cuda", "xpu"):
         return torch.get_device_module(device).get_rng_state(device)
     return torch.mps.get_rng_state() if device.type == "mps" else torch.get_rng_state()
@@ -1309,8 +1141,7 @@ def set_device_rng_state(device, state):
 
 
 def seeded_rng_state(device, seed):
-    """A fresh generator state for `device` seeded with `seed`, made without touching the
-    default generators (torch.manual_seed would reseed every device's)."""
+    """A fresh state for `device` from `seed`; torch.manual_seed would reseed every default generator."""
     return torch.Generator(device=device).manual_seed(seed).get_state()
 
 
@@ -1328,16 +1159,13 @@ def set_rng_state(env, state):
         set_device_rng_state(env.device, state["device"])
 
 
-
 # ----------------------------------------------------------------------------------------
 # The run protocol, plain
 # ----------------------------------------------------------------------------------------
 
 class Run:
-    """The run protocol: what every training script's main() does the same way, so that
-    main() shows its strategy. This plain one does only what a plain training loop needs;
-    infra.py's Run, which the numbered scripts import, adds the ledger, the activation meter,
-    the guard, the fit check, metrics, checkpoints and the dry run at the same calls:
+    """The run protocol: what every main() does alike, so that main() shows its strategy. This one
+    does what a plain loop needs; infra.py's Run (the scripts') adds the rest at the same calls:
 
         run = Run(parser, __file__)                       # the command line; who this process is
         env, accum_steps = run.start(costs, dp_size=D)    # the processes started, the micro-batch chosen
@@ -1364,13 +1192,7 @@ class Run:
         self.env = None
 
     def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,), groups=None):
-        """Start the processes (the process group and the device: `setup`), make the
-        script's process groups (`groups(env)`, kept as run.groups) and choose the
-        micro-batch: --micro_batch_size as given, or for auto the largest that divides a
-        replica's share of the global batch (global / dp_size) leaving at least `aim`
-        micro-batches per step, a multiple of `multiple` (pipelines). infra's Run chooses the
-        largest that also fits every rank's memory, from `costs`, read once every group is up.
-        Returns (env, accumulation steps)."""
+        """`setup`, `groups(env)`, the micro-batch (auto: micro_batch_sizes' largest; infra's: fits)."""
         self.env = setup(self.args, self.launch)
         self.groups = groups(self.env) if groups else None
         if self.args.micro_batch_size == "auto":
@@ -1382,17 +1204,13 @@ class Run:
 
     def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
               after_resume=None):
-        """After the model, the strategy and the optimizer exist: one line about them. infra's
-        Run also resumes (`pieces`, `layout`, `extra_rng`), and sets the ledger's formulas
-        (`costs`) and measurements (`held`). Returns the extra random streams a resume read
-        (here: None)."""
+        """One line about the model; infra's Run also resumes and sets the ledger's formulas."""
         self.optimizer, self._evaluate, self.start_step = optimizer, evaluate, 0
         log(self.env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device "
                       f"{self.env.device}, {str(self.env.dtype).replace('torch.', '')}, {describe}")
 
     def steps(self):
-        """The optimizer steps, from the resumed one to --max_iters: evaluates at
-        --eval_interval (and after the last step), starts each step's clock."""
+        """Steps from the resumed one to --max_iters, each clocked; evaluations at --eval_interval."""
         args = self.args
         for step in progress(self.env, self.start_step, args.max_iters):
             if args.eval_interval and step % args.eval_interval == 0:
@@ -1408,12 +1226,10 @@ class Run:
         return losses
 
     def check(self, loss, grads, norm=None):
-        """infra's Run: every rank agrees whether a loss or gradient is non-finite (stop before
-        the update) and whether one was asked to stop. Here: nothing."""
+        """infra's Run: do all ranks agree a loss or gradient is non-finite, or to stop? Here: nothing."""
 
     def end_step(self, loss, extra=None, **step_costs):
-        """After the optimizer step, with the global batch's mean loss (a tensor, read only
-        when logged: reading it waits for the device): one line at --log_interval."""
+        """One line at --log_interval; `loss` is read only then (reading it waits for the device)."""
         args, step = self.args, self.step
         if step % args.log_interval == 0 or step == args.max_iters - 1:
             loss = loss.item()
@@ -1431,10 +1247,8 @@ class Run:
 
 
 def micro_batch_sizes(args, dp_size, aim=1, multiple=1):
-    """The micro-batches --micro_batch_size auto may choose, largest first: those that divide a
-    replica's share of the global batch, leaving at least `aim` micro-batches per step and a
-    number of them divisible by `multiple` (where any does: a pipeline's m >= 2p, the
-    interleaved schedule's m divisible by p)."""
+    """auto's micro-batches, largest first: divisors of a replica's share leaving at least `aim` of
+    them, their number a multiple of `multiple` where any is (pipelines: m >= 2p; interleaved: p | m)."""
     check(args.global_batch_size % dp_size == 0, f"--global_batch_size {args.global_batch_size} "
           f"is not divisible by the data-parallel size {dp_size}")
     share = args.global_batch_size // dp_size
@@ -1450,11 +1264,8 @@ def log(env, message):
 
 
 def say(message, file=None):
-    """Print `message` to stdout (or `file`) and flush it, through tqdm so that a progress bar
-    is not torn. A stream that can no longer be written is no reason to lose a step: when the
-    reader of a pipe is gone (Python ignores SIGPIPE, so the write raises BrokenPipeError) or a
-    terminal has hung up (EIO), the stream is pointed at /dev/null for the rest of the run,
-    which trains on and writes its checkpoint with nothing more printed there."""
+    """Print and flush, through tqdm so a progress bar is not torn. A stream that cannot be written
+    (a pipe's reader gone, a terminal hung up) is pointed at /dev/null: the run trains on."""
     file = file or sys.stdout
     if file is None:  # started with that descriptor closed
         return

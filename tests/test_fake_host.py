@@ -42,7 +42,7 @@ def test_it_catches_an_all_gather_of_the_host_master(tmp_path):
     the working dtype but never moved to the device (`unit.master.to(unit.dtype, copy=True)`).
     Put back into a copy of 04: CPU runs pass; under the fake host the collective refuses it."""
     source = open(f"{ROOT}/04_zero.py").read()
-    fixed = "self.copies.up([unit.master], unit.dtype)"  # --offload's way up (common.HostCopies)
+    fixed = "self.copies.up([unit.master], unit.dtype)"  # --offload's way up (04's HostCopies)
     assert fixed in source
     script = tmp_path / "04_zero.py"
     script.write_text(source.replace(fixed, "unit.master.to(unit.dtype, copy=True)"))

@@ -8,7 +8,7 @@
 - 09's (and 08's) ring attention picks its fused kernel by SDPA's head-dim rules, falls back
   to the explicit block where none applies, and hands each kernel's backward the RNG state
   its forward returned.
-- --offload's copies go through HostCopies (common.py), and still give 01's losses
+- --offload's copies go through HostCopies (04_zero.py, restated in 05), and still give 01's losses
   (test_zero.py and test_fsdp.py run --offload; a CPU has no side stream to show)."""
 
 import importlib

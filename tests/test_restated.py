@@ -94,7 +94,8 @@ OTHER_BLOCKS = [(script, *block) for script in SCRIPTS for block in fenced_block
 
 
 def test_other_scripts_restate_muons_pieces_from_04():
-    """05 and 06 move whole matrices for Muon as 04 does: its owners, and 05 its FlatMuon."""
+    """05 and 06 move whole matrices for Muon as 04 does: its owners, and 05 its FlatMuon; 05
+    stages --offload's copies as 04 does (HostCopies)."""
     assert {(script, source) for script, source, _, _ in OTHER_BLOCKS} == {
         ("05_fsdp.py", "04_zero.py"), ("06_tensor_parallel.py", "04_zero.py")}
 
