@@ -335,9 +335,11 @@ def pipeline_module():
 
 
 def plot_schedule(plt, kind, p, m, v):
-    pp = pipeline_module()
-    orders = [pp.schedule(kind, p, r, m, v) for r in range(p)]
-    starts = pp.simulate(orders, p, v)
+    pp = pipeline_module()  # the schedule's table, as 07 runs and draws it (run_table, log_timeline)
+    flags = type("Flags", (), dict(schedule=kind, schedule_csv=None, virtual_stages=v))
+    actions, v, vee, split = pp.run_table(flags, p, m)
+    orders = [[op for ops in pp.table_rounds(actions[r], p, r, v, vee, split) for op in ops] for r in range(p)]
+    starts = pp.simulate(orders, p, v, vee)
     _, bubble = pp.draw(starts, p, v)
     width = 1.0 / v
     end = max(s for row in starts for s, _ in row) + width
@@ -557,8 +559,9 @@ def parse(argv):
     p.add_argument("--peak_gbps", type=float, default=None, help="--bench: the link's peak, drawn as a line")
     p.add_argument("--dpi", type=int, default=100)
     g = p.add_argument_group("07_pipeline.py's schedule (instead of files)")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"], default=None,
-                   help="zb: zero bubble (ZB-H1), its weight-gradient passes W drawn apart")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"], default=None,
+                   help="zb: zero bubble (ZB-H1), its weight-gradient passes W drawn apart; zbv, dualpipev: "
+                        "V-shaped, two chunks per stage (a, b)")
     g.add_argument("--pp", type=int, default=4, help="pipeline stages")
     g.add_argument("--micro_batches", type=int, default=8)
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per stage (interleaved)")
@@ -583,7 +586,11 @@ def parse(argv):
         if args.schedule == "interleaved" and args.micro_batches % args.pp:
             raise Refused(f"the interleaved schedule needs --micro_batches ({args.micro_batches}) to be a "
                           f"multiple of --pp {args.pp}")
-        passes = 3 if args.schedule == "zb" else 2  # F and B, and ZB's W
+        if args.schedule == "dualpipev" and args.micro_batches < 2 * args.pp:
+            raise Refused(f"dualpipev needs at least 2·pp = {2 * args.pp} micro-batches (its two chunks per "
+                          f"rank), got {args.micro_batches}")
+        v = 2 if args.schedule in ("zbv", "dualpipev") else v  # two chunks per stage, in a V
+        passes = 3 if args.schedule in ("zb", "zbv", "dualpipev") else 2  # F and B, and ZB's W
         if passes * args.pp * args.micro_batches * v > MAX_OPS:
             raise Refused(f"{args.pp} stages x {args.micro_batches} micro-batches x {v} chunks is too many "
                           f"boxes to draw (at most {MAX_OPS // passes:,} per pass)")

@@ -1,6 +1,6 @@
 """plot.py: every kind of picture is rendered headless (Agg) to a valid PNG of a reasonable
 size, from real runs: a training run's metrics (one file, and two compared), 02_collectives.py
---bench with the link's peak, and 07_pipeline.py's three schedules; bad input is one line
+--bench with the link's peak, and 07_pipeline.py's schedules; bad input is one line
 `error: ...` and exit 2, matplotlib missing included."""
 
 import os
@@ -79,7 +79,7 @@ def test_bench_png(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("schedule, flags", [("gpipe", []), ("1f1b", []),
-                                             ("interleaved", ["--virtual_stages", "3"])])
+                                             ("interleaved", ["--virtual_stages", "3"]), ("zbv", []), ("dualpipev", [])])
 def test_schedule_png(tmp_path, capsys, schedule, flags):
     needs_matplotlib()
     out = tmp_path / f"{schedule}.png"
@@ -114,6 +114,7 @@ def bad(tmp_path):
         ([], "one of the two"),
         (["--schedule", "interleaved", "--pp", "4", "--micro_batches", "6"], "multiple of --pp 4"),
         (["--schedule", "1f1b", "--pp", "0"], "--pp must be positive"),
+        (["--schedule", "dualpipev", "--pp", "4", "--micro_batches", "4"], "dualpipev needs at least 2·pp = 8"),
         (["--schedule", "1f1b", "--pp", "1000", "--micro_batches", "1000"], "too many"),
         (["--schedule", "pipedream"], "invalid choice"),
         ([bench, "--peak_gbps", "nan"], "--peak_gbps must be a positive number"),
