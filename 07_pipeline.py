@@ -560,6 +560,19 @@ def chunks_per_rank(args):
     return (2 if vee else args.virtual_stages if args.schedule == "interleaved" else 1), vee
 
 
+def schedule_table(args, p, m, env):
+    """run_table() once m is known: the schedules' rules on m checked first, and the table
+    written to --write_schedule (by rank 0; a dry run has no env)."""
+    check(args.schedule != "interleaved" or m % p == 0,
+          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    check(args.schedule != "dualpipev" or m >= 2 * p,
+          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
+    actions, v, vee, split = run_table(args, p, m)
+    if args.write_schedule and (env is None or env.rank == 0):
+        write_table(actions, args.write_schedule)
+    return actions, v, vee, split
+
+
 def run_table(args, p, m):
     """(table, v, vee, split) of the run: --schedule's table, its chunks per rank, their
     placement, and whether backwards split into I and W."""
@@ -1036,24 +1049,16 @@ def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
     p = run.world_size
-    v, vee = chunks_per_rank(args)
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
           "(08_3d.py combines PP with data and tensor parallelism)")
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
     if args.schedule_csv:  # a user's table: checked before anything is built
         use_table_file(args, p)
-    # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches
-    # (the bubble (p-1)/(m+p-1) is then about 1/3; the interleaved schedule needs m = kp)
-    # the tied embedding's group (first and last stage), made before the fit check reads the room
+    # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches (the bubble
+    # (p-1)/(m+p-1) is then about 1/3); groups: the tied embedding's (first and last stage), before the fit check
     env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p),
                        groups=lambda env: dist.new_group([0, p - 1]) if p > 1 else None)  # every rank makes it
-    check(args.schedule != "interleaved" or m % p == 0,
-          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
-    check(args.schedule != "dualpipev" or m >= 2 * p,
-          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
-    actions, v, vee, split = run_table(args, p, m)  # every rank's actions: the schedule's one source
-    if args.write_schedule and (env is None or env.rank == 0):  # (a dry run has no env)
-        write_table(actions, args.write_schedule)
+    actions, v, vee, split = schedule_table(args, p, m, env)  # every rank's actions: the schedule's one source
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
@@ -1065,7 +1070,6 @@ def main():
     first, last = chunks[0].is_first, chunks[-1].is_last
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
-    embedding_group = run.groups
     optimizer = make_optimizer(chunks.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
@@ -1088,7 +1092,7 @@ def main():
         loss = share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee))
         if p > 1 and first != last:  # (in a V, one rank holds both: the head is wte itself)
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
-                dist.all_reduce(weight.grad, group=embedding_group)
+                dist.all_reduce(weight.grad, group=run.groups)  # the embedding group
         norm = clip_grad_norm(chunks, args.grad_clip, pipeline.group) if args.grad_clip > 0 else None
         run.check(loss, (t.grad for t in chunks.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()

@@ -636,16 +636,14 @@ def evaluate(stage, pipeline, mesh, data, args, env, m):
 def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
-    check(args.optimizer == "adamw" or not args.zero1, "--optimizer muon is not written for --zero1's flat shards "
-          "of TP pieces yet (issue 43): use it without --zero1")
+    check(args.optimizer == "adamw" or not args.zero1, "--optimizer muon is not written for --zero1 yet: drop one")
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
     check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
           + (f" x cp {C}" if C > 1 else "") + f" = {T * P * C}")
     D = world // (T * P * C)  # CP ranks split the same sequences: the batch is shared by D
-    # micro-batches per replica per step; --micro_batch_size auto: the largest that fits every
-    # stage, with about 2·pp micro-batches to fill a pipeline (none needed without one); the
-    # mesh's groups are made first, so that the fit check's room has their communicators in it
+    # m micro-batches per replica; auto: the largest that fits every stage, about 2·pp of them to fill a
+    # pipeline; the mesh's groups first, so that the fit check's room holds their communicators
     env, m = run.start(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)],
                        groups=lambda env: Mesh(env.rank, world, T, P, C).make_groups())
     run.dry_run(costs, lambda config: plan(args, world, T, P, m))  # the mesh and every stage's bytes
