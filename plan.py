@@ -481,6 +481,8 @@ def parse(argv=None):
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPUs")
     g.add_argument("--device", default=None, choices=["cpu"], help="plan a CPU run (float32 by default)")
     g.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
+    g.add_argument("--optimizer", default=None, choices=["adamw", "muon"],
+                   help="muon: each layout's Muon traffic (its whole matrices moved to their owners) priced too")
     g = p.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) to plan for")
     g.add_argument("--machine", choices=sorted(MACHINES), help="a machine's published figures")
@@ -550,7 +552,7 @@ def parse(argv=None):
     # the flags every candidate's command carries
     args.model_flags = []
     for key in ("model", "n_layer", "n_head", "n_embd", "block_size", "dropout", "global_batch_size",
-                "micro_batch_size", "n_expert", "top_k", "data", "dtype", "device"):
+                "micro_batch_size", "n_expert", "top_k", "data", "dtype", "device", "optimizer"):
         if getattr(args, key) is not None:
             args.model_flags += [f"--{key}", str(getattr(args, key))]
     if args.bias is not None:
