@@ -314,7 +314,7 @@ class Run(common.Run):
         self.launch = launch_for(self.args)  # for --dry_run: rank 0 of --world_size planned ranks
         self.world_size = self.launch.world_size
         self.meter = ActivationMeter()  # `with run.meter:` around a step's forwards and backwards
-        self.env, self.chose, self.fit_lines, self.syncs = None, None, [], None
+        self.env, self.chose, self.fit_lines, self.syncs, self.grad_norm = None, None, [], None, None
 
     def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,), groups=None):
         """The processes started (common.setup) with the ledger installed, the run's files
@@ -499,6 +499,7 @@ class Run(common.Run):
         --time_limit), which ends it after this step's checkpoint."""
         LEDGER.phase = "optimizer"  # the guard's flags, the update and what follows it
         self.stopping = self.guard.check(self.step, loss, grads, norm)
+        self.grad_norm = norm  # the global gradient norm clipping took (logged: the oracle compares it with 01's)
 
     def end_step(self, loss, extra=None, **step_costs):
         """After the optimizer step, with the global batch's mean loss (a tensor, read only
@@ -520,9 +521,16 @@ class Run(common.Run):
             print_ledger(env, self.held(), comm, self.cost, self.meter.peak)
             self.fit_after_step()
         if logged:
-            loss = loss.item()
+            norm, self.grad_norm = self.grad_norm, None
+            if norm is None:
+                loss = loss.item()
+            else:  # read together: one host sync, as for the loss alone
+                loss, norm = torch.stack([loss.detach().float().reshape(()),
+                                          torch.as_tensor(norm).detach().float().to(loss.device)]).tolist()
             synchronize(env)
             extra = extra() if callable(extra) else extra
+            if norm is not None:
+                extra = {**(extra or {}), "grad_norm": norm}
             if syncs is not None:
                 extra = {**(extra or {}), "host_syncs": syncs}
             self.metrics.step(step, loss, self.optimizer.param_groups[0]["lr"], time.perf_counter() - self.t0,

@@ -52,7 +52,7 @@ def test_a_rehearsed_rank_holds_and_sends_what_a_real_run_measures(tmp_path, scr
     run, rows = rehearse(tmp_path, script, flags)
     assert sorted(rows) == [0, 1], run.stdout
     row = rows[0]
-    assert row.pop("rank") == 0 and set(measured) - {"loss", "lr"} <= set(row), set(measured) ^ set(row)
+    assert row.pop("rank") == 0 and set(measured) - {"loss", "lr", "grad_norm"} <= set(row), set(measured) ^ set(row)
     assert row["comm_bytes"].pop(GUARD) == 12
     keys = REAL_KEYS
     if script.startswith("10"):  # routing-dependent: balanced here, the data's there
