@@ -1,0 +1,237 @@
+"""The numbers docs/planning.md and docs/strategies.md quote from plan.py and from the scripts'
+costs() are what they compute today. Each quoted figure is generated here, in process (the
+scripts' --dry_run through plan.dry_run, plan.score for one layout, costs(): nothing is
+launched), in the words the doc uses, and the test checks that the doc's section carries that
+text. After a change to a formula or to plan.py's time model, print what the docs must say:
+
+    python tests/test_doc_numbers.py
+
+and paste the lines that changed (the published-runs table is printed whole).
+
+What is not checked here, and why: the counts of valid and fitting layouts of a whole plan
+(164 valid, 14 fit, ...) need the whole plan (tens of seconds each); the CPU table of
+"Predicted against measured" depends on a --bench file of that day's machine; the rehearsal
+timings are measurements. Each says in the doc when and how it was made.
+"""
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import plan  # noqa: E402
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "Worked plans": each layout the text quotes, priced alone (plan.score),
+# and the phrases in which the text quotes it
+# ----------------------------------------------------------------------------------------
+
+XL = "--model gpt2-xl --gpus 4 --machine polaris --global_batch_size 48"
+F13 = "--model gpt3-13b --gpus 64 --machine frontier --global_batch_size 512"
+P175 = "--model gpt3-175b --gpus 1024 --machine polaris --global_batch_size 1536"
+L32 = "--model gpt3-6.7b --block_size 32768 --gpus 64 --machine polaris --global_batch_size 64"
+L128 = "--model gpt3-6.7b --block_size 131072 --gpus 64 --machine polaris --global_batch_size 16 --recompute"
+MB1 = " --micro_batch_size 1"
+
+WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the candidate's numbers)
+    (XL, "03_ddp.py", "--micro_batch_size 1", ["16Ψ = {state:.1f} GB", "adds {act:.1f} GB of activations",
+                                               "{total:.1f} GB, ~{step:.2f} s per step at {mfu:.0f}% MFU"]),
+    (XL, "03_ddp.py", "--micro_batch_size 12", ["the activations ({act:.0f} GB)"]),
+    (XL, "04_zero.py", "--stage 3 --micro_batch_size 12", ["(ZeRO-3, the leanest: {total:.1f} GB)"]),
+    (XL, "07_pipeline.py", "--schedule 1f1b --micro_batch_size 6", ["(1F1B: {total:.1f} GB)"]),
+    (XL, "04_zero.py", "--stage 1" + MB1, ["ZeRO-1 ({total:.1f} GB at micro-batch 1)"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8" + MB1, ["{total:.1f} GB per\nGCD of which {act:.1f} GB", "~{step:.1f} s, {mfu:.0f}% MFU"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8 --zero1" + MB1, ["({total:.1f} GB with `--zero1`)"]),
+    (F13, "08_3d.py", "--tp 2 --pp 4" + MB1, ["(dp 8 x pp 4 x tp 2: ~{step:.1f} s)"]),
+    (F13, "05_fsdp.py", "--replicate 8" + MB1, ["({total:.1f} GB;", "a step: ~{step:.1f} s"]),
+    (F13, "05_fsdp.py", "--replicate 8 --micro_batch_size 8", ["the activations alone are {act:.0f} GB"]),
+    (P175, "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1, ["holds {state:.0f} GB of model state plus {act:.1f} GB of activations"]),
+    (P175, "08_3d.py", "--tp 4 --pp 64 --zero1 --sequence_parallel" + MB1,
+     ["{total:.1f} GB per GPU ({act:.1f} GB of it activations; need {need:.1f}\nGB), ~{step:.1f} s per step, {mfu:.0f}% MFU",
+      "against {sent:.0f} GiB"]),
+    (P175, "08_3d.py", "--tp 4 --pp 32 --zero1 --sequence_parallel" + MB1, ["{total:.1f} GB, no longer fits", "need {need:.1f} GB"]),
+    (P175, "08_3d.py", "--tp 4 --pp 32 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["{total:.1f} GB ({act:.1f} of activations, need {need:.1f}), ~{step:.1f} s, {mfu:.0f}% MFU", "{sent:.0f} GiB\nsent"]),
+    (P175, "08_3d.py", "--tp 4 --pp 32 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["cp 4 at pp 32, {total:.1f} GB, ~{step:.1f} s"]),
+    (P175 + " --recompute", "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1,
+     ["{total:.0f} GB per GPU ({act:.0f} GB of activations), ~{step:.1f} s per step, {mfu:.0f}% MFU"]),
+    ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py", "--tp 4 --pp 64" + MB1,
+     ["dp 4 x pp 64 x tp 4 ({total:.1f} GB) at\n{mfu:.0f}% MFU"]),
+    (L32, "08_3d.py", "--tp 4 --pp 2 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["{total:.1f} GB per GPU ({act:.1f} of activations; need {need:.1f} GB), ~{step:.0f} s per step,\n{mfu:.0f}% MFU",
+      "{sent:.0f} GiB sent per GPU per step"]),
+    (L32, "08_3d.py", "--tp 4 --zero1 --sequence_parallel" + MB1,
+     ["dp 16 x tp 4 + SP + ZeRO-1, {total:.1f} GB (need {need:.1f})", "({act:.0f} GB with SP)"]),
+    (L32 + " --recompute", "08_3d.py", "--tp 4 --zero1 --sequence_parallel" + MB1,
+     ["dp 16 x tp 4 + SP + ZeRO-1, {total:.1f} GB (need {need:.1f}), ~{step:.1f} s, {mfu:.0f}% MFU", "against {sent:.0f} GiB"]),
+    (L128, "08_3d.py", "--tp 4 --zero1 --sequence_parallel" + MB1, ["{total:.1f} GB, need\n{need:.1f}"]),
+    (L128, "08_3d.py", "--tp 4 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["`--recompute`, {total:.1f} GB, ~{step:.1f} s per step, {mfu:.0f}% MFU"]),
+]
+
+
+def priced(plan_flags, script, strategy, data=None):
+    """plan.py's candidate for one layout: the dict plan.score returns."""
+    args, machine = plan.parse(plan_flags.split() + (["--data", data] if data else []))
+    c, reason = plan.score(script, strategy.split(), script, args, machine)
+    assert c is not None, f"{script} {strategy} refused: {reason}"
+    return c
+
+
+def numbers(c):
+    """The figures the docs quote of a candidate: GB (1e9 bytes) per GPU, seconds, MFU in %."""
+    h = c["per_gpu_bytes"]
+    return dict(total=h["total"] / 1e9, act=(h["activations"] or 0) / 1e9, need=c["need_bytes"] / 1e9,
+                state=(h["total"] - (h["activations"] or 0)) / 1e9, step=c["step_time_s"], mfu=100 * c["mfu"],
+                sent=sum(c["comm_bytes_per_step"].values()) / 2**30, compute=c["compute_s"], comm=c["comm_s"],
+                bubble=100 * c["bubble"])
+
+
+def section(path, heading):
+    """The text of `path` under the heading `heading` (to the next heading of its level or above)."""
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    level = heading.split(" ")[0]
+    start = text.index(heading + "\n")
+    end = re.compile(rf"^#{{1,{len(level)}}} ", re.M).search(text, start + len(heading))
+    return text[start:end.start() if end else len(text)]
+
+
+def worked_phrases():
+    for plan_flags, script, strategy, phrases in WORKED:
+        figures = numbers(priced(plan_flags, script, strategy))
+        for phrase in phrases:
+            yield f"{script} {strategy} ({plan_flags})", phrase.format(**figures)
+
+
+def test_the_worked_plans_quote_what_plan_py_computes():
+    text = section("docs/planning.md", "## Worked plans")
+    stale = [f"{layout}: {phrase!r}" for layout, phrase in worked_phrases() if phrase not in text]
+    assert not stale, "docs/planning.md's worked plans no longer say what plan.py computes:\n" + "\n".join(stale)
+
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "plan.py against published large runs": each run's model, machine and
+# layout priced by plan.py beside what its paper reports
+# ----------------------------------------------------------------------------------------
+
+A100_SELENE = "--gpus_per_node 8 --gpu_mem_gb 80 --peak_tflops 312 --link_gbps 300 --inter_gbps 25"
+H100_META = "--gpus_per_node 8 --gpu_mem_gb 80 --peak_tflops 989 --link_gbps 450 --inter_gbps 50"
+
+
+def megatron_flops(B, s, l, h, V=51200):
+    """Narayanan et al. 2021, eq. (3): FLOPs per iteration with full recomputation (a fourth
+    pass over the layers), the count their teraFLOP/s per GPU are quoted in."""
+    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+# (run, source, plan flags, script, strategy flags, what the paper reports, how it is compared):
+# "step" = the paper's throughput turned into a step time (its own FLOP count / GPUs / rate);
+# "mfu" = the paper's model FLOPs utilisation against plan.py's MFU (both count no recompute)
+PUBLISHED = [
+    ("GPT 1T, 3,072 A100 80 GB", "Narayanan et al. 2021, Table 1 (last row) and abstract: 502 PFLOP/s, 163 TFLOP/s per GPU (52%)",
+     "--n_layer 128 --n_embd 25600 --n_head 160 --block_size 2048 --global_batch_size 3072 --recompute --gpus 3072 " + A100_SELENE,
+     "08_3d.py", "--tp 8 --pp 64" + MB1, ("step", megatron_flops(3072, 2048, 128, 25600) / (3072 * 163e12))),
+    ("GPT-3 175B, 1,024 A100 80 GB", "Narayanan et al. 2021, section 5.1: 140 TFLOP/s per GPU",
+     "--model gpt3-175b --global_batch_size 1536 --recompute --gpus 1024 " + A100_SELENE,
+     "08_3d.py", "--tp 8 --pp 16" + MB1, ("step", megatron_flops(1536, 2048, 96, 12288) / (1024 * 140e12))),
+    ("GPT 530B, 2,240 A100 80 GB, full recompute", "Korthikanti et al. 2022, abstract: MFU 42.1%",
+     "--n_layer 105 --n_embd 20480 --n_head 128 --block_size 2048 --global_batch_size 1920 --recompute --gpus 2240 "
+     + A100_SELENE, "08_3d.py", "--tp 8 --pp 35" + MB1, ("mfu", 42.1)),
+    ("GPT 530B, 2,240 A100 80 GB, SP + selective recompute", "Korthikanti et al. 2022, abstract: MFU 54.2%",
+     "--n_layer 105 --n_embd 20480 --n_head 128 --block_size 2048 --global_batch_size 1920 --gpus 2240 " + A100_SELENE,
+     "08_3d.py", "--tp 8 --pp 35 --sequence_parallel" + MB1, ("mfu", 54.2)),
+    ("Llama 3 405B (as a GPT of its size), 16,384 H100 80 GB", "Dubey et al. 2024, Table 4: 400 TFLOP/s per GPU (BF16 MFU 41%)",
+     "--n_layer 126 --n_embd 16384 --n_head 128 --block_size 8192 --global_batch_size 2048 --gpus 16384 " + H100_META,
+     "08_3d.py", "--tp 8 --pp 16 --sequence_parallel" + MB1, ("rate", 400e12)),
+]
+
+
+EFFICIENCY = plan.EFFICIENCY  # the published runs are priced at plan.py's default, 0.5
+
+
+def published_rows(data):
+    """The markdown rows of docs/planning.md's table of published runs, `data` a directory of
+    GPT-2 tokens (no meta.pkl: the 50,304-token vocabulary, near the papers' 51,200)."""
+    rows = []
+    for run, source, plan_flags, script, strategy, (kind, value) in PUBLISHED:
+        c = priced(plan_flags, script, strategy, data)
+        f = numbers(c)
+        n = int(plan_flags.split("--gpus ")[1].split()[0])
+        peak = float(plan_flags.split("--peak_tflops ")[1].split()[0]) * 1e12
+        model_flops = c["mfu"] * c["step_time_s"] * n * peak
+        if kind == "step":
+            paper, off, step = f"{value:.1f} s", f"{c['step_time_s'] / value - 1:+.0%} (step)", value
+        elif kind == "rate":  # the paper's rate over plan.py's count of the model's FLOPs
+            step = model_flops / (n * value)
+            paper, off = f"{step:.2f} s", f"{c['step_time_s'] / step - 1:+.0%} (step)"
+        else:  # the step time at the paper's MFU
+            step = c["step_time_s"] * f["mfu"] / value
+            paper, off = f"MFU {value:.1f}%", f"{f['mfu'] - value:+.1f} points (MFU)"
+        # the --efficiency at which plan.py's step would be the paper's, its communication as priced
+        busy = step - f["comm"]
+        matching = f"{f['compute'] * EFFICIENCY / busy:.2f}" if busy > 0 else "none"
+        layout = " ".join(strategy.split()[:-2]).replace("--", "").replace("sequence_parallel", "+ SP")
+        rows.append(f"| {run} | {layout} | {paper} | {f['step']:.1f} s = {f['compute']:.1f} compute "
+                    f"(bubble {f['bubble']:.0f}%) + {f['comm']:.1f} comm | {off} | {f['mfu']:.1f}% | {matching} | "
+                    f"{f['total']:.1f} GB ({f['act']:.1f} activations), need {f['need']:.1f}: "
+                    f"{'fits' if c['fits'] else 'does not fit'} |")
+    return rows
+
+
+def test_the_published_runs_table_is_what_plan_py_computes(tmp_path):
+    text = section("docs/planning.md", "## plan.py against published large runs")
+    stale = [row for row in published_rows(str(tmp_path)) if row not in text]
+    assert not stale, ("docs/planning.md's table of published runs is not what plan.py computes today "
+                       "(python tests/test_doc_numbers.py prints it):\n" + "\n".join(stale))
+
+
+# ----------------------------------------------------------------------------------------
+# docs/strategies.md: ZeRO's wire traffic against DDP's, from 03's and 04's costs()
+# ----------------------------------------------------------------------------------------
+
+def wire_ratio(stage, dtype, N=4):
+    """04 --stage `stage`'s bytes on the wire per step (ring bus factors, 02's) over 03's."""
+    bus = plan.script("02_collectives.py").bus_factor
+    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    flags = ["--model", "gpt2", "--dtype", dtype, "--global_batch_size", "4", "--micro_batch_size", "1"]
+
+    def wire(script, extra):
+        cost = plan.dry_run(script, flags + extra, N, N)[2]
+        return sum(bus(kinds.get(op.split("[")[0], op.split("[")[0]), N) * b for op, (_, b) in cost["sent"].items())
+    return wire("04_zero.py", ["--stage", str(stage)]) / wire("03_ddp.py", [])
+
+
+def times(ratio):
+    """A ratio as the doc writes it: two decimals at most, one at least (0.75x, 1.0x, 1.5x)."""
+    text = f"{ratio:.2f}".rstrip("0")
+    return (text + "0" if text.endswith(".") else text) + "x"
+
+
+def strategies_phrases():
+    yield ("in fp32, 1-2: reduce-scatter + all-gather = DDP's wire traffic"
+           if round(wire_ratio(2, "float32"), 2) == 1 else f"in fp32, 1-2: {times(wire_ratio(2, 'float32'))}")
+    yield f"3: {times(wire_ratio(3, 'float32'))} (parameters gathered in forward and backward)"
+    yield (f"{times(wire_ratio(1, 'bfloat16'))} (1-2) and {times(wire_ratio(3, 'bfloat16'))} (3) of DDP's fp32 "
+           "all-reduce")
+
+
+def test_strategies_zero_row_quotes_the_scripts_ratios():
+    assert round(wire_ratio(1, "bfloat16"), 3) == round(wire_ratio(2, "bfloat16"), 3)
+    text = section("docs/strategies.md", "# The strategies: what each rank holds and sends")
+    stale = [phrase for phrase in strategies_phrases() if phrase not in text]
+    assert not stale, "docs/strategies.md's ZeRO row no longer says what 03's and 04's costs() give:\n" + "\n".join(stale)
+
+
+if __name__ == "__main__":
+    import tempfile
+    with tempfile.TemporaryDirectory() as data:
+        print("docs/planning.md, ## plan.py against published large runs:")
+        print("\n".join(published_rows(data)))
+    print("\ndocs/planning.md, ## Worked plans:")
+    for layout, phrase in worked_phrases():
+        print(f"  {layout}:\n      {phrase!r}")
+    print("\ndocs/strategies.md, the ZeRO row:")
+    for phrase in strategies_phrases():
+        print(f"  {phrase!r}")
