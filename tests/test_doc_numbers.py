@@ -35,18 +35,18 @@ L128 = "--model gpt3-6.7b --block_size 131072 --gpus 64 --machine polaris --glob
 MB1 = " --micro_batch_size 1"
 
 WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the candidate's numbers)
-    (XL, "03_ddp.py", "--micro_batch_size 1", ["16Ψ = {state:.1f} GB", "adds {act:.1f} GB of activations",
+    (XL, "03_ddp.py", "--micro_batch_size 1", ["Ψ = {psi:.2f}B. A replica's model state is 16Ψ = {psi16:.1f} GB", "adds {act:.1f} GB of activations",
                                                "{total:.1f} GB, ~{step:.2f} s per step at {mfu:.0f}% MFU"]),
     (XL, "03_ddp.py", "--micro_batch_size 12", ["the activations ({act:.0f} GB)"]),
     (XL, "04_zero.py", "--stage 3 --micro_batch_size 12", ["(ZeRO-3, the leanest: {total:.1f} GB)"]),
     (XL, "07_pipeline.py", "--schedule 1f1b --micro_batch_size 6", ["(1F1B: {total:.1f} GB)"]),
     (XL, "04_zero.py", "--stage 1" + MB1, ["ZeRO-1 ({total:.1f} GB at micro-batch 1)"]),
-    (F13, "08_3d.py", "--tp 1 --pp 8" + MB1, ["{total:.1f} GB per\nGCD of which {act:.1f} GB", "~{step:.1f} s, {mfu:.0f}% MFU"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8" + MB1, ["Ψ = {psi:.1f}B, 16Ψ = {psi16:.0f} GB", "{total:.1f} GB per\nGCD of which {act:.1f} GB", "~{step:.1f} s, {mfu:.0f}% MFU"]),
     (F13, "08_3d.py", "--tp 1 --pp 8 --zero1" + MB1, ["({total:.1f} GB with `--zero1`)"]),
     (F13, "08_3d.py", "--tp 2 --pp 4" + MB1, ["(dp 8 x pp 4 x tp 2: ~{step:.1f} s)"]),
     (F13, "05_fsdp.py", "--replicate 8" + MB1, ["({total:.1f} GB;", "a step: ~{step:.1f} s"]),
     (F13, "05_fsdp.py", "--replicate 8 --micro_batch_size 8", ["the activations alone are {act:.0f} GB"]),
-    (P175, "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1, ["holds {state:.0f} GB of model state plus {act:.1f} GB of activations"]),
+    (P175, "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1, ["Ψ = {psi:.1f}B, {tb:.1f} TB of model state", "holds {state:.0f} GB of model state plus {act:.1f} GB of activations"]),
     (P175, "08_3d.py", "--tp 4 --pp 64 --zero1 --sequence_parallel" + MB1,
      ["{total:.1f} GB per GPU ({act:.1f} GB of it activations; need {need:.1f}\nGB), ~{step:.1f} s per step, {mfu:.0f}% MFU",
       "against {sent:.0f} GiB"]),
@@ -60,7 +60,8 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
     ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py", "--tp 4 --pp 64" + MB1,
      ["dp 4 x pp 64 x tp 4 ({total:.1f} GB) at\n{mfu:.0f}% MFU"]),
     (L32, "08_3d.py", "--tp 4 --pp 2 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1,
-     ["{total:.1f} GB per GPU ({act:.1f} of activations; need {need:.1f} GB), ~{step:.0f} s per step,\n{mfu:.0f}% MFU",
+     ["Ψ = {psi:.2f}B (wpe has 32k rows), 16Ψ = {psi16:.0f} GB",
+      "{total:.1f} GB per GPU ({act:.1f} of activations; need {need:.1f} GB), ~{step:.0f} s per step,\n{mfu:.0f}% MFU",
       "{sent:.0f} GiB sent per GPU per step"]),
     (L32, "08_3d.py", "--tp 4 --zero1 --sequence_parallel" + MB1,
      ["dp 16 x tp 4 + SP + ZeRO-1, {total:.1f} GB (need {need:.1f})", "({act:.0f} GB with SP)"]),
@@ -73,10 +74,11 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
 
 
 def priced(plan_flags, script, strategy, data=None):
-    """plan.py's candidate for one layout: the dict plan.score returns."""
+    """plan.py's candidate for one layout: the dict plan.score returns, and Ψ as plan.py counts it."""
     args, machine = plan.parse(plan_flags.split() + (["--data", data] if data else []))
     c, reason = plan.score(script, strategy.split(), script, args, machine)
     assert c is not None, f"{script} {strategy} refused: {reason}"
+    c["psi"] = plan.count_params_once(plan.dry_run("01_single_gpu.py", args.model_flags, 1, 1)[1])[0]
     return c
 
 
@@ -86,7 +88,8 @@ def numbers(c):
     return dict(total=h["total"] / 1e9, act=(h["activations"] or 0) / 1e9, need=c["need_bytes"] / 1e9,
                 state=(h["total"] - (h["activations"] or 0)) / 1e9, step=c["step_time_s"], mfu=100 * c["mfu"],
                 sent=sum(c["comm_bytes_per_step"].values()) / 2**30, compute=c["compute_s"], comm=c["comm_s"],
-                bubble=100 * c["bubble"])
+                bubble=100 * c["bubble"], psi=c["psi"] / 1e9, psi16=16 * c["psi"] / 1e9,
+                tb=16 * c["psi"] / 1e12)
 
 
 def section(path, heading):
@@ -109,6 +112,69 @@ def test_the_worked_plans_quote_what_plan_py_computes():
     text = section("docs/planning.md", "## Worked plans")
     stale = [f"{layout}: {phrase!r}" for layout, phrase in worked_phrases() if phrase not in text]
     assert not stale, "docs/planning.md's worked plans no longer say what plan.py computes:\n" + "\n".join(stale)
+
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "Checked against the papers": the ZeRO paper's Figure 1 from 03's and
+# 04's costs(), Korthikanti et al.'s activations per layer from 01's
+# ----------------------------------------------------------------------------------------
+
+def papers_phrases():
+    """The ZeRO paper's example (Ψ = 7.5B, N_d = 64) as tests/test_plan.py prices it, and the
+    activations of one GPT-3 175B layer, in the words of the section."""
+    model = ["--n_layer", "36", "--n_head", "35", "--n_embd", "4165", "--block_size", "1024",
+             "--dtype", "bfloat16", "--global_batch_size", "64"]
+    N, psi = 64, 7.5e9
+    _, config, ddp = plan.dry_run("03_ddp.py", model, N, 4)
+    scale = psi / plan.count_params_once(config)[0]
+    costs = [ddp] + [plan.dry_run("04_zero.py", model + ["--stage", str(k)], N, 4)[2] for k in (1, 2, 3)]
+    gb = [scale * sum(v for _, v in c["held"].values()) / 1e9 for c in costs]
+    paper = [16 * psi / 1e9, (4 * psi + 12 * psi / N) / 1e9, (2 * psi + 14 * psi / N) / 1e9]  # K = 12
+    yield "scaled to 7.5B: " + ", ".join(f"{x:.1f}" for x in gb) + " GB."
+    yield f"+{gb[1] - paper[1]:.1f} GB\nat stage 1, +{gb[2] - paper[2]:.2f} GB at stage 2"
+    yield f"add {scale * costs[3]['gathered'][1] / 1e9:.2f} GB at the peak"
+    s, b, h, a = 2048, 1, 12288, 96
+    per_model = [plan.dry_run("01_single_gpu.py", ["--model", "gpt3-175b", "--n_layer", str(n), "--dtype", "bfloat16",
+                                                   "--global_batch_size", "1"], 1, 1)[2]["activations"][1]
+                 for n in (1, 2)]
+    yield f"sbh(34 + 5as/h) = {s * b * h * (34 + 5 * a * s / h) / 1e9:.2f} GB"
+    yield f"36sbh + 16bs + 4bas = {(per_model[1] - per_model[0]) / 1e9:.2f} GB"
+
+
+MACHINE_PHRASES = {  # how "How it works" words each of plan.MACHINES
+    "polaris": "Polaris {gpus_per_node} x A100 {gpu_mem_gb:g} GB, {peak_tflops:g} TFLOP/s, NVLink\n  {intra_gbps:g} GB/s one "
+               "way, 2 Slingshot-11 NICs per node ({inter_gbps:.3g} GB/s per GPU)",
+    "aurora": "Aurora {gpus_per_node} tiles of\n  Max 1550, {gpu_mem_gb:g} GB and {peak_tflops:g} TFLOP/s (bf16) each, Xe Link "
+              "({intra_gbps:g} GB/s assumed",
+    "frontier": "Frontier {gpus_per_node} MI250X GCDs, {gpu_mem_gb:g} GB, {peak_tflops:g} TFLOP/s, Infinity Fabric "
+                "{intra_gbps:g}\n  GB/s, 4 NICs ({inter_gbps:.3g} GB/s per GCD)",
+    "perlmutter": "Perlmutter {gpus_per_node} x A100 {gpu_mem_gb:g} GB",
+}
+
+
+def intro_phrases(data):
+    """The machines' figures (plan.MACHINES) and GPT-2 XL's Ψ with either vocabulary."""
+    for name, phrase in MACHINE_PHRASES.items():
+        yield phrase.format(**plan.MACHINES[name])
+    yield f"({plan.MACHINES['aurora']['inter_gbps']:.3g} GB/s per tile)"
+    m = plan.MACHINES["perlmutter"]
+    yield (f"{m['peak_tflops']:g} TFLOP/s, NVLink {m['intra_gbps']:g} GB/s one way, 4 NICs ({m['inter_gbps']:.3g} GB/s "
+           "per GPU)")
+    psi = [plan.count_params_once(plan.dry_run("01_single_gpu.py", ["--model", "gpt2-xl"] + extra, 1, 1)[1])[0] / 1e9
+           for extra in ([], ["--data", data])]
+    yield f"(GPT-2 XL: {psi[0]:.2f}B here, {psi[1]:.2f}B with GPT-2's vocabulary)"
+
+
+def test_how_it_works_quotes_the_machines_and_the_vocabularies(tmp_path):
+    text = section("docs/planning.md", "# Planning: will it fit, and which strategy?")
+    stale = [phrase for phrase in intro_phrases(str(tmp_path)) if phrase not in text]
+    assert not stale, "docs/planning.md's machines or Ψ are stale:\n" + "\n".join(map(repr, stale))
+
+
+def test_the_papers_section_quotes_what_the_scripts_compute():
+    text = section("docs/planning.md", "## Checked against the papers and against measurement")
+    stale = [phrase for phrase in papers_phrases() if phrase not in text]
+    assert not stale, "docs/planning.md's check against the papers is stale:\n" + "\n".join(map(repr, stale))
 
 
 # ----------------------------------------------------------------------------------------
@@ -232,6 +298,13 @@ if __name__ == "__main__":
     print("\ndocs/planning.md, ## Worked plans:")
     for layout, phrase in worked_phrases():
         print(f"  {layout}:\n      {phrase!r}")
+    with tempfile.TemporaryDirectory() as data:
+        print("\ndocs/planning.md, the machines and Ψ:")
+        for phrase in intro_phrases(data):
+            print(f"  {phrase!r}")
+    print("\ndocs/planning.md, ## Checked against the papers and against measurement:")
+    for phrase in papers_phrases():
+        print(f"  {phrase!r}")
     print("\ndocs/strategies.md, the ZeRO row:")
     for phrase in strategies_phrases():
         print(f"  {phrase!r}")
