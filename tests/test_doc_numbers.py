@@ -42,6 +42,8 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
     (XL, "07_pipeline.py", "--schedule 1f1b --micro_batch_size 6", ["(1F1B: {total:.1f} GB)"]),
     (XL, "04_zero.py", "--stage 1" + MB1, ["ZeRO-1 ({total:.1f} GB at micro-batch 1)"]),
     (F13, "08_3d.py", "--tp 1 --pp 8" + MB1, ["Ψ = {psi:.1f}B, 16Ψ = {psi16:.0f} GB", "{total:.1f} GB per\nGCD of which {act:.1f} GB", "~{step:.1f} s, {mfu:.0f}% MFU"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8 --cp 8 --cp_impl ulysses --zero1" + MB1,
+     ["{total:.1f} GB per GCD ({act:.1f} GB of activations), ~{step:.1f} s, {mfu:.0f}% MFU", "bubble is 7/519 = {bubble:.1f}%"]),
     (F13, "08_3d.py", "--tp 1 --pp 8 --zero1" + MB1, ["({total:.1f} GB with `--zero1`)"]),
     (F13, "08_3d.py", "--tp 2 --pp 4" + MB1, ["(dp 8 x pp 4 x tp 2: ~{step:.1f} s)"]),
     (F13, "05_fsdp.py", "--replicate 8" + MB1, ["({total:.1f} GB;", "a step: ~{step:.1f} s"]),
@@ -59,6 +61,11 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
      ["{total:.0f} GB per GPU ({act:.0f} GB of activations), ~{step:.1f} s per step, {mfu:.0f}% MFU"]),
     ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py", "--tp 4 --pp 64" + MB1,
      ["dp 4 x pp 64 x tp 4 ({total:.1f} GB) at\n{mfu:.0f}% MFU"]),
+    ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py",
+     "--tp 4 --pp 64 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["dp 1 x pp 64 x cp 4 (ring) x tp 4 + SP + ZeRO-1, {total:.1f} GB,\n~{step:.2f} s, {mfu:.0f}% MFU"]),
+    (L32 + " --recompute", "04_zero.py", "--stage 2" + MB1,
+     ["{total:.1f} GB\n({act:.1f} of activations), ~{step:.1f} s, {mfu:.0f}% MFU"]),
     (L32, "08_3d.py", "--tp 4 --pp 2 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1,
      ["Ψ = {psi:.2f}B (wpe has 32k rows), 16Ψ = {psi16:.0f} GB",
       "{total:.1f} GB per GPU ({act:.1f} of activations; need {need:.1f} GB), ~{step:.0f} s per step,\n{mfu:.0f}% MFU",
@@ -169,6 +176,36 @@ def test_how_it_works_quotes_the_machines_and_the_vocabularies(tmp_path):
     text = section("docs/planning.md", "# Planning: will it fit, and which strategy?")
     stale = [phrase for phrase in intro_phrases(str(tmp_path)) if phrase not in text]
     assert not stale, "docs/planning.md's machines or Ψ are stale:\n" + "\n".join(map(repr, stale))
+
+
+def rehearsal_phrases():
+    """The costs() of the two rehearsed layouts of "Rehearsing a layout", by rank, in GiB as the
+    rehearsal prints them (the rehearsal's own measurement equals them: it says so per rank)."""
+    def ranks(flags, n, per_node, mem=None):
+        args, config, _ = plan.dry_run("08_3d.py", flags.split(), n, per_node, mem)
+        for r in plan.ranks_to_price("08_3d.py", args, config, n):
+            c = plan.rank_costs("08_3d.py", args, config, n, plan.planned_dtype(args), r)
+            yield ({k: v / 2**30 for k, (_, v) in c["held"].items()}, c["activations"][1] / 2**30,
+                   {k: v / 2**30 for k, (_, v) in c["sent"].items()})
+    big = list(ranks("--model gpt3-175b --tp 8 --pp 16 --global_batch_size 64 --micro_batch_size 1 --recompute", 1024, 4))
+    held, act, _ = big[-1]  # the last stage: no embedding
+    tp = [sent["all_reduce[tp]"] for _, _, sent in big]
+    yield (f"a stage holds {held['params']:.1f} GiB of parameters,\n{held['grads']:.1f} GiB of gradients and "
+           f"{held['optim']:.1f} GiB of AdamW state; the last stage's activation peak is\n{act * 1024:.0f} MiB, "
+           f"the first stage's {big[0][1]:.1f} GiB")
+    yield f"it sends {min(tp):.1f}-{max(tp):.1f} GiB by\nall_reduce[tp] per step"
+    (held, act, sent), (_, act1, _) = ranks("--model gpt3-6.7b --block_size 32768 --global_batch_size 64 --tp 4 --pp 2 "
+                                            "--cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1, 64, 4, 40)
+    yield (f"stage 0 holds {held['params']:.1f} GiB of parameters, {held['grads']:.1f} GiB of gradients, "
+           f"{held['optim']:.1f} GiB of\nAdamW state and an activation peak of {act:.1f} GiB (stage 1: {act1:.1f} GiB), "
+           f"and sends {sent['all_gather_into_tensor[tp]']:.0f} GiB by\nall-gather and "
+           f"{sent['reduce_scatter_tensor[tp]']:.0f} GiB by reduce-scatter over tp and {sent['send']:.0f} GiB each way")
+
+
+def test_the_rehearsed_layouts_quote_their_costs():
+    text = section("docs/planning.md", "## Rehearsing a layout before it queues (`--rehearse`)")
+    stale = [phrase for phrase in rehearsal_phrases() if phrase not in text]
+    assert not stale, "docs/planning.md's rehearsed layouts are stale:\n" + "\n".join(map(repr, stale))
 
 
 def test_the_papers_section_quotes_what_the_scripts_compute():
@@ -302,6 +339,9 @@ if __name__ == "__main__":
         print("\ndocs/planning.md, the machines and Ψ:")
         for phrase in intro_phrases(data):
             print(f"  {phrase!r}")
+    print("\ndocs/planning.md, ## Rehearsing a layout before it queues:")
+    for phrase in rehearsal_phrases():
+        print(f"  {phrase!r}")
     print("\ndocs/planning.md, ## Checked against the papers and against measurement:")
     for phrase in papers_phrases():
         print(f"  {phrase!r}")
