@@ -230,15 +230,15 @@ def megatron_flops(B, s, l, h, V=51200):
 
 
 # (run, source, plan flags, script, strategy flags, what the paper reports, how it is compared):
-# "step" = the paper's throughput turned into a step time (its own FLOP count / GPUs / rate);
+# "step" = (the paper's FLOPs per step, its rate per GPU): its step time, and plan.py's rate;
 # "mfu" = the paper's model FLOPs utilisation against plan.py's MFU (both count no recompute)
 PUBLISHED = [
     ("GPT 1T, 3,072 A100 80 GB", "Narayanan et al. 2021, Table 1 (last row) and abstract: 502 PFLOP/s, 163 TFLOP/s per GPU (52%)",
      "--n_layer 128 --n_embd 25600 --n_head 160 --block_size 2048 --global_batch_size 3072 --recompute --gpus 3072 " + A100_SELENE,
-     "08_3d.py", "--tp 8 --pp 64" + MB1, ("step", megatron_flops(3072, 2048, 128, 25600) / (3072 * 163e12))),
+     "08_3d.py", "--tp 8 --pp 64" + MB1, ("step", (megatron_flops(3072, 2048, 128, 25600), 163e12))),
     ("GPT-3 175B, 1,024 A100 80 GB", "Narayanan et al. 2021, section 5.1: 140 TFLOP/s per GPU",
      "--model gpt3-175b --global_batch_size 1536 --recompute --gpus 1024 " + A100_SELENE,
-     "08_3d.py", "--tp 8 --pp 16" + MB1, ("step", megatron_flops(1536, 2048, 96, 12288) / (1024 * 140e12))),
+     "08_3d.py", "--tp 8 --pp 16" + MB1, ("step", (megatron_flops(1536, 2048, 96, 12288), 140e12))),
     ("GPT 530B, 2,240 A100 80 GB, full recompute", "Korthikanti et al. 2022, abstract: MFU 42.1%",
      "--n_layer 105 --n_embd 20480 --n_head 128 --block_size 2048 --global_batch_size 1920 --recompute --gpus 2240 "
      + A100_SELENE, "08_3d.py", "--tp 8 --pp 35" + MB1, ("mfu", 42.1)),
@@ -264,11 +264,15 @@ def published_rows(data):
         n = int(plan_flags.split("--gpus ")[1].split()[0])
         peak = float(plan_flags.split("--peak_tflops ")[1].split()[0]) * 1e12
         model_flops = c["mfu"] * c["step_time_s"] * n * peak
-        if kind == "step":
-            paper, off, step = f"{value:.1f} s", f"{c['step_time_s'] / value - 1:+.0%} (step)", value
+        if kind == "step":  # the paper's FLOPs per step and rate: its step time; plan.py's rate
+            flops, rate = value
+            step = flops / (n * rate)
+            paper = f"{step:.1f} s"
+            off = f"{c['step_time_s'] / step - 1:+.0%} (step; {rate / 1e12 * step / c['step_time_s']:.0f} TFLOP/s per GPU)"
         elif kind == "rate":  # the paper's rate over plan.py's count of the model's FLOPs
             step = model_flops / (n * value)
-            paper, off = f"{step:.2f} s", f"{c['step_time_s'] / step - 1:+.0%} (step)"
+            paper = f"{step:.2f} s"
+            off = f"{c['step_time_s'] / step - 1:+.0%} (step; {value / 1e12 * step / c['step_time_s']:.0f} TFLOP/s per GPU)"
         else:  # the step time at the paper's MFU
             step = c["step_time_s"] * f["mfu"] / value
             paper, off = f"MFU {value:.1f}%", f"{f['mfu'] - value:+.1f} points (MFU)"
