@@ -25,6 +25,8 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 EXTERNAL = {
     "sample.py": "nanoGPT",
     "config/train_shakespeare_char.py": "nanoGPT",
+    "examples/sc21/run_table_1.sh": "Megatron-LM",  # docs/planning.md's published runs
+    "examples/pretrain_gpt3_175B.sh": "Megatron-LM",
 }
 
 

@@ -1,0 +1,354 @@
+"""The numbers docs/planning.md and docs/strategies.md quote from plan.py and from the scripts'
+costs() are what they compute today. Each quoted figure is generated here, in process (the
+scripts' --dry_run through plan.dry_run, plan.score for one layout, costs(): nothing is
+launched), in the words the doc uses, and the test checks that the doc's section carries that
+text. After a change to a formula or to plan.py's time model, print what the docs must say:
+
+    python tests/test_doc_numbers.py
+
+and paste the lines that changed (the published-runs table is printed whole).
+
+What is not checked here, and why: the counts of valid and fitting layouts of a whole plan
+(164 valid, 14 fit, ...) need the whole plan (tens of seconds each); the CPU table of
+"Predicted against measured" depends on a --bench file of that day's machine; the rehearsal
+timings are measurements. Each says in the doc when and how it was made.
+"""
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import plan  # noqa: E402
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "Worked plans": each layout the text quotes, priced alone (plan.score),
+# and the phrases in which the text quotes it
+# ----------------------------------------------------------------------------------------
+
+XL = "--model gpt2-xl --gpus 4 --machine polaris --global_batch_size 48"
+F13 = "--model gpt3-13b --gpus 64 --machine frontier --global_batch_size 512"
+P175 = "--model gpt3-175b --gpus 1024 --machine polaris --global_batch_size 1536"
+L32 = "--model gpt3-6.7b --block_size 32768 --gpus 64 --machine polaris --global_batch_size 64"
+L128 = "--model gpt3-6.7b --block_size 131072 --gpus 64 --machine polaris --global_batch_size 16 --recompute"
+MB1 = " --micro_batch_size 1"
+
+WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the candidate's numbers)
+    (XL, "03_ddp.py", "--micro_batch_size 1", ["Ψ = {psi:.2f}B. A replica's model state is 16Ψ = {psi16:.1f} GB", "adds {act:.1f} GB of activations",
+                                               "{total:.1f} GB, ~{step:.2f} s per step at {mfu:.0f}% MFU"]),
+    (XL, "03_ddp.py", "--micro_batch_size 12", ["the activations ({act:.0f} GB)"]),
+    (XL, "04_zero.py", "--stage 3 --micro_batch_size 12", ["(ZeRO-3, the leanest: {total:.1f} GB)"]),
+    (XL, "07_pipeline.py", "--schedule 1f1b --micro_batch_size 6", ["(1F1B: {total:.1f} GB)"]),
+    (XL, "04_zero.py", "--stage 1" + MB1, ["ZeRO-1 ({total:.1f} GB at micro-batch 1)"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8" + MB1, ["Ψ = {psi:.1f}B, 16Ψ = {psi16:.0f} GB", "{total:.1f} GB per\nGCD of which {act:.1f} GB", "~{step:.1f} s, {mfu:.0f}% MFU"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8 --cp 8 --cp_impl ulysses --zero1" + MB1,
+     ["{total:.1f} GB per GCD ({act:.1f} GB of activations), ~{step:.1f} s, {mfu:.0f}% MFU", "bubble is 7/519 = {bubble:.1f}%"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8 --zero1" + MB1, ["({total:.1f} GB with `--zero1`)"]),
+    (F13, "08_3d.py", "--tp 2 --pp 4" + MB1, ["(dp 8 x pp 4 x tp 2: ~{step:.1f} s)"]),
+    (F13, "05_fsdp.py", "--replicate 8" + MB1, ["({total:.1f} GB;", "a step: ~{step:.1f} s"]),
+    (F13, "05_fsdp.py", "--replicate 8 --micro_batch_size 8", ["the activations alone are {act:.0f} GB"]),
+    (P175, "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1, ["Ψ = {psi:.1f}B, {tb:.1f} TB of model state", "holds {state:.0f} GB of model state plus {act:.1f} GB of activations"]),
+    (P175, "08_3d.py", "--tp 4 --pp 64 --zero1 --sequence_parallel" + MB1,
+     ["{total:.1f} GB per GPU ({act:.1f} GB of it activations; need {need:.1f}\nGB), ~{step:.1f} s per step, {mfu:.0f}% MFU",
+      "against {sent:.0f} GiB"]),
+    (P175, "08_3d.py", "--tp 4 --pp 32 --zero1 --sequence_parallel" + MB1, ["{total:.1f} GB, no longer fits", "need {need:.1f} GB"]),
+    (P175, "08_3d.py", "--tp 4 --pp 32 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["{total:.1f} GB ({act:.1f} of activations, need {need:.1f}), ~{step:.1f} s, {mfu:.0f}% MFU", "{sent:.0f} GiB\nsent"]),
+    (P175, "08_3d.py", "--tp 4 --pp 32 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["cp 4 at pp 32, {total:.1f} GB, ~{step:.1f} s"]),
+    (P175 + " --recompute", "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1,
+     ["{total:.0f} GB per GPU ({act:.0f} GB of activations), ~{step:.1f} s per step, {mfu:.0f}% MFU"]),
+    ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py", "--tp 4 --pp 64" + MB1,
+     ["dp 4 x pp 64 x tp 4 ({total:.1f} GB) at\n{mfu:.0f}% MFU"]),
+    ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py",
+     "--tp 4 --pp 64 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["dp 1 x pp 64 x cp 4 (ring) x tp 4 + SP + ZeRO-1, {total:.1f} GB,\n~{step:.2f} s, {mfu:.0f}% MFU"]),
+    (L32 + " --recompute", "04_zero.py", "--stage 2" + MB1,
+     ["{total:.1f} GB\n({act:.1f} of activations), ~{step:.1f} s, {mfu:.0f}% MFU"]),
+    (L32, "08_3d.py", "--tp 4 --pp 2 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["Ψ = {psi:.2f}B (wpe has 32k rows), 16Ψ = {psi16:.0f} GB",
+      "{total:.1f} GB per GPU ({act:.1f} of activations; need {need:.1f} GB), ~{step:.0f} s per step,\n{mfu:.0f}% MFU",
+      "{sent:.0f} GiB sent per GPU per step"]),
+    (L32, "08_3d.py", "--tp 4 --zero1 --sequence_parallel" + MB1,
+     ["dp 16 x tp 4 + SP + ZeRO-1, {total:.1f} GB (need {need:.1f})", "({act:.0f} GB with SP)"]),
+    (L32 + " --recompute", "08_3d.py", "--tp 4 --zero1 --sequence_parallel" + MB1,
+     ["dp 16 x tp 4 + SP + ZeRO-1, {total:.1f} GB (need {need:.1f}), ~{step:.1f} s, {mfu:.0f}% MFU", "against {sent:.0f} GiB"]),
+    (L128, "08_3d.py", "--tp 4 --zero1 --sequence_parallel" + MB1, ["{total:.1f} GB, need\n{need:.1f}"]),
+    (L128, "08_3d.py", "--tp 4 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["`--recompute`, {total:.1f} GB, ~{step:.1f} s per step, {mfu:.0f}% MFU"]),
+]
+
+
+def priced(plan_flags, script, strategy, data=None):
+    """plan.py's candidate for one layout: the dict plan.score returns, and Ψ as plan.py counts it."""
+    args, machine = plan.parse(plan_flags.split() + (["--data", data] if data else []))
+    c, reason = plan.score(script, strategy.split(), script, args, machine)
+    assert c is not None, f"{script} {strategy} refused: {reason}"
+    c["psi"] = plan.count_params_once(plan.dry_run("01_single_gpu.py", args.model_flags, 1, 1)[1])[0]
+    return c
+
+
+def numbers(c):
+    """The figures the docs quote of a candidate: GB (1e9 bytes) per GPU, seconds, MFU in %."""
+    h = c["per_gpu_bytes"]
+    return dict(total=h["total"] / 1e9, act=(h["activations"] or 0) / 1e9, need=c["need_bytes"] / 1e9,
+                state=(h["total"] - (h["activations"] or 0)) / 1e9, step=c["step_time_s"], mfu=100 * c["mfu"],
+                sent=sum(c["comm_bytes_per_step"].values()) / 2**30, compute=c["compute_s"], comm=c["comm_s"],
+                bubble=100 * c["bubble"], psi=c["psi"] / 1e9, psi16=16 * c["psi"] / 1e9,
+                tb=16 * c["psi"] / 1e12)
+
+
+def section(path, heading):
+    """The text of `path` under the heading `heading` (to the next heading of its level or above)."""
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    level = heading.split(" ")[0]
+    start = text.index(heading + "\n")
+    end = re.compile(rf"^#{{1,{len(level)}}} ", re.M).search(text, start + len(heading))
+    return text[start:end.start() if end else len(text)]
+
+
+def worked_phrases():
+    for plan_flags, script, strategy, phrases in WORKED:
+        figures = numbers(priced(plan_flags, script, strategy))
+        for phrase in phrases:
+            yield f"{script} {strategy} ({plan_flags})", phrase.format(**figures)
+
+
+def test_the_worked_plans_quote_what_plan_py_computes():
+    text = section("docs/planning.md", "## Worked plans")
+    stale = [f"{layout}: {phrase!r}" for layout, phrase in worked_phrases() if phrase not in text]
+    assert not stale, "docs/planning.md's worked plans no longer say what plan.py computes:\n" + "\n".join(stale)
+
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "Checked against the papers": the ZeRO paper's Figure 1 from 03's and
+# 04's costs(), Korthikanti et al.'s activations per layer from 01's
+# ----------------------------------------------------------------------------------------
+
+def papers_phrases():
+    """The ZeRO paper's example (Ψ = 7.5B, N_d = 64) as tests/test_plan.py prices it, and the
+    activations of one GPT-3 175B layer, in the words of the section."""
+    model = ["--n_layer", "36", "--n_head", "35", "--n_embd", "4165", "--block_size", "1024",
+             "--dtype", "bfloat16", "--global_batch_size", "64"]
+    N, psi = 64, 7.5e9
+    _, config, ddp = plan.dry_run("03_ddp.py", model, N, 4)
+    scale = psi / plan.count_params_once(config)[0]
+    costs = [ddp] + [plan.dry_run("04_zero.py", model + ["--stage", str(k)], N, 4)[2] for k in (1, 2, 3)]
+    gb = [scale * sum(v for _, v in c["held"].values()) / 1e9 for c in costs]
+    paper = [16 * psi / 1e9, (4 * psi + 12 * psi / N) / 1e9, (2 * psi + 14 * psi / N) / 1e9]  # K = 12
+    yield "scaled to 7.5B: " + ", ".join(f"{x:.1f}" for x in gb) + " GB."
+    yield f"+{gb[1] - paper[1]:.1f} GB\nat stage 1, +{gb[2] - paper[2]:.2f} GB at stage 2"
+    yield f"add {scale * costs[3]['gathered'][1] / 1e9:.2f} GB at the peak"
+    s, b, h, a = 2048, 1, 12288, 96
+    per_model = [plan.dry_run("01_single_gpu.py", ["--model", "gpt3-175b", "--n_layer", str(n), "--dtype", "bfloat16",
+                                                   "--global_batch_size", "1"], 1, 1)[2]["activations"][1]
+                 for n in (1, 2)]
+    yield f"sbh(34 + 5as/h) = {s * b * h * (34 + 5 * a * s / h) / 1e9:.2f} GB"
+    yield f"36sbh + 16bs + 4bas = {(per_model[1] - per_model[0]) / 1e9:.2f} GB"
+
+
+MACHINE_PHRASES = {  # how "How it works" words each of plan.MACHINES
+    "polaris": "Polaris {gpus_per_node} x A100 {gpu_mem_gb:g} GB, {peak_tflops:g} TFLOP/s, NVLink\n  {intra_gbps:g} GB/s one "
+               "way, 2 Slingshot-11 NICs per node ({inter_gbps:.3g} GB/s per GPU)",
+    "aurora": "Aurora {gpus_per_node} tiles of\n  Max 1550, {gpu_mem_gb:g} GB and {peak_tflops:g} TFLOP/s (bf16) each, Xe Link "
+              "({intra_gbps:g} GB/s assumed",
+    "frontier": "Frontier {gpus_per_node} MI250X GCDs, {gpu_mem_gb:g} GB, {peak_tflops:g} TFLOP/s, Infinity Fabric "
+                "{intra_gbps:g}\n  GB/s, 4 NICs ({inter_gbps:.3g} GB/s per GCD)",
+    "perlmutter": "Perlmutter {gpus_per_node} x A100 {gpu_mem_gb:g} GB",
+}
+
+
+def intro_phrases(data):
+    """The machines' figures (plan.MACHINES) and GPT-2 XL's Ψ with either vocabulary."""
+    for name, phrase in MACHINE_PHRASES.items():
+        yield phrase.format(**plan.MACHINES[name])
+    yield f"({plan.MACHINES['aurora']['inter_gbps']:.3g} GB/s per tile)"
+    m = plan.MACHINES["perlmutter"]
+    yield (f"{m['peak_tflops']:g} TFLOP/s, NVLink {m['intra_gbps']:g} GB/s one way, 4 NICs ({m['inter_gbps']:.3g} GB/s "
+           "per GPU)")
+    psi = [plan.count_params_once(plan.dry_run("01_single_gpu.py", ["--model", "gpt2-xl"] + extra, 1, 1)[1])[0] / 1e9
+           for extra in ([], ["--data", data])]
+    yield f"(GPT-2 XL: {psi[0]:.2f}B here, {psi[1]:.2f}B with GPT-2's vocabulary)"
+
+
+def test_how_it_works_quotes_the_machines_and_the_vocabularies(tmp_path):
+    text = section("docs/planning.md", "# Planning: will it fit, and which strategy?")
+    stale = [phrase for phrase in intro_phrases(str(tmp_path)) if phrase not in text]
+    assert not stale, "docs/planning.md's machines or Ψ are stale:\n" + "\n".join(map(repr, stale))
+
+
+def rehearsal_phrases():
+    """The costs() of the two rehearsed layouts of "Rehearsing a layout", by rank, in GiB as the
+    rehearsal prints them (the rehearsal's own measurement equals them: it says so per rank)."""
+    def ranks(flags, n, per_node, mem=None):
+        args, config, _ = plan.dry_run("08_3d.py", flags.split(), n, per_node, mem)
+        for r in plan.ranks_to_price("08_3d.py", args, config, n):
+            c = plan.rank_costs("08_3d.py", args, config, n, plan.planned_dtype(args), r)
+            yield ({k: v / 2**30 for k, (_, v) in c["held"].items()}, c["activations"][1] / 2**30,
+                   {k: v / 2**30 for k, (_, v) in c["sent"].items()})
+    big = list(ranks("--model gpt3-175b --tp 8 --pp 16 --global_batch_size 64 --micro_batch_size 1 --recompute", 1024, 4))
+    held, act, _ = big[-1]  # the last stage: no embedding
+    tp = [sent["all_reduce[tp]"] for _, _, sent in big]
+    yield (f"a stage holds {held['params']:.1f} GiB of parameters,\n{held['grads']:.1f} GiB of gradients and "
+           f"{held['optim']:.1f} GiB of AdamW state; the last stage's activation peak is\n{act * 1024:.0f} MiB, "
+           f"the first stage's {big[0][1]:.1f} GiB")
+    yield f"it sends {min(tp):.1f}-{max(tp):.1f} GiB by\nall_reduce[tp] per step"
+    (held, act, sent), (_, act1, _) = ranks("--model gpt3-6.7b --block_size 32768 --global_batch_size 64 --tp 4 --pp 2 "
+                                            "--cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1, 64, 4, 40)
+    yield (f"stage 0 holds {held['params']:.1f} GiB of parameters, {held['grads']:.1f} GiB of gradients, "
+           f"{held['optim']:.1f} GiB of\nAdamW state and an activation peak of {act:.1f} GiB (stage 1: {act1:.1f} GiB), "
+           f"and sends {sent['all_gather_into_tensor[tp]']:.0f} GiB by\nall-gather and "
+           f"{sent['reduce_scatter_tensor[tp]']:.0f} GiB by reduce-scatter over tp and {sent['send']:.0f} GiB each way")
+
+
+def test_the_rehearsed_layouts_quote_their_costs():
+    text = section("docs/planning.md", "## Rehearsing a layout before it queues (`--rehearse`)")
+    stale = [phrase for phrase in rehearsal_phrases() if phrase not in text]
+    assert not stale, "docs/planning.md's rehearsed layouts are stale:\n" + "\n".join(map(repr, stale))
+
+
+def test_the_papers_section_quotes_what_the_scripts_compute():
+    text = section("docs/planning.md", "## Checked against the papers and against measurement")
+    stale = [phrase for phrase in papers_phrases() if phrase not in text]
+    assert not stale, "docs/planning.md's check against the papers is stale:\n" + "\n".join(map(repr, stale))
+
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "plan.py against published large runs": each run's model, machine and
+# layout priced by plan.py beside what its paper reports
+# ----------------------------------------------------------------------------------------
+
+A100_SELENE = "--gpus_per_node 8 --gpu_mem_gb 80 --peak_tflops 312 --link_gbps 300 --inter_gbps 25"
+H100_META = "--gpus_per_node 8 --gpu_mem_gb 80 --peak_tflops 989 --link_gbps 450 --inter_gbps 50"
+
+
+def megatron_flops(B, s, l, h, V=51200):
+    """Narayanan et al. 2021, eq. (3): FLOPs per iteration with full recomputation (a fourth
+    pass over the layers), the count their teraFLOP/s per GPU are quoted in."""
+    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+# (run, source, plan flags, script, strategy flags, what the paper reports, how it is compared):
+# "step" = (the paper's FLOPs per step, its rate per GPU): its step time, and plan.py's rate;
+# "mfu" = the paper's model FLOPs utilisation against plan.py's MFU (both count no recompute)
+PUBLISHED = [
+    ("GPT 1T, 3,072 A100 80 GB", "Narayanan et al. 2021, Table 1 (last row) and abstract: 502 PFLOP/s, 163 TFLOP/s per GPU (52%)",
+     "--n_layer 128 --n_embd 25600 --n_head 160 --block_size 2048 --global_batch_size 3072 --recompute --gpus 3072 " + A100_SELENE,
+     "08_3d.py", "--tp 8 --pp 64" + MB1, ("step", (megatron_flops(3072, 2048, 128, 25600), 163e12))),
+    ("GPT-3 175B, 1,024 A100 80 GB", "Narayanan et al. 2021, section 5.1: 140 TFLOP/s per GPU",
+     "--model gpt3-175b --global_batch_size 1536 --recompute --gpus 1024 " + A100_SELENE,
+     "08_3d.py", "--tp 8 --pp 16" + MB1, ("step", (megatron_flops(1536, 2048, 96, 12288), 140e12))),
+    ("GPT 530B, 2,240 A100 80 GB, full recompute", "Korthikanti et al. 2022, abstract: MFU 42.1%",
+     "--n_layer 105 --n_embd 20480 --n_head 128 --block_size 2048 --global_batch_size 1920 --recompute --gpus 2240 "
+     + A100_SELENE, "08_3d.py", "--tp 8 --pp 35" + MB1, ("mfu", 42.1)),
+    ("GPT 530B, 2,240 A100 80 GB, SP + selective recompute", "Korthikanti et al. 2022, abstract: MFU 54.2%",
+     "--n_layer 105 --n_embd 20480 --n_head 128 --block_size 2048 --global_batch_size 1920 --gpus 2240 " + A100_SELENE,
+     "08_3d.py", "--tp 8 --pp 35 --sequence_parallel" + MB1, ("mfu", 54.2)),
+    ("Llama 3 405B (as a GPT of its size), 16,384 H100 80 GB", "Dubey et al. 2024, Table 4: 400 TFLOP/s per GPU (BF16 MFU 41%)",
+     "--n_layer 126 --n_embd 16384 --n_head 128 --block_size 8192 --global_batch_size 2048 --gpus 16384 " + H100_META,
+     "08_3d.py", "--tp 8 --pp 16 --sequence_parallel" + MB1, ("rate", 400e12)),
+]
+
+
+EFFICIENCY = plan.EFFICIENCY  # the published runs are priced at plan.py's default, 0.5
+
+
+def published_rows(data):
+    """The markdown rows of docs/planning.md's table of published runs, `data` a directory of
+    GPT-2 tokens (no meta.pkl: the 50,304-token vocabulary, near the papers' 51,200)."""
+    rows = []
+    for run, source, plan_flags, script, strategy, (kind, value) in PUBLISHED:
+        c = priced(plan_flags, script, strategy, data)
+        f = numbers(c)
+        n = int(plan_flags.split("--gpus ")[1].split()[0])
+        peak = float(plan_flags.split("--peak_tflops ")[1].split()[0]) * 1e12
+        model_flops = c["mfu"] * c["step_time_s"] * n * peak
+        if kind == "step":  # the paper's FLOPs per step and rate: its step time; plan.py's rate
+            flops, rate = value
+            step = flops / (n * rate)
+            paper = f"{step:.1f} s"
+            off = f"{c['step_time_s'] / step - 1:+.0%} (step; {rate / 1e12 * step / c['step_time_s']:.0f} TFLOP/s per GPU)"
+        elif kind == "rate":  # the paper's rate over plan.py's count of the model's FLOPs
+            step = model_flops / (n * value)
+            paper = f"{step:.2f} s"
+            off = f"{c['step_time_s'] / step - 1:+.0%} (step; {value / 1e12 * step / c['step_time_s']:.0f} TFLOP/s per GPU)"
+        else:  # the step time at the paper's MFU
+            step = c["step_time_s"] * f["mfu"] / value
+            paper, off = f"MFU {value:.1f}%", f"{f['mfu'] - value:+.1f} points (MFU)"
+        # the --efficiency at which plan.py's step would be the paper's, its communication as priced
+        busy = step - f["comm"]
+        matching = f"{f['compute'] * EFFICIENCY / busy:.2f}" if busy > 0 else "none"
+        layout = " ".join(strategy.split()[:-2]).replace("--", "").replace("sequence_parallel", "+ SP")
+        rows.append(f"| {run} | {layout} | {paper} | {f['step']:.1f} s = {f['compute']:.1f} compute "
+                    f"(bubble {f['bubble']:.0f}%) + {f['comm']:.1f} comm | {off} | {f['mfu']:.1f}% | {matching} | "
+                    f"{f['total']:.1f} GB ({f['act']:.1f} activations), need {f['need']:.1f}: "
+                    f"{'fits' if c['fits'] else 'does not fit'} |")
+    return rows
+
+
+def test_the_published_runs_table_is_what_plan_py_computes(tmp_path):
+    text = section("docs/planning.md", "## plan.py against published large runs")
+    stale = [row for row in published_rows(str(tmp_path)) if row not in text]
+    assert not stale, ("docs/planning.md's table of published runs is not what plan.py computes today "
+                       "(python tests/test_doc_numbers.py prints it):\n" + "\n".join(stale))
+
+
+# ----------------------------------------------------------------------------------------
+# docs/strategies.md: ZeRO's wire traffic against DDP's, from 03's and 04's costs()
+# ----------------------------------------------------------------------------------------
+
+def wire_ratio(stage, dtype, N=4):
+    """04 --stage `stage`'s bytes on the wire per step (ring bus factors, 02's) over 03's."""
+    bus = plan.script("02_collectives.py").bus_factor
+    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    flags = ["--model", "gpt2", "--dtype", dtype, "--global_batch_size", "4", "--micro_batch_size", "1"]
+
+    def wire(script, extra):
+        cost = plan.dry_run(script, flags + extra, N, N)[2]
+        return sum(bus(kinds.get(op.split("[")[0], op.split("[")[0]), N) * b for op, (_, b) in cost["sent"].items())
+    return wire("04_zero.py", ["--stage", str(stage)]) / wire("03_ddp.py", [])
+
+
+def times(ratio):
+    """A ratio as the doc writes it: two decimals at most, one at least (0.75x, 1.0x, 1.5x)."""
+    text = f"{ratio:.2f}".rstrip("0")
+    return (text + "0" if text.endswith(".") else text) + "x"
+
+
+def strategies_phrases():
+    yield ("in fp32, 1-2: reduce-scatter + all-gather = DDP's wire traffic"
+           if round(wire_ratio(2, "float32"), 2) == 1 else f"in fp32, 1-2: {times(wire_ratio(2, 'float32'))}")
+    yield f"3: {times(wire_ratio(3, 'float32'))} (parameters gathered in forward and backward)"
+    yield (f"{times(wire_ratio(1, 'bfloat16'))} (1-2) and {times(wire_ratio(3, 'bfloat16'))} (3) of DDP's fp32 "
+           "all-reduce")
+
+
+def test_strategies_zero_row_quotes_the_scripts_ratios():
+    assert round(wire_ratio(1, "bfloat16"), 3) == round(wire_ratio(2, "bfloat16"), 3)
+    text = section("docs/strategies.md", "# The strategies: what each rank holds and sends")
+    stale = [phrase for phrase in strategies_phrases() if phrase not in text]
+    assert not stale, "docs/strategies.md's ZeRO row no longer says what 03's and 04's costs() give:\n" + "\n".join(stale)
+
+
+if __name__ == "__main__":
+    import tempfile
+    with tempfile.TemporaryDirectory() as data:
+        print("docs/planning.md, ## plan.py against published large runs:")
+        print("\n".join(published_rows(data)))
+    print("\ndocs/planning.md, ## Worked plans:")
+    for layout, phrase in worked_phrases():
+        print(f"  {layout}:\n      {phrase!r}")
+    with tempfile.TemporaryDirectory() as data:
+        print("\ndocs/planning.md, the machines and Ψ:")
+        for phrase in intro_phrases(data):
+            print(f"  {phrase!r}")
+    print("\ndocs/planning.md, ## Rehearsing a layout before it queues:")
+    for phrase in rehearsal_phrases():
+        print(f"  {phrase!r}")
+    print("\ndocs/planning.md, ## Checked against the papers and against measurement:")
+    for phrase in papers_phrases():
+        print(f"  {phrase!r}")
+    print("\ndocs/strategies.md, the ZeRO row:")
+    for phrase in strategies_phrases():
+        print(f"  {phrase!r}")
