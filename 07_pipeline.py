@@ -1271,9 +1271,11 @@ def overlaps(rounds_by_rank, vee):
     On GPUs the pair runs as one (DualPipe overlaps each one's communication with the
     other's compute); its simulated time is max(F, B), not F + B. The interleaved steady
     state's pairs (not in a V) share one batch of messages only: their forward and
-    backward run one after the other on any device, as drawn before."""
-    return [{ops[0]: ops[1:] for ops in rounds if vee and len(ops) > 1 and ops[0][0] == "F" and ops[1][0] == "B"}
-            for rounds in rounds_by_rank]
+    backward run one after the other on any device, as drawn before. A pair of one chunk's
+    forward and backward of one micro-batch (a user's table may write one) runs in order:
+    the backward needs that forward."""
+    return [{ops[0]: ops[1:] for ops in rounds if vee and len(ops) > 1 and ops[0][0] == "F" and ops[1][0] == "B"
+             and ops[0][1:] != ops[1][1:]} for rounds in rounds_by_rank]
 
 
 def simulate(orders, p, v, vee=False, overlap=None):

@@ -137,6 +137,8 @@ def test_dualpipev_pairs_are_drawn_overlapped_taking_max_f_b():
     assert all("    " + line.rstrip() in pp.__doc__ for line in text.split("\n"))  # the docstring's picture
     interleaved = rounds_of("interleaved", 2, 4, 2)
     assert pp.overlaps(interleaved, False) == [{}, {}] and any(len(ops) == 2 for ops in interleaved[0])
+    same = [["0F0", "(3F0;3B0)OVERLAP_F_B", "0B0"], ["1F0", "2F0", "2B0", "1B0"]]  # a user's pair of one chunk:
+    assert pp.table_problem(same, 2, 1) is None and pp.timeline(same, 2, 2, True, False)[3] == [{}, {}]  # in order
 
 
 @pytest.mark.parametrize("kind, v", [("interleaved", 2), ("zb", 1), ("zbv", 2), ("dualpipev", 2)])
