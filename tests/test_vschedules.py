@@ -2,8 +2,10 @@
 notation): the four older schedules' tables give exactly their rounds; ZB-V's and DualPipeV's
 equal torch's ScheduleZBVZeroBubble and ScheduleDualPipeV (built here on CPU, with stand-in
 stages: the orders need no process group); their posting orders replay under NCCL's rules
-(tests/nccl_replay.py); their drawn bubble is the docstring's formula; and run for real they
-reproduce 01's losses, the ledger's every byte included, posting what nccl_batches() says."""
+(tests/nccl_replay.py), and every split or V schedule's at 16 stages; their drawn bubble is
+the docstring's formula, DualPipeV's pairs drawn overlapped (max(F, B)) and in order (F + B);
+and run for real they reproduce 01's losses, the ledger's every byte included, posting what
+nccl_batches() says."""
 
 import importlib
 import os
