@@ -1357,7 +1357,7 @@ def describe(args, config, p, v, m):
 def timeline(actions, p, v, vee, split, overlapped=True):
     """A table replayed at unit cost (simulate) and drawn (draw): (text, drawn bubble,
     starts, overlap). `overlapped`: DualPipeV's pairs take max(F, B) (overlaps()); False:
-    F + B, one after the other, as a CPU runs them."""
+    F + B, one after the other, as 07 runs them."""
     rounds = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
     orders = [[op for ops in rounds[r] for op in ops] for r in range(p)]
     overlap = overlaps(rounds, vee) if overlapped else None
@@ -1376,10 +1376,10 @@ def timeline_text(args, p, v, m):
             + ("; 'with': a forward overlapped with the backward above it, the pair taking max(F, B)" if pairs else "")
             + f"):\n{text}\nbubble: {bubble:.3f} drawn"
             + (f", {theory:.3f} in theory ({bubble_formula(args.schedule, v)})" if theory is not None else ""))
-    if pairs:  # what a CPU runs, and so what --measure_bubble measures there
+    if pairs:  # what 07 runs (one stream, on any device), and so what --measure_bubble measures
         in_order = timeline(actions, p, v, vee, split, overlapped=False)[1]
-        text += (f"; {in_order:.3f} with each pair run in order, F + B, as on CPU"
-                 + (" ((p-1)/(6m+p-1), ZB-V's)" if args.schedule == "dualpipev" else ""))
+        text += (f"; {in_order:.3f} with each pair run in order (F + B), as 07 runs it and --measure_bubble sees"
+                 + (": ZB-V's (p-1)/(6m+p-1)" if args.schedule == "dualpipev" else ""))
     return text, bubble
 
 

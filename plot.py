@@ -21,7 +21,7 @@ with unit costs by its timeline(), as its log draws in text): forwards, backward
 weight-gradient passes, W, where a schedule has them) coloured, each box labelled with its
 micro-batch (and chunk), the bubble drawn and in theory in the title. DualPipeV's overlapped
 pairs share a slot as two half-height bars (the forward on top), max(F, B) long; the title
-adds the bubble with each pair run in order, F + B, as a CPU runs it.
+adds the bubble with each pair run in order, F + B, as 07 runs it.
 
 --hangs reads the Flight Recorder dumps a stalled job left (jobs/*.sh set them up) and prints
 one line per rank: the operation it waits in, its group, and the step and phase it was posted
@@ -340,7 +340,7 @@ def plot_schedule(plt, kind, p, m, v):
     """07's timeline (its timeline(): the table replayed at unit cost), one box per F, B or
     W. DualPipeV's overlapped pair shares one slot, max(F, B) long: its forward a half-height
     bar on top, the backward it overlaps (and its W) below; the title gives the bubble drawn
-    so and with each pair run in order, F + B, as a CPU runs it."""
+    so and with each pair run in order, F + B, as 07 runs it (one stream)."""
     pp = pipeline_module()  # the schedule's table, as 07 runs and draws it (run_table, timeline_text)
     flags = type("Flags", (), dict(schedule=kind, schedule_csv=None, virtual_stages=v))
     actions, v, vee, split = pp.run_table(flags, p, m)
@@ -371,13 +371,12 @@ def plot_schedule(plt, kind, p, m, v):
     ops = sorted({op for row in starts for _, (op, _, _) in row}, key="FBW".index)
     names = {"F": "forward", "B": "backward", "W": "weight gradient"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[o]) for o in ops]
-    ax.legend(handles, [names[o] for o in ops], loc="upper right", fontsize=8, ncol=len(ops),
-              bbox_to_anchor=(1, 1.35 if p < 4 else 1.2))
+    ax.legend(handles, [names[o] for o in ops], loc="upper left", fontsize=8, bbox_to_anchor=(1.005, 1))
     theory = pp.bubble_theory(kind, p, m, v)
     ax.set_title(f"07_pipeline.py --schedule {kind}: {p} stages, {m} micro-batches"
                  + (f", {v} chunks per stage" if v > 1 else "")
-                 + f"; bubble {bubble:.3f} drawn, {theory:.3f} in theory"
-                 + (f"; {in_order:.3f} with each pair in order (F + B, as on CPU)" if pairs else ""),
+                 + f"\nbubble {bubble:.3f} drawn, {theory:.3f} in theory"
+                 + (f"; {in_order:.3f} with each pair in order (F + B, as 07 runs it)" if pairs else ""),
                  loc="left", fontsize=10)
     fig.tight_layout()
     return fig

@@ -184,7 +184,7 @@ def test_v_runs_reproduce_01(reference, ranks, kind, micro):
     assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
     assert step["bubble_drawn"] == pytest.approx(step["bubble_theory"])
     if kind == "dualpipev":  # the pairs overlapped and, as they run here, in order: both stated
-        assert "taking max(F, B)" in run.stdout and "with each pair run in order, F + B" in run.stdout
+        assert "taking max(F, B)" in run.stdout and "with each pair run in order (F + B)" in run.stdout
 
 
 def test_recorded_zbv_run_posts_nccl_batches_and_replays(tmp_path):
