@@ -65,12 +65,24 @@ for in idle time, the bubble, while the pipeline fills and drains.
       stage 1    . F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b B3a W2a W3b W3a
     idle: max((p-1)/2, 2p-1-m) units of 3m + idle, so bubble = (p-1)/(6m+p-1) once
     m >= (3p-1)/2, half of ZB-H1's; fewer micro-batches cannot fill the V:
-    (2p-1-m)/(2m+2p-1). DualPipeV (DeepSeek-V3's DualPipe folded into the same V; torch's
-    ScheduleDualPipeV; m >= 2p) overlaps the forward of one chunk with the full backward
-    of the other, written as one action "(0F3;3B1)OVERLAP_F_B": on GPUs each hides the
-    other's communication; here, on one stream, they run one after the other, so its drawn
-    bubble is ZB-V's formula, and it holds one chunk-sized micro-batch more, 2p+1 on every
-    rank (the overlapped pair's forward comes before its backward frees).
+    (2p-1-m)/(2m+2p-1).
+
+    DualPipeV (DeepSeek-V3's DualPipe folded into the same V; torch's ScheduleDualPipeV;
+    m >= 2p) overlaps the forward of one chunk with the full backward (I + W) of the other,
+    written as one action, "(0F3;3B1)OVERLAP_F_B", and drawn as one: the forward in a 'with'
+    row, under the backward it shares its time with. DualPipe assumes full overlap (on GPUs
+    each hides the other's communication), so the pair takes max(F, B) = B, not F + B.
+    p = 2, m = 4:
+      stage 0  F0a F1a F2a F0b B0b W0b F1b B1b W1b   . B0a W0a B2b W2b B1a W1a B3b W3b B2a W2a B3a W3a
+      with                                 F3a         F2b             F3b
+      stage 1    . F0a F0b F1a F1b F2a B0b W0b B0a W0a B1b W1b B1a W1a B2b W2b B2a W2a B3b B3a W3b W3a
+      with                                     F2b     F3a     F3b
+    idle: (p-1)(p+2)/4 units over the stages of a timeline 2m + 3p/2 long (3m units of
+    work less the hidden forwards): bubble = (p-1)(p+2)/(2p(4m+3p)), a larger share than
+    ZB-V's of a shorter step. 07 itself runs a pair in order, on one stream, on any device:
+    what --measure_bubble measures is F + B, a timeline as long as ZB-V's, with ZB-V's
+    bubble (p-1)/(6m+p-1); the log states both. DualPipeV holds one chunk-sized micro-batch
+    more than ZB-V, 2p+1 on every rank (the pair's forward comes before its backward frees).
 
 Tables. Every schedule is one table: per rank, its actions in order, in the notation of
 torch.distributed.pipelining (its _dump_csv / _load_csv CSV, one row per rank): "3F1" is
@@ -607,21 +619,23 @@ def nccl_batches(rounds_by_rank, p, v, m, vee=False):
                     upto = sent[(q, r)].index(tag, done[q]) + 1
                     b += [("recv", q, t) for t in sent[(q, r)][done[q]:upto]]
                     done[q] = upto
+    where, ops_of, key = {}, [], {}  # (channel, message number, op) -> its batch; per batch what it waits on
+    for r in range(p):
+        count = {}
+        ops_of.append([])
+        for j, b in enumerate(batches[r]):
+            ops_of[r].append([])
+            for entry in b:
+                op, q, _ = entry
+                if q != r:
+                    channel = (r, q) if op == "send" else (q, r)
+                    count[channel] = count.get(channel, 0) + 1
+                    where[key.setdefault((r, entry), (channel, count[channel], op))] = j
+                    ops_of[r][-1].append(((channel, count[channel], "recv" if op == "send" else "send"), q))
+    head = [0] * p
     while True:  # 2. replay; where stuck, move a receive whose send is posted to its waiting rank
-        where, ops_of = {}, []  # (channel, message number, op) -> its batch; per batch what it waits on
-        for r in range(p):
-            count, ops_of_r = {}, []
-            for j, b in enumerate(batches[r]):
-                ops_of_r.append([])
-                for op, q, _ in b:
-                    if q != r:
-                        channel = (r, q) if op == "send" else (q, r)
-                        count[channel] = count.get(channel, 0) + 1
-                        where[(channel, count[channel], op)] = j
-                        ops_of_r[-1].append(((channel, count[channel], "recv" if op == "send" else "send"), q))
-            ops_of.append(ops_of_r)
-        head, moved = [0] * p, True
-        while moved:
+        moved = True
+        while moved:  # a move only ever brings a receive forward: the heads reached stay reached
             moved = False
             for r in range(p):
                 while head[r] < len(batches[r]) and all(where.get(other, len(batches[q])) <= head[q]
@@ -633,17 +647,21 @@ def nccl_batches(rounds_by_rank, p, v, m, vee=False):
         for r in (r for r in range(p) if head[r] < len(batches[r])):
             for q in (q for q in range(p) if q != r and head[q] < len(batches[q])):
                 tags = [tag for op, peer, tag in batches[q][head[q]] if op == "send" and peer == r]
-                later = next(((j, entry) for j in range(head[r] + 1, len(batches[r])) for entry in batches[r][j]
-                              if entry[0] == "recv" and entry[1] == q), None)
-                if tags and later and later[1][2] in tags:  # its send is posted: receive it now
-                    batches[r][later[0]].remove(later[1])
-                    batches[r][head[r]].append(later[1])
+                later = tags and next(((j, entry) for j in range(head[r] + 1, len(batches[r]))
+                                       for entry in batches[r][j] if entry[0] == "recv" and entry[1] == q), None)
+                if later and later[1][2] in tags:  # its send is posted: receive it now
+                    j, entry = later  # the first from q after the head: its message number stays
+                    batches[r][j].remove(entry)
+                    batches[r][head[r]].append(entry)
+                    where[key[(r, entry)]] = head[r]
+                    send = ((*key[(r, entry)][:2], "send"), q)
+                    ops_of[r][j].remove(send)
+                    ops_of[r][head[r]].append(send)
                     moves += 1
         if not moves:
             r = min(r for r in range(p) if head[r] < len(batches[r]))
             raise Deadlock(r, head[r], f"its batch {batches[r][head[r]]} deadlocks under NCCL's rules "
                                        "(every rank waits on another)")
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -1228,66 +1246,104 @@ def bubble_theory(kind, p, m, v):
     """The idle fraction of a stage: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1)
     interleaved, and for ZB-H1, with F, B and W taking one unit each (the paper's
     T_F = T_B = T_W), p-1 idle units in 3m + p - 1: (p-1)/(3m+p-1), about a third of 1F1B's
-    (m >= p; with fewer micro-batches the tail cannot be filled: (2p-1-m)/(2m+2p-1))."""
+    (m >= p; with fewer micro-batches the tail cannot be filled: (2p-1-m)/(2m+2p-1)).
+    DualPipeV, its pairs overlapped (max(F, B)): (p-1)(p+2)/4 idle units over the p stages
+    of a 2m + 3p/2 long timeline (m >= 2p); run in order, ZB-V's."""
     if kind == "zb":  # fewer micro-batches than stages: stage 0 waits 2p-1-m units, not p-1
         return (p - 1) / (3 * m + p - 1) if m >= p else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
     if kind == "csv":  # a user's table: drawn only
         return None
-    if kind in V_SHAPED:  # idle max((p-1)/2, 2p-1-m) units of 3m + idle: half of ZB-H1's once m >= (3p-1)/2
+    if kind == "dualpipev":
+        return (p - 1) * (p + 2) / (2 * p * (4 * m + 3 * p))
+    if kind == "zbv":  # idle max((p-1)/2, 2p-1-m) units of 3m + idle: half of ZB-H1's once m >= (3p-1)/2
         return (p - 1) / (6 * m + p - 1) if 2 * m >= 3 * p - 1 else (2 * p - 1 - m) / (2 * m + 2 * p - 1)
     return (p - 1) / (v * m + p - 1) if kind == "interleaved" else (p - 1) / (m + p - 1)
 
 
 def bubble_formula(kind, v):
     return {"zb": "(p-1)/(3m+p-1)", "interleaved": "(p-1)/(v·m+p-1)", "zbv": "(p-1)/(6m+p-1)",
-            "dualpipev": "(p-1)/(6m+p-1)", "csv": "no formula: the table's own"}.get(kind, "(p-1)/(m+p-1)")
+            "dualpipev": "(p-1)(p+2)/(2p(4m+3p))", "csv": "no formula: the table's own"}.get(kind, "(p-1)/(m+p-1)")
 
 
-def simulate(orders, p, v, vee=False):
+def overlaps(rounds_by_rank, vee):
+    """Per rank, {forward: the backward ops it overlaps}: DualPipe's OVERLAP_F_B pairs, a
+    round in a V holding a forward and a backward (and any W riding with that backward).
+    On GPUs the pair runs as one (DualPipe overlaps each one's communication with the
+    other's compute); its simulated time is max(F, B), not F + B. The interleaved steady
+    state's pairs (not in a V) share one batch of messages only: their forward and
+    backward run one after the other on any device, as drawn before. A pair of one chunk's
+    forward and backward of one micro-batch (a user's table may write one) runs in order:
+    the backward needs that forward."""
+    return [{ops[0]: ops[1:] for ops in rounds if vee and len(ops) > 1 and ops[0][0] == "F" and ops[1][0] == "B"
+             and ops[0][1:] != ops[1][1:]} for rounds in rounds_by_rank]
+
+
+def simulate(orders, p, v, vee=False, overlap=None):
     """Replay the executed orders with unit costs (a forward or backward of a whole stage
     takes 1, of one of v chunks 1/v; ZB's B and W one each) and the pipeline's
     dependencies: returns, per rank, the (start, op) of each operation. This is the
-    timeline that is drawn."""
+    timeline that is drawn. `overlap` (overlaps()): a forward and the backward it overlaps
+    start together, once the inputs of both are there, and take max(F, B + its Ws), not
+    F + B: DualPipe's full overlap; what either sends leaves at the end of the pair."""
     done, clock, starts, position = {}, [0.0] * p, [[] for _ in range(p)], [0] * p
     cost = 1.0 / v
     last_chunk = p * v - 1
+    overlap = overlap or [{}] * p
+
+    def needs(r, kind, i, c):
+        g = chunk_stage(p, r, c, vee)  # global chunk index
+        if kind == "F":
+            return [("F", i, g - 1)] if g > 0 else []
+        if kind == "W":  # the weight gradient needs only its own B (the same stage)
+            return [("B", i, g)]
+        return [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]  # B: the next chunk's input gradient
     while any(position[r] < len(orders[r]) for r in range(p)):
         progressed = False
         for r in range(p):
             if position[r] == len(orders[r]):
                 continue
-            kind, i, c = orders[r][position[r]]
-            g = chunk_stage(p, r, c, vee)  # global chunk index
-            if kind == "F":
-                needs = [("F", i, g - 1)] if g > 0 else []
-            elif kind == "W":  # the weight gradient needs only its own B (the same stage)
-                needs = [("B", i, g)]
-            else:  # B: the input gradient of the next chunk
-                needs = [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]
-            if any(n not in done for n in needs):
+            op = orders[r][position[r]]
+            group = [op, *overlap[r].get(op, ())]  # one op, or a forward and the backward it overlaps
+            assert orders[r][position[r]:position[r] + len(group)] == group, "an overlapped pair out of order"
+            keys = [(kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
+            wanted = [n for member in group for n in needs(r, *member) if n not in keys]
+            if any(n not in done for n in wanted):
                 continue
-            start = max([clock[r]] + [done[n] for n in needs])
-            clock[r] = done[(kind, i, g)] = start + cost
-            starts[r].append((start, (kind, i, c)))
-            position[r] += 1
+            start = max([clock[r]] + [done[n] for n in wanted])
+            backward = [member for member in group if member[0] != "F"]
+            forward = len(group) - len(backward)
+            starts[r] += [(start, member) for member in group if member[0] == "F"]
+            starts[r] += [(start + k * cost, member) for k, member in enumerate(backward)]
+            clock[r] = start + cost * max(forward, len(backward))
+            done.update((key, clock[r]) for key in keys)
+            position[r] += len(group)
             progressed = True
         assert progressed, "the schedule deadlocks"
+    for row in starts:
+        row.sort(key=lambda entry: entry[0])
     return starts
 
 
-def draw(starts, p, v):
+def draw(starts, p, v, overlap=None):
     """An ASCII timeline, one row per stage, one cell per F, B (or W) of one chunk,
-    labelled with its micro-batch; '.' is the bubble. Returns (text, bubble fraction)."""
+    labelled with its micro-batch; '.' is the bubble. A forward overlapped with a backward
+    (overlaps(): DualPipeV) is drawn in a second row under its stage's, in the cell where
+    the backward above it starts: the two share that time. Returns (text, bubble fraction:
+    the idle share of the stages' rows)."""
+    hidden = [set(row) for row in overlap] if overlap else [set()] * p
     width = round(max(s for row in starts for s, _ in row) * v) + 1
     label = lambda kind, i, c: f"{kind}{i}" + ("" if v == 1 else "abcdefghijklmnop"[c])  # noqa: E731
     cell = 1 + max(len(label(*op)) for row in starts for _, op in row)
     rows, busy = [], 0
     for r in range(p):
-        cells = [" " * (cell - 1) + "."] * width
+        cells, under = [" " * (cell - 1) + "."] * width, [" " * cell] * width
         for start, op in starts[r]:
-            cells[round(start * v)] = f"{label(*op):>{cell}}"
-            busy += 1
+            lane = under if op in hidden[r] else cells
+            lane[round(start * v)] = f"{label(*op):>{cell}}"
+            busy += op not in hidden[r]
         rows.append(f"  stage {r} " + "".join(cells))
+        if hidden[r]:
+            rows.append("  with".ljust(len(f"  stage {r} ")) + "".join(under).rstrip())
     return "\n".join(rows), 1 - busy / (p * width)
 
 
@@ -1298,21 +1354,49 @@ def describe(args, config, p, v, m):
             f"{m} micro-batches of {args.micro_batch_size}")
 
 
+def timeline(actions, p, v, vee, split, overlapped=True):
+    """A table replayed at unit cost (simulate) and drawn (draw): (text, drawn bubble,
+    starts, overlap). `overlapped`: DualPipeV's pairs take max(F, B) (overlaps()); False:
+    F + B, one after the other, as 07 runs them."""
+    rounds = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
+    orders = [[op for ops in rounds[r] for op in ops] for r in range(p)]
+    overlap = overlaps(rounds, vee) if overlapped else None
+    starts = simulate(orders, p, v, vee, overlap)
+    return (*draw(starts, p, v, overlap), starts, overlap)
+
+
+def timeline_text(args, p, v, m):
+    """The run's schedule drawn, with its bubble drawn and in theory, and where pairs
+    overlap, the bubble with each pair run in order: (text, drawn bubble)."""
+    actions, v, vee, split = run_table(args, p, m)
+    text, bubble, _, overlap = timeline(actions, p, v, vee, split)
+    theory = bubble_theory(args.schedule, p, m, v)  # None for a user's table
+    pairs = any(overlap)
+    text = ("schedule (unit-cost replay of the order each stage runs; '.' = idle"
+            + ("; 'with': a forward overlapped with the backward above it, the pair taking max(F, B)" if pairs else "")
+            + f"):\n{text}\nbubble: {bubble:.3f} drawn"
+            + (f", {theory:.3f} in theory ({bubble_formula(args.schedule, v)})" if theory is not None else ""))
+    if pairs:  # what 07 runs (one stream, on any device), and so what --measure_bubble measures
+        in_order = timeline(actions, p, v, vee, split, overlapped=False)[1]
+        text += (f"; {in_order:.3f} with each pair run in order (F + B), as 07 runs it and --measure_bubble sees"
+                 + (": ZB-V's (p-1)/(6m+p-1)" if args.schedule == "dualpipev" else ""))
+    return text, bubble
+
+
 def log_timeline(run, args, p, v, m):
     """Log the schedule every stage runs as a unit-cost timeline; returns its drawn bubble."""
-    actions, v, vee, split = run_table(args, p, m)
-    orders = [[op for ops in table_rounds(actions[r], p, r, v, vee, split) for op in ops] for r in range(p)]
-    timeline, bubble = draw(simulate(orders, p, v, vee), p, v)
-    theory = bubble_theory(args.schedule, p, m, v)  # None for a user's table
-    run.log(f"schedule (unit-cost replay of the order each stage runs; '.' = idle):\n{timeline}\n"
-            f"bubble: {bubble:.3f} drawn"
-            + (f", {theory:.3f} in theory ({bubble_formula(args.schedule, v)})" if theory is not None else ""))
+    text, bubble = timeline_text(args, p, v, m)
+    run.log(text)
     return bubble
+
+
+DRY_RUN_DRAWN = 16  # the dry run draws the timeline up to this many micro-batch chunks (the run's log always)
 
 
 def plan(args, p, v, m):
     """--dry_run: the layout, the schedule's bubble and every stage's layers, model state,
-    traffic and activations in flight (the lines Run.dry_run prints above stage 0's costs)."""
+    traffic and activations in flight, and the timeline drawn while it is a screen wide
+    (the lines Run.dry_run prints above stage 0's costs)."""
     from infra import format_bytes
     config = model_config(args, Data.vocab_size_of(args.data))
     check_layout(args, config, p)
@@ -1327,7 +1411,9 @@ def plan(args, p, v, m):
                f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
                f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
                f"{s['in_flight']} micro-batch(es) of activations in flight"
-               for r, s in enumerate(stages)] + ["(below: stage 0)"])
+               for r, s in enumerate(stages)]
+            + (timeline_text(args, p, v, m)[0].split("\n") if m * v <= DRY_RUN_DRAWN else [])
+            + ["(below: stage 0)"])
 
 
 if __name__ == "__main__":

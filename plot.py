@@ -16,10 +16,12 @@ bytes rank 0 sent per step by operation, measured against theory the same way.
 A 02_collectives.py --bench file gives the bus bandwidth (nccl-tests' busbw) against the
 message size, one line per operation, with the link's peak (--peak_gbps) as a dashed line.
 
---schedule draws the order every stage of 07_pipeline.py runs (its own schedule(), replayed
-with unit costs by its simulate(), as its log draws in text): forwards, backwards (and
+--schedule draws the order every stage of 07_pipeline.py runs (its own table, replayed
+with unit costs by its timeline(), as its log draws in text): forwards, backwards (and
 weight-gradient passes, W, where a schedule has them) coloured, each box labelled with its
-micro-batch (and chunk), the bubble drawn and in theory in the title.
+micro-batch (and chunk), the bubble drawn and in theory in the title. DualPipeV's overlapped
+pairs share a slot as two half-height bars (the forward on top), max(F, B) long; the title
+adds the bubble with each pair run in order, F + B, as 07 runs it.
 
 --hangs reads the Flight Recorder dumps a stalled job left (jobs/*.sh set them up) and prints
 one line per rank: the operation it waits in, its group, and the step and phase it was posted
@@ -335,37 +337,47 @@ def pipeline_module():
 
 
 def plot_schedule(plt, kind, p, m, v):
-    pp = pipeline_module()  # the schedule's table, as 07 runs and draws it (run_table, log_timeline)
+    """07's timeline (its timeline(): the table replayed at unit cost), one box per F, B or
+    W. DualPipeV's overlapped pair shares one slot, max(F, B) long: its forward a half-height
+    bar on top, the backward it overlaps (and its W) below; the title gives the bubble drawn
+    so and with each pair run in order, F + B, as 07 runs it (one stream)."""
+    pp = pipeline_module()  # the schedule's table, as 07 runs and draws it (run_table, timeline_text)
     flags = type("Flags", (), dict(schedule=kind, schedule_csv=None, virtual_stages=v))
     actions, v, vee, split = pp.run_table(flags, p, m)
-    orders = [[op for ops in pp.table_rounds(actions[r], p, r, v, vee, split) for op in ops] for r in range(p)]
-    starts = pp.simulate(orders, p, v, vee)
-    _, bubble = pp.draw(starts, p, v)
+    _, bubble, starts, overlap = pp.timeline(actions, p, v, vee, split)
+    pairs = any(overlap)
+    in_order = pp.timeline(actions, p, v, vee, split, overlapped=False)[1] if pairs else None
     width = 1.0 / v
     end = max(s for row in starts for s, _ in row) + width
     fig, ax = plt.subplots(figsize=(min(18, 4 + end * 0.55), 1.3 + 0.5 * min(p, 32)))
     for r, row in enumerate(starts):
+        below = {op for ops in overlap[r].values() for op in ops}  # a pair's backward (and its W)
         for start, (op, i, c) in row:
             shade = 1.0 - 0.45 * c / max(1, v - 1) if v > 1 else 1.0
-            ax.broken_barh([(start, width)], (r - 0.4, 0.8), facecolors=COLOURS.get(op, "grey"),
+            top, height = ((r - 0.4, 0.4) if (op, i, c) in overlap[r] else (r, 0.4) if (op, i, c) in below
+                           else (r - 0.4, 0.8))
+            ax.broken_barh([(start, width)], (top, height), facecolors=COLOURS.get(op, "grey"),
                            edgecolor="white", alpha=shade)
             text = f"{i}" + ("" if v == 1 else "abcdefghijklmnop"[c])
             if end < 80:  # labels only while they can be read
-                ax.text(start + width / 2, r, text, ha="center", va="center", fontsize=7, color="white")
+                ax.text(start + width / 2, top + height / 2, text, ha="center", va="center",
+                        fontsize=6 if height < 0.8 else 7, color="white")
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"stage {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
-    ax.set_xlabel("time (one stage's forward or backward = 1" + (f"; a chunk's = 1/{v})" if v > 1 else ")"))
+    ax.set_xlabel("time (one stage's forward or backward = 1" + (f"; a chunk's = 1/{v}" if v > 1 else "")
+                  + ("; a half-height pair: a forward overlapped with a backward, max(F, B)" if pairs else "") + ")")
     ops = sorted({op for row in starts for _, (op, _, _) in row}, key="FBW".index)
     names = {"F": "forward", "B": "backward", "W": "weight gradient"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[o]) for o in ops]
-    ax.legend(handles, [names[o] for o in ops], loc="upper right", fontsize=8, ncol=len(ops),
-              bbox_to_anchor=(1, 1.35 if p < 4 else 1.2))
+    ax.legend(handles, [names[o] for o in ops], loc="upper left", fontsize=8, bbox_to_anchor=(1.005, 1))
     theory = pp.bubble_theory(kind, p, m, v)
     ax.set_title(f"07_pipeline.py --schedule {kind}: {p} stages, {m} micro-batches"
                  + (f", {v} chunks per stage" if v > 1 else "")
-                 + f"; bubble {bubble:.3f} drawn, {theory:.3f} in theory", loc="left", fontsize=10)
+                 + f"\nbubble {bubble:.3f} drawn, {theory:.3f} in theory"
+                 + (f"; {in_order:.3f} with each pair in order (F + B, as 07 runs it)" if pairs else ""),
+                 loc="left", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -2,8 +2,10 @@
 notation): the four older schedules' tables give exactly their rounds; ZB-V's and DualPipeV's
 equal torch's ScheduleZBVZeroBubble and ScheduleDualPipeV (built here on CPU, with stand-in
 stages: the orders need no process group); their posting orders replay under NCCL's rules
-(tests/nccl_replay.py); their drawn bubble is the docstring's formula; and run for real they
-reproduce 01's losses, the ledger's every byte included, posting what nccl_batches() says."""
+(tests/nccl_replay.py), and every split or V schedule's at 16 stages; their drawn bubble is
+the docstring's formula, DualPipeV's pairs drawn overlapped (max(F, B)) and in order (F + B);
+and run for real they reproduce 01's losses, the ledger's every byte included, posting what
+nccl_batches() says."""
 
 import importlib
 import os
@@ -94,17 +96,66 @@ def test_v_drawn_bubble_is_the_formula_and_the_first_and_last_chunk_sit_on_rank_
     for kind in pp.V_SHAPED:
         for p in (2, 3, 4, 6):
             for m in range(2 * p if kind == "dualpipev" else 1, 4 * p + 1):
-                rounds = rounds_of(kind, p, m, 2)
-                orders = [[op for ops in rounds[r] for op in ops] for r in range(p)]
-                text, bubble = pp.draw(pp.simulate(orders, p, 2, True), p, 2)
+                actions = pp.table(kind, p, m)
+                bubble = pp.timeline(actions, p, 2, True, True)[1]
                 assert bubble == pytest.approx(pp.bubble_theory(kind, p, m, 2)), (kind, p, m)
+                # the pairs run in order (F + B, as on CPU): DualPipeV's bubble is ZB-V's
+                in_order = pp.timeline(actions, p, 2, True, True, overlapped=False)[1]
+                assert in_order == pytest.approx(pp.bubble_theory("zbv", p, m, 2)), (kind, p, m)
                 if m >= 2 * p:  # the docstring's memory: 2p chunk-sized micro-batches (DualPipeV 2p+1)
+                    orders = [[op for ops in rounds for op in ops] for rounds in rounds_of(kind, p, m, 2)]
                     assert {pp.held_peak(order, True) for order in orders} == {2 * p + (kind == "dualpipev")}
     rounds = rounds_of("zbv", 2, 4, 2)  # the docstring's picture is the drawing
     text, _ = pp.draw(pp.simulate([[op for ops in r for op in ops] for r in rounds], 2, 2, True), 2, 2)
     assert all("    " + line.rstrip() in pp.__doc__ for line in text.split("\n"))
     assert [pp.stages_of(4, r, 2, True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [pp.stage_rank(4, g, True) for g in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def test_dualpipev_pairs_are_drawn_overlapped_taking_max_f_b():
+    """DualPipeV's "(aFi;bBj)OVERLAP_F_B": the forward starts with the backward it overlaps
+    and the pair takes max(F, B) = B (a full backward: I + W, two half units), so the
+    timeline is 2m + 3p/2 long, against 3m + idle run in order; the forward is drawn in a
+    'with' row under its backward (the docstring's picture). The interleaved steady state's
+    pairs share messages only: not overlapped, drawn as before."""
+    for p in range(2, 9):
+        for m in (2 * p, 3 * p + 1, 4 * p):
+            actions = pp.table("dualpipev", p, m)
+            text, bubble, starts, overlap = pp.timeline(actions, p, 2, True, True)
+            assert sum(len(pairs) for pairs in overlap) == sum(a.endswith("OVERLAP_F_B") for row in actions
+                                                               for a in row) > 0
+            end = max(s for row in starts for s, _ in row) + 0.5
+            assert end == 2 * m + 1.5 * p, (p, m)
+            for r in range(p):
+                begins = {op: s for s, op in starts[r]}
+                for forward, backward in overlap[r].items():
+                    assert begins[forward] == begins[backward[0]], (p, m, r, forward)
+            in_order = pp.timeline(actions, p, 2, True, True, overlapped=False)
+            assert max(s for row in in_order[2] for s, _ in row) + 0.5 > end and "with" not in in_order[0]
+            lines = text.split("\n")
+            assert len(lines) == 2 * p and all(lines[2 * r + 1].startswith("  with ") for r in range(p))
+            assert sum(line.count("F") for line in lines[1::2]) == sum(len(pairs) for pairs in overlap)
+    text = pp.timeline(pp.table("dualpipev", 2, 4), 2, 2, True, True)[0]
+    assert all("    " + line.rstrip() in pp.__doc__ for line in text.split("\n"))  # the docstring's picture
+    interleaved = rounds_of("interleaved", 2, 4, 2)
+    assert pp.overlaps(interleaved, False) == [{}, {}] and any(len(ops) == 2 for ops in interleaved[0])
+    same = [["0F0", "(3F0;3B0)OVERLAP_F_B", "0B0"], ["1F0", "2F0", "2B0", "1B0"]]  # a user's pair of one chunk:
+    assert pp.table_problem(same, 2, 1) is None and pp.timeline(same, 2, 2, True, False)[3] == [{}, {}]  # in order
+
+
+@pytest.mark.parametrize("kind, v", [("interleaved", 2), ("zb", 1), ("zbv", 2), ("dualpipev", 2)])
+def test_every_schedule_replays_under_nccl_at_16_stages(kind, v):
+    """p = 16, training and evaluation, a sample of m from p to 4p (all m took about 26 s
+    here: p, 2p-1 where ZB-V's V first fills, 2p, 3p+1, 4p), no deadlock and every pair
+    matched under NCCL's rules (tests/nccl_replay.py)."""
+    p, vee = 16, kind in pp.V_SHAPED
+    for m in (p, 2 * p - 1, 2 * p, 3 * p + 1, 4 * p):
+        if (kind == "interleaved" and m % p) or (kind == "dualpipev" and m < 2 * p):
+            continue
+        result = nccl_replay.replay(posts(pp.nccl_batches(rounds_of(kind, p, m, v), p, v, m, vee), p))
+        assert result.ok, (kind, m, result.report())
+        evaluation = posts(pp.nccl_batches([pp.eval_rounds(p, m, v, vee)] * p, p, v, m, vee), p)
+        assert nccl_replay.replay(evaluation).ok, (kind, m)
 
 
 BASE = TINY + ["--global_batch_size", "24", "--max_iters", "3", "--grad_clip", "0.05",
@@ -132,6 +183,8 @@ def test_v_runs_reproduce_01(reference, ranks, kind, micro):
     assert step["activation_bytes"] == step["activation_bytes_theory"]
     assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
     assert step["bubble_drawn"] == pytest.approx(step["bubble_theory"])
+    if kind == "dualpipev":  # the pairs overlapped and, as they run here, in order: both stated
+        assert "taking max(F, B)" in run.stdout and "with each pair run in order (F + B)" in run.stdout
 
 
 def test_recorded_zbv_run_posts_nccl_batches_and_replays(tmp_path):
