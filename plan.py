@@ -355,7 +355,11 @@ def bubble(name, args, config, n):
     pipeline = script("07_pipeline.py")
     if name.startswith("07"):
         v, _ = pipeline.chunks_per_rank(args)  # 2 for the V schedules
-        return pipeline.bubble_theory(args.schedule, n, args.global_batch_size // args.micro_batch_size, v)
+        # DualPipeV's pairs overlap one's communication with the other's compute, not compute with
+        # compute: the step's compute is still F + B per pair, so it is priced with its in-order
+        # bubble (ZB-V's), which is what 07 runs and --measure_bubble sees
+        kind = "zbv" if args.schedule == "dualpipev" else args.schedule
+        return pipeline.bubble_theory(kind, n, args.global_batch_size // args.micro_batch_size, v)
     if name.startswith("08") and args.pp > 1:
         D = n // (args.tp * args.pp * args.cp)
         return pipeline.bubble_theory("1f1b", args.pp, args.global_batch_size // (args.micro_batch_size * D), 1)
