@@ -3178,16 +3178,13 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     check_batch(args, dp_size)
     REHEARSING = state = Rehearsal(ranks, args.micro_batch_size, dtype, posts={}, results={}, interned={}, made={})
     record_posts(lambda entry: state.posts[state.rank].append(entry), state.interned)
-    t0 = time.perf_counter()
-    for rank in ranks:
-        state.rank, state.posts[rank], state.made[rank] = rank, [], []
-        with recording_every_group(state.made[rank]), rehearsal_tensors(), data_stand_in(), \
-                redirect_stdout(io.StringIO()):
-            main()
-    elapsed = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    workers = rehearse_ranks(state, ranks, main)
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     lines = [f"rehearsal: {run.script} as rank(s) {spans(ranks)} of {args.world_size} ({args.ranks_per_node} per "
              f"node), {dtype}, micro-batch {args.micro_batch_size}: {REHEARSAL_STEPS} steps, an evaluation and the "
-             f"checkpoint's pieces each, on the fake backend with fake tensors, in {elapsed:.1f} s",
+             f"checkpoint's pieces each, on the fake backend with fake tensors, in {elapsed:.1f} s ({cpu:.1f} s of CPU"
+             + (f", {workers} processes" if workers > 1 else "") + ")",
              *(f"  stand-in: {s}" for s in STAND_INS)]
     if run.chose:
         lines.append(f"  {run.chose}")
@@ -3223,6 +3220,78 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     print("\n".join(lines), flush=True)
     REHEARSING = None
     sys.exit(status)
+
+
+def cpu_seconds():
+    """CPU time of this process and of its workers that have ended."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def rehearse_one(state, rank, main):
+    """`main()` as rank `rank`: its posts, the groups it made and its result land in `state`."""
+    state.rank, state.posts[rank], state.made[rank] = rank, [], []
+    with recording_every_group(state.made[rank]), rehearsal_tensors(), data_stand_in(), \
+            redirect_stdout(io.StringIO()):
+        main()
+
+
+def rehearse_ranks(state, ranks, main):
+    """Rehearse `ranks`: the first here (a layout the script refuses is refused once, here; and
+    FakeTensorMode's cache of operations' outputs is warm after it), the others shared among
+    forked workers, one per CPU this process may use (GPTPAR_REHEARSAL_WORKERS=K: K), each
+    handing back its ranks' posts, groups and results in a file. Returns the processes used."""
+    rehearse_one(state, ranks[0], main)
+    rest = ranks[1:]
+    workers = min(int(os.environ.get("GPTPAR_REHEARSAL_WORKERS") or len(os.sched_getaffinity(0))), len(rest))
+    if workers <= 1:
+        for rank in rest:
+            rehearse_one(state, rank, main)
+        return 1
+    import pickle
+    import traceback
+    children = []
+    for w in range(workers):
+        share = rest[w::workers]
+        fd, path = tempfile.mkstemp(prefix="gptpar-rehearsal-")
+        os.close(fd)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # a worker: its ranks, then their records to `path`, then out without cleanup
+            code = 0
+            try:
+                for rank in share:
+                    rehearse_one(state, rank, main)
+                with open(path, "wb") as f:
+                    pickle.dump({key: {rank: getattr(state, key)[rank] for rank in share}
+                                 for key in ("posts", "made", "results")}, f)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        children.append((pid, path, share))
+    status = 0
+    for pid, path, share in children:
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code == 0:
+            with open(path, "rb") as f:
+                records = pickle.load(f)
+            for key, by_rank in records.items():
+                getattr(state, key).update(by_rank)
+        elif code < 0:
+            print(f"error: the rehearsal's worker for rank(s) {spans(share)} was killed by signal {-code}",
+                  file=sys.stderr, flush=True)
+        if code:
+            status = status or (code if code > 0 else 1)
+        os.unlink(path)
+    if status:
+        sys.exit(status)  # (the worker said why)
+    return workers
 
 
 def rehearsal_lines(rank, result):
@@ -3352,9 +3421,43 @@ def _rehearsal_mode_class():
     class RehearsalTensors(FakeTensorMode):
         """FakeTensorMode with the rehearsal's stand-ins (see STAND_INS)."""
 
+        # Every operation of a rehearsed rank passes here, ~1,000 a layer's step (forward,
+        # backward): torch's per-mode wrapper that turns TorchDynamo off, and FakeTensorMode's own
+        # entry (a counter, a check), are skipped: nothing is compiled in a rehearsal.
+        _should_skip_dynamo = classmethod(lambda cls: False)
+
+        def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+            """FakeTensorMode's cache key (an op's output metadata is a function of its inputs'),
+            with a fake tensor's metadata as one tuple: torch's general form, which allows for
+            symbolic sizes and sparse layouts, took 40% of a rehearsal."""
+            if isinstance(args, (list, tuple, dict)):
+                result += (type(args), len(args))
+            if isinstance(args, dict):
+                self._prep_args_for_hash(result, args.keys(), state, id_hashed_objects)
+                self._prep_args_for_hash(result, args.values(), state, id_hashed_objects)
+                return
+            for arg in args:
+                if type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None \
+                        and arg.layout == torch.strided:
+                    result.append((arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
+                                   arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(), arg.is_neg(),
+                                   arg.is_inference()))
+                elif isinstance(arg, (list, tuple, dict)):
+                    self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+                elif isinstance(arg, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                                      torch.memory_format)):
+                    result += (type(arg), arg)
+                else:  # tensors of other kinds, symbolic values, functions: torch's own rules
+                    super()._prep_args_for_hash(result, [arg], state, id_hashed_objects)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            inputs = []  # an aten op's tensors: arguments, or in a list argument (Tensor[])
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    inputs.append(a)
+                elif isinstance(a, (list, tuple)):
+                    inputs += [t for t in a if isinstance(t, torch.Tensor)]
             fake = any(isinstance(t, FakeTensor) for t in inputs)
             if inputs and not fake and func.overloadpacket not in GROWING and all(map(stays_real, inputs)):
                 # small real tensors only (a mesh's rank table, token ids, routing counts): run the
@@ -3374,7 +3477,7 @@ def _rehearsal_mode_class():
                 with no_dispatch():
                     return torch.tensor([n // bins + (e < n % bins) for e in range(bins)], dtype=torch.long)
             try:
-                out = super().__torch_dispatch__(func, types, args, kwargs)
+                out = self.dispatch(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException):
                 if fake:
                     raise
