@@ -3170,6 +3170,9 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     global REHEARSING
     args = run.args
     ranks = rehearsal_ranks(args.rehearse, args.world_size, roles)
+    # one thread: no OpenMP team is ever started, so the forked workers (rehearse_ranks) never
+    # wait on one that only the parent had (libgomp's teams do not survive fork)
+    torch.set_num_threads(1)
     dtype = str(planned_dtype(args)).replace("torch.", "")
     if args.micro_batch_size == "auto":
         args.dry_run = True  # the choice a dry run makes, for the device it plans for
