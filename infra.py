@@ -102,7 +102,8 @@ def add_run_flags(parser):
     g.add_argument("--rehearse", default=None, metavar="RANKS",
                    help="execute the real steps of these ranks of a --world_size run (0,17,511 | roles | all) in "
                         "this one process, on the fake backend with fake tensors: what each holds and sends next to "
-                        "costs(); with all, the posting orders replayed under NCCL's rules (infra.py: rehearsal)")
+                        "costs(); every rank's posting order (the others' by the mesh's symmetry) replayed under NCCL's "
+                        "rules (infra.py: rehearsal)")
     return parser
 
 
@@ -3085,7 +3086,8 @@ def run_config(args, config, world_layout):
 #                                                     checkpoint's pieces; every collective and
 #                                                     send/recv counted (ledger) and recorded
 #     the report: per rank, held / activations / sent next to costs(); --metrics: one row
-#     per rank; with `all`: the posting orders replayed under NCCL's rules (replay below)
+#     per rank; every rank's posting order (with fewer than `all`, the others' from their
+#     roles', symmetry below) replayed under NCCL's rules (replay below)
 #
 # A 175B model's stage needs no memory: its tensors have shapes and no storage. What depends
 # on the data gets a stand-in, said in the report (STAND_INS): every value read on the host
@@ -3165,8 +3167,9 @@ def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller, groups=No
 
 def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     """Drive the rehearsal: the micro-batch as the dry run chooses it, then `main()` once per
-    rank, then the report and, with every rank, the replay. Exits: 0, or 1 when the replay
-    finds a deadlock or a mismatch."""
+    rank, then the report and the replay of every rank's posting order (the ranks not
+    rehearsed: by the mesh's symmetry, where it holds). Exits: 0, or 1 when the replay finds a
+    deadlock or a mismatch."""
     global REHEARSING
     args = run.args
     ranks = rehearsal_ranks(args.rehearse, args.world_size, roles)
@@ -3856,7 +3859,9 @@ def symmetric_posts(posts, made, world_size, roles):
 #     received by b's k-th receive from a. NCCL ignores tags, so a pair whose tags or sizes
 #     differ is a mismatch (the wrong tensor would arrive), reported as an error.
 #  5. A collective completes when every member of its communicator has it at its head; the
-#     k-th collective of a communicator must be the same operation (and size) on every member.
+#     k-th collective of a communicator must be the same operation (and size) on every member;
+#     an all-to-all's sizes may differ per pair (10's routing, 04's Muon owners): there, what
+#     member i sends member j must be what j receives from i.
 #
 # Deadlock: no rule can move any rank and some rank has operations left. The report lists,
 # for every blocked rank, its head operation and, for each of its unmatched sends and
