@@ -3465,7 +3465,8 @@ def _rehearsal_mode_class():
                 elif isinstance(a, (list, tuple)):
                     inputs += [t for t in a if isinstance(t, torch.Tensor)]
             fake = any(isinstance(t, FakeTensor) for t in inputs)
-            if inputs and not fake and func.overloadpacket not in GROWING and all(map(stays_real, inputs)):
+            if inputs and not fake and getattr(func, "overloadpacket", None) not in GROWING \
+                    and all(map(stays_real, inputs)):
                 # small real tensors only (a mesh's rank table, token ids, routing counts): run the
                 # op for real first, skipping the fake conversion that costs ~1 ms an op (08's
                 # describe() indexed its rank table 384 times for 7 s at 1,024 ranks)
@@ -3692,6 +3693,7 @@ RECORDED_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_
 # rank, which is its stage's first rank moved), one is mapped and compared with the other: an
 # order that is not symmetric (04's and 05's Muon owners, whose all-to-all sizes differ per rank)
 # shows there, and then the replay is not done; nor where a role has no rehearsed rank.
+
 
 @contextmanager
 def recording_every_group(made):
