@@ -3691,8 +3691,8 @@ RECORDED_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_
 # group mapped through them (the same position in another replica posts the same sequence on
 # its own replica's groups). Where two rehearsed ranks share a role (`roles` rehearses the last
 # rank, which is its stage's first rank moved), one is mapped and compared with the other: an
-# order that is not symmetric (04's and 05's Muon owners, whose all-to-all sizes differ per rank)
-# shows there, and then the replay is not done; nor where a role has no rehearsed rank.
+# order that is not symmetric (04's Muon owners, whose all-to-all sizes differ per rank) shows
+# there, and then the replay is not done; nor where a role has no rehearsed rank.
 
 
 @contextmanager
