@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import atexit
+import collections
 import errno
 import inspect
 import io
@@ -101,7 +102,8 @@ def add_run_flags(parser):
     g.add_argument("--rehearse", default=None, metavar="RANKS",
                    help="execute the real steps of these ranks of a --world_size run (0,17,511 | roles | all) in "
                         "this one process, on the fake backend with fake tensors: what each holds and sends next to "
-                        "costs(); with all, the posting orders replayed under NCCL's rules (infra.py: rehearsal)")
+                        "costs(); every rank's posting order (the others' by the mesh's symmetry) replayed under NCCL's "
+                        "rules (infra.py: rehearsal)")
     return parser
 
 
@@ -3092,7 +3094,8 @@ def run_config(args, config, world_layout):
 #                                                     checkpoint's pieces; every collective and
 #                                                     send/recv counted (ledger) and recorded
 #     the report: per rank, held / activations / sent next to costs(); --metrics: one row
-#     per rank; with `all`: the posting orders replayed under NCCL's rules (replay below)
+#     per rank; every rank's posting order (with fewer than `all`, the others' from their
+#     roles', symmetry below) replayed under NCCL's rules (replay below)
 #
 # A 175B model's stage needs no memory: its tensors have shapes and no storage. What depends
 # on the data gets a stand-in, said in the report (STAND_INS): every value read on the host
@@ -3124,6 +3127,7 @@ class Rehearsal:
     posts: dict = None  # rank -> its posted operations, in posting order (replay's entries)
     results: dict = None  # rank -> {"rows": [...], "cost": costs(), "pieces": (n, bytes)}
     interned: dict = None  # one tuple per distinct group membership
+    made: dict = None  # rank -> every group it made: (name, ranks, desc), the world first (symmetry)
 
 
 def rehearsal_ranks(spec, world_size, roles):
@@ -3157,6 +3161,7 @@ def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller, groups=No
             setattr(args, flag, 0)
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=state.rank, world_size=args.world_size)
+    state.made[state.rank].append((dist.group.WORLD.group_name, tuple(range(args.world_size)), "world"))
     run.env = Env(run.launch, torch.device("cpu"), "fake", getattr(torch, state.dtype))
     LEDGER.install(run.env.device)
     LEDGER.take()
@@ -3170,28 +3175,30 @@ def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller, groups=No
 
 def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     """Drive the rehearsal: the micro-batch as the dry run chooses it, then `main()` once per
-    rank, then the report and, with every rank, the replay. Exits: 0, or 1 when the replay
-    finds a deadlock or a mismatch."""
+    rank, then the report and the replay of every rank's posting order (the ranks not
+    rehearsed: by the mesh's symmetry, where it holds). Exits: 0, or 1 when the replay finds a
+    deadlock or a mismatch."""
     global REHEARSING
     args = run.args
     ranks = rehearsal_ranks(args.rehearse, args.world_size, roles)
+    # one thread: no OpenMP team is ever started, so the forked workers (rehearse_ranks) never
+    # wait on one that only the parent had (libgomp's teams do not survive fork)
+    torch.set_num_threads(1)
     dtype = str(planned_dtype(args)).replace("torch.", "")
     if args.micro_batch_size == "auto":
         args.dry_run = True  # the choice a dry run makes, for the device it plans for
         run.choose_micro_batch(costs, dp_size, aim, multiple, roles)
         args.dry_run = False
     check_batch(args, dp_size)
-    REHEARSING = state = Rehearsal(ranks, args.micro_batch_size, dtype, posts={}, results={}, interned={})
+    REHEARSING = state = Rehearsal(ranks, args.micro_batch_size, dtype, posts={}, results={}, interned={}, made={})
     record_posts(lambda entry: state.posts[state.rank].append(entry), state.interned)
-    t0 = time.perf_counter()
-    for rank in ranks:
-        state.rank, state.posts[rank] = rank, []
-        with rehearsal_tensors(), data_stand_in(), redirect_stdout(io.StringIO()):
-            main()
-    elapsed = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    workers = rehearse_ranks(state, ranks, main)
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     lines = [f"rehearsal: {run.script} as rank(s) {spans(ranks)} of {args.world_size} ({args.ranks_per_node} per "
              f"node), {dtype}, micro-batch {args.micro_batch_size}: {REHEARSAL_STEPS} steps, an evaluation and the "
-             f"checkpoint's pieces each, on the fake backend with fake tensors, in {elapsed:.1f} s",
+             f"checkpoint's pieces each, on the fake backend with fake tensors, in {elapsed:.1f} s ({cpu:.1f} s of CPU"
+             + (f", {workers} processes" if workers > 1 else "") + ")",
              *(f"  stand-in: {s}" for s in STAND_INS)]
     if run.chose:
         lines.append(f"  {run.chose}")
@@ -3207,20 +3214,98 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
         with open(args.metrics, "a") as f:
             for rank in ranks:
                 f.write(json.dumps(finite_or_null(state.results[rank]["rows"][-1]), allow_nan=False) + "\n")
-    status = 0
-    if args.rehearse == "all" or len(ranks) == args.world_size:
-        result = replay(state.posts)
-        verdict = replay_verdict(result, state.posts)
+    status, posts, how = 0, state.posts, None
+    if len(ranks) < args.world_size:  # the others' orders from their roles' (the symmetry section)
+        posts, how = symmetric_posts(state.posts, state.made, args.world_size, roles)
+    if os.environ.get("GPTPAR_REHEARSAL_POSTS"):  # every rank's posting order, as replayed (tests read it)
+        with open(os.environ["GPTPAR_REHEARSAL_POSTS"], "w") as f:
+            json.dump({"rehearsed": ranks, "posts": posts}, f)
+    if posts is None:
+        lines.append(f"replay: not done: {how} ({len(ranks)} of {args.world_size} ranks rehearsed; --rehearse all "
+                     "replays every rank's own posting order under NCCL's rules)")
+    else:
+        if how:
+            lines.append(f"symmetry: {how}")
+        result = replay(posts)
         status = 0 if result.ok else 1
         if not result.ok:
             lines.append(result.report())
-        lines.append(verdict)
-    else:
-        lines.append(f"replay: not done ({len(ranks)} of {args.world_size} ranks rehearsed; --rehearse all replays "
-                     "every rank's posting order under NCCL's rules)")
+        lines.append(replay_verdict(result, posts))
     print("\n".join(lines), flush=True)
     REHEARSING = None
     sys.exit(status)
+
+
+def cpu_seconds():
+    """CPU time of this process and of its workers that have ended."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def rehearse_one(state, rank, main):
+    """`main()` as rank `rank`: its posts, the groups it made and its result land in `state`."""
+    state.rank, state.posts[rank], state.made[rank] = rank, [], []
+    with recording_every_group(state.made[rank]), rehearsal_tensors(), data_stand_in(), \
+            redirect_stdout(io.StringIO()):
+        main()
+
+
+def rehearse_ranks(state, ranks, main):
+    """Rehearse `ranks`: the first here (a layout the script refuses is refused once, here; and
+    FakeTensorMode's cache of operations' outputs is warm after it), the others shared among
+    forked workers, one per CPU this process may use (GPTPAR_REHEARSAL_WORKERS=K: K), each
+    handing back its ranks' posts, groups and results in a file. Returns the processes used."""
+    rehearse_one(state, ranks[0], main)
+    rest = ranks[1:]
+    workers = min(int(os.environ.get("GPTPAR_REHEARSAL_WORKERS") or len(os.sched_getaffinity(0))), len(rest))
+    if workers <= 1:
+        for rank in rest:
+            rehearse_one(state, rank, main)
+        return 1
+    import pickle
+    import traceback
+    children = []
+    for w in range(workers):
+        share = rest[w::workers]
+        fd, path = tempfile.mkstemp(prefix="gptpar-rehearsal-")
+        os.close(fd)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # a worker: its ranks, then their records to `path`, then out without cleanup
+            code = 0
+            try:
+                for rank in share:
+                    rehearse_one(state, rank, main)
+                with open(path, "wb") as f:
+                    pickle.dump({key: {rank: getattr(state, key)[rank] for rank in share}
+                                 for key in ("posts", "made", "results")}, f)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        children.append((pid, path, share))
+    status = 0
+    for pid, path, share in children:
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code == 0:
+            with open(path, "rb") as f:
+                records = pickle.load(f)
+            for key, by_rank in records.items():
+                getattr(state, key).update(by_rank)
+        elif code < 0:
+            print(f"error: the rehearsal's worker for rank(s) {spans(share)} was killed by signal {-code}",
+                  file=sys.stderr, flush=True)
+        if code:
+            status = status or (code if code > 0 else 1)
+        os.unlink(path)
+    if status:
+        sys.exit(status)  # (the worker said why)
+    return workers
 
 
 def rehearsal_lines(rank, result):
@@ -3338,16 +3423,67 @@ def _rehearsal_mode_class():
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                                FakeTensorMode)
     from torch.utils._mode_utils import no_dispatch
-    from torch.utils._pytree import tree_leaves
+    from torch.utils._pytree import tree_leaves, tree_map_only
     aten = torch.ops.aten
+    GROWING = {aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty_strided, aten.repeat,
+               aten.repeat_interleave, aten.expand_copy, aten.one_hot}  # outputs larger than their inputs
+
+    def stays_real(t):
+        """Small integer tensors and scalars: what a rehearsal keeps real (STAND_INS)."""
+        return t.dim() == 0 if t.is_floating_point() or t.is_complex() else t.numel() <= SMALL_REAL
 
     class RehearsalTensors(FakeTensorMode):
         """FakeTensorMode with the rehearsal's stand-ins (see STAND_INS)."""
 
+        # Every operation of a rehearsed rank passes here, ~1,000 a layer's step (forward,
+        # backward): torch's per-mode wrapper that turns TorchDynamo off, and FakeTensorMode's own
+        # entry (a counter, a check), are skipped: nothing is compiled in a rehearsal.
+        _should_skip_dynamo = classmethod(lambda cls: False)
+
+        def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+            """FakeTensorMode's cache key (an op's output metadata is a function of its inputs'),
+            with a fake tensor's metadata as one tuple: torch's general form, which allows for
+            symbolic sizes and sparse layouts, took 40% of a rehearsal."""
+            if isinstance(args, (list, tuple, dict)):
+                result += (type(args), len(args))
+            if isinstance(args, dict):
+                self._prep_args_for_hash(result, args.keys(), state, id_hashed_objects)
+                self._prep_args_for_hash(result, args.values(), state, id_hashed_objects)
+                return
+            for arg in args:
+                if type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None \
+                        and arg.layout == torch.strided:
+                    result.append((arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
+                                   arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_conj(), arg.is_neg(),
+                                   arg.is_inference()))
+                elif isinstance(arg, (list, tuple, dict)):
+                    self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+                elif isinstance(arg, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                                      torch.memory_format)):
+                    result += (type(arg), arg)
+                else:  # tensors of other kinds, symbolic values, functions: torch's own rules
+                    super()._prep_args_for_hash(result, [arg], state, id_hashed_objects)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            inputs = []  # an aten op's tensors: arguments, or in a list argument (Tensor[])
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    inputs.append(a)
+                elif isinstance(a, (list, tuple)):
+                    inputs += [t for t in a if isinstance(t, torch.Tensor)]
             fake = any(isinstance(t, FakeTensor) for t in inputs)
+            if inputs and not fake and getattr(func, "overloadpacket", None) not in GROWING \
+                    and all(map(stays_real, inputs)):
+                # small real tensors only (a mesh's rank table, token ids, routing counts): run the
+                # op for real first, skipping the fake conversion that costs ~1 ms an op (08's
+                # describe() indexed its rank table 384 times for 7 s at 1,024 ranks)
+                with no_dispatch():
+                    out = func(*args, **kwargs)
+                outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if all(map(stays_real, outs)):
+                    return out
+                return tree_map_only(torch.Tensor, self.from_tensor, out)  # a real float result: fake on
             if func is aten._local_scalar_dense.default and fake:  # a value read on the host
                 t = args[0]
                 return False if t.dtype == torch.bool else 0.0 if t.dtype.is_floating_point else 0
@@ -3356,7 +3492,7 @@ def _rehearsal_mode_class():
                 with no_dispatch():
                     return torch.tensor([n // bins + (e < n % bins) for e in range(bins)], dtype=torch.long)
             try:
-                out = super().__torch_dispatch__(func, types, args, kwargs)
+                out = self.dispatch(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException):
                 if fake:
                     raise
@@ -3364,8 +3500,7 @@ def _rehearsal_mode_class():
                     return func(*args, **kwargs)
             if not fake:  # made from real tensors only: small integer results and scalars stay real
                 outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-                if outs and all(t.dim() == 0 if t.is_floating_point() or t.is_complex() else t.numel() <= SMALL_REAL
-                                for t in outs):
+                if outs and all(map(stays_real, outs)):
                     with no_dispatch():
                         return func(*args, **kwargs)
             return out
@@ -3424,6 +3559,20 @@ def _symmetric(op, bound, group_size):
 RECORDED = {"installed": False, "write": None}
 
 
+def pair_bytes(op, bound, group_size):
+    """An all-to-all's bytes to and from each member of its group, in group order."""
+    if op == "all_to_all":
+        return ([t.numel() * t.element_size() for t in bound["input_tensor_list"]],
+                [t.numel() * t.element_size() for t in bound["output_tensor_list"]])
+
+    def split(tensor, sizes):
+        row = tensor[0].numel() * tensor.element_size() if tensor.dim() else tensor.element_size()
+        if sizes is None:
+            return [tensor.numel() * tensor.element_size() // group_size] * group_size
+        return [int(n) * row for n in sizes]
+    return split(bound["input"], bound.get("input_split_sizes")), split(bound["output"], bound.get("output_split_sizes"))
+
+
 def record_posts(write, interned=None):
     """Wrap torch.distributed so that every operation this process posts is handed to
     `write` as one replay entry, in posting order: a batch_isend_irecv as {"kind": "batch",
@@ -3470,7 +3619,10 @@ def record_posts(write, interned=None):
                 return fn(*args, **kwargs)
             first = args[0] if args else next(iter(kwargs.values()), None)
             name_, ranks = group_of(group)
-            emit({"kind": name, "group": name_, "ranks": ranks, "bytes": nbytes(first)}, group)
+            entry = {"kind": name, "group": name_, "ranks": ranks, "bytes": nbytes(first)}
+            if name in ("all_to_all", "all_to_all_single"):  # the sizes may differ per pair (10, 04's Muon)
+                entry["sent"], entry["received"] = pair_bytes(name, bound, len(ranks))
+            emit(entry, group)
             result = fn(*args, **kwargs)
             if REHEARSING is not None:
                 tensors = [t for v in bound.values() for t in (v if isinstance(v, (list, tuple)) else [v])
@@ -3527,6 +3679,171 @@ RECORDED_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_
 
 
 # ----------------------------------------------------------------------------------------
+# The symmetry: every rank's posting order from its role's
+# ----------------------------------------------------------------------------------------
+
+# A `roles` rehearsal executes one rank per role; the replay needs every rank's posting order.
+# The others come from the mesh, the way a reader sees them: in 08 at dp 8 x pp 16 x tp 8,
+# rank 517 (dp 4, pp 0, tp 5) is rank 0 moved 4 replicas over and 5 places along its TP group:
+#
+#   the groups every rank made, in order     families (runs of disjoint groups, one desc):
+#   tp {0..7} {8..15} ...  dp {0,128,..}       tp, model, dp, pp, embedding, guard, world
+#   ...                                        a family's rotation: each member of each of its
+#                                              groups moves k places along its own group
+#
+# A rotation is a symmetry of the mesh when it maps every group onto a group of the same desc
+# (tp by 1: yes; dp by 1 with cp 2: no, a CP ring breaks; pp by 1: no, the embedding group
+# breaks), and it is taken only if it leaves apart the ranks the script says differ (Run.start's
+# `ranks`: the pipeline stages; 07's stages share the world group, and its rotation would merge
+# them). Rotations found: each rank's order is its rehearsed role-mate's with every rank id and
+# group mapped through them (the same position in another replica posts the same sequence on
+# its own replica's groups). Where two rehearsed ranks share a role (`roles` rehearses the last
+# rank, which is its stage's first rank moved), one is mapped and compared with the other: an
+# order that is not symmetric (04's Muon owners, whose all-to-all sizes differ per rank) shows
+# there, and then the replay is not done; nor where a role has no rehearsed rank.
+
+
+@contextmanager
+def recording_every_group(made):
+    """Inside, every dist.new_group call appends (name, sorted ranks, desc) to `made`, whether
+    or not this rank is a member (torch names a group by a counter every rank advances)."""
+    new_group, c10d = dist.new_group, dist.distributed_c10d
+
+    @wraps(new_group)
+    def recorded(ranks=None, *args, **kwargs):
+        before = c10d._world.group_count
+        group = new_group(ranks, *args, **kwargs)
+        members = tuple(sorted(ranks)) if ranks is not None else tuple(range(dist.get_world_size()))
+        name = group.group_name if isinstance(group, dist.ProcessGroup) else \
+            str(before) if c10d._world.group_count == before + 1 else None
+        made.append((name, members, kwargs.get("group_desc")))
+        return group
+    dist.new_group = recorded
+    try:
+        yield made
+    finally:
+        dist.new_group = new_group
+
+
+def mesh_rotations(made, world_size, roles):
+    """The rotations of the mesh the groups in `made` describe that keep `roles` apart: a list of
+    (permutation of the ranks, {group name: its image's name}, "family by k")."""
+    families, current = [], []
+    for group in made:
+        if current and (group[2] != current[-1][2] or any(set(group[1]) & set(g[1]) for g in current)):
+            families.append(current)
+            current = []
+        current.append(group)
+    families.append(current)
+    families.sort(key=lambda family: len(family[0][1]) == world_size)  # named axes first, the world's last
+    index = {}
+    for name, ranks, desc in made:
+        index.setdefault((desc, frozenset(ranks)), []).append(name)
+    ordinal = {name: names.index(name) for names in index.values() for name in names}
+    parent = list(range(world_size))
+
+    def root(r):
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+    found = []
+    for family in families:
+        size = len(family[0][1])
+        if size < 2 or any(len(g[1]) != size for g in family):
+            continue
+        for k in (d for d in range(1, size) if size % d == 0):
+            perm = list(range(world_size))
+            for _, ranks, _ in family:
+                for i, r in enumerate(ranks):
+                    perm[r] = ranks[(i + k) % size]
+            names = {}
+            for name, ranks, desc in made:
+                image = index.get((desc, frozenset(perm[r] for r in ranks)))
+                if image is None or len(image) <= ordinal[name]:
+                    break
+                names[name] = image[ordinal[name]]
+            else:
+                merged = parent[:]
+                for r in range(world_size):
+                    a, b = root(r), root(perm[r])
+                    parent[a] = b
+                if len({root(r) for r in roles}) < len(set(roles)):
+                    parent = merged  # it would make two of the script's roles one
+                    continue
+                if all(perm != other for other, _, _ in found):  # (the world's by dp·... is dp's)
+                    found.append((perm, names, f"{family[0][2] or f'groups of {size}'} by {k}"))
+                break  # the rotations by multiples of k are its powers
+    return found
+
+
+def mapped_posts(entries, perm, names, members):
+    """A posting order moved by a mesh rotation: every peer and every group mapped."""
+    out = []
+    for entry in entries:
+        e = dict(entry)
+        if entry.get("group") is not None:
+            e["group"] = names[entry["group"]]
+        if "ranks" in entry:
+            e["ranks"] = members[e["group"]]
+        if "sent" in entry:  # per member, in group order: each to its image's place
+            places = [e["ranks"].index(perm[m]) for m in entry["ranks"]]
+            for key in ("sent", "received"):
+                e[key] = [None] * len(places)
+                for i, j in enumerate(places):
+                    e[key][j] = entry[key][i]
+        if "peer" in entry:
+            e["peer"] = perm[entry["peer"]]
+        if "ops" in entry:
+            e["ops"] = [dict(op, peer=perm[op["peer"]]) for op in entry["ops"]]
+        out.append(e)
+    return out
+
+
+REPLAYED = ("kind", "group", "ranks", "bytes", "peer", "tag", "ops", "sent", "received")
+
+
+def symmetric_posts(posts, made, world_size, roles):
+    """Every rank's posting order from the rehearsed ones (`posts`, rank -> entries) through
+    the mesh's rotations (`made`: rank -> the groups it made, the world first). Returns (every
+    rank's posts, the line saying how), or (None, why not)."""
+    groups = made[min(made)]
+    if any(made[r] != groups for r in made):
+        return None, "the rehearsed ranks made different process groups"
+    if any(name is None for name, _, _ in groups):
+        return None, "a process group has a hashed name (use_local_synchronization)"
+    rotations = mesh_rotations(groups, world_size, roles)
+    members = {name: ranks for name, ranks, _ in groups}
+    full, queue, checked = dict(posts), collections.deque(sorted(posts)), {}
+    origin = {rank: rank for rank in posts}  # the rehearsed rank each order was moved from
+    while queue:
+        rank = queue.popleft()
+        for perm, names, _ in rotations:
+            other = perm[rank]
+            if other in full and (other not in posts or other in checked or origin[rank] == other
+                                  or checked.get(origin[rank]) == other):  # (each pair compared once)
+                continue
+            moved = mapped_posts(full[rank], perm, names, members)
+            if other not in full:
+                full[other], origin[other] = moved, origin[rank]
+                queue.append(other)
+                continue
+            checked[other] = origin[rank]  # a rehearsed rank reached from its role-mate: the symmetry checked
+            mine, theirs = ([tuple(e.get(k) for k in REPLAYED) for e in order] for order in (posts[other], moved))
+            if mine != theirs:
+                at = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+                return None, (f"rank {other}'s rehearsed posting order is not rank {rank}'s moved through the mesh "
+                              f"(they differ at operation {at}): the ranks of a role do not post alike")
+    missing = [r for r in range(world_size) if r not in full]
+    if missing:
+        return None, f"rank(s) {spans(missing)} have no rehearsed rank of their role"
+    how = ", ".join(desc for _, _, desc in rotations) or "none needed"
+    return full, (f"replayed {world_size:,} ranks: {len(posts):,} rehearsed, {world_size - len(posts):,} by symmetry "
+                  f"(the mesh's rotations: {how}" + "".join(f"; rank {r} rehearsed and also moved from rank {o}: "
+                                                             "the same order" for r, o in sorted(checked.items())) + ")")
+
+
+# ----------------------------------------------------------------------------------------
 # The replay: would these posting orders complete under NCCL's semantics?
 # ----------------------------------------------------------------------------------------
 
@@ -3552,7 +3869,9 @@ RECORDED_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_
 #     received by b's k-th receive from a. NCCL ignores tags, so a pair whose tags or sizes
 #     differ is a mismatch (the wrong tensor would arrive), reported as an error.
 #  5. A collective completes when every member of its communicator has it at its head; the
-#     k-th collective of a communicator must be the same operation (and size) on every member.
+#     k-th collective of a communicator must be the same operation (and size) on every member;
+#     an all-to-all's sizes may differ per pair (10's routing, 04's Muon owners): there, what
+#     member i sends member j must be what j receives from i.
 #
 # Deadlock: no rule can move any rank and some rank has operations left. The report lists,
 # for every blocked rank, its head operation and, for each of its unmatched sends and
@@ -3661,7 +3980,9 @@ def replay(posts):
                         break
                     heads.append(head[1])
                 else:
-                    if any((h["kind"], h.get("bytes")) != (entry["kind"], entry.get("bytes")) for h in heads):
+                    if any(h["kind"] != entry["kind"] or "sent" not in h and h.get("bytes") != entry.get("bytes")
+                           or "sent" in h and any(h["sent"][j] != heads[j]["received"][i] for j in range(len(heads)))
+                           for i, h in enumerate(heads)):  # an all-to-all: what i sends j, j receives from i
                         mismatches.append(f"collective {n} of group {entry['group']}: "
                                           + ", ".join(f"rank {m} {h['kind']} ({h.get('bytes')} bytes)"
                                                       for m, h in zip(members, heads)))

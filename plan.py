@@ -798,8 +798,11 @@ def main_measured(args, machine):
 def rehearse(choice, n, machine):
     """The recommended layout rehearsed: its script run, in a fresh interpreter, with the
     plan's flags and `--rehearse roles --world_size N` (infra.py's rehearsal: each distinct
-    rank's real steps on the fake backend with fake tensors). Returns {"rehearsed": True when
-    it ran and every rehearsed rank equals its costs(), "status", "lines"}."""
+    rank's real steps on the fake backend with fake tensors; every other rank's posting order
+    from its role's, by the mesh's symmetry, and all N replayed under NCCL's rules). Returns
+    {"rehearsed": True when it ran and every rehearsed rank equals its costs() (and the replay,
+    where done, found no deadlock), "replayed": True when every rank's order was replayed,
+    "status", "lines"}."""
     import subprocess
     argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), choice["script"]),
             *choice["flags"], "--rehearse", "roles", "--world_size", str(n),
@@ -809,7 +812,8 @@ def rehearse(choice, n, machine):
     done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     lines = done.stdout.splitlines() or [line for line in done.stderr.splitlines() if line.startswith("error:")][-1:]
     agreed = done.returncode == 0 and any(line.startswith("costs(): every rehearsed rank") for line in lines)
-    return {"rehearsed": agreed, "status": done.returncode, "lines": lines}
+    replayed = any(line.startswith("replay under NCCL's rules: no deadlock") for line in lines)
+    return {"rehearsed": agreed, "replayed": replayed, "status": done.returncode, "lines": lines}
 
 
 def main(argv=None):
@@ -826,6 +830,8 @@ def main(argv=None):
         if rehearsal:
             print("\n".join(rehearsal["lines"]))
             print("plan: REHEARSED: the recommended layout's real steps equal its costs() on every distinct rank"
+                  + (", and every rank's posting order replays under NCCL's rules" if rehearsal["replayed"] else
+                     " (the posting orders not replayed: see above)")
                   if rehearsal["rehearsed"] else
                   f"plan: the rehearsal of the recommended layout did not agree (exit {rehearsal['status']}): see above")
     if rehearsal and not rehearsal["rehearsed"]:
