@@ -558,10 +558,11 @@ class ShardedMuon(Muon):
     on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
     steps, for every matrix, and every rank would repeat the small products.)"""
 
-    def __init__(self, model, args, env, group):
+    def __init__(self, model, args, env, group, rest=None):
         named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
-        rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
-                          args, env.device.type)
+        if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
+            rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
+                              args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
         self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
