@@ -711,6 +711,7 @@ def costs(args, config, world_size, dtype, rank=0):
     --sequence_parallel f's all-gathers (in forward, and again in backward) move the
     LayerNorm output cast to the compute dtype: e bytes."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula, plus
+    from infra import newton_schulz_flops
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     check_layout(args, config, T)  # first: the formulas divide by T exactly
     with torch.device("meta"):
@@ -761,6 +762,8 @@ def costs(args, config, world_size, dtype, rank=0):
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
             "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
+            # Muon: Newton-Schulz on the matrices this rank owns, put together whole (infra.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops([shape for shape, owner in zip(matrices, owners) if owner == rank]),
             "activations": activations_of_layers(terms, L, args.recompute)}
 
 

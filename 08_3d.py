@@ -749,7 +749,7 @@ def costs(args, config, world_size, dtype, rank=0):
     the layers of this rank's stage, s the tokens of a sequence on this CP rank (s/C), e the
     bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's parameters
     and Ψ_r the TP-replicated ones among them."""
-    from infra import plus
+    from infra import newton_schulz_flops, plus
     T, P, C = args.tp, args.pp, args.cp
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
@@ -771,6 +771,9 @@ def costs(args, config, world_size, dtype, rank=0):
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
     return {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
+            # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica (--zero1
+            # too: ZeRO1's docstring); infra.newton_schulz_flops
+            "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners) if own == mesh.tp_rank]),
             "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
 
 

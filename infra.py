@@ -156,6 +156,23 @@ def flops_per_token(config, n_params):
     return 6 * n_params + 12 * L * H * Q * T
 
 
+def newton_schulz_flops(shapes):
+    """Muon's Newton-Schulz FLOPs per step on the matrices of full `shapes` (those one rank
+    orthogonalises), as one formula. common.orthogonalize turns a tall matrix on its wide side,
+    so X is r x c with r <= c, and each of its NS_STEPS steps runs three matrix products:
+
+        A = X·Xᵀ      2r²c        (r x c times c x r)
+        A·A           2r³         inside B = b·A + c·A·A (one addmm)
+        B·X           2r²c        inside X <- a·X + B·X (one addmm)
+
+    NS_STEPS·(4Σr²c + 2Σr³) over the matrices: what torch.utils.flop_counter counts of
+    orthogonalize (2 per multiply-add; the normalisation and the additions are not counted)."""
+    from common import NS_STEPS
+    wide = [(min(shape), max(shape)) for shape in shapes]
+    return formula("NS*(4*Σr2c + 2*Σr3)", show="NS", NS=NS_STEPS, Σr2c=sum(r * r * c for r, c in wide),
+                   Σr3=sum(r ** 3 for r, _ in wide))
+
+
 def expert_params(config):
     """Parameters of one MLP (one expert): c_fc h x 4h and c_proj 4h x h, with their biases."""
     h = config.n_embd
@@ -3544,7 +3561,8 @@ RECORDED_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_
 #     received by b's k-th receive from a. NCCL ignores tags, so a pair whose tags or sizes
 #     differ is a mismatch (the wrong tensor would arrive), reported as an error.
 #  5. A collective completes when every member of its communicator has it at its head; the
-#     k-th collective of a communicator must be the same operation (and size) on every member.
+#     k-th collective of a communicator must be the same operation (and size) on every member
+#     (an all-to-all's size excepted: each rank sends its own splits, as Muon's owners do).
 #
 # Deadlock: no rule can move any rank and some rank has operations left. The report lists,
 # for every blocked rank, its head operation and, for each of its unmatched sends and
@@ -3653,7 +3671,8 @@ def replay(posts):
                         break
                     heads.append(head[1])
                 else:
-                    if any((h["kind"], h.get("bytes")) != (entry["kind"], entry.get("bytes")) for h in heads):
+                    sized = entry["kind"] not in ("all_to_all_single", "all_to_all")  # uneven splits: own sizes
+                    if any(h["kind"] != entry["kind"] or sized and h.get("bytes") != entry.get("bytes") for h in heads):
                         mismatches.append(f"collective {n} of group {entry['group']}: "
                                           + ", ".join(f"rank {m} {h['kind']} ({h.get('bytes')} bytes)"
                                                       for m, h in zip(members, heads)))

@@ -78,8 +78,9 @@ CASES = [  # (script, ranks, flags, reference)
     ("04_zero.py", 3, ["--stage", "2", "--offload", "--global_batch_size", "12"], "dense12"),
     ("05_fsdp.py", 4, ["--replicate", "2", "--offload", "--global_batch_size", "12"], "dense12"),
     ("08_3d.py", 4, ["--tp", "2", "--pp", "2"], "dense"),
-    ("08_3d.py", 4, ["--tp", "2", "--cp", "2", "--sequence_parallel"], "dense"),
-    ("08_3d.py", 4, ["--tp", "2", "--zero1"], "dense"),  # ZeRO-1 shards AdamW's state, Muon's matrices all-reduced
+    # --zero1: ZeRO-1 shards AdamW's state (here over the CP ranks), Muon's matrices all-reduced;
+    # tp2 x dp2 --zero1 is test_momentum_is_checkpointed_and_resharded_by_another_script's writer
+    ("08_3d.py", 4, ["--tp", "2", "--cp", "2", "--sequence_parallel", "--zero1"], "dense"),
     ("08_3d.py", 4, ["--pp", "2", "--zero1"], "dense"),
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"], "dense"),
     ("10_expert_parallel.py", 4, ["--ep", "2"] + MOE, "moe"),
@@ -116,6 +117,9 @@ def test_momentum_is_checkpointed_and_resharded_by_another_script(reference, tmp
     first = launch("08_3d.py", BASE + ["--tp", "2", "--zero1", "--max_iters", "3", "--ckpt_interval", "3",
                                        "--lr_decay_iters", "5", "--out_dir", tmp_path], nprocs=4).ok()
     # written: the matrices' TP shards with their momentum (DP rank 0), AdamW's flat ZeRO-1 shards (each DP rank)
+    row = first.steps[-1]
+    assert row["state_bytes"] == row["state_bytes_theory"] and row["comm_bytes"] == row["comm_bytes_theory"]
+    assert "ledger mismatch" not in first.stdout + first.stderr
     rest = launch("06_tensor_parallel.py", BASE + ["--resume", "--out_dir", tmp_path, "--lr_decay_iters", "5"],
                   nprocs=2).ok()  # the momentum resharded into TP_PLAN's rows and columns
     assert first.losses + rest.losses == pytest.approx(reference["dense"].losses, rel=2e-5)
