@@ -2356,6 +2356,9 @@ def dry_run(args, script, config, cost, layout_lines=()):
         lines.append(f"  comm  {op:<26} {format_bytes(value):>11}   per step: {formula}")
     if not cost["sent"]:
         lines.append("  sends nothing")
+    if cost.get("muon_flops", ("", 0))[1]:  # --optimizer muon: the matrices this rank orthogonalises
+        formula, value = cost["muon_flops"]
+        lines.append(f"  Muon  {'Newton-Schulz':<26} {value / 1e9:>7.4g} GFLOP per step: {formula}")
     print("\n".join(lines), flush=True)
     sys.exit(0)
 

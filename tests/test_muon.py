@@ -138,4 +138,4 @@ def test_the_dry_run_says_how_the_owners_share_the_work(script, ranks):
     done = dry(script, "--world_size", ranks, "--model", "gpt2", "--optimizer", "muon")
     assert done.returncode == 0, done.stderr
     assert "Muon: 48 matrices, each orthogonalised whole by its owner" in done.stdout  # 4 per block, 12 blocks
-    assert "all_to_all_single" in done.stdout
+    assert "all_to_all_single" in done.stdout and "Newton-Schulz " in done.stdout

@@ -224,6 +224,9 @@ def test_a_muon_plan_prices_each_layouts_matrix_traffic():
     assert by_label["ZeRO-3"]["comm_bytes_per_step"]["all_to_all_single"] > 0
     assert by_label["TP"]["comm_bytes_per_step"]["all_to_all_single"] > 0
     assert not any(op.startswith("all_to_all") for op in by_label["DDP"]["comm_bytes_per_step"])
+    for c in result["candidates"]:  # the Newton-Schulz FLOPs in the step time, at the model FLOPs' rate
+        assert c["muon_s"] > 0 and c["step_time_s"] == pytest.approx(c["compute_s"] + c["muon_s"] + c["comm_s"])
+    assert by_label["ZeRO-3"]["muon_s"] < by_label["DDP"]["muon_s"]  # the owners split it; DDP's replicas repeat it
     zero1 = by_label["3D dp 1 pp 1 tp 2 + ZeRO-1"]["comm_bytes_per_step"]
     assert zero1["all_to_all_single[tp]"] > 0 and zero1["reduce_scatter_tensor[dp]"] > 0
     assert not any("ZeRO-1" in r["label"] for r in result["refused"])
