@@ -631,9 +631,9 @@ def costs(args, config, world_size, dtype):
     terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
     return {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
             "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ" if args.optimizer == "adamw" else "4*Ψ_m + 8*(Ψ - Ψ_m)")},
-            "sent": sent, "activations": activations_of_layers(terms, L, args.recompute),
             # Muon: Newton-Schulz on every matrix, on every CP and DP rank (infra.newton_schulz_flops)
-            "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else [])}
+            "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
+            "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
 
 
 def checkpoint_pieces(model, optimizer, env):
