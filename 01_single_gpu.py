@@ -30,8 +30,8 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
 
 import torch
 
-from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, lr_at,
-                    make_optimizer, make_parser, model_block_size, model_config, to_device)
+from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
+                    lr_at, make_optimizer, make_parser, model_block_size, model_config, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -136,6 +136,7 @@ def costs(args, config, world_size, dtype):
     the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
     layers (infra.activation_terms counts them op by op; --recompute keeps block inputs)."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import newton_schulz_flops
     psi, _ = count_params(config)
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
@@ -145,6 +146,8 @@ def costs(args, config, world_size, dtype):
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
             "sent": {},
+            # Muon: Newton-Schulz on every matrix (infra.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 

@@ -38,8 +38,8 @@ Cost per rank, Ψ parameters, N ranks (bytes):
 import torch
 import torch.distributed as dist
 
-from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, lr_at,
-                    make_optimizer, make_parser, model_block_size, model_config, to_device)
+from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
+                    lr_at, make_optimizer, make_parser, model_block_size, model_config, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -234,6 +234,7 @@ def costs(args, config, world_size, dtype):
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import newton_schulz_flops
     psi, _ = count_params(config)
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
     b = args.micro_batch_size or args.global_batch_size // world_size
@@ -244,6 +245,8 @@ def costs(args, config, world_size, dtype):
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
             "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)},  # the gradients, the logged loss
+            # Muon: Newton-Schulz on every matrix, on every replica (infra.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 

@@ -721,6 +721,7 @@ def costs(args, config, world_size, dtype, rank=0):
     elements are Muon's (one fp32 moment, not two), and it sends its pieces of them to their
     owners and receives back, in the compute dtype, the Ψ_o elements of the matrices it owns."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import newton_schulz_flops
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n
@@ -763,6 +764,8 @@ def costs(args, config, world_size, dtype, rank=0):
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
     if stage == 3:  # the working parameters at the peak: the root, gathered all step, and the block being
         cost["gathered"] = f("e*(root + block)")  # run (its backward releases it before the next is gathered)
+    # Muon: Newton-Schulz on the matrices this rank owns, whole (infra.newton_schulz_flops)
+    cost["muon_flops"] = newton_schulz_flops([shape for (shape, _), owner in zip(matrices, owners) if owner == rank])
     return cost
 
 

@@ -573,6 +573,7 @@ def costs(args, config, world_size, dtype, rank=0):
     sends its Ψ_mr elements of them to their owners and receives back, in the compute dtype,
     the Ψ_o elements of the matrices it owns (fsdp_optimizer)."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import newton_schulz_flops
     S, R = world_size // args.replicate, args.replicate
     padded = {k: math.ceil(shape[0] / S) * S * math.prod(shape[1:]) for k, shape in param_shapes(config).items()}
     root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))
@@ -616,6 +617,8 @@ def costs(args, config, world_size, dtype, rank=0):
                              param_dtype=dtype)  # the gathered units: stored in the compute dtype
     return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
             "held": held, "sent": sent, "gathered": gathered, "muon": matrices,
+            # Muon: Newton-Schulz on the matrices this rank owns in its shard group, whole (every replica's too)
+            "muon_flops": newton_schulz_flops([s for (_, s), owner in zip(matrices, owners) if owner == r]),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
 
 

@@ -558,10 +558,11 @@ class ShardedMuon(Muon):
     on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
     steps, for every matrix, and every rank would repeat the small products.)"""
 
-    def __init__(self, model, args, env, group):
+    def __init__(self, model, args, env, group, rest=None):
         named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
-        rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
-                          args, env.device.type)
+        if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
+            rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
+                              args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
         self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
@@ -710,6 +711,7 @@ def costs(args, config, world_size, dtype, rank=0):
     --sequence_parallel f's all-gathers (in forward, and again in backward) move the
     LayerNorm output cast to the compute dtype: e bytes."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula, plus
+    from infra import newton_schulz_flops
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     check_layout(args, config, T)  # first: the formulas divide by T exactly
     with torch.device("meta"):
@@ -760,6 +762,8 @@ def costs(args, config, world_size, dtype, rank=0):
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
             "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
+            # Muon: Newton-Schulz on the matrices this rank owns, put together whole (infra.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops([shape for shape, owner in zip(matrices, owners) if owner == rank]),
             "activations": activations_of_layers(terms, L, args.recompute)}
 
 

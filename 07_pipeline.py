@@ -1136,6 +1136,7 @@ def costs(args, config, world_size, dtype, rank=0):
     (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
     all-reduced between the first and last stage, the norm and the logged loss."""
     from infra import formula
+    from infra import newton_schulz_flops
     p, m = world_size, args.global_batch_size // args.micro_batch_size
     actions, v, vee, split = run_table(args, p, m)
     with torch.device("meta"):
@@ -1165,6 +1166,9 @@ def costs(args, config, world_size, dtype, rank=0):
     return {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
                                                 if v > 1 else ""),
             "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
+            # Muon: Newton-Schulz on this stage's matrices (infra.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops([t.shape for name, t in chunks.named_parameters()
+                                              if args.optimizer == "muon" and is_hidden_matrix(name, t.shape)]),
             "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank, vee, split)}
 
 

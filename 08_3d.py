@@ -109,6 +109,11 @@ Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m mi
              stage
     DP:      all-reduce of this rank's 4·Ψ_rank gradient bytes per step (--zero1:
              reduce-scatter + all-gather of the padded 4Ψ_rank)
+    Muon:    (--optimizer muon) 06's ShardedMuon in each TP group: one fp32 moment for the
+             Ψ_m/T matrix elements (AdamW's two for the rest), all-to-all of e·(Ψ_m/T + Ψ_o)
+             (Ψ_o: the matrices this TP rank owns, whole); --zero1 keeps the matrices out of
+             the flat buffer, whole on every DP rank (4Ψ_m/T weights, gradients and moment),
+             their gradients all-reduced over DP (ZeRO1's docstring says why)
     logging: the loss all-reduced over the stages and the replicas (4 bytes each) and, with
              clipping, the squared norm over the replica (over the world with --zero1; 4
              bytes)
@@ -367,10 +372,11 @@ class ShardedMuon(Muon):
     on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
     steps, for every matrix, and every rank would repeat the small products.)"""
 
-    def __init__(self, model, args, env, group):
+    def __init__(self, model, args, env, group, rest=None):
         named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
-        rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
-                          args, env.device.type)
+        if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
+            rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
+                              args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
         self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
@@ -474,12 +480,32 @@ class ZeRO1:
     DP x CP, Megatron's distributed optimizer's group), DataParallel's interface: this
     rank's parameters as one flat buffer padded to a multiple of D; DP rank d owns
     shard d of it, with its AdamW state (P_os); gradients are reduce-scattered, parameters
-    all-gathered after the update."""
+    all-gathered after the update.
+
+    --optimizer muon: ZeRO-1 shards AdamW's state only. The flat buffer holds the parameters
+    AdamW updates; the hidden matrices (this TP rank's shards W_t of them) stay outside it,
+    their gradients all-reduced over the DP group as DataParallel's are, and every replica runs
+    06's ShardedMuon on its TP group, each matrix orthogonalised whole by its TP owner:
+
+        DP rank d, TP rank t:  [AdamW's parameters | pad] ─reduce-scatter─> shard d: AdamW ─all-gather─>
+                               W_t of every matrix       ─all-reduce─> mean ─ShardedMuon (TP group)─> W_t
+
+    Why this composition: the TP group is where a matrix first exists whole (its T shards),
+    so its owner must be a TP rank whatever DP does; the all-reduce moves the same bytes per
+    rank as ZeRO's reduce-scatter + all-gather (2(D-1)/D of them on a ring); ShardedMuon stays
+    06's word for word. What it gives up: Muon's one moment (4Ψ_m/T bytes) is not sharded
+    over D, and the D replicas repeat their TP group's Newton-Schulz work (as 03 repeats 01's).
+    An owner per matrix in the DP group as well (04's FlatMuon, composed: a reduce to it, the
+    iteration on its TP group, a broadcast back) would divide both by D."""
 
     def __init__(self, stage, mesh, args, env):
         self.stage, self.mesh, self.params, device = stage, mesh, list(stage.parameters()), env.device
+        self.muon = args.optimizer == "muon"
+        named = list(stage.named_parameters())
+        matrices = [(name, p) for name, p in named if self.muon and is_hidden_matrix(name, p.shape)]
+        named = [(name, p) for name, p in named if not (self.muon and is_hidden_matrix(name, p.shape))]
         D = mesh.reduce_size  # the DP group: D x C ranks with CP, which hold the same weights
-        numel = sum(p.numel() for p in self.params)
+        numel = sum(p.numel() for _, p in named)
         self.shard = math.ceil(numel / D)
         self.flat = torch.zeros(self.shard * D, device=device)
         self.flat_grad = torch.zeros_like(self.flat)
@@ -488,7 +514,7 @@ class ZeRO1:
         self.segments = []  # (parameter, [a, b) of it flattened, the optimizer's tensor of them)
         self.counted = []  # [a, b) of the shard whose gradients count in the norm (counted_once)
         offset, pieces = 0, {True: [], False: []}
-        for name, p in stage.named_parameters():
+        for name, p in named:
             n = p.numel()
             self.flat[offset:offset + n].copy_(p.data.view(-1))
             p.data = self.flat[offset:offset + n].view_as(p)
@@ -507,25 +533,41 @@ class ZeRO1:
             piece.grad = self.grad_shard[max(offset, lo) - lo:]
             pieces[False].append(piece)
         self.optimizer = make_adamw(pieces[True], args, device.type, not_decayed=pieces[False])
+        # Muon's matrices: their gradients in one buffer of their own, whole on every DP rank
+        self.matrix_grad = torch.zeros(sum(p.numel() for _, p in matrices), device=device)
+        offset = 0
+        for name, p in matrices:
+            p.grad = self.matrix_grad[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.matrices_counted = [p for name, p in matrices if counted_once(stage, name)]
+        if self.muon:  # 06's, on this replica's TP group, with AdamW on the flat shard inside
+            self.optimizer = ShardedMuon(stage, args, env, mesh.tp_group, rest=self.optimizer)
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):
         self.flat_grad.div_(self.mesh.reduce_size)
         # sum the replicas' gradients; DP rank d receives shard d
         dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=self.mesh.dp_group)
+        if self.muon:  # Muon's matrices: the mean, whole, on every DP rank (as DataParallel's)
+            self.matrix_grad.div_(self.mesh.reduce_size)
+            dist.all_reduce(self.matrix_grad, group=self.mesh.dp_group)
 
     def grad_tensors(self):
-        return [self.grad_shard]
+        return [self.grad_shard] + ([self.matrix_grad] if self.muon else [])
 
     def squared_norm(self):
-        """Σ g² over this DP rank's shard of the gradients that count, before the world's sum."""
+        """Σ g² over this DP rank's shard of the gradients that count, before the world's sum
+        (Muon's matrices, the same on every DP rank, counted by DP rank 0's)."""
         weights = torch.zeros_like(self.grad_shard)
         for a, b in self.counted:
             weights[a:b] = 1.0
-        return (self.grad_shard.pow(2) * weights).sum()
+        squares = (self.grad_shard.pow(2) * weights).sum()
+        for p in self.matrices_counted if self.mesh.reduce_rank == 0 else []:
+            squares += p.grad.pow(2).sum()
+        return squares
 
     def step(self):
-        self.optimizer.step()
+        self.optimizer.step()  # AdamW on the shard (with Muon: ShardedMuon on the matrices first)
         # every DP rank's updated shard -> the whole parameter buffer on every DP rank
         mine = self.flat[self.lo:self.hi].clone()
         dist.all_gather_into_tensor(self.flat, mine, group=self.mesh.dp_group)
@@ -533,25 +575,29 @@ class ZeRO1:
     def zero_grad(self):
         self.flat_grad.zero_()
         self.grad_shard.zero_()
+        self.matrix_grad.zero_()
 
     def held_bytes(self):
         """The model-state bytes this rank holds, counted from the live tensors: the flat
-        buffers (through the parameters' views of them), the reduced shard, AdamW's state."""
+        buffers (through the parameters' views of them), the reduced shard, AdamW's state
+        (with Muon: the matrices, their gradients and momentum too)."""
         from infra import state_bytes
         held = state_bytes(self.params, self.optimizer)
         held["grads"] += self.grad_shard.untyped_storage().nbytes()
         return held
 
     def checkpoint_pieces(self):
-        """DP replica 0 writes the parameters (TP pieces of its stage); every DP rank writes
-        the AdamW moments it owns: each optimizer tensor holds elements [a, b) of one
-        parameter flattened; where that meets a TP piece of the parameter (elements [s, e) of
-        it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
+        """DP replica 0 writes the parameters (TP pieces of its stage) and Muon's momentum;
+        every DP rank writes the AdamW moments it owns: each optimizer tensor holds elements
+        [a, b) of one parameter flattened; where that meets a TP piece of the parameter
+        (elements [s, e) of it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
         from infra import param_pieces
         stage, named = self.stage, list(self.stage.named_parameters())
+        muon = {name for name, p in named if self.muon and is_hidden_matrix(name, p.shape)}
         pieces = [piece for name, p in named
-                  for piece in tp_pieces(stage, name, p, None, write=self.mesh.reduce_rank == 0)]
-        whole = {p: tp_pieces(stage, name, p, None, write=True) for name, p in named}
+                  for piece in tp_pieces(stage, name, p, self.optimizer if name in muon else None,
+                                         write=self.mesh.reduce_rank == 0)]
+        whole = {p: tp_pieces(stage, name, p, None, write=True) for name, p in named if name not in muon}
         for p, a, b, segment in self.segments:
             for piece in whole[p]:
                 # where the piece starts in p: a dim-0 slice of p, or all of it
@@ -636,7 +682,6 @@ def evaluate(stage, pipeline, mesh, data, args, env, m):
 def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
     args = run.args
-    check(args.optimizer == "adamw" or not args.zero1, "--optimizer muon is not written for --zero1 yet: drop one")
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
     check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
@@ -705,6 +750,7 @@ def costs(args, config, world_size, dtype, rank=0):
     bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's parameters
     and Ψ_r the TP-replicated ones among them."""
     from infra import plus
+    from infra import newton_schulz_flops
     T, P, C = args.tp, args.pp, args.cp
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
@@ -726,6 +772,9 @@ def costs(args, config, world_size, dtype, rank=0):
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
     return {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
+            # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica (--zero1
+            # too: ZeRO1's docstring); infra.newton_schulz_flops
+            "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners) if own == mesh.tp_rank]),
             "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
 
 
@@ -736,19 +785,22 @@ def cost(expr, x, **more):
 
 
 def dp_costs(args, x):
-    """The docstring's memory and DP lines (its group: the D·C ranks of DP x CP)."""
-    pad = "D*C*ceil(Ψ_rank/(D*C))"  # Ψ_rank padded to a multiple of D·C
+    """The docstring's memory and DP lines (its group: the D·C ranks of DP x CP). With Muon
+    the Ψ_m/T matrix elements keep one moment, and with --zero1 they stay outside the flat
+    buffer: whole on every DP rank (weights, gradients, momentum), all-reduced (ZeRO1's docstring)."""
+    muon = args.optimizer == "muon"
     if args.zero1:
-        held = {"params": cost(f"4*{pad}", x), "grads": cost(f"4*({pad} + ceil(Ψ_rank/(D*C)))", x),
-                "optim": cost("8*ceil(Ψ_rank/(D*C))", x)}
-        sent = {"all_reduce[dp]": cost("4*loss", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
+        flat = "(Ψ_rank - Ψ_m/T)" if muon else "Ψ_rank"  # the flat buffer: AdamW's parameters
+        pad, own = f"D*C*ceil({flat}/(D*C))", " + 4*Ψ_m/T" if muon else ""  # padded to D·C; Muon's matrices
+        held = {"params": cost(f"4*{pad}{own}", x), "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}", x),
+                "optim": cost(f"8*ceil({flat}/(D*C)){own}", x)}
+        sent = {"all_reduce[dp]": cost(f"4*loss{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
                 "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)}
     else:
-        held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x), "optim": cost("8*Ψ_rank", x)}
+        held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
+                "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
         sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank", x)}
-    if args.optimizer == "muon":  # 06's Muon on each TP group: one moment for the Ψ_m/T matrix elements,
-        # this rank's update shards to their owners and its own matrices' shards back
-        held["optim"] = cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)", x)
+    if muon:  # 06's Muon on each TP group: this rank's update shards to their owners, its own matrices' back
         sent["all_to_all_single[tp]"] = cost("e*(Ψ_m/T + Ψ_o)", x)
     if args.grad_clip > 0:  # the squared norm, over the model group (--zero1: the world)
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)

@@ -121,8 +121,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, lr_at,
-                    make_optimizer, make_parser, model_config, recomputed, to_device)
+from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
+                    lr_at, make_optimizer, make_parser, model_config, recomputed, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -600,6 +600,7 @@ def costs(args, config, world_size, dtype):
     docstring's T). Activations: infra.activation_terms on them, with the attention term
     replaced by what this script's attention saves."""
     from infra import activation_device_type, activation_terms, activations_of_layers, formula, sdpa_logsumexp
+    from infra import newton_schulz_flops
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices
@@ -630,6 +631,8 @@ def costs(args, config, world_size, dtype):
     terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
     return {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
             "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ" if args.optimizer == "adamw" else "4*Ψ_m + 8*(Ψ - Ψ_m)")},
+            # Muon: Newton-Schulz on every matrix, on every CP and DP rank (infra.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
 
 

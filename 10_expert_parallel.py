@@ -327,6 +327,7 @@ def costs(args, config, world_size, dtype, received=None):
     this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
     balanced routing: k·b·s each."""
     from infra import formula
+    from infra import newton_schulz_flops
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
@@ -356,8 +357,13 @@ def costs(args, config, world_size, dtype, received=None):
     dp_experts = world_size > ep
     all_reduce = f("4*Ψ_d + 4*(1 + L*E)" + (" + 4*L*Ψ_e*E/N" if dp_experts else "")
                    + (" + 4*norm" if args.grad_clip > 0 else ""))
+    # Muon's matrices on this rank: the dense ones, and those of its E/N experts of every layer (alike)
+    dense, experts = ([p.shape for name, p in model.named_parameters() if args.optimizer == "muon"
+                       and is_hidden_matrix(name, p.shape) and is_expert(name) == expert] for expert in (False, True))
     return {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": {"all_to_all_single": all_to_all, "all_reduce": all_reduce},
+            # Muon: Newton-Schulz on the dense matrices and on this rank's experts' (infra.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops(dense + experts[:len(experts) // ep]),
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
                                key=lambda a: a[1])}
 

@@ -403,9 +403,14 @@ def is_hidden_matrix(name, shape):
     return len(shape) == 2 and re.search(r"(^|\.)h\.\d+\.", name) is not None and ".router." not in name
 
 
+def hidden_matrix_shapes(config):
+    """The full shapes of the matrices Muon updates (from the shapes alone)."""
+    return [shape for name, shape in param_shapes(config).items() if is_hidden_matrix(name, shape)]
+
+
 def hidden_matrix_params(config):
     """Ψ_m, the parameters Muon updates (from the shapes alone)."""
-    return sum(math.prod(shape) for name, shape in param_shapes(config).items() if is_hidden_matrix(name, shape))
+    return sum(math.prod(shape) for shape in hidden_matrix_shapes(config))
 
 
 def orthogonalize(g, dtype=torch.float32):

@@ -158,6 +158,23 @@ def flops_per_token(config, n_params):
     return 6 * n_params + 12 * L * H * Q * T
 
 
+def newton_schulz_flops(shapes):
+    """Muon's Newton-Schulz FLOPs per step on the matrices of full `shapes` (those one rank
+    orthogonalises), as one formula. common.orthogonalize turns a tall matrix on its wide side,
+    so X is r x c with r <= c, and each of its NS_STEPS steps runs three matrix products:
+
+        A = X·Xᵀ      2r²c        (r x c times c x r)
+        A·A           2r³         inside B = b·A + c·A·A (one addmm)
+        B·X           2r²c        inside X <- a·X + B·X (one addmm)
+
+    NS_STEPS·(4Σr²c + 2Σr³) over the matrices: what torch.utils.flop_counter counts of
+    orthogonalize (2 per multiply-add; the normalisation and the additions are not counted)."""
+    from common import NS_STEPS
+    wide = [(min(shape), max(shape)) for shape in shapes]
+    return formula("NS*(4*Σr2c + 2*Σr3)", show="NS", NS=NS_STEPS, Σr2c=sum(r * r * c for r, c in wide),
+                   Σr3=sum(r ** 3 for r, _ in wide))
+
+
 def expert_params(config):
     """Parameters of one MLP (one expert): c_fc h x 4h and c_proj 4h x h, with their biases."""
     h = config.n_embd
@@ -2349,6 +2366,9 @@ def dry_run(args, script, config, cost, layout_lines=()):
         lines.append(f"  comm  {op:<26} {format_bytes(value):>11}   per step: {formula}")
     if not cost["sent"]:
         lines.append("  sends nothing")
+    if cost.get("muon_flops", ("", 0))[1]:  # --optimizer muon: the matrices this rank orthogonalises
+        formula, value = cost["muon_flops"]
+        lines.append(f"  Muon  {'Newton-Schulz':<26} {value / 1e9:>7.4g} GFLOP per step: {formula}")
     print("\n".join(lines), flush=True)
     sys.exit(0)
 

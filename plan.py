@@ -26,13 +26,17 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  cpu and no GPU memory given, within this host's available memory shared by
                  --gpus_per_node ranks. The scripts choose their micro-batch against the
                  same room (--micro_batch_size auto)
-    step time    compute + communication, nothing overlapped (an upper bound: DDP's buckets
+    step time    compute + muon + communication, nothing overlapped (an upper bound: DDP's buckets
                  and FSDP's prefetch hide part of it):
                    compute = training FLOPs of the global batch (infra.flops_per_token of
                              nanoGPT's count, as the scripts' MFU; with --recompute one more
                              forward of the blocks, a third of their training FLOPs: the head,
                              6Vh per token, is not recomputed) / (N x peak x --efficiency),
                              divided by (1 - bubble) for a pipeline (07's bubble_theory)
+                   muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
+                             priced (costs()'s muon_flops: the matrices it orthogonalises, each
+                             5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
+                             the last backward, outside any bubble
                    comm    = per operation, an alpha-beta model of a ring collective over its
                              group of g ranks: steps x alpha + busfactor(g) x bytes / beta,
                              busfactor from 02_collectives.py (all-reduce 2(g-1)/g,
@@ -383,6 +387,7 @@ def score(name, flags, label, plan_args, machine):
         comm = {op: value for op, (_, value) in cost["sent"].items()}
         comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items())
         ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s,
+                          muon_flops=cost["muon_flops"][1] if "muon_flops" in cost else 0,
                           need=fit_need(cost, planned_device_type(args))))
     fullest = max(ranks, key=lambda r: (r["need"], r["held"]["total"], r["comm_s"]))
     slowest_comm_s = max(r["comm_s"] for r in ranks)
@@ -396,14 +401,15 @@ def score(name, flags, label, plan_args, machine):
         model_flops_run = model_flops
     compute_s = model_flops_run / (n * peak * plan_args.efficiency)
     f = bubble(name, args, config, n)
-    step_s = compute_s / (1 - f) + slowest_comm_s
+    muon_s = max(r["muon_flops"] for r in ranks) / (peak * plan_args.efficiency)  # Newton-Schulz, the busiest rank's
+    step_s = compute_s / (1 - f) + muon_s + slowest_comm_s
     if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
         argv += ["--micro_batch_size", str(args.micro_batch_size)]
     return dict(script=name, flags=argv, label=label, layout=fullest["layout"],
                 command=launch_command(name, argv, n, G),
                 per_gpu_bytes=fullest["held"], activations_counted=fullest["held"]["activations"] is not None,
                 comm_bytes_per_step=fullest["comm"], priced_rank=fullest["rank"],
-                compute_s=compute_s / (1 - f), comm_s=slowest_comm_s, bubble=f,
+                compute_s=compute_s / (1 - f), muon_s=muon_s, comm_s=slowest_comm_s, bubble=f,
                 step_time_s=step_s, mfu=model_flops / (step_s * n * peak),
                 need_bytes=fullest["need"], need_device=planned_device_type(args), room_bytes=planned_room(args),
                 fits=fullest["need"] <= planned_room(args)), None
@@ -636,7 +642,7 @@ def print_table(args, machine, psi, scored, refused, choice, why):
 
 def as_json(psi, scored, refused, choice, why):
     keys = ("script", "flags", "label", "layout", "command", "per_gpu_bytes", "activations_counted",
-            "comm_bytes_per_step", "priced_rank", "compute_s", "comm_s", "bubble", "step_time_s", "mfu", "need_bytes", "room_bytes", "fits")
+            "comm_bytes_per_step", "priced_rank", "compute_s", "muon_s", "comm_s", "bubble", "step_time_s", "mfu", "need_bytes", "room_bytes", "fits")
     pick = lambda c: {k: c[k] for k in keys}  # noqa: E731
     return {"params": psi, "candidates": [pick(c) for c in scored],
             "refused": [{"script": s, "label": label, "reason": r} for s, label, r in refused],
