@@ -491,8 +491,14 @@ class ZeRO:
         """Stages 1-2: every rank's updated (or loaded) master shard -> the whole unit, on every
         rank, in the compute dtype. Stage 3 gathers from the masters at the next forward."""
         if self.stage < 3:
-            for unit in self.units:
-                dist.all_gather_into_tensor(unit.full, self.working_shard(unit), group=self.group)
+            # every unit's all-gather issued at once, then one wait for them all: the messages
+            # go out back to back (as ZeroRedundancyOptimizer's broadcasts do) instead of one
+            # round trip per unit; each input shard is held until its gather is waited on
+            shards = [self.working_shard(unit) for unit in self.units]
+            handles = [dist.all_gather_into_tensor(unit.full, shard, group=self.group, async_op=True)
+                       for unit, shard in zip(self.units, shards)]
+            for handle in handles:
+                handle.wait()
 
     def zero_grad(self):
         """The next step's first micro-batch and first reduction overwrite the sums."""
