@@ -326,7 +326,7 @@ def costs(args, config, world_size, dtype, received=None):
     """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
     this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
     balanced routing: k·b·s each."""
-    from infra import formula
+    from infra import activation_device_type, formula, matmul_weights, phase_peaks, transient_terms
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
@@ -356,10 +356,25 @@ def costs(args, config, world_size, dtype, received=None):
     dp_experts = world_size > ep
     all_reduce = f("4*Ψ_d + 4*(1 + L*E)" + (" + 4*L*Ψ_e*E/N" if dp_experts else "")
                    + (" + 4*norm" if args.grad_clip > 0 else ""))
-    return {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
+    cost = {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": {"all_to_all_single": all_to_all, "all_reduce": all_reduce},
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
                                key=lambda a: a[1])}
+    # every live tensor at its most, by phase (infra.phase_peaks; autocast casts the dense
+    # weights and this rank's experts), with reduce_gradients' flat copy of the dense
+    # gradients, still named while the experts' is made, before AdamW's temporaries; at
+    # start-up the weights (materialised from the meta device) and param_init's scratch
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    casts = matmul_weights({k: v for k, v in shapes.items() if not is_expert(k)}) + \
+        matmul_weights({k: v for k, v in shapes.items() if is_expert(k)}) // ep
+    t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, casts=casts)
+    cost["peak"] = phase_peaks(cost, t, optimizer={"update": formula(
+        "max(4*Ψ_d + 4*L*Ψ_e*E/N, update)", show="update", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), L=L, E=E, N=ep,
+        update=t["update"])})
+    momentum = " + 4*(Ψ_dm + L*Ψ_em*E/N)" if args.optimizer == "muon" else ""  # Muon's, made at once
+    cost["startup"] = formula("params + init" + momentum, show="init", params=held["params"], init=t["init"],
+                              Ψ_dm=muon[False], Ψ_em=muon[True] // (L * E), L=L, E=E, N=ep)
+    return cost
 
 
 def activations(args, config, b, dtype, rows):
