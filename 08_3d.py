@@ -728,8 +728,9 @@ def costs(args, config, world_size, dtype, rank=0):
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
             "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
     # every live tensor at its most, by phase (infra.phase_peaks on this rank's shards and s
-    # tokens), with 07's boundaries (the k outputs in flight kept until their sends complete
-    # and the input received; in backward the gradient received and the one being sent);
+    # tokens), with 07's boundaries (for each of the k chunks in flight its output, kept until
+    # its send completes, and its gradient, n = 2, or 4 on a middle stage; the tensor being
+    # received and the one being sent);
     # AdamW's largest tensor: the vocabulary slice at the ends, else c_fc's 4h²/T. Start-up:
     # the shards, each parameter drawn whole by param_init
     from infra import activation_device_type, formula, phase_peaks, transient_terms
@@ -742,9 +743,9 @@ def costs(args, config, world_size, dtype, rank=0):
     # (DataParallel's all-reduce takes a flat copy of the gradients, freed before the update)
     flat = None if args.zero1 else {"update": formula("max(4*Ψ_rank, update)", show="update", Ψ_rank=n_local,
                                                       update=t["update"])}
-    rank_cost["peak"] = phase_peaks(
-        rank_cost, t, forward={"boundary": formula("(k + 1)*4*b*s*h", show="k", k=k, b=x["b"], s=x["s"], h=h)}
-        if P > 1 else None, backward={"boundary": cost("2*4*b*s*h", x)} if P > 1 else None, optimizer=flat)
+    boundary = {"boundary": formula("(n*k + 2)*4*b*s*h", show="n k", n=2 if any(ends) else 4, k=k, b=x["b"],
+                                    s=x["s"], h=h)} if P > 1 else None
+    rank_cost["peak"] = phase_peaks(rank_cost, t, forward=boundary, backward=boundary, optimizer=flat)
     rank_cost["startup"] = formula("params + init", show="init", params=held["params"], init=t["init"])
     return rank_cost
 

@@ -1718,26 +1718,35 @@ class LiveStorage:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
+                grew = False
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.device.type != "meta":
                         storage = t.untyped_storage()
                         ref = live.storages.get(storage._cdata)
                         if ref is None or ref.expired():  # new (its address may be a freed one's)
-                            live.storages[storage._cdata] = StorageWeakRef(storage)
-                live.count(meter)
+                            live.storages[storage._cdata], grew = StorageWeakRef(storage), True
+                        elif storage.nbytes() > live.sizes.get(storage._cdata, 0):  # refilled in place
+                            grew = True
+                # the total can rise only where an op made or grew a storage: the sum is taken
+                # there (and where a phase begins); between, storages are only freed
+                if grew or meter.phase() != live.phase:
+                    live.count(meter)
                 return out
-        self.storages, self.now, self.peak, self.startup = {}, 0, dict.fromkeys(PHASES, 0), 0
+        self.storages, self.sizes, self.now, self.peak, self.startup = {}, {}, 0, dict.fromkeys(PHASES, 0), 0
+        self.phase = None
         self.mode = Mode()
         self.mode.__enter__()  # from the start: the model's state is made under it too
 
     def count(self, meter):
-        self.now = 0
+        self.now, sizes = 0, {}
         for key, ref in list(self.storages.items()):
             if ref.expired():
                 del self.storages[key]
             else:
-                self.now += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        phase = meter.phase()
+                sizes[key] = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                self.now += sizes[key]
+        self.sizes = sizes
+        phase = self.phase = meter.phase()
         if phase is not None:
             self.peak[phase] = max(self.peak[phase], self.now)
         elif not meter.stepped:  # before the first step: building, initialising, sharding, resuming
@@ -2086,13 +2095,14 @@ def transient_terms(config, b, s, dtype, device_type, optimizer="adamw", update=
                  gradient in flight (GELU's input and output gradients overlap the block's
                  saved tensors, which backward frees as it goes)
                      4bsV + 4ebsh/T
-      update     the optimizer step: AdamW on CPU (one tensor at a time) makes two temporaries
-                 of the largest tensor it updates, `update` elements (√v̂, then its quotient);
-                 fused AdamW (GPUs) none. Muon orthogonalises its largest matrix (`matrix`:
+      update     the optimizer step: AdamW on CPU (torch's single-tensor loop) makes √v̂ and its
+                 quotient `denom` for each tensor, while the previous tensor's `denom` is still
+                 named: three temporaries of the largest tensor it updates (`update`
+                 elements); fused AdamW (GPUs) none. Muon orthogonalises its largest matrix (`matrix`:
                  (M, r), M = m·n elements, r = min(m, n)): the fp32 Nesterov update 4M, X and the
                  next X in the Newton-Schulz dtype 2eM, the Gram matrix and its product 2er².
                  Unsharded (None): the model's largest parameter and hidden matrix
-                     AdamW (CPU): 2·4·P     Muon: max(AdamW's, 4M + 2eM + 2er²)
+                     AdamW (CPU): 3·4·P     Muon: max(AdamW's, 4M + 2eM + 2er²)
       init       start-up: param_init draws each parameter whole in fp32 before it is copied
                  or sliced into place: the largest parameter's 4·P_max"""
     from common import is_hidden_matrix, param_shapes
@@ -2108,7 +2118,7 @@ def transient_terms(config, b, s, dtype, device_type, optimizer="adamw", update=
     def term(expr, **more):
         return formula(expr.replace("/T", "/T" if T > 1 else ""), show="e c k adamw", b=b, s=s, h=h, V=V, T=T, e=e,
                        c=c, k=int(kept), **more)
-    adamw = term("0" if fused else "2*4*P", P=update)
+    adamw = term("0" if fused else "3*4*P", P=update)
     return {"logits": term("(e + c + k*e)*b*s*V/T" if last else "0"),
             "casts": term("e*Ψ_c" if e == 2 else "0", Ψ_c=casts),
             "gradients": term(("4*b*s*V/T + " if last else "") + "4*e*b*s*h/T"),
