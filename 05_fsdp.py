@@ -620,14 +620,14 @@ def costs(args, config, world_size, dtype, rank=0):
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
     # every live tensor at its most, by phase (infra.phase_peaks). Forward peaks at its end,
     # with the root and the last block gathered (the prefetched next block exists only
-    # while a block with fewer activations behind it runs). Backward: once a block's backward
-    # is over (its saved tensors gone), its gradients (e) and their packed copy to
-    # reduce-scatter (rb), one unit in flight at a time. AdamW works on each parameter's shard
+    # while a block with fewer activations behind it runs). Backward: the packed copy of a
+    # unit's gradients to reduce-scatter (rb per element), one in flight at a time, beside
+    # what backward holds (its gradients replace saved tensors backward has freed; when gloo
+    # completes the reduce-scatter moves the peak by up to 4%). AdamW: each parameter's shard
     t = transient_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                         args.optimizer, update=max(padded.values()) // S, casts=0)  # gathered in the compute dtype
     forward = {"gathered": f("e*(root + block)")} if reshard else None
-    unit = formula("max(0, (e + rb)*block - layer)", show="e rb", e=e, rb=rb, block=max(per_block),
-                   layer=terms["layer"])
+    unit = formula("rb*block", show="rb", rb=rb, block=max(per_block))
     cost["peak"] = phase_peaks(cost, t, forward=forward, backward={"unit": unit})
     # start-up: the shards alone (the model is built on the meta device), each parameter drawn
     # whole by param_init before its rows are kept; Muon's momentum is made with it

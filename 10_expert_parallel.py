@@ -361,14 +361,16 @@ def costs(args, config, world_size, dtype, received=None):
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
                                key=lambda a: a[1])}
     # every live tensor at its most, by phase (infra.phase_peaks; autocast casts the dense
-    # weights and this rank's experts), with reduce_gradients' flat copy of the dense
+    # weights and this rank's experts), with the dispatch's packed rows in forward, and
+    # reduce_gradients' flat copy of the dense
     # gradients, still named while the experts' is made, before AdamW's temporaries; at
     # start-up the weights (materialised from the meta device) and param_init's scratch
     shapes = {name: p.shape for name, p in model.named_parameters()}
     casts = matmul_weights({k: v for k, v in shapes.items() if not is_expert(k)}) + \
         matmul_weights({k: v for k, v in shapes.items() if is_expert(k)}) // ep
     t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, casts=casts)
-    cost["peak"] = phase_peaks(cost, t, optimizer={"update": formula(
+    dispatch = f("e*k*b*s*h")  # a layer's routed rows, packed for the dispatch all-to-all
+    cost["peak"] = phase_peaks(cost, t, forward={"dispatch": dispatch}, optimizer={"update": formula(
         "max(4*Ψ_d + 4*L*Ψ_e*E/N, update)", show="update", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), L=L, E=E, N=ep,
         update=t["update"])})
     momentum = " + 4*(Ψ_dm + L*Ψ_em*E/N)" if args.optimizer == "muon" else ""  # Muon's, made at once

@@ -572,8 +572,8 @@ class Run(common.Run):
         log(env, f"fit after step 0: rank {rank} took {format_bytes(took)} ({how}) against the fit check's "
                  f"{format_bytes(estimate)} ({allowance_text(device_type)}, its room read with "
                  f"{self.groups_up} process group(s) up): the estimate was {abs(off):.0%} "
-                 f"{'low' if off > 0 else 'high'}; the ledger counted {format_bytes(counted)} of costs()'s "
-                 f"{format_bytes(base)} (model state + saved activations)")
+                 f"{'low' if off > 0 else 'high'}; the ledger counted {format_bytes(counted)} (model state + "
+                 f"saved activations) of costs()'s peak of every live tensor, {format_bytes(base)}")
 
     def save(self, step):
         LEDGER.phase = "checkpoint"
@@ -1694,10 +1694,11 @@ class LiveStorage:
     """Every tensor storage alive on this rank, counted op by op, and its high-water mark in
     each phase of a step: a TorchDispatchMode sees every aten op (factories, autograd's
     gradients, the collectives' outputs, the optimizer's temporaries) and keeps a weak
-    reference to each new storage until it is freed; after each op it sums the present sizes
-    of those alive (a storage resized in place, 04's and FSDP's gathered units, at its new
-    size). A CPU has no allocator statistics, so this is how the tests measure the peak
-    (GPTPAR_COUNT_LIVE=1: every op pays a Python call; for tests and tiny models only).
+    reference to each new storage until it is freed; after each op that made a storage or
+    grew one (04's and FSDP's gathered units, refilled in place), and where a phase begins,
+    it sums the present sizes of those alive: between, storages are only freed, so the
+    peaks are exact. A CPU has no allocator statistics, so this is how the tests measure
+    the peak (GPTPAR_COUNT_LIVE=1: every op pays a Python call; for tests and tiny models).
 
         phase      the ops counted in it
         forward    the step's ops outside autograd's backward, up to the end of `with run.meter`
@@ -2254,7 +2255,8 @@ class Metrics:
                    micro_batch_size=self.micro_batch_size)
         if live is not None:  # every live tensor's bytes by phase, where counted (GPTPAR_COUNT_LIVE=1, GPUs)
             row["live_bytes"], row["live_bytes_theory"] = live, self.live_theory
-            row["live_bytes_ranks"] = self.live_ranks(live)
+            if os.environ.get("GPTPAR_COUNT_LIVE") == "1":  # a test's count: every rank's, one gather
+                row["live_bytes_ranks"] = self.live_ranks(live)
         ranks = self.over_ranks(row["dt_ms"], row["mem_peak_bytes"])
         straggler = ranks.pop("straggler", "")  # for the console line, not a metrics key
         row.update(ranks)
