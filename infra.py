@@ -2105,16 +2105,28 @@ def transient_terms(config, b, s, dtype, device_type, optimizer="adamw", update=
                  Unsharded (None): the model's largest parameter and hidden matrix
                      AdamW (CPU): 3·4·P     Muon: max(AdamW's, 4M + 2eM + 2er²)
       init       start-up: param_init draws each parameter whole in fp32 before it is copied
-                 or sliced into place: the largest parameter's 4·P_max"""
-    from common import is_hidden_matrix, param_shapes
-    V, h, T = config.vocab_size, config.n_embd, tp
-    e = torch.tensor([], dtype=dtype).element_size()
+                 or sliced into place: the largest parameter's 4·P_max
+    Remembered, as formula() is: plan.py asks for every rank of thousands of layouts."""
+    key = (repr(config), b, s, dtype, device_type, optimizer, update, matrix, tp, last, casts, kept)
+    if key not in _TRANSIENTS:
+        if len(_TRANSIENTS) > 100_000:
+            _TRANSIENTS.clear()
+        _TRANSIENTS[key] = _transient_terms(config, b, s, dtype, device_type, optimizer, update, matrix, tp, last,
+                                            casts, kept)
+    return _TRANSIENTS[key]
+
+
+_TRANSIENTS = {}
+
+
+def _transient_terms(config, b, s, dtype, device_type, optimizer, update, matrix, tp, last, casts, kept):
+    V, h, T, e = config.vocab_size, config.n_embd, tp, dtype.itemsize
     c = 4 if e == 2 else 0
     fused = device_type in ("cuda", "xpu")  # common.make_adamw: fused on GPUs
-    shapes = param_shapes(config)
-    update = max(map(math.prod, shapes.values())) if update is None else update
-    M, r = largest_matrix(s for name, s in shapes.items() if is_hidden_matrix(name, s)) if matrix is None else matrix
-    casts = matmul_weights(shapes) if casts is None else casts
+    largest, (M, r), model_casts = model_sizes(config)
+    update = largest if update is None else update
+    M, r = (M, r) if matrix is None else matrix
+    casts = model_casts if casts is None else casts
 
     def term(expr, **more):
         return formula(expr.replace("/T", "/T" if T > 1 else ""), show="e c k adamw", b=b, s=s, h=h, V=V, T=T, e=e,
@@ -2126,7 +2138,24 @@ def transient_terms(config, b, s, dtype, device_type, optimizer="adamw", update=
             "last logits": term("e*b*s*V/T" if last and kept else "0"),
             "update": adamw if optimizer == "adamw" else
             term("max(adamw, 4*M + 2*e*M + 2*e*r**2)", adamw=adamw, M=M, r=r),
-            "init": term("4*P_max", P_max=max(map(math.prod, shapes.values())))}
+            "init": term("4*P_max", P_max=largest)}
+
+
+def model_sizes(config):
+    """(the largest parameter's elements, largest_matrix() of Muon's matrices, matmul_weights())
+    of the whole model, from its shapes; remembered per config (plan.py asks for every rank
+    of thousands of layouts)."""
+    from common import is_hidden_matrix, param_shapes
+    key = repr(config)
+    if key not in _MODEL_SIZES:
+        shapes = param_shapes(config)
+        _MODEL_SIZES[key] = (max(map(math.prod, shapes.values())),
+                             largest_matrix(s for name, s in shapes.items() if is_hidden_matrix(name, s)),
+                             matmul_weights(shapes))
+    return _MODEL_SIZES[key]
+
+
+_MODEL_SIZES = {}
 
 
 def matmul_weights(named_shapes):
@@ -2152,11 +2181,12 @@ def phase_peaks(cost, t, forward=None, backward=None, optimizer=None):
         forward    held + gathered + activations + casts + logits + ...
         backward   held + gathered + activations + casts + gradients + ...
         optimizer  held + the last logits + update + ...   (the units were given back)"""
-    held, gathered = plus(*cost["held"].values()), cost.get("gathered")
+    held, gathered = ("", sum(v for _, v in cost["held"].values())), cost.get("gathered")
+    by_name = ("held", "gathered", "activations")
 
-    def phase(**terms):  # the state and the saved activations by name, the transients written out
-        terms = {k: v for k, v in terms.items() if v is not None and v[1]}
-        return formula(" + ".join(terms), show=" ".join(set(terms) - {"held", "gathered", "activations"}), **terms)
+    def phase(**terms):  # the state and the saved activations by name (their bytes), the transients written out
+        terms = {k: v[1] if k in by_name else v for k, v in terms.items() if v is not None and v[1]}
+        return formula(" + ".join(terms), show=" ".join(sorted(set(terms) - set(by_name))), **terms)
     return {"forward": phase(**{"held": held, "gathered": gathered, "activations": cost["activations"],
                                 "casts": t["casts"], "logits": t["logits"], **(forward or {})}),
             "backward": phase(**{"held": held, "gathered": gathered, "activations": cost["activations"],
