@@ -135,12 +135,13 @@ def costs(args, config, world_size, dtype):
     AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
     the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
     layers (infra.activation_terms counts them op by op; --recompute keeps block inputs)."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks,
+                       transient_terms)
     from infra import newton_schulz_flops
     psi, _ = count_params(config)
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
-    return {"layout": "one device",
+    cost = {"layout": "one device",
             "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
                      # AdamW's two moments; Muon keeps one (its momentum) for the Ψ_m matrix entries
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
@@ -149,7 +150,15 @@ def costs(args, config, world_size, dtype):
             # Muon: Newton-Schulz on every matrix (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
-
+    # every live tensor at its most, by phase (infra.phase_peaks: the state, the saved
+    # activations, the model's transients), and at start-up: the weights and param_init's
+    # scratch (AdamW's moments are made at the first step, Muon's momentum at once)
+    t = transient_terms(config, b, config.block_size, dtype, activation_device_type(args), args.optimizer)
+    muon = args.optimizer == "muon"
+    cost["peak"] = phase_peaks(cost, t)
+    cost["startup"] = formula("params + init" + " + 4*Ψ_m" * muon, show="init", params=cost["held"]["params"],
+                              init=t["init"], Ψ_m=hidden_matrix_params(config) * muon)
+    return cost
 
 
 def checkpoint_pieces(model, optimizer):

@@ -233,13 +233,14 @@ def costs(args, config, world_size, dtype):
     """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks,
+                       transient_terms)
     from infra import newton_schulz_flops
     psi, _ = count_params(config)
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
     b = args.micro_batch_size or args.global_batch_size // world_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
-    return {"layout": f"{world_size} replicas",
+    cost = {"layout": f"{world_size} replicas",
             "held": {"params": formula("4*Ψ", Ψ=psi), "grads": formula("4*Ψ", Ψ=psi),
                      # AdamW's two moments; Muon keeps one (its momentum) for the Ψ_m matrix entries
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
@@ -248,6 +249,16 @@ def costs(args, config, world_size, dtype):
             # Muon: Newton-Schulz on every matrix, on every replica (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
+    # every live tensor at its most, by phase (infra.phase_peaks: 01's; the gradients live in
+    # their buckets, and the all-reduce works in place), and at start-up: the weights with
+    # param_init's scratch, then the buckets, made whole before the first step
+    t = transient_terms(config, b, config.block_size, dtype, activation_device_type(args), args.optimizer)
+    muon = args.optimizer == "muon"
+    cost["peak"] = phase_peaks(cost, t)
+    cost["startup"] = formula("params + max(init, grads)" + " + 4*Ψ_m" * muon, show="init", init=t["init"],
+                              params=cost["held"]["params"], grads=cost["held"]["grads"],
+                              Ψ_m=hidden_matrix_params(config) * muon)
+    return cost
 
 
 

@@ -726,7 +726,8 @@ def costs(args, config, world_size, dtype, rank=0):
     (mixed precision), m the micro-batches per step. --optimizer muon: Ψ_mr of this rank's
     elements are Muon's (one fp32 moment, not two), and it sends its pieces of them to their
     owners and receives back, in the compute dtype, the Ψ_o elements of the matrices it owns."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks, \
+        transient_terms
     from infra import newton_schulz_flops
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
@@ -772,6 +773,25 @@ def costs(args, config, world_size, dtype, rank=0):
         cost["gathered"] = f("e*(root + block)")  # run (its backward releases it before the next is gathered)
     # Muon: Newton-Schulz on the matrices this rank owns, whole (infra.newton_schulz_flops)
     cost["muon_flops"] = newton_schulz_flops([shape for (shape, _), owner in zip(matrices, owners) if owner == rank])
+    # every live tensor at its most, by phase (infra.phase_peaks), with ZeRO's own: stages 2-3
+    # in backward hold a unit's gradients as backward makes them (e) and its fp32 flat
+    # reduce-scatter input, one unit in flight at a time (the previous one's is waited for
+    # first); AdamW works on the shards' pieces, one per parameter (at most ⌈unit/N⌉ elements)
+    t = transient_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
+                        args.optimizer, update=min(max(map(math.prod, param_shapes(config).values())), max(shards)),
+                        casts=0)  # the working parameters are stored in the compute dtype: nothing to cast
+    # (a unit's buffers come when its block's backward is over and its saved tensors are gone)
+    unit = formula("max(0, (e + 4)*max(root, block) - layer)", show="e", e=e, root=root, layer=terms["layer"],
+                   block=max(shards[1:], default=0) * n) if stage > 1 else None
+    cost["peak"] = phase_peaks(cost, t, backward={"unit": unit})
+    # start-up builds only what this rank keeps, unit by unit: its shards (the fp32 master,
+    # a buffer of its own unless it is the fp32 working copy), the gradients' buffers, and
+    # stage 1-2's working copy; stage 3 binds the parameters' views over one whole unit's
+    # memory, given back at once, or param_init's scratch, whichever is larger
+    master = f("4*Ψ/N") if e == 2 and not args.offload else None
+    cost["startup"] = formula("params + grads" + " + master" * bool(master) + " + max(init, e*unit)" * (stage == 3),
+                              show="init e", params=held["params"], grads=held["grads"], master=master,
+                              init=t["init"], e=e, unit=max(root, max(shards[1:], default=0) * n))
     return cost
 
 

@@ -572,7 +572,8 @@ def costs(args, config, world_size, dtype, rank=0):
     per step. --optimizer muon: Ψ_m of Ψ are Muon's (one fp32 moment, not two); this rank
     sends its Ψ_mr elements of them to their owners and receives back, in the compute dtype,
     the Ψ_o elements of the matrices it owns (fsdp_optimizer)."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra import activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks, plus, \
+        transient_terms
     from infra import newton_schulz_flops
     S, R = world_size // args.replicate, args.replicate
     padded = {k: math.ceil(shape[0] / S) * S * math.prod(shape[1:]) for k, shape in param_shapes(config).items()}
@@ -615,11 +616,27 @@ def costs(args, config, world_size, dtype, rank=0):
     # leaves them as they are, but the residual stream is in the compute dtype
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                              param_dtype=dtype)  # the gathered units: stored in the compute dtype
-    return {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
+    cost = {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
             "held": held, "sent": sent, "gathered": gathered, "muon": matrices,
             # Muon: Newton-Schulz on the matrices this rank owns in its shard group, whole (every replica's too)
             "muon_flops": newton_schulz_flops([s for (_, s), owner in zip(matrices, owners) if owner == r]),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
+    # every live tensor at its most, by phase (infra.phase_peaks). Forward peaks at its end,
+    # with the root and the last block gathered (the prefetched next block exists only
+    # while a block with fewer activations behind it runs). Backward: the packed copy of a
+    # unit's gradients to reduce-scatter (rb per element), one in flight at a time, beside
+    # what backward holds (its gradients replace saved tensors backward has freed; when gloo
+    # completes the reduce-scatter moves the peak by up to 4%). AdamW: each parameter's shard
+    t = transient_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
+                        args.optimizer, update=max(padded.values()) // S, casts=0)  # gathered in the compute dtype
+    forward = {"gathered": f("e*(root + block)")} if reshard else None
+    unit = formula("rb*block", show="rb", rb=rb, block=max(per_block))
+    cost["peak"] = phase_peaks(cost, t, forward=forward, backward={"unit": unit})
+    # start-up: the shards alone (the model is built on the meta device), each parameter drawn
+    # whole by param_init before its rows are kept; Muon's momentum is made with it
+    cost["startup"] = formula("params + init" + " + 4*Ψ_m/S" * bool(matrices), show="init", params=plus(
+        *(v for k, v in held.items() if k.startswith("params"))), init=t["init"], Ψ_m=f("Ψ_m")[1], S=S)
+    return cost
 
 
 def log_gathered(run, fsdp):

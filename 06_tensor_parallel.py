@@ -710,7 +710,8 @@ def costs(args, config, world_size, dtype, rank=0):
     backward and the embedding/head all-reduces move 4 bytes an element. With
     --sequence_parallel f's all-gathers (in forward, and again in backward) move the
     LayerNorm output cast to the compute dtype: e bytes."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula, plus
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, largest_matrix,
+                       matmul_weights, phase_peaks, plus, transient_terms)
     from infra import newton_schulz_flops
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     check_layout(args, config, T)  # first: the formulas divide by T exactly
@@ -760,11 +761,21 @@ def costs(args, config, world_size, dtype, rank=0):
         # dropout masks (in their input's dtype) are then fp32
         terms["layer"] = plus(terms["layer"], f(f"2*(4 - e)*b*s*h{sp_T}"))
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
-    return {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
+    cost = {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
             "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
             # Muon: Newton-Schulz on the matrices this rank owns, put together whole (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([shape for shape, owner in zip(matrices, owners) if owner == rank]),
             "activations": activations_of_layers(terms, L, args.recompute)}
+    # every live tensor at its most, by phase (infra.phase_peaks on this rank's shards: the
+    # vocabulary-parallel logits V/T, the MLP's 4h/T; the all-reduces work in place), and at
+    # start-up the shards, each parameter drawn whole by param_init before its slice is kept
+    t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, tp=T,
+                        update=max(p.numel() for p in model.parameters()), matrix=largest_matrix(matrices),
+                        casts=matmul_weights({name: p.shape for name, p in model.named_parameters()}))
+    cost["peak"] = phase_peaks(cost, t)
+    cost["startup"] = formula("params + init" + " + 4*Ψ_m/T" * bool(matrices), show="init", params=held["params"],
+                              init=t["init"], Ψ_m=sum(map(math.prod, matrices)), T=T)
+    return cost
 
 
 

@@ -1163,13 +1163,32 @@ def costs(args, config, world_size, dtype, rank=0):
     in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
                  "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}.get(
         args.schedule, held_peak(order, split))  # the V schedules: walked (ZB-V: 2p chunks, as 1F1B's stage 0)
-    return {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
+    cost = {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
                                                 if v > 1 else ""),
             "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
             # Muon: Newton-Schulz on this stage's matrices (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([t.shape for name, t in chunks.named_parameters()
                                               if args.optimizer == "muon" and is_hidden_matrix(name, t.shape)]),
             "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank, vee, split)}
+    # every live tensor at its most, by phase (infra.phase_peaks on this stage's chunks: the
+    # logits only where the head is), with the boundaries' fp32 b·s·h tensors, in forward
+    # and backward alike: for each of the k chunks in flight its output, kept until its send
+    # completes (gloo reports a send complete only after the peer's receive), and its
+    # gradient received, or on its way (n = 2 per chunk; a middle stage also sends its
+    # input's gradient and receives its input: n = 4); and the one tensor being received and
+    # the one being sent. Start-up: the stage's weights, each drawn whole by param_init
+    from infra import activation_device_type, largest_matrix, matmul_weights, phase_peaks, transient_terms
+    t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, last=last, kept=False,
+                        casts=matmul_weights({name: t.shape for name, t in chunks.named_parameters()}),
+                        update=max(t.numel() for t in chunks.parameters()),
+                        matrix=largest_matrix(t.shape for name, t in chunks.named_parameters()
+                                              if is_hidden_matrix(name, t.shape)))
+    boundary = {"boundary": formula("(n*k + 2)*4*b*s*h", show="n k", n=2 if first or last else 4, k=in_flight,
+                                    b=b, s=s, h=h)} if p > 1 else None
+    cost["peak"] = phase_peaks(cost, t, forward=boundary, backward=boundary)
+    cost["startup"] = formula("params + init" + " + 4*Ψ_m" * (args.optimizer == "muon"), show="init",
+                              params=held["params"], init=t["init"], Ψ_m=psi_m)
+    return cost
 
 
 def held_peak(order, split):

@@ -771,11 +771,33 @@ def costs(args, config, world_size, dtype, rank=0):
     layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}{f', cp {mesh.cp_rank}' if C > 1 else ''}, tp {mesh.tp_rank}: "
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
-    return {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
-            # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica (--zero1
-            # too: ZeRO1's docstring); infra.newton_schulz_flops
-            "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners) if own == mesh.tp_rank]),
-            "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
+    rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
+                 # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica
+                 # (--zero1 too: ZeRO1's docstring); infra.newton_schulz_flops
+                 "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners)
+                                                    if own == mesh.tp_rank]),
+                 "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
+    # every live tensor at its most, by phase (infra.phase_peaks on this rank's shards and s
+    # tokens), with 07's boundaries (for each of the k chunks in flight its output, kept until
+    # its send completes, and its gradient, n = 2, or 4 on a middle stage; the tensor being
+    # received and the one being sent);
+    # AdamW's largest tensor: the vocabulary slice at the ends, else c_fc's 4h²/T. Start-up:
+    # the shards, each parameter drawn whole by param_init
+    from infra import activation_device_type, formula, phase_peaks, transient_terms
+    h = config.n_embd
+    t = transient_terms(config, x["b"], x["s"], dtype, activation_device_type(args), args.optimizer, tp=T,
+                        last=ends[1], kept=False, casts=split,  # autocast's copies: the split matrices
+                        update=max([4 * h * h // T] + [vocab_local * h] * any(ends)),
+                        matrix=max(((math.prod(m), min(m)) for m in matrices), default=(0, 0)))
+    k = min(P - mesh.pp_rank, x["m"])
+    # (DataParallel's all-reduce takes a flat copy of the gradients, freed before the update)
+    flat = None if args.zero1 else {"update": formula("max(4*Ψ_rank, update)", show="update", Ψ_rank=n_local,
+                                                      update=t["update"])}
+    boundary = {"boundary": formula("(n*k + 2)*4*b*s*h", show="n k", n=2 if any(ends) else 4, k=k, b=x["b"],
+                                    s=x["s"], h=h)} if P > 1 else None
+    rank_cost["peak"] = phase_peaks(rank_cost, t, forward=boundary, backward=boundary, optimizer=flat)
+    rank_cost["startup"] = formula("params + init", show="init", params=held["params"], init=t["init"])
+    return rank_cost
 
 
 def cost(expr, x, **more):

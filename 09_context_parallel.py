@@ -599,7 +599,8 @@ def costs(args, config, world_size, dtype):
     refuse). In every formula s is this rank's block_size/C tokens of a sequence (the
     docstring's T). Activations: infra.activation_terms on them, with the attention term
     replaced by what this script's attention saves."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula, sdpa_logsumexp
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks,
+                       sdpa_logsumexp, transient_terms)
     from infra import newton_schulz_flops
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
@@ -629,11 +630,23 @@ def costs(args, config, world_size, dtype):
         # and logsumexp (b·(H/C)·Cs); c_proj saves the output back in [b, s, h] (another storage)
         attention = f(f"3*e*b*s*h + e*b*s*h + {sdpa_logsumexp('(a/C)', '(C*s)', dtype, device_type)} + e*b*s*h")
     terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
-    return {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
+    cost = {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
             "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ" if args.optimizer == "adamw" else "4*Ψ_m + 8*(Ψ - Ψ_m)")},
             # Muon: Newton-Schulz on every matrix, on every CP and DP rank (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
+    # every live tensor at its most, by phase (infra.phase_peaks: 01's on s tokens), with the
+    # ring's working set: in forward the fp32 O being merged, a block's output and the next
+    # K/V arriving; in backward the fp32 dQ, this hop's dK, dV and the pair arriving with
+    # them, and the next K/V. Start-up: the weights and param_init's scratch
+    t = transient_terms(config, micro, s, dtype, device_type, args.optimizer)
+    ring = C > 1 and args.cp_impl == "ring"
+    cost["peak"] = phase_peaks(cost, t, forward={"ring": f("8*b*s*h + 2*e*b*s*h")} if ring else None,
+                               backward={"ring": f("20*b*s*h + 2*e*b*s*h")} if ring else None)
+    momentum = " + 4*Ψ_m" if args.optimizer == "muon" else ""  # Muon's, made with the optimizer
+    cost["startup"] = formula("params + init" + momentum, show="init", params=cost["held"]["params"],
+                              init=t["init"], Ψ_m=psi_m)
+    return cost
 
 
 def checkpoint_pieces(model, optimizer, env):

@@ -326,7 +326,7 @@ def costs(args, config, world_size, dtype, received=None):
     """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
     this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
     balanced routing: k·b·s each."""
-    from infra import formula
+    from infra import activation_device_type, formula, matmul_weights, phase_peaks, transient_terms
     from infra import newton_schulz_flops
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
@@ -360,12 +360,29 @@ def costs(args, config, world_size, dtype, received=None):
     # Muon's matrices on this rank: the dense ones, and those of its E/N experts of every layer (alike)
     dense, experts = ([p.shape for name, p in model.named_parameters() if args.optimizer == "muon"
                        and is_hidden_matrix(name, p.shape) and is_expert(name) == expert] for expert in (False, True))
-    return {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
+    cost = {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": {"all_to_all_single": all_to_all, "all_reduce": all_reduce},
             # Muon: Newton-Schulz on the dense matrices and on this rank's experts' (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(dense + experts[:len(experts) // ep]),
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
                                key=lambda a: a[1])}
+    # every live tensor at its most, by phase (infra.phase_peaks; autocast casts the dense
+    # weights and this rank's experts), with the dispatch's packed rows in forward, and
+    # reduce_gradients' flat copy of the dense
+    # gradients, still named while the experts' is made, before AdamW's temporaries; at
+    # start-up the weights (materialised from the meta device) and param_init's scratch
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    casts = matmul_weights({k: v for k, v in shapes.items() if not is_expert(k)}) + \
+        matmul_weights({k: v for k, v in shapes.items() if is_expert(k)}) // ep
+    t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, casts=casts)
+    dispatch = f("e*k*b*s*h")  # a layer's routed rows, packed for the dispatch all-to-all
+    cost["peak"] = phase_peaks(cost, t, forward={"dispatch": dispatch}, optimizer={"update": formula(
+        "max(4*Ψ_d + 4*L*Ψ_e*E/N, update)", show="update", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), L=L, E=E, N=ep,
+        update=t["update"])})
+    momentum = " + 4*(Ψ_dm + L*Ψ_em*E/N)" if args.optimizer == "muon" else ""  # Muon's, made at once
+    cost["startup"] = formula("params + init" + momentum, show="init", params=held["params"], init=t["init"],
+                              Ψ_dm=muon[False], Ψ_em=muon[True] // (L * E), L=L, E=E, N=ep)
+    return cost
 
 
 def activations(args, config, b, dtype, rows):

@@ -599,8 +599,8 @@ class Run(common.Run):
         log(env, f"fit after step 0: rank {rank} took {format_bytes(took)} ({how}) against the fit check's "
                  f"{format_bytes(estimate)} ({allowance_text(device_type)}, its room read with "
                  f"{self.groups_up} process group(s) up): the estimate was {abs(off):.0%} "
-                 f"{'low' if off > 0 else 'high'}; the ledger counted {format_bytes(counted)} of costs()'s "
-                 f"{format_bytes(base)} (model state + saved activations)")
+                 f"{'low' if off > 0 else 'high'}; the ledger counted {format_bytes(counted)} (model state + "
+                 f"saved activations) of costs()'s peak of every live tensor, {format_bytes(base)}")
 
     def save(self, step):
         LEDGER.phase = "checkpoint"
@@ -882,7 +882,7 @@ def fit_allowance(device_type):
 
 def allowance_text(device_type):
     share, mib = fit_allowance(device_type)
-    return f"costs() + {share:.0%} + {mib} MiB"
+    return f"costs()'s peak + {share:.0%} + {mib} MiB"
 
 # What a GPU of known size leaves for a rank's tensors when only its size is known (a dry run
 # or plan.py for a named machine): the CUDA / ROCm / Level Zero context, the communicators'
@@ -891,10 +891,26 @@ def allowance_text(device_type):
 GPU_USABLE = 0.9
 
 
+def peak_numbers(cost):
+    """{phase: bytes} of costs()'s step peak ("peak": forward, backward, optimizer) and its
+    start-up peak ("startup"), or None where the cost states no peak."""
+    if "peak" not in cost:
+        return None
+    return {**{phase: v for phase, (_, v) in cost["peak"].items()},
+            **({"startup": cost["startup"][1]} if "startup" in cost else {})}
+
+
 def fit_base(cost, device_type):
-    """costs()'s own bytes on this rank's device: its state (the host parts, with --offload,
-    only on CPU), 05's units gathered at the peak, and the activations."""
-    held = sum(v for kind, (_, v) in cost["held"].items() if device_type == "cpu" or "host" not in kind)
+    """costs()'s own bytes on this rank's device at their most: the largest of its step's
+    peaks by phase ("peak": forward, backward, optimizer; the state held, the gathered units,
+    the saved activations and the transients of each phase) and its start-up peak
+    ("startup": building, initialising, sharding the model); on GPUs less the state that
+    --offload keeps in host memory. A cost without a peak: its state, gathered units and
+    activations."""
+    host = sum(v for kind, (_, v) in cost["held"].items() if "host" in kind) if device_type != "cpu" else 0
+    if "peak" in cost:
+        return max(peak_numbers(cost).values()) - host
+    held = sum(v for _, v in cost["held"].values()) - host
     return held + sum(cost[k][1] for k in ("gathered", "activations") if k in cost)
 
 
@@ -1705,15 +1721,18 @@ class LiveStorage:
     """Every tensor storage alive on this rank, counted op by op, and its high-water mark in
     each phase of a step: a TorchDispatchMode sees every aten op (factories, autograd's
     gradients, the collectives' outputs, the optimizer's temporaries) and keeps a weak
-    reference to each new storage until it is freed; after each op it sums the present sizes
-    of those alive (a storage resized in place, 04's and FSDP's gathered units, at its new
-    size). A CPU has no allocator statistics, so this is how the tests measure the peak
-    (GPTPAR_COUNT_LIVE=1: every op pays a Python call; for tests and tiny models only).
+    reference to each new storage until it is freed; after each op that made a storage or
+    grew one (04's and FSDP's gathered units, refilled in place), and where a phase begins,
+    it sums the present sizes of those alive: between, storages are only freed, so the
+    peaks are exact. A CPU has no allocator statistics, so this is how the tests measure
+    the peak (GPTPAR_COUNT_LIVE=1: every op pays a Python call; for tests and tiny models).
 
         phase      the ops counted in it
         forward    the step's ops outside autograd's backward, up to the end of `with run.meter`
         backward   the ops autograd's engine runs (torch._C._current_graph_task_id() >= 0)
         optimizer  from the end of `with run.meter` to end_step: clipping, the update, gathers
+        startup    every op before the first step: building, initialising and sharding the
+                   model, the optimizer, a resume's loaded pieces (not reset after)
 
     Not seen: memory that is no tensor's (the allocator's slack, gloo's buffers, Python),
     and tensors made outside the dispatcher (torch.from_numpy: the batch's token ids)."""
@@ -1727,28 +1746,39 @@ class LiveStorage:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
+                grew = False
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.device.type != "meta":
                         storage = t.untyped_storage()
                         ref = live.storages.get(storage._cdata)
                         if ref is None or ref.expired():  # new (its address may be a freed one's)
-                            live.storages[storage._cdata] = StorageWeakRef(storage)
-                live.count(meter)
+                            live.storages[storage._cdata], grew = StorageWeakRef(storage), True
+                        elif storage.nbytes() > live.sizes.get(storage._cdata, 0):  # refilled in place
+                            grew = True
+                # the total can rise only where an op made or grew a storage: the sum is taken
+                # there (and where a phase begins); between, storages are only freed
+                if grew or meter.phase() != live.phase:
+                    live.count(meter)
                 return out
-        self.storages, self.now, self.peak = {}, 0, dict.fromkeys(PHASES, 0)
+        self.storages, self.sizes, self.now, self.peak, self.startup = {}, {}, 0, dict.fromkeys(PHASES, 0), 0
+        self.phase = None
         self.mode = Mode()
         self.mode.__enter__()  # from the start: the model's state is made under it too
 
     def count(self, meter):
-        self.now = 0
+        self.now, sizes = 0, {}
         for key, ref in list(self.storages.items()):
             if ref.expired():
                 del self.storages[key]
             else:
-                self.now += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        phase = meter.phase()
+                sizes[key] = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                self.now += sizes[key]
+        self.sizes = sizes
+        phase = self.phase = meter.phase()
         if phase is not None:
             self.peak[phase] = max(self.peak[phase], self.now)
+        elif not meter.stepped:  # before the first step: building, initialising, sharding, resuming
+            self.startup = max(self.startup, self.now)
 
     def reset(self):
         self.peak = dict.fromkeys(PHASES, 0)
@@ -1768,7 +1798,7 @@ class ActivationMeter:
         # every live tensor byte, by phase: counted op by op on CPU under GPTPAR_COUNT_LIVE=1
         # (LiveStorage); on GPUs the allocator's high-water mark (see live_peaks)
         self.storage = LiveStorage(self) if os.environ.get("GPTPAR_COUNT_LIVE") == "1" else None
-        self.active, self.after, self.window_peak = False, False, None
+        self.active, self.after, self.window_peak, self.stepped = False, False, None, False
 
     def phase(self):
         """The phase of a step the op now running belongs to (LiveStorage), or None."""
@@ -1782,8 +1812,8 @@ class ActivationMeter:
         the step began, through the forwards and backwards (one figure: the allocator cannot
         tell them apart) and through the whole step; else None."""
         self.after = False
-        if self.storage is not None:
-            peaks, _ = dict(self.storage.peak), self.storage.reset()
+        if self.storage is not None:  # and the start-up's peak, before the first step
+            peaks, _ = {**self.storage.peak, "startup": self.storage.startup}, self.storage.reset()
             return peaks
         step_peak = peak_memory(env)
         if step_peak is None:
@@ -1819,7 +1849,7 @@ class ActivationMeter:
         self.peak = self.current
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
-        self.active, self.after = True, False
+        self.active, self.after, self.stepped = True, False, True
 
     def stop(self):
         """Stop counting; the peak bytes held since start()."""
@@ -2071,6 +2101,127 @@ def activations_of_layers(terms, n_layers, recompute, first=True, last=True, in_
                    embedding=terms["embedding"], head=terms["head"])
 
 
+def transient_terms(config, b, s, dtype, device_type, optimizer="adamw", update=None, matrix=None, tp=1, last=True,
+                    casts=None, kept=True):
+    """The model's own short-lived tensors (common's GPT, one micro-batch of b sequences of s
+    tokens, V = vocab (V/T where the head is vocabulary-parallel), e the compute dtype's
+    bytes), each a formula: what a step's peak holds besides the model state, the gathered
+    units and the saved activations (activation_terms), and what start-up holds besides the
+    state it keeps. Counted against every live tensor (LiveStorage) by tests/test_peaks.py.
+
+      logits     forward, on the last stage: the head's logits e·bsV, in bf16 the loss's fp32
+                 copy (cross_entropy runs in fp32 under autocast), and where the loop still
+                 names the previous micro-batch's logits (`_, loss = model(x, y)`: `kept`)
+                 those too; the last micro-batch's stay into the optimizer step
+                     (e + c + k·e)·bsV,  c = 4 in bf16, 0 in fp32, k = 1 if kept
+      casts      bf16 only: autocast's copies of the weights its matmuls use (`casts`
+                 elements: every Linear's weight and the tied head, not wpe), made in forward
+                 and kept by autograd for backward (the meter leaves them out of the
+                 activations, as parameters)
+                     e·Ψ_c
+      gradients  backward: the logits' fp32 gradient (last stage) and an MLP-wide (4h/T)
+                 gradient in flight (GELU's input and output gradients overlap the block's
+                 saved tensors, which backward frees as it goes)
+                     4bsV + 4ebsh/T
+      update     the optimizer step: AdamW on CPU (torch's single-tensor loop) makes √v̂ and its
+                 quotient `denom` for each tensor, while the previous tensor's `denom` is still
+                 named: three temporaries of the largest tensor it updates (`update`
+                 elements); fused AdamW (GPUs) none. Muon orthogonalises its largest matrix (`matrix`:
+                 (M, r), M = m·n elements, r = min(m, n)): the fp32 Nesterov update 4M, X and the
+                 next X in the Newton-Schulz dtype 2eM, the Gram matrix and its product 2er².
+                 Unsharded (None): the model's largest parameter and hidden matrix
+                     AdamW (CPU): 3·4·P     Muon: max(AdamW's, 4M + 2eM + 2er²)
+      init       start-up: param_init draws each parameter whole in fp32 before it is copied
+                 or sliced into place: the largest parameter's 4·P_max
+    Remembered, as formula() is: plan.py asks for every rank of thousands of layouts."""
+    key = (repr(config), b, s, dtype, device_type, optimizer, update, matrix, tp, last, casts, kept)
+    if key not in _TRANSIENTS:
+        if len(_TRANSIENTS) > 100_000:
+            _TRANSIENTS.clear()
+        _TRANSIENTS[key] = _transient_terms(config, b, s, dtype, device_type, optimizer, update, matrix, tp, last,
+                                            casts, kept)
+    return _TRANSIENTS[key]
+
+
+_TRANSIENTS = {}
+
+
+def _transient_terms(config, b, s, dtype, device_type, optimizer, update, matrix, tp, last, casts, kept):
+    V, h, T, e = config.vocab_size, config.n_embd, tp, dtype.itemsize
+    c = 4 if e == 2 else 0
+    fused = device_type in ("cuda", "xpu")  # common.make_adamw: fused on GPUs
+    largest, (M, r), model_casts = model_sizes(config)
+    update = largest if update is None else update
+    M, r = (M, r) if matrix is None else matrix
+    casts = model_casts if casts is None else casts
+
+    def term(expr, **more):
+        return formula(expr.replace("/T", "/T" if T > 1 else ""), show="e c k adamw", b=b, s=s, h=h, V=V, T=T, e=e,
+                       c=c, k=int(kept), **more)
+    adamw = term("0" if fused else "3*4*P", P=update)
+    return {"logits": term("(e + c + k*e)*b*s*V/T" if last else "0"),
+            "casts": term("e*Ψ_c" if e == 2 else "0", Ψ_c=casts),
+            "gradients": term(("4*b*s*V/T + " if last else "") + "4*e*b*s*h/T"),
+            "last logits": term("e*b*s*V/T" if last and kept else "0"),
+            "update": adamw if optimizer == "adamw" else
+            term("max(adamw, 4*M + 2*e*M + 2*e*r**2)", adamw=adamw, M=M, r=r),
+            "init": term("4*P_max", P_max=largest)}
+
+
+def model_sizes(config):
+    """(the largest parameter's elements, largest_matrix() of Muon's matrices, matmul_weights())
+    of the whole model, from its shapes; remembered per config (plan.py asks for every rank
+    of thousands of layouts)."""
+    from common import is_hidden_matrix, param_shapes
+    key = repr(config)
+    if key not in _MODEL_SIZES:
+        shapes = param_shapes(config)
+        _MODEL_SIZES[key] = (max(map(math.prod, shapes.values())),
+                             largest_matrix(s for name, s in shapes.items() if is_hidden_matrix(name, s)),
+                             matmul_weights(shapes))
+    return _MODEL_SIZES[key]
+
+
+_MODEL_SIZES = {}
+
+
+def matmul_weights(named_shapes):
+    """The elements of the weights autocast casts for matmuls: every 2-D parameter but the
+    position embedding (wte is the tied head's weight)."""
+    return sum(math.prod(shape) for name, shape in named_shapes.items()
+               if len(shape) == 2 and not name.endswith("wpe.weight"))
+
+
+def largest_matrix(shapes):
+    """(m·n, min(m, n)) of the largest 2-D shape in `shapes` (Muon's work), or (0, 0)."""
+    return max(((math.prod(shape), min(shape)) for shape in shapes if len(shape) == 2), default=(0, 0))
+
+
+def phase_peaks(cost, t, forward=None, backward=None, optimizer=None):
+    """costs()'s "peak": the most bytes of live tensors on this rank in each phase of a step,
+    each one formula of named terms: the model state held (all of costs()'s `held`, kept
+    through the step), 05's and ZeRO-3's gathered units, the saved activations at their high
+    point (`activations`), the model's transients (transient_terms `t`) and the strategy's
+    own (`forward`, `backward`, `optimizer`: {name: formula}, the script's communication
+    buffers and the like; a name of the model's replaces its term).
+
+        forward    held + gathered + activations + casts + logits + ...
+        backward   held + gathered + activations + casts + gradients + ...
+        optimizer  held + the last logits + update + ...   (the units were given back)"""
+    held, gathered = ("", sum(v for _, v in cost["held"].values())), cost.get("gathered")
+    by_name = ("held", "gathered", "activations")
+
+    def phase(**terms):  # the state and the saved activations by name (their bytes), the transients written out
+        terms = {k: v[1] if k in by_name else v for k, v in terms.items() if v is not None and v[1]}
+        return formula(" + ".join(terms), show=" ".join(sorted(set(terms) - set(by_name))), **terms)
+    return {"forward": phase(**{"held": held, "gathered": gathered, "activations": cost["activations"],
+                                "casts": t["casts"], "logits": t["logits"], **(forward or {})}),
+            "backward": phase(**{"held": held, "gathered": gathered, "activations": cost["activations"],
+                                 "casts": t["casts"], "gradients": t["gradients"], **(backward or {})}),
+            "optimizer": phase(**{"held": held, "logits": t["last logits"], "update": t["update"],
+                                  **(optimizer or {})})}
+
+
 # ----------------------------------------------------------------------------------------
 # Metrics and logging: tokens/s, MFU, memory, JSONL
 # ----------------------------------------------------------------------------------------
@@ -2142,6 +2293,7 @@ class Metrics:
         self.state_theory, self.comm_theory = theory_bytes(cost)
         # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
+        self.live_theory = peak_numbers(cost)
 
     def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None, live=None):
         """Log one optimizer step; `dt` in seconds; `state`, `comm`, `activations` (the
@@ -2159,7 +2311,9 @@ class Metrics:
                    activation_bytes=activations, activation_bytes_theory=self.activation_theory,
                    micro_batch_size=self.micro_batch_size)
         if live is not None:  # every live tensor's bytes by phase, where counted (GPTPAR_COUNT_LIVE=1, GPUs)
-            row["live_bytes"] = live
+            row["live_bytes"], row["live_bytes_theory"] = live, self.live_theory
+            if os.environ.get("GPTPAR_COUNT_LIVE") == "1":  # a test's count: every rank's, one gather
+                row["live_bytes_ranks"] = self.live_ranks(live)
         ranks = self.over_ranks(row["dt_ms"], row["mem_peak_bytes"])
         straggler = ranks.pop("straggler", "")  # for the console line, not a metrics key
         row.update(ranks)
@@ -2182,6 +2336,17 @@ class Metrics:
             dist.all_gather_object(everyone, mine)
         return rank_stats(everyone)
 
+
+    def live_ranks(self, live):
+        """[{"live": .., "theory": ..}] of every rank, in rank order (one gather, only where
+        live bytes are counted: a pipeline's stages, 08's mesh, hold different things)."""
+        mine = {"live": live, "theory": self.live_theory}
+        if self.env.world_size == 1 or not dist.is_initialized():
+            return [mine]
+        everyone = [None] * self.env.world_size
+        with LEDGER.paused():  # a measurement's own traffic, not a step's
+            dist.all_gather_object(everyone, mine)
+        return everyone
 
     def write(self, row):
         if self.file:
@@ -2362,6 +2527,9 @@ def dry_run(args, script, config, cost, layout_lines=()):
     if "activations" in cost:
         formula, value = cost["activations"]
         lines.append(f"  holds {'activations (peak)':<26} {format_bytes(value):>11}   {formula}")
+    for phase, (formula, value) in {**cost.get("peak", {}), **({"start-up": cost["startup"]} if "startup" in cost
+                                                                 else {})}.items():
+        lines.append(f"  peak  {phase + ' (all live)':<26} {format_bytes(value):>11}   {formula}")
     for op, (formula, value) in sorted(cost["sent"].items()):
         lines.append(f"  comm  {op:<26} {format_bytes(value):>11}   per step: {formula}")
     if not cost["sent"]:
