@@ -2147,7 +2147,8 @@ _TRANSIENTS = {}
 
 
 def _transient_terms(config, b, s, dtype, device_type, optimizer, update, matrix, tp, last, casts, kept):
-    V, h, T, e = config.vocab_size, config.n_embd, tp, dtype.itemsize
+    T, h, e = tp, config.n_embd, dtype.itemsize
+    V = math.ceil(config.vocab_size / T) * T  # a vocabulary-parallel head pads it to a multiple of T (06, 08)
     c = 4 if e == 2 else 0
     fused = device_type in ("cuda", "xpu")  # common.make_adamw: fused on GPUs
     largest, (M, r), model_casts = model_sizes(config)
