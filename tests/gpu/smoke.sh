@@ -15,7 +15,7 @@ T="--device cuda --eval_interval 0 --max_iters 8 --log_interval 1 --timeout 120"
 port=29600
 run() {  # name, script, flags...
   local name=$1 script=$2; shift 2; port=$((port + 1))
-  (MASTER_PORT=$port timeout 300 $py "$script" $T --metrics "$out/$name.jsonl" --out_dir "$out/ckpt-$name" "$@" \
+  (MASTER_PORT=$port timeout ${RUN_TIMEOUT:-150} $py "$script" $T --metrics "$out/$name.jsonl" --out_dir "$out/ckpt-$name" "$@" \
      > "$out/$name.log" 2>&1; echo "$name rc=$? | $(grep -E '^(error|step 7:)' "$out/$name.log" | head -2 | tr '\n' ' ')" >> "$out/summary.txt") &
 }
 run 01_default_bf16 01_single_gpu.py --dtype bfloat16 --micro_batch_size auto
@@ -33,7 +33,7 @@ run 09 09_context_parallel.py --model tiny --dtype bfloat16
 run 10 10_expert_parallel.py --model tiny --dtype bfloat16 --n_expert 4 --top_k 2
 wait
 # the host syncs CUDA sees in 01's steps (warn mode: one warning per synchronizing call)
-MASTER_PORT=29700 timeout 200 $py - --device cuda --dtype bfloat16 --max_iters 6 --log_interval 100 --eval_interval 0 \
+MASTER_PORT=29700 timeout ${RUN_TIMEOUT:-150} $py - --device cuda --dtype bfloat16 --max_iters 6 --log_interval 100 --eval_interval 0 \
     --out_dir "$out/ckpt-syncs" > "$out/syncs.log" 2>&1 <<'PY'
 import runpy, sys, warnings
 import torch
