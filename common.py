@@ -243,7 +243,7 @@ class GPT(nn.Module):
                 x, aux = x[0], aux + x[1]
         x = self.transformer.ln_f(x)
         if targets is None:  # inference: only the last position's logits are needed
-            return self.lm_head(x[:, [-1], :]), None
+            return self.lm_head(x[:, -1:, :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         if self.config.n_expert and self.training:  # the objective; evaluation reports the LM loss

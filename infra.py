@@ -1193,8 +1193,12 @@ class HostSyncs:
     """With GPTPAR_COUNT_SYNCS=1 (tests): counts, inside each training step's window, the calls
     that make a GPU run wait for its device: a device-wide synchronize, and reading a
     tensor's value on the host (.item(), .tolist(), .cpu(), .numpy(), bool(), int(),
-    float()). On CPU they cost nothing, so a CPU run is where a test can count what a GPU
-    run of the same code would pay. The count is each metrics row's `host_syncs`."""
+    float()), and making a device tensor from Python values (torch.tensor(data, device=...):
+    a copy from pageable host memory, which CUDA makes the host wait for; torch.full makes
+    one on the device without a copy). On CPU they cost nothing, so a CPU run is where a
+    test can count what a GPU run of the same code would pay (checked on an H200 with
+    torch.cuda.set_sync_debug_mode: tests/gpu/smoke.sh). The count is each metrics row's
+    `host_syncs`."""
 
     READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
@@ -1204,6 +1208,10 @@ class HostSyncs:
             setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
         module = torch.get_device_module(device)
         module.synchronize = self._counted(module.synchronize)
+        made, copying = torch.tensor, self._counted(torch.tensor)
+        torch.tensor = lambda data, *args, **kwargs: (copying if kwargs.get("device") is not None
+                                                      and not isinstance(data, torch.Tensor) else made)(
+            data, *args, **kwargs)
 
     def _counted(self, fn):
         @wraps(fn)
@@ -1301,9 +1309,10 @@ class Guard:
         asked = 2 if self.signal else 1 if self._time_is_up() else 0
         # (first rank with a non-finite value, counted down so MAX finds the lowest; why stop;
         # a failed write): computed on the device, read once below
-        flags = torch.stack([torch.where(torch.isfinite(total), 0.0, float(env.world_size - rank)),
-                             torch.tensor(float(asked), device=env.device),
-                             torch.tensor(1.0 if WRITE_FAILURES else 0.0, device=env.device)])
+        # (torch.full fills on the device: torch.tensor(x, device=...) would copy from the host, a sync)
+        flags = torch.stack([(~torch.isfinite(total)).float() * float(env.world_size - rank),
+                             torch.full((), float(asked), device=env.device),
+                             torch.full((), 1.0 if WRITE_FAILURES else 0.0, device=env.device)])
         if env.world_size > 1 and dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # counted: all_reduce[guard]
         first_bad, asked, failed = map(int, flags.tolist())  # the step's one host sync for the guard
