@@ -52,6 +52,7 @@ class Chain:
 
     def __init__(self, *runs):
         self.losses = [loss for run in runs for loss in run.losses]
+        self.steps = [row for run in runs for row in run.steps]  # (their gradient norms, for the oracle)
 
 
 def test_checkpoints_move_between_01_and_10_at_another_ep(reference, tmp_path):
