@@ -793,8 +793,9 @@ def costs(args, config, world_size, dtype, rank=0):
     # (DataParallel's all-reduce takes a flat copy of the gradients, freed before the update)
     flat = None if args.zero1 else {"update": formula("max(4*Ψ_rank, update)", show="update", Ψ_rank=n_local,
                                                       update=t["update"])}
-    boundary = {"boundary": formula("(n*k + 2)*4*b*s*h", show="n k", n=2 if any(ends) else 4, k=k, b=x["b"],
-                                    s=x["s"], h=h)} if P > 1 else None
+    # (with SP a boundary tensor is the TP rank's s/T positions: act_shape in main)
+    boundary = {"boundary": formula("(n*k + 2)*4*b*s*h" + "/T" * args.sequence_parallel, show="n k",
+                                    n=2 if any(ends) else 4, k=k, b=x["b"], s=x["s"], h=h, T=T)} if P > 1 else None
     rank_cost["peak"] = phase_peaks(rank_cost, t, forward=boundary, backward=boundary, optimizer=flat)
     rank_cost["startup"] = formula("params + init", show="init", params=held["params"], init=t["init"])
     return rank_cost

@@ -48,6 +48,7 @@ CASES = [  # (script, ranks, flags, dtype): two layouts of each script, one fp32
     ("07_pipeline.py", 3, ["--n_layer", "3", "--global_batch_size", "6"], "bfloat16"),  # first, middle, last
     ("08_3d.py", 4, ["--tp", "2", "--pp", "2"], "float32"),  # two stages of two TP ranks
     ("08_3d.py", 4, ["--cp", "2", "--tp", "2"], "bfloat16"),
+    ("08_3d.py", 4, ["--tp", "2", "--pp", "2", "--sequence_parallel"], "bfloat16"),  # the boundary's s/T
     ("09_context_parallel.py", 2, ["--cp_impl", "ring"], "float32"),
     ("09_context_parallel.py", 2, ["--cp_impl", "ulysses"], "bfloat16"),
     ("10_expert_parallel.py", 2, MOE + ["--ep", "2"], "float32"),
