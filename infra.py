@@ -1024,11 +1024,17 @@ def planned_room(args):
 def rank_need(args, costs, world_size, dtype, device_type, ranks=(0,), **changes):
     """The largest fit_need() of the script's costs() over `ranks` (where the ranks differ: a
     pipeline's stages), with the flags in `changes` changed."""
-    config = model_config(args, Data.vocab_size_of(args.data))
     changed = argparse.Namespace(**{**vars(args), **changes})
-    by_rank = "rank" in inspect.signature(costs).parameters
-    return max(fit_need(costs(changed, config, world_size, dtype, **({"rank": r} if by_rank else {})), device_type)
-               for r in ranks)
+    key = (costs, repr(sorted(vars(changed).items())), world_size, dtype, device_type, tuple(ranks))
+    if key not in _RANK_NEEDS:  # remembered: the fit's search asks again for the layouts it tried
+        config = model_config(args, Data.vocab_size_of(args.data))
+        by_rank = "rank" in inspect.signature(costs).parameters
+        _RANK_NEEDS[key] = max(fit_need(costs(changed, config, world_size, dtype,
+                                              **({"rank": r} if by_rank else {})), device_type) for r in ranks)
+    return _RANK_NEEDS[key]
+
+
+_RANK_NEEDS = {}
 
 
 def fit_problem(args, env, costs, room=None):
