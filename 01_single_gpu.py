@@ -135,9 +135,8 @@ def costs(args, config, world_size, dtype):
     AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
     the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
     layers (infra.activation_terms counts them op by op; --recompute keeps block inputs)."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks,
-                       transient_terms)
-    from infra import newton_schulz_flops
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
+                       newton_schulz_flops, phase_peaks, transient_terms)
     psi, _ = count_params(config)
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))

@@ -233,9 +233,8 @@ def costs(args, config, world_size, dtype):
     """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks,
-                       transient_terms)
-    from infra import newton_schulz_flops
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
+                       newton_schulz_flops, phase_peaks, transient_terms)
     psi, _ = count_params(config)
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
     b = args.micro_batch_size or args.global_batch_size // world_size

@@ -726,9 +726,8 @@ def costs(args, config, world_size, dtype, rank=0):
     (mixed precision), m the micro-batches per step. --optimizer muon: Ψ_mr of this rank's
     elements are Muon's (one fp32 moment, not two), and it sends its pieces of them to their
     owners and receives back, in the compute dtype, the Ψ_o elements of the matrices it owns."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks, \
-        transient_terms
-    from infra import newton_schulz_flops
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
+                       newton_schulz_flops, phase_peaks, transient_terms)
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n

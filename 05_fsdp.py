@@ -572,9 +572,8 @@ def costs(args, config, world_size, dtype, rank=0):
     per step. --optimizer muon: Ψ_m of Ψ are Muon's (one fp32 moment, not two); this rank
     sends its Ψ_mr elements of them to their owners and receives back, in the compute dtype,
     the Ψ_o elements of the matrices it owns (fsdp_optimizer)."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks, plus, \
-        transient_terms
-    from infra import newton_schulz_flops
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
+                       newton_schulz_flops, phase_peaks, plus, transient_terms)
     S, R = world_size // args.replicate, args.replicate
     padded = {k: math.ceil(shape[0] / S) * S * math.prod(shape[1:]) for k, shape in param_shapes(config).items()}
     root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))

@@ -711,8 +711,7 @@ def costs(args, config, world_size, dtype, rank=0):
     --sequence_parallel f's all-gathers (in forward, and again in backward) move the
     LayerNorm output cast to the compute dtype: e bytes."""
     from infra import (activation_device_type, activation_terms, activations_of_layers, formula, largest_matrix,
-                       matmul_weights, phase_peaks, plus, transient_terms)
-    from infra import newton_schulz_flops
+                       matmul_weights, newton_schulz_flops, phase_peaks, plus, transient_terms)
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     check_layout(args, config, T)  # first: the formulas divide by T exactly
     with torch.device("meta"):

@@ -1135,8 +1135,7 @@ def costs(args, config, world_size, dtype, rank=0):
     gradients it sends and receives across stage boundaries, which stay fp32 under autocast
     (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
     all-reduced between the first and last stage, the norm and the logged loss."""
-    from infra import formula
-    from infra import newton_schulz_flops
+    from infra import formula, newton_schulz_flops
     p, m = world_size, args.global_batch_size // args.micro_batch_size
     actions, v, vee, split = run_table(args, p, m)
     with torch.device("meta"):

@@ -749,8 +749,7 @@ def costs(args, config, world_size, dtype, rank=0):
     the layers of this rank's stage, s the tokens of a sequence on this CP rank (s/C), e the
     bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's parameters
     and Ψ_r the TP-replicated ones among them."""
-    from infra import plus
-    from infra import newton_schulz_flops
+    from infra import newton_schulz_flops, plus
     T, P, C = args.tp, args.pp, args.cp
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups

@@ -599,9 +599,8 @@ def costs(args, config, world_size, dtype):
     refuse). In every formula s is this rank's block_size/C tokens of a sequence (the
     docstring's T). Activations: infra.activation_terms on them, with the attention term
     replaced by what this script's attention saves."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, phase_peaks,
-                       sdpa_logsumexp, transient_terms)
-    from infra import newton_schulz_flops
+    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
+                       newton_schulz_flops, phase_peaks, sdpa_logsumexp, transient_terms)
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices

@@ -326,8 +326,8 @@ def costs(args, config, world_size, dtype, received=None):
     """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
     this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
     balanced routing: k·b·s each."""
-    from infra import activation_device_type, formula, matmul_weights, phase_peaks, transient_terms
-    from infra import newton_schulz_flops
+    from infra import (activation_device_type, formula, matmul_weights, newton_schulz_flops, phase_peaks,
+                       transient_terms)
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
