@@ -18,9 +18,13 @@ import os
 import re
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import plan  # noqa: E402
+import infra  # noqa: E402
+from whole_plans import whole_plan  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # docs/planning.md, "Worked plans": each layout the text quotes, priced alone (plan.score),
@@ -63,8 +67,6 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
      ["cp 4 at pp 32, {total:.1f} GB, ~{step:.1f} s"]),
     (P175 + " --recompute", "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1,
      ["{total:.0f} GB per GPU ({act:.0f} GB of activations), ~{step:.1f} s per step, {mfu:.0f}% MFU, need {need:.1f} GB"]),
-    ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py", "--tp 4 --pp 64 --zero1 --sequence_parallel" + MB1,
-     ["dp 4 x pp 64 x tp 4 + SP + ZeRO-1 ({total:.1f} GB) at\n{mfu:.0f}% MFU"]),
     ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py",
      "--tp 4 --pp 64 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
      ["dp 1 x pp 64 x cp 4 (ring) x tp 4 + SP + ZeRO-1, {total:.1f} GB,\n~{step:.2f} s, {mfu:.0f}% MFU"]),
@@ -93,10 +95,17 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
 
 
 def priced(plan_flags, script, strategy, data=None):
-    """plan.py's candidate for one layout: the dict plan.score returns, and Ψ as plan.py counts it."""
+    """plan.py's candidate for one layout: the dict plan.score returns (taken from the whole
+    plan where this session makes it anyway: the same score() of the same flags), and Ψ as
+    plan.py counts it."""
     args, machine = plan.parse(plan_flags.split() + (["--data", data] if data else []))
-    c, reason = plan.score(script, strategy.split(), script, args, machine)
-    assert c is not None, f"{script} {strategy} refused: {reason}"
+    whole = [c for c in whole_plan(plan_flags)[1] if c["script"] == script
+             and c["flags"] == args.model_flags + strategy.split()] if plan_flags in WHOLE_PLANS and not data else []
+    if whole:
+        c = dict(whole[0])
+    else:
+        c, reason = plan.score(script, strategy.split(), script, args, machine)
+        assert c is not None, f"{script} {strategy} refused: {reason}"
     c["psi"] = plan.count_params_once(plan.dry_run("01_single_gpu.py", args.model_flags, 1, 1)[1])[0]
     return c
 
@@ -131,6 +140,76 @@ def test_the_worked_plans_quote_what_plan_py_computes():
     text = section("docs/planning.md", "## Worked plans")
     stale = [f"{layout}: {phrase!r}" for layout, phrase in worked_phrases() if phrase not in text]
     assert not stale, "docs/planning.md's worked plans no longer say what plan.py computes:\n" + "\n".join(stale)
+
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "Worked plans": what a whole plan says (how many layouts are valid and
+# fit, which one it recommends, which 3D is best), from plan.plan itself (tests/whole_plans.py:
+# made once a session; tests/test_plan.py reads the default-batch 175B plan too)
+# ----------------------------------------------------------------------------------------
+
+P175_DEFAULT = "--model gpt3-175b --gpus 1024 --machine polaris"
+# the 175B plan at the doc's batch is the dearest of all (~23 s of CPU on this machine, more than
+# the suite's budget allows): it runs when GPTPAR_DOC_PLANS=all, and in `python tests/test_doc_numbers.py`
+FULL = os.environ.get("GPTPAR_DOC_PLANS") == "all" or __name__ == "__main__"
+
+
+def words(label):
+    """A 3D/4D candidate's label as the doc writes a layout: "4D dp 1 pp 64 cp 4 ring tp 4 +
+    SP + ZeRO-1" -> "dp 1 x pp 64 x cp 4 (ring) x tp 4 + SP + ZeRO-1" (pp 1 left out)."""
+    text = re.sub(r"\bpp 1 ", "", re.sub(r"^[34]D ", "", label))
+    text = re.sub(r"cp (\d+) (ring|ulysses) ", r"cp \1 (\2) x ", text)
+    return re.sub(r"((?:dp|pp) \d+) (?=pp|cp|tp)", r"\1 x ", text)
+
+
+def plan_figures(flags):
+    """The figures of a whole plan the doc quotes: counts, the recommendation, the fastest 3D
+    that fits and the 3D that comes nearest to fitting."""
+    psi, scored, refused, choice, why = whole_plan(flags)
+    fitting = [c for c in scored if c["fits"]]
+    kinds = sorted({c["label"].split()[0] for c in fitting})
+    three_d = [c for c in scored if c["label"].startswith("3D")]
+    best3d = min((c for c in three_d if c["fits"]), key=lambda c: c["step_time_s"], default=None)
+    nearest3d = min(three_d, key=lambda c: c["need_bytes"], default=None)
+    gb = lambda c: c and c["per_gpu_bytes"]["total"] / 1e9  # noqa: E731
+    return dict(valid=len(scored), fit=len(fitting), refused=len(refused),
+                which="all of them 4D" if kinds == ["4D"] else "of them " + ", ".join(kinds),
+                only="only 4D layouts fit" if kinds == ["4D"] else ", ".join(kinds) + " fit",
+                command=choice["command"], rec=words(choice["label"]), rec_label=choice["label"],
+                rec_script=choice["script"], rec_micro=choice["flags"][choice["flags"].index("--micro_batch_size") + 1],
+                rec_total=gb(choice), rec_step=choice["step_time_s"], rec_mfu=100 * choice["mfu"],
+                best3d=best3d and words(best3d["label"]), best3d_total=gb(best3d), best3d_mfu=best3d and 100 * best3d["mfu"],
+                nearest3d=nearest3d and words(nearest3d["label"]))
+
+
+WHOLE = [  # (plan flags, phrases: str.format over plan_figures, compared with the lines joined; the dear one)
+    (P175_DEFAULT, ["With the scripts' default global batch (48) the best 3D is {best3d} ({best3d_total:.1f} GB) at "
+                    "{best3d_mfu:.0f}% MFU",
+                    "The plan recommends (2026-11-26) {rec}, {rec_total:.1f} GB, ~{rec_step:.2f} s, {rec_mfu:.0f}% MFU"], False),
+    (L32, ["Without `--recompute`, **{only}** ({fit} of {valid} valid,", "the leanest 3D, {nearest3d}, needs",
+           "The plan recommends {command} {rec}:"], False),
+    (L32 + " --recompute", ["With `--recompute` (`... --recompute`, {valid} valid, {fit} fit) the plan (2026-11-26) "
+                            "recommends {rec_label}, `{rec_script} ", " --micro_batch_size {rec_micro}`, {rec_total:.1f} GB",
+                            "3D fits again too: {best3d}, {best3d_total:.1f} GB"],
+     False),
+    (P175, ["--global_batch_size 1536`, {valid} valid layouts, {fit} fit, {which}) recommends {command} {rec}, ",
+            "The 3D layout nearest to fitting, {nearest3d}, holds"], True),
+]
+WHOLE_PLANS = {flags for flags, _, dear in WHOLE if FULL or not dear}  # priced() takes its candidates from these
+
+
+def whole_phrases(flags, phrases):
+    figures = plan_figures(flags)
+    return [phrase.format(**figures) for phrase in phrases]
+
+
+@pytest.mark.parametrize("flags, phrases", [
+    pytest.param(flags, phrases, marks=[pytest.mark.skipif(dear and not FULL, reason="~23 s of CPU: GPTPAR_DOC_PLANS=all")])
+    for flags, phrases, dear in WHOLE])
+def test_the_whole_plans_quote_their_counts_and_choices(flags, phrases):
+    flat = " ".join(section("docs/planning.md", "## Worked plans").split())
+    stale = [phrase for phrase in whole_phrases(flags, phrases) if " ".join(phrase.split()) not in flat]
+    assert not stale, f"docs/planning.md's worked plans no longer say what `plan.py {flags}` prints:\n" + "\n".join(stale)
 
 
 # ----------------------------------------------------------------------------------------
@@ -305,6 +384,90 @@ def test_the_published_runs_table_is_what_plan_py_computes(tmp_path):
     stale = [row for row in published_rows(str(tmp_path)) if row not in text]
     assert not stale, ("docs/planning.md's table of published runs is not what plan.py computes today "
                        "(python tests/test_doc_numbers.py prints it):\n" + "\n".join(stale))
+
+
+# ----------------------------------------------------------------------------------------
+# docs/planning.md, "plan.py against published large runs", **Memory.**: the step's peak of a
+# published run's priced rank, term by term, as 08's costs() builds it (infra.phase_peaks'
+# named terms, recorded as costs() hands them over), and the same costs() without the
+# pipeline's boundary term
+# ----------------------------------------------------------------------------------------
+
+def peak_terms(plan_flags, strategy, data, rank=None):
+    """08's backward peak on `rank` (the priced rank where None) of a published run, by term,
+    in GB: state (params, grads, optim), activations, casts, gradients (backward's working
+    ones), boundary and its text; the need with and without the boundary term; k and the stage."""
+    args, machine = plan.parse(plan_flags.split() + ["--data", data])
+    n, G = args.gpus, machine["gpus_per_node"]
+    r_args, config, _ = plan.dry_run("08_3d.py", args.model_flags + strategy.split(), n, G, machine.get("gpu_mem_gb"))
+    if rank is None:
+        rank = priced(plan_flags, "08_3d.py", strategy, data)["priced_rank"]
+    original, seen = infra.phase_peaks, []
+
+    def recording(cost, t, forward=None, backward=None, optimizer=None):
+        seen.append(dict(cost=cost, t=t, backward=dict(backward or {})))
+        return original(cost, t, forward, backward, optimizer)
+
+    def without_boundary(cost, t, forward=None, backward=None, optimizer=None):
+        drop = lambda terms: {k: v for k, v in terms.items() if k != "boundary"} or None  # noqa: E731
+        return original(cost, t, forward and drop(forward), backward and drop(backward), optimizer)
+    costs = {}
+    for name, patch in (("with", recording), ("without", without_boundary)):
+        infra.phase_peaks = patch
+        try:
+            costs[name] = plan.rank_costs("08_3d.py", r_args, config, n, plan.planned_dtype(r_args), rank)
+        finally:
+            infra.phase_peaks = original
+    (got,) = seen
+    cost, t, boundary = got["cost"], got["t"], got["backward"].pop("boundary")
+    assert not got["backward"] and "gathered" not in cost, "08's backward peak has terms this test does not name"
+    held = {k: v / 1e9 for k, (_, v) in cost["held"].items()}
+    terms = dict(state=sum(held.values()), activations=cost["activations"][1] / 1e9, casts=t["casts"][1] / 1e9,
+                 gradients=t["gradients"][1] / 1e9, boundary=boundary[1] / 1e9)
+    peak = cost["peak"]["backward"][1]
+    assert abs(sum(terms.values()) * 1e9 - peak) < 1, (terms, peak)  # the terms are the whole peak
+    assert peak == max(infra.peak_numbers(cost).values())  # and backward is the step's peak
+    device = plan.planned_device_type(r_args)
+    pp = rank // (r_args.cp * r_args.tp)
+    k = int(re.match(r"\(\d+·(\d+) \+ 2\)", boundary[0]).group(1))
+    return dict(terms, **held, peak=peak / 1e9, text=boundary[0], k=k, stage=pp, P=r_args.pp,
+                layers=plan.script("08_3d.py").stage_layers(config.n_layer, r_args.pp)[pp][1],
+                need=infra.fit_need(costs["with"], device) / 1e9, room=plan.planned_room(r_args) / 1e9,
+                peak_nb=max(infra.peak_numbers(costs["without"]).values()) / 1e9, need_nb=infra.fit_need(costs["without"], device) / 1e9)
+
+
+def memory_phrases(data):
+    """The **Memory.** paragraph's figures: 530B with full recompute and with SP, the 1T, Llama 3."""
+    runs = {run: (flags, strategy) for run, _, flags, _, strategy, _ in PUBLISHED}
+    full = peak_terms(*runs["GPT 530B, 2,240 A100 80 GB, full recompute"], data)
+    yield (f"on the priced rank (stage {full['stage']} of {full['P']}, k = {full['k']}), the backward peak is "
+           f"{full['peak']:.1f} GB = {full['state']:.1f} of model state ({full['params']:.2f} parameters, "
+           f"{full['grads']:.2f} gradients, {full['optim']:.1f} AdamW) + {full['activations']:.1f} of activations + "
+           f"{full['casts']:.1f} of autocast's bf16 weight copies + {full['gradients']:.2f} of backward's working "
+           f"gradients + {full['boundary']:.1f} at the boundaries, {full['text']}: over the {full['room']:.0f} GB room")
+    yield (f"Without the boundary term it would be {full['peak_nb']:.1f} GB, need {full['need_nb']:.1f}: "
+           + ("it fits." if full["need_nb"] <= full["room"] else "it does not fit."))
+    one_t = peak_terms(*runs["GPT 1T, 3,072 A100 80 GB"], data)
+    yield (f"The same term is {one_t['boundary']:.1f} GB for the 1T (k = {one_t['k']}; without it "
+           f"{one_t['peak_nb']:.1f} GB, need {one_t['need_nb']:.1f}, and the allowance would "
+           + ("still refuse it)" if one_t["need_nb"] > one_t["room"] else "not refuse it)"))
+    sp_flags, sp_strategy = runs["GPT 530B, 2,240 A100 80 GB, SP + selective recompute"]
+    sp = peak_terms(sp_flags, sp_strategy, data)
+    yield (f"stage {sp['stage']} (k = {sp['k']},\n(2·{sp['k']} + 2)·4·b·(s/T)·h), {sp['boundary']:.1f} GB of a backward peak of "
+           f"{sp['peak']:.1f} GB = {sp['state']:.1f} of model state (the first stage holds the embedding) + "
+           f"{sp['activations']:.1f} of activations + {sp['casts']:.1f} of autocast's copies + {sp['gradients']:.2f} of "
+           f"working gradients + {sp['boundary']:.1f}.")
+    second = peak_terms(sp_flags, sp_strategy, data, rank=1 * 8)  # stage 1's first rank (tp 8, cp 1)
+    yield f"makes it the need of {sp['need']:.1f} GB, which refuses the row (stage 1's need is {second['need']:.1f} GB)"
+    llama = peak_terms(*runs["Llama 3 405B (as a GPT of its size), 16,384 H100 80 GB"], data)
+    yield (f"priced rank (stage {llama['stage']}, k = {llama['k']}, {llama['layers']} of the 126 layers) the term is "
+           f"{llama['boundary']:.1f} GB, and its {llama['activations']:.1f} GB of activations ({llama['k']} micro-batches")
+
+
+def test_the_memory_paragraph_quotes_the_priced_ranks_peak_term_by_term(tmp_path):
+    flat = " ".join(section("docs/planning.md", "## plan.py against published large runs").split())
+    stale = [phrase for phrase in memory_phrases(str(tmp_path)) if " ".join(phrase.split()) not in flat]
+    assert not stale, "docs/planning.md's breakdown of the published runs' peaks is stale:\n" + "\n".join(stale)
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,13 +8,12 @@
 4. GPT-3 175B on 1024 Polaris GPUs: a fitting 3D layout, in seconds; the --json schema."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from harness import ROOT, dry, launch
+from harness import dry, launch
 import plan
+from whole_plans import whole_plan
 
 # a tiny model on a 2-GPU "node" described by hand (the numbers only set the step-time model)
 MODEL = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--global_batch_size", "8"]
@@ -126,10 +125,11 @@ def test_korthikanti_activations_per_layer():
 
 
 def test_gpt3_175b_on_1024_polaris_gpus_recommends_a_fitting_3d_layout():
-    out = subprocess.run([sys.executable, "plan.py", "--model", "gpt3-175b", "--gpus", "1024",
-                          "--machine", "polaris", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    """The plan `python plan.py --model gpt3-175b --gpus 1024 --machine polaris --json` prints,
+    made in process (tests/whole_plans.py: docs/planning.md's check of the same plan's
+    recommendation, in tests/test_doc_numbers.py, reads the same run) and read back through
+    its JSON, as a user's tool would."""
+    result = json.loads(json.dumps(plan.as_json(*whole_plan("--model gpt3-175b --gpus 1024 --machine polaris"))))
     rec = result["recommendation"]
     assert rec["script"] == "08_3d.py" and rec["fits"], rec
     tp, pp = (int(rec["flags"][rec["flags"].index(f) + 1]) for f in ("--tp", "--pp"))
