@@ -8,10 +8,17 @@ text. After a change to a formula or to plan.py's time model, print what the doc
 
 and paste the lines that changed (the published-runs table is printed whole).
 
-What is not checked here, and why: the counts of valid and fitting layouts of a whole plan
-(164 valid, 14 fit, ...) need the whole plan (tens of seconds each); the CPU table of
-"Predicted against measured" depends on a --bench file of that day's machine; the rehearsal
-timings are measurements. Each says in the doc when and how it was made.
+Whole plans (how many layouts are valid and fit, which is recommended, which 3D is best)
+come from plan.plan itself, each made once a session (tests/whole_plans.py) and shared with
+tests/test_plan.py, which checks the same 175B plan; the worked layouts of those plans are
+read from them. The step's peak of a published run's priced rank is checked term by term as
+08's costs() hands the terms to infra.phase_peaks, and again without the boundary term.
+
+What is not checked here, and why: the counts of the GPT-3 175B plan at the doc's batch of
+1536 (162 valid, 9 fit) need ~23 s of CPU, more than the suite's budget: they run with
+GPTPAR_DOC_PLANS=all and in `python tests/test_doc_numbers.py`; the CPU table of "Predicted
+against measured" depends on a --bench file of that day's machine; the rehearsal timings are
+measurements. Each says in the doc when and how it was made.
 """
 
 import os
@@ -507,6 +514,65 @@ def test_strategies_zero_row_quotes_the_scripts_ratios():
     assert not stale, "docs/strategies.md's ZeRO row no longer says what 03's and 04's costs() give:\n" + "\n".join(stale)
 
 
+# ----------------------------------------------------------------------------------------
+# docs/strategies.md: the rest of what it quotes from the scripts (its formulas in letters
+# are the scripts' costs() docstrings, which the ledger tests hold to the bytes moved)
+# ----------------------------------------------------------------------------------------
+
+def defaults(name):
+    """The parser `name`'s main() builds (common.make_parser + its add_flags), as argparse
+    defaults and choices by destination."""
+    import common
+    module = plan.script(name)
+    parser = module.add_flags(common.make_parser(module.__doc__, experts=name.startswith(("01", "10"))))
+    return ({a.dest: a.default for a in parser._actions},
+            {a.dest: "/".join(map(str, a.choices)) for a in parser._actions if a.choices})
+
+
+def strategies_figures():
+    """The other figures docs/strategies.md quotes from the scripts: the flags' defaults, the
+    default CP and EP degrees 09 and 10 choose at 8 and 12 ranks, Muon's constants (common.py)
+    and the pipeline bubbles of 07's schedules (07's bubble_formula, what its dry run prints)."""
+    import common
+    d = {name: defaults(name) for name in ("01_single_gpu.py", "03_ddp.py", "04_zero.py", "05_fsdp.py",
+                                           "07_pipeline.py", "08_3d.py", "09_context_parallel.py", "10_expert_parallel.py")}
+    yield f"`--sample_tokens N` ({d['01_single_gpu.py'][0]['sample_tokens']}; 0 = none)"
+    yield f"`--bucket_mb` ({d['03_ddp.py'][0]['bucket_mb']:g})"
+    yield f"`--stage 1/2/3` ({d['04_zero.py'][0]['stage']})"
+    yield f"(05's default `--reduce_dtype {d['05_fsdp.py'][0]['reduce_dtype']}`)"
+    yield f"`--reduce_dtype {d['05_fsdp.py'][1]['reduce_dtype']}`"
+    pipe, choices = d["07_pipeline.py"]
+    yield f"`--schedule {choices['schedule']}` ({pipe['schedule']};"
+    yield f"`--virtual_stages v` ({pipe['virtual_stages']}, interleaved only)"
+    three = d["08_3d.py"][0]
+    yield f"`--tp T` ({three['tp']}), `--pp P` ({three['pp']}), `--cp C` ({three['cp']}; data parallel = world / (T·P·C))"
+    yield f"`--cp_impl {d['08_3d.py'][1]['cp_impl']}` (ring: block_size divisible by 2C"
+    yield f"`--cp_impl {d['09_context_parallel.py'][1]['cp_impl']}` ({d['09_context_parallel.py'][0]['cp_impl']}) |"
+
+    def degree(name, n):  # the degree the script's check_layout takes without the flag
+        args, config, _ = plan.dry_run(name, [], n, n)
+        return plan.script(name).check_layout(args, config, n), args, config
+    cp = {n: degree("09_context_parallel.py", n)[0] for n in (8, 12)}  # (C, D)
+    yield f"8 ranks of the default, cp {cp[8][0]}; 12, cp {cp[12][0]} x dp {cp[12][1]}"
+    (ep8, args, config), ep12 = degree("10_expert_parallel.py", 8), degree("10_expert_parallel.py", 12)[0]
+    yield (f"{config.n_expert} experts of the default `{args.model}` at 8 ranks, ep {ep8}; at 12, ep {ep12} "
+           f"x dp {12 // ep12}")
+    yield f"--aux_loss_coef` ({config.aux_loss_coef:g})"  # (the flag's default is the model's config's)
+    a, b, c = common.NS_COEFFICIENTS
+    yield f"momentum (μ = {common.MUON_MOMENTUM:g})"
+    yield f"{common.NS_STEPS} x X <- a·X + (b·A + c·A·A)·X, A = X·Xᵀ Newton-Schulz, (a, b, c) = ({a:.4f}, {b:.4f}, {c:.4f})"
+    pipeline = plan.script("07_pipeline.py")
+    yield f"a third of 1F1B's bubble {pipeline.bubble_formula('zb', 1)} for more memory"
+    yield f"Bubble {pipeline.bubble_formula('zbv', 1)} for m >= (3p-1)/2"
+    yield f"bubble {pipeline.bubble_formula('dualpipev', 1)};"
+
+
+def test_strategies_quotes_the_scripts_defaults_constants_and_bubbles():
+    flat = " ".join(open(os.path.join(ROOT, "docs/strategies.md"), encoding="utf-8").read().split())
+    stale = [phrase for phrase in strategies_figures() if " ".join(phrase.split()) not in flat]
+    assert not stale, "docs/strategies.md no longer quotes what the scripts say:\n" + "\n".join(stale)
+
+
 if __name__ == "__main__":
     import tempfile
     with tempfile.TemporaryDirectory() as data:
@@ -525,6 +591,18 @@ if __name__ == "__main__":
     print("\ndocs/planning.md, ## Checked against the papers and against measurement:")
     for phrase in papers_phrases():
         print(f"  {phrase!r}")
+    print("\ndocs/planning.md, ## Worked plans, whole plans:")
+    for flags, phrases, _ in WHOLE:
+        print(f"  plan.py {flags}:")
+        for phrase in whole_phrases(flags, phrases):
+            print(f"      {phrase!r}")
+    with tempfile.TemporaryDirectory() as data:
+        print("\ndocs/planning.md, ## plan.py against published large runs, **Memory.**:")
+        for phrase in memory_phrases(data):
+            print(f"  {phrase!r}")
     print("\ndocs/strategies.md, the ZeRO row:")
     for phrase in strategies_phrases():
+        print(f"  {phrase!r}")
+    print("\ndocs/strategies.md, defaults, constants, bubbles:")
+    for phrase in strategies_figures():
         print(f"  {phrase!r}")
