@@ -576,9 +576,46 @@ def strategies_figures():
     yield f"bubble {pipeline.bubble_formula('dualpipev', 1)};"
 
 
+def collapse(*texts):
+    """costs()' held formulas summed as the table writes a total: "4Ψ", "4Ψ/N", "8Ψ/N" -> "4Ψ+12Ψ/N"."""
+    whole = shard = 0
+    for term in " + ".join(texts).split(" + "):
+        if term == "0":
+            continue
+        coefficient, per_rank = re.fullmatch(r"(\d*)Ψ(/N)?", term).groups()
+        whole, shard = (whole, shard + int(coefficient or 1)) if per_rank else (whole + int(coefficient or 1), shard)
+    return "+".join([f"{whole}Ψ"] * bool(whole) + [f"{shard}Ψ/N"] * bool(shard))
+
+
+def held_rows():
+    """The table's "holds" of 01, 03 and 04 (each stage, fp32 and bf16) and 03's all-reduce, in
+    the words of the table, from the formulas their costs() print."""
+    def texts(script, dtype, n, extra=()):
+        cost = plan.dry_run(script, ["--model", "gpt2", "--dtype", dtype, "--global_batch_size", "4",
+                                     "--micro_batch_size", "1", *extra], n, n)[2]
+        return {k: t for k, (t, _) in cost["held"].items()}, {k: t for k, (t, _) in cost["sent"].items()}
+    yield f"everything: {collapse(*texts('01_single_gpu.py', 'float32', 1)[0].values())} bytes of model state"
+    held, sent = texts("03_ddp.py", "float32", 4)
+    yield f"a full replica: {collapse(*held.values())}"
+    yield f"one all-reduce of all gradients, {sent['all_reduce'].split(' + ')[0]} bytes"
+    zero = {(dtype, k): texts("04_zero.py", dtype, 4, ["--stage", str(k)])[0]
+            for dtype in ("float32", "bfloat16") for k in (1, 2, 3)}
+    one = zero["float32", 1]
+    grads = one["grads"].split(" + ")
+    yield (f"fp32: {one['params']}+{grads[0]}+{one['optim']} (1, plus the {grads[1]} reduced gradient shard), "
+           f"{collapse(*zero['float32', 2].values())} (2), {collapse(*zero['float32', 3].values())} (3)")
+    b = {k: zero["bfloat16", k] for k in (1, 2, 3)}
+    assert b[1]["params"] == b[2]["params"] and b[2]["grads"] == b[3]["grads"] and \
+        b[1]["optim"] == b[2]["optim"] == b[3]["optim"], b  # as the row groups them
+    yield (f"bf16: {b[1]['params']} working parameters at stages 1-2 (stage 3 holds "
+           f"{'none' if b[3]['params'] == '0' else b[3]['params']}: it gathers each unit as it runs), gradients summed "
+           f"and reduced in fp32 as 03 and 05 do (stage 1: {b[1]['grads']}; 2-3: {b[2]['grads']}), {b[1]['optim']} of "
+           "fp32 masters and moments")
+
+
 def test_strategies_quotes_the_scripts_defaults_constants_and_bubbles():
     flat = " ".join(open(os.path.join(ROOT, "docs/strategies.md"), encoding="utf-8").read().split())
-    stale = [phrase for phrase in strategies_figures() if " ".join(phrase.split()) not in flat]
+    stale = [phrase for phrase in [*strategies_figures(), *held_rows()] if " ".join(phrase.split()) not in flat]
     assert not stale, "docs/strategies.md no longer quotes what the scripts say:\n" + "\n".join(stale)
 
 
@@ -612,6 +649,6 @@ if __name__ == "__main__":
     print("\ndocs/strategies.md, the ZeRO row:")
     for phrase in strategies_phrases():
         print(f"  {phrase!r}")
-    print("\ndocs/strategies.md, defaults, constants, bubbles:")
-    for phrase in strategies_figures():
+    print("\ndocs/strategies.md, holds, defaults, constants, bubbles:")
+    for phrase in [*held_rows(), *strategies_figures()]:
         print(f"  {phrase!r}")
