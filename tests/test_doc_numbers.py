@@ -54,7 +54,8 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
     (XL, "04_zero.py", "--stage 3 --micro_batch_size 12", ["(ZeRO-3, the leanest: {total:.1f} GB)"]),
     (XL, "07_pipeline.py", "--schedule 1f1b --micro_batch_size 6", ["(1F1B: {total:.1f} GB)"]),
     (XL, "04_zero.py", "--stage 1" + MB1, ["ZeRO-1 ({total:.1f} GB at micro-batch 1)"]),
-    (F13, "08_3d.py", "--tp 1 --pp 8" + MB1, ["Ψ = {psi:.1f}B, 16Ψ = {psi16:.0f} GB", "{total:.1f} GB per\nGCD of which {act:.1f} GB", "~{step:.1f} s, {mfu:.0f}% MFU"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8" + MB1, ["Ψ = {psi:.1f}B, 16Ψ = {psi16:.0f} GB", "{total:.1f} GB per\nGCD of which {act:.1f} GB",
+                                            "~{step:.1f} s, {mfu:.0f}% MFU", "the bubble of 7/71 = {bubble:.0f}% included"]),
     (F13, "08_3d.py", "--tp 1 --pp 8 --cp 8 --cp_impl ulysses --zero1" + MB1,
      ["{total:.1f} GB per GCD ({act:.1f} GB of activations), ~{step:.1f} s, {mfu:.0f}% MFU", "bubble is 7/519 = {bubble:.1f}%"]),
     (F13, "08_3d.py", "--tp 1 --pp 8 --zero1" + MB1, ["({total:.1f} GB with `--zero1`)"]),
@@ -413,7 +414,7 @@ def peak_terms(plan_flags, strategy, data, rank=None):
     """08's backward peak on `rank` (the priced rank where None) of a published run, by term,
     in GB: state (params, grads, optim), activations, casts, gradients (backward's working
     ones), boundary and its text; the need with and without the boundary term; k and the stage."""
-    args, machine = plan.parse(plan_flags.split() + ["--data", data])
+    args, machine = plan.parse(plan_flags.split() + (["--data", data] if data else []))
     n, G = args.gpus, machine["gpus_per_node"]
     r_args, config, _ = plan.dry_run("08_3d.py", args.model_flags + strategy.split(), n, G, machine.get("gpu_mem_gb"))
     if rank is None:
@@ -478,6 +479,24 @@ def memory_phrases(data):
     llama = peak_terms(*runs["Llama 3 405B (as a GPT of its size), 16,384 H100 80 GB"], data)
     yield (f"priced rank (stage {llama['stage']}, k = {llama['k']}, {llama['layers']} of the 126 layers) the term is "
            f"{llama['boundary']:.1f} GB, and its {llama['activations']:.1f} GB of activations ({llama['k']} micro-batches")
+
+
+def derived_phrases():
+    """What "Worked plans" derives from the scripts besides a layout's totals: ZeRO-1's wire
+    bytes against DDP's in bf16 (03's and 04's costs()), and the 175B plan's pipeline
+    boundaries on stage 1 (08's costs(), its boundary term)."""
+    from fractions import Fraction
+    yield f"move {Fraction(round(wire_ratio(1, 'bfloat16'), 3)).limit_denominator(8)} of the wire bytes of 03's all-reduce"
+    strategy = "--tp 4 --pp 32 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1
+    stage1 = peak_terms(P175, strategy, None, rank=1 * 2 * 4)  # stage 1's first rank: cp 2 x tp 4 ranks a stage
+    yield (f"On stage {stage1['stage']} of {stage1['P']}, {stage1['k']} micro-batches are in flight under 1F1B")
+    yield f"`costs()`'s (4·{stage1['k']} + 2)·4·b·(s/T)·h"
+
+
+def test_the_worked_plans_quote_the_scripts_ratios_and_boundaries():
+    flat = " ".join(section("docs/planning.md", "## Worked plans").split())
+    stale = [phrase for phrase in derived_phrases() if " ".join(phrase.split()) not in flat]
+    assert not stale, "docs/planning.md's worked plans are stale:\n" + "\n".join(stale)
 
 
 def test_the_memory_paragraph_quotes_the_priced_ranks_peak_term_by_term(tmp_path):
@@ -642,6 +661,8 @@ if __name__ == "__main__":
         print(f"  plan.py {flags}:")
         for phrase in whole_phrases(flags, phrases):
             print(f"      {phrase!r}")
+    for phrase in derived_phrases():
+        print(f"  {phrase!r}")
     with tempfile.TemporaryDirectory() as data:
         print("\ndocs/planning.md, ## plan.py against published large runs, **Memory.**:")
         for phrase in memory_phrases(data):
