@@ -661,6 +661,7 @@ if __name__ == "__main__":
         print(f"  plan.py {flags}:")
         for phrase in whole_phrases(flags, phrases):
             print(f"      {phrase!r}")
+    print("\ndocs/planning.md, ## Worked plans, ratios and boundaries:")
     for phrase in derived_phrases():
         print(f"  {phrase!r}")
     with tempfile.TemporaryDirectory() as data:
