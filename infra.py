@@ -3643,6 +3643,23 @@ def _rehearsal_mode_class():
         """Small integer tensors and scalars: what a rehearsal keeps real (STAND_INS)."""
         return t.dim() == 0 if t.is_floating_point() or t.is_complex() else t.numel() <= SMALL_REAL
 
+    memos = {f"_{name}{suffix}": None for name in ("nonzero_memo", "item_memo", "unique_memo",
+                                                     "unique_consecutive_memo", "nested_int_memo")
+             for suffix in ("", "_vc", "_epoch")}
+
+    def new_fake(mode, elem, device):
+        """FakeTensor(mode, elem, device) for a meta `elem` and a device FakeTensor made before:
+        what its constructor sets, without the checks of its general forms."""
+        t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        if mode._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(t)
+        t.__dict__.update(memos, _fake_device=device, fake_mode=mode, constant=None, pytype=None, dispatch_keys=None,
+                          real_tensor=None)
+        return t
+
     class RehearsalTensors(FakeTensorMode):
         """FakeTensorMode with the rehearsal's stand-ins (see STAND_INS)."""
 
@@ -3674,6 +3691,20 @@ def _rehearsal_mode_class():
                     result += (type(arg), arg)
                 else:  # tensors of other kinds, symbolic values, functions: torch's own rules
                     super()._prep_args_for_hash(result, [arg], state, id_hashed_objects)
+
+        def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+            """FakeTensorMode's output for a cache hit, made directly where it is plain (sizes
+            without symbols, strided, not in place): torch's general form, with its checks for
+            symbolic sizes and its FakeTensor constructor's, took a third of a rehearsed op."""
+            out = entry.metadata
+            if out is None or entry.inplace_idx is not None or self.shape_env is not None \
+                    or out.layout is not torch.strided or out.is_conj or out.is_neg:
+                return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+            empty = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device="meta",
+                                        requires_grad=out.requires_grad)
+            if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
+                empty.set_(args[entry.view_idx].untyped_storage(), out.storage_offset, out.shape, out.stride)
+            return new_fake(self, empty, out.device)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
