@@ -3631,7 +3631,8 @@ SMALL_REAL = 1 << 20  # integer tensors made from no fake tensor stay real up to
 
 
 def _rehearsal_mode_class():
-    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+    from torch._subclasses.fake_tensor import (_DISPATCH_META_HANDLERS as METADATA_QUERIES,
+                                               DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                                FakeTensorMode)
     from torch.utils._mode_utils import no_dispatch
     from torch.utils._pytree import tree_leaves, tree_map_only
@@ -3707,6 +3708,9 @@ def _rehearsal_mode_class():
             return new_fake(self, empty, out.device)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            query = METADATA_QUERIES.get(func)
+            if query is not None:  # a fake tensor's device, size or stride: two in three calls, answered first
+                return query(args)
             kwargs = kwargs or {}
             inputs = []  # an aten op's tensors: arguments, or in a list argument (Tensor[])
             for a in (*args, *kwargs.values()):
