@@ -3707,6 +3707,20 @@ def _rehearsal_mode_class():
                 empty.set_(args[entry.view_idx].untyped_storage(), out.storage_offset, out.shape, out.stride)
             return new_fake(self, empty, out.device)
 
+        def faked_token_ids(self, func, inputs, args, kwargs):
+            """An op of fake tensors and real integer ones (token ids, targets, positions): the
+            real ones as fresh fakes of their shape, so that the op's output comes from the
+            cache. FakeTensorMode would convert them itself, by its general converter, and not
+            cache the op: ~1 ms each, once per micro-batch and layer. Not for an op that writes
+            to its inputs, nor for a one-element tensor (torch keeps its value: a constant)."""
+            reals = {id(t): t for t in inputs if type(t) is torch.Tensor and t.layout == torch.strided
+                     and not (t.is_floating_point() or t.is_complex()) and t.numel() > 1}
+            if not reals or getattr(getattr(func, "_schema", None), "is_mutable", True):
+                return args, kwargs
+            fakes = {i: new_fake(self, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
+                                 t.device) for i, t in reals.items()}
+            return tree_map_only(torch.Tensor, lambda t: fakes.get(id(t), t), (args, kwargs))
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             query = METADATA_QUERIES.get(func)
             if query is not None:  # a fake tensor's device, size or stride: two in three calls, answered first
@@ -3737,6 +3751,8 @@ def _rehearsal_mode_class():
                 n, bins = args[0].numel(), max(kwargs.get("minlength", args[2] if len(args) > 2 else 0), 1)
                 with no_dispatch():
                     return torch.tensor([n // bins + (e < n % bins) for e in range(bins)], dtype=torch.long)
+            if fake and not all(isinstance(t, FakeTensor) for t in inputs):
+                args, kwargs = self.faked_token_ids(func, inputs, args, kwargs)
             try:
                 out = self.dispatch(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException):
