@@ -3633,7 +3633,7 @@ SMALL_REAL = 1 << 20  # integer tensors made from no fake tensor stay real up to
 def _rehearsal_mode_class():
     from torch._subclasses.fake_tensor import (_DISPATCH_META_HANDLERS as METADATA_QUERIES,
                                                DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
-                                               FakeTensorMode)
+                                               FakeTensorMode, in_kernel_invocation_manager)
     from torch.utils._mode_utils import no_dispatch
     from torch.utils._pytree import tree_leaves, tree_map_only
     aten = torch.ops.aten
@@ -3744,6 +3744,12 @@ def _rehearsal_mode_class():
                 if all(map(stays_real, outs)):
                     return out
                 return tree_map_only(torch.Tensor, self.from_tensor, out)  # a real float result: fake on
+            if fake and func.namespace == "c10d":
+                # a collective or send/recv of fake tensors, on the fake process group (which moves
+                # nothing): run on their meta tensors, as FakeTensorMode runs a tensor's metadata
+                # queries; its general path for an operator it has no rule for took ~1 ms
+                with in_kernel_invocation_manager(self):
+                    return func(*args, **kwargs)
             if func is aten._local_scalar_dense.default and fake:  # a value read on the host
                 t = args[0]
                 return False if t.dtype == torch.bool else 0.0 if t.dtype.is_floating_point else 0
