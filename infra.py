@@ -3649,8 +3649,9 @@ def _rehearsal_mode_class():
              for suffix in ("", "_vc", "_epoch")}
 
     def new_fake(mode, elem, device):
-        """FakeTensor(mode, elem, device) for a meta `elem` and a device FakeTensor made before:
-        what its constructor sets, without the checks of its general forms."""
+        """FakeTensor(mode, elem, device) for a meta `elem` and a device already in torch's
+        normal form (a fake tensor's, or a real CPU tensor's): what the constructor sets, without
+        the checks and conversions of its general forms."""
         t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
                                         device_for_backend_keys=device)
         if mode._allow_unsafe_data_ptr_access:
