@@ -20,6 +20,7 @@ import dataclasses
 import atexit
 import collections
 import errno
+import gc
 import inspect
 import io
 import json
@@ -3418,7 +3419,8 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
         with open(args.metrics, "a") as f:
             for rank in ranks:
                 f.write(json.dumps(finite_or_null(state.results[rank]["rows"][-1]), allow_nan=False) + "\n")
-    status, posts, how = 0, state.posts, None
+    status, posts, how, t1 = 0, state.posts, None, time.perf_counter()
+    gc.disable()  # from here on millions of small objects and no cycles (see replay)
     if len(ranks) < args.world_size:  # the others' orders from their roles' (the symmetry section)
         posts, how = symmetric_posts(state.posts, state.made, args.world_size, roles)
     if os.environ.get("GPTPAR_REHEARSAL_POSTS"):  # every rank's posting order, as replayed (tests read it)
@@ -3435,8 +3437,13 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
         if not result.ok:
             lines.append(result.report())
         lines.append(replay_verdict(result, posts))
+    import resource
+    resident = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    lines[0] += (f"; the symmetry and the replay {time.perf_counter() - t1:.1f} s; {resident // 1024:,} MiB resident "
+                 "at most (the largest process)")
     print("\n".join(lines), flush=True)
     REHEARSING = None
+    gc.enable()
     sys.exit(status)
 
 
@@ -3624,8 +3631,9 @@ SMALL_REAL = 1 << 20  # integer tensors made from no fake tensor stay real up to
 
 
 def _rehearsal_mode_class():
-    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
-                                               FakeTensorMode)
+    from torch._subclasses.fake_tensor import (_DISPATCH_META_HANDLERS as METADATA_QUERIES,
+                                               DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                               FakeTensorMode, in_kernel_invocation_manager)
     from torch.utils._mode_utils import no_dispatch
     from torch.utils._pytree import tree_leaves, tree_map_only
     aten = torch.ops.aten
@@ -3635,6 +3643,24 @@ def _rehearsal_mode_class():
     def stays_real(t):
         """Small integer tensors and scalars: what a rehearsal keeps real (STAND_INS)."""
         return t.dim() == 0 if t.is_floating_point() or t.is_complex() else t.numel() <= SMALL_REAL
+
+    memos = {f"_{name}{suffix}": None for name in ("nonzero_memo", "item_memo", "unique_memo",
+                                                     "unique_consecutive_memo", "nested_int_memo")
+             for suffix in ("", "_vc", "_epoch")}
+
+    def new_fake(mode, elem, device):
+        """FakeTensor(mode, elem, device) for a meta `elem` and a device already in torch's
+        normal form (a fake tensor's, or a real CPU tensor's): what the constructor sets, without
+        the checks and conversions of its general forms."""
+        t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        if mode._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(t)
+        t.__dict__.update(memos, _fake_device=device, fake_mode=mode, constant=None, pytype=None, dispatch_keys=None,
+                          real_tensor=None)
+        return t
 
     class RehearsalTensors(FakeTensorMode):
         """FakeTensorMode with the rehearsal's stand-ins (see STAND_INS)."""
@@ -3668,7 +3694,38 @@ def _rehearsal_mode_class():
                 else:  # tensors of other kinds, symbolic values, functions: torch's own rules
                     super()._prep_args_for_hash(result, [arg], state, id_hashed_objects)
 
+        def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+            """FakeTensorMode's output for a cache hit, made directly where it is plain (sizes
+            without symbols, strided, not in place): torch's general form, with its checks for
+            symbolic sizes and its FakeTensor constructor's, took a third of a rehearsed op."""
+            out = entry.metadata
+            if out is None or entry.inplace_idx is not None or self.shape_env is not None \
+                    or out.layout is not torch.strided or out.is_conj or out.is_neg:
+                return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+            empty = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device="meta",
+                                        requires_grad=out.requires_grad)
+            if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
+                empty.set_(args[entry.view_idx].untyped_storage(), out.storage_offset, out.shape, out.stride)
+            return new_fake(self, empty, out.device)
+
+        def faked_token_ids(self, func, inputs, args, kwargs):
+            """An op of fake tensors and real integer ones (token ids, targets, positions): the
+            real ones as fresh fakes of their shape, so that the op's output comes from the
+            cache. FakeTensorMode would convert them itself, by its general converter, and not
+            cache the op: ~1 ms each, once per micro-batch and layer. Not for an op that writes
+            to its inputs, nor for a one-element tensor (torch keeps its value: a constant)."""
+            reals = {id(t): t for t in inputs if type(t) is torch.Tensor and t.layout == torch.strided
+                     and not (t.is_floating_point() or t.is_complex()) and t.numel() > 1}
+            if not reals or getattr(getattr(func, "_schema", None), "is_mutable", True):
+                return args, kwargs
+            fakes = {i: new_fake(self, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
+                                 t.device) for i, t in reals.items()}
+            return tree_map_only(torch.Tensor, lambda t: fakes.get(id(t), t), (args, kwargs))
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            query = METADATA_QUERIES.get(func)
+            if query is not None:  # a fake tensor's device, size or stride: two in three calls, answered first
+                return query(args)
             kwargs = kwargs or {}
             inputs = []  # an aten op's tensors: arguments, or in a list argument (Tensor[])
             for a in (*args, *kwargs.values()):
@@ -3688,6 +3745,12 @@ def _rehearsal_mode_class():
                 if all(map(stays_real, outs)):
                     return out
                 return tree_map_only(torch.Tensor, self.from_tensor, out)  # a real float result: fake on
+            if fake and func.namespace == "c10d":
+                # a collective or send/recv of fake tensors, on the fake process group (which moves
+                # nothing): run on their meta tensors, as FakeTensorMode runs a tensor's metadata
+                # queries; its general path for an operator it has no rule for took ~1 ms
+                with in_kernel_invocation_manager(self):
+                    return func(*args, **kwargs)
             if func is aten._local_scalar_dense.default and fake:  # a value read on the host
                 t = args[0]
                 return False if t.dtype == torch.bool else 0.0 if t.dtype.is_floating_point else 0
@@ -3695,6 +3758,8 @@ def _rehearsal_mode_class():
                 n, bins = args[0].numel(), max(kwargs.get("minlength", args[2] if len(args) > 2 else 0), 1)
                 with no_dispatch():
                     return torch.tensor([n // bins + (e < n % bins) for e in range(bins)], dtype=torch.long)
+            if fake and not all(isinstance(t, FakeTensor) for t in inputs):
+                args, kwargs = self.faked_token_ids(func, inputs, args, kwargs)
             try:
                 out = self.dispatch(func, types, args, kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException):
@@ -4114,85 +4179,108 @@ def _describe(entry):
 def replay(posts):
     """posts: {rank: [entry, ...]} in posting order (the recorded JSON lines, or orders
     computed the same way). Returns a Replay: ok, or the deadlock / mismatches found."""
-    # every operation as (rank, position in its queue), p2p ops numbered per channel
-    items, channel_count, where = {}, {}, {}
-    for rank, entries in posts.items():
-        items[rank] = []
-        for position, entry in enumerate(entries):
-            if entry["kind"] in ("batch", "send", "recv"):
-                ops = entry["ops"] if entry["kind"] == "batch" else [dict(entry, op=entry["kind"])]
-                keyed = []
-                for op in ops:
-                    side = op["op"]
-                    src, dst = (rank, op["peer"]) if side == "send" else (op["peer"], rank)
-                    channel = (entry.get("group"), src, dst)
-                    k = channel_count.get((channel, side), 0)
-                    channel_count[(channel, side)] = k + 1
-                    key = (channel, k)
-                    where[(key, side)] = (rank, position, op)
-                    keyed.append((key, side))
-                items[rank].append(("p2p", entry, keyed))
-            else:
-                items[rank].append(("collective", entry, None))
-    collective_seq = {}  # (rank, position) -> index of this collective within its group, on its rank
-    seen = {}
-    for rank, queue in items.items():
-        for position, (kind, entry, _) in enumerate(queue):
-            if kind == "collective":
-                n = seen.get((rank, entry["group"]), 0)
-                seen[(rank, entry["group"])] = n + 1
-                collective_seq[(rank, position)] = n
+    # Millions of small tuples for a 1,024-rank mesh: the cycle collector, run as they are
+    # made, would walk every one of them (and every posted entry) many times over (half of
+    # the time at 512 ranks); nothing here makes a cycle.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _replay(posts)
+    finally:
+        if collecting:
+            gc.enable()
 
-    pos = {rank: 0 for rank in items}
-    done, mismatches = set(), []
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, queue in items.items():
-            if pos[rank] == len(queue):
-                continue
-            kind, entry, keyed = queue[pos[rank]]
-            if kind == "p2p":
-                for key, side in keyed:
-                    if (key, side) in done:
-                        continue
-                    other = "recv" if side == "send" else "send"
-                    peer = where.get((key, other))
-                    if peer is None or pos[peer[0]] != peer[1]:
-                        continue  # the counterpart is not posted (yet)
-                    done.update({(key, side), (key, other)})
-                    mine, theirs = where[(key, side)][2], peer[2]
-                    if mine.get("tag") != theirs.get("tag") or mine.get("bytes") != theirs.get("bytes"):
-                        send, recv = (mine, theirs) if side == "send" else (theirs, mine)
-                        mismatches.append(f"channel {key[0][1]}->{key[0][2]} message {key[1]}: sent tag "
-                                          f"{send.get('tag')} ({send.get('bytes')} bytes), received as tag "
-                                          f"{recv.get('tag')} ({recv.get('bytes')} bytes)")
-                if all(k in done for k in keyed):
-                    pos[rank] += 1
-                    progressed = True
+
+def _replay(posts):
+    # Every operation as (rank, position in its queue). A send or receive is one message,
+    # (communicator, sender, receiver, k) for the k-th on that channel (rule 4): `where`
+    # finds its send and its receive; a collective is the n-th of its communicator on its rank.
+    items, count, where = {}, {}, ({}, {})  # where[0]: message -> (rank, position, op) of its send; [1]: its receive
+    for rank, entries in posts.items():
+        items[rank] = queue = []
+        seq = {}
+        for position, entry in enumerate(entries):
+            kind = entry["kind"]
+            if kind == "batch" or kind == "send" or kind == "recv":
+                group, keyed = entry.get("group"), []
+                for op in entry["ops"] if kind == "batch" else (entry,):
+                    side = 1 if (op["op"] if kind == "batch" else kind) == "recv" else 0
+                    channel = (group, op["peer"], rank, side) if side else (group, rank, op["peer"], side)
+                    k = count.get(channel, 0)
+                    count[channel] = k + 1
+                    key = channel[:3] + (k,)
+                    where[side][key] = (rank, position, op)
+                    keyed.append((key, side))
+                queue.append((True, entry, keyed, None))
             else:
-                members = entry["ranks"]
-                n = collective_seq[(rank, pos[rank])]
-                heads = []
+                n = seq.get(entry["group"], 0)
+                seq[entry["group"]] = n + 1
+                queue.append((False, entry, None, n))
+
+    # A worklist, not passes over every rank: a rank is looked at again only when its head
+    # changed or a send/receive of its head was matched, the only events that can let it move
+    # (a match from either side is found by whichever of the two ranks reaches it last).
+    pos = {rank: 0 for rank in items}
+    done, mismatches = set(), []  # done: the messages both of whose ends were posted together
+    arrived, counted = {}, {}  # (group, n) -> how many members have it at their head; rank -> its counted head
+    ready, queued = collections.deque(items), set(items)
+
+    def wake(rank):
+        if rank not in queued:
+            queued.add(rank)
+            ready.append(rank)
+    while ready:
+        rank = ready.popleft()
+        queued.discard(rank)
+        queue = items[rank]
+        if pos[rank] == len(queue):
+            continue
+        p2p, entry, keyed, n = queue[pos[rank]]
+        if p2p:
+            complete = True
+            for key, side in keyed:
+                if key in done:
+                    continue
+                peer = where[1 - side].get(key)
+                if peer is None or pos[peer[0]] != peer[1]:
+                    complete = False
+                    continue  # the counterpart is not posted (yet): its rank finds this one when it is
+                done.add(key)
+                wake(peer[0])  # its batch may be complete now
+                mine, theirs = where[side][key][2], peer[2]
+                if mine.get("tag") != theirs.get("tag") or mine.get("bytes") != theirs.get("bytes"):
+                    send, recv = (theirs, mine) if side else (mine, theirs)
+                    mismatches.append(f"channel {key[1]}->{key[2]} message {key[3]}: sent tag "
+                                      f"{send.get('tag')} ({send.get('bytes')} bytes), received as tag "
+                                      f"{recv.get('tag')} ({recv.get('bytes')} bytes)")
+            if complete:
+                pos[rank] += 1
+                wake(rank)
+        else:
+            members, group = entry["ranks"], entry["group"]
+            if counted.get(rank) != pos[rank]:
+                counted[rank] = pos[rank]
+                arrived[(group, n)] = arrived.get((group, n), 0) + 1
+            if arrived[(group, n)] < len(members):
+                continue  # the last member to reach it completes it
+            heads = []
+            for member in members:
+                if member not in items or pos[member] == len(items[member]):
+                    break
+                head = items[member][pos[member]]
+                if head[0] or head[1]["group"] != group or head[3] != n:
+                    break
+                heads.append(head[1])
+            else:
+                if any(h["kind"] != entry["kind"] or "sent" not in h and h.get("bytes") != entry.get("bytes")
+                       or "sent" in h and any(h["sent"][j] != heads[j]["received"][i] for j in range(len(heads)))
+                       for i, h in enumerate(heads)):  # an all-to-all: what i sends j, j receives from i
+                    mismatches.append(f"collective {n} of group {group}: "
+                                      + ", ".join(f"rank {m} {h['kind']} ({h.get('bytes')} bytes)"
+                                                  for m, h in zip(members, heads)))
                 for member in members:
-                    if member not in items or pos[member] == len(items[member]):
-                        break
-                    head = items[member][pos[member]]
-                    if head[0] != "collective" or head[1]["group"] != entry["group"]:
-                        break
-                    if collective_seq[(member, pos[member])] != n:
-                        break
-                    heads.append(head[1])
-                else:
-                    if any(h["kind"] != entry["kind"] or "sent" not in h and h.get("bytes") != entry.get("bytes")
-                           or "sent" in h and any(h["sent"][j] != heads[j]["received"][i] for j in range(len(heads)))
-                           for i, h in enumerate(heads)):  # an all-to-all: what i sends j, j receives from i
-                        mismatches.append(f"collective {n} of group {entry['group']}: "
-                                          + ", ".join(f"rank {m} {h['kind']} ({h.get('bytes')} bytes)"
-                                                      for m, h in zip(members, heads)))
-                    for member in members:
-                        pos[member] += 1
-                    progressed = True
+                    pos[member] += 1
+                    wake(member)
 
     def head(rank):
         return _describe(items[rank][pos[rank]][1]) if pos[rank] < len(items[rank]) else "done"
@@ -4201,22 +4289,22 @@ def replay(posts):
     for rank, queue in items.items():
         if pos[rank] == len(queue):
             continue
-        kind, entry, keyed = queue[pos[rank]]
+        p2p, entry, keyed, _ = queue[pos[rank]]
         waits = [f"head: {_describe(entry)}"]
         for key, side in keyed or ():
-            if (key, side) in done:
+            if key in done:
                 continue
-            other = "recv" if side == "send" else "send"
-            peer = where.get((key, other))
-            (src, dst), k = key[0][1:], key[1]
-            what = (f"{side} {'to ' + str(dst) if side == 'send' else 'from ' + str(src)} "
+            peer = where[1 - side].get(key)
+            (src, dst), k = key[1:3], key[3]
+            what = (f"{'recv' if side else 'send'} {'from ' + str(src) if side else 'to ' + str(dst)} "
                     f"(message {k} of {src}->{dst})")
+            other = "send" if side else "recv"
             if peer is None:
                 waits.append(f"{what}: its {other} is never posted")
             else:
                 waits.append(f"{what}: its {other} is rank {peer[0]}'s operation {peer[1]}, which waits "
                              f"behind {peer[1] - pos[peer[0]]} operation(s) of its own: {head(peer[0])}")
-        if kind == "collective":
+        if not p2p:
             waits.append("members' heads: " + "; ".join(f"rank {m}: {head(m)}" for m in entry["ranks"]))
         blocked[rank] = waits
     return Replay(ok=not blocked and not mismatches, blocked=blocked, mismatches=mismatches,

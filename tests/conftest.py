@@ -4,3 +4,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# The big tier (`@pytest.mark.big`: rehearsals of big meshes, minutes each) is the second CI
+# step, `python -m pytest -q -m big tests`; the README's plain `python -m pytest -q tests`
+# skips it. Any -m expression is pytest's own selection.
+BIG = "big: a rehearsal of a big mesh (minutes); skipped unless selected with `-m big`"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", BIG)
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("markexpr"):
+        return
+    import pytest
+    skip = pytest.mark.skip(reason="the big tier: python -m pytest -m big tests")
+    for item in items:
+        if "big" in item.keywords:
+            item.add_marker(skip)

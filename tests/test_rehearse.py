@@ -10,7 +10,10 @@ rehearsal section), checked against what real gloo runs measure and against NCCL
     role's ranks do not post alike, the replay is refused, saying so;
   * a posting order that hangs on NCCL (one batch per operation, the rule 07 had before
     Megatron's paired batches) is reported as a deadlock naming the rank and the operation;
-  * a bad layout is one line and exit 2, as in a launch."""
+  * a bad layout is one line and exit 2, as in a launch;
+  * two of the issue's big meshes, no deadlock: 08 at pp 16 x cp 4 x tp 8 (512 ranks, `roles`
+    and the mesh's symmetry) and 10 at ep 16 (`all`); the others, minutes in all, are the big
+    tier (tests/test_rehearse_big.py, `pytest -m big`)."""
 
 import json
 import os
@@ -222,3 +225,38 @@ def test_the_replay_verdict_names_a_size_mismatch_and_a_collective_one_rank_neve
                        "4 bytes over ranks 0-1 on group tp (step 1, backward); 1 rank(s) blocked"), verdict
     fine = {0: [collective("all_reduce", 4)], 1: [collective("all_reduce", 4)]}
     assert "no deadlock" in infra.replay_verdict(infra.replay(fine), fine)
+
+
+# ---- the issue's big meshes that are fast enough for the suite (the rest: test_rehearse_big.py)
+
+NO_DEADLOCK = "replay under NCCL's rules: no deadlock; every collective and send/recv matched on every group"
+EQUAL = "costs(): every rehearsed rank holds and sends what its formulas say"
+
+
+def rehearsed(tmp_path, script, flags, ranks, world_size):
+    """Rehearse, check the verdicts every case shares, return (stdout, {rank: row})."""
+    run, rows = rehearse(tmp_path, script, [*flags, "--dropout", "0"], ranks=ranks, world_size=world_size)
+    out = run.stdout
+    assert EQUAL in out and out.splitlines()[-1].startswith(NO_DEADLOCK), out[-4000:]
+    for rank, row in rows.items():
+        assert row["state_bytes"] == row["state_bytes_theory"], rank
+        assert row["comm_bytes"] == row["comm_bytes_theory"], rank
+        assert row["activation_bytes"] == row["activation_bytes_theory"] > 0, rank
+    return out, rows
+
+
+def test_08_at_pp16_cp4_tp8_roles_by_symmetry(tmp_path):
+    """A 4D mesh of 512 ranks: 17 ranks executed (each stage's first, and the last rank), the
+    other 495 posting orders moved from theirs through the mesh's rotations, all 512 replayed."""
+    flags = ["--n_layer", "16", "--n_head", "8", "--n_embd", "128", "--global_batch_size", "16",
+             "--micro_batch_size", "1", "--pp", "16", "--cp", "4", "--tp", "8"]
+    out, _ = rehearsed(tmp_path, "08_3d.py", flags, "roles", 512)
+    assert "symmetry: replayed 512 ranks: 17 rehearsed, 495 by symmetry" in out, out[-4000:]
+
+
+def test_10_at_ep16_every_rank(tmp_path):
+    """16 experts over 16 ranks, every rank executed: the all-to-all's sizes, balanced by the
+    stand-in, match pairwise on every rank (replay rule 5)."""
+    flags = ["--n_expert", "16", "--top_k", "2", "--ep", "16", "--global_batch_size", "16"]
+    _, rows = rehearsed(tmp_path, "10_expert_parallel.py", flags, "all", 16)
+    assert sorted(rows) == list(range(16))
