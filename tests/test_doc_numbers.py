@@ -15,8 +15,8 @@ read from them. The step's peak of a published run's priced rank is checked term
 08's costs() hands the terms to infra.phase_peaks, and again without the boundary term.
 
 What is not checked here, and why: the counts of the GPT-3 175B plan at the doc's batch of
-1536 (162 valid, 9 fit) need ~23 s of CPU, more than the suite's budget: they run with
-GPTPAR_DOC_PLANS=all and in `python tests/test_doc_numbers.py`; the CPU table of "Predicted
+1536 (162 valid, 9 fit) need ~23 s of CPU, more than the suite's budget: they run in the big
+tier (`python -m pytest -q -m big tests`, CI's second step) and in `python tests/test_doc_numbers.py`; the CPU table of "Predicted
 against measured" depends on a --bench file of that day's machine; the rehearsal timings are
 measurements. Each says in the doc when and how it was made.
 """
@@ -158,9 +158,9 @@ def test_the_worked_plans_quote_what_plan_py_computes():
 
 P175_DEFAULT = "--model gpt3-175b --gpus 1024 --machine polaris"
 # the suite's budget pays for the three plans marked 0 below (~13 s of CPU on this machine, the
-# 175B one shared with tests/test_plan.py); the others (the seconds each takes here) run with
-# GPTPAR_DOC_PLANS=all, and in `python tests/test_doc_numbers.py`
-FULL = os.environ.get("GPTPAR_DOC_PLANS") == "all" or __name__ == "__main__"
+# 175B one shared with tests/test_plan.py); the others (the seconds each takes here) run in the
+# big tier (`-m big`, tests/conftest.py), and in `python tests/test_doc_numbers.py`
+FULL = __name__ == "__main__"
 
 
 def words(label):
@@ -221,7 +221,7 @@ def whole_phrases(flags, phrases):
 
 
 @pytest.mark.parametrize("flags, phrases", [
-    pytest.param(flags, phrases, marks=[pytest.mark.skipif(dear and not FULL, reason=f"~{dear} s: GPTPAR_DOC_PLANS=all")])
+    pytest.param(flags, phrases, marks=[pytest.mark.big] if dear else [])
     for flags, phrases, dear in WHOLE])
 def test_the_whole_plans_quote_their_counts_and_choices(flags, phrases):
     flat = " ".join(section("docs/planning.md", "## Worked plans").split())
