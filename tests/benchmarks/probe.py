@@ -1,0 +1,69 @@
+"""Run a training script as `python SCRIPT ARGS...` would, and record for bench.py what its
+metrics do not say: the wall-clock and CPU time of every loop iteration, on every rank.
+Used the same way for our scripts and for torch_baselines.py, so both sides are measured
+alike; nothing in the scripts knows about it.
+
+    python tests/benchmarks/probe.py SCRIPT ARGS...     (bench.py launches it, one per rank)
+
+    GPTPAR_PROBE=DIR   write DIR/rank<R>.json: one row per optimizer step (a global
+                       optimizer post-step hook; the first optimizer object that steps is
+                       the one followed), taken as the step's optimizer.step() returns:
+                       [wall s, process CPU s (user+sys, every thread), main thread CPU s,
+                        voluntary context switches, involuntary ones]
+    GPTPAR_PIN=1       pin this rank, and every thread it starts afterwards (gloo's, torch's
+                       pool), to one core of its own: LOCAL_RANK's in the allowed set, modulo
+
+Between two rows is one whole iteration of the loop: its batch, forwards and backwards, the
+collectives, the optimizer, and whatever the loop does after the step (logging, metrics). Read
+row to row: wall - main thread CPU is what the main thread spent not running (waiting on a
+collective, or its core taken by someone else: the involuntary switches say which); process
+CPU - main thread CPU is the other threads' work (gloo's communication threads)."""
+
+import json
+import os
+import resource
+import runpy
+import sys
+import time
+
+
+def pin():
+    """This thread (the main one, before any other starts) to one core; threads made later inherit it."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def main():
+    script, args = sys.argv[1], sys.argv[2:]
+    out = os.environ.get("GPTPAR_PROBE")
+    if os.environ.get("GPTPAR_PIN") == "1":
+        pin()
+    import torch
+    torch.set_num_threads(1)  # both sides alike (OMP_NUM_THREADS=1 says so already under bench.py)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    rows, followed = [], []
+
+    def stamp(optimizer, *_):
+        if not followed:
+            followed.append(id(optimizer))
+        if id(optimizer) != followed[0]:  # an optimizer inside another (ZeroRedundancyOptimizer's AdamW)
+            return
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        rows.append([time.perf_counter(), usage.ru_utime + usage.ru_stime, time.thread_time(),
+                     usage.ru_nvcsw, usage.ru_nivcsw])
+
+    register_optimizer_step_post_hook(stamp)
+    sys.argv = [script] + args  # as `python SCRIPT ARGS` (common.say names the script from argv[0])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        if out:
+            with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+                json.dump({"rows": rows, "affinity": sorted(os.sched_getaffinity(0))}, f)
+
+
+if __name__ == "__main__":
+    main()
