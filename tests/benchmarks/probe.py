@@ -44,6 +44,12 @@ def main():
     torch.set_num_threads(1)  # both sides alike (OMP_NUM_THREADS=1 says so already under bench.py)
     from torch.optim.optimizer import register_optimizer_step_post_hook
     rows, followed = [], []
+    steps = int(args[len(args) - 1 - args[::-1].index("--max_iters") + 1])  # the last one given counts
+
+    def save():
+        if out:
+            with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+                json.dump({"rows": rows, "affinity": sorted(os.sched_getaffinity(0))}, f)
 
     def stamp(optimizer, *_):
         if not followed:
@@ -53,6 +59,8 @@ def main():
         usage = resource.getrusage(resource.RUSAGE_SELF)
         rows.append([time.perf_counter(), usage.ru_utime + usage.ru_stime, time.thread_time(),
                      usage.ru_nvcsw, usage.ru_nivcsw])
+        if len(rows) == steps:  # now, after the last row: a teardown that hangs (DDP's has) loses nothing
+            save()
 
     register_optimizer_step_post_hook(stamp)
     sys.argv = [script] + args  # as `python SCRIPT ARGS` (common.say names the script from argv[0])
@@ -60,9 +68,7 @@ def main():
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        if out:
-            with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-                json.dump({"rows": rows, "affinity": sorted(os.sched_getaffinity(0))}, f)
+        save()
 
 
 if __name__ == "__main__":
