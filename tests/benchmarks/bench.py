@@ -46,7 +46,7 @@ PAIRS = {  # name: (our script and flags, --impl of torch_baselines.py); the las
 }
 
 
-TIMEOUT_S = 120  # a run takes well under a minute here; a hang holds the lock no longer than this
+TIMEOUT_S = 60  # a run takes well under a minute here; a hang holds the lock no longer than this
 
 
 def finished(run, iters, plain=False):
@@ -54,6 +54,7 @@ def finished(run, iters, plain=False):
     then hung in its teardown, as DDP's has, rarely, in destroy_process_group (said, not hidden)."""
     if run.returncode != 0 and "torch_baselines" in " ".join(run.cmd) and len(run.steps) == iters and not plain:
         print(f"  (torch's baseline logged all {iters} steps, then did not exit: {run.returncode}; its steps kept)")
+        print("\n".join("    " + line for line in run.stderr.splitlines()[-40:]))  # probe.py: where it hung
         return run
     return run.ok()
 
@@ -87,11 +88,11 @@ def plain_copy(script, into):
     return path
 
 
-def side_run(path, flags, ranks, pin, plain, iters):
+def side_run(path, flags, ranks, pin, plain, iters, ablate=""):
     """One launch through probe.py: its step times (ms, the script's own clock) and the probe's
     rows of every rank."""
     probe = tempfile.mkdtemp(prefix="gptpar-probe-")
-    env = {"OMP_NUM_THREADS": "1", "GPTPAR_PROBE": probe, "GPTPAR_PIN": "1" if pin else "0"}
+    env = {"OMP_NUM_THREADS": "1", "GPTPAR_PROBE": probe, "GPTPAR_PIN": "1" if pin else "0", "GPTPAR_ABLATE": ablate}
     run = launch(PROBE, [path] + flags, nprocs=ranks, env=env, timeout=TIMEOUT_S,
                  metrics=not plain, out_dir=not plain)  # the plain Run has neither flag
     run = finished(run, iters, plain)
@@ -102,10 +103,26 @@ def side_run(path, flags, ranks, pin, plain, iters):
         dt, losses = [row["dt_ms"] for row in run.steps], run.losses
     # every rank that wrote its rows (torch's baseline hung in teardown: the killed rank wrote none)
     files = [os.path.join(probe, f"rank{r}.json") for r in range(ranks)]
-    rows = [json.load(open(f))["rows"] for f in files if os.path.exists(f)]
-    assert rows, f"no rank wrote its probe rows: {run.stderr[-2000:]}"
+    probes = [json.load(open(f)) for f in files if os.path.exists(f)]
+    assert probes, f"no rank wrote its probe rows: {run.stderr[-2000:]}"
     shutil.rmtree(probe, ignore_errors=True)
-    return {"dt": dt, "losses": losses, "rows": rows}
+    return {"dt": dt, "losses": losses, "rows": [p["rows"] for p in probes], "threads": [p["threads"] for p in probes]}
+
+
+def thread_costs(side):
+    """{thread name: [CPU ms per step, involuntary switches per step]} summed over the threads of
+    that name, mean over the ranks, between probe.py's two readings (after warm-up, after the last
+    step; CPU in clock ticks, so coarse)."""
+    out = {}
+    for per_rank in side["threads"]:
+        (a, early), (b, late) = sorted(per_rank.items(), key=lambda kv: int(kv[0]))
+        steps = int(b) - int(a)
+        for tid, (name, cpu, switches) in late.items():
+            was = early.get(tid, [name, 0.0, 0])
+            total = out.setdefault(name, [0.0, 0.0])
+            total[0] += (cpu - was[1]) * 1e3 / steps / len(side["threads"])
+            total[1] += (switches - was[2]) / steps / len(side["threads"])
+    return out
 
 
 def per_step(side, skip):
@@ -132,6 +149,8 @@ def main():
     p.add_argument("--pin", action="store_true", help="each rank (and its threads) on a core of its own, both sides")
     p.add_argument("--plain", action="store_true",
                    help="a third side: our script with `from common import Run` (no ledger, guard, meter, metrics)")
+    p.add_argument("--ablate", action="append", default=[], choices=["guard", "meter", "guard,meter"],
+                   help="another side: ours with that piece of infra's Run taken out (probe.py)")
     a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
     data_parallel = a.pair in ("ddp", "zero1", "fsdp2", "fsdp")
     # the defaults, then anything given (a flag given twice: the last one counts)
@@ -142,10 +161,12 @@ def main():
     global_batch = int(model_flags[max(i for i, f in enumerate(model_flags) if f == "--global_batch_size") + 1])
     (script, *ours_flags), impl = PAIRS[a.pair]
     copies = tempfile.mkdtemp(prefix="gptpar-plain-")
-    sides = {"ours": (os.path.join(ROOT, script), ours_flags, False),
-             "torch": (os.path.join(ROOT, "tests/benchmarks/torch_baselines.py"), ["--impl", impl], False)}
+    sides = {"ours": (os.path.join(ROOT, script), ours_flags, False, ""),
+             "torch": (os.path.join(ROOT, "tests/benchmarks/torch_baselines.py"), ["--impl", impl], False, "")}
     if a.plain:
-        sides["plain"] = (plain_copy(script, copies), ours_flags, True)
+        sides["plain"] = (plain_copy(script, copies), ours_flags, True, "")
+    for piece in a.ablate:
+        sides[f"-{piece}"] = (os.path.join(ROOT, script), ours_flags, False, piece)
     print(f"{a.pair}: {' '.join([script] + ours_flags)} vs torch --impl {impl}"
           + (", and its plain copy" if a.plain else "") + (", each rank pinned to a core" if a.pin else ""))
     print("ms per step (medians over steps, mean over ranks): dt = the script's clock; period = optimizer step to "
@@ -160,8 +181,8 @@ def main():
             order = names[repeat % len(names):] + names[:repeat % len(names)]  # rotate who goes first
             with locked(a.lock):
                 for name in order:
-                    path, extra, plain = sides[name]
-                    results[name].append(side_run(path, flags + micro + extra, ranks, a.pin, plain, a.iters))
+                    path, extra, plain, ablate = sides[name]
+                    results[name].append(side_run(path, flags + micro + extra, ranks, a.pin, plain, a.iters, ablate))
             print(f"  repeat {repeat}: " + "; ".join(
                 f"{name} " + " ".join(f"{k} {v:.1f}" for k, v in per_step(results[name][-1], a.skip).items())
                 for name in names), flush=True)
@@ -178,6 +199,13 @@ def main():
                     ratios = [s[k] / t[k] for s, t in zip(stats, theirs)]
                     line += f"   {k} {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
             print(f"  {name:6s} {line}", flush=True)
+        print("  threads, CPU ms and involuntary switches per step (summed by name; mean over ranks, median over repeats):")
+        for name in names:
+            costs = [thread_costs(r) for r in results[name]]
+            keys = sorted({k for c in costs for k in c})
+            print(f"  {name:6s} " + ", ".join(
+                f"{k} {statistics.median(c.get(k, [0, 0])[0] for c in costs):.1f} ms "
+                f"{statistics.median(c.get(k, [0, 0])[1] for c in costs):.0f} sw" for k in keys))
     shutil.rmtree(copies, ignore_errors=True)
 
 

@@ -12,6 +12,10 @@ alike; nothing in the scripts knows about it.
                         voluntary context switches, involuntary ones]
     GPTPAR_PIN=1       pin this rank, and every thread it starts afterwards (gloo's, torch's
                        pool), to one core of its own: LOCAL_RANK's in the allowed set, modulo
+    GPTPAR_ABLATE=guard,meter   take a piece of infra's Run out, to see what it costs: guard,
+                       Guard.check returns "go on" with no flags all-reduced and nothing read;
+                       meter, the activation meter's saved-tensor hooks are not installed
+                       (a benchmark's knife: the ledger's activations then read 0)
 
 Between two rows is one whole iteration of the loop: its batch, forwards and backwards, the
 collectives, the optimizer, and whatever the loop does after the step (logging, metrics). Read
@@ -19,6 +23,7 @@ row to row: wall - main thread CPU is what the main thread spent not running (wa
 collective, or its core taken by someone else: the involuntary switches say which); process
 CPU - main thread CPU is the other threads' work (gloo's communication threads)."""
 
+import faulthandler
 import json
 import os
 import resource
@@ -26,6 +31,7 @@ import runpy
 import sys
 import time
 
+WARM = 5  # the threads' CPU is read after this many steps, and after the last
 
 def pin():
     """This thread (the main one, before any other starts) to one core; threads made later inherit it."""
@@ -35,21 +41,45 @@ def pin():
     return core
 
 
+def threads():
+    """{thread id: [name, CPU s (user+sys), involuntary context switches]} of this process, from /proc."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+            status = open(f"/proc/self/task/{tid}/status").read()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3
+        switches = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        out[tid] = [stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / tick, switches]
+    return out
+
+
 def main():
     script, args = sys.argv[1], sys.argv[2:]
     out = os.environ.get("GPTPAR_PROBE")
     if os.environ.get("GPTPAR_PIN") == "1":
         pin()
+    ablate = {name for name in os.environ.get("GPTPAR_ABLATE", "").split(",") if name}
+    if ablate:
+        import infra
+        assert ablate <= {"guard", "meter"}, f"GPTPAR_ABLATE: unknown {ablate - {'guard', 'meter'}}"
+        if "guard" in ablate:
+            infra.Guard.check = lambda self, step, loss, grads, norm=None: False
+        if "meter" in ablate:
+            infra.ActivationMeter.__enter__ = lambda self: self
+            infra.ActivationMeter.__exit__ = lambda self, *exc: None
     import torch
     torch.set_num_threads(1)  # both sides alike (OMP_NUM_THREADS=1 says so already under bench.py)
     from torch.optim.optimizer import register_optimizer_step_post_hook
-    rows, followed = [], []
+    rows, followed, per_thread = [], [], {}
     steps = int(args[len(args) - 1 - args[::-1].index("--max_iters") + 1])  # the last one given counts
 
     def save():
         if out:
             with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-                json.dump({"rows": rows, "affinity": sorted(os.sched_getaffinity(0))}, f)
+                json.dump({"rows": rows, "affinity": sorted(os.sched_getaffinity(0)), "threads": per_thread}, f)
 
     def stamp(optimizer, *_):
         if not followed:
@@ -59,8 +89,11 @@ def main():
         usage = resource.getrusage(resource.RUSAGE_SELF)
         rows.append([time.perf_counter(), usage.ru_utime + usage.ru_stime, time.thread_time(),
                      usage.ru_nvcsw, usage.ru_nivcsw])
+        if len(rows) in (WARM, steps):  # each thread's CPU over the steps after warm-up (coarse: clock ticks)
+            per_thread[len(rows)] = threads()
         if len(rows) == steps:  # now, after the last row: a teardown that hangs (DDP's has) loses nothing
             save()
+            faulthandler.dump_traceback_later(30)  # and if it does hang, where (every thread's stack, on stderr)
 
     register_optimizer_step_post_hook(stamp)
     sys.argv = [script] + args  # as `python SCRIPT ARGS` (common.say names the script from argv[0])
