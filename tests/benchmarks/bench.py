@@ -74,6 +74,7 @@ def locked(path):
 
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
+PROFILE = False  # --profile
 TIE = "from infra import Run  # the run infrastructure; `from common import Run` is the plain loop\n"
 
 
@@ -92,7 +93,8 @@ def side_run(path, flags, ranks, pin, plain, iters, ablate=""):
     """One launch through probe.py: its step times (ms, the script's own clock) and the probe's
     rows of every rank."""
     probe = tempfile.mkdtemp(prefix="gptpar-probe-")
-    env = {"OMP_NUM_THREADS": "1", "GPTPAR_PROBE": probe, "GPTPAR_PIN": "1" if pin else "0", "GPTPAR_ABLATE": ablate}
+    env = {"OMP_NUM_THREADS": "1", "GPTPAR_PROBE": probe, "GPTPAR_PIN": "1" if pin else "0", "GPTPAR_ABLATE": ablate,
+           "GPTPAR_PROFILE": "1" if PROFILE else "0"}
     run = launch(PROBE, [path] + flags, nprocs=ranks, env=env, timeout=TIMEOUT_S,
                  metrics=not plain, out_dir=not plain)  # the plain Run has neither flag
     run = finished(run, iters, plain)
@@ -106,7 +108,8 @@ def side_run(path, flags, ranks, pin, plain, iters, ablate=""):
     probes = [json.load(open(f)) for f in files if os.path.exists(f)]
     assert probes, f"no rank wrote its probe rows: {run.stderr[-2000:]}"
     shutil.rmtree(probe, ignore_errors=True)
-    return {"dt": dt, "losses": losses, "rows": [p["rows"] for p in probes], "threads": [p["threads"] for p in probes]}
+    return {"dt": dt, "losses": losses, "rows": [p["rows"] for p in probes], "threads": [p["threads"] for p in probes],
+            "spent": [p["spent"] for p in probes]}
 
 
 def thread_costs(side):
@@ -137,6 +140,17 @@ def per_step(side, skip):
     return out
 
 
+def profile_costs(side, iters):
+    """{method: [main thread CPU ms, wall ms] per step} from probe.py's GPTPAR_PROFILE, mean over ranks."""
+    out = {}
+    for spent in side["spent"]:
+        for name, (cpu, wall, _) in spent.items():
+            total = out.setdefault(name, [0.0, 0.0])
+            total[0] += cpu * 1e3 / (iters - 5 + 1) / len(side["spent"])  # counted from probe.py's WARM = 5
+            total[1] += wall * 1e3 / (iters - 5 + 1) / len(side["spent"])
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("pair", choices=sorted(PAIRS))
@@ -149,9 +163,13 @@ def main():
     p.add_argument("--pin", action="store_true", help="each rank (and its threads) on a core of its own, both sides")
     p.add_argument("--plain", action="store_true",
                    help="a third side: our script with `from common import Run` (no ledger, guard, meter, metrics)")
+    p.add_argument("--profile", action="store_true",
+                   help="the main thread's CPU and wall time in each of infra's per-step methods (probe.py)")
     p.add_argument("--ablate", action="append", default=[], choices=["guard", "meter", "guard,meter"],
                    help="another side: ours with that piece of infra's Run taken out (probe.py)")
     a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
+    global PROFILE
+    PROFILE = a.profile
     data_parallel = a.pair in ("ddp", "zero1", "fsdp2", "fsdp")
     # the defaults, then anything given (a flag given twice: the last one counts)
     model_flags = ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
@@ -206,6 +224,14 @@ def main():
             print(f"  {name:6s} " + ", ".join(
                 f"{k} {statistics.median(c.get(k, [0, 0])[0] for c in costs):.1f} ms "
                 f"{statistics.median(c.get(k, [0, 0])[1] for c in costs):.0f} sw" for k in keys))
+        if a.profile:
+            print("  inside infra's methods, ms per step (main thread CPU / wall; mean over ranks, median over repeats):")
+            for name in names:
+                spent = [profile_costs(r, a.iters) for r in results[name]]
+                keys = sorted({k for s in spent for k in s})
+                for k in keys:
+                    print(f"  {name:6s} {k:48s} " + " / ".join(
+                        f"{statistics.median(s.get(k, [0, 0])[i] for s in spent):7.2f}" for i in (0, 1)))
     shutil.rmtree(copies, ignore_errors=True)
 
 

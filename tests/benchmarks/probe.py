@@ -16,6 +16,9 @@ alike; nothing in the scripts knows about it.
                        Guard.check returns "go on" with no flags all-reduced and nothing read;
                        meter, the activation meter's saved-tensor hooks are not installed
                        (a benchmark's knife: the ledger's activations then read 0)
+    GPTPAR_PROFILE=1   the main thread's CPU and the wall time inside each of infra's per-step
+                       methods (Run.check, Run.end_step, the meter's hooks, Metrics.step, the
+                       ledger's wrapper of every collective), summed over the run after warm-up
 
 Between two rows is one whole iteration of the loop: its batch, forwards and backwards, the
 collectives, the optimizer, and whatever the loop does after the step (logging, metrics). Read
@@ -56,6 +59,36 @@ def threads():
     return out
 
 
+def profile(spent, warm):
+    """Wrap infra's per-step methods: spent[name] = [main thread CPU s, wall s, calls], counted
+    once `warm()` (a nested call, one wrapped method inside another, counts in both)."""
+    import functools
+    import infra
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if not warm():
+                return fn(*args, **kwargs)
+            cpu, wall = time.thread_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total = spent.setdefault(name, [0.0, 0.0, 0])
+                total[0] += time.thread_time() - cpu
+                total[1] += time.perf_counter() - wall
+                total[2] += 1
+        return wrapper
+    for cls, names in ((infra.Run, ("check", "end_step")), (infra.Metrics, ("step",)),
+                       (infra.ActivationMeter, ("start", "stop", "_pack", "_release")),
+                       (infra.Guard, ("check",))):
+        for name in names:
+            setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+    wrap = infra.CommLedger._wrap
+    infra.CommLedger._wrap = lambda self, op, fn, argument: timed(f"ledger {op}", wrap(
+        self, op, timed(f"ledger {op}: the collective itself", fn), argument))
+
+
 def main():
     script, args = sys.argv[1], sys.argv[2:]
     out = os.environ.get("GPTPAR_PROBE")
@@ -70,6 +103,9 @@ def main():
         if "meter" in ablate:
             infra.ActivationMeter.__enter__ = lambda self: self
             infra.ActivationMeter.__exit__ = lambda self, *exc: None
+    spent = {}
+    if os.environ.get("GPTPAR_PROFILE") == "1":
+        profile(spent, lambda: len(rows) >= WARM)
     import torch
     torch.set_num_threads(1)  # both sides alike (OMP_NUM_THREADS=1 says so already under bench.py)
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -79,7 +115,8 @@ def main():
     def save():
         if out:
             with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-                json.dump({"rows": rows, "affinity": sorted(os.sched_getaffinity(0)), "threads": per_thread}, f)
+                json.dump({"rows": rows, "affinity": sorted(os.sched_getaffinity(0)), "threads": per_thread,
+                           "spent": spent, "warm": WARM}, f)
 
     def stamp(optimizer, *_):
         if not followed:

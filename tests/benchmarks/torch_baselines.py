@@ -97,6 +97,9 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), LEDGER.take())
         optimizer.zero_grad(set_to_none=True)
+    # DDP's reducer and ZeroRedundancyOptimizer let go while the process group is alive: freed
+    # after it (main's locals, on return) they have hung the process in their destructor
+    del ddp_model, optimizer
     teardown(env)
 
 
