@@ -9,15 +9,29 @@ strategy, on the same model, batch and ranks. Rerun with
     python tests/benchmarks/bench.py 1f1b ... --micro_batch_size 4    # 07 vs torch.distributed.pipelining
     python tests/benchmarks/bench.py ddp --device cuda --ranks 2 4 8 --model gpt2 ...   # other flags: to both
 
-Prints a table of median step times (the first steps, warm-up, are dropped) and the ratio
-ours / torch (below 1 is faster), and whether both report the same losses. The two sides run
-in turn, --repeats times, who goes first alternating, so that a change in the machine's load
-falls on both: each repeat's ratio is of two runs made back to back, and the table gives the
-median of those ratios and their range (with the median step times over the repeats).
---lock FILE holds that lock (flock) for each repeat's pair of runs and lets go between
-repeats, so that a shared machine's other jobs run between pairs, never beside one. Without
+    python tests/benchmarks/bench.py ddp --ranks 2 --repeats 5 --pin --plain --ablate guard --profile \
+        --lock /tmp/gptpar-tests.lock    # which part is the strategy's, which the run protocol's
+
+Every side runs through probe.py (the same way for ours and torch's), which records each
+iteration's wall time and CPU time (user+sys of the whole process, and of its main thread)
+and each thread's CPU. Prints per side the medians (the first steps, warm-up, dropped) of the
+script's own step time (dt), the loop's period (optimizer step to optimizer step), the CPU,
+the main thread's CPU and the involuntary context switches per step; the ratios to torch's
+(below 1 is faster); whether ours and torch's report the same losses; each thread's CPU.
+CPU time is the steadier figure on a shared machine: another job landing on our core
+stretches the wall time but adds little CPU. The sides run in turn, --repeats times, who goes
+first rotating, so that a change in the machine's load falls on all: each repeat's ratio is
+of runs made back to back, and the table gives the median of those ratios and their range.
+--lock FILE holds that lock (flock) for each repeat's round of runs and lets go between
+repeats, so that a shared machine's other jobs run between rounds, never beside one. Without
 --micro_batch_size both sides get one micro-batch per step (the global batch divided by the
-data-parallel ranks; the whole batch for tp and the pipelines), whatever the scripts' default."""
+data-parallel ranks; the whole batch for tp and the pipelines), whatever the scripts' default.
+
+    --pin             each rank, and the threads it starts, on a core of its own, both sides
+    --plain           a third side: our script with `from common import Run` (the copy a
+                      reader takes: no ledger, meter, guard, metrics)
+    --ablate PIECE    another side: ours with infra's guard or activation meter taken out
+    --profile         the main thread's CPU and wall time inside infra's per-step methods"""
 
 import argparse
 import contextlib

@@ -13,6 +13,7 @@ to be timed against ours.
 """
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -97,9 +98,11 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), LEDGER.take())
         optimizer.zero_grad(set_to_none=True)
-    # DDP's reducer and ZeroRedundancyOptimizer let go while the process group is alive: freed
-    # after it (main's locals, on return) they have hung the process in their destructor
-    del ddp_model, optimizer
+    # DDP's reducer (held by the model's gradient hooks) and ZeroRedundancyOptimizer let go
+    # while the process group is alive: freed after it, with main's locals, they have hung
+    # the process in their destructors
+    del ddp_model, optimizer, model, loss
+    gc.collect()
     teardown(env)
 
 
