@@ -132,6 +132,8 @@ def thread_costs(side):
     step; CPU in clock ticks, so coarse)."""
     out = {}
     for per_rank in side["threads"]:
+        if len(per_rank) < 2:  # --iters at most probe.py's WARM: one reading, no interval
+            continue
         (a, early), (b, late) = sorted(per_rank.items(), key=lambda kv: int(kv[0]))
         steps = int(b) - int(a)
         for tid, (name, cpu, switches) in late.items():
@@ -160,8 +162,9 @@ def profile_costs(side, iters):
     for spent in side["spent"]:
         for name, (cpu, wall, _) in spent.items():
             total = out.setdefault(name, [0.0, 0.0])
-            total[0] += cpu * 1e3 / (iters - 5 + 1) / len(side["spent"])  # counted from probe.py's WARM = 5
-            total[1] += wall * 1e3 / (iters - 5 + 1) / len(side["spent"])
+            steps = max(1, iters - 5 + 1)  # counted from probe.py's WARM = 5
+            total[0] += cpu * 1e3 / steps / len(side["spent"])
+            total[1] += wall * 1e3 / steps / len(side["spent"])
     return out
 
 

@@ -101,7 +101,7 @@ def main():
     # DDP's reducer (held by the model's gradient hooks) and ZeroRedundancyOptimizer let go
     # while the process group is alive: freed after it, with main's locals, they have hung
     # the process in their destructors
-    del ddp_model, optimizer, model, loss
+    del ddp_model, optimizer, model
     gc.collect()
     teardown(env)
 
