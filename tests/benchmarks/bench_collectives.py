@@ -12,7 +12,10 @@ interleaved round by round so that the machine's load falls on all of them alike
 
 Prints the median and the range over the rounds of each pattern's milliseconds, on rank 0.
 On gloo a reduce-scatter is emulated (ProcessGroupGloo.cpp: the input cloned, all-reduced,
-this rank's chunk copied out), so it costs an all-reduce of the same input and a copy."""
+this rank's chunk copied out), so it costs an all-reduce of the same input and a copy; its
+list form (`dist.reduce_scatter(shard, list(flat.chunk(N)))`, a different path in gloo) is
+timed beside it. On NCCL it is the other way round: the list form is the one that copies,
+into a new flat buffer (ProcessGroupNCCL's newLikeFlat), and the tensor form is NCCL's own."""
 
 import argparse
 import math
@@ -60,6 +63,10 @@ def rank_main(a):
     def reduce_scatter():  # 04 stage 1: each unit's gradients, rank r keeps shard r
         return [dist.reduce_scatter_tensor(s, t, group=group, async_op=True) for s, t in zip(zero_shard, zero_in)]
 
+    def reduce_scatter_list():  # the same, in the list form (gloo: another path, see the docstring)
+        return [dist.reduce_scatter(s, list(t.chunk(world)), group=group, async_op=True)
+                for s, t in zip(zero_shard, zero_in)]
+
     def all_gather():  # 04 stage 1-2 after the step: each unit's parameters from every rank's shard
         return [dist.all_gather_into_tensor(f, s.clone(), group=group, async_op=True)
                 for f, s in zip(zero_full, zero_shard)]
@@ -68,6 +75,7 @@ def rank_main(a):
         return [dist.broadcast(p, group=group, group_src=i % world, async_op=True) for i, p in enumerate(params)]
 
     patterns = {"all_reduce (DDP, 03)": all_reduce, "reduce_scatter (04 s1)": reduce_scatter,
+                "reduce_scatter, list form": reduce_scatter_list,
                 "all_gather (04 s1)": all_gather, "broadcast (ZeroRedundancyOptimizer)": broadcast}
     times = {name: [] for name in patterns}
     for round_ in range(a.rounds + 2):

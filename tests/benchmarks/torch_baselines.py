@@ -13,6 +13,7 @@ to be timed against ours.
 """
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -97,6 +98,11 @@ def main():
             metrics.step(step, loss_value, lr, time.perf_counter() - t0,
                          state_bytes(model.parameters(), optimizer), LEDGER.take())
         optimizer.zero_grad(set_to_none=True)
+    # DDP's reducer (held by the model's gradient hooks) and ZeroRedundancyOptimizer let go
+    # while the process group is alive: freed after it, with main's locals, they have hung
+    # the process in their destructors
+    del ddp_model, optimizer, model
+    gc.collect()
     teardown(env)
 
 
