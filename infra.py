@@ -495,6 +495,9 @@ class Run(common.Run):
                 self.evaluate(step)
             self.step = LEDGER.step = step
             LEDGER.phase = "step"
+            # the meter's hooks cost ~1.6% of a step's CPU: they run on the steps whose figures
+            # are read (the ledger's first, the logged ones), not on the others
+            self.meter.measured = step == self.start_step or self.logged(step)
             reset_peak_memory(self.env)  # mem_peak_bytes: this step's, not since the start
             self.stopping, self.t0 = False, time.perf_counter()
             if self.syncs:
@@ -502,6 +505,10 @@ class Run(common.Run):
             yield step
         if args.eval_interval and args.max_iters > self.start_step:
             self.evaluate(args.max_iters)
+
+    def logged(self, step):
+        """Whether `step` writes a metrics row: at --log_interval, and the last step."""
+        return step % self.args.log_interval == 0 or step == self.args.max_iters - 1
 
     def evaluate(self, step):
         LEDGER.step, LEDGER.phase = step, "evaluation"
@@ -530,7 +537,7 @@ class Run(common.Run):
         args, env, step = self.args, self.env, self.step
         comm = LEDGER.take()
         syncs = self.syncs.stop() if self.syncs else None  # the step's own, before the logging's
-        logged = step % args.log_interval == 0 or step == args.max_iters - 1
+        logged = self.logged(step)
         # costs() that depend on the step (10's routing) are evaluated only where they are read
         # (the ledger's first step, a logged step), and only when the step's inputs changed
         if step_costs and (step == self.start_step or logged) and step_costs != self.step_costs:
@@ -1805,7 +1812,9 @@ class ActivationMeter:
     torch.autograd.graph.saved_tensors_hooks: every tensor an op saves is packed through
     here; a storage counts once (its whole size) however many ops save views of it, from the
     first save until autograd has dropped the last one. `peak` is the maximum over what ran
-    inside the `with` (one training step). Not activations, so not counted: parameters
+    inside the `with` (one training step); a step with `measured` False runs without the
+    hooks (each saved tensor's Python call costs ~1.6% of a step's CPU at 2 ranks: Run
+    measures the steps whose figures it reads) and its `peak` is None. Not activations, so not counted: parameters
     (and their views and autocast copies) and integer tensors (token ids and targets: the
     batch itself). Pipelines keep their received inputs as saved tensors: counted."""
 
@@ -1815,6 +1824,7 @@ class ActivationMeter:
         # (LiveStorage); on GPUs the allocator's high-water mark (see live_peaks)
         self.storage = LiveStorage(self) if os.environ.get("GPTPAR_COUNT_LIVE") == "1" else None
         self.active, self.after, self.window_peak, self.stepped = False, False, None, False
+        self.measured, self._hooks = True, None
 
     def phase(self):
         """The phase of a step the op now running belongs to (LiveStorage), or None."""
@@ -1862,14 +1872,17 @@ class ActivationMeter:
 
     def start(self):
         """Count what autograd saves from here on (one training step's forwards and backwards)."""
-        self.peak = self.current
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        self.peak, self._hooks = None, None
+        if self.measured or self.storage is not None:  # LiveStorage counts every step
+            self.peak = self.current
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
         self.active, self.after, self.stepped = True, False, True
 
     def stop(self):
         """Stop counting; the peak bytes held since start()."""
-        self._hooks.__exit__(None, None, None)
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
         self.active, self.after = False, True  # what follows, to end_step, is the optimizer's phase
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.window_peak = torch.cuda.max_memory_allocated()
@@ -3572,6 +3585,10 @@ class RehearsedRun(Run):
         pieces = [piece for piece in self.pieces() if piece.write]
         self.pieces_count = (len(pieces), sum(_nbytes(piece.tensor) for piece in pieces))
         LEDGER.take()
+
+    def logged(self, step):
+        """Whether `step` writes a metrics row: at --log_interval, and the last step."""
+        return step % self.args.log_interval == 0 or step == self.args.max_iters - 1
 
     def evaluate(self, step):
         LEDGER.step, LEDGER.phase = step, "evaluation"

@@ -31,7 +31,11 @@ data-parallel ranks; the whole batch for tp and the pipelines), whatever the scr
     --plain           a third side: our script with `from common import Run` (the copy a
                       reader takes: no ledger, meter, guard, metrics)
     --ablate PIECE    another side: ours with infra's guard or activation meter taken out
-    --profile         the main thread's CPU and wall time inside infra's per-step methods"""
+    --profile         the main thread's CPU and wall time inside infra's per-step methods
+    --log_interval N  log every N steps (default 1: every step's loss compared with torch's);
+                      infra's activation meter runs on the logged steps only, so at the
+                      scripts' default of 10 the period and cpu columns are what a user's run
+                      pays (dt, from the logged steps' rows, is then the measured steps')"""
 
 import argparse
 import contextlib
@@ -182,6 +186,8 @@ def main():
                    help="a third side: our script with `from common import Run` (no ledger, guard, meter, metrics)")
     p.add_argument("--profile", action="store_true",
                    help="the main thread's CPU and wall time in each of infra's per-step methods (probe.py)")
+    p.add_argument("--log_interval", type=int, default=1,
+                   help="both sides log (and ours measures its activations) every N steps; the scripts' default is 10")
     p.add_argument("--ablate", action="append", default=[], choices=["guard", "meter", "guard,meter"],
                    help="another side: ours with that piece of infra's Run taken out (probe.py)")
     a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
@@ -191,7 +197,7 @@ def main():
     # the defaults, then anything given (a flag given twice: the last one counts)
     model_flags = ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
                    "--block_size", "128", "--dropout", "0", "--global_batch_size", "16"] + model_flags
-    flags = model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1",
+    flags = model_flags + ["--device", a.device, "--max_iters", a.iters, "--log_interval", a.log_interval,
                              "--eval_interval", "0", "--warmup_iters", "2"]
     global_batch = int(model_flags[max(i for i, f in enumerate(model_flags) if f == "--global_batch_size") + 1])
     (script, *ours_flags), impl = PAIRS[a.pair]
