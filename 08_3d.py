@@ -801,6 +801,12 @@ def costs(args, config, world_size, dtype, rank=0):
     sends = P > 1 and not ends[1]
     forward = {**held_casts, **({"boundary": formula("out + dy", out=out, dy=dy)} if sends else {})}
     backward = {**held_casts, **({"boundary": formula("dy", dy=dy)} if sends else {})}
+    if args.sequence_parallel and ends[1]:  # the backward's peak is the head's (GatherSequenceLinear's
+        # backward): the logits' fp32 gradient, the gathered input and its gradient (e·bsh each, the
+        # whole sequence), that gradient in fp32 and reordered rank-major for the reduce-scatter
+        # (4bsh each), and the shard it returns (4bsh/T); the MLP-wide gradient is not live then
+        backward["gradients"] = formula("4*b*s*V/T + 2*e*b*s*h + 2*4*b*s*h + 4*b*s*h/T", show="e",
+                                        **{k: x[k] for k in ("b", "s", "V", "T", "e")}, h=h)
     rank_cost["peak"] = phase_peaks(rank_cost, t, forward=forward, backward=backward, optimizer=flat)
     rank_cost["startup"] = formula("params + init", show="init", params=held["params"], init=t["init"])
     return rank_cost
