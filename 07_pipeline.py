@@ -938,7 +938,16 @@ class Pipeline:
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
         flight (forward done, backward not; with zero bubble: W not), and when timed a
         function giving the fraction of the schedule's time this rank spent computing (1 -
-        that is its measured bubble; call it after the step: it reads the device's events)."""
+        that is its measured bubble; call it after the step: it reads the device's events).
+
+        bf16: the whole schedule is one autocast region, so autocast's cache casts each
+        weight once per step and every micro-batch in flight saves that one copy (a region
+        per forward would make, and keep until its backward, a copy per micro-batch in
+        flight: k·e·Ψ_c); B and W run with autocast off, as backward runs outside a region."""
+        with autocast(self.env):
+            return self._schedule(rounds, inputs, targets, m, train, batches)
+
+    def _schedule(self, rounds, inputs, targets, m, train, batches):
         n = self.p * self.v
         saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
@@ -954,7 +963,8 @@ class Pipeline:
                 for kind, i, c in ops:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
                         t0 = mark()
-                        torch.autograd.backward(weight_nodes.pop((i, c)))
+                        with torch.autocast(self.env.device.type, enabled=False):
+                            torch.autograd.backward(weight_nodes.pop((i, c)))
                         spans.append((t0, mark()))
                         in_flight -= 1
             for kind, i, c in ops:
@@ -964,7 +974,7 @@ class Pipeline:
                 t0 = mark()  # compute only: waiting for the input is the bubble
                 if kind == "F":
                     x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
-                    with torch.set_grad_enabled(train), autocast(self.env):
+                    with torch.set_grad_enabled(train):  # in run()'s autocast region
                         out = self.chunks[c](x, targets[i] if g == n - 1 else None)
                     if g == n - 1:
                         loss_sum += out.detach().float()
@@ -977,19 +987,20 @@ class Pipeline:
                         peak = max(peak, in_flight)
                 else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
                     x, out = saved.pop((i, c))
-                    if g == n - 1:
-                        out.backward()
-                    else:
-                        # the output's data was freed after sending (its shape is now [1]):
-                        # run autograd's engine directly, which, unlike out.backward(grad),
-                        # does not check that grad has out's shape
-                        Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
-                            tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
-                            keep_graph=False,  # free the graph as it goes (retain_graph=False)
-                            create_graph=False,  # no graph of the backward itself
-                            inputs=(),  # none named: every leaf the graph reaches (x, the weights)
-                            allow_unreachable=True,  # as backward() passes it (matters only with inputs)
-                            accumulate_grad=True)  # add into .grad, as backward() does
+                    with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
+                        if g == n - 1:
+                            out.backward()
+                        else:
+                            # the output's data was freed after sending (its shape is now [1]):
+                            # run autograd's engine directly, which, unlike out.backward(grad),
+                            # does not check that grad has out's shape
+                            Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
+                                tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
+                                keep_graph=False,  # free the graph as it goes (retain_graph=False)
+                                create_graph=False,  # no graph of the backward itself
+                                inputs=(),  # none named: every leaf the graph reaches (x, the weights)
+                                allow_unreachable=True,  # as backward() passes it (matters only with inputs)
+                                accumulate_grad=True)  # add into .grad, as backward() does
                     if g > 0:
                         outputs[backward_tag(i, g, n, m)] = (x.grad, False)
                     del x, out  # the input and its gradient live on only as the message, until it is sent
@@ -1188,7 +1199,7 @@ def costs(args, config, world_size, dtype, rank=0):
                         matrix=largest_matrix(t.shape for name, t in chunks.named_parameters()
                                               if is_hidden_matrix(name, t.shape)))
     forward, backward = boundary_terms(b, s, h, sends=p > 1 and any(not chunk.is_last for chunk in chunks))
-    casts = {"casts": casts_peak(order, dtype, {chunk_stage(p, rank, c, vee): chunk_casts(chunk)
+    casts = {"casts": casts_peak(order, dtype, {chunk_stage(p, rank, c, vee): chunk_casts(chunk, split)
                                                 for c, chunk in enumerate(chunks)}, p, rank, vee)}
     cost["peak"] = phase_peaks(cost, t, forward={**casts, **(forward or {})}, backward={**casts, **(backward or {})})
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * (args.optimizer == "muon"), show="init",
@@ -1196,21 +1207,25 @@ def costs(args, config, world_size, dtype, rank=0):
     return cost
 
 
-def chunk_casts(chunk):
+def chunk_casts(chunk, split=False):
     """The elements autocast copies into the compute dtype for one forward of `chunk`: the
     weights of its matmuls (infra.matmul_weights), the head's where it is the last chunk; wte
-    only as the head (the first chunk's lookup reads it in fp32)."""
+    only as the head (the first chunk's lookup reads it in fp32). (cached, per micro-batch):
+    F.linear's casts go through autocast's cache, one per step (Pipeline.run); zero bubble's
+    SplitLinear casts the blocks' weights itself, a copy per forward, kept until its B."""
     from infra import matmul_weights
-    return matmul_weights({name: t.shape for name, t in chunk.named_parameters()
-                           if chunk.is_last or not name.endswith("wte.weight")})
+    shapes = {name: t.shape for name, t in chunk.named_parameters()
+              if chunk.is_last or not name.endswith("wte.weight")}
+    blocks = matmul_weights({name: shape for name, shape in shapes.items() if name.startswith("h.")})
+    whole = matmul_weights(shapes)
+    return (whole - blocks, blocks) if split else (whole, 0)
 
 
 def casts_peak(order, dtype, casts, p, rank, vee=False):
-    """bf16: autocast's weight copies held at the peak. Each micro-batch's forward runs in
-    its own autocast region (Pipeline.run), whose cache is dropped when it ends, so every
-    micro-batch chunk in flight keeps its own copies, saved for its backward (B: with
-    zero bubble they go at B, W needs only x and dy), not one set per step as in 01: walked
-    along the rank's order, `casts` {global chunk: elements}. fp32: none."""
+    """bf16: autocast's weight copies held at the peak, `casts` {global chunk: (cached, per
+    micro-batch)} from chunk_casts: the cached ones once for the step (every chunk of the
+    rank has run a forward by a phase's peak), zero bubble's per-forward ones for each
+    micro-batch chunk from its F to its B, walked along the rank's order. fp32: none."""
     from infra import formula
     e = dtype.itemsize
     if e != 2:
@@ -1218,15 +1233,13 @@ def casts_peak(order, dtype, casts, p, rank, vee=False):
     now, peak = {}, {}
     for kind, _, c in order:
         g = chunk_stage(p, rank, c, vee)
-        if kind in ("F", "B"):
+        if kind in ("F", "B") and casts[g][1]:
             now[g] = now.get(g, 0) + (1 if kind == "F" else -1)
-            if sum(n * casts[k] for k, n in now.items()) > sum(n * casts[k] for k, n in peak.items()):
+            if sum(n * casts[k][1] for k, n in now.items()) > sum(n * casts[k][1] for k, n in peak.items()):
                 peak = {k: n for k, n in now.items() if n}
-    if len(casts) == 1:
-        (g, elements), = casts.items()
-        return formula("k*e*Ψ_c", show="k e", k=peak.get(g, 0), e=e, Ψ_c=elements)
-    return formula(" + ".join(f"{n}*e*Ψ_c{g}" for g, n in sorted(peak.items())) or "0", show="e", e=e,
-                   **{f"Ψ_c{g}": casts[g] for g in peak})
+    cached = sum(cached for cached, _ in casts.values())
+    terms = ["e*Ψ_c"] * (cached > 0) + [f"{n}*e*Ψ_s{g}" if n > 1 else f"e*Ψ_s{g}" for g, n in sorted(peak.items())]
+    return formula(" + ".join(terms) or "0", show="e", e=e, Ψ_c=cached, **{f"Ψ_s{g}": casts[g][1] for g in peak})
 
 
 def boundary_terms(b, s, h, sends):

@@ -754,7 +754,7 @@ def costs(args, config, world_size, dtype, rank=0):
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
-    split, n_local, vocab_local, matrices, casts = stage_sizes(config, T, P, mesh.pp_rank)  # Ψ_rank = split + rest
+    split, n_local, vocab_local, matrices, casts = stage_sizes(config, T, P, mesh.pp_rank, args.sequence_parallel)
     owners = muon_owners(matrices, T) if args.optimizer == "muon" else []  # Muon: the stage's, whole
     x = dict(T=T, P=P, C=C, D=D, L=n_layers, m=args.global_batch_size // (args.micro_batch_size * D),
              b=args.micro_batch_size, s=config.block_size // C, h=config.n_embd, a=config.n_head,
@@ -779,34 +779,34 @@ def costs(args, config, world_size, dtype, rank=0):
     # every live tensor at its most, by phase (infra.phase_peaks on this rank's shards and s
     # tokens), with 07's boundaries (its boundary_terms: a stage with a next one holds its
     # output until the send completes and the gradient received with it, fp32 b·s·h each,
-    # b·(s/T)·h with SP, act_shape in main; free_output frees the outputs in flight) and,
-    # in bf16, autocast's weight copies of each of the k micro-batches in flight (07's
-    # casts_peak: each forward casts in its own autocast region, saved until its backward);
+    # b·(s/T)·h with SP, act_shape in main; free_output frees the outputs in flight);
     # AdamW's largest tensor: the vocabulary slice at the ends, else c_fc's 4h²/T. Start-up:
     # the shards, each parameter drawn whole by param_init
     from infra import activation_device_type, formula, phase_peaks, transient_terms
     h = config.n_embd
-    k = min(P - mesh.pp_rank, x["m"])
     t = transient_terms(config, x["b"], x["s"], dtype, activation_device_type(args), args.optimizer, tp=T,
-                        last=ends[1], kept=False,
+                        last=ends[1], kept=False, casts=casts,  # one copy a step: autocast's cache
                         update=max([4 * h * h // T] + [vocab_local * h] * any(ends)),
                         matrix=max(((math.prod(m), min(m)) for m in matrices), default=(0, 0)))
-    held_casts = {"casts": formula("k*e*Ψ_c" if dtype.itemsize == 2 else "0", show="k e", k=k, e=dtype.itemsize,
-                                   Ψ_c=casts)}
     # (DataParallel's all-reduce takes a flat copy of the gradients, freed before the update)
     flat = None if args.zero1 else {"update": formula("max(4*Ψ_rank, update)", show="update", Ψ_rank=n_local,
                                                       update=t["update"])}
     sp = "/T" * args.sequence_parallel  # with SP a boundary tensor is the TP rank's s/T positions
     out, dy = (formula("4*b*s*h" + sp, b=x["b"], s=x["s"], h=h, T=T) for _ in "xy")
     sends = P > 1 and not ends[1]
-    forward = {**held_casts, **({"boundary": formula("out + dy", out=out, dy=dy)} if sends else {})}
-    backward = {**held_casts, **({"boundary": formula("dy", dy=dy)} if sends else {})}
-    if args.sequence_parallel and ends[1]:  # the backward's peak is the head's (GatherSequenceLinear's
-        # backward): the logits' fp32 gradient, the gathered input and its gradient (e·bsh each, the
-        # whole sequence), that gradient in fp32 and reordered rank-major for the reduce-scatter
-        # (4bsh each), and the shard it returns (4bsh/T); the MLP-wide gradient is not live then
-        backward["gradients"] = formula("4*b*s*V/T + 2*e*b*s*h + 2*4*b*s*h + 4*b*s*h/T", show="e",
-                                        **{k: x[k] for k in ("b", "s", "V", "T", "e")}, h=h)
+    forward = {"boundary": formula("out + dy", out=out, dy=dy)} if sends else {}
+    backward = {"boundary": formula("dy", dy=dy)} if sends else {}
+    if args.sequence_parallel:  # SP's own transients (06's GatherSequenceLinear and ScatterSequence, restated):
+        # forward peaks in a row-parallel Linear's reduce-scatter: its partial sum and the sum's
+        # rank-major copy, e·bsh each (the whole sequence), and the shard returned, e·bsh/T;
+        # backward in a column-parallel Linear's (c_fc's; the head's on the last stage): the MLP-wide
+        # gradient (the logits' fp32 one at the head, whichever is larger), the gathered input and
+        # its gradient (e·bsh each), that gradient in fp32 and its rank-major copy for the
+        # reduce-scatter (4bsh each) and the shard returned (4bsh/T)
+        sizes = {**{k: x[k] for k in ("b", "s", "V", "T", "e")}, "h": h}
+        forward["scatter"] = formula("2*e*b*s*h + e*b*s*h/T", show="e", **sizes)
+        backward["gradients"] = formula(("max(4*b*s*V/T, 4*e*b*s*h/T)" if ends[1] else "4*e*b*s*h/T")
+                                        + " + 2*e*b*s*h + 2*4*b*s*h + 4*b*s*h/T", show="e", **sizes)
     rank_cost["peak"] = phase_peaks(rank_cost, t, forward=forward, backward=backward, optimizer=flat)
     rank_cost["startup"] = formula("params + init", show="init", params=held["params"], init=t["init"])
     return rank_cost
@@ -900,12 +900,12 @@ def activation_costs(args, config, dtype, x, in_flight, first, last):
 _STAGE_SIZES = {}
 
 
-def stage_sizes(config, T, P, pp_rank):
+def stage_sizes(config, T, P, pp_rank, sp=False):
     """(parameters TP_PLAN splits, all parameters, vocabulary rows, the full shapes of its
     hidden matrices, the elements autocast copies for one forward) of a TP rank of stage
     pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
     plan.py price many micro-batches of one layout."""
-    key = (repr(config), T, P, pp_rank)
+    key = (repr(config), T, P, pp_rank, sp)
     if key not in _STAGE_SIZES:
         mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only
         with torch.device("meta"):
@@ -913,10 +913,13 @@ def stage_sizes(config, T, P, pp_rank):
         split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None)
         matrices = [shard_boxes(name, p.shape, 0, T, 0)[0] for name, p in stage.named_parameters()
                     if is_hidden_matrix(name, p.shape)]  # Muon's, whole
-        # what autocast copies for one forward: the split matmul weights (the replicated ones are
-        # LayerNorms' and wpe, not cast); wte as the head only (the first stage's lookup reads it in fp32)
+        # the weights autocast's cache holds, cast once per step (07's Pipeline.run) and saved for
+        # backward: the split matmul weights (the replicated ones are LayerNorms' and wpe); wte as the
+        # head only (the first stage's lookup reads it in fp32); with SP not the column-parallel ones
+        # nor the head: GatherSequenceLinear casts them itself and saves the fp32 weight
         casts = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None
-                    and p.dim() == 2 and (stage.is_last or not name.endswith("wte.weight")))
+                    and p.dim() == 2 and (stage.is_last or not name.endswith("wte.weight"))
+                    and not (sp and tp_split(name)[0] in ("column", "vocab")))
         _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local, matrices, casts
     return _STAGE_SIZES[key]
 
@@ -1611,7 +1614,16 @@ class Pipeline:
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
         flight (forward done, backward not; with zero bubble: W not), and when timed a
         function giving the fraction of the schedule's time this rank spent computing (1 -
-        that is its measured bubble; call it after the step: it reads the device's events)."""
+        that is its measured bubble; call it after the step: it reads the device's events).
+
+        bf16: the whole schedule is one autocast region, so autocast's cache casts each
+        weight once per step and every micro-batch in flight saves that one copy (a region
+        per forward would make, and keep until its backward, a copy per micro-batch in
+        flight: k·e·Ψ_c); B and W run with autocast off, as backward runs outside a region."""
+        with autocast(self.env):
+            return self._schedule(rounds, inputs, targets, m, train, batches)
+
+    def _schedule(self, rounds, inputs, targets, m, train, batches):
         n = self.p * self.v
         saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
@@ -1627,7 +1639,8 @@ class Pipeline:
                 for kind, i, c in ops:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
                         t0 = mark()
-                        torch.autograd.backward(weight_nodes.pop((i, c)))
+                        with torch.autocast(self.env.device.type, enabled=False):
+                            torch.autograd.backward(weight_nodes.pop((i, c)))
                         spans.append((t0, mark()))
                         in_flight -= 1
             for kind, i, c in ops:
@@ -1637,7 +1650,7 @@ class Pipeline:
                 t0 = mark()  # compute only: waiting for the input is the bubble
                 if kind == "F":
                     x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
-                    with torch.set_grad_enabled(train), autocast(self.env):
+                    with torch.set_grad_enabled(train):  # in run()'s autocast region
                         out = self.chunks[c](x, targets[i] if g == n - 1 else None)
                     if g == n - 1:
                         loss_sum += out.detach().float()
@@ -1650,19 +1663,20 @@ class Pipeline:
                         peak = max(peak, in_flight)
                 else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
                     x, out = saved.pop((i, c))
-                    if g == n - 1:
-                        out.backward()
-                    else:
-                        # the output's data was freed after sending (its shape is now [1]):
-                        # run autograd's engine directly, which, unlike out.backward(grad),
-                        # does not check that grad has out's shape
-                        Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
-                            tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
-                            keep_graph=False,  # free the graph as it goes (retain_graph=False)
-                            create_graph=False,  # no graph of the backward itself
-                            inputs=(),  # none named: every leaf the graph reaches (x, the weights)
-                            allow_unreachable=True,  # as backward() passes it (matters only with inputs)
-                            accumulate_grad=True)  # add into .grad, as backward() does
+                    with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
+                        if g == n - 1:
+                            out.backward()
+                        else:
+                            # the output's data was freed after sending (its shape is now [1]):
+                            # run autograd's engine directly, which, unlike out.backward(grad),
+                            # does not check that grad has out's shape
+                            Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
+                                tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
+                                keep_graph=False,  # free the graph as it goes (retain_graph=False)
+                                create_graph=False,  # no graph of the backward itself
+                                inputs=(),  # none named: every leaf the graph reaches (x, the weights)
+                                allow_unreachable=True,  # as backward() passes it (matters only with inputs)
+                                accumulate_grad=True)  # add into .grad, as backward() does
                     if g > 0:
                         outputs[backward_tag(i, g, n, m)] = (x.grad, False)
                     del x, out  # the input and its gradient live on only as the message, until it is sent
