@@ -97,9 +97,11 @@ built, in one line naming the rank and the action, when it cannot run (table_pro
 Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
 steady state one forward and one backward; ZB's W rides in the round of the B before it)
 and between two rounds posts one batch_isend_irecv (exchanges()): the sends of what it just
-computed with the receives the next round needs, then waits for the receives (Megatron's
-send_forward_recv_backward and friends). After a send completes, the activation's data is
-freed: only its autograd graph is needed for backward (Megatron's deallocate_output_tensor).
+computed with the receives the next round needs, then waits for the whole batch, sends too
+(Megatron's send_forward_recv_backward and friends); then each output sent is freed: only
+its autograd graph is needed for backward (free_output, Megatron's deallocate_output_tensor).
+In bf16 the step's schedule is one autocast region, so each weight is cast once per step,
+not once per micro-batch in flight.
 
 The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the head;
 both start equal (param_init) and stay equal because their gradients are all-reduced between
