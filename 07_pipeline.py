@@ -97,9 +97,11 @@ built, in one line naming the rank and the action, when it cannot run (table_pro
 Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
 steady state one forward and one backward; ZB's W rides in the round of the B before it)
 and between two rounds posts one batch_isend_irecv (exchanges()): the sends of what it just
-computed with the receives the next round needs, then waits for the receives (Megatron's
-send_forward_recv_backward and friends). After a send completes, the activation's data is
-freed: only its autograd graph is needed for backward (Megatron's deallocate_output_tensor).
+computed with the receives the next round needs, then waits for the whole batch, sends too
+(Megatron's send_forward_recv_backward and friends); then each output sent is freed: only
+its autograd graph is needed for backward (free_output, Megatron's deallocate_output_tensor).
+In bf16 the step's schedule is one autocast region, so each weight is cast once per step,
+not once per micro-batch in flight.
 
 The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the head;
 both start equal (param_init) and stay equal because their gradients are all-reduced between
@@ -828,6 +830,20 @@ def check_layout(args, config, p):
 # Running a schedule
 # ---------------------------------------------------------------------------------------
 
+def free_output(out):
+    """Free a stage output's storage once it has been sent: Megatron-LM's
+    deallocate_output_tensor (megatron/core/pipeline_parallel/schedules.py, "called right
+    after the output tensor has been sent to the next pipeline stage"), which sets
+    `out.data` to a one-element tensor. Safe: backward needs only the graph `out` is the
+    root of (its grad_fn, and the tensors the ops saved), never the output's values, and
+    d loss / d out arrives from the next stage; Pipeline.run starts backward from it with
+    autograd's engine, which, unlike out.backward(grad), does not check the shapes. So a
+    micro-batch in flight keeps its activations, not its b·s·h output. `out` is no view
+    (the chunk's last residual add): freeing a view would free nothing (Megatron asserts
+    out._base is None)."""
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
 class Pipeline:
     """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
     rank in the group, and its messages name their peers by stage (group_peer), so that a
@@ -843,7 +859,6 @@ class Pipeline:
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.timed = timed
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
-        self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
 
     def mark(self):
@@ -876,18 +891,22 @@ class Pipeline:
     def _exchange(self, batch, outputs, meanwhile=lambda: None):
         """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
         after sending)}) and the receives together, run `meanwhile` (ZB's W passes, which
-        nobody waits for), and wait for the receives only; returns {tag: received tensor}.
-        Sends are retired once complete (with NCCL the whole batch completes at once; gloo
-        may complete a send later, after the peer's receive)."""
+        nobody waits for), wait for the whole batch, sends included (Megatron's _communicate
+        waits for every request of its batch_isend_irecv too), and free each sent output
+        (free_output); returns {tag: received tensor}. Waiting for a send adds no deadlock:
+        the batches keep NCCL's rules (nccl_batches: a rank's batches complete in order, a
+        send once its receive is posted), under which NCCL itself completes a batch as one.
+        And it is what frees the outputs under gloo, which reports a send complete to wait()
+        only (is_completed() stays False): polling, every output stayed until the step's end."""
         if self.p == 1:
-            for tag, (tensor, _) in outputs.items():
-                self.mailbox[tag] = tensor.detach().clone()
+            for tag, (tensor, free) in outputs.items():
+                self.mailbox[tag] = self._pass_in_memory(tensor, free)
             meanwhile()
             return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
         ops, received = [], {}
         for op, peer, tag in [entry for entry in batch if entry[1] == self.rank]:  # the V's turn: in memory
             if op == "send":
-                self.mailbox[tag] = outputs[tag][0].detach().clone()
+                self.mailbox[tag] = self._pass_in_memory(*outputs[tag])
             else:
                 received[tag] = self.mailbox.pop(tag)
         batch = [entry for entry in batch if entry[1] != self.rank]
@@ -897,38 +916,40 @@ class Pipeline:
             else:
                 received[tag] = torch.empty(self.act_shape, device=self.env.device)
                 ops.append(dist.P2POp(dist.irecv, received[tag], group=self.group, group_peer=peer, tag=tag))
-        requests = dist.batch_isend_irecv(ops) if ops else []
-        if len(requests) != len(ops):  # NCCL coalesces the batch into one request
-            requests = requests[-1:] * len(ops)
+        requests = dist.batch_isend_irecv(ops) if ops else []  # NCCL: one request for the batch
         meanwhile()
-        for request, (op, _, tag) in zip(requests, batch):
-            if op == "send":
-                self.posted_sends.append((request, *outputs[tag]))
-            else:
-                request.wait()
-        self._retire_sends(wait=False)
+        for request in requests:
+            request.wait()
+        for op, _, tag in batch:
+            if op == "send" and outputs[tag][1]:
+                free_output(outputs[tag][0])
         return received
 
-    def _retire_sends(self, wait):
-        """Forget completed sends (all of them, waiting, at the end of a step). A sent
-        output's data is freed then: only its autograd graph is kept (Megatron's pseudo-free)."""
-        still = []
-        for request, tensor, free in self.posted_sends:
-            if wait:
-                request.wait()
-            if wait or request.is_completed():
-                if free:
-                    tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
-            else:
-                still.append((request, tensor, free))
-        self.posted_sends = still
+    @staticmethod
+    def _pass_in_memory(tensor, free):
+        """A message to this rank itself (one stage; the V's turn): the next chunk's input (or
+        the gradient going back) is the same storage, detached from the sender's graph; a
+        sent output then keeps only its graph (free_output), as after a send."""
+        passed = tensor.detach()
+        if free:
+            free_output(tensor)
+        return passed
 
     def run(self, rounds, inputs, targets, m, train=True, batches=None):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
         flight (forward done, backward not; with zero bubble: W not), and when timed a
         function giving the fraction of the schedule's time this rank spent computing (1 -
-        that is its measured bubble; call it after the step: it reads the device's events)."""
+        that is its measured bubble; call it after the step: it reads the device's events).
+
+        bf16: the whole schedule is one autocast region, so autocast's cache casts each
+        weight once per step and every micro-batch in flight saves that one copy (a region
+        per forward would make, and keep until its backward, a copy per micro-batch in
+        flight: k·e·Ψ_c); B and W run with autocast off, as backward runs outside a region."""
+        with autocast(self.env):
+            return self._schedule(rounds, inputs, targets, m, train, batches)
+
+    def _schedule(self, rounds, inputs, targets, m, train, batches):
         n = self.p * self.v
         saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
@@ -944,7 +965,8 @@ class Pipeline:
                 for kind, i, c in ops:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
                         t0 = mark()
-                        torch.autograd.backward(weight_nodes.pop((i, c)))
+                        with torch.autocast(self.env.device.type, enabled=False):
+                            torch.autograd.backward(weight_nodes.pop((i, c)))
                         spans.append((t0, mark()))
                         in_flight -= 1
             for kind, i, c in ops:
@@ -954,7 +976,7 @@ class Pipeline:
                 t0 = mark()  # compute only: waiting for the input is the bubble
                 if kind == "F":
                     x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
-                    with torch.set_grad_enabled(train), autocast(self.env):
+                    with torch.set_grad_enabled(train):  # in run()'s autocast region
                         out = self.chunks[c](x, targets[i] if g == n - 1 else None)
                     if g == n - 1:
                         loss_sum += out.detach().float()
@@ -967,22 +989,23 @@ class Pipeline:
                         peak = max(peak, in_flight)
                 else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
                     x, out = saved.pop((i, c))
-                    if g == n - 1:
-                        out.backward()
-                    else:
-                        grad = received.pop(backward_tag(i, g + 1, n, m))
-                        # the output's data was freed after sending (its shape is now [1]):
-                        # run autograd's engine directly, which, unlike out.backward(grad),
-                        # does not check that grad has out's shape
-                        Variable._execution_engine.run_backward(
-                            tensors=(out,), grad_tensors=(grad,),  # d loss / d out = grad
-                            keep_graph=False,  # free the graph as it goes (retain_graph=False)
-                            create_graph=False,  # no graph of the backward itself
-                            inputs=(),  # none named: every leaf the graph reaches (x, the weights)
-                            allow_unreachable=True,  # as backward() passes it (matters only with inputs)
-                            accumulate_grad=True)  # add into .grad, as backward() does
+                    with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
+                        if g == n - 1:
+                            out.backward()
+                        else:
+                            # the output's data was freed after sending (its shape is now [1]):
+                            # run autograd's engine directly, which, unlike out.backward(grad),
+                            # does not check that grad has out's shape
+                            Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
+                                tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
+                                keep_graph=False,  # free the graph as it goes (retain_graph=False)
+                                create_graph=False,  # no graph of the backward itself
+                                inputs=(),  # none named: every leaf the graph reaches (x, the weights)
+                                allow_unreachable=True,  # as backward() passes it (matters only with inputs)
+                                accumulate_grad=True)  # add into .grad, as backward() does
                     if g > 0:
                         outputs[backward_tag(i, g, n, m)] = (x.grad, False)
+                    del x, out  # the input and its gradient live on only as the message, until it is sent
                     if self.deferred is None:
                         in_flight -= 1
                     else:  # the micro-batch's W tensors stay until its W
@@ -990,7 +1013,6 @@ class Pipeline:
                         self.deferred.clear()
                 spans.append((t0, mark()))
             received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
-        self._retire_sends(wait=True)
         whole = (start, mark())
         return loss_sum, peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
 
@@ -1170,24 +1192,89 @@ def costs(args, config, world_size, dtype, rank=0):
                                               if args.optimizer == "muon" and is_hidden_matrix(name, t.shape)]),
             "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank, vee, split)}
     # every live tensor at its most, by phase (infra.phase_peaks on this stage's chunks: the
-    # logits only where the head is), with the boundaries' fp32 b·s·h tensors, in forward
-    # and backward alike: for each of the k chunks in flight its output, kept until its send
-    # completes (gloo reports a send complete only after the peer's receive), and its
-    # gradient received, or on its way (n = 2 per chunk; a middle stage also sends its
-    # input's gradient and receives its input: n = 4); and the one tensor being received and
-    # the one being sent. Start-up: the stage's weights, each drawn whole by param_init
+    # logits only where the head is), with the boundaries' (boundary_terms). Start-up: the
+    # stage's weights, each drawn whole by param_init
     from infra import activation_device_type, largest_matrix, matmul_weights, phase_peaks, transient_terms
     t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, last=last, kept=False,
                         casts=matmul_weights({name: t.shape for name, t in chunks.named_parameters()}),
                         update=max(t.numel() for t in chunks.parameters()),
                         matrix=largest_matrix(t.shape for name, t in chunks.named_parameters()
                                               if is_hidden_matrix(name, t.shape)))
-    boundary = {"boundary": formula("(n*k + 2)*4*b*s*h", show="n k", n=2 if first or last else 4, k=in_flight,
-                                    b=b, s=s, h=h)} if p > 1 else None
-    cost["peak"] = phase_peaks(cost, t, forward=boundary, backward=boundary)
+    forward, backward = boundary_terms(b, s, h, sends=p > 1 and any(not chunk.is_last for chunk in chunks))
+    casts = {"casts": casts_peak(order, dtype, {chunk_stage(p, rank, c, vee): chunk_casts(chunk, split)
+                                                for c, chunk in enumerate(chunks)}, p, rank, vee)}
+    cost["peak"] = phase_peaks(cost, t, forward={**casts, **(forward or {})}, backward={**casts, **(backward or {})})
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * (args.optimizer == "muon"), show="init",
                               params=held["params"], init=t["init"], Ψ_m=psi_m)
     return cost
+
+
+def chunk_casts(chunk, split=False):
+    """The elements autocast copies into the compute dtype for one forward of `chunk`: the
+    weights of its matmuls (infra.matmul_weights), the head's where it is the last chunk; wte
+    only as the head (the first chunk's lookup reads it in fp32). (cached, per micro-batch):
+    F.linear's casts go through autocast's cache, one per step (Pipeline.run); zero bubble's
+    SplitLinear casts the blocks' weights itself, a copy per forward, kept until its B."""
+    from infra import matmul_weights
+    shapes = {name: t.shape for name, t in chunk.named_parameters()
+              if chunk.is_last or not name.endswith("wte.weight")}
+    blocks = matmul_weights({name: shape for name, shape in shapes.items() if name.startswith("h.")})
+    whole = matmul_weights(shapes)
+    return (whole - blocks, blocks) if split else (whole, 0)
+
+
+def casts_peak(order, dtype, casts, p, rank, vee=False):
+    """bf16: autocast's weight copies held at the peak, `casts` {global chunk: (cached, per
+    micro-batch)} from chunk_casts: the cached ones once for the step (every chunk of the
+    rank has run a forward by a phase's peak), zero bubble's per-forward ones for each
+    micro-batch chunk from its F to its B, walked along the rank's order. fp32: none."""
+    from infra import formula
+    e = dtype.itemsize
+    if e != 2:
+        return formula("0")
+    now, peak = {}, {}
+    for kind, _, c in order:
+        g = chunk_stage(p, rank, c, vee)
+        if kind in ("F", "B") and casts[g][1]:
+            now[g] = now.get(g, 0) + (1 if kind == "F" else -1)
+            if sum(n * casts[k][1] for k, n in now.items()) > sum(n * casts[k][1] for k, n in peak.items()):
+                peak = {k: n for k, n in now.items() if n}
+    cached = sum(cached for cached, _ in casts.values())
+    terms = ["e*Ψ_c"] * (cached > 0) + [f"{n}*e*Ψ_s{g}" if n > 1 else f"e*Ψ_s{g}" for g, n in sorted(peak.items())]
+    return formula(" + ".join(terms) or "0", show="e", e=e, Ψ_c=cached, **{f"Ψ_s{g}": casts[g][1] for g in peak})
+
+
+def boundary_terms(b, s, h, sends):
+    """What the pipeline itself holds at a stage boundary, beside the activations, tensor by
+    tensor (Pipeline.run and _exchange), each b·s·h and fp32 (4 bytes) in bf16 runs too: the
+    residual stream stays fp32 under autocast (fp32 embeddings plus bf16 block outputs) and
+    the receive buffers are made in the default dtype. ({forward}, {backward}) for
+    phase_peaks; `sends`: the stage has a next one (not the last chunk's, whose output is
+    the loss).
+
+      per micro-batch in flight:
+        input x      received, requires_grad: the first LayerNorm's saved input, so
+                     already in `activations` (activation_terms' 4bsh of each layer)
+        output       sent, then freed (free_output): only its graph is kept      0
+      transient:
+        out          the chunk's output, from its forward until its send completes 4bsh
+                     (forward)
+        dy           d loss / d out, received in the batch that sends out (1F1B's
+                     steady state, GPipe's turn) and kept until backward      4bsh
+                     has started from it (forward and backward)
+        dx           x's gradient, sent back once the backward is over: its
+                     micro-batch's activations are freed by then             (not at a peak)
+
+    So a first or middle stage holds out + dy at its forward's peak (k micro-batches
+    in flight and the last one's output on its way out) and dy at its backward's, and the
+    last stage none: (n·k + 2)·4bsh, the term fitted before, counted every output and
+    gradient sent in a step, which gloo kept alive until the step's end (its sends were
+    never polled complete)."""
+    from infra import formula
+    if not sends:
+        return None, None
+    out, dy = formula("4*b*s*h", b=b, s=s, h=h), formula("4*b*s*h", b=b, s=s, h=h)
+    return {"boundary": formula("out + dy", out=out, dy=dy)}, {"boundary": formula("dy", dy=dy)}
 
 
 def held_peak(order, split):

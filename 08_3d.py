@@ -754,7 +754,7 @@ def costs(args, config, world_size, dtype, rank=0):
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
-    split, n_local, vocab_local, matrices = stage_sizes(config, T, P, mesh.pp_rank)  # Ψ_rank = split + the rest
+    split, n_local, vocab_local, matrices, casts = stage_sizes(config, T, P, mesh.pp_rank, args.sequence_parallel)
     owners = muon_owners(matrices, T) if args.optimizer == "muon" else []  # Muon: the stage's, whole
     x = dict(T=T, P=P, C=C, D=D, L=n_layers, m=args.global_batch_size // (args.micro_batch_size * D),
              b=args.micro_batch_size, s=config.block_size // C, h=config.n_embd, a=config.n_head,
@@ -777,25 +777,37 @@ def costs(args, config, world_size, dtype, rank=0):
                                                     if own == mesh.tp_rank]),
                  "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
     # every live tensor at its most, by phase (infra.phase_peaks on this rank's shards and s
-    # tokens), with 07's boundaries (for each of the k chunks in flight its output, kept until
-    # its send completes, and its gradient, n = 2, or 4 on a middle stage; the tensor being
-    # received and the one being sent);
+    # tokens), with 07's boundaries (its boundary_terms: a stage with a next one holds its
+    # output until the send completes and the gradient received with it, fp32 b·s·h each,
+    # b·(s/T)·h with SP, act_shape in main; free_output frees the outputs in flight);
     # AdamW's largest tensor: the vocabulary slice at the ends, else c_fc's 4h²/T. Start-up:
     # the shards, each parameter drawn whole by param_init
     from infra import activation_device_type, formula, phase_peaks, transient_terms
     h = config.n_embd
     t = transient_terms(config, x["b"], x["s"], dtype, activation_device_type(args), args.optimizer, tp=T,
-                        last=ends[1], kept=False, casts=split,  # autocast's copies: the split matrices
+                        last=ends[1], kept=False, casts=casts,  # one copy a step: autocast's cache
                         update=max([4 * h * h // T] + [vocab_local * h] * any(ends)),
                         matrix=max(((math.prod(m), min(m)) for m in matrices), default=(0, 0)))
-    k = min(P - mesh.pp_rank, x["m"])
     # (DataParallel's all-reduce takes a flat copy of the gradients, freed before the update)
     flat = None if args.zero1 else {"update": formula("max(4*Ψ_rank, update)", show="update", Ψ_rank=n_local,
                                                       update=t["update"])}
-    # (with SP a boundary tensor is the TP rank's s/T positions: act_shape in main)
-    boundary = {"boundary": formula("(n*k + 2)*4*b*s*h" + "/T" * args.sequence_parallel, show="n k",
-                                    n=2 if any(ends) else 4, k=k, b=x["b"], s=x["s"], h=h, T=T)} if P > 1 else None
-    rank_cost["peak"] = phase_peaks(rank_cost, t, forward=boundary, backward=boundary, optimizer=flat)
+    sp = "/T" * args.sequence_parallel  # with SP a boundary tensor is the TP rank's s/T positions
+    out, dy = (formula("4*b*s*h" + sp, b=x["b"], s=x["s"], h=h, T=T) for _ in "xy")
+    sends = P > 1 and not ends[1]
+    forward = {"boundary": formula("out + dy", out=out, dy=dy)} if sends else {}
+    backward = {"boundary": formula("dy", dy=dy)} if sends else {}
+    if args.sequence_parallel:  # SP's own transients (06's GatherSequenceLinear and ScatterSequence, restated):
+        # forward peaks in a row-parallel Linear's reduce-scatter: its partial sum and the sum's
+        # rank-major copy, e·bsh each (the whole sequence), and the shard returned, e·bsh/T;
+        # backward in a column-parallel Linear's (c_fc's; the head's on the last stage): the MLP-wide
+        # gradient (the logits' fp32 one at the head, whichever is larger), the gathered input and
+        # its gradient (e·bsh each), that gradient in fp32 and its rank-major copy for the
+        # reduce-scatter (4bsh each) and the shard returned (4bsh/T)
+        sizes = {**{k: x[k] for k in ("b", "s", "V", "T", "e")}, "h": h}
+        forward["scatter"] = formula("2*e*b*s*h + e*b*s*h/T", show="e", **sizes)
+        backward["gradients"] = formula(("max(4*b*s*V/T, 4*e*b*s*h/T)" if ends[1] else "4*e*b*s*h/T")
+                                        + " + 2*e*b*s*h + 2*4*b*s*h + 4*b*s*h/T", show="e", **sizes)
+    rank_cost["peak"] = phase_peaks(rank_cost, t, forward=forward, backward=backward, optimizer=flat)
     rank_cost["startup"] = formula("params + init", show="init", params=held["params"], init=t["init"])
     return rank_cost
 
@@ -888,12 +900,12 @@ def activation_costs(args, config, dtype, x, in_flight, first, last):
 _STAGE_SIZES = {}
 
 
-def stage_sizes(config, T, P, pp_rank):
+def stage_sizes(config, T, P, pp_rank, sp=False):
     """(parameters TP_PLAN splits, all parameters, vocabulary rows, the full shapes of its
-    hidden matrices) of a TP rank of stage
+    hidden matrices, the elements autocast copies for one forward) of a TP rank of stage
     pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
     plan.py price many micro-batches of one layout."""
-    key = (repr(config), T, P, pp_rank)
+    key = (repr(config), T, P, pp_rank, sp)
     if key not in _STAGE_SIZES:
         mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only
         with torch.device("meta"):
@@ -901,7 +913,14 @@ def stage_sizes(config, T, P, pp_rank):
         split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None)
         matrices = [shard_boxes(name, p.shape, 0, T, 0)[0] for name, p in stage.named_parameters()
                     if is_hidden_matrix(name, p.shape)]  # Muon's, whole
-        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local, matrices
+        # the weights autocast's cache holds, cast once per step (07's Pipeline.run) and saved for
+        # backward: the split matmul weights (the replicated ones are LayerNorms' and wpe); wte as the
+        # head only (the first stage's lookup reads it in fp32); with SP not the column-parallel ones
+        # nor the head: GatherSequenceLinear casts them itself and saves the fp32 weight
+        casts = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None
+                    and p.dim() == 2 and (stage.is_last or not name.endswith("wte.weight"))
+                    and not (sp and tp_split(name)[0] in ("column", "vocab")))
+        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local, matrices, casts
     return _STAGE_SIZES[key]
 
 
@@ -1482,8 +1501,22 @@ def chunk_layers(n_layer, n_chunks):
 # ---- end restated ----
 
 
-# ---- restated from 07_pipeline.py: Pipeline (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 07_pipeline.py: free_output, Pipeline (word for word; tests/test_restated.py checks it) ----
 # the executor
+
+def free_output(out):
+    """Free a stage output's storage once it has been sent: Megatron-LM's
+    deallocate_output_tensor (megatron/core/pipeline_parallel/schedules.py, "called right
+    after the output tensor has been sent to the next pipeline stage"), which sets
+    `out.data` to a one-element tensor. Safe: backward needs only the graph `out` is the
+    root of (its grad_fn, and the tensors the ops saved), never the output's values, and
+    d loss / d out arrives from the next stage; Pipeline.run starts backward from it with
+    autograd's engine, which, unlike out.backward(grad), does not check the shapes. So a
+    micro-batch in flight keeps its activations, not its b·s·h output. `out` is no view
+    (the chunk's last residual add): freeing a view would free nothing (Megatron asserts
+    out._base is None)."""
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
 
 class Pipeline:
     """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
@@ -1500,7 +1533,6 @@ class Pipeline:
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.timed = timed
         self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
-        self.posted_sends = []  # (request, tensor, free_after_send) posted, maybe not complete
         self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
 
     def mark(self):
@@ -1533,18 +1565,22 @@ class Pipeline:
     def _exchange(self, batch, outputs, meanwhile=lambda: None):
         """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
         after sending)}) and the receives together, run `meanwhile` (ZB's W passes, which
-        nobody waits for), and wait for the receives only; returns {tag: received tensor}.
-        Sends are retired once complete (with NCCL the whole batch completes at once; gloo
-        may complete a send later, after the peer's receive)."""
+        nobody waits for), wait for the whole batch, sends included (Megatron's _communicate
+        waits for every request of its batch_isend_irecv too), and free each sent output
+        (free_output); returns {tag: received tensor}. Waiting for a send adds no deadlock:
+        the batches keep NCCL's rules (nccl_batches: a rank's batches complete in order, a
+        send once its receive is posted), under which NCCL itself completes a batch as one.
+        And it is what frees the outputs under gloo, which reports a send complete to wait()
+        only (is_completed() stays False): polling, every output stayed until the step's end."""
         if self.p == 1:
-            for tag, (tensor, _) in outputs.items():
-                self.mailbox[tag] = tensor.detach().clone()
+            for tag, (tensor, free) in outputs.items():
+                self.mailbox[tag] = self._pass_in_memory(tensor, free)
             meanwhile()
             return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
         ops, received = [], {}
         for op, peer, tag in [entry for entry in batch if entry[1] == self.rank]:  # the V's turn: in memory
             if op == "send":
-                self.mailbox[tag] = outputs[tag][0].detach().clone()
+                self.mailbox[tag] = self._pass_in_memory(*outputs[tag])
             else:
                 received[tag] = self.mailbox.pop(tag)
         batch = [entry for entry in batch if entry[1] != self.rank]
@@ -1554,38 +1590,40 @@ class Pipeline:
             else:
                 received[tag] = torch.empty(self.act_shape, device=self.env.device)
                 ops.append(dist.P2POp(dist.irecv, received[tag], group=self.group, group_peer=peer, tag=tag))
-        requests = dist.batch_isend_irecv(ops) if ops else []
-        if len(requests) != len(ops):  # NCCL coalesces the batch into one request
-            requests = requests[-1:] * len(ops)
+        requests = dist.batch_isend_irecv(ops) if ops else []  # NCCL: one request for the batch
         meanwhile()
-        for request, (op, _, tag) in zip(requests, batch):
-            if op == "send":
-                self.posted_sends.append((request, *outputs[tag]))
-            else:
-                request.wait()
-        self._retire_sends(wait=False)
+        for request in requests:
+            request.wait()
+        for op, _, tag in batch:
+            if op == "send" and outputs[tag][1]:
+                free_output(outputs[tag][0])
         return received
 
-    def _retire_sends(self, wait):
-        """Forget completed sends (all of them, waiting, at the end of a step). A sent
-        output's data is freed then: only its autograd graph is kept (Megatron's pseudo-free)."""
-        still = []
-        for request, tensor, free in self.posted_sends:
-            if wait:
-                request.wait()
-            if wait or request.is_completed():
-                if free:
-                    tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
-            else:
-                still.append((request, tensor, free))
-        self.posted_sends = still
+    @staticmethod
+    def _pass_in_memory(tensor, free):
+        """A message to this rank itself (one stage; the V's turn): the next chunk's input (or
+        the gradient going back) is the same storage, detached from the sender's graph; a
+        sent output then keeps only its graph (free_output), as after a send."""
+        passed = tensor.detach()
+        if free:
+            free_output(tensor)
+        return passed
 
     def run(self, rounds, inputs, targets, m, train=True, batches=None):
         """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
         them); returns the summed loss (last stage), the peak number of micro-batch chunks in
         flight (forward done, backward not; with zero bubble: W not), and when timed a
         function giving the fraction of the schedule's time this rank spent computing (1 -
-        that is its measured bubble; call it after the step: it reads the device's events)."""
+        that is its measured bubble; call it after the step: it reads the device's events).
+
+        bf16: the whole schedule is one autocast region, so autocast's cache casts each
+        weight once per step and every micro-batch in flight saves that one copy (a region
+        per forward would make, and keep until its backward, a copy per micro-batch in
+        flight: k·e·Ψ_c); B and W run with autocast off, as backward runs outside a region."""
+        with autocast(self.env):
+            return self._schedule(rounds, inputs, targets, m, train, batches)
+
+    def _schedule(self, rounds, inputs, targets, m, train, batches):
         n = self.p * self.v
         saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
         weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
@@ -1601,7 +1639,8 @@ class Pipeline:
                 for kind, i, c in ops:
                     if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
                         t0 = mark()
-                        torch.autograd.backward(weight_nodes.pop((i, c)))
+                        with torch.autocast(self.env.device.type, enabled=False):
+                            torch.autograd.backward(weight_nodes.pop((i, c)))
                         spans.append((t0, mark()))
                         in_flight -= 1
             for kind, i, c in ops:
@@ -1611,7 +1650,7 @@ class Pipeline:
                 t0 = mark()  # compute only: waiting for the input is the bubble
                 if kind == "F":
                     x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
-                    with torch.set_grad_enabled(train), autocast(self.env):
+                    with torch.set_grad_enabled(train):  # in run()'s autocast region
                         out = self.chunks[c](x, targets[i] if g == n - 1 else None)
                     if g == n - 1:
                         loss_sum += out.detach().float()
@@ -1624,22 +1663,23 @@ class Pipeline:
                         peak = max(peak, in_flight)
                 else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
                     x, out = saved.pop((i, c))
-                    if g == n - 1:
-                        out.backward()
-                    else:
-                        grad = received.pop(backward_tag(i, g + 1, n, m))
-                        # the output's data was freed after sending (its shape is now [1]):
-                        # run autograd's engine directly, which, unlike out.backward(grad),
-                        # does not check that grad has out's shape
-                        Variable._execution_engine.run_backward(
-                            tensors=(out,), grad_tensors=(grad,),  # d loss / d out = grad
-                            keep_graph=False,  # free the graph as it goes (retain_graph=False)
-                            create_graph=False,  # no graph of the backward itself
-                            inputs=(),  # none named: every leaf the graph reaches (x, the weights)
-                            allow_unreachable=True,  # as backward() passes it (matters only with inputs)
-                            accumulate_grad=True)  # add into .grad, as backward() does
+                    with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
+                        if g == n - 1:
+                            out.backward()
+                        else:
+                            # the output's data was freed after sending (its shape is now [1]):
+                            # run autograd's engine directly, which, unlike out.backward(grad),
+                            # does not check that grad has out's shape
+                            Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
+                                tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
+                                keep_graph=False,  # free the graph as it goes (retain_graph=False)
+                                create_graph=False,  # no graph of the backward itself
+                                inputs=(),  # none named: every leaf the graph reaches (x, the weights)
+                                allow_unreachable=True,  # as backward() passes it (matters only with inputs)
+                                accumulate_grad=True)  # add into .grad, as backward() does
                     if g > 0:
                         outputs[backward_tag(i, g, n, m)] = (x.grad, False)
+                    del x, out  # the input and its gradient live on only as the message, until it is sent
                     if self.deferred is None:
                         in_flight -= 1
                     else:  # the micro-batch's W tensors stay until its W
@@ -1647,7 +1687,6 @@ class Pipeline:
                         self.deferred.clear()
                 spans.append((t0, mark()))
             received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
-        self._retire_sends(wait=True)
         whole = (start, mark())
         return loss_sum, peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
 # ---- end restated ----
