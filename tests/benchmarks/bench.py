@@ -64,6 +64,7 @@ PAIRS = {  # name: (our script and flags, --impl of torch_baselines.py); the las
 }
 
 
+PROFILE, LOG_INTERVAL = False, 1  # bench.py's --profile and --log_interval
 TIMEOUT_S = 60  # a run takes well under a minute here; a hang holds the lock no longer than this
 
 
@@ -92,7 +93,6 @@ def locked(path):
 
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
-PROFILE = False  # --profile
 TIE = "from infra import Run  # the run infrastructure; `from common import Run` is the plain loop\n"
 
 
@@ -152,7 +152,8 @@ def per_step(side, skip):
     """Medians over the steps after `skip`, averaged over the ranks: the script's own step time,
     and from the probe the loop's period, the process's CPU (all threads), the main thread's CPU
     (ms), and the involuntary context switches per step (the core taken by someone else)."""
-    out = {"dt": statistics.median(side["dt"][skip:])}
+    logged_skip = -(-skip // LOG_INTERVAL)  # dt is in the logged steps' rows: every LOG_INTERVAL-th step
+    out = {"dt": statistics.median(side["dt"][logged_skip:])}
     for key, column in (("period", 0), ("cpu", 1), ("main", 2), ("preempted", 4)):
         out[key] = statistics.mean(statistics.median((b[column] - a[column]) * (1 if column == 4 else 1e3)
                                                      for a, b in zip(rows[skip:], rows[skip + 1:]))
@@ -191,8 +192,8 @@ def main():
     p.add_argument("--ablate", action="append", default=[], choices=["guard", "meter", "guard,meter"],
                    help="another side: ours with that piece of infra's Run taken out (probe.py)")
     a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
-    global PROFILE
-    PROFILE = a.profile
+    global PROFILE, LOG_INTERVAL
+    PROFILE, LOG_INTERVAL = a.profile, a.log_interval
     data_parallel = a.pair in ("ddp", "zero1", "fsdp2", "fsdp")
     # the defaults, then anything given (a flag given twice: the last one counts)
     model_flags = ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
