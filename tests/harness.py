@@ -115,10 +115,12 @@ def command(script, nprocs, launcher):
 
 
 def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, env=None, cwd=None,
-           out_dir=True):
+           out_dir=True, grace=None):
     """Run `script` with `nprocs` ranks and return a Run (metrics read from --metrics); a
     temporary --metrics file and --out_dir are added unless given (or turned off). launcher:
-    None (GPTPAR_TEST_LAUNCHER, else the fork server), "fork", "mpiexec" or "torchrun"."""
+    None (GPTPAR_TEST_LAUNCHER, else the fork server), "fork", "mpiexec" or "torchrun".
+    grace: under the fork server, how long the other ranks may go on once one has failed
+    (tests/forkserver.py's GRACE_S unless given)."""
     tmp = tempfile.mkdtemp(prefix="gptpar-")
     args = list(map(str, args))
     metrics_path = os.path.join(tmp, "metrics.jsonl")
@@ -134,7 +136,7 @@ def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, 
     if how == "fork":
         path = script if os.path.isabs(script) else os.path.join(ROOT, script)
         cmd = ["forkserver", "-n", str(nprocs), sys.executable, path] + args
-        code, out, err = FORK_SERVER.run(path, args, nprocs, run_env, cwd or tmp, timeout, tmp)
+        code, out, err = FORK_SERVER.run(path, args, nprocs, run_env, cwd or tmp, timeout, tmp, grace)
     else:
         cmd = command(script, nprocs, launcher) + args  # launcher None: GPTPAR_TEST_LAUNCHER's
         try:
@@ -226,12 +228,12 @@ class ForkServer:
                     raise
                 self.stop()
 
-    def run(self, script, args, nprocs, env, cwd, timeout, tmp):
+    def run(self, script, args, nprocs, env, cwd, timeout, tmp, grace=None):
         """Run one job; (returncode or "timeout", stdout, stderr)."""
-        return fork_job(self.connect(), script, args, nprocs, env, cwd, timeout, tmp, self.log)
+        return fork_job(self.connect(), script, args, nprocs, env, cwd, timeout, tmp, self.log, grace)
 
 
-def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None):
+def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None, grace=None):
     """One job through a fork server connection `conn` (which it closes): (returncode or
     "timeout", stdout, stderr), the ranks' output kept in files under `tmp` meanwhile.
     ForkServer.run's, and that of a stand-in launcher that hands its command to the session's
@@ -241,6 +243,8 @@ def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None):
         open(path, "w").close()
     job = dict(script=script, args=args, nprocs=nprocs, world=nprocs > 1, env=env, cwd=cwd,
                timeout=timeout, stdout=out, stderr=err)
+    if grace is not None:
+        job["grace"] = grace
     data = b""
     try:
         conn.sendall((json.dumps(job) + "\n").encode())
