@@ -523,17 +523,6 @@ def test_missing_script_is_refused(scheduler):
     assert p.returncode == 2 and "no training script 09_nothing.py" in p.stderr
 
 
-def test_local_really_trains(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
-    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # the venv's python, mpiexec/torchrun
-    p = subprocess.run(["bash", os.path.join(ROOT, "jobs", "local.sh"), "2", "03_ddp.py", "--model", "tiny",
-                        "--device", "cpu", "--max_iters", "3", "--eval_interval", "0", "--log_interval", "1",
-                        "--global_batch_size", "4", "--out_dir", str(tmp_path / "out")],
-                       env=env, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "step 2: loss" in p.stdout and "2 replicas" in p.stdout
-
-
 def test_walltime_and_automatic_resume(scheduler, tmp_path):
     """PBS: --time_limit is the walltime (qstat) less a 5-minute margin; Slurm: SIGUSR1 three
     minutes before the walltime (the #SBATCH --signal line). Both add --resume once the run's
@@ -624,7 +613,8 @@ def test_sigterm_to_every_process_of_a_local_job_checkpoints_and_resumes(tmp_pat
     """At walltime PBS and Slurm send SIGTERM to every process of the job, tee included: the
     job script, tee and the launcher outlive it (jobs/lib.sh's run_logged), the ranks finish
     the step and commit a checkpoint, the job exits 0, and its log ends with the stop line.
-    Resubmitted with --resume, the run continues from that step."""
+    Resubmitted with --resume, the run continues from that step and ends with status 0: the
+    local job really trains, on 2 replicas, to its end."""
     returncode, lines, log, out = stopped_local_job(tmp_path, signal.SIGTERM)
     step = assert_stopped_with_a_checkpoint(returncode, lines, log, out, signal.SIGTERM)
     assert "".join(lines).endswith(log[-500:])  # the job's output got every line the log got
@@ -633,6 +623,7 @@ def test_sigterm_to_every_process_of_a_local_job_checkpoints_and_resumes(tmp_pat
                         "--resume"], env=local_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"resumed step {step} from" in p.stdout and f"step {step + 1}: loss" in p.stdout, p.stdout[-3000:]
+    assert "2 replicas" in p.stdout, p.stdout[-3000:]
 
 
 def test_ctrl_c_at_the_terminal_of_a_local_job_checkpoints(tmp_path):
