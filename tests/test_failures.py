@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 
-import common
 import infra
 from harness import TINY, launch
 from test_real_conditions import dry
