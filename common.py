@@ -648,10 +648,12 @@ def synthetic_corpus(n_train=SYNTHETIC_TOKENS["train"], n_val=SYNTHETIC_TOKENS["
     rng = np.random.default_rng(1234)
     successors = rng.integers(0, SYNTHETIC_VOCAB, size=(SYNTHETIC_VOCAB, 4))
     choice = rng.integers(0, 4, size=n_train + n_val)
-    stream = np.empty(n_train + n_val, dtype=np.uint16)
-    stream[0] = 0
-    for i in range(1, len(stream)):  # ~0.5 s for 2M tokens
-        stream[i] = successors[stream[i - 1], choice[i]]
+    # a loop (each token depends on the one before): ~0.25 s for 2M tokens on Python ints, 4x that on numpy scalars
+    table, picks, token, tokens = successors.ravel().tolist(), choice.tolist(), 0, [0]
+    for i in range(1, n_train + n_val):
+        token = table[4 * token + picks[i]]
+        tokens.append(token)
+    stream = np.array(tokens, dtype=np.uint16)
     return {"train": stream[:n_train], "val": stream[n_train:]}
 
 

@@ -11,7 +11,8 @@ line back. The server ends when its stdin reaches end of file (the harness, or t
 process that holds the pipe, is gone).
 
 Request: {"script", "args", "nprocs", "world" (export torchrun's variables), "env", "cwd",
-"timeout" (seconds), "stdout", "stderr" (files the ranks append to)}.
+"timeout" (seconds), "stdout", "stderr" (files the ranks append to), and optionally "grace"
+(seconds, GRACE_S by default)}.
 Reply: {"returncode": int or "timeout", "statuses": [rank exit statuses], "pgid": int} or
 {"error": "..."}.
 
@@ -262,6 +263,7 @@ def supervise(conn, job, base_path, loaded):
     port = free_port() if world else None
     start = time.monotonic()
     deadline = start + float(job["timeout"])
+    grace = float(job.get("grace", GRACE_S))
     pids, pgid = [], 0
     for rank in range(n):
         pid = os.fork()
@@ -296,13 +298,13 @@ def supervise(conn, job, base_path, loaded):
         if now >= deadline:
             timed_out, deadline = True, float("inf")
             signal_job(signal.SIGKILL)
-        if failed_at is not None and termed_at is None and now >= failed_at + GRACE_S:
+        if failed_at is not None and termed_at is None and now >= failed_at + grace:
             termed_at = now
             signal_job(signal.SIGTERM)
         if termed_at is not None and now >= termed_at + KILL_S:
             signal_job(signal.SIGKILL)
             termed_at = float("inf")
-        wake = min(deadline, failed_at + GRACE_S if failed_at is not None and termed_at is None else deadline,
+        wake = min(deadline, failed_at + grace if failed_at is not None and termed_at is None else deadline,
                    termed_at + KILL_S if termed_at is not None else deadline)
         wait = max(0.0, min(wake - now, 3600.0))
         watch = ([] if gone else [conn]) + (list(pidfds) if pidfds is not None else [])

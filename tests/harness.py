@@ -115,10 +115,12 @@ def command(script, nprocs, launcher):
 
 
 def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, env=None, cwd=None,
-           out_dir=True):
+           out_dir=True, grace=None):
     """Run `script` with `nprocs` ranks and return a Run (metrics read from --metrics); a
     temporary --metrics file and --out_dir are added unless given (or turned off). launcher:
-    None (GPTPAR_TEST_LAUNCHER, else the fork server), "fork", "mpiexec" or "torchrun"."""
+    None (GPTPAR_TEST_LAUNCHER, else the fork server), "fork", "mpiexec" or "torchrun".
+    grace: under the fork server, how long the other ranks may go on once one has failed
+    (tests/forkserver.py's GRACE_S unless given)."""
     tmp = tempfile.mkdtemp(prefix="gptpar-")
     args = list(map(str, args))
     metrics_path = os.path.join(tmp, "metrics.jsonl")
@@ -134,7 +136,7 @@ def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, 
     if how == "fork":
         path = script if os.path.isabs(script) else os.path.join(ROOT, script)
         cmd = ["forkserver", "-n", str(nprocs), sys.executable, path] + args
-        code, out, err = FORK_SERVER.run(path, args, nprocs, run_env, cwd or tmp, timeout, tmp)
+        code, out, err = FORK_SERVER.run(path, args, nprocs, run_env, cwd or tmp, timeout, tmp, grace)
     else:
         cmd = command(script, nprocs, launcher) + args  # launcher None: GPTPAR_TEST_LAUNCHER's
         try:
@@ -226,38 +228,47 @@ class ForkServer:
                     raise
                 self.stop()
 
-    def run(self, script, args, nprocs, env, cwd, timeout, tmp):
+    def run(self, script, args, nprocs, env, cwd, timeout, tmp, grace=None):
         """Run one job; (returncode or "timeout", stdout, stderr)."""
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        for path in (out, err):
-            open(path, "w").close()
-        job = dict(script=script, args=args, nprocs=nprocs, world=nprocs > 1, env=env, cwd=cwd,
-                   timeout=timeout, stdout=out, stderr=err)
-        conn = self.connect()
-        data = b""
-        try:
-            conn.sendall((json.dumps(job) + "\n").encode())
-            conn.settimeout(timeout + 60)  # the supervisor ends the job at `timeout` already
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(1 << 16)
-                if not chunk:
-                    break
-                data += chunk
-        except socket.timeout:  # closing the connection makes the supervisor kill the job
-            data = b'{"returncode": "timeout"}\n'
-        finally:
-            conn.close()
-        if not data:
-            raise RuntimeError(f"the job's supervisor ended without a reply\n{open(self.log).read()[-3000:]}")
-        reply = json.loads(data)
-        if "error" in reply:
-            raise RuntimeError(f"fork server: {reply['error']}")
-        texts = []
-        for path in (out, err):
-            with open(path, errors="replace") as f:
-                texts.append(f.read())
-            os.remove(path)
-        return reply["returncode"], texts[0], texts[1]
+        return fork_job(self.connect(), script, args, nprocs, env, cwd, timeout, tmp, self.log, grace)
+
+
+def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None, grace=None):
+    """One job through a fork server connection `conn` (which it closes): (returncode or
+    "timeout", stdout, stderr), the ranks' output kept in files under `tmp` meanwhile.
+    ForkServer.run's, and that of a stand-in launcher that hands its command to the session's
+    server (tests/test_jobs.py, whose python lines would each import torch afresh)."""
+    out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    for path in (out, err):
+        open(path, "w").close()
+    job = dict(script=script, args=args, nprocs=nprocs, world=nprocs > 1, env=env, cwd=cwd,
+               timeout=timeout, stdout=out, stderr=err)
+    if grace is not None:
+        job["grace"] = grace
+    data = b""
+    try:
+        conn.sendall((json.dumps(job) + "\n").encode())
+        conn.settimeout(timeout + 60)  # the supervisor ends the job at `timeout` already
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    except socket.timeout:  # closing the connection makes the supervisor kill the job
+        data = b'{"returncode": "timeout"}\n'
+    finally:
+        conn.close()
+    if not data:
+        raise RuntimeError("the job's supervisor ended without a reply\n" + (open(log).read()[-3000:] if log else ""))
+    reply = json.loads(data)
+    if "error" in reply:
+        raise RuntimeError(f"fork server: {reply['error']}")
+    texts = []
+    for path in (out, err):
+        with open(path, errors="replace") as f:
+            texts.append(f.read())
+        os.remove(path)
+    return reply["returncode"], texts[0], texts[1]
 
 
 FORK_SERVER = ForkServer()

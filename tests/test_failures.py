@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 
-import common
 import infra
 from harness import TINY, launch
 from test_real_conditions import dry
@@ -288,9 +287,9 @@ def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monk
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
         t0 = time.time()
-        problem = infra.lock_out_dir(str(out), wait_s=3)
+        problem = infra.lock_out_dir(str(out), wait_s=1.5)  # the whole wait, the heartbeat going on
         assert problem and "is in use by another job" in problem and "job 42" in problem
-        assert 2.5 < time.time() - t0 < 8
+        assert 1.4 < time.time() - t0 < 6.5
     finally:
         alive.set()
 
@@ -303,9 +302,9 @@ def committed(out):
 def test_time_limit_stops_with_a_checkpoint(tmp_path):
     out = tmp_path / "out"
     run = launch("07_pipeline.py", TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000",
-                                           "--time_limit", "0.1", "--out_dir", out], nprocs=2).ok()
+                                           "--time_limit", "0.05", "--out_dir", out], nprocs=2).ok()
     stopped = [line for line in run.stdout.splitlines() if line.startswith("stopped after step")]
-    assert len(stopped) == 1 and "--time_limit 0.1 min is near" in stopped[0], run.stdout[-2000:]
+    assert len(stopped) == 1 and "--time_limit 0.05 min is near" in stopped[0], run.stdout[-2000:]
     assert run.steps and int(stopped[0].split()[3]) == run.steps[-1]["step"] + 1
     assert committed(out) and "LOCK" not in os.listdir(out)
-    assert run.seconds < 6 + 30  # stopped before the limit (plus the launch before the clock starts)
+    assert run.seconds < 3 + 30  # stopped before the limit (plus the launch before the clock starts)

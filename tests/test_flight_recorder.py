@@ -48,7 +48,7 @@ for step in range(3):
 def test_a_stalled_gloo_job_is_one_line_per_rank(tmp_path):
     probe, dumps = tmp_path / "stall_probe.py", tmp_path / "fr"
     probe.write_text(PROBE)
-    run = launch(str(probe), ["--device", "cpu", "--timeout", "3"], nprocs=3, metrics=False, out_dir=False,
+    run = launch(str(probe), ["--device", "cpu", "--timeout", "2"], nprocs=3, metrics=False, out_dir=False,
                  env={"TORCH_FR_DUMP_TEMP_FILE": f"{dumps}/rank_", "TORCH_FR_BUFFER_SIZE": "2000"}, timeout=120)
     assert run.returncode not in (0, "timeout") and run.seconds < 60, run.stderr[-3000:]
     # the Python line of gloo's timeout is still there

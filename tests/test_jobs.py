@@ -3,7 +3,8 @@ environment (module, conda and scontrol replaced by stubs that record their argu
 mpiexec and srun by a stand-in that records its line and the environment it launches with,
 emulates each local rank's CPU binding and GPU wrapper, and then really runs the job's python
 command as `--dry_run --world_size N --ranks_per_node R`, so the job's own configuration is
-validated by the script itself), refuses layouts that do not fit, binds every rank to the
+validated by the script itself: forked as `python script` from the session's fork server,
+tests/forkserver.py, or a fresh interpreter where GPTPAR_TEST_LAUNCHER names a real launcher), refuses layouts that do not fit, binds every rank to the
 CPU cores next to its GPU, sets the communication variables the facilities document
 (jobs/README.md cites each), and jobs/local.sh really trains."""
 
@@ -18,7 +19,7 @@ import sys
 
 import pytest
 
-from harness import LAUNCHER_ENV, ROOT, TINY
+from harness import FORK_SERVER, LAUNCHER_ENV, ROOT, TINY, chosen_launcher
 from test_failures import committed
 from test_reliability import wait_for_rows
 
@@ -79,8 +80,19 @@ with open(os.environ["RECORD"] + ".launch.json", "w") as f:
     json.dump({{"env": dict(os.environ), "ranks": ranks}}, f)
 if os.environ.get("LAUNCH_ONLY"):
     sys.exit(0)
-sys.exit(subprocess.call([sys.executable, *command, "--dry_run", "--world_size", str(world),
-                          "--ranks_per_node", str(per_node)]))
+dry = ["--dry_run", "--world_size", str(world), "--ranks_per_node", str(per_node)]
+if os.environ.get("GPTPAR_FORK_SOCKET"):  # `python script` forked from the session's server: torch imported once
+    import socket, tempfile
+    sys.path.insert(0, {tests!r})
+    from harness import fork_job
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(os.environ["GPTPAR_FORK_SOCKET"])
+    code, out, err = fork_job(conn, os.path.abspath(command[0]), command[1:] + dry, 1, dict(os.environ), os.getcwd(),
+                              120, tempfile.mkdtemp(prefix="gptpar-"))
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    sys.exit(code)
+sys.exit(subprocess.call([sys.executable, *command, *dry]))
 """
 
 
@@ -95,7 +107,8 @@ def scheduler(tmp_path):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name in ("mpiexec", "srun", "module", "conda", "scontrol"):
-        (stubs / name).write_text(LAUNCHER.format(python=sys.executable) if name in ("mpiexec", "srun") else STUB)
+        (stubs / name).write_text(LAUNCHER.format(python=sys.executable, tests=os.path.join(ROOT, "tests"))
+                                  if name in ("mpiexec", "srun") else STUB)
         (stubs / name).chmod(0o755)
     nodefile = tmp_path / "nodefile"
     record = tmp_path / "record"
@@ -111,6 +124,10 @@ def scheduler(tmp_path):
         environ.update(env or {})
         if launch_only:
             environ["LAUNCH_ONLY"] = "1"
+        elif chosen_launcher() == "fork":  # the stand-in launcher's dry run: forked, not a fresh interpreter
+            if not FORK_SERVER.alive():
+                FORK_SERVER.start()
+            environ["GPTPAR_FORK_SOCKET"] = FORK_SERVER.socket
         if kind == "pbs":
             nodefile.write_text("".join(f"x3001c0s13b{i}n0\n" for i in range(nodes)))
             environ.update(PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=ROOT, PBS_JOBID="1234.polaris-pbs")
@@ -506,17 +523,6 @@ def test_missing_script_is_refused(scheduler):
     assert p.returncode == 2 and "no training script 09_nothing.py" in p.stderr
 
 
-def test_local_really_trains(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
-    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"  # the venv's python, mpiexec/torchrun
-    p = subprocess.run(["bash", os.path.join(ROOT, "jobs", "local.sh"), "2", "03_ddp.py", "--model", "tiny",
-                        "--device", "cpu", "--max_iters", "3", "--eval_interval", "0", "--log_interval", "1",
-                        "--global_batch_size", "4", "--out_dir", str(tmp_path / "out")],
-                       env=env, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "step 2: loss" in p.stdout and "2 replicas" in p.stdout
-
-
 def test_walltime_and_automatic_resume(scheduler, tmp_path):
     """PBS: --time_limit is the walltime (qstat) less a 5-minute margin; Slurm: SIGUSR1 three
     minutes before the walltime (the #SBATCH --signal line). Both add --resume once the run's
@@ -607,7 +613,8 @@ def test_sigterm_to_every_process_of_a_local_job_checkpoints_and_resumes(tmp_pat
     """At walltime PBS and Slurm send SIGTERM to every process of the job, tee included: the
     job script, tee and the launcher outlive it (jobs/lib.sh's run_logged), the ranks finish
     the step and commit a checkpoint, the job exits 0, and its log ends with the stop line.
-    Resubmitted with --resume, the run continues from that step."""
+    Resubmitted with --resume, the run continues from that step and ends with status 0: the
+    local job really trains, on 2 replicas, to its end."""
     returncode, lines, log, out = stopped_local_job(tmp_path, signal.SIGTERM)
     step = assert_stopped_with_a_checkpoint(returncode, lines, log, out, signal.SIGTERM)
     assert "".join(lines).endswith(log[-500:])  # the job's output got every line the log got
@@ -616,6 +623,7 @@ def test_sigterm_to_every_process_of_a_local_job_checkpoints_and_resumes(tmp_pat
                         "--resume"], env=local_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"resumed step {step} from" in p.stdout and f"step {step + 1}: loss" in p.stdout, p.stdout[-3000:]
+    assert "2 replicas" in p.stdout, p.stdout[-3000:]
 
 
 def test_ctrl_c_at_the_terminal_of_a_local_job_checkpoints(tmp_path):

@@ -82,8 +82,10 @@ def test_exception_on_one_rank_ends_the_job(launcher):
 def test_a_timed_out_collective_is_named_by_every_rank_that_can_speak():
     """Rank 2 stalls past --timeout: ranks 0 and 1 each say which collective they were in
     (operation, group, its number on that group, step, phase) and the job ends."""
+    # grace 1.5 s: the stalled rank, asleep past the others' end, is ended then (a real
+    # launcher ends it at once) instead of after the fork server's usual 10 s or its own 6 s
     run = launch("tests/dist_probe.py", ["--device", "cpu", "--stall_on_rank", "2", "--timeout", "3"],
-                 nprocs=3, metrics=False, timeout=120)
+                 nprocs=3, metrics=False, timeout=120, grace=1.5)
     assert run.returncode not in (0, "timeout") and run.seconds < 40, run.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} was in all_reduce #2 on group world, step 7, forward when it failed" in run.stderr, \

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-import common
 import infra
 from harness import LAUNCHER_ENV, ROOT, TINY, command, default_launcher, launch
 
@@ -92,10 +91,11 @@ def test_sigkill_ends_the_job_and_resume_reproduces_the_run(tmp_path, launcher, 
         time.sleep(0.2)
     assert not rank_pids(marker), f"ranks outlived the job: {rank_pids(marker)}"
     # resume from the last complete checkpoint: exactly the losses of a run never interrupted
+    # (forked ranks: what the resume reads is the killed job's files, whoever launches it)
     first = last_checkpoint(out_dir)
     assert first is not None and first >= 8  # checkpoints every 4 steps; the kill came after step 9
     end = ["--max_iters", first + AFTER]
-    resumed = launch(script, flags + end + ["--out_dir", out_dir, "--resume"], nprocs=2, launcher=launcher).ok()
+    resumed = launch(script, flags + end + ["--out_dir", out_dir, "--resume"], nprocs=2).ok()
     reference = launch(script, flags + end, nprocs=2).ok()
     assert resumed.steps[0]["step"] == first
     assert resumed.losses == reference.losses[first:]  # exactly the uninterrupted losses

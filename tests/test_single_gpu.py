@@ -96,6 +96,8 @@ def test_bad_input_gives_one_line(flags, message):
 
 
 def test_refuses_more_than_one_process():
-    run = launch(SCRIPT, TINY, nprocs=2, launcher="torchrun", timeout=120)
+    # two ranks with torchrun's variables (the fork server's, as torchrun sets them; the real
+    # launchers' own variables: test_launch.py)
+    run = launch(SCRIPT, TINY, nprocs=2, timeout=120)
     assert run.returncode != 0
     assert sum("runs as one process, not 2" in line for line in run.error_lines) == 1
