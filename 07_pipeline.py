@@ -1160,8 +1160,7 @@ def costs(args, config, world_size, dtype, rank=0):
     from infra import formula, newton_schulz_flops
     p, m = world_size, args.global_batch_size // args.micro_batch_size
     actions, v, vee, split = run_table(args, p, m)
-    with torch.device("meta"):
-        chunks = build_chunks(config, p, v, rank, vee=vee)
+    chunks = meta_chunks(config, p, v, rank, vee)
     psi = sum(t.numel() for t in chunks.parameters())
     psi_m = sum(t.numel() for name, t in chunks.named_parameters() if is_hidden_matrix(name, t.shape))
     first, last = chunks[0].is_first, chunks[-1].is_last
@@ -1207,6 +1206,19 @@ def costs(args, config, world_size, dtype, rank=0):
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * (args.optimizer == "muon"), show="init",
                               params=held["params"], init=t["init"], Ψ_m=psi_m)
     return cost
+
+
+_META_CHUNKS = {}
+
+
+def meta_chunks(config, p, v, rank, vee):
+    """This rank's chunks on the meta device (shapes, no storage) for costs(), built once per
+    layout: plan.py and --micro_batch_size auto price the same stage at many micro-batches."""
+    key = (repr(config), p, v, rank, vee)
+    if key not in _META_CHUNKS:
+        with torch.device("meta"):
+            _META_CHUNKS[key] = build_chunks(config, p, v, rank, vee=vee)
+    return _META_CHUNKS[key]
 
 
 def chunk_casts(chunk, split=False):
