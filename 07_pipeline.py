@@ -832,7 +832,7 @@ def check_layout(args, config, p):
 
 def free_output(out):
     """Free a stage output's storage once it has been sent: Megatron-LM's
-    deallocate_output_tensor (megatron/core/pipeline_parallel/schedules.py, "called right
+    deallocate_output_tensor (module megatron.core.pipeline_parallel.schedules, "called right
     after the output tensor has been sent to the next pipeline stage"), which sets
     `out.data` to a one-element tensor. Safe: backward needs only the graph `out` is the
     root of (its grad_fn, and the tensors the ops saved), never the output's values, and
