@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import atexit
 import collections
+import collections.abc
 import errno
 import gc
 import inspect
@@ -3438,7 +3439,7 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
         posts, how = symmetric_posts(state.posts, state.made, args.world_size, roles)
     if os.environ.get("GPTPAR_REHEARSAL_POSTS"):  # every rank's posting order, as replayed (tests read it)
         with open(os.environ["GPTPAR_REHEARSAL_POSTS"], "w") as f:
-            json.dump({"rehearsed": ranks, "posts": posts}, f)
+            json.dump({"rehearsed": ranks, "posts": {rank: list(order) for rank, order in posts.items()}}, f)
     if posts is None:
         lines.append(f"replay: not done: {how} ({len(ranks)} of {args.world_size} ranks rehearsed; --rehearse all "
                      "replays every rank's own posting order under NCCL's rules)")
@@ -3879,7 +3880,7 @@ def record_posts(write, interned=None):
         phase = LEDGER.phase
         if phase == "step":  # inside autograd's backward, or the forward (as CommLedger.position says)
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        entry["where"] = f"step {LEDGER.step}, {phase}"
+        entry["where"] = sys.intern(f"step {LEDGER.step}, {phase}")  # one string per step and phase, shared
         RECORDED["write"](entry)
 
     def group_of(group):
@@ -4063,27 +4064,56 @@ def mesh_rotations(made, world_size, roles):
     return found
 
 
-def mapped_posts(entries, perm, names, members):
-    """A posting order moved by a mesh rotation: every peer and every group mapped."""
-    out = []
-    for entry in entries:
-        e = dict(entry)
-        if entry.get("group") is not None:
-            e["group"] = names[entry["group"]]
-        if "ranks" in entry:
-            e["ranks"] = members[e["group"]]
-        if "sent" in entry:  # per member, in group order: each to its image's place
-            places = [e["ranks"].index(perm[m]) for m in entry["ranks"]]
-            for key in ("sent", "received"):
-                e[key] = [None] * len(places)
-                for i, j in enumerate(places):
-                    e[key][j] = entry[key][i]
-        if "peer" in entry:
-            e["peer"] = perm[entry["peer"]]
-        if "ops" in entry:
-            e["ops"] = [dict(op, peer=perm[op["peer"]]) for op in entry["ops"]]
-        out.append(e)
-    return out
+def moved_entry(entry, perm, names, members):
+    """One posted operation moved by a mesh rotation: every peer and every group mapped."""
+    e = dict(entry)
+    if entry.get("group") is not None:
+        e["group"] = names[entry["group"]]
+    if "ranks" in entry:
+        e["ranks"] = members[e["group"]]
+    if "sent" in entry:  # per member, in group order: each to its image's place
+        places = [e["ranks"].index(perm[m]) for m in entry["ranks"]]
+        for key in ("sent", "received"):
+            e[key] = [None] * len(places)
+            for i, j in enumerate(places):
+                e[key][j] = entry[key][i]
+    if "peer" in entry:
+        e["peer"] = perm[entry["peer"]]
+    if "ops" in entry:
+        e["ops"] = [dict(op, peer=perm[op["peer"]]) for op in entry["ops"]]
+    return e
+
+
+class MovedOrder(collections.abc.Sequence):
+    """A rehearsed rank's posting order moved by a mesh rotation (or by several, composed into
+    one), made as it is read: 959 ranks' orders of 4,216 operations each (GPT-3 175B, pp 64 x
+    cp 4 x tp 4) were 6 GiB as dicts; as views they are a permutation of the ranks and a map
+    of the few groups the order posts on.
+
+        order[i] = moved_entry(source[i], perm, names, members)"""
+
+    __slots__ = ("source", "perm", "names", "members")
+
+    def __init__(self, source, perm, names, members):
+        if isinstance(source, MovedOrder):  # a moved order moved again: one rotation, composed
+            self.source, self.perm = source.source, [perm[r] for r in source.perm]
+            self.names = {g: names[h] for g, h in source.names.items()}
+        else:
+            used = {e["group"] for e in source if e.get("group") is not None}
+            self.source, self.perm, self.names = source, perm, {g: names[g] for g in used}
+        self.members = members
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [moved_entry(e, self.perm, self.names, self.members) for e in self.source[i]]
+        return moved_entry(self.source[i], self.perm, self.names, self.members)
+
+    def __iter__(self):
+        perm, names, members = self.perm, self.names, self.members
+        return (moved_entry(e, perm, names, members) for e in self.source)
 
 
 REPLAYED = ("kind", "group", "ranks", "bytes", "peer", "tag", "ops", "sent", "received")
@@ -4109,7 +4139,7 @@ def symmetric_posts(posts, made, world_size, roles):
             if other in full and (other not in posts or other in checked or origin[rank] == other
                                   or checked.get(origin[rank]) == other):  # (each pair compared once)
                 continue
-            moved = mapped_posts(full[rank], perm, names, members)
+            moved = MovedOrder(full[rank], perm, names, members)
             if other not in full:
                 full[other], origin[other] = moved, origin[rank]
                 queue.append(other)
@@ -4170,6 +4200,8 @@ class Replay:
     blocked: dict = dataclasses.field(default_factory=dict)  # rank -> what it waits on (lines)
     mismatches: list = dataclasses.field(default_factory=list)  # matched pairs whose tag or size differ
     completed: dict = dataclasses.field(default_factory=dict)  # rank -> operations completed
+    operations: int = None  # when ok: how many operations were replayed, and on which groups (their descs)
+    groups: set = None
 
     def report(self):
         if self.ok:
@@ -4208,71 +4240,110 @@ def replay(posts):
             gc.enable()
 
 
+def _records(rank, entries):
+    """A rank's posting order as the replay's records, made as the replay reaches them: (True,
+    entry, [(message, side), ...], None) for a batch (a lone send or receive is a batch of one),
+    a message being (communicator, sender, receiver, k) for the k-th on that channel (rule 4),
+    side 0 its send and 1 its receive; (False, entry, None, n) for the n-th collective of its
+    communicator on this rank. Each channel has this rank at one end, so counting its messages
+    needs this rank's order alone."""
+    count, seq = {}, {}
+    for entry in entries:
+        kind = entry["kind"]
+        if kind == "batch" or kind == "send" or kind == "recv":
+            group, keyed = entry.get("group"), []
+            for op in entry["ops"] if kind == "batch" else (entry,):
+                side = 1 if (op["op"] if kind == "batch" else kind) == "recv" else 0
+                channel = (group, op["peer"], rank, side) if side else (group, rank, op["peer"], side)
+                k = count.get(channel, 0)
+                count[channel] = k + 1
+                keyed.append((channel[:3] + (k,), side, op))
+            yield True, entry, keyed, None
+        else:
+            n = seq.get(entry["group"], 0)
+            seq[entry["group"]] = n + 1
+            yield False, entry, None, n
+
+
 def _replay(posts):
-    # Every operation as (rank, position in its queue). A send or receive is one message,
-    # (communicator, sender, receiver, k) for the k-th on that channel (rule 4): `where`
-    # finds its send and its receive; a collective is the n-th of its communicator on its rank.
-    items, count, where = {}, {}, ({}, {})  # where[0]: message -> (rank, position, op) of its send; [1]: its receive
-    for rank, entries in posts.items():
-        items[rank] = queue = []
-        seq = {}
-        for position, entry in enumerate(entries):
-            kind = entry["kind"]
-            if kind == "batch" or kind == "send" or kind == "recv":
-                group, keyed = entry.get("group"), []
-                for op in entry["ops"] if kind == "batch" else (entry,):
-                    side = 1 if (op["op"] if kind == "batch" else kind) == "recv" else 0
-                    channel = (group, op["peer"], rank, side) if side else (group, rank, op["peer"], side)
-                    k = count.get(channel, 0)
-                    count[channel] = k + 1
-                    key = channel[:3] + (k,)
-                    where[side][key] = (rank, position, op)
-                    keyed.append((key, side))
-                queue.append((True, entry, keyed, None))
-            else:
-                n = seq.get(entry["group"], 0)
-                seq[entry["group"]] = n + 1
-                queue.append((False, entry, None, n))
+    # The ranks' orders are read as the replay goes, each rank's head (the first operation it
+    # has not completed) its only record held (rule 1): a 1,024-rank rehearsal's 4 million
+    # operations are never all in memory at once, nor are the orders of the ranks filled in by
+    # symmetry (symmetric_posts: they are made as they are read). A send or a receive of the
+    # head is matched when its counterpart is the head of its peer's (rule 3).
+    orders = {rank: _records(rank, entries) for rank, entries in posts.items()}
+    heads, pos = {}, {}
+    operations, groups = 0, set()
+
+    def advance(rank):
+        nonlocal operations
+        head = heads[rank] = next(orders[rank], None)
+        if head is not None:
+            operations += 1
+            entry = head[1]
+            groups.add(entry["desc"] if "desc" in entry else entry["group"])
+    for rank in orders:
+        pos[rank] = 0
+        advance(rank)
+
+    def counterpart(key, side):
+        """The head record of the peer holding `key`'s other end, or None."""
+        peer = key[2] if side == 0 else key[1]
+        head = heads.get(peer)
+        if head is None or not head[0]:
+            return None
+        for other, other_side, op in head[2]:
+            if other == key and other_side != side:
+                return peer, op
+        return None
 
     # A worklist, not passes over every rank: a rank is looked at again only when its head
     # changed or a send/receive of its head was matched, the only events that can let it move
     # (a match from either side is found by whichever of the two ranks reaches it last).
-    pos = {rank: 0 for rank in items}
-    done, mismatches = set(), []  # done: the messages both of whose ends were posted together
+    done, mismatches = {}, []  # done: message -> its ends still at their ranks' heads (both posted together)
     arrived, counted = {}, {}  # (group, n) -> how many members have it at their head; rank -> its counted head
-    ready, queued = collections.deque(items), set(items)
+    ready, queued = collections.deque(orders), set(orders)
 
     def wake(rank):
         if rank not in queued:
             queued.add(rank)
             ready.append(rank)
+
+    def step(rank):
+        """Complete rank's head; a message both of whose ends have moved on is forgotten."""
+        for key, _, _ in heads[rank][2] or ():
+            done[key] -= 1
+            if not done[key]:
+                del done[key]
+        pos[rank] += 1
+        advance(rank)
+        wake(rank)
     while ready:
         rank = ready.popleft()
         queued.discard(rank)
-        queue = items[rank]
-        if pos[rank] == len(queue):
+        head = heads[rank]
+        if head is None:
             continue
-        p2p, entry, keyed, n = queue[pos[rank]]
+        p2p, entry, keyed, n = head
         if p2p:
             complete = True
-            for key, side in keyed:
+            for key, side, mine in keyed:
                 if key in done:
                     continue
-                peer = where[1 - side].get(key)
-                if peer is None or pos[peer[0]] != peer[1]:
+                found = counterpart(key, side)
+                if found is None:
                     complete = False
                     continue  # the counterpart is not posted (yet): its rank finds this one when it is
-                done.add(key)
-                wake(peer[0])  # its batch may be complete now
-                mine, theirs = where[side][key][2], peer[2]
+                peer, theirs = found
+                done[key] = 2
+                wake(peer)  # its batch may be complete now
                 if mine.get("tag") != theirs.get("tag") or mine.get("bytes") != theirs.get("bytes"):
                     send, recv = (theirs, mine) if side else (mine, theirs)
                     mismatches.append(f"channel {key[1]}->{key[2]} message {key[3]}: sent tag "
                                       f"{send.get('tag')} ({send.get('bytes')} bytes), received as tag "
                                       f"{recv.get('tag')} ({recv.get('bytes')} bytes)")
             if complete:
-                pos[rank] += 1
-                wake(rank)
+                step(rank)
         else:
             members, group = entry["ranks"], entry["group"]
             if counted.get(rank) != pos[rank]:
@@ -4280,60 +4351,76 @@ def _replay(posts):
                 arrived[(group, n)] = arrived.get((group, n), 0) + 1
             if arrived[(group, n)] < len(members):
                 continue  # the last member to reach it completes it
-            heads = []
+            member_heads = []
             for member in members:
-                if member not in items or pos[member] == len(items[member]):
+                head = heads.get(member)
+                if head is None or head[0] or head[1]["group"] != group or head[3] != n:
                     break
-                head = items[member][pos[member]]
-                if head[0] or head[1]["group"] != group or head[3] != n:
-                    break
-                heads.append(head[1])
+                member_heads.append(head[1])
             else:
                 if any(h["kind"] != entry["kind"] or "sent" not in h and h.get("bytes") != entry.get("bytes")
-                       or "sent" in h and any(h["sent"][j] != heads[j]["received"][i] for j in range(len(heads)))
-                       for i, h in enumerate(heads)):  # an all-to-all: what i sends j, j receives from i
+                       or "sent" in h and any(h["sent"][j] != member_heads[j]["received"][i]
+                                              for j in range(len(member_heads)))
+                       for i, h in enumerate(member_heads)):  # an all-to-all: what i sends j, j receives from i
                     mismatches.append(f"collective {n} of group {group}: "
                                       + ", ".join(f"rank {m} {h['kind']} ({h.get('bytes')} bytes)"
-                                                  for m, h in zip(members, heads)))
+                                                  for m, h in zip(members, member_heads)))
+                del arrived[(group, n)]
                 for member in members:
-                    pos[member] += 1
-                    wake(member)
+                    step(member)
+    return _blocked(posts, orders, heads, pos, done, mismatches, operations, groups)
+
+
+def _blocked(posts, orders, heads, pos, done, mismatches, operations, groups):
+    """The Replay: for every rank with operations left, its head and, for each unmatched send
+    or receive, where its counterpart is (the peer's operations left are read for it)."""
+    rest = {}
+
+    def left(rank):  # rank's records from its head on
+        if rank not in rest:
+            rest[rank] = [heads[rank], *orders[rank]] if heads.get(rank) is not None else []
+        return rest[rank]
 
     def head(rank):
-        return _describe(items[rank][pos[rank]][1]) if pos[rank] < len(items[rank]) else "done"
+        return _describe(heads[rank][1]) if heads.get(rank) is not None else "done"
 
     blocked = {}
-    for rank, queue in items.items():
-        if pos[rank] == len(queue):
+    for rank in orders:
+        if heads[rank] is None:
             continue
-        p2p, entry, keyed, _ = queue[pos[rank]]
+        p2p, entry, keyed, _ = heads[rank]
         waits = [f"head: {_describe(entry)}"]
-        for key, side in keyed or ():
+        for key, side, _ in keyed or ():
             if key in done:
                 continue
-            peer = where[1 - side].get(key)
+            peer = key[2] if side == 0 else key[1]
+            at = next((i for i, record in enumerate(left(peer) if peer in orders else ()) if record[0]
+                       and any(k == key and s != side for k, s, _ in record[2])), None)
             (src, dst), k = key[1:3], key[3]
             what = (f"{'recv' if side else 'send'} {'from ' + str(src) if side else 'to ' + str(dst)} "
                     f"(message {k} of {src}->{dst})")
             other = "send" if side else "recv"
-            if peer is None:
+            if at is None:
                 waits.append(f"{what}: its {other} is never posted")
             else:
-                waits.append(f"{what}: its {other} is rank {peer[0]}'s operation {peer[1]}, which waits "
-                             f"behind {peer[1] - pos[peer[0]]} operation(s) of its own: {head(peer[0])}")
+                waits.append(f"{what}: its {other} is rank {peer}'s operation {pos[peer] + at}, which waits "
+                             f"behind {at} operation(s) of its own: {head(peer)}")
         if not p2p:
             waits.append("members' heads: " + "; ".join(f"rank {m}: {head(m)}" for m in entry["ranks"]))
         blocked[rank] = waits
-    return Replay(ok=not blocked and not mismatches, blocked=blocked, mismatches=mismatches,
-                  completed={rank: pos[rank] for rank in items})
+    ok = not blocked and not mismatches
+    return Replay(ok=ok, blocked=blocked, mismatches=mismatches, completed=dict(pos),
+                  operations=operations if ok else None, groups=groups if ok else None)
 
 
 def replay_verdict(result, posts):
     """The replay in one line: no deadlock and every collective matched on every group, or
     the first rank (lowest) that would block, its group and operation, or the first mismatch."""
     if result.ok:
-        groups = {e["desc"] if "desc" in e else e["group"] for entries in posts.values() for e in entries}
-        n = sum(len(entries) for entries in posts.values())
+        groups, n = result.groups, result.operations
+        if groups is None:  # (a Replay made by hand)
+            groups = {e["desc"] if "desc" in e else e["group"] for entries in posts.values() for e in entries}
+            n = sum(len(entries) for entries in posts.values())
         return (f"replay under NCCL's rules: no deadlock; every collective and send/recv matched on every group "
                 f"({n} operations of {len(posts)} ranks on {len(groups)} group(s): {', '.join(sorted(map(str, groups)))})")
     if result.blocked:

@@ -5,15 +5,24 @@ at the sizes users run them, each with no deadlock under NCCL's rules.
   * GPT-3 175B on 1,024 ranks, 08 at tp 8 x pp 16 x dp 8 (docs/planning.md's rehearsed
     layout): `roles` (17 ranks executed, 1,007 filled in by the mesh's symmetry), every
     rehearsed rank equal to its costs(), under 4 GiB resident;
+  * GPT-3 175B on 1,024 ranks as plan.py recommends it when the test runs, rehearsed by
+    `plan.py --rehearse` itself (dp 1 x pp 64 x cp 4 x tp 4 when written: 65 ranks executed,
+    959 by symmetry, 4.3 million operations replayed), equal to costs(), under 4 GiB. The
+    fixed layout above stays: it pins a mesh with data parallelism (the plan's has dp 1), its
+    per-stage parameter bytes, and runs in a tenth of the time;
   * 07 interleaved at p 16, v 2, m 64 and 07 zero bubble at p 16, m 64: `all`.
 
 The issue's other two big meshes (08 at pp 16 x cp 4 x tp 8 on 512 ranks, 10 at ep 16) are in
 the plain suite, tests/test_rehearse.py, as fast as these are slow."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
+from harness import ROOT
 from test_rehearse import rehearsed
 
 pytestmark = pytest.mark.big
@@ -32,6 +41,29 @@ def test_gpt3_175b_on_1024_ranks_roles_equal_costs_under_4_gib(tmp_path):
     assert resident < 4096, out.splitlines()[0]
     params = rows[0]["state_bytes"]["params"]
     assert 5 << 30 < params < 6 << 30, params  # 1/128 of 174.6B fp32 parameters: 5.1 GiB
+
+
+def test_the_plans_gpt3_175b_layout_on_1024_ranks_rehearsed_by_plan_py_equal_costs_under_4_gib():
+    """`python plan.py --model gpt3-175b --gpus 1024 --machine polaris --rehearse`: whatever
+    layout the plan recommends when this runs (dp 1 x pp 64 x cp 4 ring x tp 4 + SP + ZeRO-1 at
+    micro-batch 1 when written: 65 ranks executed, 959 by symmetry, 4.3 million operations
+    replayed), rehearsed by plan.py itself: REHEARSED, no deadlock, every rehearsed rank equal
+    to its costs(), and the rehearsal's resident peak (the largest of its processes) under 4 GiB."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "plan.py"), "--model", "gpt3-175b", "--gpus", "1024",
+                           "--machine", "polaris", "--rehearse"], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=900)
+    out = done.stdout
+    assert done.returncode == 0, (out[-4000:], done.stderr[-4000:])
+    lines = out.splitlines()
+    assert any(line.startswith("plan: REHEARSED") and "replays under NCCL's rules" in line for line in lines), out[-4000:]
+    assert any(line.startswith("replay under NCCL's rules: no deadlock") for line in lines), out[-4000:]
+    assert "costs(): every rehearsed rank holds and sends what its formulas say" in lines, out[-4000:]
+    head = next(line for line in lines if line.startswith("rehearsal: "))
+    ranks = [line for line in lines if re.match(r"rank \d+: ", line)]
+    assert len(ranks) > 2 and sum(line == "  = costs()" for line in lines) == len(ranks), out[-4000:]
+    assert "1,024 ranks" in next(line for line in lines if line.startswith("symmetry: replayed")), out[-4000:]
+    resident = int(re.search(r"([\d,]+) MiB resident", head).group(1).replace(",", ""))
+    assert resident < 4096, head
 
 
 @pytest.mark.parametrize("schedule", [["--schedule", "interleaved", "--virtual_stages", "2"], ["--schedule", "zb"]],
