@@ -632,8 +632,8 @@ def collapse(*texts):
 
 
 def held_rows():
-    """The table's "holds" of 01, 03 and 04 (each stage, fp32 and bf16) and 03's all-reduce, in
-    the words of the table, from the formulas their costs() print."""
+    """The table's "holds" of 01, 03, 04 (each stage, fp32 and bf16), 05, 06 and 09 and 03's
+    all-reduce, in the words of the table, from the formulas their costs() print."""
     def texts(script, dtype, n, extra=()):
         cost = plan.dry_run(script, ["--model", "gpt2", "--dtype", dtype, "--global_batch_size", "4",
                                      "--micro_batch_size", "1", *extra], n, n)[2]
@@ -648,6 +648,14 @@ def held_rows():
     grads = one["grads"].split(" + ")
     yield (f"fp32: {one['params']}+{grads[0]}+{one['optim']} (1, plus the {grads[1]} reduced gradient shard), "
            f"{collapse(*zero['float32', 2].values())} (2), {collapse(*zero['float32', 3].values())} (3)")
+    fsdp = [t.replace("/S", "/N") for t in texts("05_fsdp.py", "float32", 4)[0].values()]  # S: its shard group
+    yield f"| {collapse(*fsdp).replace('/N', '/S')} + the gathered root"
+    # 06's three terms are one bracket each, 4(Ψ_s/T + Ψ_r) + 4(...) + 8(...): the table sums them
+    brackets = [re.fullmatch(r"(\d+)\((.*)\)", t).groups() for t in texts("06_tensor_parallel.py", "float32", 4)[0].values()]
+    assert len({inner for _, inner in brackets}) == 1, brackets
+    inner = brackets[0][1].replace("Ψ_s", "Ψ_sharded").replace("Ψ_r", "Ψ_replicated")
+    yield f"| {sum(int(c) for c, _ in brackets)} x ({inner}) |"
+    yield f"a full replica, {collapse(*texts('09_context_parallel.py', 'float32', 4)[0].values())}; activations of s/C"
     b = {k: zero["bfloat16", k] for k in (1, 2, 3)}
     assert b[1]["params"] == b[2]["params"] and b[2]["grads"] == b[3]["grads"] and \
         b[1]["optim"] == b[2]["optim"] == b[3]["optim"], b  # as the row groups them
