@@ -632,7 +632,7 @@ def collapse(*texts):
 
 
 def held_rows():
-    """The table's "holds" of 01, 03, 04 (each stage, fp32 and bf16), 05, 06 and 09 and 03's
+    """The table's "holds" of 01, 03, 04 (each stage, fp32 and bf16), 05, 06, 09 and 10 and 03's
     all-reduce, in the words of the table, from the formulas their costs() print."""
     def texts(script, dtype, n, extra=()):
         cost = plan.dry_run(script, ["--model", "gpt2", "--dtype", dtype, "--global_batch_size", "4",
@@ -650,11 +650,12 @@ def held_rows():
            f"{collapse(*zero['float32', 2].values())} (2), {collapse(*zero['float32', 3].values())} (3)")
     fsdp = [t.replace("/S", "/N") for t in texts("05_fsdp.py", "float32", 4)[0].values()]  # S: its shard group
     yield f"| {collapse(*fsdp).replace('/N', '/S')} + the gathered root"
-    # 06's three terms are one bracket each, 4(Ψ_s/T + Ψ_r) + 4(...) + 8(...): the table sums them
-    brackets = [re.fullmatch(r"(\d+)\((.*)\)", t).groups() for t in texts("06_tensor_parallel.py", "float32", 4)[0].values()]
-    assert len({inner for _, inner in brackets}) == 1, brackets
-    inner = brackets[0][1].replace("Ψ_s", "Ψ_sharded").replace("Ψ_r", "Ψ_replicated")
-    yield f"| {sum(int(c) for c, _ in brackets)} x ({inner}) |"
+    def bracketed(script, extra=()):  # 06's and 10's terms are one bracket each, 4(...) + 4(...) + 8(...): summed
+        brackets = [re.fullmatch(r"(\d+)\((.*)\)", t).groups() for t in texts(script, "float32", 4, extra)[0].values()]
+        assert len({inner for _, inner in brackets}) == 1, brackets
+        return f"{sum(int(c) for c, _ in brackets)} x ({brackets[0][1]})"
+    yield f"| {bracketed('06_tensor_parallel.py').replace('Ψ_s', 'Ψ_sharded').replace('Ψ_r', 'Ψ_replicated')} |"
+    yield f"| {bracketed('10_expert_parallel.py', ['--n_expert', '4'])}, Ψ_e one expert"
     yield f"a full replica, {collapse(*texts('09_context_parallel.py', 'float32', 4)[0].values())}; activations of s/C"
     b = {k: zero["bfloat16", k] for k in (1, 2, 3)}
     assert b[1]["params"] == b[2]["params"] and b[2]["grads"] == b[3]["grads"] and \
