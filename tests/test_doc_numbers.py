@@ -27,6 +27,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -617,6 +618,12 @@ def strategies_figures():
     pipeline = plan.script("07_pipeline.py")
     yield f"a third of 1F1B's bubble {pipeline.bubble_formula('zb', 1)} for more memory"
     yield f"Bubble {pipeline.bubble_formula('zbv', 1)} for m >= (3p-1)/2"
+    # zero bubble's W tensors per block, in units of one b·s·h tensor (e·bsh = 1)
+    from infra import activation_terms
+    tiny = common.GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=16)
+    per_block = pipeline.zero_bubble_phases(activation_terms(tiny, 1, 4, torch.float32, "cpu"), 1, False, False,
+                                            False, 1, 0)[2]
+    yield f"(each Linear's input and output gradient, {per_block}e·bsh per block, about what a block saves)"
     yield f"bubble {pipeline.bubble_formula('dualpipev', 1)};"
 
 
