@@ -73,6 +73,12 @@ from common import (base_parser, check, detect_launcher, log, mpi_comm, say, set
 
 
 MAX_BYTES = 16 * 2**30  # the largest message a sweep may ask for: more than one GPU holds
+SWEEP_BYTES = {"cpu": 16 * 2**20, "accelerator": 2**30}  # a sweep's largest message unless --max_bytes
+
+
+def sweep_max_bytes(args, device):
+    """The largest message of a sweep: --max_bytes, else 1 GiB on GPUs, 16 MiB on a CPU."""
+    return args.max_bytes or SWEEP_BYTES["accelerator" if device.type in ("cuda", "xpu") else "cpu"]
 
 
 def add_flags(parser):
@@ -331,7 +337,7 @@ def bus_factor(op, n):
 
 def bench(env, args, world):
     n, dev = env.world_size, env.device
-    max_bytes = args.max_bytes or (2**30 if dev.type in ("cuda", "xpu") else 16 * 2**20)
+    max_bytes = sweep_max_bytes(args, dev)
     sizes, size = [], args.min_bytes
     while size <= max_bytes:
         sizes.append(size)
@@ -930,7 +936,7 @@ def doctor(args):
              f"{timed[0]['copy_bytes'] >> 20} MiB to the device: {min(copies):.3g} / {statistics.median(copies):.3g}"
              f" / {max(copies):.3g} GB/s")
     # the network
-    max_bytes = args.max_bytes or (2**30 if env.device.type in ("cuda", "xpu") else 16 * 2**20)
+    max_bytes = sweep_max_bytes(args, env.device)
     sizes = [args.min_bytes * 4**k for k in range(64) if args.min_bytes * 4**k <= max_bytes]
     groups, n_nodes, per_node = link_groups(env, hosts)
     report["links"] = {}

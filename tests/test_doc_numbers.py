@@ -618,6 +618,8 @@ def strategies_figures():
     pipeline = plan.script("07_pipeline.py")
     yield f"a third of 1F1B's bubble {pipeline.bubble_formula('zb', 1)} for more memory"
     yield f"Bubble {pipeline.bubble_formula('zbv', 1)} for m >= (3p-1)/2"
+    sweep = plan.script("02_collectives.py").SWEEP_BYTES
+    yield f"(to {sweep['cpu'] >> 20} MiB on CPU, {sweep['accelerator'] >> 30} GiB on GPUs)"
     # zero bubble's W tensors per block, in units of one b·s·h tensor (e·bsh = 1)
     from infra import activation_terms
     tiny = common.GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=16)
