@@ -618,6 +618,17 @@ def strategies_figures():
     pipeline = plan.script("07_pipeline.py")
     yield f"a third of 1F1B's bubble {pipeline.bubble_formula('zb', 1)} for more memory"
     yield f"Bubble {pipeline.bubble_formula('zbv', 1)} for m >= (3p-1)/2"
+    # the V schedules' micro-batch chunks held at once, every rank of p = 4 at m = 4p, in units of p
+    held = {}
+    for kind in ("zbv", "dualpipev"):
+        args, config, _ = plan.dry_run("07_pipeline.py", ["--model", "tiny", "--n_layer", "8", "--schedule", kind,
+                                                          "--global_batch_size", "16", "--micro_batch_size", "1"], 4, 4)
+        counts = {pipeline.costs(args, config, 4, torch.float32, rank=r)["in_flight"] for r in range(4)}
+        assert len(counts) == 1, (kind, counts)  # the same on every rank
+        extra = counts.pop() - 2 * 4
+        held[kind] = "2p" + (f"+{extra}" if extra > 0 else f"{extra}" if extra else "")
+    yield f"{held['zbv']} chunk-sized micro-batches held on every rank (1F1B's stage-0 peak)"
+    yield f"and the log and dry run state both; {held['dualpipev']} chunk-sized micro-batches held"
     sweep = plan.script("02_collectives.py").SWEEP_BYTES
     yield f"(to {sweep['cpu'] >> 20} MiB on CPU, {sweep['accelerator'] >> 30} GiB on GPUs)"
     # zero bubble's W tensors per block, in units of one b·s·h tensor (e·bsh = 1)
