@@ -19,7 +19,11 @@ What is not checked here, and why: the counts of the GPT-3 175B plan at the doc'
 1536 (164 valid, 13 fit) need ~23 s of CPU, more than the suite's budget: they run in the big
 tier (`python -m pytest -q -m big tests`, CI's second step) and in `python tests/test_doc_numbers.py`; the CPU table of "Predicted
 against measured" depends on a --bench file of that day's machine; the rehearsal timings are
-measurements. Each says in the doc when and how it was made.
+measurements. Each says in the doc when and how it was made. In docs/strategies.md's table the
+holds of every script, the bubbles, the V schedules' chunks held, 06's and Ulysses' collectives
+per layer are checked; the rest of its "sends" column (06 with SP, the ring's hops, 10's
+all-to-alls and counts, 05's prefetch) is the scripts' costs() docstrings in words, which the
+ledger tests hold to the bytes moved, not compared word for word.
 """
 
 import os
@@ -629,6 +633,16 @@ def strategies_figures():
         held[kind] = "2p" + (f"+{extra}" if extra > 0 else f"{extra}" if extra else "")
     yield f"{held['zbv']} chunk-sized micro-batches held on every rank (1F1B's stage-0 peak)"
     yield f"and the log and dry run state both; {held['dualpipev']} chunk-sized micro-batches held"
+    def per_layer(script, op, extra, cp=1):  # collectives of one b·(s/C)·h fp32 tensor per layer per micro-batch
+        def sent(n_layer):  # 2 ranks, all in the group (no data parallelism): 8 micro-batches a rank
+            args, config, cost = plan.dry_run(script, ["--model", "tiny", "--n_layer", str(n_layer), "--dtype", "float32",
+                                                       "--global_batch_size", "8", "--micro_batch_size", "1", *extra], 2, 2)
+            return cost["sent"][op][1], 8 * 4 * config.block_size // cp * config.n_embd
+        (two, unit), (three, _) = sent(2), sent(3)
+        return (three - two) // unit
+    yield f"| {per_layer('06_tensor_parallel.py', 'all_reduce', [])} all-reduces of b·s·h per layer per micro-batch"
+    yield (f"Ulysses: {per_layer('09_context_parallel.py', 'all_to_all_single[cp]', ['--cp_impl', 'ulysses'], cp=2)} "
+           "all-to-alls of b·(s/C)·h per layer")
     sweep = plan.script("02_collectives.py").SWEEP_BYTES
     yield f"(to {sweep['cpu'] >> 20} MiB on CPU, {sweep['accelerator'] >> 30} GiB on GPUs)"
     # zero bubble's W tensors per block, in units of one b·s·h tensor (e·bsh = 1)
