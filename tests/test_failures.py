@@ -157,11 +157,55 @@ def test_non_finite_loss_stops_before_the_update(tmp_path):
     refused(again, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
 
 
-@pytest.mark.parametrize("script, extra", [("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"])])
+@pytest.mark.parametrize("script, extra", [("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"]),
+                                           ("03_ddp.py", ["--grad_clip", "0"])])
 def test_non_finite_loss_stops_every_strategy(tmp_path, script, extra):
-    """The same stop in a script whose loop was written apart from 04's (09's ring)."""
+    """The same stop in a script whose loop was written apart from 04's (09's ring), and
+    without clipping (no global norm: the guard agrees on its flags before the update)."""
     run = launch(script, TINY + extra + ["--lr", "1e6", "--out_dir", tmp_path / "out"], nprocs=2)
     refused(run, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
+    assert "stopped before the optimizer step" in run.error_lines[0]
+
+
+GUARD_ON_TWO_RANKS = """
+import os, sys, types
+import torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+import infra
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+env = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, rank=rank, master=rank == 0)
+guard = infra.Guard(types.SimpleNamespace(time_limit=0, max_iters=10, out_dir="unused"), env)
+for step in range(4):
+    if (rank, step) == (1, 0):
+        guard.signal = "SIGTERM"  # as the handler sets it
+    nan = (rank, step) == (1, 2) and {nan}
+    loss = torch.full((), float("nan") if nan else 1.0)
+    stop = guard.check(step, loss, [], norm=torch.ones(()))
+    os.write(1, f"rank {{rank}} step {{step}}: stop {{stop}}\\n".encode())  # one write: the ranks share stdout
+"""
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_the_guard_agrees_on_a_stop_one_step_later_on_every_rank(tmp_path, nan):
+    """infra.Guard on two real gloo ranks, with a finite global norm (clipping's): a stop
+    signal on rank 1 at step 0 travels in the flags posted at step 0 and read at step 1, so
+    both ranks say stop at step 1 and not before; a loss non-finite on rank 1 alone at step 2
+    (the norm finite: it reached no gradient) stops both ranks before step 3's update, one
+    line naming the step and the rank."""
+    from harness import ROOT
+    path = tmp_path / "guard.py"
+    path.write_text(GUARD_ON_TWO_RANKS.format(root=ROOT, nan=nan))
+    run = launch(str(path), nprocs=2, launcher="fork", metrics=False, out_dir=False, timeout=60)
+    said = {line for line in run.stdout.splitlines() if line.startswith("rank ")}
+    for rank in (0, 1):
+        assert {f"rank {rank} step 0: stop False", f"rank {rank} step 1: stop True"} <= said, run.stdout
+    if not nan:
+        assert run.returncode == 0 and len(said) == 8, run.stdout + run.stderr
+        return
+    assert {f"rank {rank} step 2: stop True" for rank in (0, 1)} <= said and len(said) == 6, run.stdout
+    refused(run, "non-finite loss or gradient at step 2 (first seen on rank 1): stopped before step 3's update",
+            status=infra.NONFINITE_EXIT)
 
 
 def test_metrics_rows_are_strict_json():

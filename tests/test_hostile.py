@@ -97,7 +97,7 @@ def test_resume_export_of_a_finished_run_exports(saved, tmp_path):
 def test_a_metrics_file_that_cannot_be_written_stops_the_run_in_one_line(tmp_path):
     """/dev/full: every write fails with ENOSPC, as on a full disk."""
     run = launch("03_ddp.py", TINY + ["--metrics", "/dev/full", "--out_dir", tmp_path / "out"], nprocs=2)
-    refused(run, "cannot write --metrics /dev/full: No space left on device; stopped before step 1's update")
+    refused(run, "cannot write --metrics /dev/full: No space left on device; stopped before step 2's update")
 
 
 def test_a_failed_torch_save_is_an_io_error_and_leaves_nothing(tmp_path, monkeypatch):
