@@ -21,17 +21,19 @@ tier (`python -m pytest -q -m big tests`, CI's second step) and in `python tests
 against measured" depends on a --bench file of that day's machine; the rehearsal timings are
 measurements. Each says in the doc when and how it was made.
 
-In docs/strategies.md's table the holds of every script, the bubbles and the V schedules'
-chunks held are checked, and every count and fraction of the "what each rank sends per step"
-column, each in its script's own cell: derived from that script's costs() by varying one
-quantity (layers, sequences, C, T, v, E, k, the dtype, the replicas) and reading the bytes of
-the collective the cell names; "forward" and "backward" from what --recompute adds (one more
-forward). What the column says that costs() cannot tell is not checked: which process group
-carries a collective where costs() counts it under no group's name (07's tied-embedding
-all-reduce, 10's dense and experts' all-reduces: the test reads them from which ranks carry
-the bytes and from which layouts add them), which pass and which end of the model 06's one
-extra all-gather outside the layers falls in (the head's, in backward: its costs()' comment),
-08's DP group spanning DP x CP, 10's (N-1)/N and max/mean (they depend on the routing), and
+In docs/strategies.md's table every count and fraction of the "holds" and the "what each rank
+sends per step" columns is checked, most in its script's own cell: derived from that
+script's costs() by varying one quantity (layers, sequences, C, T, v, E, k, the dtype, the
+replicas, prefetch) and reading the bytes of the term or the collective the cell names;
+"forward" and "backward" from what --recompute adds (one more forward); and the bubbles and
+the V schedules' chunks held. What the table says that costs() cannot tell is not checked:
+which process group carries a collective where costs() counts it under no group's name (07's
+tied-embedding all-reduce, 10's dense and experts' all-reduces: the test reads them from which
+ranks carry the bytes and from which layouts add them), which pass and which end of the model
+06's one extra all-gather outside the layers falls in (the head's, in backward: its costs()'
+comment), 08's DP group spanning DP x CP, 10's (N-1)/N and max/mean (they depend on the
+routing), zero bubble's p-r whole and r as W tensors (costs() gives their sum, p, and the W
+tensors per block), the "/T" of 08's "stage/T" (the replicated parameters are not split), and
 the words that explain a figure (05's "(node)", why 06 gathers again).
 """
 
@@ -724,7 +726,7 @@ def test_strategies_quotes_the_scripts_defaults_constants_and_bubbles():
 # column quotes, derived from the script's own costs() (its --dry_run, in process) by varying
 # one quantity at a time (layers, sequences, C, T, v, E, k, the dtype, --recompute, the
 # replicas) and reading the bytes of the collective the cell names; no formula of a script
-# is written here
+# is written here. The same for the "holds" cells held_rows leaves (05's, 07's, 08's, 09's)
 # ----------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -972,11 +974,73 @@ SENDS = {"01_single_gpu.py": lambda: ["nothing" if not step_sent("01_single_gpu.
          "09_context_parallel.py": lambda: [cp_sends()], "10_expert_parallel.py": expert_sends}
 
 
-def sends_cell(script):
-    """The "what each rank sends per step" cell of `script`'s row of docs/strategies.md's table."""
+def more_holds():
+    """The holds cells of 05, 07, 08 and 09, from their costs(): 05's blocks gathered at once with
+    prefetch and without (the root: what --no_reshard's L blocks leave); the model state's
+    multiple of a stage's (or a rank's) parameters; 07's micro-batches in flight per rank at
+    p = 4, m = 8 (GPipe, 1F1B, zero bubble); 08's AdamW state with --zero1 against without
+    (D = 2 at C = 1 and 2, T = 2), and a layer's activations with SP (T = 2 and 4) and with ring
+    CP (C = 2 and 4, 08's and 09's) against one rank's."""
+    def cost(script, n, flags, layers=8, rank=0):
+        args, config, _ = plan.dry_run(script, ["--model", "tiny", "--n_layer", str(layers), "--dtype", "float32",
+                                                "--global_batch_size", "8", "--micro_batch_size", "1", *flags], n, n)
+        return plan.script(script).costs(args, config, n, torch.float32, rank=rank)
+
+    def multiple(held, symbol):  # "4Ψ_stage", "4Ψ_stage", "8Ψ_stage" -> 16 (of Ψ_stage)
+        terms = [re.fullmatch(rf"(\d*){symbol}", text) for text, _ in held.values()]
+        return sum(int(t.group(1) or 1) for t in terms) if all(terms) else "?"
+    gathered = {flag: cost("05_fsdp.py", 4, (flag,) if flag else ())["gathered"][1]
+                for flag in ("", "--no_prefetch", "--no_reshard")}
+    block = gathered[""] - gathered["--no_prefetch"]
+    root = gathered["--no_reshard"] - 8 * block  # all 8 layers' blocks gathered at once
+    blocks = [Fraction(gathered[flag] - root, block) for flag in ("--no_prefetch", "")]
+    yield "05_fsdp.py", ("the gathered root and one or two blocks" if blocks == [1, 2] else f"the root and {blocks} blocks")
+    p = 4
+    flights = {kind: [cost("07_pipeline.py", p, ("--schedule", kind), rank=r)["in_flight"] for r in range(p)]
+               for kind in ("gpipe", "1f1b", "zb")}
+    gpipe = "m" if flights["gpipe"] == [8] * p else flights["gpipe"]
+    one_f = "p-r" if flights["1f1b"] == [p - r for r in range(p)] else flights["1f1b"]
+    zb = "near p on every stage" if flights["zb"] == [p] * p else f"{flights['zb']} on the stages"
+    yield "07_pipeline.py", (f"{multiple(cost('07_pipeline.py', p, ())['held'], 'Ψ_stage')} x one stage + {gpipe} "
+                             f"(GPipe) or {one_f} (1F1B) micro-batches of activations")
+    yield "07_pipeline.py", zb
+
+    def optim(C, *flags):  # D = 2, T = 2
+        return cost("08_3d.py", 4 * C, ("--tp", "2", "--cp", str(C)) + flags, 4)["held"]["optim"][1]
+    zero1 = {C: Fraction(optim(C, "--zero1"), optim(C)) for C in (1, 2)}
+    per_d = "/D with --zero1" if zero1[1] * 2 == 1 else f"{zero1[1]} with --zero1"
+    per_dc = "/(D·C) with CP" if zero1[2] * 2 * 2 == 1 else f"{zero1[2]} with CP"
+
+    def layer(n, *flags):  # a layer's activations on the first stage's rank 0
+        return -(cost("08_3d.py", n, flags, 2)["activations"][1] - cost("08_3d.py", n, flags, 3)["activations"][1])
+    sp = {T: Fraction(layer(T, "--tp", str(T), "--sequence_parallel"), layer(1)) for T in (2, 4)}
+    cp = {C: Fraction(layer(C, "--cp", str(C)), layer(1)) for C in (2, 4)}
+    tokens = "every activation of s/C tokens" if one_over(cp, "C") == "1/C" else f"{cp} of the activations"
+
+    def layer09(C):  # 09's (ring) on C ranks: one rank's, no data parallelism
+        per = [plan.dry_run("09_context_parallel.py", ["--model", "tiny", "--n_layer", str(n), "--global_batch_size",
+                                                       "8", "--micro_batch_size", "1", "--cp", str(C)], C, C)[2]
+               ["activations"][1] for n in (2, 3)]
+        return per[1] - per[0]
+    ring = {C: Fraction(layer09(C), layer09(1)) for C in (2, 4)}
+    yield "09_context_parallel.py", ("activations of s/C tokens per sequence" if one_over(ring, "C") == "1/C"
+                                     else f"{ring} of the activations")
+    block = "/T" if one_over(sp, "T") == "1/T" else f"x {sp}"
+    yield "08_3d.py", (f"{multiple(cost('08_3d.py', 2, ('--tp', '2'), 4)['held'], 'Ψ_rank')} x (stage/T) (optimizer "
+                       f"{per_d}; {per_dc}); SP: a block's activations {block}; CP: {tokens}")
+
+
+def test_strategies_holds_of_05_07_08_09_are_what_their_costs_give():
+    stale = [f"{script}: {phrase!r}" for script, phrase in more_holds() if phrase not in sends_cell(script, column=2)]
+    assert not stale, "docs/strategies.md's holds of 05, 07, 08, 09 are not what their costs() give:\n" + "\n".join(stale)
+
+
+def sends_cell(script, column=3):
+    """The "what each rank sends per step" cell (column 3; 2: "what each rank holds") of
+    `script`'s row of docs/strategies.md's table."""
     text = section("docs/strategies.md", "# The strategies: what each rank holds and sends")
     row = re.search(rf"^\| `{re.escape(script)}` \|.*$", text, re.M).group(0)
-    return row.split(" | ")[3]
+    return row.split(" | ")[column]
 
 
 def test_strategies_sends_column_is_what_the_scripts_costs_give():
@@ -1023,6 +1087,8 @@ if __name__ == "__main__":
     for script, phrases in SENDS.items():
         for phrase in phrases():
             print(f"  {script}: {phrase!r}")
+    for script, phrase in more_holds():
+        print(f"  {script} (holds): {phrase!r}")
     print("\ndocs/strategies.md, holds, defaults, constants, bubbles:")
     for phrase in [*held_rows(), *strategies_figures()]:
         print(f"  {phrase!r}")
