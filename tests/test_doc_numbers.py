@@ -19,16 +19,30 @@ What is not checked here, and why: the counts of the GPT-3 175B plan at the doc'
 1536 (164 valid, 13 fit) need ~23 s of CPU, more than the suite's budget: they run in the big
 tier (`python -m pytest -q -m big tests`, CI's second step) and in `python tests/test_doc_numbers.py`; the CPU table of "Predicted
 against measured" depends on a --bench file of that day's machine; the rehearsal timings are
-measurements. Each says in the doc when and how it was made. In docs/strategies.md's table the
-holds of every script, the bubbles, the V schedules' chunks held, 06's and Ulysses' collectives
-per layer are checked; the rest of its "sends" column (06 with SP, the ring's hops, 10's
-all-to-alls and counts, 05's prefetch) is the scripts' costs() docstrings in words, which the
-ledger tests hold to the bytes moved, not compared word for word.
+measurements. Each says in the doc when and how it was made.
+
+In docs/strategies.md's table every count and fraction of the "holds" and the "what each rank
+sends per step" columns is checked, most in its script's own cell: derived from that
+script's costs() by varying one quantity (layers, sequences, C, T, v, E, k, the dtype, the
+replicas, prefetch) and reading the bytes of the term or the collective the cell names;
+"forward" and "backward" from what --recompute adds (one more forward); and the bubbles and
+the V schedules' chunks held. What the table says that costs() cannot tell is not checked:
+which process group carries a collective where costs() counts it under no group's name (07's
+tied-embedding all-reduce, 10's dense and experts' all-reduces: the test reads them from which
+ranks carry the bytes and from which layouts add them), which pass and which end of the model
+06's one extra all-gather outside the layers falls in (the head's, in backward: its costs()'
+comment), 08's DP group spanning DP x CP, 10's (N-1)/N and max/mean (they depend on the
+routing), zero bubble's p-r whole and r as W tensors (costs() gives their sum, p, and the W
+tensors per block), the "/T" of 08's "stage/T" (the replicated parameters are not split), and
+the words that explain a figure (05's "(node)", why 06 gathers again).
 """
 
+import functools
+import math
 import os
 import re
 import sys
+from fractions import Fraction
 
 import pytest
 import torch
@@ -706,6 +720,336 @@ def test_strategies_quotes_the_scripts_defaults_constants_and_bubbles():
     assert not stale, "docs/strategies.md no longer quotes what the scripts say:\n" + "\n".join(stale)
 
 
+
+# ----------------------------------------------------------------------------------------
+# docs/strategies.md's table, "what each rank sends per step": every count and fraction the
+# column quotes, derived from the script's own costs() (its --dry_run, in process) by varying
+# one quantity at a time (layers, sequences, C, T, v, E, k, the dtype, --recompute, the
+# replicas) and reading the bytes of the collective the cell names; no formula of a script
+# is written here. The same for the "holds" cells held_rows leaves (05's, 07's, 08's, 09's)
+# ----------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def step_sent(script, n, flags=(), layers=2, sequences=8, dtype="float32", rank=None):
+    """{collective: bytes per step} of `script`'s costs() for `n` ranks on one node, the tiny
+    model with `layers` layers, a batch of `sequences` sequences in micro-batches of one, on
+    `rank` where a script prices its ranks apart (07, 08); and the model's config."""
+    got = plan.dry_run(script, ["--model", "tiny", "--n_layer", str(layers), "--dtype", dtype, "--global_batch_size",
+                                str(sequences), "--micro_batch_size", "1", *flags], n, n)
+    assert not isinstance(got, str), f"{script} {flags} at {n} ranks refused: {got}"
+    args, config, cost = got
+    if rank is not None:
+        cost = plan.script(script).costs(args, config, n, getattr(torch, dtype), rank=rank)
+    return {op: b for op, (_, b) in cost["sent"].items()}, config
+
+
+def split_bytes(script, n, op, flags=(), replicas=1, **kw):
+    """`op`'s bytes per step taken apart as m·(L·layer + ends) + step, from 2 and 3 layers at 8
+    and 16 sequences (m: the micro-batches of one per rank, the sequences over the `replicas`
+    the batch is split over): (per layer per micro-batch, the rest per micro-batch, per step)."""
+    B = {(L, q): step_sent(script, n, tuple(flags), L, q, **kw)[0].get(op, 0) for L in (2, 3) for q in (8, 16)}
+    m = 8 // replicas  # micro-batches at 8 sequences, and those 8 more add
+    layer, r1 = divmod(B[3, 16] - B[2, 16] - B[3, 8] + B[2, 8], m)
+    ends, r2 = divmod(B[2, 16] - B[2, 8] - m * 2 * layer, m)
+    assert not r1 and not r2 and B[3, 8] - B[2, 8] == m * layer, (script, op, B)  # linear in both
+    return layer, ends, B[2, 8] - m * (2 * layer + ends)
+
+
+def linear(values, var, paren=False):
+    """Whole numbers at two values of `var`, as the doc writes the line through them: {2: 4, 4: 12}
+    -> "4(C-1)", {2: 16, 4: 32} -> "8C", {2: 3, 4: 7} -> "2v-1", {2: 1, 4: 3} -> "(C-1)" with paren."""
+    (x0, y0), (x1, y1) = sorted(values.items())
+    a = Fraction(y1 - y0, x1 - x0)
+    c = y0 - a * x0
+    if a <= 0 or a.denominator != 1 or c.denominator != 1:
+        return f"{values} in {var}"  # not a line the doc could write: a phrase it does not hold
+    a, c = int(a), int(c)
+    if not c:
+        return f"{a if a != 1 else ''}{var}"
+    g = math.gcd(a, c)
+    inner = f"{a // g if a != g else ''}{var}{c // g:+d}"
+    return f"{g}({inner})" if g > 1 else f"({inner})" if paren else inner
+
+
+def one_over(ratios, var):
+    """{value of var: ratio} as the doc writes it: "1/T" where every ratio is 1/value."""
+    return f"1/{var}" if all(r * x == 1 for x, r in ratios.items()) else f"{ratios} of {var}"
+
+
+def tensors(nbytes, unit, small=0):
+    """`nbytes` in tensors of `unit` bytes; the remainder must be a multiple of `small` bytes
+    below one unit (06's loss statistics of b·s beside its b·s·h tensors)."""
+    count, rest = divmod(nbytes, unit)
+    assert rest == 0 or (small and rest % small == 0), (nbytes, unit, small)
+    return count
+
+
+def ddp_sends():
+    """03: its ring all-reduce's wire factor (02's bus factor at 2 and 4 ranks), and whether the
+    gradients' all-reduce moves more with more accumulation micro-steps (1 or 4 at 2 ranks)."""
+    bus = plan.script("02_collectives.py").bus_factor
+    ring = linear({n: Fraction(bus("all_reduce", n)).limit_denominator(n) * n for n in (2, 4)}, "N", paren=True)
+    once = step_sent("03_ddp.py", 2, sequences=2)[0]["all_reduce"] == step_sent("03_ddp.py", 2, sequences=8)[0]["all_reduce"]
+    accumulation = "none on accumulation micro-steps" if once else "one on every accumulation micro-step"
+    return f"(ring: {ring}/N · 4Ψ on the wire), {accumulation}"
+
+
+def fsdp_sends():
+    """05 against 04 --stage 3 at 4 ranks: the same all-gathers and reduce-scatters per layer per
+    micro-batch, per micro-batch and per step (on the synthetic data's 256-token vocabulary, which
+    no padding changes: 05 pads each parameter's rows to a multiple of S, 04 its flat units), and
+    the same bytes without prefetch (it moves when, not what); HSDP at S = 2 and 4 (2 replicas):
+    which groups gather, and the replicas' all-reduce over the shard group's reduce-scatter."""
+    same, synthetic = True, ("--data", "synthetic")
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        same &= split_bytes("05_fsdp.py", 4, op + "[shard]", synthetic, replicas=4) == \
+            split_bytes("04_zero.py", 4, op, ("--stage", "3") + synthetic, replicas=4)
+    same &= step_sent("05_fsdp.py", 4)[0] == step_sent("05_fsdp.py", 4, ("--no_prefetch",))[0]
+    ratio, groups = {}, set()
+    for S in (2, 4):
+        sent = step_sent("05_fsdp.py", 2 * S, ("--replicate", "2"))[0]
+        ratio[S] = Fraction(sent["all_reduce[replicate]"], sent["reduce_scatter_tensor[shard]"])
+        groups |= {op[op.find("["):] for op in sent if "gather" in op}
+    where = "gathers stay in a shard group" if groups == {"[shard]"} else f"gathers over {sorted(groups)}"
+    return (("ZeRO-3's, overlapped by prefetch" if same else "not ZeRO-3's")
+            + f"; HSDP: {where} (node), {one_over(ratio, 'S')} of the gradients crosses")
+
+
+def tp_sends():
+    """06 at 2 ranks, fp32 (every tensor 4 bytes an element): b·s·h tensors per layer and per
+    micro-batch outside the layers (the embedding's, the head's), all-reduced without SP,
+    all-gathered and reduce-scattered with; --recompute repeats the forward's, so what it adds
+    is the forward's share."""
+    config = step_sent("06_tensor_parallel.py", 2)[1]
+    bsh, bs = 4 * config.block_size * config.n_embd, 4 * config.block_size  # b = 1
+
+    def count(op, *flags):
+        layer, ends, _ = split_bytes("06_tensor_parallel.py", 2, op, flags)
+        return tensors(layer, bsh), tensors(ends, bsh, bs)  # all-reduce: the loss's b·s statistics beside
+    ar = count("all_reduce", "--grad_clip", "0")
+    ag, rs = (count(op, "--sequence_parallel") for op in ("all_gather_into_tensor", "reduce_scatter_tensor"))
+    ag_forward = count("all_gather_into_tensor", "--sequence_parallel", "--recompute")[0] - ag[0]
+    rs_forward = count("reduce_scatter_tensor", "--sequence_parallel", "--recompute")[0] - rs[0]
+    same = "all-gather + reduce-scatter of the same size" if rs == ar else f"{rs} reduce-scatters"
+    extra = ag[0] - ar[0]
+    # SP's extra all-gathers are backward's if the forward gathers as often as it scatters
+    when = "in backward" if ag_forward == rs_forward and extra == (ag[0] - ag_forward) - (rs[0] - rs_forward) \
+        else "in forward"
+    return (f"{ar[0]} all-reduces of b·s·h per layer per micro-batch (SP: {same}, + {extra} all-gathers per layer "
+            f"and {ag[1] - ar[1]} for the head {when}")
+
+
+def pipeline_sends(p=4):
+    """07 at p = 4 stages: each rank's b·s·h sends and receives per micro-batch (8 to 16 micro-
+    batches), under 1F1B and interleaved at v = 2 and 4 (8 and 16 layers); which ranks
+    all-reduce a tensor of the tied wte's gradient (fp32 V·h) besides the norm."""
+    def per_micro_batch(op, flags, layers):
+        config = step_sent("07_pipeline.py", p, flags, layers, rank=0)[1]
+        bsh = 4 * config.block_size * config.n_embd
+        return [tensors(step_sent("07_pipeline.py", p, flags, layers, 16, rank=r)[0].get(op, 0)
+                        - step_sent("07_pipeline.py", p, flags, layers, 8, rank=r)[0].get(op, 0), 8 * bsh)
+                for r in range(p)]
+    plain = per_micro_batch("send", (), 8)
+    each_way = plain == per_micro_batch("recv", (), 8) and sum(plain) == 2 * (p - 1)  # p-1 boundaries
+    middle, ends = {}, {}
+    for v in (2, 4):
+        sends = per_micro_batch("send", ("--schedule", "interleaved", "--virtual_stages", str(v)), 4 * v)
+        middle[v] = {Fraction(sends[r], plain[r]) for r in range(1, p - 1)}.pop()
+        ends[v] = {Fraction(sends[r], plain[r]) for r in (0, p - 1)}.pop()
+    config = step_sent("07_pipeline.py", p, (), 8, rank=0)[1]
+    reduced = [step_sent("07_pipeline.py", p, (), 8, rank=r)[0].get("all_reduce", 0) for r in range(p)]
+    wte = [r for r in range(p) if reduced[r] - min(reduced) == 4 * config.vocab_size * config.n_embd]
+    tied = "tied-embedding gradient between first and last stage" if wte == [0, p - 1] and \
+        all(reduced[r] == min(reduced) for r in range(p) if r not in wte) else f"tied-embedding gradient on {wte}"
+    return (("b·s·h per micro-batch per stage boundary each way" if each_way else f"{plain} b·s·h per micro-batch")
+            + f" (interleaved: a middle stage sends {linear(middle, 'v')} times as much, the first and the last "
+            f"{linear(ends, 'v')} times); {tied}")
+
+
+def ring_counts(script, tp=1, op="send"):
+    """Per layer per micro-batch, at C = 2 and 4 (on `tp` TP ranks, no data parallelism): the
+    K/V tensors the ring sends in the compute dtype and the bytes that stay fp32 whatever it is
+    (fp32 against bf16), both in A = b·(s/C)·(h/T) elements; and the K/V tensors --recompute
+    adds (the forward's again). {C: (K/V tensors, fixed bytes / A, forward's K/V tensors)}."""
+    counts = {}
+    for C in (2, 4):
+        flags = ("--cp", str(C)) + (("--tp", str(tp)) if tp > 1 else ())
+        config = step_sent(script, tp * C, flags)[1]
+        A = config.block_size // C * config.n_embd // tp
+        layer = {dtype: split_bytes(script, tp * C, op, flags, dtype=dtype)[0] for dtype in ("float32", "bfloat16")}
+        kv = tensors(layer["float32"] - layer["bfloat16"], 2 * A)
+        again = tensors(split_bytes(script, tp * C, op, flags + ("--recompute",))[0] - layer["float32"], 4 * A)
+        counts[C] = (kv, Fraction(layer["bfloat16"] - 2 * kv * A, A), again)
+    return counts
+
+
+def cp_sends():
+    """09: the ring's K/V hops (2 tensors) forward and in backward (the forward's: what
+    --recompute adds), dK/dV's fp32 hops (2 tensors); Ulysses' all-to-alls forward and in all;
+    its gradients' all-reduce against 03's at 4 ranks (cp 2 x dp 2)."""
+    ring = ring_counts("09_context_parallel.py")
+    forward = linear({C: again // 2 for C, (_, _, again) in ring.items()}, "C", paren=True)
+    backward = linear({C: (kv - again) // 2 for C, (kv, _, again) in ring.items()}, "C", paren=True)
+    kv = f"K and V {forward} hops forward and " + ("again backward" if forward == backward else f"{backward} backward")
+    dkv = linear({C: fixed / 4 / 2 for C, (_, fixed, _) in ring.items()}, "C")
+    config = step_sent("09_context_parallel.py", 2)[1]
+    bsh = 4 * config.block_size // 2 * config.n_embd
+    op = "all_to_all_single[cp]"
+    ulysses = tensors(split_bytes("09_context_parallel.py", 2, op, ("--cp_impl", "ulysses"))[0], bsh)
+    again = tensors(split_bytes("09_context_parallel.py", 2, op, ("--cp_impl", "ulysses", "--recompute"))[0], bsh)
+    ours, ddp = step_sent("09_context_parallel.py", 4, ("--cp", "2"))[0], step_sent("03_ddp.py", 4)[0]
+    plus_ddp = ("plus DDP's 4Ψ all-reduce over the world" if ours.get("all_reduce") == ddp["all_reduce"]
+                else "plus an all-reduce that is not DDP's")
+    return (f"{kv}, fp32 dK/dV {dkv} hops; Ulysses: {ulysses} all-to-alls of b·(s/C)·h per layer "
+            f"({again - ulysses} forward, {2 * ulysses - again} backward); {plus_ddp}")
+
+
+def three_d_sends():
+    """08: the CP terms per layer per micro-batch (ring at T = 2, C = 2 and 4; Ulysses at T = 2,
+    C = 2 and T = 1, C = 4), in A = b·(s/C)·(h/T)·e; a first stage's PP sends (pp 2) with SP
+    against without at T = 2 and 4, and with C = 2 and 4 (Ulysses: the sends are the
+    pipeline's alone) against C = 1."""
+    ring = ring_counts("08_3d.py", tp=2)
+    kv = linear({C: n for C, (n, _, _) in ring.items()}, "C")
+    dkv = linear({C: fixed for C, (_, fixed, _) in ring.items()}, "C")  # in bytes per b·(s/C)·h/T element
+    ulysses = set()
+    for T, C in ((2, 2), (1, 4)):
+        flags = ("--cp", str(C), "--cp_impl", "ulysses") + (("--tp", str(T)) if T > 1 else ())
+        config = step_sent("08_3d.py", T * C, flags, rank=0)[1]
+        A = 4 * config.block_size // C * config.n_embd // T
+        ulysses.add(tensors(split_bytes("08_3d.py", T * C, "all_to_all_single[cp]", flags, rank=0)[0], A))
+    ulysses = ulysses.pop() if len(ulysses) == 1 else ulysses
+
+    def send(n, *flags):
+        return step_sent("08_3d.py", n, ("--pp", "2") + flags, rank=0)[0]["send"]
+    sp = {T: Fraction(send(2 * T, "--tp", str(T), "--sequence_parallel"), send(2 * T, "--tp", str(T))) for T in (2, 4)}
+    cp = {C: Fraction(send(2 * C, "--cp", str(C), "--cp_impl", "ulysses"), send(2)) for C in (2, 4)}
+    tokens = "s/C" if one_over(cp, "C") == "1/C" else f"{cp} of the"
+    return (f"(SP: the sequence shard, {one_over(sp, 'T')} of the bytes; CP: the CP rank's {tokens} tokens)",
+            f"ring {kv}·A of K/V + {dkv}·b·(s/C)·h/T of fp32 dK/dV, Ulysses {ulysses} all-to-alls of A")
+
+
+def expert_sends():
+    """10 at 2 ranks (ep 2), one micro-batch per rank per 2 sequences: per layer per micro-batch
+    the all-to-alls' rows (fp32 against bf16, at top-1 and top-2) and the bytes that stay
+    whatever the dtype (the counts, at 4 and 8 experts), and what --recompute adds (the
+    forward's again); the all-reduce with a second replica of the experts against without
+    (world 2N against N, at ep N = 2 and 4), and without, in units of the parameters of one
+    expert (Ψ_e) and of the rest (Ψ_d), counted on 10's model."""
+    ten = plan.script("10_expert_parallel.py")
+
+    def per_layer(n, *flags, dtype="float32"):
+        return split_bytes("10_expert_parallel.py", n, "all_to_all_single", flags, replicas=n, dtype=dtype)[0]
+    config = step_sent("10_expert_parallel.py", 2, ("--n_expert", "4"))[1]
+    bsh = config.block_size * config.n_embd  # b = 1
+    rows, counts = {}, {}
+    for k, E in ((1, 4), (2, 4), (2, 8)):  # rows at top-1 and top-2, counts at 4 and 8 experts
+        flags = ("--n_expert", str(E), "--top_k", str(k))
+        rows[k] = tensors(per_layer(2, *flags) - per_layer(2, *flags, dtype="bfloat16"), 2 * bsh)
+        counts[E] = per_layer(2, *flags, dtype="bfloat16") - 2 * rows[k] * bsh
+    n = {Fraction(r, k) for k, r in rows.items()}
+    n = int(n.pop()) if len(n) == 1 else rows
+    flags = ("--n_expert", "4", "--top_k", "2")
+    again = tensors(per_layer(2, *flags, "--recompute") - per_layer(2, *flags), 4 * 2 * bsh, 1)
+    with torch.device("meta"):
+        model = ten.GPT(config)
+    psi_d = sum(p.numel() for name, p in model.named_parameters() if not ten.is_expert(name))
+    psi_e = sum(p.numel() for name, p in model.named_parameters() if ".h.0.mlp.experts.0." in name)  # one expert
+    L, E = config.n_layer, config.n_expert
+
+    def reduced(n, ep):
+        return step_sent("10_expert_parallel.py", n, ("--n_expert", "4", "--ep", str(ep)), layers=L)[0]["all_reduce"]
+    experts = {N: Fraction(reduced(2 * N, N) - reduced(N, N), L * psi_e * E // N) for N in (2, 4)}
+    experts = experts[2] if len(set(experts.values())) == 1 else experts
+    dense, rest = divmod(reduced(2, 2), psi_d)  # beside it the loss, the tokens per expert and the norm
+    dense = dense if rest < psi_d // 100 else Fraction(reduced(2, 2), psi_d)  # a few bytes, or a term unnamed
+    return (f"{n} all-to-alls of the k·b·s·h routed rows ({again} forward, {n - again} backward;",
+            f"+ {linear(counts, 'E')} bytes of counts; {dense}Ψ_d all-reduce over the world, the experts' "
+            f"{experts}L·Ψ_e·E/N over the ranks that hold the same experts")
+
+
+SENDS = {"01_single_gpu.py": lambda: ["nothing" if not step_sent("01_single_gpu.py", 1)[0] else "something"],
+         "03_ddp.py": lambda: [ddp_sends()], "05_fsdp.py": lambda: [fsdp_sends()], "06_tensor_parallel.py":
+         lambda: [tp_sends()], "07_pipeline.py": lambda: [pipeline_sends()], "08_3d.py": three_d_sends,
+         "09_context_parallel.py": lambda: [cp_sends()], "10_expert_parallel.py": expert_sends}
+
+
+def more_holds():
+    """The holds cells of 05, 07, 08 and 09, from their costs(): 05's blocks gathered at once with
+    prefetch and without (the root: what --no_reshard's L blocks leave); the model state's
+    multiple of a stage's (or a rank's) parameters; 07's micro-batches in flight per rank at
+    p = 4, m = 8 (GPipe, 1F1B, zero bubble); 08's AdamW state with --zero1 against without
+    (D = 2 at C = 1 and 2, T = 2), and a layer's activations with SP (T = 2 and 4) and with ring
+    CP (C = 2 and 4, 08's and 09's) against one rank's."""
+    def cost(script, n, flags, layers=8, rank=0):
+        args, config, _ = plan.dry_run(script, ["--model", "tiny", "--n_layer", str(layers), "--dtype", "float32",
+                                                "--global_batch_size", "8", "--micro_batch_size", "1", *flags], n, n)
+        return plan.script(script).costs(args, config, n, torch.float32, rank=rank)
+
+    def multiple(held, symbol):  # "4Ψ_stage", "4Ψ_stage", "8Ψ_stage" -> 16 (of Ψ_stage)
+        terms = [re.fullmatch(rf"(\d*){symbol}", text) for text, _ in held.values()]
+        return sum(int(t.group(1) or 1) for t in terms) if all(terms) else "?"
+    gathered = {flag: cost("05_fsdp.py", 4, (flag,) if flag else ())["gathered"][1]
+                for flag in ("", "--no_prefetch", "--no_reshard")}
+    block = gathered[""] - gathered["--no_prefetch"]
+    root = gathered["--no_reshard"] - 8 * block  # all 8 layers' blocks gathered at once
+    blocks = [Fraction(gathered[flag] - root, block) for flag in ("--no_prefetch", "")]
+    yield "05_fsdp.py", ("the gathered root and one or two blocks" if blocks == [1, 2] else f"the root and {blocks} blocks")
+    p = 4
+    flights = {kind: [cost("07_pipeline.py", p, ("--schedule", kind), rank=r)["in_flight"] for r in range(p)]
+               for kind in ("gpipe", "1f1b", "zb")}
+    gpipe = "m" if flights["gpipe"] == [8] * p else flights["gpipe"]
+    one_f = "p-r" if flights["1f1b"] == [p - r for r in range(p)] else flights["1f1b"]
+    zb = "near p on every stage" if flights["zb"] == [p] * p else f"{flights['zb']} on the stages"
+    yield "07_pipeline.py", (f"{multiple(cost('07_pipeline.py', p, ())['held'], 'Ψ_stage')} x one stage + {gpipe} "
+                             f"(GPipe) or {one_f} (1F1B) micro-batches of activations")
+    yield "07_pipeline.py", zb
+
+    def optim(C, *flags):  # D = 2, T = 2
+        return cost("08_3d.py", 4 * C, ("--tp", "2", "--cp", str(C)) + flags, 4)["held"]["optim"][1]
+    zero1 = {C: Fraction(optim(C, "--zero1"), optim(C)) for C in (1, 2)}
+    per_d = "/D with --zero1" if zero1[1] * 2 == 1 else f"{zero1[1]} with --zero1"
+    per_dc = "/(D·C) with CP" if zero1[2] * 2 * 2 == 1 else f"{zero1[2]} with CP"
+
+    def layer(n, *flags):  # a layer's activations on the first stage's rank 0
+        return -(cost("08_3d.py", n, flags, 2)["activations"][1] - cost("08_3d.py", n, flags, 3)["activations"][1])
+    sp = {T: Fraction(layer(T, "--tp", str(T), "--sequence_parallel"), layer(1)) for T in (2, 4)}
+    cp = {C: Fraction(layer(C, "--cp", str(C)), layer(1)) for C in (2, 4)}
+    tokens = "every activation of s/C tokens" if one_over(cp, "C") == "1/C" else f"{cp} of the activations"
+
+    def layer09(C):  # 09's (ring) on C ranks: one rank's, no data parallelism
+        per = [plan.dry_run("09_context_parallel.py", ["--model", "tiny", "--n_layer", str(n), "--global_batch_size",
+                                                       "8", "--micro_batch_size", "1", "--cp", str(C)], C, C)[2]
+               ["activations"][1] for n in (2, 3)]
+        return per[1] - per[0]
+    ring = {C: Fraction(layer09(C), layer09(1)) for C in (2, 4)}
+    yield "09_context_parallel.py", ("activations of s/C tokens per sequence" if one_over(ring, "C") == "1/C"
+                                     else f"{ring} of the activations")
+    block = "/T" if one_over(sp, "T") == "1/T" else f"x {sp}"
+    yield "08_3d.py", (f"{multiple(cost('08_3d.py', 2, ('--tp', '2'), 4)['held'], 'Ψ_rank')} x (stage/T) (optimizer "
+                       f"{per_d}; {per_dc}); SP: a block's activations {block}; CP: {tokens}")
+
+
+def test_strategies_holds_of_05_07_08_09_are_what_their_costs_give():
+    stale = [f"{script}: {phrase!r}" for script, phrase in more_holds() if phrase not in sends_cell(script, column=2)]
+    assert not stale, "docs/strategies.md's holds of 05, 07, 08, 09 are not what their costs() give:\n" + "\n".join(stale)
+
+
+def sends_cell(script, column=3):
+    """The "what each rank sends per step" cell (column 3; 2: "what each rank holds") of
+    `script`'s row of docs/strategies.md's table."""
+    text = section("docs/strategies.md", "# The strategies: what each rank holds and sends")
+    row = re.search(rf"^\| `{re.escape(script)}` \|.*$", text, re.M).group(0)
+    return row.split(" | ")[column]
+
+
+def test_strategies_sends_column_is_what_the_scripts_costs_give():
+    stale = [f"{script}: {phrase!r}" for script, phrases in SENDS.items() for phrase in phrases()
+             if phrase not in sends_cell(script)]
+    assert not stale, "docs/strategies.md's sends column no longer says what the scripts' costs() give:\n" + \
+        "\n".join(stale)
+
+
 if __name__ == "__main__":
     import tempfile
     with tempfile.TemporaryDirectory() as data:
@@ -739,6 +1083,12 @@ if __name__ == "__main__":
     print("\ndocs/strategies.md, the ZeRO row:")
     for phrase in strategies_phrases():
         print(f"  {phrase!r}")
+    print("\ndocs/strategies.md, the sends column:")
+    for script, phrases in SENDS.items():
+        for phrase in phrases():
+            print(f"  {script}: {phrase!r}")
+    for script, phrase in more_holds():
+        print(f"  {script} (holds): {phrase!r}")
     print("\ndocs/strategies.md, holds, defaults, constants, bubbles:")
     for phrase in [*held_rows(), *strategies_figures()]:
         print(f"  {phrase!r}")
