@@ -28,7 +28,8 @@ for in idle time, the bubble, while the pipeline fills and drains.
 
     Interleaved 1F1B (Narayanan et al. 2021): each rank holds v smaller chunks of layers
     (rank r: chunks r, r+p, ..., r+(v-1)p), so the pipeline fills v times faster:
-    bubble = (p-1)/(v·m + p - 1), for v times as many stage-boundary messages.
+    bubble = (p-1)/(v·m + p - 1), for v·p-1 stage boundaries instead of p-1 (a middle rank
+    sends v times as much, the first and the last 2v-1 times as much).
 
     Zero bubble, ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a
     backward is two passes. B, the input gradient dx = dy·W of every Linear, is what the
@@ -127,8 +128,8 @@ Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
                    ZB-V: up to 2p chunk-sized micro-batches (p whole: 1F1B's stage 0 on
                    every rank), walked along the table (held_peak, activation_peak)
     communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward,
-                   fp32 also under autocast (the residual stream); v times as many boundaries
-                   when interleaved; + an all-reduce of the wte gradient (V·h) between first
+                   fp32 also under autocast (the residual stream); v·p-1 boundaries instead
+                   of p-1 when interleaved; + an all-reduce of the wte gradient (V·h) between first
                    and last stage, of the clipping norm, and a broadcast of the loss per step
 """
 

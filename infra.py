@@ -328,7 +328,8 @@ class Run(common.Run):
 
     The ledger's window: a step's traffic is what the torch.distributed calls between the
     yield of steps() and end_step() send. Evaluation and checkpoint traffic is taken out
-    after each, and control messages (agreement, the guard's flags) are never counted."""
+    after each, and control messages (the ranks' agreement on a problem) are never counted; the
+    guard's flags are, as all_reduce[guard]."""
 
     def __init__(self, parser, script):
         self.args, self.script = parse_args(parser), os.path.basename(script)
@@ -521,10 +522,9 @@ class Run(common.Run):
 
     def check(self, loss, grads, norm=None):
         """Right before the optimizer step, with this rank's loss and gradient tensors (and the
-        global gradient norm where clipping took it: then read instead of the gradients): every
-        rank agrees (one small all-reduce) whether any holds a non-finite value, which ends
-        the run here before the update, and whether any was asked to stop (a signal,
-        --time_limit), which ends it after this step's checkpoint."""
+        global gradient norm where clipping took it: then read instead of the gradients): a
+        non-finite value ends the run here, before the update, on every rank; a stop asked of
+        any rank (a signal, --time_limit) ends it after the next step's checkpoint (Guard)."""
         LEDGER.phase = "optimizer"  # the guard's flags, the update and what follows it
         self.stopping = self.guard.check(self.step, loss, grads, norm)
         self.grad_norm = norm  # the global gradient norm clipping took (logged: the oracle compares it with 01's)
