@@ -32,6 +32,8 @@ data-parallel ranks; the whole batch for tp and the pipelines), whatever the scr
                       reader takes: no ledger, meter, guard, metrics)
     --ablate PIECE    another side: ours with infra's guard or activation meter taken out
     --profile         the main thread's CPU and wall time inside infra's per-step methods
+    --glibc_default   glibc's malloc as it comes (by default every side gets the same fixed
+                      mmap and trim thresholds: SAME_MALLOC says why)
     --log_interval N  log every N steps (default 1: every step's loss compared with torch's);
                       infra's activation meter runs on the logged steps only, so at the
                       scripts' default of 10 the period and cpu columns are what a user's run
@@ -65,6 +67,14 @@ PAIRS = {  # name: (our script and flags, --impl of torch_baselines.py); the las
 
 
 PROFILE, LOG_INTERVAL = False, 1  # bench.py's --profile and --log_interval
+# glibc's malloc, the same on every side. By default glibc returns a freed block of at least
+# its mmap threshold to the kernel, and the kernel maps it afresh, page by page, when the next
+# step allocates it again: ~1,800 minor page faults a step (~6 ms of kernel time, 2% of the
+# step) for our scripts at this model. Its threshold rises once such a block is freed, so a
+# process that happened to free a large one at start-up (DDP's does) pays none of it: the
+# comparison measured glibc's history, not the strategies. probe.py fixes the same thresholds
+# in every side's process before the script starts (mallopt; --glibc_default leaves glibc alone).
+SAME_MALLOC = {"GPTPAR_SAME_MALLOC": "1"}
 TIMEOUT_S = 60  # a run takes well under a minute here; a hang holds the lock no longer than this
 
 
@@ -112,7 +122,7 @@ def side_run(path, flags, ranks, pin, plain, iters, ablate=""):
     rows of every rank."""
     probe = tempfile.mkdtemp(prefix="gptpar-probe-")
     env = {"OMP_NUM_THREADS": "1", "GPTPAR_PROBE": probe, "GPTPAR_PIN": "1" if pin else "0", "GPTPAR_ABLATE": ablate,
-           "GPTPAR_PROFILE": "1" if PROFILE else "0"}
+           "GPTPAR_PROFILE": "1" if PROFILE else "0", **SAME_MALLOC}
     run = launch(PROBE, [path] + flags, nprocs=ranks, env=env, timeout=TIMEOUT_S,
                  metrics=not plain, out_dir=not plain)  # the plain Run has neither flag
     run = finished(run, iters, plain)
@@ -151,11 +161,12 @@ def thread_costs(side):
 def per_step(side, skip):
     """Medians over the steps after `skip`, averaged over the ranks: the script's own step time,
     and from the probe the loop's period, the process's CPU (all threads), the main thread's CPU
-    (ms), and the involuntary context switches per step (the core taken by someone else)."""
+    (ms), the involuntary context switches per step (the core taken by someone else), the
+    kernel's share of the CPU (ms) and the minor page faults (memory the kernel maps afresh)."""
     logged_skip = -(-skip // LOG_INTERVAL)  # dt is in the logged steps' rows: every LOG_INTERVAL-th step
     out = {"dt": statistics.median(side["dt"][logged_skip:])}
-    for key, column in (("period", 0), ("cpu", 1), ("main", 2), ("preempted", 4)):
-        out[key] = statistics.mean(statistics.median((b[column] - a[column]) * (1 if column == 4 else 1e3)
+    for key, column in (("period", 0), ("cpu", 1), ("main", 2), ("preempted", 4), ("sys", 5), ("faults", 6)):
+        out[key] = statistics.mean(statistics.median((b[column] - a[column]) * (1 if column in (4, 6) else 1e3)
                                                      for a, b in zip(rows[skip:], rows[skip + 1:]))
                                    for rows in side["rows"])
     return out
@@ -185,6 +196,8 @@ def main():
     p.add_argument("--pin", action="store_true", help="each rank (and its threads) on a core of its own, both sides")
     p.add_argument("--plain", action="store_true",
                    help="a third side: our script with `from common import Run` (no ledger, guard, meter, metrics)")
+    p.add_argument("--glibc_default", action="store_true",
+                   help="leave glibc's malloc thresholds alone (each side's depend on what it freed at start-up)")
     p.add_argument("--profile", action="store_true",
                    help="the main thread's CPU and wall time in each of infra's per-step methods (probe.py)")
     p.add_argument("--log_interval", type=int, default=1,
@@ -192,8 +205,10 @@ def main():
     p.add_argument("--ablate", action="append", default=[], choices=["guard", "meter", "guard,meter"],
                    help="another side: ours with that piece of infra's Run taken out (probe.py)")
     a, model_flags = p.parse_known_args()  # anything else is passed to both scripts
-    global PROFILE, LOG_INTERVAL
+    global PROFILE, LOG_INTERVAL, SAME_MALLOC
     PROFILE, LOG_INTERVAL = a.profile, a.log_interval
+    if a.glibc_default:
+        SAME_MALLOC = {}
     data_parallel = a.pair in ("ddp", "zero1", "fsdp2", "fsdp")
     # the defaults, then anything given (a flag given twice: the last one counts)
     model_flags = ["--model", "shakespeare", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
@@ -213,7 +228,7 @@ def main():
           + (", and its plain copy" if a.plain else "") + (", each rank pinned to a core" if a.pin else ""))
     print("ms per step (medians over steps, mean over ranks): dt = the script's clock; period = optimizer step to "
           "optimizer step (wall); cpu = the process's user+sys, all threads; main = the main thread's CPU; "
-          "pre = involuntary context switches")
+          "pre = involuntary context switches; sys = the kernel's CPU; faults = minor page faults")
     names = list(sides)
     for ranks in a.ranks:
         results = {name: [] for name in names}
@@ -230,7 +245,7 @@ def main():
                 for name in names), flush=True)
         same = max(abs(x - y) / y for x, y in zip(results["ours"][0]["losses"], results["torch"][0]["losses"])) < 1e-4
         print(f"{ranks} ranks, same losses as torch: {same}")
-        print(f"  {'side':6s} " + " ".join(f"{k:>8s}" for k in ("dt", "period", "cpu", "main", "pre"))
+        print(f"  {'side':6s} " + " ".join(f"{k:>8s}" for k in ("dt", "period", "cpu", "main", "pre", "sys", "faults"))
               + "   ratios to torch (median, range over repeats): dt, period, cpu")
         for name in names:
             stats = [per_step(r, a.skip) for r in results[name]]

@@ -9,13 +9,16 @@ alike; nothing in the scripts knows about it.
                        optimizer post-step hook; the first optimizer object that steps is
                        the one followed), taken as the step's optimizer.step() returns:
                        [wall s, process CPU s (user+sys, every thread), main thread CPU s,
-                        voluntary context switches, involuntary ones]
+                        voluntary context switches, involuntary ones, kernel CPU s (sys),
+                        minor page faults]
     GPTPAR_PIN=1       pin this rank, and every thread it starts afterwards (gloo's, torch's
                        pool), to one core of its own: LOCAL_RANK's in the allowed set, modulo
     GPTPAR_ABLATE=guard,meter   take a piece of infra's Run out, to see what it costs: guard,
                        Guard.check returns "go on" with no flags all-reduced and nothing read;
                        meter, the activation meter's saved-tensor hooks are not installed
                        (a benchmark's knife: the ledger's activations then read 0)
+    GPTPAR_SAME_MALLOC=1  glibc's mmap and trim thresholds fixed, before the script starts
+                       (same_malloc: the same heap behaviour on every side)
     GPTPAR_PROFILE=1   the main thread's CPU and the wall time inside each of infra's per-step
                        methods (Run.check, Run.end_step, the meter's hooks, Metrics.step, the
                        ledger's wrapper of every collective), summed over the run after warm-up
@@ -42,6 +45,18 @@ def pin():
     core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
     os.sched_setaffinity(0, {core})
     return core
+
+
+def same_malloc():
+    """glibc's mmap and trim thresholds fixed (and their adjustment off), the same in every
+    side's process: a freed block of up to 32 MiB stays in the heap, and up to 256 MiB of free
+    heap top stays mapped, whatever the process freed before (bench.py's SAME_MALLOC says why).
+    mallopt, not MALLOC_*_ environment variables: glibc reads those when the process starts,
+    and the fork server's ranks start long before (forked from it)."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+    assert libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1
 
 
 def threads():
@@ -94,6 +109,8 @@ def main():
     out = os.environ.get("GPTPAR_PROBE")
     if os.environ.get("GPTPAR_PIN") == "1":
         pin()
+    if os.environ.get("GPTPAR_SAME_MALLOC") == "1":
+        same_malloc()
     ablate = {name for name in os.environ.get("GPTPAR_ABLATE", "").split(",") if name}
     if ablate:
         import infra
@@ -125,7 +142,7 @@ def main():
             return
         usage = resource.getrusage(resource.RUSAGE_SELF)
         rows.append([time.perf_counter(), usage.ru_utime + usage.ru_stime, time.thread_time(),
-                     usage.ru_nvcsw, usage.ru_nivcsw])
+                     usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_stime, usage.ru_minflt])
         if len(rows) in (WARM, steps):  # each thread's CPU over the steps after warm-up (coarse: clock ticks)
             per_thread[len(rows)] = threads()
         if len(rows) == steps:  # now, after the last row: a teardown that hangs (DDP's has) loses nothing
