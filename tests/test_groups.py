@@ -111,6 +111,34 @@ def test_every_collective_names_its_group(script):
         f"  {script}:{line}: {text.strip()}" for line, text in missing)
 
 
+def nameless_groups(source):
+    """(line, text) of every `dist.new_group(...)` in `source` that passes no group_desc."""
+    tree = ast.parse(source)
+    aliases, _ = dist_aliases(tree)
+    return [(node.lineno, ast.get_source_segment(source, node).splitlines()[0]) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "new_group"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases
+            and "group_desc" not in {k.arg for k in node.keywords}]
+
+
+def test_every_process_group_a_training_script_makes_has_a_name():
+    """The ledger counts a collective on a process group under the group's group_desc
+    (all_reduce[tp], all_to_all_single[ep]); on a group made without one, under the bare
+    operation, as if on the world: costs() could then not say over which ranks it runs, nor
+    plan.py price it there. Every training script (those with a ledger: `from infra import
+    Run`) names every group it makes; 02 times links and keeps no ledger."""
+    assert [line for line, _ in nameless_groups("import torch.distributed as dist\n"
+                                               "g = dist.new_group([0, 1])\n"
+                                               "h = dist.new_group([0, 1], group_desc='tp')\n")] == [2]
+    missing = []
+    for script in SCRIPTS:
+        source = open(os.path.join(ROOT, script), encoding="utf-8").read()
+        if "from infra import Run" in source:
+            missing += [f"  {script}:{line}: {text.strip()}" for line, text in nameless_groups(source)]
+    assert not missing, "process groups made without a group_desc (the ledger's name for them):\n" + \
+        "\n".join(missing)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_ddp_units_in_a_bigger_mesh(overlap):
     """03's GradientBuckets and mean_over_replicas on the sub-groups {0, 1} and {2, 3} of a
