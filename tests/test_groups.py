@@ -4,7 +4,9 @@ group out runs on the world, which is right in its own script and silently wrong
 piece is copied into a bigger mesh: 06's gradient norm copied into a DP x TP program would
 sum over the replicas too. So this reads every numbered script's syntax tree (no launch) and
 names each `dist.<op>(...)` that does not pass `group=` (by keyword, or positionally in the
-slot torch's signature gives it, as `dist.P2POp(dist.isend, t, peer, group, tag)` does).
+slot torch's signature gives it, as `dist.P2POp(dist.isend, t, peer, group, tag)` does), and
+each `dist.new_group(...)` of a training script that passes no `group_desc` (the name the
+ledger, costs() and plan.py know the group by).
 
 `tests/ddp_units.py` (run by test_ddp_units_in_a_bigger_mesh below) shows what naming the
 group buys: 03's GradientBuckets and its loss averaging, unchanged, on the sub-groups {0, 1}
@@ -14,6 +16,7 @@ import ast
 import glob
 import inspect
 import os
+import re
 import tempfile
 
 import pytest
@@ -112,13 +115,18 @@ def test_every_collective_names_its_group(script):
 
 
 def nameless_groups(source):
-    """(line, text) of every `dist.new_group(...)` in `source` that passes no group_desc."""
-    tree = ast.parse(source)
-    aliases, _ = dist_aliases(tree)
-    return [(node.lineno, ast.get_source_segment(source, node).splitlines()[0]) for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "new_group"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases
-            and "group_desc" not in {k.arg for k in node.keywords}]
+    """(line, text) of every `new_group(...)` call in `source` whose arguments (to its closing
+    parenthesis, over as many lines as they take) pass no group_desc."""
+    found = []
+    for match in re.finditer(r"\bnew_group\(", source):
+        depth, end = 1, match.end()
+        while depth:  # to the call's closing parenthesis
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        if not re.search(r"\bgroup_desc\s*=", source[match.end():end]):
+            line = source.count("\n", 0, match.start()) + 1
+            found.append((line, source.splitlines()[line - 1]))
+    return found
 
 
 def test_every_process_group_a_training_script_makes_has_a_name():
@@ -129,7 +137,8 @@ def test_every_process_group_a_training_script_makes_has_a_name():
     Run`) names every group it makes; 02 times links and keeps no ledger."""
     assert [line for line, _ in nameless_groups("import torch.distributed as dist\n"
                                                "g = dist.new_group([0, 1])\n"
-                                               "h = dist.new_group([0, 1], group_desc='tp')\n")] == [2]
+                                               "h = dist.new_group([0, 1],\n  group_desc='tp')\n"
+                                               "k = dist.new_group(list(range(2)),\n  timeout=t)\n")] == [2, 5]
     missing = []
     for script in SCRIPTS:
         source = open(os.path.join(ROOT, script), encoding="utf-8").read()
