@@ -1096,9 +1096,10 @@ def main():
     if args.schedule_csv:  # a user's table: checked before anything is built
         use_table_file(args, p)
     # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches (the bubble
-    # (p-1)/(m+p-1) is then about 1/3); groups: the tied embedding's (first and last stage), before the fit check
+    # (p-1)/(m+p-1) is then about 1/3); groups: the tied embedding's (first and last stage), made by every
+    # rank before the fit check, and named: the ledger counts its all-reduce as all_reduce[embedding]
     env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p),
-                       groups=lambda env: dist.new_group([0, p - 1]) if p > 1 else None)  # every rank makes it
+                       groups=lambda env: dist.new_group([0, p - 1], group_desc="embedding") if p > 1 else None)
     actions, v, vee, split = schedule_table(args, p, m, env)  # every rank's actions: the schedule's one source
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
     config = model_config(args, Data.vocab_size_of(args.data))
@@ -1174,10 +1175,9 @@ def costs(args, config, world_size, dtype, rank=0):
     sent = {"send": formula("n*4*b*s*h", show="n", n=sends, b=b, s=s, h=h),
             "recv": formula("n*4*b*s*h", show="n", n=recvs, b=b, s=s, h=h),
             "broadcast": formula("4*loss", loss=1),
-            # the tied wte's gradient between the first and the last stage; the norm
-            "all_reduce": formula(" + ".join(["4*V*h"] * (p > 1 and first != last)
-                                             + ["4*norm"] * (args.grad_clip > 0 and p > 1)) or "0",
-                                  V=config.vocab_size, h=h, norm=1)}
+            # the tied wte's gradient, on the embedding group of the first and the last stage
+            "all_reduce[embedding]": formula("4*V*h" if p > 1 and first != last else "0", V=config.vocab_size, h=h),
+            "all_reduce": formula("4*norm" if args.grad_clip > 0 and p > 1 else "0", norm=1)}  # every stage's
     held = {"params": formula("4*Ψ_stage", Ψ_stage=psi), "grads": formula("4*Ψ_stage", Ψ_stage=psi),
             "optim": formula("8*Ψ_stage", Ψ_stage=psi) if args.optimizer == "adamw" else
             formula("4*Ψ_m + 8*(Ψ_stage - Ψ_m)", Ψ_stage=psi, Ψ_m=psi_m)}  # Muon: one moment of its matrices

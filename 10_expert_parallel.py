@@ -55,7 +55,9 @@ parameters (8h² + biases), Ψ_d the rest (replicated):
               (k·b·s when balanced), 8E the int64 counts; --recompute runs the forward's
               half again in backward: + e·h·(k·b·s + R) + 8E
     all-reduce per step: 4Ψ_d over the world, 4·L·Ψ_e·E/N over the dp ranks holding the same
-              experts (dp > 1), the loss with the L·E expert counts 4(1 + L·E), the norm 4
+              experts (dp > 1; the group "expert_dp"), the loss with the L·E expert counts
+              4(1 + L·E) over the world, the experts' share of the norm 4 over the EP group
+              ("ep", which also carries the all-to-alls)
     imbalance: dropless routing has no cap, so the busiest rank sets the pace: its R is
               max/mean times the balanced k·b·s, and with it its expert compute, the all-to-all
               time and the memory of the received rows and expert activations (an expert may
@@ -101,18 +103,20 @@ def check_layout(args, config, world_size):
 
 def expert_groups(world_size, ep):
     """(ep_group, expert_dp_group) of this rank: its EP group (ep consecutive ranks, which
-    together hold every expert once) and the ranks holding the same experts (stride ep).
-    Every rank creates every group, in the same order (torch.distributed requires it)."""
+    together hold every expert once) and the ranks holding the same experts (stride ep),
+    named "ep" and "expert_dp": the ledger counts their collectives as all_to_all_single[ep],
+    all_reduce[expert_dp]. Every rank creates every group, in the same order (torch.distributed
+    requires it)."""
     rank, mine = dist.get_rank(), {}
     for d in range(world_size // ep):
-        group = dist.new_group(list(range(d * ep, (d + 1) * ep)))
+        group = dist.new_group(list(range(d * ep, (d + 1) * ep)), group_desc="ep")
         if rank // ep == d:
             mine["ep"] = group
     for j in range(ep):
-        group = dist.new_group(list(range(j, world_size, ep)))
+        group = dist.new_group(list(range(j, world_size, ep)), group_desc="expert_dp")
         if rank % ep == j:
-            mine["dp"] = group
-    return mine["ep"], mine["dp"]
+            mine["expert_dp"] = group
+    return mine["ep"], mine["expert_dp"]
 
 
 class AllToAll(torch.autograd.Function):
@@ -353,15 +357,16 @@ def costs(args, config, world_size, dtype, received=None):
     # + the counts (8E per layer and micro-batch, forward and recompute)
     all_to_all = f("p*e*h*(L*m*k*b*s + R) + (p - 1)*8*E*L*m")
     # the dense gradients, the loss and the expert counts (1 + L·E), over all ranks; the
-    # experts' gradients over the dp ranks that hold the same experts; the norm
-    dp_experts = world_size > ep
-    all_reduce = f("4*Ψ_d + 4*(1 + L*E)" + (" + 4*L*Ψ_e*E/N" if dp_experts else "")
-                   + (" + 4*norm" if args.grad_clip > 0 else ""))
+    # experts' gradients over the dp ranks that hold the same experts; the experts' share of
+    # the norm over the EP group
+    sent = {"all_to_all_single[ep]": all_to_all, "all_reduce": f("4*Ψ_d + 4*(1 + L*E)"),
+            "all_reduce[expert_dp]": f("4*L*Ψ_e*E/N" if world_size > ep else "0"),
+            "all_reduce[ep]": f("4*norm" if args.grad_clip > 0 else "0")}
     # Muon's matrices on this rank: the dense ones, and those of its E/N experts of every layer (alike)
     dense, experts = ([p.shape for name, p in model.named_parameters() if args.optimizer == "muon"
                        and is_hidden_matrix(name, p.shape) and is_expert(name) == expert] for expert in (False, True))
     cost = {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
-            "held": held, "sent": {"all_to_all_single": all_to_all, "all_reduce": all_reduce},
+            "held": held, "sent": {op: value for op, value in sent.items() if value[1]},
             # Muon: Newton-Schulz on the dense matrices and on this rank's experts' (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(dense + experts[:len(experts) // ep]),
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),

@@ -302,9 +302,11 @@ def group_of(name, op, args, n, gpus_per_node):
     """(g, k): the size of the group an operation runs on, and where its ranks sit (k, from
     ranks_per_node: None inside a node, else the most ranks it has on one node), for rank 0's
     group. Groups are ranks `stride` apart as the scripts build them (05: shard groups of S
-    consecutive ranks; 08: rank = dp·pp·tp + pp·tp + tp); a pipeline's sends cross nodes on
-    the boundaries between them whenever the pipeline spans nodes (one pair: k = 1), and the
-    step waits for those."""
+    consecutive ranks; 07: the tied embedding's group, the first and the last stage; 08: rank =
+    dp·pp·tp + pp·tp + tp; 10: ep groups of N consecutive ranks, expert_dp groups of the ranks
+    N apart that hold the same experts); a pipeline's sends cross nodes on the boundaries
+    between them whenever the pipeline spans nodes (one pair: k = 1), and the step waits for
+    those."""
     group = op[op.index("[") + 1:-1] if "[" in op else "world"
     base = op.split("[")[0]
     size, stride, G = n, 1, gpus_per_node
@@ -314,7 +316,7 @@ def group_of(name, op, args, n, gpus_per_node):
     elif name.startswith("07"):
         if base in ("send", "recv"):
             return 2, 1 if n > G else None
-        size, stride = (2, n - 1) if base == "all_reduce" else (n, 1)  # the tied wte: first and last stage
+        size, stride = {"embedding": (2, n - 1)}.get(group, (n, 1))  # the tied wte: first and last stage
     elif name.startswith("08"):  # rank = ((dp·P + pp)·C + cp)·T + tp
         T, P, C = args.tp, args.pp, args.cp
         if base in ("send", "recv"):  # the pipeline's boundaries, and the CP ring's
@@ -331,6 +333,10 @@ def group_of(name, op, args, n, gpus_per_node):
         if base in ("send", "recv"):  # the ring of a context-parallel group
             return 2, 1 if C > G else None
         size, stride = {"cp": (C, 1), "dp": (n // C, C)}.get(group, (n, 1))
+    elif name.startswith("10"):
+        E = PRESETS[args.model].get("n_expert", 0) if args.n_expert is None else args.n_expert
+        N = script(name).check_layout(args, argparse.Namespace(n_expert=E), n)  # --ep, or 10's default
+        size, stride = {"ep": (N, 1), "expert_dp": (n // N, N)}.get(group, (n, 1))
     return size, ranks_per_node([i * stride for i in range(size)], G)
 
 

@@ -26,10 +26,13 @@ sends per step" columns is checked, most in its script's own cell: derived from 
 script's costs() by varying one quantity (layers, sequences, C, T, v, E, k, the dtype, the
 replicas, prefetch) and reading the bytes of the term or the collective the cell names;
 "forward" and "backward" from what --recompute adds (one more forward); and the bubbles and
-the V schedules' chunks held. What the table says that costs() cannot tell is not checked:
-which process group carries a collective where costs() counts it under no group's name (07's
-tied-embedding all-reduce, 10's dense and experts' all-reduces: the test reads them from which
-ranks carry the bytes and from which layouts add them), which pass and which end of the model
+the V schedules' chunks held; the process group a cell names, from the key costs() counts the
+collective under (07's tied-embedding gradient on all_reduce[embedding], on the first and the
+last stage and no other; 10's all-to-alls on all_to_all_single[ep], its experts' gradients on
+all_reduce[expert_dp], present only with a second replica, its dense ones on the world's
+all_reduce). What the table says that costs() cannot tell is not checked: which ranks a named
+group holds (the name is the script's group_desc; plan.group_of maps it to ranks, and
+tests/test_plan.py checks that mapping for 07 and 10), which pass and which end of the model
 06's one extra all-gather outside the layers falls in (the head's, in backward: its costs()'
 comment), 08's DP group spanning DP x CP, 10's (N-1)/N and max/mean (they depend on the
 routing), zero bubble's p-r whole and r as W tensors (costs() gives their sum, p, and the W
@@ -842,7 +845,8 @@ def tp_sends():
 def pipeline_sends(p=4):
     """07 at p = 4 stages: each rank's b·s·h sends and receives per micro-batch (8 to 16 micro-
     batches), under 1F1B and interleaved at v = 2 and 4 (8 and 16 layers); which ranks
-    all-reduce a tensor of the tied wte's gradient (fp32 V·h) besides the norm."""
+    all-reduce the tied wte's gradient (fp32 V·h) on the embedding group (all_reduce[embedding]:
+    the first and the last stage, and no other), the norm apart on the world."""
     def per_micro_batch(op, flags, layers):
         config = step_sent("07_pipeline.py", p, flags, layers, rank=0)[1]
         bsh = 4 * config.block_size * config.n_embd
@@ -857,10 +861,10 @@ def pipeline_sends(p=4):
         middle[v] = {Fraction(sends[r], plain[r]) for r in range(1, p - 1)}.pop()
         ends[v] = {Fraction(sends[r], plain[r]) for r in (0, p - 1)}.pop()
     config = step_sent("07_pipeline.py", p, (), 8, rank=0)[1]
-    reduced = [step_sent("07_pipeline.py", p, (), 8, rank=r)[0].get("all_reduce", 0) for r in range(p)]
-    wte = [r for r in range(p) if reduced[r] - min(reduced) == 4 * config.vocab_size * config.n_embd]
+    reduced = [step_sent("07_pipeline.py", p, (), 8, rank=r)[0].get("all_reduce[embedding]", 0) for r in range(p)]
+    wte = [r for r in range(p) if reduced[r] == 4 * config.vocab_size * config.n_embd]
     tied = "tied-embedding gradient between first and last stage" if wte == [0, p - 1] and \
-        all(reduced[r] == min(reduced) for r in range(p) if r not in wte) else f"tied-embedding gradient on {wte}"
+        all(reduced[r] == 0 for r in range(p) if r not in wte) else f"tied-embedding gradient on {wte}: {reduced}"
     return (("b·s·h per micro-batch per stage boundary each way" if each_way else f"{plain} b·s·h per micro-batch")
             + f" (interleaved: a middle stage sends {linear(middle, 'v')} times as much, the first and the last "
             f"{linear(ends, 'v')} times); {tied}")
@@ -933,13 +937,15 @@ def expert_sends():
     """10 at 2 ranks (ep 2), one micro-batch per rank per 2 sequences: per layer per micro-batch
     the all-to-alls' rows (fp32 against bf16, at top-1 and top-2) and the bytes that stay
     whatever the dtype (the counts, at 4 and 8 experts), and what --recompute adds (the
-    forward's again); the all-reduce with a second replica of the experts against without
-    (world 2N against N, at ep N = 2 and 4), and without, in units of the parameters of one
-    expert (Ψ_e) and of the rest (Ψ_d), counted on 10's model."""
+    forward's again), all on the EP group (all_to_all_single[ep]); the all-reduce over the
+    world (unnamed) in units of the parameters of the rest (Ψ_d), and the one over the ranks
+    holding the same experts (all_reduce[expert_dp]) in units of one expert's (Ψ_e), with a
+    second replica of the experts (world 2N, at ep N = 2 and 4) and, absent, without (world N),
+    counted on 10's model."""
     ten = plan.script("10_expert_parallel.py")
 
     def per_layer(n, *flags, dtype="float32"):
-        return split_bytes("10_expert_parallel.py", n, "all_to_all_single", flags, replicas=n, dtype=dtype)[0]
+        return split_bytes("10_expert_parallel.py", n, "all_to_all_single[ep]", flags, replicas=n, dtype=dtype)[0]
     config = step_sent("10_expert_parallel.py", 2, ("--n_expert", "4"))[1]
     bsh = config.block_size * config.n_embd  # b = 1
     rows, counts = {}, {}
@@ -957,12 +963,13 @@ def expert_sends():
     psi_e = sum(p.numel() for name, p in model.named_parameters() if ".h.0.mlp.experts.0." in name)  # one expert
     L, E = config.n_layer, config.n_expert
 
-    def reduced(n, ep):
-        return step_sent("10_expert_parallel.py", n, ("--n_expert", "4", "--ep", str(ep)), layers=L)[0]["all_reduce"]
-    experts = {N: Fraction(reduced(2 * N, N) - reduced(N, N), L * psi_e * E // N) for N in (2, 4)}
-    experts = experts[2] if len(set(experts.values())) == 1 else experts
-    dense, rest = divmod(reduced(2, 2), psi_d)  # beside it the loss, the tokens per expert and the norm
-    dense = dense if rest < psi_d // 100 else Fraction(reduced(2, 2), psi_d)  # a few bytes, or a term unnamed
+    def reduced(n, ep, op):
+        return step_sent("10_expert_parallel.py", n, ("--n_expert", "4", "--ep", str(ep)), layers=L)[0].get(op, 0)
+    experts = {N: Fraction(reduced(2 * N, N, "all_reduce[expert_dp]"), L * psi_e * E // N) for N in (2, 4)
+               if not reduced(N, N, "all_reduce[expert_dp]")}  # one replica: nothing to reduce
+    experts = experts[2] if len(experts) == 2 and len(set(experts.values())) == 1 else experts
+    dense, rest = divmod(reduced(2, 2, "all_reduce"), psi_d)  # beside it the loss and the tokens per expert
+    dense = dense if rest < psi_d // 100 else Fraction(reduced(2, 2, "all_reduce"), psi_d)  # or a term unnamed
     return (f"{n} all-to-alls of the k·b·s·h routed rows ({again} forward, {n - again} backward;",
             f"+ {linear(counts, 'E')} bytes of counts; {dense}Ψ_d all-reduce over the world, the experts' "
             f"{experts}L·Ψ_e·E/N over the ranks that hold the same experts")

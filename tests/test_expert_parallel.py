@@ -40,8 +40,12 @@ def test_losses_equal_single_gpu(reference, ranks, ep, micro, extra):
     assert_losses_match(reference, run, what=f"ep {ep} x dp {ranks // ep} micro={micro} {extra}")
     assert "ledger mismatch" not in run.stderr
     for step in run.steps:
-        # the ledger: the all-to-all bytes are the formula on this step's routing counts
+        # the ledger: the all-to-all bytes are the formula on this step's routing counts; each
+        # collective under its group's name: the EP group's, and with a second replica of the
+        # experts the expert_dp group's
         assert step["comm_bytes"] == step["comm_bytes_theory"], step["step"]
+        assert {"all_to_all_single[ep]", "all_reduce"} <= set(step["comm_bytes"])
+        assert ("all_reduce[expert_dp]" in step["comm_bytes"]) == (ranks > ep), step["comm_bytes"]
         assert step["activation_bytes"] == step["activation_bytes_theory"], step["step"]
         assert sum(step["expert_tokens"]) == L * K * B * S and len(step["expert_tokens"]) == 4
         assert step["expert_imbalance"] >= 1.0
@@ -101,7 +105,7 @@ def test_top_k_without_experts_is_refused():
 def test_bare_command_dry_runs(ranks):
     run = launch("10_expert_parallel.py", ["--dry_run", "--world_size", ranks], metrics=False, out_dir=False).ok()
     ep = {1: 1, 2: 2, 4: 4, 8: 8, 12: 4}[ranks]
-    assert f"expert-parallel group(s) of {ep} ranks" in run.stdout and "all_to_all_single" in run.stdout
+    assert f"expert-parallel group(s) of {ep} ranks" in run.stdout and "all_to_all_single[ep]" in run.stdout
 
 
 @pytest.mark.parametrize("script, dtype, extra", [

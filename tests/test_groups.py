@@ -4,7 +4,9 @@ group out runs on the world, which is right in its own script and silently wrong
 piece is copied into a bigger mesh: 06's gradient norm copied into a DP x TP program would
 sum over the replicas too. So this reads every numbered script's syntax tree (no launch) and
 names each `dist.<op>(...)` that does not pass `group=` (by keyword, or positionally in the
-slot torch's signature gives it, as `dist.P2POp(dist.isend, t, peer, group, tag)` does).
+slot torch's signature gives it, as `dist.P2POp(dist.isend, t, peer, group, tag)` does), and
+each `dist.new_group(...)` of a training script that passes no `group_desc` (the name the
+ledger, costs() and plan.py know the group by).
 
 `tests/ddp_units.py` (run by test_ddp_units_in_a_bigger_mesh below) shows what naming the
 group buys: 03's GradientBuckets and its loss averaging, unchanged, on the sub-groups {0, 1}
@@ -14,6 +16,7 @@ import ast
 import glob
 import inspect
 import os
+import re
 import tempfile
 
 import pytest
@@ -109,6 +112,40 @@ def test_every_collective_names_its_group(script):
     missing = unnamed_groups(source)
     assert not missing, f"{script}: collectives that name no process group (pass group=...):\n" + "\n".join(
         f"  {script}:{line}: {text.strip()}" for line, text in missing)
+
+
+def nameless_groups(source):
+    """(line, text) of every `new_group(...)` call in `source` whose arguments (to its closing
+    parenthesis, over as many lines as they take) pass no group_desc."""
+    found = []
+    for match in re.finditer(r"\bnew_group\(", source):
+        depth, end = 1, match.end()
+        while depth:  # to the call's closing parenthesis
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        if not re.search(r"\bgroup_desc\s*=", source[match.end():end]):
+            line = source.count("\n", 0, match.start()) + 1
+            found.append((line, source.splitlines()[line - 1]))
+    return found
+
+
+def test_every_process_group_a_training_script_makes_has_a_name():
+    """The ledger counts a collective on a process group under the group's group_desc
+    (all_reduce[tp], all_to_all_single[ep]); on a group made without one, under the bare
+    operation, as if on the world: costs() could then not say over which ranks it runs, nor
+    plan.py price it there. Every training script (those with a ledger: `from infra import
+    Run`) names every group it makes; 02 times links and keeps no ledger."""
+    assert [line for line, _ in nameless_groups("import torch.distributed as dist\n"
+                                               "g = dist.new_group([0, 1])\n"
+                                               "h = dist.new_group([0, 1],\n  group_desc='tp')\n"
+                                               "k = dist.new_group(list(range(2)),\n  timeout=t)\n")] == [2, 5]
+    missing = []
+    for script in SCRIPTS:
+        source = open(os.path.join(ROOT, script), encoding="utf-8").read()
+        if "from infra import Run" in source:
+            missing += [f"  {script}:{line}: {text.strip()}" for line, text in nameless_groups(source)]
+    assert not missing, "process groups made without a group_desc (the ledger's name for them):\n" + \
+        "\n".join(missing)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

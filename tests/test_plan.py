@@ -171,6 +171,27 @@ def test_plan_prices_08_with_sp_and_10_for_experts():
     assert [c[0] for c in moe] == ["10_expert_parallel.py"] * 4 and [c[1][1] for c in moe] == ["1", "2", "4", "8"]
 
 
+def test_plan_prices_07_and_10_on_the_groups_their_keys_name():
+    """Each named group priced over its own ranks, 8 GPUs on 2 nodes of 4: 07's tied-embedding
+    all-reduce (all_reduce[embedding]) over its first and last stage, one rank on each node; its
+    norm over every stage (the world: both nodes whole). 10 at ep 4: the all-to-alls over the
+    EP group (all_to_all_single[ep]: 4 consecutive ranks, one node), the experts' gradients over
+    the 2 ranks 4 apart that hold the same experts (all_reduce[expert_dp]: across the nodes),
+    the dense ones over the world; without --ep, 10's own default (gcd(E, N) = 4) is used, with E
+    from the preset where --n_expert is not given (baby-moe: 8 experts, so ep 8, the world)."""
+    import argparse
+    assert plan.group_of("07_pipeline.py", "all_reduce[embedding]", argparse.Namespace(), 8, 4) == (2, 1)
+    assert plan.group_of("07_pipeline.py", "all_reduce", argparse.Namespace(), 8, 4) == (8, 4)
+    for ep in (4, None):
+        args = argparse.Namespace(model="tiny", n_expert=4, ep=ep)
+        assert plan.group_of("10_expert_parallel.py", "all_to_all_single[ep]", args, 8, 4) == (4, None)
+        assert plan.group_of("10_expert_parallel.py", "all_reduce[ep]", args, 8, 4) == (4, None)
+        assert plan.group_of("10_expert_parallel.py", "all_reduce[expert_dp]", args, 8, 4) == (2, 1)
+        assert plan.group_of("10_expert_parallel.py", "all_reduce", args, 8, 4) == (8, 4)
+    preset = argparse.Namespace(model="baby-moe", n_expert=None, ep=None)
+    assert plan.group_of("10_expert_parallel.py", "all_to_all_single[ep]", preset, 8, 4) == (8, 4)
+
+
 def dry_run_output(script, flags):
     p = dry(script, *flags)
     assert p.returncode == 0, p.stderr

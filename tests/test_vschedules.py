@@ -179,6 +179,7 @@ def test_v_runs_reproduce_01(reference, ranks, kind, micro):
     assert run.evals[-1]["val_loss"] == pytest.approx(reference.evals[-1]["val_loss"], rel=2e-5)
     step = run.steps[0]
     assert step["comm_bytes"]["all_reduce"] == 4  # the norm only: wte and its head are one tensor on rank 0
+    assert "all_reduce[embedding]" not in step["comm_bytes"] and "all_reduce[embedding]" not in step["comm_bytes_theory"]
     assert step["comm_bytes"]["send"] == step["comm_bytes_theory"]["send"] > 0
     assert step["activation_bytes"] == step["activation_bytes_theory"]
     assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
