@@ -1298,12 +1298,13 @@ class Guard:
 
     One read on the host per step: the norm and the flags that arrived, together."""
 
-    group = None  # the world (multi-rank runs); the ledger counts the flags as all_reduce[guard]
+    group = None  # the world under its own name (multi-rank runs), so the ledger counts all_reduce[guard]
     posted = None  # (flags, work): the flags in flight, read at the next check
 
     def __init__(self, args, env):
         self.args, self.env = args, env
-        self.group = dist.group.WORLD if env.world_size > 1 and dist.is_initialized() else None
+        self.group = dist.new_group(list(range(env.world_size)), group_desc="guard") \
+            if env.world_size > 1 and dist.is_initialized() else None
         self.signal = None
         self.last, self.slowest = time.monotonic(), 0.0
         for name in STOP_SIGNALS:
@@ -1342,8 +1343,7 @@ class Guard:
                              torch.full((), float(asked), device=env.device),
                              torch.full((), 1.0 if WRITE_FAILURES else 0.0, device=env.device)])
         if self.group is not None and not agreed:  # no global norm: agree on this step's flags now
-            with LEDGER.named("guard"):
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # counted: all_reduce[guard]
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # counted: all_reduce[guard]
         arrived, self.posted = self.posted, None  # step t-1's flags, all-reduced while this step ran
         if arrived is not None:
             arrived[1].wait()
@@ -1361,9 +1361,8 @@ class Guard:
         if first_bad:
             self.nonfinite(seen, f"rank {env.world_size - int(first_bad)}", step)
         if self.group is not None and agreed:  # posted now, read at the next check
-            with LEDGER.named("guard"):
-                self.posted = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group,
-                                                      async_op=True))  # counted: all_reduce[guard]
+            self.posted = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group,
+                                                        async_op=True))  # counted: all_reduce[guard]
         self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
                        2: self.signal or "a SIGTERM, SIGUSR1 or SIGINT on another rank"}.get(int(why))
         return bool(why) and step + 1 < self.args.max_iters
@@ -1426,7 +1425,6 @@ class CommLedger:
 
     def __init__(self):
         self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
-        self.naming = None  # a name the collectives inside `named` are counted under
         self.device = None  # the run's device: every tensor handed to a collective must be on it
         # where this rank is, for the line a failed or timed-out collective prints: the step
         # and phase (Run sets them), and how many collectives it has posted on each group
@@ -1522,17 +1520,6 @@ class CommLedger:
         desc = self.group_names.get(group) or getattr(group, "group_desc", None)
         return None if desc in (None, "", "undefined", "default_pg") else desc
 
-    @contextmanager
-    def named(self, name):
-        """Collectives inside are counted as op[name], whatever their group: the guard's flags,
-        on the world, are all_reduce[guard] (a group of their own would be a second world
-        communicator: under NCCL another initialisation across every rank, and its buffers)."""
-        self.naming = name
-        try:
-            yield
-        finally:
-            self.naming = None
-
     def add(self, op, nbytes):
         op = {"isend": "send", "irecv": "recv"}.get(op, op)  # p2p: by direction
         self.bytes[op] = self.bytes.get(op, 0) + nbytes
@@ -1593,7 +1580,7 @@ class CommLedger:
             self.on_device(op, [t for key, v in bound.items() if key in self.TENSOR_ARGUMENTS
                                 for t in (v if isinstance(v, (list, tuple)) else [v])])
             if self.counting:
-                name = self.naming or self.group_name(bound.get("group"))
+                name = self.group_name(bound.get("group"))
                 self.add(f"{op}[{name}]" if name else op,
                          sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
             where = self.position(op, bound.get("group"))
@@ -4025,7 +4012,7 @@ RECORDED_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_
 # rank 517 (dp 4, pp 0, tp 5) is rank 0 moved 4 replicas over and 5 places along its TP group:
 #
 #   the groups every rank made, in order     families (runs of disjoint groups, one desc):
-#   tp {0..7} {8..15} ...  dp {0,128,..}       tp, model, dp, pp, embedding, world
+#   tp {0..7} {8..15} ...  dp {0,128,..}       tp, model, dp, pp, embedding, guard, world
 #   ...                                        a family's rotation: each member of each of its
 #                                              groups moves k places along its own group
 #

@@ -24,14 +24,14 @@ ring_modules = [importlib.import_module("09_context_parallel"), importlib.import
 
 
 def test_the_fit_check_reads_the_room_with_every_group_up_and_step_0_says_how_far_it_was():
-    """07 at 2 stages makes the tied embedding's group; with the world (the guard's flags run on
-    it too: no group of their own), two groups exist and have run a collective when the room is read, and after step 0 one line
+    """07 at 2 stages makes the tied embedding's group; with the world and the guard's, three
+    groups exist and have run a collective when the room is read, and after step 0 one line
     compares the estimate with the peak resident memory the step took (a CPU says so)."""
     run = launch("07_pipeline.py", TINY + ["--max_iters", "1"], nprocs=2).ok()
     lines = [line for line in run.stdout.splitlines() if line.startswith("fit after step 0:")]
     assert len(lines) == 1, run.stdout
     line = lines[0]
-    assert "its room read with 2 process group(s) up" in line, line
+    assert "its room read with 3 process group(s) up" in line, line
     assert "CPU: the peak resident memory grown since the fit check" in line, line
     took, estimate = (in_bytes(text) for text in re.search(
         r"took ([\d.]+ \w+) .* against the fit check's ([\d.]+ \w+)", line).groups())
