@@ -1296,7 +1296,10 @@ class Guard:
         after step t+1's checkpoint. A rank's own loss that is non-finite while the norm is
         finite (it never reached a gradient) travels with these flags too.
 
-    One read on the host per step: the norm and the flags that arrived, together."""
+    One read on the host per step: the norm and the flags that arrived, together. The flags
+    have a group of their own (the world's ranks, named "guard"), so that they are never
+    matched with one of the script's collectives (a rank that skips one hangs right there),
+    and the script's numbering of its world collectives is the same with this layer or without."""
 
     group = None  # the world under its own name (multi-rank runs), so the ledger counts all_reduce[guard]
     posted = None  # (flags, work): the flags in flight, read at the next check
