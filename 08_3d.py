@@ -1854,8 +1854,8 @@ def merge(out, lse, block_out, block_lse):
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence's keys. q, k, v:
     [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape, in q's dtype.
-    Blocks run in q's dtype (the fused kernel; fp32 in the explicit fallback), they merge in
-    fp32."""
+    A block runs in q's dtype on the device's fused kernel (block_forward and block_backward,
+    beyond the lesson), or in fp32 as explicit_block_forward above; the blocks merge in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring):

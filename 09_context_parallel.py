@@ -3,73 +3,45 @@ sequences need: ring attention and DeepSpeed-Ulysses, by hand.
 
 The C ranks of a context-parallel (CP) group split every sequence: each holds s/C of the
 tokens of every sequence, and so 1/C of every activation. Everything in a transformer but
-attention is position-wise, so each rank runs it on its own tokens with the full, replicated
-weights; attention is the one place where a token needs the others. Data parallelism runs
-over the rest: D = world / C replicas of the CP group, each on its slice of the global batch.
-All parameters are replicated on every rank, so every rank's gradients are summed over the
-whole world (each rank's loss is its tokens' share of the global mean).
+attention is position-wise, so each rank runs it on its own tokens, at their real positions,
+with the full, replicated weights; attention is the one place where a token needs the others.
+Data parallelism runs over the rest: D = world / C replicas of the CP group, each on its slice
+of the global batch. Every rank's loss is its tokens' share of the global mean, so summing the
+gradients over the whole world gives the full gradient.
 
     world = D x C, rank = d·C + c:   CP groups are consecutive ranks (inside a node)
 
---cp_impl ring  (ring attention, Liu et al. 2023; the zigzag layout of Megatron-core and
-torchtitan). The sequence is cut into 2C chunks; rank r holds chunks r and 2C-1-r, so that
-every rank has one early and one late chunk and the causal work is the same on all:
+--cp_impl ring (ring attention, Liu et al. 2023, in the zigzag layout of Megatron-core and
+torchtitan). The sequence is cut into 2C chunks; rank r holds chunks r and 2C-1-r, one early
+and one late, so that the causal work is the same on every rank:
 
     sequence, C = 4:  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
     rank 0 holds          0 and 7        rank 2 holds   2 and 5
     rank 1 holds          1 and 6        rank 3 holds   3 and 4
 
-  Each rank's queries must meet every key/value block. K and V travel around the ring: in
-  step k = 0..C-1, rank r holds the K/V of rank j = (r - k) mod C; before computing with
-  them it posts the send of that K/V to rank r+1 and the receive of rank r-1's
-  (batch_isend_irecv), so the transfer overlaps the block's compute. Of the four
-  (query chunk, key chunk) pairs a step offers, a causal mask empties those whose key chunk
-  comes after the query chunk: they are skipped, never computed, and what is left is one
-  block (◣ = causal, ■ = fully visible, . = skipped):
-
-                                   kv chunk:  j     2C-1-j
-    step 0 (j = r):        q chunk r      ◣       .        all of q, k, v, causal (a rank
-                           q 2C-1-r       ■       ◣        holds its tokens in order)
-    j < r:                 q chunk r      ■       .        all of q, kv chunk j
-                           q 2C-1-r       ■       .
-    j > r:                 q chunk r      .       .        q chunk 2C-1-r, all of k, v
-                           q 2C-1-r       ■       ■
-
-  so in every step every rank does the same work as every other: 2 blocks' worth of
-  (s/2C)² scores. Each block gives its output O_b (already softmax-normalised over the
-  block's keys) and the log-sum-exp of its scores, L_b = log Σ_keys exp(q·k/√d), from a
-  fused attention kernel that returns it (on CPU torch's flash attention for CPU; on CUDA
-  the flash or memory-efficient kernel, as torchtitan's and Megatron-core's rings do;
-  elsewhere the explicit fp32 block, which is also the readable reference: S = q kᵀ/√d,
-  L_b = logsumexp(S), O_b = exp(S - L_b) V). Two partial results over disjoint key sets
-  merge exactly (the online softmax of FlashAttention), in fp32:
+  K and V travel around the ring: in step k = 0..C-1 rank r holds the K/V of rank (r - k) mod C
+  and posts their send to r+1 (and the receive of r-1's) before computing with them, so the
+  transfer overlaps the block's compute. Of each step's (query chunk, key chunk) pairs, the
+  causal mask empties those whose keys come after the queries; they are skipped (ring_block).
+  Each block gives its softmax-normalised output O_b and the log-sum-exp of its scores L_b,
+  and two results over disjoint keys merge exactly, in fp32 (FlashAttention's online softmax):
 
       L = log(exp(L_1) + exp(L_2)),    O = exp(L_1 - L)·O_1 + exp(L_2 - L)·O_2
 
-  Backward (a hand-written autograd.Function, FlashAttention-2's formulas): a block's
-  gradients need only the final O and L and dO, not the block's own O_b and L_b. For each
-  block P = exp(S - L), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - rowsum(dO ∘ O)),
-  dQ += dS K/√d, dK += dSᵀ Q/√d: the fused kernel's backward called with the final O and L
-  (the explicit fp32 block elsewhere). K and V go around the ring again (recomputed blocks,
-  never stored); each K/V block travels with an fp32 dK/dV accumulator that every rank adds
-  its share to, and whose last hop brings it home.
+  The backward is FlashAttention-2's, by hand: each block's gradients from the final O and L
+  and dO; K and V go around again, each with an fp32 dK/dV accumulator that every rank adds
+  its share to and whose last hop brings it home.
 
---cp_impl ulysses  (DeepSpeed-Ulysses, Jacobs et al. 2023). Rank r holds the contiguous
-tokens [r·s/C, (r+1)·s/C). Before attention one all-to-all per q, k, v turns
-[b, s/C, h] (some tokens, all heads) into [b, s, h/C] (all tokens, heads r·H/C..(r+1)·H/C),
-attention runs as usual on whole sequences, and one all-to-all turns the output back:
+--cp_impl ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023). Rank r holds the contiguous tokens
+[r·s/C, (r+1)·s/C). One all-to-all per q, k, v turns some tokens of all heads into all tokens
+of some heads, attention runs as usual on whole sequences, one all-to-all turns it back
+(C must divide the number of heads):
 
     rank 0: tokens 0..s/C,  heads 0..H     --all-to-all-->   rank 0: tokens 0..s,  heads 0..H/C
     rank 1: tokens s/C..2s/C, heads 0..H                     rank 1: tokens 0..s,  heads H/C..2H/C
 
-  C must divide the number of heads.
-
-Positions: each rank embeds its tokens at their real positions (wpe of its chunk indices).
-
-Dropout: embedding, residual and MLP dropout act on each rank's own tokens (a stream per
-rank). Dropout of the attention probabilities is not applied in this script, at any C (the
-ring's softmax is never materialised whole; C = 1 keeps the same model, so that --cp 1 and
---cp 2 train the same thing); with --dropout > 0 this is said once at start.
+Attention dropout is not applied, at any C (the ring never materialises the probabilities
+whole; C = 1 keeps the same model); with --dropout > 0 this is said once at start.
 
 Run:
 
@@ -77,41 +49,11 @@ Run:
     mpiexec -n 8 python 09_context_parallel.py --cp 4 --cp_impl ulysses ...   # 2 replicas of 4
     qsub jobs/polaris_cp.sh          # GPT-2 at a 16k context: cp 4 x dp 2 on 2 Polaris nodes
 
-Cost per rank, Ψ parameters, L layers, b = micro-batch, s = context, h = n_embd, m = micro-
-batches per step, e = bytes per activation element (4 fp32, 2 bf16), H heads, C = cp:
-
-    memory:  parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ (replicated)
-    activations (what autograd keeps for backward, one micro-batch, T = s/C tokens per
-             sequence; infra.activation_terms on T tokens, 01's terms, with each attention's
-             own saved tensors; V = vocabulary):
-               per block:  LayerNorms 2(4bTh + 8bT + e·bTh) + MLP 8e·bTh + attention
-                           (+ residual dropout masks 2·bTh on GPUs, 2e·bTh on CPU, if p > 0)
-               ring:       c_attn's q|k|v output (q, k, v are views of it) 3e·bTh, the
-                           output O e·bTh (c_proj's input too: the transpose back is a view)
-                           and the fp32 log-sum-exp L 4bHT
-               ulysses:    the all-to-all'd q, k, v 3e·bTh, SDPA's output e·bTh and its
-                           logsumexp 4b(H/C)s = 4bHT (padded to 32 in fp32 on GPUs),
-                           c_proj's input, back in [b, T, h], e·bTh
-               C = 1:      SDPA as in 01, 4e·bsh + 4bHs (never attention dropout, so never
-                           CPU's math kernel)
-             i.e. per block with dropout 0: ring 64bTh (fp32) / 36bTh (bf16), Ulysses 68bTh /
-             38bTh, each + 16bT + 4bHT; plus the embedding's dropout mask and the head
-             (ln_f 4bTh + 8bT, its output e·bTh, the fp32 log-softmax 4bTV, 4): L·block +
-             embedding + head. --recompute keeps each block's input 4bTh: embedding +
-             max(L·4bTh + head, (L-1)·4bTh + block). The ring also holds, transiently and not
-             for backward, one K/V block in flight, the fp32 O being merged (4bTh, a copy only
-             under bf16) and its block's O_b and L_b; the explicit fallback also the fp32 scores
-             of its block, at most b·H·(s/C)²·4
-    ring:    per layer per micro-batch, A = b·(s/C)·h·e (one rank's K, or V):
-               forward  K and V, C-1 hops each:            2(C-1)·A
-               backward K and V again, C-1 hops each:      2(C-1)·A
-                        dK and dV (fp32), C hops each:      2C·b·(s/C)·h·4
-             send = recv = m·L·(4(C-1)·A + 8C·b·(s/C)·h)   (0 when C = 1)
-             --recompute: the recomputed forward sends K and V again, + m·L·2(C-1)·A
-    ulysses: four all-to-alls per layer forward (q, k, v, out) and four backward, each of
-             A bytes in:  all_to_all = m·L·8·A              (0 when C = 1)
-             --recompute: the recomputed forward's four again, m·L·12·A
-    both:    all-reduce of every gradient over the world, 4Ψ, and 4 bytes of loss
+One rank holds: the whole model state, 16Ψ bytes, and the activations of s/C tokens per sequence.
+One rank sends, per layer per micro-batch (A = b·(s/C)·h·e, its K or V): ring, K and V C-1 hops
+forward and again backward, 4(C-1)·A, + fp32 dK/dV C hops; Ulysses, 8 all-to-alls of A; and
+per step the all-reduce of every gradient over the world, 4Ψ. The derivations, the block table
+and the activation terms: docs/strategies.md, section "09_context_parallel.py".
 """
 
 import math
@@ -221,63 +163,6 @@ def part(t, halves):
     return t[:, :, halves[0] * c:(halves[-1] + 1) * c]
 
 
-aten = torch.ops.aten
-
-
-def fused_kernel(device_type, dtype, head_dim):
-    """The fused attention kernel a ring block runs, by the rules torch's SDPA checks before it
-    picks one (which calling the kernels directly skips): on CPU, flash attention for CPU; on
-    CUDA, flash (fp16/bf16, a head dim that is a multiple of 8 and at most 256) or else the
-    memory-efficient kernel (a multiple of 8; unverified on a GPU); any other head dim
-    (`--n_embd 100 --n_head 4`: 25) or device, the explicit fp32 block, exact, at the price
-    of one block's fp32 scores, (s/2C)² per head, while it runs."""
-    if device_type == "cpu":
-        return "flash_cpu"
-    if device_type == "cuda" and head_dim % 8 == 0:
-        return "flash" if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 else "efficient"
-    return "explicit"
-
-
-def block_forward(q, k, v, causal):
-    """One block's attention: its output O_b (normalised over the block's keys), the
-    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], and what the
-    kernel's backward needs of its forward besides (its RNG state: dropout's Philox seed and
-    offset, which the backward must replay; the sequence lengths), from the kernel
-    fused_kernel() picks (the CUDA kernels as torchtitan's ring calls them; unverified: 09 has
-    not run on a GPU)."""
-    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
-    if kernel == "flash_cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-        return out, lse, ()
-    if kernel == "flash":  # (rng_state, unused) are the backward's (philox_seed, philox_offset)
-        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal)
-        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
-    if kernel == "efficient":  # its log-sum-exp is padded to a multiple of 32 queries
-        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-        return out, lse[..., :q.size(2)], (seed, offset)
-    return (*explicit_block_forward(q, k, v, causal), ())
-
-
-def block_backward(dout, q, k, v, out, lse, causal, forward):
-    """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
-    needs only those and dO, not the block's own) and `forward`, what block_forward returned
-    for the kernel's backward: the same kernel's backward, else the explicit fp32 reference."""
-    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
-    if kernel == "flash_cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
-    if kernel == "flash":  # unverified
-        cum_q, cum_k, max_q, max_k, rng_state, unused = forward
-        return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused)
-    if kernel == "efficient":  # unverified; the kernel reads L padded to 32 queries
-        seed, offset = forward
-        lse = F.pad(lse, (0, -q.size(2) % 32))
-        return aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
-    return explicit_block_backward(dout, q, k, v, out, lse, causal)
-
-
 def scores(q, k, causal):
     """S = q kᵀ/√d for one block in fp32, the upper triangle -inf on a causal block."""
     s = (q.float() / math.sqrt(q.size(-1))) @ k.float().transpose(-2, -1)
@@ -318,8 +203,8 @@ def merge(out, lse, block_out, block_lse):
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence's keys. q, k, v:
     [b, heads, s/C, d], this rank's zigzag tokens; returns the same shape, in q's dtype.
-    Blocks run in q's dtype (the fused kernel; fp32 in the explicit fallback), they merge in
-    fp32."""
+    A block runs in q's dtype on the device's fused kernel (block_forward and block_backward,
+    beyond the lesson), or in fp32 as explicit_block_forward above; the blocks merge in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring):
@@ -589,15 +474,72 @@ def main():
     run.finish()
 
 
-# ----------------------------------------------------------------------------------------
-# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
-# ----------------------------------------------------------------------------------------
+# ---- Beyond the lesson ----
+# The fused attention kernels a ring block runs; costs() (the ledger's theory, the dry run, the
+# fit check and plan.py), the checkpoint pieces and the dry run's layout lines.
+
+aten = torch.ops.aten
+
+
+def fused_kernel(device_type, dtype, head_dim):
+    """The fused attention kernel a ring block runs, by the rules torch's SDPA checks before it
+    picks one (which calling the kernels directly skips): on CPU, flash attention for CPU; on
+    CUDA, flash (fp16/bf16, a head dim that is a multiple of 8 and at most 256) or else the
+    memory-efficient kernel (a multiple of 8; unverified on a GPU); any other head dim
+    (`--n_embd 100 --n_head 4`: 25) or device, the explicit fp32 block, exact, at the price
+    of one block's fp32 scores, (s/2C)² per head, while it runs."""
+    if device_type == "cpu":
+        return "flash_cpu"
+    if device_type == "cuda" and head_dim % 8 == 0:
+        return "flash" if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 else "efficient"
+    return "explicit"
+
+
+def block_forward(q, k, v, causal):
+    """One block's attention: its output O_b (normalised over the block's keys), the
+    log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], and what the
+    kernel's backward needs of its forward besides (its RNG state: dropout's Philox seed and
+    offset, which the backward must replay; the sequence lengths), from the kernel
+    fused_kernel() picks (the CUDA kernels as torchtitan's ring calls them; unverified: 09 has
+    not run on a GPU)."""
+    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    if kernel == "flash_cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse, ()
+    if kernel == "flash":  # (rng_state, unused) are the backward's (philox_seed, philox_offset)
+        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal)
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+    if kernel == "efficient":  # its log-sum-exp is padded to a multiple of 32 queries
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., :q.size(2)], (seed, offset)
+    return (*explicit_block_forward(q, k, v, causal), ())
+
+
+def block_backward(dout, q, k, v, out, lse, causal, forward):
+    """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
+    needs only those and dO, not the block's own) and `forward`, what block_forward returned
+    for the kernel's backward: the same kernel's backward, else the explicit fp32 reference."""
+    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    if kernel == "flash_cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+    if kernel == "flash":  # unverified
+        cum_q, cum_k, max_q, max_k, rng_state, unused = forward
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused)
+    if kernel == "efficient":  # unverified; the kernel reads L padded to 32 queries
+        seed, offset = forward
+        lse = F.pad(lse, (0, -q.size(2) % 32))
+        return aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
+    return explicit_block_backward(dout, q, k, v, out, lse, causal)
+
 
 def costs(args, config, world_size, dtype):
-    """The formulas of the docstring for one rank: layout, bytes held, bytes sent per step,
-    activations (the layout is validated first, so --dry_run refuses what a launch would
-    refuse). In every formula s is this rank's block_size/C tokens of a sequence (the
-    docstring's T). Activations: infra.activation_terms on them, with the attention term
+    """The formulas of docs/strategies.md's 09 section for one rank: layout, bytes held, bytes
+    sent per step, activations (the layout is validated first, so --dry_run refuses what a
+    launch would refuse). In every formula s is this rank's block_size/C tokens of a sequence
+    (the section's T). Activations: infra.activation_terms on them, with the attention term
     replaced by what this script's attention saves."""
     from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
                        newton_schulz_flops, phase_peaks, sdpa_logsumexp, transient_terms)
