@@ -41,33 +41,14 @@ Run:
     mpiexec -n 12 python 10_expert_parallel.py                   # --ep 4 (divides 8 and 12) x dp 3
     torchrun --standalone --nproc_per_node 4 10_expert_parallel.py --model gpt2 --n_expert 8 --top_k 2 --ep 4
 
-Cost per rank, N = --ep, W ranks, L layers, width h, b micro-batch, s sequence, e bytes of the
-compute dtype (4 in fp32, 2 under bf16 autocast: the rows are sent in it), Ψ_e one expert's
-parameters (8h² + biases), Ψ_d the rest (replicated):
-
-    memory:   16 bytes x (Ψ_d + L·Ψ_e·E/N)        (expert state 16·L·Ψ_e·E/N: 1/N of the experts)
-    all-to-all per layer per micro-batch: this rank routes k·b·s rows of h; the rows for its
-              own experts stay, the rest leave: k·b·s·h·e·(1 - local share) bytes on the wire,
-              (N-1)/N of it when the routing is balanced; the same comes back, and backward
-              sends both again: 4·k·b·s·h·e·(N-1)/N. The ledger counts every all-to-all's
-              input (nccl-tests' convention, the rows that stay included):
-              2·e·h·(k·b·s + R) + 8E per layer per micro-batch, R the rows this rank receives
-              (k·b·s when balanced), 8E the int64 counts; --recompute runs the forward's
-              half again in backward: + e·h·(k·b·s + R) + 8E
-    all-reduce per step: 4Ψ_d over the world, 4·L·Ψ_e·E/N over the dp ranks holding the same
-              experts (dp > 1; the group "expert_dp"), the loss with the L·E expert counts
-              4(1 + L·E) over the world, the experts' share of the norm 4 over the EP group
-              ("ep", which also carries the all-to-alls)
-    imbalance: dropless routing has no cap, so the busiest rank sets the pace: its R is
-              max/mean times the balanced k·b·s, and with it its expert compute, the all-to-all
-              time and the memory of the received rows and expert activations (an expert may
-              get every token of its EP group, b·s·N rows). The metrics carry expert_tokens
-              (per expert, the global batch, all layers) and expert_imbalance (max/mean,
-              worst layer); the balancing loss pushes it towards 1
-    activations: 01's block with the MLP's 8e·b·s·h replaced by the router's and the
-              combine's (e·k·b·s·h + 4b·s(E + 2k + 1)) and the experts' 9e·R·h, R the rows this
-              rank's experts received in that layer: k·b·s when balanced, 9e·h·(R - k·b·s)
-              more per layer when not (infra.activation_terms; the ledger on each step's R)
+One rank holds: 16 bytes x (Ψ_d + L·Ψ_e·E/N), the replicated parameters Ψ_d whole and E/N of
+each layer's experts (Ψ_e one expert's parameters), N = --ep.
+One rank sends, per MoE layer per micro-batch: its k·b·s routed rows of h out and the experts'
+outputs back, forward and again backward (4·k·b·s·h·e·(N-1)/N on the wire when the routing is
+balanced), + E counts; per step the all-reduce of the replicated gradients over the world and of
+its experts' over the ranks holding the same experts. The busiest rank sets the pace (dropless:
+no cap). The derivations, the imbalance and the activation terms: docs/strategies.md, section
+"10_expert_parallel.py".
 """
 
 import math
@@ -322,14 +303,14 @@ def main():
     run.finish()
 
 
-# ----------------------------------------------------------------------------------------
-# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
-# ----------------------------------------------------------------------------------------
+# ---- Beyond the lesson ----
+# costs() (the ledger's theory, the dry run, the fit check and plan.py) and its activations, the
+# metrics' expert keys, the checkpoint pieces and the dry run's layout lines.
 
 def costs(args, config, world_size, dtype, received=None):
-    """The docstring's formulas in bytes per rank. `received`: the rows this rank received in
-    this step's all-to-alls, per layer per micro-batch (from its routing counts); without it,
-    balanced routing: k·b·s each."""
+    """The formulas of docs/strategies.md's 10 section in bytes per rank. `received`: the rows
+    this rank received in this step's all-to-alls, per layer per micro-batch (from its routing
+    counts); without it, balanced routing: k·b·s each."""
     from infra import (activation_device_type, formula, matmul_weights, newton_schulz_flops, phase_peaks,
                        transient_terms)
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
