@@ -2,13 +2,14 @@
 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), with
 sequence parallelism and context parallelism as a fourth dimension (--sequence_parallel, --cp).
 
-The world of N = D·P·T ranks is a 3D mesh. Tensor parallelism (T) splits every layer and
-talks twice per layer forward and backward, so its groups are consecutive ranks, inside one
-node's fast links; pipeline parallelism (P) splits the layers into stages and sends only a
-micro-batch's activations across a boundary; data parallelism (D) replicates the whole
-pipeline and averages gradients once per step, outermost, across nodes.
+The world of N = D·P·C·T ranks is a mesh, outermost first DP x PP x CP x TP. Tensor parallelism
+(T) splits every layer and talks twice per layer forward and backward, so its groups are
+consecutive ranks, on one node's fast links; context parallelism (C) splits every sequence and
+meets the other ranks' keys in every attention; pipeline parallelism (P) splits the layers into
+stages and sends only a micro-batch's activations across a boundary; data parallelism (D)
+replicates the whole pipeline and averages the gradients once per step, outermost, across nodes.
 
-    global rank = dp·(P·T) + pp·T + tp                   N = 8, D = P = T = 2:
+    global rank = ((dp·P + pp)·C + cp)·T + tp          N = 8, D = P = T = 2, C = 1:
 
                      pipeline stage 0     stage 1           rank: (dp, pp, tp)
     replica dp = 0   [ 0 | 1 ]  ──acts──>  [ 2 | 3 ]        0:(0,0,0) 1:(0,0,1)
@@ -16,75 +17,29 @@ pipeline and averages gradients once per step, outermost, across nodes.
     replica dp = 1   [ 4 | 5 ]  ──acts──>  [ 6 | 7 ]        4:(1,0,0) ... 7:(1,1,1)
                      0-4, 1-5, 2-6, 3-7: data-parallel groups (gradient all-reduce)
 
-Inside a stage: 06_tensor_parallel.py's Megatron TP on the stage's TP group (column/row-
-parallel linears with the f and g operators, vocab-parallel embedding and cross-entropy, which
-parameter is split along which dimension written once, in the table TP_PLAN). Across stages:
-07_pipeline.py's 1F1B and its Pipeline on the stage's PP group, each TP rank exchanging with the
-same TP rank of the next stage. Across replicas: gradients all-reduced in each DP group
-(DataParallel), or with --zero1 reduce-scattered, each DP rank updating its 1/D of the
-optimizer state and all-gathering the parameters (ZeRO1: ZeRO stage 1, as 04_zero.py's); the
-two have one interface, so the training step is the same for both.
+How the axes compose (Mesh, Stage, DataParallel and ZeRO1, main's step):
+  * inside a stage, 06_tensor_parallel.py's Megatron TP on the stage's TP group: column- and
+    row-parallel linears with the f and g operators, vocab-parallel embedding and cross-entropy
+    (which parameter is split along which dimension: TP_PLAN), with --sequence_parallel the
+    residual stream between layers in sequence shards;
+  * inside attention, with --cp C, 09_context_parallel.py's ring or Ulysses on the CP group: the
+    ranks of a CP group hold the same stage's same TP shard, each s/C tokens of every sequence;
+  * across stages, 07_pipeline.py's 1F1B and its Pipeline on the PP group, each rank exchanging
+    with the rank of the next stage at the same (CP, TP) place;
+  * across replicas, the gradients averaged over the D·C ranks of DP x CP (they hold the same
+    weights): one all-reduce (DataParallel), or reduce-scatter, an update of this rank's share
+    of the optimizer state and an all-gather (--zero1: ZeRO1, 04_zero.py's stage 1); the two
+    have one interface, so the step is the same for both.
+Three things only the composition has: the tied embedding (the first stage's wte shard and the
+last stage's head shard are two copies, kept equal by all-reducing their gradients between the
+two ranks); the clipping norm (every parameter counted once: a TP-replicated one on one TP
+rank, the tied copy once, summed over the stages); the data (a replica reads its slice of the
+global batch, a CP rank its tokens of it, and only the first stage the inputs and the last the
+targets).
 
-This file does not import the others. 08's own code comes first: the mesh, the stage, DP and
-ZeRO-1, main() and the accounting. The pieces of 06, 07 and 09 it needs follow at the end,
-restated word for word, with the same names and the same code, each fenced as restated from its
-source (tests/test_restated.py checks every fence against its source). Where 08 needs a piece
-to behave differently, the source has a named parameter for it: the group every collective
-takes, TP_PLAN's entry for the last stage's copy of the head, TPAttention.cp for context
-parallelism, Pipeline's group and timed.
-
---sequence_parallel (Korthikanti et al. 2022), as in 06, inside every TP group: LayerNorm and
-dropout, replicated in plain TP, run on sequence shards instead; f becomes an all-gather of
-the sequence and g a reduce-scatter back to shards, so the residual stream between layers,
-and what crosses a stage boundary, is this TP rank's [b, s/T, h] (s must divide by T):
-
-    stage pp, TP rank t                                              stage pp + 1, TP rank t
-    X_t ─LN─all-gather─> X ─ X A_t ... (.) B_t ─reduce-scatter─> Y_t ──send──> X_t ─LN─ ...
-    [b, s/T, h]         [b, s, h]                               [b, s/T, h]: 1/T of the bytes
-    kept for backward: the shard X_t only, not X (GatherSequenceLinear gathers it again there)
-
-The replicated parameters (LayerNorms, row-parallel biases, wpe) then see only this rank's
-sequence shard: their gradients are partial and are all-reduced over the TP group each step.
-
---cp C --cp_impl ring|ulysses: context parallelism (as in 09_context_parallel.py) inside each
-stage's attention, the fourth dimension. The mesh becomes, outermost first, DP x PP x CP x TP,
-
-    global rank = ((dp·P + pp)·C + cp)·T + tp           N = 8, P = C = T = 2, D = 1:
-
-                     stage 0                          stage 1          rank: (pp, cp, tp)
-    CP rank 0        [ 0 | 1 ]  ─── acts (s/C) ───>  [ 4 | 5 ]         0:(0,0,0) 1:(0,0,1)
-                        ↕ K/V ring or all-to-all         ↕             2:(0,1,0) 3:(0,1,1)
-    CP rank 1        [ 2 | 3 ]  ─── acts (s/C) ───>  [ 6 | 7 ]         4:(1,0,0) ... 7:(1,1,1)
-    TP pairs 0-1, 2-3, 4-5, 6-7; CP pairs 0-2, 1-3, 4-6, 5-7; gradients reduced over DP x CP
-
-TP innermost on the fastest links (two collectives per layer on the critical path), then CP
-(K/V or all-to-alls every layer, which the ring overlaps with its blocks' compute), then PP
-(one activation per micro-batch per boundary), DP outermost (once per step). (Megatron-core
-and torchtitan also keep CP next to TP; they put DP inside PP, this script keeps 08's DP
-outermost.) Every rank of a CP group holds the same stage's same TP shard and sees s/C of
-the tokens of every sequence of its replica: the ring's load-balanced zigzag (chunks c and
-2C-1-c of 2C) or Ulysses' contiguous s/C, at their real positions (wpe). Everything but
-attention is position-wise and runs on those tokens; the attention of this TP rank's H/T
-heads meets the other CP ranks' keys by 09's ring (K/V around the CP group, each block on
-the fused CPU flash kernel, the explicit fp32 block as fallback, merged by log-sum-exp) or by
-Ulysses (all-to-alls to H/(T·C) heads of all s tokens and back: C must divide H/T). A stage
-boundary sends the CP rank's [b, s/C, h] (with SP [b, s/(C·T), h]); with SP, the TP group
-gathers and scatters the CP rank's s/C tokens (s/C must divide by T). Each CP rank's loss is
-the mean over its tokens, so the gradients are averaged, and ZeRO-1 shards, over the D·C
-ranks of DP x CP (09's one reduction over every rank holding the same weights), and the
-logged loss is the mean over those D·C ranks. The batch is a replica's (D, not D·C): CP
-ranks split its sequences, not its rows. Attention dropout is not applied with C > 1 (as in
-09: the ring never materialises the probabilities whole).
-
-The hard parts:
-  * the tied embedding: the first stage's wte shard and the last stage's head shard (the
-    same vocabulary rows, same TP rank) are two copies, kept equal by all-reducing their
-    gradients between the two ranks before each update;
-  * the clipping norm: TP-sharded parameters summed over the TP group, TP-replicated ones
-    (LayerNorms, row biases, wpe) counted once, the tied copy counted once, summed over the
-    stages (and over the DP shards with --zero1);
-  * data: a DP replica reads its own slice of the global batch; in it, only the first stage
-    needs the tokens and only the last stage the targets.
+This file does not import the others: 08's own code comes first, and the pieces of 06, 07 and
+09 it needs follow at the end, restated word for word, with the same names and the same code,
+each fenced as restated from its source (tests/test_restated.py checks every fence).
 
 Run:
 
@@ -92,46 +47,12 @@ Run:
     sbatch jobs/frontier_3d.sh                                         # 2 nodes x 8 GCDs
     mpiexec -n 8 python 08_3d.py --tp 2 --pp 2 --cp 2 --sequence_parallel --model tiny
 
-Cost per rank (Ψ parameters, b micro-batch, s sequence, h width, L layers, m micro-batches):
-
-    memory:  16Ψ_rank bytes, Ψ_rank = Ψ_stage,sharded/T + Ψ_stage,replicated (fp32 weights,
-             gradients, AdamW); --zero1: weights 4Ψ_rank and gradients 4Ψ_rank (both padded
-             to a multiple of D) + the reduced gradient shard 4Ψ_rank/D + AdamW 8Ψ_rank/D
-    TP:      all-reduce of b·s·h, 4 per layer per micro-batch: the two forward ones (g) in the
-             compute dtype, the two backward ones (f) in fp32; + the embedding's (fp32) on
-             the first stage, the head's (fp32) and 3·b·s loss statistics (fp32) on the last
-    SP:      each TP all-reduce of b·s·h becomes an all-gather + a reduce-scatter of the
-             same b·s·h, + 2 all-gathers (compute dtype) per layer in backward (the
-             column-parallel inputs again; the head's on the last stage), + 4Ψ_replicated
-             all-reduced over the TP group per step (the replicated gradients)
-    PP:      send and receive of b·s·h (fp32, the residual stream; with SP b·s·h/T) per
-             micro-batch per stage boundary; the wte shard's gradient between first and last
-             stage
-    DP:      all-reduce of this rank's 4·Ψ_rank gradient bytes per step (--zero1:
-             reduce-scatter + all-gather of the padded 4Ψ_rank)
-    Muon:    (--optimizer muon) 06's ShardedMuon in each TP group: one fp32 moment for the
-             Ψ_m/T matrix elements (AdamW's two for the rest), all-to-all of e·(Ψ_m/T + Ψ_o)
-             (Ψ_o: the matrices this TP rank owns, whole); --zero1 keeps the matrices out of
-             the flat buffer, whole on every DP rank (4Ψ_m/T weights, gradients and moment),
-             their gradients all-reduced over DP (ZeRO1's docstring says why)
-    logging: the loss all-reduced over the stages and the replicas (4 bytes each) and, with
-             clipping, the squared norm over the replica (over the world with --zero1; 4
-             bytes)
-    activations: 1F1B's micro-batches in flight (P - pp at most) x this stage's layers,
-             each the attention and MLP /T, the LayerNorms and residual stream whole; with
-             SP every term of a block /T; --recompute keeps each block's input only (/T with
-             SP). The exact terms are costs() below
-    CP:      s is the s/C tokens of a CP rank in every formula above (TP, SP, PP, the
-             activations); the DP all-reduce (--zero1: reduce-scatter + all-gather, padded to
-             D·C) runs over the D·C ranks of DP x CP. Per micro-batch and layer, with
-             A = b·s·(h/T)·b_c (this TP rank's heads' K, or V):
-               ring     send = recv += 4(C-1)·A (K and V, C-1 hops, forward and again in
-                        backward) + 8C·b·s·h/T (fp32 dK and dV, C hops); --recompute + 2(C-1)·A
-               ulysses  all_to_all_single[cp] = 8·A (q, k, v and the output, forward and
-                        backward); --recompute 12·A
-             activations: the attention term is 09's on H/T heads: ring (3 + 1)·b_c·b·s·h/T
-             (q|k|v, O) + 4b(H/T)s (L); Ulysses (3 + 1 + 1)·b_c·b·s·h/T + SDPA's log-sum-exp
-             of H/(T·C) heads over C·s tokens
+One rank holds: 16 bytes x (its stage's TP-split parameters / T + its TP-replicated ones), the
+optimizer state / (D·C) with --zero1; 1F1B's micro-batches in flight of its stage's activations.
+One rank sends, per micro-batch: in every layer TP's four all-reduces of b·s·h (SP: all-gathers
+and reduce-scatters) and CP's K/V hops or all-to-alls; across each stage boundary its b·s·h
+activation and the gradient back; per step its gradients over DP x CP. The derivations, the SP
+and CP pictures and every formula: docs/strategies.md, section "08_3d.py".
 """
 
 import math
@@ -209,50 +130,6 @@ class Mesh:
             if self.rank in ranks:
                 self.embedding_group = group
         return self
-
-    def describe(self, world, ranks_per_node=None):
-        D, P, C, T = self.dp_size, self.pp_size, self.cp_size, self.tp_size
-        if C == 1:
-            lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {T} tensor-parallel "
-                     f"(rank = dp·{P * T} + pp·{T} + tp)"]
-        else:
-            lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {C} context-parallel x "
-                     f"{T} tensor-parallel (rank = dp·{P * C * T} + pp·{C * T} + cp·{T} + tp)"]
-        shown = range(D) if D <= 4 else [0, 1, D - 1]
-        for d in shown:
-            if d == D - 1 and D > 4:
-                lines.append(f"  ... ({D - 3} more replicas)")
-            row = [f"{self.rank_of(d, s, c, t):>3}:(dp {d}, pp {s}" + (f", cp {c}" if C > 1 else "") + f", tp {t})"
-                   for s in range(P) for c in range(C) for t in range(T)]
-            lines.append("  " + "  ".join(row))
-        if ranks_per_node:
-            for name, axis, size in (("TP", "tp", T), ("CP", "cp", C)):
-                if name == "CP" and C == 1:
-                    continue
-                spans = max(len({r // ranks_per_node for r in ranks}) for ranks in self.groups_over(axis))
-                where = "inside one node" if spans == 1 else \
-                    f"spans {spans} nodes (slow: keep {axis}{' x tp' if axis == 'cp' else ''} <= ranks per node)"
-                lines.append(f"  {ranks_per_node} ranks per node: every {name} group {where}")
-        return "\n".join(lines)
-
-
-def check_layout(config, T, P, sp=False, C=1, impl="ring"):
-    check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
-          "each TP rank must own whole attention heads")
-    check(not sp or config.block_size % T == 0, f"--sequence_parallel needs block_size "
-          f"{config.block_size} divisible by tp {T}: each TP rank holds s/T of the sequence")
-    check(config.n_layer >= P,
-          f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
-    s = config.block_size
-    if C > 1 and impl == "ring":
-        check(s % (2 * C) == 0, f"block_size {s} is not divisible by 2 x cp = {2 * C} "
-              "(ring attention cuts every sequence into 2·cp chunks)")
-    elif C > 1:
-        check(s % C == 0, f"block_size {s} is not divisible by --cp {C}")
-        check(config.n_head // T % C == 0, f"--cp_impl ulysses needs --cp {C} to divide the heads of "
-              f"each TP rank, n_head / tp = {config.n_head // T}")
-    check(not sp or C == 1 or s // C % T == 0, f"--sequence_parallel with --cp {C} needs the "
-          f"{s // C} tokens of a CP rank divisible by tp {T}: each TP rank holds s/(C·T) of them")
 
 
 # ---------------------------------------------------------------------------------------
@@ -346,87 +223,13 @@ def counted_once(stage, name):
 # Data parallelism across replicas: plain all-reduce or ZeRO-1, behind one interface
 # ---------------------------------------------------------------------------------------
 
-# ---- restated from 06_tensor_parallel.py: muon_owners, ShardedMuon (word for word; tests/test_restated.py checks it) ----
-def muon_owners(shapes, group_size):
-    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
-    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
-    evenly as whole matrices allow. The same on every rank: no communication."""
-    owners, load = [None] * len(shapes), [0] * group_size
-    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
-        owners[i] = min(range(group_size), key=lambda t: load[t])
-        load[owners[i]] += math.prod(shapes[i])
-    return owners
-
-
-class ShardedMuon(Muon):
-    """Muon where every rank holds 1/T of each matrix (TP_PLAN's rows or columns). Momentum is
-    element-wise, so each rank keeps its shard's. Newton-Schulz is not: it needs the whole
-    matrix. Two all-to-alls per step move whole matrices, by hand:
-
-        rank t: its shards U_t of every matrix's update (the momentum, in the NS dtype)
-          ── all-to-all ──>  owner o: all T shards of each matrix it owns, placed by shard_boxes,
-                             O = orthogonalize(U), cut back into its T shards
-          <── all-to-all ──  rank t: O_t of every matrix, applied to its shard
-
-    Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
-    on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
-    steps, for every matrix, and every rank would repeat the small products.)"""
-
-    def __init__(self, model, args, env, group, rest=None):
-        named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
-        if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
-            rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
-                              args, env.device.type)
-        super().__init__([p for _, p in named], rest, args, env.dtype)
-        self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
-                      for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
-        self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
-
-    @torch.no_grad()
-    def step(self):
-        group, T, me = self.param_groups[0], self.tp_size, self.tp_rank
-        params = group["params"]
-        updates = [muon_momentum(p.grad, self.state[p]["momentum_buffer"]).to(self.ns_dtype) for p in params]
-        owned = [[i for i, owner in enumerate(self.owners) if owner == t] for t in range(T)]  # by owner
-        sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
-        # 1: to each owner (in rank order) this rank's shards of the matrices it owns
-        send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
-        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
-        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
-        shards = shards.view(T, sizes[me])
-        offset = 0
-        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
-            full, n = self.boxes[i][0][0], updates[i].numel()
-            whole = shards.new_empty(full)
-            pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
-                      for t in range(T) for box, index in self.boxes[i][t][1]]
-            for shard, box, index in pieces:
-                whole[tuple(slice(*b) for b in box)] = shard[index]
-            whole = orthogonalize(whole, self.ns_dtype)
-            for shard, box, index in pieces:
-                shard[index] = whole[tuple(slice(*b) for b in box)]
-            offset += n
-        # 2: the orthogonalised shards back to the ranks that hold them
-        back = send.new_empty(send.numel())
-        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
-        offset = 0
-        for t in range(T):
-            for i in owned[t]:
-                n = updates[i].numel()
-                muon_apply(params[i], back[offset:offset + n].view_as(updates[i]), group["lr"],
-                           group["weight_decay"], self.boxes[i][0][0])
-                offset += n
-        self.adamw.step()
-# ---- end restated ----
-
-
 class DataParallel:
     """Plain data parallelism over the DP group: every replica holds its stage's TP pieces
     whole, with their gradients and AdamW state, and averages the gradients with one
     all-reduce per step. ZeRO1 below has the same interface: `optimizer`,
     `reduce_gradients()`, `grad_tensors()` (for the guard and the norm), `squared_norm()`
-    with its `norm_group`, `step()`, `zero_grad()`, `held_bytes()`, `checkpoint_pieces()`."""
+    with its `norm_group`, `step()`, `zero_grad()` (the bytes held and the checkpoint pieces:
+    held_bytes() and checkpoint_pieces(), beyond the lesson)."""
 
     def __init__(self, stage, mesh, args, env):
         self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
@@ -462,18 +265,6 @@ class DataParallel:
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
 
-    def held_bytes(self):
-        """The model-state bytes this rank holds, counted from the live tensors."""
-        from infra import state_bytes
-        return state_bytes(self.params, self.optimizer)
-
-    def checkpoint_pieces(self):
-        """DP replica 0 (CP rank 0) writes the parameters (TP pieces of its stage) and their
-        moments."""
-        stage, write = self.stage, self.mesh.reduce_rank == 0
-        return [piece for name, p in stage.named_parameters()
-                for piece in tp_pieces(stage, name, p, self.optimizer, write=write)]
-
 
 class ZeRO1:
     """ZeRO stage 1 over the DP group (as 04_zero.py's stage 1; with CP the D·C ranks of
@@ -482,21 +273,8 @@ class ZeRO1:
     shard d of it, with its AdamW state (P_os); gradients are reduce-scattered, parameters
     all-gathered after the update.
 
-    --optimizer muon: ZeRO-1 shards AdamW's state only. The flat buffer holds the parameters
-    AdamW updates; the hidden matrices (this TP rank's shards W_t of them) stay outside it,
-    their gradients all-reduced over the DP group as DataParallel's are, and every replica runs
-    06's ShardedMuon on its TP group, each matrix orthogonalised whole by its TP owner:
-
-        DP rank d, TP rank t:  [AdamW's parameters | pad] ─reduce-scatter─> shard d: AdamW ─all-gather─>
-                               W_t of every matrix       ─all-reduce─> mean ─ShardedMuon (TP group)─> W_t
-
-    Why this composition: the TP group is where a matrix first exists whole (its T shards),
-    so its owner must be a TP rank whatever DP does; the all-reduce moves the same bytes per
-    rank as ZeRO's reduce-scatter + all-gather (2(D-1)/D of them on a ring); ShardedMuon stays
-    06's word for word. What it gives up: Muon's one moment (4Ψ_m/T bytes) is not sharded
-    over D, and the D replicas repeat their TP group's Newton-Schulz work (as 03 repeats 01's).
-    An owner per matrix in the DP group as well (04's FlatMuon, composed: a reduce to it, the
-    iteration on its TP group, a broadcast back) would divide both by D."""
+    --optimizer muon: the hidden matrices stay outside the flat buffer, whole on every DP rank,
+    for 06's ShardedMuon on the TP group (docs/strategies.md's 08 section says why)."""
 
     def __init__(self, stage, mesh, args, env):
         self.stage, self.mesh, self.params, device = stage, mesh, list(stage.parameters()), env.device
@@ -577,38 +355,6 @@ class ZeRO1:
         self.grad_shard.zero_()
         self.matrix_grad.zero_()
 
-    def held_bytes(self):
-        """The model-state bytes this rank holds, counted from the live tensors: the flat
-        buffers (through the parameters' views of them), the reduced shard, AdamW's state
-        (with Muon: the matrices, their gradients and momentum too)."""
-        from infra import state_bytes
-        held = state_bytes(self.params, self.optimizer)
-        held["grads"] += self.grad_shard.untyped_storage().nbytes()
-        return held
-
-    def checkpoint_pieces(self):
-        """DP replica 0 writes the parameters (TP pieces of its stage) and Muon's momentum;
-        every DP rank writes the AdamW moments it owns: each optimizer tensor holds elements
-        [a, b) of one parameter flattened; where that meets a TP piece of the parameter
-        (elements [s, e) of it, a box of 01's tensor), it is the elements [x - s, y - s) of the box."""
-        from infra import param_pieces
-        stage, named = self.stage, list(self.stage.named_parameters())
-        muon = {name for name, p in named if self.muon and is_hidden_matrix(name, p.shape)}
-        pieces = [piece for name, p in named
-                  for piece in tp_pieces(stage, name, p, self.optimizer if name in muon else None,
-                                         write=self.mesh.reduce_rank == 0)]
-        whole = {p: tp_pieces(stage, name, p, None, write=True) for name, p in named if name not in muon}
-        for p, a, b, segment in self.segments:
-            for piece in whole[p]:
-                # where the piece starts in p: a dim-0 slice of p, or all of it
-                s = piece.tensor.storage_offset() - p.data.storage_offset()
-                x, y = max(a, s), min(b, s + piece.tensor.numel())
-                if x < y:
-                    name, mine = piece.name.removeprefix("model/"), slice(x - a, y - a)  # of segment
-                    pieces += param_pieces(name, piece.shape, segment, self.optimizer, box=piece.box,
-                                           flat=(x - s, y - s), index=mine, write=piece.write,
-                                           model=False)
-        return pieces
 
 
 def clip_grad_norm(replicas, max_norm):
@@ -627,9 +373,10 @@ def clip_grad_norm(replicas, max_norm):
 # One step's pieces: this replica's micro-batches, the loss
 # ---------------------------------------------------------------------------------------
 
-def micro_batches(data, split, step, stage, mesh, args, env, m, eval_split=False):
-    """This replica's rows in m micro-batches; only the first stage needs tokens and the
-    last targets; with CP only this CP rank's tokens of them (stage.positions)."""
+def replica_micro_batches(data, split, step, stage, mesh, args, env, m, eval_split=False):
+    """This rank's part of the global batch in m micro-batches: its DP replica's rows and, with
+    CP, its CP rank's tokens of them (stage.positions); loaded by the first stage (the tokens)
+    and the last (the targets) only, None on the stages between."""
     if not (stage.is_first or stage.is_last):
         return [None] * m, [None] * m
     x, y = data.batch(split, step, args.global_batch_size, mesh.dp_rank, mesh.dp_size,
@@ -671,7 +418,7 @@ def evaluate(stage, pipeline, mesh, data, args, env, m):
     for split in ("train", "val"):
         total = 0.0
         for k in range(args.eval_iters):
-            xs, ys = micro_batches(data, split, k, stage, mesh, args, env, m, eval_split=True)
+            xs, ys = replica_micro_batches(data, split, k, stage, mesh, args, env, m, eval_split=True)
             loss_sum, _, _ = pipeline.run(forward_rounds(mesh.pp_size, m, 1), xs, ys, m, train=False)
             total += global_mean(loss_sum, mesh, m).item()
         losses[split] = total / args.eval_iters
@@ -696,7 +443,7 @@ def main():
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
     check_layout(config, T, P, args.sequence_parallel, C, args.cp_impl)
-    run.log(mesh.describe(world))
+    run.log(describe_mesh(mesh, world))
     torch.manual_seed(args.seed + 1000 * mesh.reduce_rank + mesh.pp_rank)  # the stage's TP group's
     rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention dropout)
     cp = ContextParallel(mesh.cp_group, mesh.cp_ranks, env.rank, args.cp_impl) if C > 1 else None
@@ -714,7 +461,7 @@ def main():
                           layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1,
                                   "sequence_parallel": args.sequence_parallel,
                                   **({"cp": C, "cp_impl": args.cp_impl} if C > 1 else {})},
-                          pieces=replicas.checkpoint_pieces, held=replicas.held_bytes,
+                          pieces=lambda: checkpoint_pieces(replicas), held=lambda: held_bytes(replicas),
                           evaluate=lambda: evaluate(stage, pipeline, mesh, data, args, env, m),
                           extra_rng=lambda: {"tp": rng.state})
     rng.resume(extra_rng, run.log)  # the same layout: this rank's own dropout stream continues too
@@ -723,7 +470,7 @@ def main():
         lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
         for group in replicas.optimizer.param_groups:
             group["lr"] = lr
-        xs, ys = micro_batches(data, "train", step, stage, mesh, args, env, m)  # first, last stage
+        xs, ys = replica_micro_batches(data, "train", step, stage, mesh, args, env, m)  # first, last stage
         with run.meter:
             loss_sum, _, _ = pipeline.run(rounds, xs, ys, m)  # 1F1B; TP (and CP) in the stage
         loss = global_mean(loss_sum, mesh, m)
@@ -740,15 +487,16 @@ def main():
     run.finish()
 
 
-# ----------------------------------------------------------------------------------------
-# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
-# ----------------------------------------------------------------------------------------
+# ---- Beyond the lesson ----
+# costs() and its pieces (the ledger's theory, the dry run, the fit check and plan.py), the
+# bytes held and the checkpoint pieces, the mesh and the stage as the log and the dry run print
+# them; then the pieces of 06, 07 and 09 restated word for word.
 
 def costs(args, config, world_size, dtype, rank=0):
-    """The module docstring's cost per rank, for `rank`, axis by axis. In every formula L is
-    the layers of this rank's stage, s the tokens of a sequence on this CP rank (s/C), e the
-    bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's parameters
-    and Ψ_r the TP-replicated ones among them."""
+    """The cost per rank of docs/strategies.md's 08 section, for `rank`, axis by axis. In every
+    formula L is the layers of this rank's stage, s the tokens of a sequence on this CP rank
+    (s/C), e the bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's
+    parameters and Ψ_r the TP-replicated ones among them."""
     from infra import newton_schulz_flops, plus
     T, P, C = args.tp, args.pp, args.cp
     D = world_size // (T * P * C)
@@ -772,7 +520,7 @@ def costs(args, config, world_size, dtype, rank=0):
               "replicated")
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
                  # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica
-                 # (--zero1 too: ZeRO1's docstring); infra.newton_schulz_flops
+                 # (--zero1 too: docs/strategies.md's 08 section); infra.newton_schulz_flops
                  "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners)
                                                     if own == mesh.tp_rank]),
                  "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
@@ -819,9 +567,10 @@ def cost(expr, x, **more):
 
 
 def dp_costs(args, x):
-    """The docstring's memory and DP lines (its group: the D·C ranks of DP x CP). With Muon
-    the Ψ_m/T matrix elements keep one moment, and with --zero1 they stay outside the flat
-    buffer: whole on every DP rank (weights, gradients, momentum), all-reduced (ZeRO1's docstring)."""
+    """The memory and DP lines of docs/strategies.md's 08 section (its group: the D·C ranks of
+    DP x CP). With Muon the Ψ_m/T matrix elements keep one moment, and with --zero1 they stay
+    outside the flat buffer: whole on every DP rank (weights, gradients, momentum),
+    all-reduced (ZeRO1, and the section's "Muon with ZeRO-1")."""
     muon = args.optimizer == "muon"
     if args.zero1:
         flat = "(Ψ_rank - Ψ_m/T)" if muon else "Ψ_rank"  # the flat buffer: AdamW's parameters
@@ -842,7 +591,7 @@ def dp_costs(args, x):
 
 
 def tp_costs(args, x, first, last):
-    """The docstring's TP and SP lines: the embedding's on the first stage only, the head's
+    """The TP and SP lines (docs/strategies.md's 08 section): the embedding's on the first stage only, the head's
     and the loss statistics (3·4bs) on the last only; --recompute repeats g (2e per layer)."""
     again = " + m*L*2*e*b*s*h" if args.recompute else ""
     if not args.sequence_parallel:
@@ -856,7 +605,7 @@ def tp_costs(args, x, first, last):
 
 
 def pp_costs(args, x, first, last):
-    """The docstring's PP line, n the stage boundaries this rank sits on; the logged loss."""
+    """The PP line (docs/strategies.md's 08 section), n the stage boundaries this rank sits on; the logged loss."""
     sent = {"all_reduce[pp]": cost("4*loss", x)}
     if x["P"] > 1:
         sent["send"] = sent["recv"] = cost("m*n*4*b*s*h" + "/T" * args.sequence_parallel, x, n=2 - first - last)
@@ -866,7 +615,7 @@ def pp_costs(args, x, first, last):
 
 
 def cp_costs(args, x):
-    """The docstring's CP line, on this TP rank's heads (h/T)."""
+    """The CP line (docs/strategies.md's 08 section), on this TP rank's heads (h/T)."""
     if x["C"] == 1:
         return {}
     if args.cp_impl == "ring":
@@ -876,7 +625,7 @@ def cp_costs(args, x):
 
 
 def activation_costs(args, config, dtype, x, in_flight, first, last):
-    """The docstring's activations line: infra.activation_terms with 06's vocabulary-parallel
+    """The activations line (docs/strategies.md's 08 section): infra.activation_terms with 06's vocabulary-parallel
     ends (the embedding's out-of-slice mask, b·s bool; the head's input, this rank's fp32
     softmax of V/T and the target mask) and, with CP, 09's attention; `in_flight` of them."""
     from infra import activation_device_type, activation_terms, activations_of_layers, plus, sdpa_logsumexp
@@ -924,6 +673,92 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
     return _STAGE_SIZES[key]
 
 
+def check_layout(config, T, P, sp=False, C=1, impl="ring"):
+    check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
+          "each TP rank must own whole attention heads")
+    check(not sp or config.block_size % T == 0, f"--sequence_parallel needs block_size "
+          f"{config.block_size} divisible by tp {T}: each TP rank holds s/T of the sequence")
+    check(config.n_layer >= P,
+          f"n_layer {config.n_layer} is fewer than pp {P}: every stage needs a layer")
+    s = config.block_size
+    if C > 1 and impl == "ring":
+        check(s % (2 * C) == 0, f"block_size {s} is not divisible by 2 x cp = {2 * C} "
+              "(ring attention cuts every sequence into 2·cp chunks)")
+    elif C > 1:
+        check(s % C == 0, f"block_size {s} is not divisible by --cp {C}")
+        check(config.n_head // T % C == 0, f"--cp_impl ulysses needs --cp {C} to divide the heads of "
+              f"each TP rank, n_head / tp = {config.n_head // T}")
+    check(not sp or C == 1 or s // C % T == 0, f"--sequence_parallel with --cp {C} needs the "
+          f"{s // C} tokens of a CP rank divisible by tp {T}: each TP rank holds s/(C·T) of them")
+
+
+def describe_mesh(mesh, world, ranks_per_node=None):
+    """The mesh as the log and the dry run print it: every rank's coordinates (the first
+    replicas), and whether each TP and CP group stays inside a node."""
+    D, P, C, T = mesh.dp_size, mesh.pp_size, mesh.cp_size, mesh.tp_size
+    if C == 1:
+        lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {T} tensor-parallel "
+                 f"(rank = dp·{P * T} + pp·{T} + tp)"]
+    else:
+        lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {C} context-parallel x "
+                 f"{T} tensor-parallel (rank = dp·{P * C * T} + pp·{C * T} + cp·{T} + tp)"]
+    shown = range(D) if D <= 4 else [0, 1, D - 1]
+    for d in shown:
+        if d == D - 1 and D > 4:
+            lines.append(f"  ... ({D - 3} more replicas)")
+        row = [f"{mesh.rank_of(d, s, c, t):>3}:(dp {d}, pp {s}" + (f", cp {c}" if C > 1 else "") + f", tp {t})"
+               for s in range(P) for c in range(C) for t in range(T)]
+        lines.append("  " + "  ".join(row))
+    if ranks_per_node:
+        for name, axis, size in (("TP", "tp", T), ("CP", "cp", C)):
+            if name == "CP" and C == 1:
+                continue
+            spans = max(len({r // ranks_per_node for r in ranks}) for ranks in mesh.groups_over(axis))
+            where = "inside one node" if spans == 1 else \
+                f"spans {spans} nodes (slow: keep {axis}{' x tp' if axis == 'cp' else ''} <= ranks per node)"
+            lines.append(f"  {ranks_per_node} ranks per node: every {name} group {where}")
+    return "\n".join(lines)
+
+
+def held_bytes(replicas):
+    """The model-state bytes this rank holds, counted from the live tensors: DataParallel's
+    parameters, gradients and optimizer state; ZeRO1's flat buffers (through the parameters'
+    views of them), the reduced shard and AdamW's state (with Muon: the matrices, their
+    gradients and momentum too)."""
+    from infra import state_bytes
+    held = state_bytes(replicas.params, replicas.optimizer)
+    if isinstance(replicas, ZeRO1):
+        held["grads"] += replicas.grad_shard.untyped_storage().nbytes()
+    return held
+
+
+def checkpoint_pieces(replicas):
+    """This rank's pieces of common.py's checkpoint format. DataParallel: DP replica 0 (CP rank
+    0) writes the parameters (TP pieces of its stage) and their moments. ZeRO1: DP replica 0
+    writes the parameters and Muon's momentum; every DP rank writes the AdamW moments it owns:
+    each optimizer tensor holds elements [a, b) of one parameter flattened; where that meets a
+    TP piece of the parameter (elements [s, e) of it, a box of 01's tensor), it is the elements
+    [x - s, y - s) of the box."""
+    from infra import param_pieces
+    stage, named, write = replicas.stage, list(replicas.stage.named_parameters()), replicas.mesh.reduce_rank == 0
+    if isinstance(replicas, DataParallel):
+        return [piece for name, p in named for piece in tp_pieces(stage, name, p, replicas.optimizer, write=write)]
+    muon = {name for name, p in named if replicas.muon and is_hidden_matrix(name, p.shape)}
+    pieces = [piece for name, p in named
+              for piece in tp_pieces(stage, name, p, replicas.optimizer if name in muon else None, write=write)]
+    whole = {p: tp_pieces(stage, name, p, None, write=True) for name, p in named if name not in muon}
+    for p, a, b, segment in replicas.segments:
+        for piece in whole[p]:
+            # where the piece starts in p: a dim-0 slice of p, or all of it
+            s = piece.tensor.storage_offset() - p.data.storage_offset()
+            x, y = max(a, s), min(b, s + piece.tensor.numel())
+            if x < y:
+                name, mine = piece.name.removeprefix("model/"), slice(x - a, y - a)  # of segment
+                pieces += param_pieces(name, piece.shape, segment, replicas.optimizer, box=piece.box,
+                                       flat=(x - s, y - s), index=mine, write=piece.write, model=False)
+    return pieces
+
+
 def tp_pieces(stage, name, p, optimizer, write):
     """Where this rank's TP piece `p` of parameter `name` sits in 01's full parameter
     (06's shard_boxes, from TP_PLAN), as pieces of common.py's format: vocabulary rows without
@@ -958,7 +793,7 @@ def plan(args, world, T, P, m):
     dtype = planned_dtype(args)
     mesh = Mesh(0, world, T, P, args.cp)
     per_stage = [costs(args, config, world, dtype, mesh.rank_of(0, s, 0)) for s in range(P)]
-    return ([mesh.describe(world, args.ranks_per_node),
+    return ([describe_mesh(mesh, world, args.ranks_per_node),
              f"{m} micro-batch(es) of {args.micro_batch_size} per replica per step (1F1B)"
              + (", ZeRO-1 over each DP group" if args.zero1 else "")
              + (", sequence parallelism in each TP group" if args.sequence_parallel else "")
@@ -993,6 +828,81 @@ def context_parallel(args, config):
 # Restated, word for word, from 06_tensor_parallel.py, 07_pipeline.py and 09_context_parallel.py:
 # the same names and the same code (tests/test_restated.py checks every block against its source)
 # =======================================================================================
+
+
+# ---- restated from 06_tensor_parallel.py: muon_owners, ShardedMuon (word for word; tests/test_restated.py checks it) ----
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+
+
+class ShardedMuon(Muon):
+    """Muon where every rank holds 1/T of each matrix (TP_PLAN's rows or columns). Momentum is
+    element-wise, so each rank keeps its shard's. Newton-Schulz is not: it needs the whole
+    matrix. Two all-to-alls per step move whole matrices, by hand:
+
+        rank t: its shards U_t of every matrix's update (the momentum, in the NS dtype)
+          ── all-to-all ──>  owner o: all T shards of each matrix it owns, placed by shard_boxes,
+                             O = orthogonalize(U), cut back into its T shards
+          <── all-to-all ──  rank t: O_t of every matrix, applied to its shard
+
+    Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
+    on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
+    steps, for every matrix, and every rank would repeat the small products.)"""
+
+    def __init__(self, model, args, env, group, rest=None):
+        named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
+        if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
+            rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
+                              args, env.device.type)
+        super().__init__([p for _, p in named], rest, args, env.dtype)
+        self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
+                      for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
+        self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
+
+    @torch.no_grad()
+    def step(self):
+        group, T, me = self.param_groups[0], self.tp_size, self.tp_rank
+        params = group["params"]
+        updates = [muon_momentum(p.grad, self.state[p]["momentum_buffer"]).to(self.ns_dtype) for p in params]
+        owned = [[i for i, owner in enumerate(self.owners) if owner == t] for t in range(T)]  # by owner
+        sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
+        # 1: to each owner (in rank order) this rank's shards of the matrices it owns
+        send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
+        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
+        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
+        shards = shards.view(T, sizes[me])
+        offset = 0
+        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
+            full, n = self.boxes[i][0][0], updates[i].numel()
+            whole = shards.new_empty(full)
+            pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
+                      for t in range(T) for box, index in self.boxes[i][t][1]]
+            for shard, box, index in pieces:
+                whole[tuple(slice(*b) for b in box)] = shard[index]
+            whole = orthogonalize(whole, self.ns_dtype)
+            for shard, box, index in pieces:
+                shard[index] = whole[tuple(slice(*b) for b in box)]
+            offset += n
+        # 2: the orthogonalised shards back to the ranks that hold them
+        back = send.new_empty(send.numel())
+        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
+        offset = 0
+        for t in range(T):
+            for i in owned[t]:
+                n = updates[i].numel()
+                muon_apply(params[i], back[offset:offset + n].view_as(updates[i]), group["lr"],
+                           group["weight_decay"], self.boxes[i][0][0])
+                offset += n
+        self.adamw.step()
+# ---- end restated ----
 
 
 # ---- restated from 06_tensor_parallel.py: TP_PLAN, tp_split, shard_boxes (word for word; tests/test_restated.py checks it) ----
