@@ -82,7 +82,7 @@ def test_sequence_parallel_matches_01(reference, D, P, T, zero1):
 
 def assert_sp_ledger(run, P, T, m, recompute=False):
     """The ledger exact on every rank (each checks its own, print_ledger) and rank 0's SP
-    traffic from the docstring's formulas, written out here: per micro-batch and layer
+    traffic from docs/strategies.md's 08 formulas, written out here: per micro-batch and layer
     all-gathers of 2·2·4 + 2·4 b·s·h (f forward and again in backward, g's backward) and
     reduce-scatters of 2·4 + 2·4 b·s·h, the embedding's 4 b·s·h of each (rank 0 is the first
     stage), the head's 2·4 and 4 b·s·h when it is also the last; the boundary sends b·s·h/T
@@ -142,8 +142,8 @@ def test_context_parallel_matches_01(reference, ranks, flags):
     second = "cp 0, tp 1" if T > 1 else "cp 1, tp 0"  # TP innermost, then CP
     assert f"  1:(dp 0, pp 0, {second})" in run.stdout
     assert f"context parallelism ({'ring' if ring else 'ulysses'}) over {C} ranks, 32 of 64 tokens" in run.stdout
-    # every rank's ledger exact (print_ledger), and rank 0's traffic from the docstring's
-    # formulas written out: per micro-batch and layer, the ring's K and V C-1 hops forward
+    # every rank's ledger exact (print_ledger), and rank 0's traffic from docs/strategies.md's
+    # 08 formulas written out: per micro-batch and layer, the ring's K and V C-1 hops forward
     # and backward and fp32 dK, dV C hops, or Ulysses' 8 all-to-alls, all of this TP rank's
     # heads of its 32 tokens; the boundary the residual stream's 32 tokens (/T with SP); the
     # gradients reduced over DP x CP (ZeRO-1: padded to D·C)

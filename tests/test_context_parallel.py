@@ -31,7 +31,7 @@ def test_ring_and_ulysses_attention_equal_sdpa(ranks):
 
 
 def expected_sent(impl, cp, ranks, micro, block_size, n_embd, n_layer, n_params, e=4):
-    """The docstring's formulas, restated: bytes one rank sends per step, by operation."""
+    """docs/strategies.md's 09 formulas, restated: bytes one rank sends per step, by operation."""
     m = 8 // (micro * (ranks // cp))
     A = micro * (block_size // cp) * n_embd * e
     sent = {"all_reduce": 4 * n_params + 4}
