@@ -356,7 +356,6 @@ class ZeRO1:
         self.matrix_grad.zero_()
 
 
-
 def clip_grad_norm(replicas, max_norm):
     """Scale the gradients so that their global norm, every parameter counted once over the
     whole model, is at most max_norm."""
