@@ -1,4 +1,4 @@
-"""The shape of a script, the lesson first (docs/design.md; DESIGN.md's "The shape of a script"):
+"""The shape of a script, the lesson first (docs/design.md, "The shape of a script"):
 a learner reads a numbered training script from the top and stops at main(), and everything
 the strategy is sits above that point and nothing else does. Counted from the AST, for 03-10
 (01 for what applies to it: a short docstring, one banner, nothing extra above main(); 02 is
