@@ -238,6 +238,7 @@ class FSDP:
         self.reductions = []
 
     def add_reduced(self, unit, out):
+        """Add a reduced gradient shard into the unit's (OffloadedFSDP: on its way to the host)."""
         unit.accumulate(out)
 
     def after_backward(self):
@@ -391,12 +392,15 @@ class OffloadedFSDP(FSDP):
         self.landing = []  # (unit, gradient shard on its way down)
 
     def home(self, t):
+        """Host memory, pinned when there is an accelerator (async DMA)."""
         return to_host(t, self.device)
 
     def copy_in(self, shards):
+        """Up from the host, staged in pinned memory, on the side stream."""
         return self.copies.up(shards, self.compute_dtype)
 
     def add_reduced(self, unit, out):
+        """Down to the host, beside backward; after_backward adds it in."""
         self.landing.append((unit, self.copies.down(out, unit.shards[0])))
 
     def after_backward(self):
