@@ -126,9 +126,8 @@ def main():
     run.finish()
 
 
-# ----------------------------------------------------------------------------------------
-# Accounting: what the device holds and sends (the ledger's theory), checkpoint pieces
-# ----------------------------------------------------------------------------------------
+# ---- Beyond the lesson ----
+# Not the training loop: what the device holds and sends (costs(), the ledger's theory), checkpoint pieces.
 
 def costs(args, config, world_size, dtype):
     """What the one device holds, in bytes (Ψ parameters): the weights, their gradients and

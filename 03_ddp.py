@@ -25,13 +25,10 @@ Run:
     torchrun --standalone --nproc_per_node 8 03_ddp.py --model gpt2 --global_batch_size 480 --micro_batch_size 12
     python 03_ddp.py --no_overlap ...        # all-reduce each gradient after backward (naive)
 
-Cost per rank, Ψ parameters, N ranks (bytes):
+One rank holds  a full replica, 16Ψ bytes (Ψ parameters): fp32 weights 4Ψ, gradients 4Ψ, AdamW 8Ψ
+One rank sends  one all-reduce of every gradient per step, 4Ψ bytes (none on accumulation micro-steps)
 
-    memory:         parameters 4Ψ + gradients 4Ψ + AdamW 8Ψ = 16Ψ    (a full replica; the
-                    gradients live inside the buckets, so they take no extra copy)
-    communication:  one all-reduce of all gradients per optimizer step, 4Ψ bytes in fp32
-                    (a ring all-reduce sends 2(N-1)/N · 4Ψ per rank), none on the non-final
-                    micro-steps of gradient accumulation; plus one float for the logged loss
+The costs and why buckets overlap: docs/strategies.md, section "03_ddp.py: data parallel".
 """
 
 
@@ -225,12 +222,11 @@ def main():
     run.finish()
 
 
-# ----------------------------------------------------------------------------------------
-# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces
-# ----------------------------------------------------------------------------------------
+# ---- Beyond the lesson ----
+# Not the strategy: what a rank holds and sends (costs(), the ledger's theory), checkpoint pieces.
 
 def costs(args, config, world_size, dtype):
-    """The formulas of the docstring, in bytes per rank (Ψ parameters, N ranks): a full fp32
+    """The docstring's two lines as formulas, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
     from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
@@ -258,7 +254,6 @@ def costs(args, config, world_size, dtype):
                               params=cost["held"]["params"], grads=cost["held"]["grads"],
                               Ψ_m=hidden_matrix_params(config) * muon)
     return cost
-
 
 
 def checkpoint_pieces(model, optimizer, env):

@@ -8,20 +8,10 @@ rank stores and updates only 1/N of them:
     stage 2  P_os+g    ... and gradients: each rank keeps only its partition's gradients
     stage 3  P_os+g+p  ... and parameters: a block's weights exist in full only while it runs
 
-Partitioning. The parameters are grouped into units, one per transformer block plus a root
-unit (token and position embeddings, which are also the tied output head, and the final
-LayerNorm). Each unit is flattened into one buffer, padded to a multiple of N and cut into N
-equal shards; rank r owns shard r of every unit. Per-unit (rather than one whole-model)
-buffers keep every reduce-scatter and all-gather aligned with a unit, which lets stage 2
-reduce a block's gradients the moment backward finishes it, and stage 3 gather one block at
-a time. (The alternative, per-parameter dim-0 shards, is FSDP2's; see 05_fsdp.py.)
-
-Start-up. No rank ever holds the whole model's parameters, gradients or optimizer state, not
-even while it initialises: the GPT is made on the meta device (shapes, no memory), and each
-unit builds on its rank only what the stage keeps there, from common.param_init, a pure
-function of (seed, name): stages 1-2 write the whole unit (they replicate the parameters by
-design), stage 3 only this rank's shard. The transients are one parameter's fp32 initial
-value or one unit. (tests/test_zero.py counts every live tensor byte of start-up to prove it.)
+The parameters are grouped into units, one per transformer block plus a root unit (token and
+position embeddings, which are also the tied output head, and the final LayerNorm). Each unit
+is one flat buffer, padded to a multiple of N and cut into N equal shards; rank r owns shard r
+of every unit, so that each reduce-scatter and all-gather moves one unit:
 
     unit (flat, padded)   [ block 3 : ln_1 | attn.c_attn | attn.c_proj | ln_2 | mlp.c_fc | mlp.c_proj | pad ]
     shards                [  rank 0   |  rank 1   |  rank 2   |  rank 3   ]
@@ -31,52 +21,21 @@ value or one unit. (tests/test_zero.py counts every live tensor byte of start-up
 One optimizer step, per rank:
 
     stage 1: forward/backward on full params -> full grads (kept) -> reduce-scatter grads
-             (rank r gets the mean of shard r) -> AdamW on shard r -> all-gather params.
-             The reduce-scatters overlap the last micro-batch's backward (below)
+             (rank r gets the mean of shard r) -> AdamW on shard r -> all-gather params
     stage 2: as stage 1, but the grads are reduce-scattered in every micro-batch's backward
              (nothing is kept to accumulate), and each unit's full grads freed at once
     stage 3: before each block's forward (and again before its backward): all-gather its
              params; after: free them. Gradients as in stage 2. After AdamW: nothing to
              gather, the next forward gathers on demand
 
-Overlap (every stage). Backward produces the gradients from the last block to the first, so
-most units' gradients are complete long before backward ends. A post-accumulate-grad hook on
-each parameter counts its unit's gradients in; at the unit's last one, the unit's
-reduce-scatter is launched asynchronously and runs while backward goes on to the earlier
-blocks (PyTorch DDP's gradient bucketing, Li et al. 2020, with the units as the buckets). The
-handles are waited on right after backward, before clipping and the optimizer step. Stage 1
-communicates once per step: the micro-batches before the last only accumulate into the full
-gradients (no communication), and the last micro-batch's backward reduce-scatters each unit's
-accumulated full gradients (kept, as stage 1 keeps them) as soon as they are complete: the
-same ops and bytes as reducing after backward, only earlier. Stages 2-3 do so in every
-micro-batch's backward:
+A unit's reduce-scatter starts, asynchronously, the moment backward has produced the unit's
+last gradient, and runs while backward goes on to the earlier blocks (DDP's buckets, with the
+units as the buckets). Stages 2-3 keep one in flight at a time, so that at most one unit's
+fp32 gradients are alive beside the shards:
 
     backward, last micro-batch   [ block 3 ][ block 2 ][ block 1 ][ block 0 ][ root ]
     reduce-scatters (async)                 [ rs 3 ]   [ rs 2 ]   [ rs 1 ]   [ rs 0 ][ rs root ]
                                                                  wait for all -> clip, AdamW
-
-How many in flight. Stage 1 reduces the full gradients it keeps anyway, so all its
-reduce-scatters may be in flight at once at no cost in memory. Stages 2-3 reduce a full-size
-fp32 copy of the unit's gradients, made for the reduction: kept until its reduce-scatter is
-waited on, they would add up to 4Ψ bytes by the end of backward (the whole model's fp32
-gradients, on a rank that is meant to hold 4Ψ/N). So stages 2-3 keep at most ONE reduce-scatter
-in flight, 05_fsdp.py's rule: before packing unit k's gradients, wait for unit k+1's, whose
-input is then freed. At most one unit's fp32 copy is alive (4 x the largest unit's elements:
-the root, whose token embedding is also the head). The price is overlap: rs k+1 has block k's
-backward to run in, not the rest of backward; when it takes longer, backward waits for it
-(only then: on a fast network it has finished and the wait returns at once):
-
-    stage 2-3 backward   [ block 3 ][ block 2 ][ block 1 ][ block 0 ][ root ]
-    reduce-scatters                 [ rs 3 ]   [ rs 2 ]   [ rs 1 ]   [ rs 0 ][ rs root ]
-                                              ^ rs 3 waited for here, as block 2's gradients are packed
-
-Gradient clipping uses the global norm: every rank squares its gradient shard, one
-all-reduce sums them. Precision: fp32 on CPU. With --dtype bfloat16 (the default on GPUs) the
-working parameters, and so each micro-batch's gradients as backward produces them, are bf16;
-each rank keeps an fp32 master copy of its shard (part of the optimizer state, as in the
-paper's mixed-precision accounting), made from the fp32 initialisation. Gradients are summed
-over micro-batches and reduce-scattered in fp32, as 03_ddp.py and 05_fsdp.py reduce them (05's
-default --reduce_dtype).
 
 Run:
 
@@ -84,45 +43,11 @@ Run:
     torchrun --standalone --nproc_per_node 8 04_zero.py --stage 2 --model gpt2-medium --micro_batch_size 4
     mpiexec -n 3 python 04_zero.py --resume ...   # resume any checkpoint (any script, any layout)
 
-Memory per rank (Ψ parameters, padded to a multiple of N; K = 12 for AdamW in mixed
-precision: fp32 master + two fp32 moments; the fp32 equivalents on CPU in brackets):
+One rank holds  in fp32, stage 1: 4Ψ + 4Ψ + 12Ψ/N; stage 2: 4Ψ + 12Ψ/N; stage 3: 16Ψ/N + the units it gathers
+One rank sends  reduce-scatter 4Ψ (stages 2-3: per micro-batch) + all-gather 4Ψ (stage 3: each block twice per micro-batch)
 
-    DDP      2Ψ + 2Ψ + KΨ              [4Ψ + 4Ψ + 8Ψ]
-    stage 1  2Ψ + 2Ψ + KΨ/N            [4Ψ + 4Ψ + 8Ψ/N]
-    stage 2  2Ψ + (2 + K)Ψ/N           [4Ψ + (4 + 8)Ψ/N]
-    stage 3  (2 + 2 + K)Ψ/N            [(4 + 4 + 8)Ψ/N]
-             + the gathered working parameters at the peak, 2(Ψ_root + Ψ_block) [4(...)]: the
-             root unit stays gathered all step, and one block is gathered while it runs
-             (costs()["gathered"]; the metrics' gathered_peak_bytes measure it)
-    --offload (ZeRO-Offload, Ren et al. 2021): the fp32 master, gradient shard and AdamW state
-             ((4 + 12)Ψ/N) move to pinned host memory and AdamW runs on the CPU; the device
-             keeps 2Ψ (stages 1-2; + 4Ψ of fp32 full grads in stage 1, below) or nothing (stage 3)
-    activations: unchanged by ZeRO, one micro-batch's (01's count; costs()["activations"])
-    (the paper's formulas. This implementation keeps gradients in fp32 for the fp32
-    optimizer: the reduced shard is 4Ψ/N instead of 2Ψ/N in bf16, and stage 1 keeps, in
-    addition, the full gradients it sums micro-batches into, 4Ψ instead of 2Ψ, so that the
-    sum and the reduction are fp32. The ledger prints the exact terms.)
-
-Communication per optimizer step, in the ledger's unit: message bytes as nccl-tests count
-them (all-reduce: the tensor, reduce-scatter: its input, all-gather: its output), with b bytes
-per parameter element (4 in fp32, 2 in bf16) and 4 per gradient element (reduced in fp32). In
-these units DDP sends 4Ψ (one all-reduce of the fp32 gradients); a ring moves about 2(N-1)/N
-times the message over each rank's link for an all-reduce and (N-1)/N for a reduce-scatter or
-all-gather, so equal wire traffic shows here as 8Ψ against DDP's 4Ψ:
-
-    stage 1  reduce-scatter 4Ψ + all-gather bΨ: in fp32 8Ψ, the wire traffic of DDP's
-             all-reduce of 4Ψ, since a ring all-reduce is a reduce-scatter followed by an
-             all-gather; in bf16 6Ψ, 3/4 of it (the parameters go out in bf16)
-    stage 2  reduce-scatter 4Ψ per micro-batch (gradients are not kept to accumulate), then
-             all-gather bΨ
-    stage 3  all-gather bΨ of the blocks in forward and again in backward per micro-batch
-             (the root unit once: it stays gathered for the step) + reduce-scatter 4Ψ per
-             micro-batch: in fp32 12Ψ where DDP has 8Ψ of wire traffic, the paper's 1.5x
-    and every stage: an all-reduce of the logged loss (4 bytes) and, with clipping, of the
-    squared gradient norm (4 bytes)
-  03_ddp.py all-reduces fp32 gradients under bf16 too (autocast keeps the parameters, hence
-  the gradients, fp32), as 04 reduce-scatters them; the paper counts a DDP and a ZeRO that
-  both reduce bf16 gradients (2Ψ, and stage 1's 2Ψ + 2Ψ: the same wire traffic).
+The start-up on the meta device, the one-in-flight rule, mixed precision, --offload
+(ZeRO-Offload) and the formulas: docs/strategies.md, section "04_zero.py: ZeRO".
 """
 
 import math
@@ -142,18 +67,9 @@ class Unit:
     into N equal shards, N the size of the data-parallel `group`; this rank (its rank r in
     the group) owns elements [lo, hi) = [r·shard, (r+1)·shard). `full` is the whole buffer in
     the compute dtype (stage 3: its memory given back while the unit is not gathered); `master` is this
-    rank's fp32 shard, the copy the optimizer updates.
-
-    Built where it lives, one parameter at a time, from `init(name, shape)` (common.param_init,
-    a pure function of (seed, name)): stages 1-2 write every parameter into the whole buffer
-    they keep, stage 3 only the pieces that fall in this rank's shard. The transients: one
-    parameter's fp32 initial value, and in stage 3 the unit's buffer for as long as its
-    parameters' views are made (its memory is given back at once, see allocate):
-
-        param_init(wte)  [..........................]   one parameter, then freed
-        stage 1-2 full   [ wte | wpe | ln_f | pad ]     the working copy (kept)
-        stage 3 master         [ rank r ]               the shard alone
-    """
+    rank's fp32 shard, the copy the optimizer updates. Built where it lives, one parameter at a
+    time, from `init(name, shape)` (common.param_init, a pure function of (seed, name)): stages
+    1-2 write the whole buffer they keep, stage 3 only the pieces in this rank's shard."""
 
     def __init__(self, name, prefix, named_params, shapes, init, group, env, compute_dtype, keep_full,
                  offload=False):
@@ -236,71 +152,6 @@ class Unit:
         return pieces
 
 
-def materialize(model, device, dtype):
-    """Swap the meta-device parameters for empty ones on `device` (tied ones stay tied): the
-    units point them at their buffers (as 05_fsdp.py's materialize)."""
-    new = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
-                module._parameters[name] = new[id(p)]
-
-
-class HostCopies:
-    """--offload's copies between the device and host memory on a side stream, so that they
-    run beside the compute stream's kernels instead of between them (ZeRO-Offload's overlap
-    of the gradients' trip down with the rest of backward):
-
-        compute stream   ..B(l)..  reduce-scatter(l) ..B(l-1)..  ..B(l-2)..           | host reads
-        side stream                          down(l) ─────────> down(l-1) ──>      wait()
-
-    down(t): a pinned copy of device tensor `t`, arriving; read it only after wait(), which
-    makes the host wait for every copy down so far (once per micro-batch, before the CPU
-    adds them up). up(tensors, dtype): the host tensors packed into one pinned staging
-    buffer (a torch.cat of pinned tensors is not pinned) and copied to the device in
-    `dtype`; the compute stream waits for the copy, the host does not. On a CPU run (no
-    streams) both are the plain copies; unverified on GPUs (no GPU was lent)."""
-
-    def __init__(self, device):
-        self.device = device
-        accelerated = device.type in ("cuda", "xpu")
-        self.module = torch.get_device_module(device) if accelerated else None
-        self.stream = self.module.Stream(device) if accelerated else None
-
-    def down(self, t, like):
-        """`t` (on the device) in host memory, where `like` is."""
-        if self.stream is None:
-            return t.to(like.device)
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.stream.wait_stream(self.module.current_stream(self.device))  # after the kernels that make t
-        with self.module.stream(self.stream):
-            out.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
-        return out
-
-    def wait(self):
-        """The host waits for the copies down (not for the compute stream)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def up(self, tensors, dtype):
-        """The host `tensors`, flattened one after the other, as one device tensor in `dtype`."""
-        if self.stream is None:
-            return torch.cat([t.detach().view(-1) for t in tensors]).to(self.device, dtype)
-        staged = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
-        torch.cat([t.detach().view(-1) for t in tensors], out=staged)
-        with self.module.stream(self.stream):  # from the side stream's own memory: no wait before
-            out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
-            out.copy_(staged, non_blocking=True)
-        current = self.module.current_stream(self.device)
-        current.wait_stream(self.stream)  # the compute stream reads `out` only once it has arrived
-        out.record_stream(current)
-        return out.to(dtype)
-
-
-
 class ZeRO:
     """The partitioned model states of one stage, and its collectives, over the data-parallel
     `group` (here the world; passed in, so that the class copied into a bigger mesh
@@ -312,8 +163,6 @@ class ZeRO:
         self.stage, self.group, self.world_size = stage, group, dist.get_world_size(group)
         self.compute_dtype, self.device, self.offload = env.dtype, env.device, args.offload
         self.gathered_now = self.gathered_peak = 0  # stage 3: the gathered units' bytes (track)
-        self.copies = HostCopies(env.device) if args.offload else None  # --offload: on a side stream
-        self.landing = []  # --offload: (unit, gradient shard on its way down)
         shapes = {k: p.shape for k, p in model.named_parameters()}
         materialize(model, env.device, env.dtype)
         init = lambda name, shape: param_init(name, shape, model.config, args.seed)
@@ -325,24 +174,7 @@ class ZeRO:
         self.units = [self.root] + self.blocks
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.offset_of = {p: offset for u in self.units for p, offset in zip(u.params, u.offsets)}
-        segments, matrices = {True: [], False: []}, []
-        for unit in self.units:
-            unit.pieces = []  # the optimizer's tensors, in order (for the checkpoint)
-            names = [k if unit is self.root else unit.name + k for k in unit.names]
-            muon = dict(matrix_ranges(names, unit.shapes, self.world_size)) if args.optimizer == "muon" else {}
-            for k, (a, b, decayed) in unit.segments():
-                piece = unit.master[a:b]
-                piece.grad = unit.grad_shard[a:b]  # the optimizer reads this rank's gradient shard
-                (segments[decayed] if k not in muon else []).append(piece)
-                unit.pieces.append(piece)
-            for k, ranges in muon.items():  # Muon's matrices, with this rank's piece of each
-                mine = [piece for (j, _), piece in zip(unit.segments(), unit.pieces) if j == k]
-                matrices.append((unit.shapes[k], mine[0] if mine else None, ranges))
-        # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
-        self.optimizer = make_adamw(segments[True], args, "cpu" if args.offload else env.device.type,
-                                    not_decayed=segments[False])
-        if args.optimizer == "muon":  # AdamW for the rest, inside
-            self.optimizer = FlatMuon(matrices, self.optimizer, args, env, group)
+        self.optimizer = self.shard_optimizer(args, env)  # P_os: on this rank's shards only (below)
         if stage == 1:  # full gradients, kept through accumulation: one fp32 buffer per unit
             for unit in self.units:
                 unit.grad_full = torch.zeros_like(unit.full, dtype=torch.float32)
@@ -439,20 +271,13 @@ class ZeRO:
         reduced into place; dropping them frees their full-size inputs (stages 2-3)."""
         for handle, unit, shard, _ in self.pending:
             handle.wait()
-            if shard is not unit.grad_shard and self.copies:  # --offload: down to the host, beside backward
-                self.landing.append((unit, self.copies.down(shard, unit.grad_shard)))
-            elif shard is not unit.grad_shard:  # a later micro-batch's reduction, on the device
-                unit.grad_shard.copy_(shard) if self.shard_empty else unit.grad_shard.add_(shard)
+            if shard is not unit.grad_shard:  # a later micro-batch's reduction (or one for the host)
+                self.add_reduced(unit, shard)
         self.pending = []
 
-    def land(self):
-        """--offload, after a micro-batch's backward: wait for its gradient shards' copies
-        down (one wait for all of them), then write or add them into the host's shards."""
-        if self.landing:
-            self.copies.wait()
-        for unit, shard in self.landing:
-            unit.grad_shard.copy_(shard) if self.shard_empty else unit.grad_shard.add_(shard)
-        self.landing = []
+    def add_reduced(self, unit, shard):
+        """Write (the step's first) or add a reduced shard into the unit's gradient shard."""
+        unit.grad_shard.copy_(shard) if self.shard_empty else unit.grad_shard.add_(shard)
 
     def after_backward(self):
         """After each micro-batch's backward: wait for its reduce-scatters (stage 1: all of
@@ -461,11 +286,28 @@ class ZeRO:
             check(all(w == 0 for w in self.waiting.values()),
                   "a gradient never arrived (a parameter unused in forward?)")
         self.finish_reductions()
-        self.land()
         self.shard_empty = self.shard_empty and not self.reduced
         self.reduced, self.waiting = False, {u: len(u.params) for u in self.units}
 
     # -- the update ----------------------------------------------------------------------
+    def shard_optimizer(self, args, env):
+        """ZeRO's P_os: the optimizer gets this rank's shard only, one tensor per parameter
+        piece (so that weight decay applies to matrices only, exactly as in 01), each with its
+        piece of the gradient shard as .grad. AdamW is fused on GPUs; with --offload the shards
+        are in host memory and it runs on the CPU. --optimizer muon: zero_muon, below."""
+        decayed, not_decayed = [], []
+        for unit in self.units:
+            unit.pieces = []  # the optimizer's tensors, in order (for the checkpoint)
+            for k, (a, b, decay) in unit.segments():
+                piece = unit.master[a:b]
+                piece.grad = unit.grad_shard[a:b]  # the optimizer reads this rank's gradient shard
+                (decayed if decay else not_decayed).append(piece)
+                unit.pieces.append(piece)
+        device_type = "cpu" if args.offload else env.device.type
+        if args.optimizer == "muon":  # Muon for the hidden matrices, AdamW for the rest
+            return zero_muon(self, decayed, not_decayed, args, env, device_type)
+        return make_adamw(decayed, args, device_type, not_decayed=not_decayed)
+
     def clip_grad_norm(self, max_norm):
         """The global gradient norm from the shards (padding is zero), as clip_grad_norm_."""
         squares = sum(u.grad_shard.pow(2).sum() for u in self.units).to(self.device)
@@ -477,10 +319,7 @@ class ZeRO:
         return total_norm
 
     def working_shard(self, unit):
-        """This rank's shard in the compute dtype on the device (--offload: up from the host,
-        staged in pinned memory, on the side stream)."""
-        if self.copies:
-            return self.copies.up([unit.master], unit.dtype)
+        """This rank's shard in the compute dtype on the device, the all-gather's input."""
         return unit.master.to(self.device, unit.dtype, copy=True)
 
     def step(self):
@@ -504,18 +343,209 @@ class ZeRO:
         """The next step's first micro-batch and first reduction overwrite the sums."""
         self.shard_empty = True
 
-    def numel(self):
-        """Ψ: the model's parameters (the tied embedding and head once)."""
-        return sum(shape.numel() for u in self.units for shape in u.shapes)
 
-    def padded_numel(self):
-        """Ψ with every unit padded to a multiple of N, as the flat shards are."""
-        return sum(u.shard_numel for u in self.units) * self.world_size
+def add_flags(parser):
+    g = parser.add_argument_group("04_zero")
+    g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
+    g.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: fp32 master shard, gradient shard and AdamW state in (pinned) host "
+                        "memory, the optimizer steps on the CPU")
+    return parser
 
 
-# ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model, zero, data, args, env, accum_steps, dp_group):
+    """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
+    slice, then the means are averaged across ranks."""
+    model.eval()
+    zero.gather_root()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total, group=dp_group)  # the sum of every rank's mean/N: the global mean
+        losses[split] = total.item()
+    zero.release_root()
+    model.train()
+    return losses
+
+
+def main():
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
+    env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
+    run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+    dp_group = dist.group.WORLD  # the data-parallel group: every rank, each with its slice of the batch
+
+    data = Data(args.data, args.seed, model_block_size(args))
+    config = model_config(args, data.vocab_size)
+    with torch.device("meta"):
+        model = GPT(config)  # no memory: shapes only
+    for block in model.transformer.h:
+        block.recompute = args.recompute
+    zero = (OffloadedZeRO if args.offload else ZeRO)(model, args.stage, dp_group, env, args)  # only what it keeps
+    run.begin(config, zero.optimizer, costs, layout={"strategy": "zero", "stage": args.stage},
+              pieces=lambda: checkpoint_pieces(zero), held=lambda: held_bytes(zero),
+              evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps, dp_group),
+              describe=describe(zero, args, accum_steps),
+              after_resume=zero.gather_params)  # each rank read its shards: the full parameters from them
+
+    for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in zero.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        zero.gather_root()  # stage 3: the embeddings (= the head) stay gathered for the step
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                zero.before_backward(micro == 0, micro == accum_steps - 1)  # stage 1: reduces in the last
+                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
+                loss_sum += loss.detach().float()
+        zero.release_root()
+        loss_sum /= accum_steps * env.world_size
+        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
+        norm = zero.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
+        run.check(loss_sum, (u.grad_shard for u in zero.units), norm)  # non-finite? asked to stop?
+        zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
+        run.end_step(loss_sum, lambda: gathered_row(run, zero))  # ledger, metrics, checkpoint, stop
+        zero.zero_grad()
+    run.finish()
+
+
+# ---- Beyond the lesson ----
+# Not the strategy: --offload's copies, Muon on flat shards, what a rank holds and sends (costs(),
+# the ledger's theory), the dry run's lines, checkpoint pieces.
+
+class OffloadedZeRO(ZeRO):
+    """--offload (ZeRO-Offload, Ren et al. 2021): the fp32 master, the gradient shard and
+    AdamW's state live in pinned host memory (Unit puts them there) and AdamW steps on the CPU
+    (shard_optimizer). The copies: each reduced gradient shard goes down to the host on a side
+    stream while backward goes on, and lands once per micro-batch; each master shard goes up,
+    in the compute dtype, as the all-gather's input (HostCopies)."""
+
+    def __init__(self, model, stage, group, env, args):
+        super().__init__(model, stage, group, env, args)
+        self.copies = HostCopies(env.device)  # on a side stream
+        self.landing = []  # (unit, gradient shard on its way down)
+
+    def add_reduced(self, unit, shard):
+        """Down to the host, beside backward; land() adds it in."""
+        self.landing.append((unit, self.copies.down(shard, unit.grad_shard)))
+
+    def land(self):
+        """After a micro-batch's backward: wait for its gradient shards' copies down (one wait
+        for all of them), then write or add them into the host's shards."""
+        if self.landing:
+            self.copies.wait()
+        for unit, shard in self.landing:
+            ZeRO.add_reduced(self, unit, shard)
+        self.landing = []
+
+    def after_backward(self):
+        self.finish_reductions()
+        self.land()
+        super().after_backward()
+
+    def working_shard(self, unit):
+        """Up from the host, staged in pinned memory, on the side stream."""
+        return self.copies.up([unit.master], unit.dtype)
+
+
+class HostCopies:
+    """--offload's copies between the device and host memory on a side stream, so that they
+    run beside the compute stream's kernels instead of between them (ZeRO-Offload's overlap
+    of the gradients' trip down with the rest of backward):
+
+        compute stream   ..B(l)..  reduce-scatter(l) ..B(l-1)..  ..B(l-2)..           | host reads
+        side stream                          down(l) ─────────> down(l-1) ──>      wait()
+
+    down(t): a pinned copy of device tensor `t`, arriving; read it only after wait(), which
+    makes the host wait for every copy down so far (once per micro-batch, before the CPU
+    adds them up). up(tensors, dtype): the host tensors packed into one pinned staging
+    buffer (a torch.cat of pinned tensors is not pinned) and copied to the device in
+    `dtype`; the compute stream waits for the copy, the host does not. On a CPU run (no
+    streams) both are the plain copies; unverified on GPUs (no GPU was lent)."""
+
+    def __init__(self, device):
+        self.device = device
+        accelerated = device.type in ("cuda", "xpu")
+        self.module = torch.get_device_module(device) if accelerated else None
+        self.stream = self.module.Stream(device) if accelerated else None
+
+    def down(self, t, like):
+        """`t` (on the device) in host memory, where `like` is."""
+        if self.stream is None:
+            return t.to(like.device)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.stream.wait_stream(self.module.current_stream(self.device))  # after the kernels that make t
+        with self.module.stream(self.stream):
+            out.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
+        return out
+
+    def wait(self):
+        """The host waits for the copies down (not for the compute stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def up(self, tensors, dtype):
+        """The host `tensors`, flattened one after the other, as one device tensor in `dtype`."""
+        if self.stream is None:
+            return torch.cat([t.detach().view(-1) for t in tensors]).to(self.device, dtype)
+        staged = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
+        torch.cat([t.detach().view(-1) for t in tensors], out=staged)
+        with self.module.stream(self.stream):  # from the side stream's own memory: no wait before
+            out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
+            out.copy_(staged, non_blocking=True)
+        current = self.module.current_stream(self.device)
+        current.wait_stream(self.stream)  # the compute stream reads `out` only once it has arrived
+        out.record_stream(current)
+        return out.to(dtype)
+
+
+def materialize(model, device, dtype):
+    """Start-up: swap the meta-device parameters for empty ones on `device` (tied ones stay tied): the
+    units point them at their buffers (as 05_fsdp.py's materialize)."""
+    new = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+                module._parameters[name] = new[id(p)]
+
+
 # Muon on flat shards: each matrix orthogonalised whole, by one owner rank
-# ---------------------------------------------------------------------------------------
+
+def zero_muon(zero, decayed, not_decayed, args, env, device_type):
+    """--optimizer muon on ZeRO's flat shards: FlatMuon for the hidden matrices, each with this
+    rank's piece of it (matrix_ranges of every unit), AdamW for the other pieces."""
+    matrices, theirs = [], set()
+    for unit in zero.units:
+        names = [k if unit is zero.root else unit.name + k for k in unit.names]
+        for k, ranges in matrix_ranges(names, unit.shapes, zero.world_size):
+            mine = [piece for (j, _), piece in zip(unit.segments(), unit.pieces) if j == k]
+            matrices.append((unit.shapes[k], mine[0] if mine else None, ranges))
+            theirs.update(id(piece) for piece in mine)
+    adamw = make_adamw([p for p in decayed if id(p) not in theirs], args, device_type,
+                       not_decayed=[p for p in not_decayed if id(p) not in theirs])
+    return FlatMuon(matrices, adamw, args, env, zero.group)
+
 
 def matrix_ranges(names, shapes, n):
     """The hidden matrices (common.is_hidden_matrix) of one unit, given its parameters' full
@@ -611,95 +641,6 @@ class FlatMuon(Muon):
         self.adamw.step()
 
 
-def add_flags(parser):
-    g = parser.add_argument_group("04_zero")
-    g.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage")
-    g.add_argument("--offload", action="store_true",
-                   help="ZeRO-Offload: fp32 master shard, gradient shard and AdamW state in (pinned) host "
-                        "memory, the optimizer steps on the CPU")
-    return parser
-
-
-@torch.no_grad()
-def evaluate(model, zero, data, args, env, accum_steps, dp_group):
-    """Mean loss of each split over eval_iters fixed global batches: each rank evaluates its
-    slice, then the means are averaged across ranks."""
-    model.eval()
-    zero.gather_root()
-    losses = {}
-    for split in ("train", "val"):
-        total = torch.zeros((), device=env.device)
-        for k in range(args.eval_iters):
-            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
-            x, y = to_device(x, env), to_device(y, env)
-            for micro in range(accum_steps):
-                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                with autocast(env):
-                    _, loss = model(x[rows], y[rows])
-                total += loss.float()
-        total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total, group=dp_group)  # the sum of every rank's mean/N: the global mean
-        losses[split] = total.item()
-    zero.release_root()
-    model.train()
-    return losses
-
-
-def main():
-    run = Run(add_flags(make_parser(__doc__)), __file__)
-    args = run.args
-    env, accum_steps = run.start(costs, dp_size=run.world_size)  # processes up; auto: the largest that fits
-    run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
-    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
-    dp_group = dist.group.WORLD  # the data-parallel group: every rank, each with its slice of the batch
-
-    data = Data(args.data, args.seed, model_block_size(args))
-    config = model_config(args, data.vocab_size)
-    with torch.device("meta"):
-        model = GPT(config)  # no memory: shapes only
-    for block in model.transformer.h:
-        block.recompute = args.recompute
-    zero = ZeRO(model, args.stage, dp_group, env, args)  # each rank builds only what its stage keeps
-    run.begin(config, zero.optimizer, costs, layout={"strategy": "zero", "stage": args.stage},
-              pieces=lambda: checkpoint_pieces(zero), held=lambda: held_bytes(zero),
-              evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps, dp_group),
-              describe=f"ZeRO stage {args.stage} over {env.world_size} ranks, {len(zero.units)} units, "
-                       f"Ψ = {zero.numel():,} padded to {zero.padded_numel():,}, "
-                       f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step",
-              after_resume=zero.gather_params)  # each rank read its shards: the full parameters from them
-
-    for step in run.steps():
-        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
-        for group in zero.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
-        x, y = to_device(x, env), to_device(y, env)
-        loss_sum = torch.zeros((), device=env.device)
-        zero.gather_root()  # stage 3: the embeddings (= the head) stay gathered for the step
-        with run.meter:
-            for micro in range(accum_steps):
-                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                with autocast(env):
-                    _, loss = model(x[rows], y[rows])
-                zero.before_backward(micro == 0, micro == accum_steps - 1)  # stage 1: reduces in the last
-                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
-                zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
-                loss_sum += loss.detach().float()
-        zero.release_root()
-        loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
-        norm = zero.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
-        run.check(loss_sum, (u.grad_shard for u in zero.units), norm)  # non-finite? asked to stop?
-        zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
-        run.end_step(loss_sum, lambda: gathered_row(run, zero))  # ledger, metrics, checkpoint, stop
-        zero.zero_grad()
-    run.finish()
-
-
-# ----------------------------------------------------------------------------------------
-# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
-# ----------------------------------------------------------------------------------------
-
 def unit_numels(config):
     """Elements of the root unit and of each block, as ZeRO groups them (from shapes only)."""
     numels = [0] * (config.n_layer + 1)
@@ -792,6 +733,15 @@ def costs(args, config, world_size, dtype, rank=0):
                               show="init e", params=held["params"], grads=held["grads"], master=master,
                               init=t["init"], e=e, unit=max(root, max(shards[1:], default=0) * n))
     return cost
+
+
+def describe(zero, args, accum_steps):
+    """The start line's layout: Ψ (the tied embedding and head once) and Ψ with every unit
+    padded to a multiple of N, as the flat shards are."""
+    numel = sum(shape.numel() for u in zero.units for shape in u.shapes)
+    padded = sum(u.shard_numel for u in zero.units) * zero.world_size
+    return (f"ZeRO stage {args.stage} over {zero.world_size} ranks, {len(zero.units)} units, Ψ = {numel:,} padded "
+            f"to {padded:,}, {accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
 
 
 def gathered_row(run, zero):

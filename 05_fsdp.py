@@ -1,5 +1,4 @@
-"""05_fsdp.py: fully sharded data parallelism by hand, the way PyTorch's FSDP builds it:
-units, prefetch, a mixed-precision policy, meta-device initialisation and HSDP.
+"""05_fsdp.py: fully sharded data parallelism by hand, the way PyTorch's FSDP2 builds it.
 
 Like ZeRO-3 (04_zero.py), every rank keeps only 1/N of the parameters, gradients and optimizer
 state, and gathers a unit's parameters just before it runs. FSDP adds what makes that fast and
@@ -7,24 +6,20 @@ able to hold models larger than one device:
 
   * units: each transformer block is one unit, plus a root unit (embeddings = tied head,
     final norm), gathered with one all-gather and reduced with one reduce-scatter each;
-  * per-parameter sharding on dim 0 (FSDP2): rank r of a shard group of S ranks holds rows
-    [r·k, (r+1)·k) of every parameter (padded to S·k rows), so a shard is an ordinary tensor
-    the optimizer can use as it is. (FSDP1 instead flattens a unit into one padded buffer, as
-    04_zero.py does: simpler collectives, but shards that cut through parameters.) A unit's
-    shards are packed into one buffer for its all-gather and unpacked after (FSDP2's
-    copy-in/copy-out);
-  * prefetch: while block i computes, block i+1's all-gather is already in flight
-    (forward), and block i-1's in backward (--no_prefetch to compare);
-  * reshard after forward (default) frees a block's parameters until backward gathers them
-    again; --no_reshard keeps them (ZeRO-2's memory, less communication);
-  * mixed precision: fp32 sharded master parameters (the optimizer's), gathered and computed
-    in the compute dtype (bf16 on GPUs), gradients reduce-scattered in --reduce_dtype;
-  * meta-device initialisation: the model is built on the meta device (no memory); each
-    parameter is initialised as 01 does (common.param_init) one at a time and only this
-    rank's rows are kept: the full model never exists anywhere;
-  * HSDP (--replicate R): shard within groups of S = N/R consecutive ranks (a node), replicate
-    across the R groups: after the reduce-scatter, the gradient shards are all-reduced across
-    the replicas. Parameter traffic stays inside a node; only 1/S of the gradients crosses.
+  * per-parameter sharding on dim 0: rank r of a shard group of S ranks holds rows
+    [r·k, (r+1)·k) of every parameter (padded to S·k rows), an ordinary tensor the optimizer
+    uses as it is; a unit's shards are packed into one buffer for its all-gather (copy-in)
+    and unpacked after (copy-out);
+  * prefetch: while block i computes, block i+1's all-gather is already in flight (forward),
+    and block i-1's in backward;
+  * reshard after forward: a block's parameters are freed until backward gathers them again;
+  * meta-device initialisation: the model is built on the meta device (no memory) and each
+    parameter drawn as 01 draws it, one at a time, keeping only this rank's rows: the full
+    model never exists anywhere.
+
+    parameter (rows)     [ rows 0..k | rows k..2k | ... | rows (S-1)k..Sk, padding ]
+                            rank 0      rank 1             rank S-1
+    each rank holds      its rows of every parameter in fp32, their gradients, AdamW's moments
 
     forward, block i:   wait all-gather(i) ─> launch all-gather(i+1) ─> compute i ─> free i
     backward, block i:  wait all-gather(i) ─> launch all-gather(i-1) ─> compute grads of i
@@ -35,17 +30,11 @@ Run:
     mpiexec -n 4 python 05_fsdp.py --model gpt2-medium
     torchrun --standalone --nproc_per_node 8 05_fsdp.py --model gpt2-xl --replicate 2   # HSDP 2 x 4
 
-Cost per rank, Ψ parameters, S ranks per shard group, e bytes of the compute dtype:
+One rank holds  16Ψ/S of fp32 shards (params 4, grads 4, AdamW 8) + the root and one block gathered (two with prefetch)
+One rank sends  per micro-batch: all-gather eΨ (e bytes an element) in forward and again in backward, reduce-scatter Ψ grads
 
-    memory: 16Ψ/S of fp32 shards (params 4, grads 4, AdamW 8) + the gathered units: the root
-            and one block (two with prefetch; all of them with --no_reshard) in the compute dtype
-    --offload: the fp32 shards, their gradients and AdamW state (16Ψ/S) in pinned host memory,
-            AdamW on the CPU; shards go up at each gather, gradients down after each reduce-scatter
-    activations: one micro-batch's, as in 01, except that the residual stream is in the compute
-            dtype (the gathered units are stored in it; costs()["activations"])
-    communication per micro-batch: all-gather eΨ in forward, again in backward (not with
-            --no_reshard; the root only once per step), reduce-scatter of the gradients
-            (Ψ in --reduce_dtype); HSDP adds an all-reduce of Ψ/S across the replicas
+The options (--no_prefetch, --no_reshard, --reduce_dtype, HSDP's --replicate, --offload) and
+the formulas: docs/strategies.md, section "05_fsdp.py: FSDP".
 """
 
 import math
@@ -90,10 +79,7 @@ class Unit:
         if self.gathered or self.pending is not None:
             return
         S, dtype = self.fsdp.shard_size, self.fsdp.compute_dtype
-        if self.fsdp.copies:  # --offload: up from the host, staged in pinned memory, on a side stream
-            packed = self.fsdp.copies.up(self.shards, dtype)
-        else:
-            packed = torch.cat([s.detach().view(-1) for s in self.shards]).to(self.fsdp.device, dtype)  # copy-in
+        packed = self.fsdp.copy_in(self.shards)  # this rank's rows of every parameter, one buffer
         out = torch.empty(S * self.numel, dtype=dtype, device=self.fsdp.device)
         # every shard-group rank's rows of every parameter of this unit -> all of them
         handle = dist.all_gather_into_tensor(out, packed, group=self.fsdp.shard_group, async_op=True)
@@ -145,7 +131,7 @@ class Unit:
         if self.waiting:
             return
         fsdp, S = self.fsdp, self.fsdp.shard_size
-        fsdp.finish_reductions(land=False)  # (--offload: its shard lands after the backward)
+        fsdp.finish_reductions()
         packed = torch.zeros(S, self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
         for p, shape, offset, numel, rows in zip(self.params, self.shapes, self.offsets, self.shard_numels, self.rows):
             grad = p.grad.to(fsdp.reduce_dtype).view(shape[0], -1)
@@ -188,9 +174,6 @@ class FSDP:
 
     def __init__(self, model, config, args, env, groups):
         self.config, self.seed, self.device = config, args.seed, env.device
-        self.offload = args.offload
-        self.copies = HostCopies(env.device) if args.offload else None  # --offload: on a side stream
-        self.landing = []  # --offload: (unit, gradient shard on its way down)
         self.world_size, R = env.world_size, args.replicate
         S = self.shard_size = env.world_size // R
         self.shard_rank, self.replica = env.rank % S, env.rank // S
@@ -243,35 +226,37 @@ class FSDP:
         if self.prefetch:
             self.blocks[0].start_gather()
 
-    def finish_reductions(self, land=True):
+    def finish_reductions(self):
         """Finish the reduce-scatter in flight (and, HSDP, all-reduce its shard across the
         replicas) and accumulate the gradient shard; called before the next unit's starts
-        and after each micro-batch's backward. With --offload the shard goes down to the
-        host on a side stream, and lands (one wait for all, then the host's sums) only
-        with `land`: after the micro-batch's backward, so the copies run beside it."""
+        and after each micro-batch's backward."""
         for handle, unit, out, _ in self.reductions:
             handle.wait()
             if self.replicate_group is not None:
                 dist.all_reduce(out, group=self.replicate_group)  # sum the replicas' shards
-            if self.copies:
-                self.landing.append((unit, self.copies.down(out, unit.shards[0])))
-            else:
-                unit.accumulate(out)
+            self.add_reduced(unit, out)
         self.reductions = []
-        if land and self.landing:
-            self.copies.wait()
-            for unit, out in self.landing:
-                unit.accumulate(out)
-            self.landing = []
+
+    def add_reduced(self, unit, out):
+        """Add a reduced gradient shard into the unit's (OffloadedFSDP: on its way to the host)."""
+        unit.accumulate(out)
+
+    def after_backward(self):
+        """After each micro-batch's backward: its last reduce-scatter in."""
+        self.finish_reductions()
 
     def end(self):
         for unit in self.units:
             unit.release()
 
     def home(self, t):
-        """Where the fp32 shards (and so their gradients and AdamW's state) live: the device,
-        or with --offload host memory, pinned when there is an accelerator (async DMA)."""
-        return to_host(t, self.device) if self.offload else t.to(self.device)
+        """Where the fp32 shards (and so their gradients and AdamW's state) live: the device."""
+        return t.to(self.device)
+
+    def copy_in(self, shards):
+        """FSDP2's copy-in: `shards` flattened one after the other into one buffer, in the
+        compute dtype, on the device: the all-gather's input."""
+        return torch.cat([s.detach().view(-1) for s in shards]).to(self.device, self.compute_dtype)
 
     def shards(self):
         return [s for unit in self.units for s in unit.shards]
@@ -286,27 +271,145 @@ class FSDP:
             s.grad.mul_(coef)
         return total_norm
 
-    def __str__(self):
-        replicas = self.world_size // self.shard_size
-        return (f"built on the meta device; reduce {str(self.reduce_dtype).replace('torch.', '')}; "
-                f"{len(self.units)} units sharded over {self.shard_size} ranks"
-                + (f" x {replicas} replicas (HSDP)" if replicas > 1 else "")
-                + f"; prefetch {'on' if self.prefetch else 'off'}, reshard {'on' if self.reshard else 'off'}")
 
-    def numel(self):
-        """Ψ: the model's parameters (the tied embedding and head once), unpadded."""
-        return sum(shape.numel() for unit in self.units for shape in unit.shapes)
+def fsdp_optimizer(fsdp, args, env):
+    """AdamW on this rank's fp32 rows only (ZeRO's P_os), fused on GPUs; with --offload the
+    rows are in host memory and it runs on the CPU. --optimizer muon: fsdp_muon, below."""
+    device_type = "cpu" if args.offload else env.device.type  # --offload: the optimizer on the CPU
+    if args.optimizer == "muon":
+        return fsdp_muon(fsdp, args, env, device_type)
+    return make_adamw(fsdp.shards(), args, device_type)
 
 
-def materialize(model, device, dtype):
-    """Swap the meta-device parameters for empty ones on `device` (tied ones stay tied)."""
-    new = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
-                module._parameters[name] = new[id(p)]
+def add_flags(parser):
+    g = parser.add_argument_group("05_fsdp")
+    g.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
+    g.add_argument("--no_reshard", action="store_true",
+                   help="keep blocks gathered from forward to backward (ZeRO-2 behaviour)")
+    g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the gradient reduce-scatter")
+    g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
+    g.add_argument("--offload", action="store_true",
+                   help="CPU offload: the fp32 shards, their gradients and AdamW state in (pinned) host memory, "
+                        "the optimizer steps on the CPU")
+    return parser
+
+
+@torch.no_grad()
+def evaluate(model, fsdp, data, args, env, accum_steps, dp_group):
+    """Mean loss of each split over eval_iters fixed global batches (each rank its slice)."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        total = torch.zeros((), device=env.device)
+        for k in range(args.eval_iters):
+            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
+            x, y = to_device(x, env), to_device(y, env)
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                fsdp.begin()
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                total += loss.float()
+        total /= args.eval_iters * accum_steps * env.world_size
+        dist.all_reduce(total, group=dp_group)  # the global mean
+        losses[split] = total.item()
+    fsdp.end()
+    model.train()
+    return losses
+
+
+def main():
+    run = Run(add_flags(make_parser(__doc__)), __file__)
+    args = run.args
+    check(args.replicate >= 1 and run.world_size % args.replicate == 0,
+          f"--replicate {args.replicate} does not divide the world size {run.world_size}")
+    env, accum_steps = run.start(costs, dp_size=run.world_size,  # processes up; auto: the largest that fits,
+                                 groups=lambda env: shard_groups(env.world_size, args.replicate, env.rank))
+    run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
+    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
+    dp_group = dist.group.WORLD  # the data-parallel group: every rank, each with its slice of the batch
+
+    config = model_config(args, Data.vocab_size_of(args.data))
+    data = Data(args.data, args.seed, config.block_size)
+    with torch.device("meta"):
+        model = GPT(config)  # no memory: shapes only
+    for block in model.transformer.h:
+        block.recompute = args.recompute
+    fsdp = (OffloadedFSDP if args.offload else FSDP)(model, config, args, env, run.groups)  # only its rows
+    # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
+    optimizer = fsdp_optimizer(fsdp, args, env)  # AdamW (or Muon + AdamW) on this rank's fp32 rows
+    run.begin(config, optimizer, costs, layout={"strategy": "fsdp", "replicate": args.replicate},
+              pieces=lambda: checkpoint_pieces(fsdp, optimizer), held=lambda: held_bytes(fsdp, optimizer),
+              evaluate=lambda: evaluate(model, fsdp, data, args, env, accum_steps, dp_group),
+              describe=describe(fsdp, args, accum_steps))
+
+    for step in run.steps():
+        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
+        x, y = to_device(x, env), to_device(y, env)
+        loss_sum = torch.zeros((), device=env.device)
+        with run.meter:
+            for micro in range(accum_steps):
+                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
+                fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
+                with autocast(env):
+                    _, loss = model(x[rows], y[rows])
+                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                fsdp.after_backward()  # this micro-batch's gradient shards are in
+                loss_sum += loss.detach().float()
+        fsdp.end()  # free the root (and, with --no_reshard, every block)
+        loss_sum /= accum_steps * env.world_size
+        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
+        norm = fsdp.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
+        run.check(loss_sum, (s.grad for s in fsdp.shards()), norm)  # non-finite? asked to stop?
+        optimizer.step()  # AdamW on this rank's fp32 rows only
+        if step == run.start_step and run.cost:  # next to the ledger: the gathered parameters, their bound
+            log_gathered(run, fsdp)
+        run.end_step(loss_sum, lambda: {"gathered_peak_bytes": fsdp.gathered_peak,  # ledger, metrics, ckpt, stop
+                                        "gathered_bound_bytes": run.cost["gathered"][1]})
+        optimizer.zero_grad(set_to_none=True)
+    run.finish()
+
+
+# ---- Beyond the lesson ----
+# Not the strategy: --offload's copies, Muon on dim-0 shards, what a rank holds and sends (costs(),
+# the ledger's theory), the dry run's lines, checkpoint pieces.
+
+class OffloadedFSDP(FSDP):
+    """--offload (CPU offload, as FSDP's CPUOffload and ZeRO-Offload): the fp32 shards, their
+    gradients and AdamW's state live in host memory, pinned when there is an accelerator
+    (async DMA), and AdamW steps on the CPU (fsdp_optimizer). The copies: a unit's shards go up
+    at each gather, staged in pinned memory, on a side stream; each reduced gradient shard goes
+    down on it while backward goes on, and lands (one wait for all, then the host's sums) after
+    the micro-batch's backward (HostCopies)."""
+
+    def __init__(self, model, config, args, env, groups):
+        super().__init__(model, config, args, env, groups)
+        self.copies = HostCopies(env.device)  # on a side stream
+        self.landing = []  # (unit, gradient shard on its way down)
+
+    def home(self, t):
+        """Host memory, pinned when there is an accelerator (async DMA)."""
+        return to_host(t, self.device)
+
+    def copy_in(self, shards):
+        """Up from the host, staged in pinned memory, on the side stream."""
+        return self.copies.up(shards, self.compute_dtype)
+
+    def add_reduced(self, unit, out):
+        """Down to the host, beside backward; after_backward adds it in."""
+        self.landing.append((unit, self.copies.down(out, unit.shards[0])))
+
+    def after_backward(self):
+        self.finish_reductions()
+        if self.landing:
+            self.copies.wait()
+            for unit, out in self.landing:
+                unit.accumulate(out)
+            self.landing = []
 
 
 # ---- restated from 04_zero.py: HostCopies (word for word; tests/test_restated.py checks it) ----
@@ -363,18 +466,24 @@ class HostCopies:
 # ---- end restated ----
 
 
-# ---------------------------------------------------------------------------------------
-# Muon on dim-0 shards: each matrix orthogonalised whole, by one owner rank of the shard group
-# ---------------------------------------------------------------------------------------
+def materialize(model, device, dtype):
+    """Start-up: swap the meta-device parameters for empty ones on `device` (tied ones stay tied)."""
+    new = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+                module._parameters[name] = new[id(p)]
 
-def fsdp_optimizer(fsdp, args, env):
-    """AdamW on this rank's fp32 rows; or --optimizer muon: Muon for the blocks' matrices, each
-    put together whole by one owner of the shard group (04's FlatMuon: a rank's rows of a
-    matrix are a contiguous range of its elements, its padding rows left out), AdamW for
-    the rest. With HSDP every replica group does the same, on equal shards."""
-    device_type = "cpu" if args.offload else env.device.type  # --offload: the optimizer on the CPU
-    if args.optimizer == "adamw":
-        return make_adamw(fsdp.shards(), args, device_type)
+
+# Muon on dim-0 shards: each matrix orthogonalised whole, by one owner rank of the shard group
+
+def fsdp_muon(fsdp, args, env, device_type):
+    """--optimizer muon: Muon for the blocks' matrices, each put together whole by one owner of
+    the shard group (04's FlatMuon: a rank's rows of a matrix are a contiguous range of its
+    elements, its padding rows left out), AdamW for the rest. With HSDP every replica group
+    does the same, on equal shards."""
     matrices, rest, S = [], [], fsdp.shard_size
     for unit in fsdp.units:
         for name, shape, rows, shard in zip(unit.names, unit.shapes, unit.rows, unit.shards):
@@ -468,103 +577,6 @@ class FlatMuon(Muon):
 # ---- end restated ----
 
 
-def add_flags(parser):
-    g = parser.add_argument_group("05_fsdp")
-    g.add_argument("--no_prefetch", action="store_true", help="gather each unit only when it is needed")
-    g.add_argument("--no_reshard", action="store_true",
-                   help="keep blocks gathered from forward to backward (ZeRO-2 behaviour)")
-    g.add_argument("--reduce_dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of the gradient reduce-scatter")
-    g.add_argument("--replicate", type=int, default=1, help="HSDP: replicas (shard groups of world/R ranks)")
-    g.add_argument("--offload", action="store_true",
-                   help="CPU offload: the fp32 shards, their gradients and AdamW state in (pinned) host memory, "
-                        "the optimizer steps on the CPU")
-    return parser
-
-
-@torch.no_grad()
-def evaluate(model, fsdp, data, args, env, accum_steps, dp_group):
-    """Mean loss of each split over eval_iters fixed global batches (each rank its slice)."""
-    model.eval()
-    losses = {}
-    for split in ("train", "val"):
-        total = torch.zeros((), device=env.device)
-        for k in range(args.eval_iters):
-            x, y = data.batch(split, k, args.global_batch_size, env.rank, env.world_size, eval_split=True)
-            x, y = to_device(x, env), to_device(y, env)
-            for micro in range(accum_steps):
-                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                fsdp.begin()
-                with autocast(env):
-                    _, loss = model(x[rows], y[rows])
-                total += loss.float()
-        total /= args.eval_iters * accum_steps * env.world_size
-        dist.all_reduce(total, group=dp_group)  # the global mean
-        losses[split] = total.item()
-    fsdp.end()
-    model.train()
-    return losses
-
-
-def main():
-    run = Run(add_flags(make_parser(__doc__)), __file__)
-    args = run.args
-    check(args.replicate >= 1 and run.world_size % args.replicate == 0,
-          f"--replicate {args.replicate} does not divide the world size {run.world_size}")
-    env, accum_steps = run.start(costs, dp_size=run.world_size,  # processes up; auto: the largest that fits,
-                                 groups=lambda env: shard_groups(env.world_size, args.replicate, env.rank))
-    run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
-    torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
-    dp_group = dist.group.WORLD  # the data-parallel group: every rank, each with its slice of the batch
-
-    config = model_config(args, Data.vocab_size_of(args.data))
-    data = Data(args.data, args.seed, config.block_size)
-    with torch.device("meta"):
-        model = GPT(config)  # no memory: shapes only
-    for block in model.transformer.h:
-        block.recompute = args.recompute
-    fsdp = FSDP(model, config, args, env, run.groups)  # each rank initialises and keeps only its rows
-    # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
-    optimizer = fsdp_optimizer(fsdp, args, env)  # AdamW (or Muon + AdamW) on this rank's fp32 rows
-    run.begin(config, optimizer, costs, layout={"strategy": "fsdp", "replicate": args.replicate},
-              pieces=lambda: checkpoint_pieces(fsdp, optimizer), held=lambda: held_bytes(fsdp, optimizer),
-              evaluate=lambda: evaluate(model, fsdp, data, args, env, accum_steps, dp_group),
-              describe=f"{fsdp}; {accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
-
-    for step in run.steps():
-        lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
-        x, y = to_device(x, env), to_device(y, env)
-        loss_sum = torch.zeros((), device=env.device)
-        with run.meter:
-            for micro in range(accum_steps):
-                rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
-                with autocast(env):
-                    _, loss = model(x[rows], y[rows])
-                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
-                fsdp.finish_reductions()  # this micro-batch's gradient shards are in
-                loss_sum += loss.detach().float()
-        fsdp.end()  # free the root (and, with --no_reshard, every block)
-        loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
-        norm = fsdp.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
-        run.check(loss_sum, (s.grad for s in fsdp.shards()), norm)  # non-finite? asked to stop?
-        optimizer.step()  # AdamW on this rank's fp32 rows only
-        if step == run.start_step and run.cost:  # next to the ledger: the gathered parameters, their bound
-            log_gathered(run, fsdp)
-        run.end_step(loss_sum, lambda: {"gathered_peak_bytes": fsdp.gathered_peak,  # ledger, metrics, ckpt, stop
-                                        "gathered_bound_bytes": run.cost["gathered"][1]})
-        optimizer.zero_grad(set_to_none=True)
-    run.finish()
-
-
-# ----------------------------------------------------------------------------------------
-# Accounting: what a rank holds and sends (the ledger's theory), checkpoint pieces, the plan
-# ----------------------------------------------------------------------------------------
-
 def costs(args, config, world_size, dtype, rank=0):
     """The docstring's formulas in bytes per rank. S = N/R ranks per shard group; Ψ counts
     every parameter with its rows padded to a multiple of S (each rank holds ceil(rows/S)
@@ -642,8 +654,9 @@ def log_gathered(run, fsdp):
     """Once, next to the ledger: the gathered parameters at the peak against costs()'s bound."""
     from infra import format_bytes
     formula, bound = run.cost["gathered"]
+    numel = sum(shape.numel() for unit in fsdp.units for shape in unit.shapes)  # Ψ, unpadded
     run.log(f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: {formula} = "
-            f"{format_bytes(bound)}); full model {format_bytes(4 * fsdp.numel())} in fp32")
+            f"{format_bytes(bound)}); full model {format_bytes(4 * numel)} in fp32")
 
 
 def layout_lines(args, world_size, accum_steps):
@@ -666,9 +679,19 @@ def held_bytes(fsdp, optimizer):
     device has the gathered units only)."""
     from infra import state_bytes
     held = state_bytes(fsdp.shards(), optimizer)
-    if fsdp.offload:
+    if isinstance(fsdp, OffloadedFSDP):
         held = {"params": 0, "grads": 0, "optim": 0, **{f"{k} (host)": v for k, v in held.items()}}
     return held
+
+
+def describe(fsdp, args, accum_steps):
+    """The start line's layout."""
+    replicas = fsdp.world_size // fsdp.shard_size
+    return (f"built on the meta device; reduce {str(fsdp.reduce_dtype).replace('torch.', '')}; "
+            f"{len(fsdp.units)} units sharded over {fsdp.shard_size} ranks"
+            + (f" x {replicas} replicas (HSDP)" if replicas > 1 else "")
+            + f"; prefetch {'on' if fsdp.prefetch else 'off'}, reshard {'on' if fsdp.reshard else 'off'}"
+            + f"; {accum_steps} micro-batch(es) of {args.micro_batch_size} per rank per step")
 
 
 def checkpoint_pieces(fsdp, optimizer):
