@@ -236,11 +236,10 @@ def reduce_scatter_sequence(x, group):
 
 
 class AllGatherSequenceLinear(torch.autograd.Function):
-    """f as an all-gather, and a column-parallel Linear: Y_t = all-gather(X) A_t^T + b_t,
-    keeping only this rank's sequence shard of X for backward (Korthikanti et al. 2022, Sec.
-    4.2.2), where autograd would keep the gathered X, T times as large. Backward all-gathers
-    the shard again for the weight gradient and reduce-scatters the input gradient. Under
-    autocast the shard is cast before the gather (half the bytes in bf16) and kept cast."""
+    """f as an all-gather, and a column-parallel Linear: Y_t = all-gather(X) A_tᵀ + b_t, keeping
+    only this rank's sequence shard of X for backward (Korthikanti et al. 2022, Sec. 4.2.2), not
+    the gathered X, T times as large: backward all-gathers it again for the weight gradient and
+    reduce-scatters the input gradient. Under autocast the shard is cast first, and kept cast."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
@@ -258,7 +257,7 @@ class AllGatherSequenceLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
         # sum every rank's part, keep this rank's sequence shard (in the input's dtype, as autocast would)
         grad_x = reduce_scatter_sequence(grad_x.to(ctx.x_dtype), ctx.group)
-        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_t^T X
+        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_tᵀ X
         grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_weight.to(weight.dtype), grad_bias, None
 
@@ -277,9 +276,8 @@ class ReduceScatterSequence(torch.autograd.Function):
 
 
 class ShardedRNG:
-    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
-    swaps the device's default generator (the stream the TP group shares) to this rank's
-    own stream and back."""
+    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():` swaps
+    the device's default generator (the stream the TP group shares) for this rank's own, and back."""
 
     def __init__(self, seed, rank, device):
         self.device = device  # a fresh generator's state, made without reseeding the default one
