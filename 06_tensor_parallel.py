@@ -35,8 +35,8 @@ One rank, of T, with L layers of width h, b sequences of s tokens a micro-batch 
     holds: 16 bytes x (Ψ_sharded/T + Ψ_replicated), and the attention's and MLP's activations /T
     sends: 4 all-reduces of b·s·h per layer per micro-batch (SP: all-gathers and reduce-scatters)
 
-docs/strategies.md, "06: tensor parallelism", derives these and details the loss, sequence
-parallelism's backward and the dropout streams.
+docs/strategies.md, section "06_tensor_parallel.py: tensor parallelism", derives these and
+details the vocabulary-parallel loss, sequence parallelism's backward and the dropout streams.
 """
 
 import math
