@@ -150,8 +150,8 @@ class Stage(nn.Module):
         self.positions = torch.arange(config.block_size) if cp is None else \
             token_positions(config.block_size, cp.C, cp.cp_rank, cp.impl)  # in the order held
         self.is_first, self.is_last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp_size - 1
-        self.padded_vocab = math.ceil(config.vocab_size / tp_size) * tp_size
-        self.vocab_local = self.padded_vocab // tp_size
+        self.vocab_local = shard_shape("wte.weight", (config.vocab_size, h), tp_size)[0]  # 06's, from TP_PLAN
+        self.padded_vocab = self.vocab_local * tp_size
         self.vocab_start = mesh.tp_rank * self.vocab_local
         if self.is_first:
             self.wte = VocabParallelEmbedding(self.vocab_local, h, self.vocab_start, group, sp)
@@ -159,7 +159,9 @@ class Stage(nn.Module):
             self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([TPBlock(config, tp_size, sp, rng, group) for _ in range(n_layers)])  # 06's
         for block in self.h:
-            block.recompute, block.attn.cp = recompute, cp
+            block.recompute = recompute
+            if cp is not None:  # 06's attention, its heads attending across the CP group (below)
+                block.attn = ContextParallelAttention(config, tp_size, sp, rng, group, cp)
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
             # the tied head: the embedding itself, or (on another stage) a copy of its shard
@@ -202,7 +204,7 @@ class Stage(nn.Module):
         if self.is_last:
             x = self.ln_f(x)  # the tied head: this rank's vocabulary, of the tokens held
             if self.sp:  # a column-parallel Linear too: keeps the sequence shard only
-                logits = GatherSequenceLinear.apply(x, self.lm_head.weight, None, group)
+                logits = AllGatherSequenceLinear.apply(x, self.lm_head.weight, None, group)
             else:
                 logits = F.linear(CopyToTP.apply(x, group), self.lm_head.weight)
             logits, targets = logits.view(-1, logits.size(-1)), targets.view(-1)
@@ -463,7 +465,7 @@ def main():
                           pieces=lambda: checkpoint_pieces(replicas), held=lambda: held_bytes(replicas),
                           evaluate=lambda: evaluate(stage, pipeline, mesh, data, args, env, m),
                           extra_rng=lambda: {"tp": rng.state})
-    rng.resume(extra_rng, run.log)  # the same layout: this rank's own dropout stream continues too
+    resume_sharded_rng(rng, extra_rng, run.log)  # the same layout: this rank's own dropout stream continues too
 
     for step in run.steps():
         lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
@@ -543,7 +545,7 @@ def costs(args, config, world_size, dtype, rank=0):
     sends = P > 1 and not ends[1]
     forward = {"boundary": formula("out + dy", out=out, dy=dy)} if sends else {}
     backward = {"boundary": formula("dy", dy=dy)} if sends else {}
-    if args.sequence_parallel:  # SP's own transients (06's GatherSequenceLinear and ScatterSequence, restated):
+    if args.sequence_parallel:  # SP's own (06's AllGatherSequenceLinear and ReduceScatterSequence, restated):
         # forward peaks in a row-parallel Linear's reduce-scatter: its partial sum and the sum's
         # rank-major copy, e·bsh each (the whole sequence), and the shard returned, e·bsh/T;
         # backward in a column-parallel Linear's (c_fc's; the head's on the last stage): the MLP-wide
@@ -664,7 +666,7 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
         # the weights autocast's cache holds, cast once per step (07's Pipeline.run) and saved for
         # backward: the split matmul weights (the replicated ones are LayerNorms' and wpe); wte as the
         # head only (the first stage's lookup reads it in fp32); with SP not the column-parallel ones
-        # nor the head: GatherSequenceLinear casts them itself and saves the fp32 weight
+        # nor the head: AllGatherSequenceLinear casts them itself and saves the fp32 weight
         casts = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None
                     and p.dim() == 2 and (stage.is_last or not name.endswith("wte.weight"))
                     and not (sp and tp_split(name)[0] in ("column", "vocab")))
@@ -904,17 +906,16 @@ class ShardedMuon(Muon):
 # ---- end restated ----
 
 
-# ---- restated from 06_tensor_parallel.py: TP_PLAN, tp_split, shard_boxes (word for word; tests/test_restated.py checks it) ----
-# the tensor-parallel plan
+# ---- restated from 06_tensor_parallel.py: TP_PLAN, tp_split, shard_shape, shard_boxes (word for word; tests/test_restated.py checks it) ----
+# the tensor-parallel plan, and where a shard lies
 
-# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` of the
-# parameter T ways; with parts = 3 that dimension is three blocks stacked (c_attn's rows
-# [Q; K; V]) and each block is split, so that rank t holds its heads of Q, K and V. The
-# vocabulary is padded to a multiple of T first. Every parameter not named is replicated:
-# LayerNorms, the position embedding, the row-parallel biases (added once, after g).
+# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` T ways; with
+# parts = 3 that dimension is three blocks stacked (c_attn's rows [Q; K; V]), each split, so
+# that rank t holds its heads of Q, K and V. The vocabulary is padded to a multiple of T.
+# Every parameter not named is replicated: LayerNorms, the position embedding, the
+# row-parallel biases (added once, after g).
 TP_PLAN = {
     "wte.weight":         ("vocab", 0, 1),   # rows [t·V/T, (t+1)·V/T): the embedding and the tied head
-    "lm_head.weight":     ("vocab", 0, 1),   # the tied head where it is a copy (08_3d.py's last stage)
     "attn.c_attn.weight": ("column", 0, 3),  # column-parallel: output rows, this rank's heads of Q, K, V
     "attn.c_attn.bias":   ("column", 0, 3),
     "attn.c_proj.weight": ("row", 1, 1),     # row-parallel: input columns (this rank's heads' outputs)
@@ -927,6 +928,16 @@ TP_PLAN = {
 def tp_split(name):
     """TP_PLAN's (how, dim, parts) for parameter `name`, or None: replicated."""
     return next((split for suffix, split in TP_PLAN.items() if name.endswith(suffix)), None)
+
+
+def shard_shape(name, shape, tp_size):
+    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension
+    divided among the T ranks (the vocabulary's rounded up: padded to a multiple of T), or
+    `shape` itself where the parameter is replicated."""
+    shape, split = list(shape), tp_split(name)
+    if split is not None:
+        shape[split[1]] = math.ceil(shape[split[1]] / tp_size)  # exact, but for the vocabulary's padding
+    return shape
 
 
 def shard_boxes(name, shape, vocab_size, tp_size, tp_rank):
@@ -953,7 +964,7 @@ def shard_boxes(name, shape, vocab_size, tp_size, tp_rank):
 # ---- end restated ----
 
 
-# ---- restated from 06_tensor_parallel.py: CopyToTP, ReduceFromTP, _all_gather_seq, _reduce_scatter_seq, GatherSequenceLinear, ScatterSequence (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 06_tensor_parallel.py: CopyToTP, ReduceFromTP, all_gather_sequence, reduce_scatter_sequence, AllGatherSequenceLinear, ReduceScatterSequence (word for word; tests/test_restated.py checks it) ----
 # Megatron's f and g, and their sequence-parallel forms
 
 class CopyToTP(torch.autograd.Function):
@@ -986,7 +997,7 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _all_gather_seq(x, group):
+def all_gather_sequence(x, group):
     """[b, s/T, h] on each rank -> [b, s, h], the shards in rank order."""
     tp_size, (b, s_local, h) = dist.get_world_size(group), x.shape
     parts = torch.empty((tp_size * b, s_local, h), dtype=x.dtype, device=x.device)  # rank-major
@@ -994,9 +1005,8 @@ def _all_gather_seq(x, group):
     return parts.view(tp_size, b, s_local, h).permute(1, 0, 2, 3).reshape(b, tp_size * s_local, h)
 
 
-def _reduce_scatter_seq(x, group):
-    """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of
-    the sum."""
+def reduce_scatter_sequence(x, group):
+    """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of the sum."""
     tp_size = dist.get_world_size(group)
     b, s, h = x.shape
     chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3).reshape(tp_size * b, s // tp_size, h)
@@ -1005,25 +1015,17 @@ def _reduce_scatter_seq(x, group):
     return out
 
 
-class GatherSequenceLinear(torch.autograd.Function):
-    """f and a column-parallel Linear with sequence parallelism, Y_t = all-gather(X) A_t^T +
-    b_t, keeping only this rank's sequence shard of X for backward (Korthikanti et al. 2022,
-    Sec. 4.2.2; Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication). Autograd
-    through an all-gather and F.linear would keep the gathered [b, s, h] input, T times the
-    shard; instead backward all-gathers the shard again for the weight gradient (one more
-    all-gather of b·s·h, in the compute dtype) and reduce-scatters the input gradient.
-    Megatron overlaps both collectives with the matmuls; here they run in order, for clarity.
-
-    Under autocast the Linear runs in the compute dtype, as F.linear would: the shard is cast
-    before the gather (the same values as gathering and then casting, half the bytes in bf16),
-    and that cast shard is what is kept, as autocast would keep its cast input."""
+class AllGatherSequenceLinear(torch.autograd.Function):
+    """f as an all-gather, and a column-parallel Linear: Y_t = all-gather(X) A_tᵀ + b_t, keeping
+    only this rank's sequence shard of X for backward (Korthikanti et al. 2022, Sec. 4.2.2), not
+    the gathered X, T times as large: backward all-gathers it again for the weight gradient and
+    reduce-scatters the input gradient. Under autocast the shard is cast first, and kept cast."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         shard = x.to(dtype)
-        out = F.linear(_all_gather_seq(shard, group), weight.to(dtype), None if bias is None else bias.to(dtype))
+        out = F.linear(all_gather_sequence(shard, group), weight.to(dtype), None if bias is None else bias.to(dtype))
         ctx.save_for_backward(shard, weight)  # [b, s/T, h], not the gathered [b, s, h]
         ctx.has_bias, ctx.x_dtype, ctx.group = bias is not None, x.dtype, group
         return out
@@ -1031,37 +1033,35 @@ class GatherSequenceLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
-        total = _all_gather_seq(shard, ctx.group)  # the whole sequence again, for the weight gradient
+        total = all_gather_sequence(shard, ctx.group)  # the whole sequence again, for the weight gradient
         grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
-        # sum the parts of every rank's weight shard, keep this rank's sequence shard (the
-        # gradient in the input's dtype, as autocast's cast back would hand it to f)
-        grad_x = _reduce_scatter_seq(grad_x.to(ctx.x_dtype), ctx.group)
-        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_t^T X
+        # sum every rank's part, keep this rank's sequence shard (in the input's dtype, as autocast would)
+        grad_x = reduce_scatter_sequence(grad_x.to(ctx.x_dtype), ctx.group)
+        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_tᵀ X
         grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_weight.to(weight.dtype), grad_bias, None
 
 
-class ScatterSequence(torch.autograd.Function):
-    """g with sequence parallelism: reduce-scatter forward, all-gather back."""
+class ReduceScatterSequence(torch.autograd.Function):
+    """g as a reduce-scatter: forward reduce-scatter to sequence shards, backward all-gather."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 # ---- end restated ----
 
 
-# ---- restated from 06_tensor_parallel.py: ShardedRNG (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 06_tensor_parallel.py: ShardedRNG, resume_sharded_rng (word for word; tests/test_restated.py checks it) ----
 # dropout streams
 
 class ShardedRNG:
-    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():`
-    swaps the device's default generator (the stream the TP group shares) to this rank's
-    own stream and back."""
+    """Megatron's model-parallel RNG tracker, reduced to one stream: `with rng.sharded():` swaps
+    the device's default generator (the stream the TP group shares) for this rank's own, and back."""
 
     def __init__(self, seed, rank, device):
         self.device = device  # a fresh generator's state, made without reseeding the default one
@@ -1077,23 +1077,24 @@ class ShardedRNG:
             self.state = device_rng_state(self.device)
             set_device_rng_state(self.device, shared)
 
-    def resume(self, saved, log):
-        """Continue this rank's stream from a checkpoint's state (`saved`: the same layout's
-        extra streams, else None). A state written on another device type does not fit this
-        device's generator (a CPU generator's state is 5056 bytes, a CUDA one's 16): the
-        stream then starts afresh, as at a layout change, and `log` says so once."""
-        if saved is None:
-            return
-        if saved["tp"].shape == self.state.shape:
-            self.state = saved["tp"]
-        else:
-            log(f"the tensor-parallel dropout stream was saved on another device type (a "
-                f"{saved['tp'].numel()}-byte state; this {self.device.type} generator's is "
-                f"{self.state.numel()} bytes): it starts afresh, as at a layout change")
+
+def resume_sharded_rng(rng, saved, log):
+    """Continue this rank's own dropout stream (`rng`, a ShardedRNG) from a checkpoint's state
+    (`saved`: the same layout's extra streams, else None). A state written on another device
+    type does not fit this device's generator (a CPU generator's state is 5056 bytes, a CUDA
+    one's 16): the stream then starts afresh, as at a layout change, and `log` says so once."""
+    if saved is None:
+        return
+    if saved["tp"].shape == rng.state.shape:
+        rng.state = saved["tp"]
+    else:
+        log(f"the tensor-parallel dropout stream was saved on another device type (a "
+            f"{saved['tp'].numel()}-byte state; this {rng.device.type} generator's is "
+            f"{rng.state.numel()} bytes): it starts afresh, as at a layout change")
 # ---- end restated ----
 
 
-# ---- restated from 06_tensor_parallel.py: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelCrossEntropy (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 06_tensor_parallel.py: ColumnParallelLinear, RowParallelLinear, parallel_linear, VocabParallelEmbedding, VocabParallelCrossEntropy (word for word; tests/test_restated.py checks it) ----
 # the parallel layers
 
 class ColumnParallelLinear(nn.Module):
@@ -1106,14 +1107,13 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        if self.sequence_parallel:  # keeps only the sequence shard of x for backward
-            return GatherSequenceLinear.apply(x, self.weight, self.bias, self.group)
+        if self.sequence_parallel:  # f as an all-gather; keeps only the sequence shard of x for backward
+            return AllGatherSequenceLinear.apply(x, self.weight, self.bias, self.group)
         return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias is added once,
-    after the reduction."""
+    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias added once, after g."""
 
     def __init__(self, in_local, out_features, bias, group, sequence_parallel):
         super().__init__()
@@ -1123,9 +1123,17 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         partial = F.linear(x, self.weight)
-        reduce = ScatterSequence if self.sequence_parallel else ReduceFromTP
+        reduce = ReduceScatterSequence if self.sequence_parallel else ReduceFromTP  # g
         y = reduce.apply(partial, self.group)
         return y + self.bias if self.bias is not None else y
+
+
+def parallel_linear(name, in_features, out_features, bias, tp_size, group, sequence_parallel):
+    """nanoGPT's nn.Linear(in_features, out_features) named `name`, split as TP_PLAN says:
+    column-parallel (this rank's rows of the weight) or row-parallel (its columns)."""
+    out_local, in_local = shard_shape(name + ".weight", (out_features, in_features), tp_size)
+    layer = {"column": ColumnParallelLinear, "row": RowParallelLinear}[tp_split(name + ".weight")[0]]
+    return layer(in_local, out_local, bias, group, sequence_parallel)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -1141,7 +1149,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks' tokens contribute zeros
-        return ScatterSequence.apply(x, self.group) if self.sequence_parallel else ReduceFromTP.apply(x, self.group)
+        reduce = ReduceScatterSequence if self.sequence_parallel else ReduceFromTP  # g
+        return reduce.apply(x, self.group)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -1184,40 +1193,44 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # the tensor-parallel block
 
 class TPAttention(nn.Module):
-    cp = None  # 08_3d.py's context parallelism: a ContextParallel (09's attention over the CP group)
+    """Causal self-attention on this rank's n_head/T heads: c_attn and c_proj as TP_PLAN
+    splits them (column-parallel: the heads' Q, K and V; row-parallel: their outputs)."""
 
     def __init__(self, config, tp_size, sp, rng, group):
         super().__init__()
         h = config.n_embd
-        self.c_attn = ColumnParallelLinear(h, 3 * h // tp_size, config.bias, group, sp)
-        self.c_proj = RowParallelLinear(h // tp_size, h, config.bias, group, sp)
+        self.c_attn = parallel_linear("attn.c_attn", h, 3 * h, config.bias, tp_size, group, sp)
+        self.c_proj = parallel_linear("attn.c_proj", h, h, config.bias, tp_size, group, sp)
         self.n_head_local, self.dropout, self.rng, self.sp = config.n_head // tp_size, config.dropout, rng, sp
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # this rank's heads of Q, K and V
-        B, T, C = q.shape
-        q, k, v = (t.view(B, T, self.n_head_local, C // self.n_head_local).transpose(1, 2) for t in (q, k, v))
-        if self.cp is not None:  # this CP rank's queries meet every CP rank's keys (no dropout, as in 09)
-            y = self.cp.attention(q, k, v)
-        else:
-            with self.rng.sharded():  # attention dropout acts inside this rank's heads
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                   dropout_p=self.dropout if self.training else 0.0)
-        y = self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        b, s, width = q.shape  # the whole sequence (with SP too: c_attn gathered it)
+        q, k, v = (z.view(b, s, self.n_head_local, width // self.n_head_local).transpose(1, 2) for z in (q, k, v))
+        y = self.c_proj(self.attend(q, k, v).transpose(1, 2).contiguous().view(b, s, width))
         if self.sp:  # with sequence parallelism the residual stream is sharded too
             with self.rng.sharded():
                 return self.resid_dropout(y)
         return self.resid_dropout(y)
 
+    def attend(self, q, k, v):
+        """Causal attention within this rank's heads, [b, heads, s, head size]."""
+        with self.rng.sharded():  # attention dropout acts inside this rank's heads
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+
 
 class TPMLP(nn.Module):
+    """The docstring's picture: c_fc column-parallel (A_t), GeLU on this rank's columns,
+    c_proj row-parallel (B_t), as TP_PLAN splits them."""
+
     def __init__(self, config, tp_size, sp, rng, group):
         super().__init__()
         h = config.n_embd
-        self.c_fc = ColumnParallelLinear(h, 4 * h // tp_size, config.bias, group, sp)
+        self.c_fc = parallel_linear("mlp.c_fc", h, 4 * h, config.bias, tp_size, group, sp)
         self.gelu = nn.GELU()
-        self.c_proj = RowParallelLinear(4 * h // tp_size, h, config.bias, group, sp)
+        self.c_proj = parallel_linear("mlp.c_proj", 4 * h, h, config.bias, tp_size, group, sp)
         self.dropout, self.rng, self.sp = nn.Dropout(config.dropout), rng, sp
 
     def forward(self, x):
@@ -1253,9 +1266,8 @@ class TPBlock(nn.Module):
 # the replicated parameters' gradients with sequence parallelism
 
 def all_reduce_sequence_parallel_grads(model, group):
-    """With sequence parallelism each rank saw only its sequence shard in the replicated
-    regions, so the replicated parameters' gradients are partial: sum them over the TP
-    `group`."""
+    """With sequence parallelism each rank saw only its sequence shard in the replicated regions,
+    so the replicated parameters' gradients are partial: sum them over the TP `group`."""
     grads = [p.grad for name, p in model.named_parameters() if tp_split(name) is None]
     flat = torch.cat([g.view(-1) for g in grads])
     dist.all_reduce(flat, group=group)  # sum of the TP ranks' partial gradients of the replicated parameters
@@ -1264,6 +1276,28 @@ def all_reduce_sequence_parallel_grads(model, group):
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
 # ---- end restated ----
+
+
+# ---------------------------------------------------------------------------------------
+# 08's own additions to 06's pieces (not restated): the last stage's copy of the tied head
+# in the plan, and attention across the CP group
+# ---------------------------------------------------------------------------------------
+
+# a last stage that is not the first holds a copy of the tied head's shard: the same rows
+TP_PLAN["lm_head.weight"] = TP_PLAN["wte.weight"]
+
+
+class ContextParallelAttention(TPAttention):
+    """06's TPAttention whose queries meet the keys of every rank of the CP group: 09's
+    attention (a ContextParallel: the ring or Ulysses) on this TP rank's heads, the CP rank's
+    tokens only, without dropout as in 09."""
+
+    def __init__(self, config, tp_size, sp, rng, group, cp):
+        super().__init__(config, tp_size, sp, rng, group)
+        self.cp = cp
+
+    def attend(self, q, k, v):
+        return self.cp.attention(q, k, v)
 
 
 # ---- restated from 07_pipeline.py: schedule_rounds, schedule, forward_rounds, forward_tag, backward_tag, chunk_stage, stage_rank, exchanges (word for word; tests/test_restated.py checks it) ----

@@ -154,8 +154,8 @@ BUGS = [
 
     # ------------------------------------------------------------------ 06: tensor parallel
     Bug("tp_vocab_not_divisible", "06_tensor_parallel.py",
-        (("self.padded_vocab = math.ceil(config.vocab_size / tp_size) * tp_size",
-          "self.padded_vocab = config.vocab_size  # (65 tokens over 2 ranks: 32 each)"),),
+        (("shape[split[1]] = math.ceil(shape[split[1]] / tp_size)",
+          "shape[split[1]] = shape[split[1]] // tp_size  # (65 tokens over 2 ranks: 32 each)"),),
         origin="NVIDIA/Megatron-LM#1754: a vocabulary not divisible by TP gives a loss about 50% off",
         symptom="the last V mod T tokens belong to no rank: their logits are missing, the loss is wrong",
         check=ORACLE, first_line="losses differ from 01"),
@@ -194,9 +194,10 @@ BUGS = [
         symptom="the norm counts LayerNorms and biases T times: clipping too strong",
         check=ORACLE, first_line="losses differ from 01"),
     Bug("tp_checkpoint_wrong_box", "06_tensor_parallel.py",
-        (("full, boxes = shard_boxes(name, p.shape, model.config.vocab_size, model.tp_size, model.tp_rank)",
+        (("full, boxes = shard_boxes(name, p.shape, model.config.vocab_size, model.tp_size, model.tp_rank)\n"
+          "        write = ",
           "full, boxes = shard_boxes(name, p.shape, model.config.vocab_size, model.tp_size, "
-          "model.tp_size - 1 - model.tp_rank)"),),
+          "model.tp_size - 1 - model.tp_rank)\n        write = "),),
         origin="our history (issue 8, one checkpoint format for every layout): a piece written under "
                "another rank's box; the same layout reads it back as written and never notices",
         symptom="resuming at the same layout is fine; any other layout loads permuted weights",

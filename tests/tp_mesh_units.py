@@ -28,7 +28,7 @@ def train_step(group, tp_rank, seed, sp):
     gradient all-reduce (with sp) and clipping: the loss, the norm and every gradient."""
     config = GPTConfig(block_size=8, vocab_size=37, n_layer=2, n_head=4, n_embd=16, dropout=0.0, bias=True)
     rng = tp_module.ShardedRNG(seed, tp_rank, torch.device("cpu"))
-    model = tp_module.TPGPT(config, TP, tp_rank, sp, rng, group).init_from_full(seed)
+    model = tp_module.init_from_full(tp_module.TPGPT(config, TP, tp_rank, sp, rng, group), seed)
     data = torch.Generator().manual_seed(100 + seed)  # this replica's batch
     x = torch.randint(0, config.vocab_size, (3, config.block_size), generator=data)
     y = torch.randint(0, config.vocab_size, (3, config.block_size), generator=data)
