@@ -1271,12 +1271,13 @@ class Run:
 
     def resume(self, after_resume):
         """--resume: each rank's file read back, once all agree they hold one step of this layout."""
-        env, saved, problem = self.env, {}, None
+        env, (tensors, states) = self.env, self.checkpointed()
         try:
             saved = torch.load(self.path, weights_only=True)  # tensors and plain values: nothing runs
-            problem = None if saved["layout"] == self.layout else (
-                f"{self.path} was written by {saved['layout']}, this run is {self.layout}: resuming another "
-                "layout (resharding) needs infra (copy the infra package (infra/) beside this script)")
+            problem = (f"{self.path} was written by {saved['layout']}, this run is {self.layout}: resuming another "
+                       "layout (resharding) needs infra (copy the infra package (infra/) beside this script)"
+                       if saved["layout"] != self.layout else f"{self.path} holds another model (other shapes)"
+                       if [t.shape for t in saved["tensors"]] != [t.shape for t in tensors] else None)
         except Exception as e:  # missing, truncated, not a checkpoint
             saved, problem = {}, f"--resume: cannot read {self.path} ({type(e).__name__}: {str(e)[:200]})"
         found = [(problem, saved.get("step"))] * env.world_size
@@ -1284,7 +1285,6 @@ class Run:
             dist.all_gather_object(found, found[0], group=dist.group.WORLD)
         check(all(p is None for p, _ in found), next((p for p, _ in found if p), None))
         check(len(set(found)) == 1, f"--resume: the ranks' checkpoints are of steps {[s for _, s in found]}")
-        tensors, states = self.checkpointed()
         with torch.no_grad():
             for tensor, value in zip(tensors, saved["tensors"]):
                 tensor.copy_(value)
