@@ -37,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the scripts keep the old names, which every torch since 2.0 has
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
+SHAKESPEARE_MISSING = (f"--data shakespeare_char reads {SHAKESPEARE_TXT}, which is missing: copy data/ beside "
+                       "common.py, or pass --data synthetic or --data DIR (nanoGPT's train.bin, val.bin)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -567,8 +569,7 @@ class TokenFile:
 
 def shakespeare_text():
     """The default corpus, data/tinyshakespeare.txt beside this file (a copied script needs data/ too)."""
-    check(os.path.isfile(SHAKESPEARE_TXT), f"--data shakespeare_char reads {SHAKESPEARE_TXT}, which is missing: "
-          "copy data/ beside common.py, or pass --data synthetic or --data DIR (nanoGPT's train.bin, val.bin)")
+    check(os.path.isfile(SHAKESPEARE_TXT), SHAKESPEARE_MISSING)
     with open(SHAKESPEARE_TXT, encoding="utf-8") as f:
         return f.read()
 

@@ -187,7 +187,7 @@ def data_problem(spec, block_size, rank=0, world_size=1):
     `agree` then makes every rank act on whatever any rank found."""
     if spec in ("shakespeare_char", "synthetic"):
         if spec == "shakespeare_char" and not os.path.exists(SHAKESPEARE_TXT):
-            return f"the embedded corpus {SHAKESPEARE_TXT} is missing"
+            return common.SHAKESPEARE_MISSING  # a script copied without data/
         if spec == "synthetic":
             lengths = SYNTHETIC_TOKENS
         else:

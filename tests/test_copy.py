@@ -96,7 +96,7 @@ def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, 
 def test_a_copy_without_data_says_so_in_one_line(tmp_path):
     """The copy as issue 56 found it: 06 and common.py, no data/, default flags. Each rank, started
     by hand with torchrun's variables (so that its own exit status is seen), exits 2; rank 0 says
-    in one line what is missing and how to go on; no traceback."""
+    in one line what is missing and how to go on; no traceback. With infra beside it: the same line."""
     script = "06_tensor_parallel.py"
     copy(tmp_path, script)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) + LAUNCHER_ENV}
@@ -112,6 +112,20 @@ def test_a_copy_without_data_says_so_in_one_line(tmp_path):
     lines = [line for line in errors.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --data shakespeare_char reads "), errors
     assert str(tmp_path / "data" / "tinyshakespeare.txt") in lines[0] and "copy data/" in lines[0], lines[0]
+    # with the run infrastructure copied too (and the tie kept), the README's dry run says the same
+    with_infra = tmp_path / "with_infra"
+    with_infra.mkdir()
+    shutil.copy(os.path.join(ROOT, script), with_infra)
+    shutil.copy(os.path.join(ROOT, "common.py"), with_infra)
+    for name in ("infra.py", "infra"):  # the module, or the package it becomes
+        source = os.path.join(ROOT, name)
+        if os.path.isdir(source):
+            shutil.copytree(source, with_infra / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif os.path.exists(source):
+            shutil.copy(source, with_infra)
+    dry = run_copy(with_infra, script, 1, ["--dry_run", "--world_size", "8"], ok=False)
+    assert dry.returncode == 2 and dry.stderr.strip().splitlines() == [lines[0].replace(str(tmp_path),
+                                                                                        str(with_infra))], dry.stderr
 
 
 @pytest.mark.parametrize("script,ranks,flags", [("03_ddp.py", 2, []), ("07_pipeline.py", 2, [])],
