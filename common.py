@@ -37,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the scripts keep the old names, which every torch since 2.0 has
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
+SHAKESPEARE_MISSING = (f"--data shakespeare_char reads {SHAKESPEARE_TXT}, which is missing: copy data/ beside "
+                       "common.py, or pass --data synthetic or --data DIR (nanoGPT's train.bin, val.bin)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -565,11 +567,17 @@ class TokenFile:
         return out.reshape(index.shape)
 
 
+def shakespeare_text():
+    """The default corpus, data/tinyshakespeare.txt beside this file (a copied script needs data/ too)."""
+    check(os.path.isfile(SHAKESPEARE_TXT), SHAKESPEARE_MISSING)
+    with open(SHAKESPEARE_TXT, encoding="utf-8") as f:
+        return f.read()
+
+
 @functools.lru_cache(maxsize=None)
 def shakespeare_vocab_size():
-    """The embedded corpus's character count, read once (the fit check and plan.py ask often)."""
-    with open(SHAKESPEARE_TXT, encoding="utf-8") as f:
-        return len(set(f.read()))
+    """The default corpus's character count, read once (the fit check and plan.py ask often)."""
+    return len(set(shakespeare_text()))
 
 
 class Data:
@@ -579,7 +587,7 @@ class Data:
     def __init__(self, spec, seed, block_size):
         self.seed, self.block_size, self.itos = seed, block_size, None
         if spec == "shakespeare_char":
-            text = open(SHAKESPEARE_TXT, encoding="utf-8").read()
+            text = shakespeare_text()
             chars = sorted(set(text))
             self.itos = chars
             lut = np.zeros(max(map(ord, chars)) + 1, dtype=np.uint16)
@@ -709,7 +717,8 @@ def make_parser(doc, experts=False):
     g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss coefficient per block (default 0.01)")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data", default="shakespeare_char",
-                   help="shakespeare_char (embedded), synthetic, or a directory with nanoGPT train.bin/val.bin")
+                   help="shakespeare_char (data/tinyshakespeare.txt beside common.py), synthetic, or a directory "
+                        "with nanoGPT train.bin/val.bin")
     # 48 divides every data-parallel size of one or two nodes: 1, 2, 3, 4, 6, 8, 12, 16, 24
     g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
     g.add_argument("--micro_batch_size", type=micro_batch_size_arg, default="auto",
@@ -731,6 +740,13 @@ def make_parser(doc, experts=False):
     g.add_argument("--eval_interval", type=int, default=250, help="0 disables evaluation")
     g.add_argument("--eval_iters", type=int, default=20)
     g.add_argument("--log_interval", type=int, default=10)
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--out_dir", default="out")
+    g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint (with infra: "
+                   "the newest, written by any script at any layout; else this script's, at its layout)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="a new run may replace the checkpoint of another run in --out_dir (refused without it)")
     g = p.add_argument_group("system")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "mps", "cpu"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -803,6 +819,10 @@ def parse_args(parser, argv=None):
     check(args.global_batch_size <= MAX_BATCH, f"--global_batch_size {args.global_batch_size} is more than "
           f"{MAX_BATCH:,} sequences per step: a typo?")
     check(0 < args.timeout <= MAX_TIMEOUT_S, f"--timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {args.timeout}")
+    check(args.ckpt_interval >= 0, f"--ckpt_interval must not be negative, got {args.ckpt_interval}")
+    check(not (args.resume and args.overwrite), "--resume continues the run in --out_dir, --overwrite replaces it: "
+          "pass one")
+    check(args.out_dir != "", "--out_dir is empty (an unset variable in a job script?): name a directory")
     return args
 
 
@@ -1147,11 +1167,6 @@ def set_device_rng_state(device, state):
         (torch.mps.set_rng_state if device.type == "mps" else torch.set_rng_state)(state)
 
 
-def seeded_rng_state(device, seed):
-    """A fresh state for `device` from `seed`; torch.manual_seed would reseed every default generator."""
-    return torch.Generator(device=device).manual_seed(seed).get_state()
-
-
 def rng_state(env):
     """This rank's random streams: the CPU generator and, on an accelerator, the device's."""
     state = {"cpu": torch.get_rng_state()}
@@ -1170,22 +1185,29 @@ def set_rng_state(env, state):
 # The run protocol, plain
 # ----------------------------------------------------------------------------------------
 
+# The run infrastructure's own flags (infra's add_run_flags): this file's Run refuses them by name
+# (tests/test_copy.py: exactly the flags a script's --help loses in a copy)
+INFRA_FLAGS = ("dry_run", "world_size", "ranks_per_node", "machine", "gpu_mem_gb", "rehearse", "no_fit_check",
+               "metrics", "wandb", "time_limit", "export", "unverified")
+
+
 class Run:
     """The run protocol: what every main() does alike, so that main() shows its strategy. This one
-    does what a plain loop needs; infra.py's Run (the scripts') adds the rest at the same calls:
+    does what nanoGPT's loop does (evaluation, one log line per step, a checkpoint per rank at
+    --ckpt_interval and --resume from it at the same layout); infra's Run adds the rest at the same calls:
 
         run = Run(parser, __file__)                       # the command line; who this process is
         env, accum_steps = run.start(costs, dp_size=D)    # the processes started, the micro-batch chosen
         run.dry_run(costs, layout_lines)                  # (infra: --dry_run prints the plan, exits 0)
         ... the model, the strategy, the optimizer ...
-        run.begin(config, optimizer, costs, ...)          # (infra: resume; the ledger's formulas)
+        run.begin(config, optimizer, costs, ...)          # --resume (infra: any layout; the ledger's formulas)
         for step in run.steps():                          # evaluations at --eval_interval; the clock
             lr = lr_at(step, args) ...                    # the learning rate, set in the loop
             with run.meter:                               # (infra: the activations autograd holds)
                 ... forwards and backwards ...
             run.check(loss, grads, norm)                  # (infra: non-finite? asked to stop?)
             optimizer.step()
-            run.end_step(loss)                            # one line at --log_interval
+            run.end_step(loss)                            # one line at --log_interval; the checkpoint
         run.finish()                                      # end the process group in step
     """
 
@@ -1193,6 +1215,9 @@ class Run:
     cost = None  # infra: this rank's costs(), the ledger's theory
 
     def __init__(self, parser, script):
+        infra_only = [a.split("=")[0] for a in parser.parse_known_args()[1] if a.split("=")[0][2:] in INFRA_FLAGS]
+        check(not infra_only, f"{' '.join(infra_only)} need{'s' * (len(infra_only) == 1)} infra, the run "
+              "infrastructure: copy the infra package (infra/) beside this script and import Run from it")
         self.args, self.script = parse_args(parser), os.path.basename(script)
         self.launch = detect_launcher(os.environ)
         self.world_size = self.launch.world_size
@@ -1211,10 +1236,69 @@ class Run:
 
     def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
               after_resume=None):
-        """One line about the model; infra's Run also resumes and sets the ledger's formulas."""
-        self.optimizer, self._evaluate, self.start_step = optimizer, evaluate, 0
-        log(self.env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device "
-                      f"{self.env.device}, {str(self.env.dtype).replace('torch.', '')}, {describe}")
+        """One line about the model, and --resume: returns the `extra_rng()` streams read back (or None).
+        infra's Run also resumes any layout (from `pieces()`) and sets the ledger's formulas."""
+        args, env = self.args, self.env
+        self.optimizer, self._evaluate, self.extra_rng, self.start_step = optimizer, evaluate, extra_rng, 0
+        self.layout = {**layout, "world_size": env.world_size}
+        self.path = os.path.join(args.out_dir, f"plain_ckpt_rank{env.rank}.pt")
+        log(env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device "
+                 f"{env.device}, {str(env.dtype).replace('torch.', '')}, {describe}")
+        if args.resume:
+            return self.resume(after_resume)
+        check(not args.ckpt_interval or args.overwrite or not os.path.exists(self.path), f"{self.path} holds "
+              "another run's checkpoint: --resume it, or --overwrite it")
+
+    def checkpointed(self):
+        """(tensors, states): what this rank's optimizer updates (parameters, or the strategy's shards
+        of them; one that is a view into a buffer, ZeRO's flat shards, as that whole buffer, so that
+        what was gathered into it comes back too) and its state. With the step and the random
+        streams, all a rank needs to go on at the same layout (04 gathers again in `after_resume`)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        buffers = {id(t): t for t in (p if p._base is None else p._base for p in params)}
+        return list(buffers.values()), [self.optimizer.state[p] for p in params]
+
+    def save(self, step):
+        """nanoGPT's checkpoint, one torch.save file per rank (tensors and plain values), replaced whole."""
+        tensors, states = self.checkpointed()
+        try:
+            os.makedirs(self.args.out_dir, exist_ok=True)
+            torch.save({"step": step, "layout": self.layout, "tensors": [t.detach() for t in tensors],
+                        "states": [dict(state) for state in states], "rng": rng_state(self.env),
+                        "extra_rng": self.extra_rng and self.extra_rng()}, self.path + ".tmp")
+            os.replace(self.path + ".tmp", self.path)
+        except OSError as e:
+            fail(f"cannot write checkpoint {self.path}: {e}", everyone=True)
+        log(self.env, f"checkpoint step {step}: {self.args.out_dir}/plain_ckpt_rank*.pt")
+
+    def resume(self, after_resume):
+        """--resume: each rank's file read back, once all agree they hold one step of this layout."""
+        env, (tensors, states) = self.env, self.checkpointed()
+        try:
+            saved = torch.load(self.path, weights_only=True)  # tensors and plain values: nothing runs
+            problem = (f"{self.path} was written by {saved['layout']}, this run is {self.layout}: resuming another "
+                       "layout (resharding) needs infra (copy the infra package (infra/) beside this script)"
+                       if saved["layout"] != self.layout else f"{self.path} holds another model (other shapes)"
+                       if [t.shape for t in saved["tensors"]] != [t.shape for t in tensors] else None)
+        except Exception as e:  # missing, truncated, not a checkpoint
+            saved, problem = {}, f"--resume: cannot read {self.path} ({type(e).__name__}: {str(e)[:200]})"
+        found = [(problem, saved.get("step"))] * env.world_size
+        if env.world_size > 1:
+            dist.all_gather_object(found, found[0], group=dist.group.WORLD)
+        check(all(p is None for p, _ in found), next((p for p, _ in found if p), None))
+        check(len(set(found)) == 1, f"--resume: the ranks' checkpoints are of steps {[s for _, s in found]}")
+        with torch.no_grad():
+            for tensor, value in zip(tensors, saved["tensors"]):
+                tensor.copy_(value)
+            for state, values in zip(states, saved["states"]):
+                for key, value in values.items():
+                    state[key] = state[key].copy_(value) if torch.is_tensor(state.get(key)) else value
+        set_rng_state(env, saved["rng"])
+        if after_resume:  # what the strategy derives from what it holds
+            after_resume()
+        self.start_step = saved["step"]
+        log(env, f"resumed step {self.start_step} from {self.args.out_dir}/plain_ckpt_rank*.pt")
+        return saved["extra_rng"]
 
     def steps(self):
         """Steps from the resumed one to --max_iters, each clocked; evaluations at --eval_interval."""
@@ -1244,6 +1328,8 @@ class Run:
             tokens = args.global_batch_size * model_block_size(args)
             log(self.env, f"step {step}: loss {loss:.4f}, lr {self.optimizer.param_groups[0]['lr']:.2e}, "
                           f"{dt * 1e3:.0f} ms, {tokens / dt:,.0f} tok/s")
+        if args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
+            self.save(step + 1)
 
     def log(self, message):
         log(self.env, message)

@@ -73,15 +73,9 @@ def add_run_flags(parser):
     g.add_argument("--wandb", default=None, metavar="PROJECT",
                    help="also log the metrics rows to Weights & Biases from rank 0 (optional package; "
                         "WANDB_MODE=offline on nodes without internet, `wandb sync` later)")
-    g = parser.add_argument_group("checkpoints and stopping")
+    g = parser.add_argument_group("checks, export and stopping")
     g.add_argument("--no_fit_check", action="store_true",
                    help="skip the check, before the model is built, that this rank's costs() fit in its memory")
-    g.add_argument("--out_dir", default="out")
-    g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from out_dir's newest checkpoint, written by any script at any layout")
-    g.add_argument("--overwrite", action="store_true",
-                   help="a new run may replace the checkpoint of another run in --out_dir (refused without it)")
     g.add_argument("--unverified", action="store_true",
                    help="--resume a set whose metadata records no checksums (read unchecked, with a warning)")
     g.add_argument("--export", default=None, metavar="FILE",
@@ -129,15 +123,11 @@ def parse_args(parser, argv=None):
               and args.gpu_mem_gb is None, "--world_size, --ranks_per_node, --machine and --gpu_mem_gb belong to "
               "--dry_run (a launch takes its size from the launcher and its memory from the device)")
     check(args.time_limit is None or args.time_limit > 0, f"--time_limit must be positive, got {args.time_limit}")
-    check(args.ckpt_interval >= 0, f"--ckpt_interval must not be negative, got {args.ckpt_interval}")
     check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
           "it needs --ckpt_interval (the final step is always saved)")
-    check(not (args.resume and args.overwrite), "--resume continues the run in --out_dir, --overwrite replaces it: "
-          "pass one")
     check(not args.unverified or args.resume, "--unverified belongs to --resume (a set without checksums)")
     check(args.wandb != "", "--wandb needs a project name, got an empty one (an unset variable in a job script?): "
           "name the project, or leave --wandb out")
-    check(args.out_dir != "", "--out_dir is empty (an unset variable in a job script?): name a directory")
     check(not args.wandb or wandb_installed(), f"--wandb {args.wandb}: the wandb package is not installed "
           "(it is optional: pip install wandb)")
     return args
@@ -197,7 +187,7 @@ def data_problem(spec, block_size, rank=0, world_size=1):
     `agree` then makes every rank act on whatever any rank found."""
     if spec in ("shakespeare_char", "synthetic"):
         if spec == "shakespeare_char" and not os.path.exists(SHAKESPEARE_TXT):
-            return f"the embedded corpus {SHAKESPEARE_TXT} is missing"
+            return common.SHAKESPEARE_MISSING  # a script copied without data/
         if spec == "synthetic":
             lengths = SYNTHETIC_TOKENS
         else:

@@ -1,8 +1,11 @@
 """Copy one script and it runs (issue "Copy one script"): every training script, copied with
 common.py alone into an empty directory and its one tie to the run infrastructure replaced
 (`from infra import Run` -> `from common import Run`), launches at its usual small layout
-through a real launcher, in fresh interpreters that cannot import infra.py, and trains with
-01's per-step losses (the plain Run logs each step's loss: `step N: loss X, ...`)."""
+through a real launcher, in fresh interpreters that cannot import infra, and trains with
+01's per-step losses (the plain Run logs each step's loss: `step N: loss X, ...`). The copy is
+a complete program (issue "The lesson first", item 5): without data/ its default flags say so in
+one line; it writes a checkpoint per rank at --ckpt_interval and resumes from it with the
+uninterrupted run's losses; a flag of the run infrastructure is refused in one line."""
 
 import ast
 import os
@@ -12,8 +15,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from harness import ROOT, default_launcher, launch
+from common import INFRA_FLAGS, _free_port
+from harness import LAUNCHER_ENV, ROOT, default_launcher, launch
 
 FLAGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--data", "synthetic", "--eval_interval", "0",
          "--log_interval", "1", "--global_batch_size", "8", "--max_iters", "4", "--lr", "3e-3",
@@ -48,16 +53,20 @@ def references():
     return {"dense": dense, "moe": moe}
 
 
-@pytest.mark.parametrize("script,ranks,flags", CASES, ids=[c[0] for c in CASES])
-def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, ranks, flags):
+def copy(tmp_path, script):
+    """`script` with its tie switched, and common.py, alone in tmp_path."""
     source = open(os.path.join(ROOT, script)).read()
-    assert source.count(TIE) == 1, f"{script}: its one tie to infra.py is not the line {TIE.strip()!r}"
+    assert source.count(TIE) == 1, f"{script}: its one tie to infra is not the line {TIE.strip()!r}"
     top_level = [node for node in ast.parse(source).body if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert [ast.unparse(n) for n in top_level if "infra" in ast.unparse(n)] == ["from infra import Run"], \
         f"{script} imports infra at module level besides the Run line (costs() imports it inside)"
     (tmp_path / script).write_text(source.replace(TIE, "from common import Run\n"))
     shutil.copy(os.path.join(ROOT, "common.py"), tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted([script, "common.py"])
+
+
+def run_copy(tmp_path, script, ranks, args, ok=True):
+    """The copy in tmp_path launched as a user would (python, mpiexec or torchrun), where infra cannot be imported."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if ranks == 1:
@@ -66,12 +75,108 @@ def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, 
         cmd = ["mpiexec", "-n", str(ranks), sys.executable, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script]
-    done = subprocess.run(cmd + FLAGS + flags, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    done = subprocess.run(cmd + list(args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert not ok or done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.mark.parametrize("script,ranks,flags", CASES, ids=[c[0] for c in CASES])
+def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, ranks, flags):
+    copy(tmp_path, script)
+    done = run_copy(tmp_path, script, ranks, FLAGS + flags)
     assert not (tmp_path / "out").exists(), "the plain copy wrote a checkpoint directory"
     losses = plain_losses(done.stdout)
     expected = references["moe" if "--n_expert" in flags else "dense"]
     assert len(losses) == len(expected) == 4, done.stdout
     # the plain line prints 4 decimals: equal to 01's losses to that precision
     assert losses == pytest.approx(expected, abs=2e-4), (losses, expected)
+
+
+def test_a_copy_without_data_says_so_in_one_line(tmp_path):
+    """The copy as issue 56 found it: 06 and common.py, no data/, default flags. Each rank, started
+    by hand with torchrun's variables (so that its own exit status is seen), exits 2; rank 0 says
+    in one line what is missing and how to go on; no traceback. With infra beside it: the same line."""
+    script = "06_tensor_parallel.py"
+    copy(tmp_path, script)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) + LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, script, "--device", "cpu"], cwd=tmp_path, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    done = [(p.wait(timeout=300), *p.communicate()) for p in ranks]
+    assert [code for code, _, _ in done] == [2, 2], done
+    errors = "".join(err for _, _, err in done)
+    assert "Traceback" not in errors, errors
+    lines = [line for line in errors.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --data shakespeare_char reads "), errors
+    assert str(tmp_path / "data" / "tinyshakespeare.txt") in lines[0] and "copy data/" in lines[0], lines[0]
+    # with the run infrastructure copied too (and the tie kept), the README's dry run says the same
+    with_infra = tmp_path / "with_infra"
+    with_infra.mkdir()
+    shutil.copy(os.path.join(ROOT, script), with_infra)
+    shutil.copy(os.path.join(ROOT, "common.py"), with_infra)
+    for name in ("infra.py", "infra"):  # the module, or the package it becomes
+        source = os.path.join(ROOT, name)
+        if os.path.isdir(source):
+            shutil.copytree(source, with_infra / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif os.path.exists(source):
+            shutil.copy(source, with_infra)
+    dry = run_copy(with_infra, script, 1, ["--dry_run", "--world_size", "8"], ok=False)
+    assert dry.returncode == 2 and dry.stderr.strip().splitlines() == [lines[0].replace(str(tmp_path),
+                                                                                        str(with_infra))], dry.stderr
+
+
+@pytest.mark.parametrize("script,ranks,flags", [("03_ddp.py", 2, []), ("07_pipeline.py", 2, [])],
+                         ids=["03_ddp.py", "07_pipeline.py"])
+def test_a_copy_checkpoints_and_resumes_with_the_same_losses(tmp_path, script, ranks, flags):
+    """nanoGPT's --out_dir, --ckpt_interval and --resume in the copy: one file per rank, read back
+    with weights_only; 3 steps, then --resume to 6, log the uninterrupted run's 6 losses (to the
+    plain line's 4 decimals); another layout is refused in one line that names infra."""
+    copy(tmp_path, script)
+    six = FLAGS[:FLAGS.index("--max_iters")] + ["--max_iters", "6", "--lr_decay_iters", "6"] \
+        + FLAGS[FLAGS.index("--max_iters") + 2:] + flags
+    whole = plain_losses(run_copy(tmp_path, script, ranks, six + ["--out_dir", "whole"]).stdout)
+    first = run_copy(tmp_path, script, ranks, six + ["--out_dir", "cut", "--ckpt_interval", "3", "--max_iters", "3"])
+    assert sorted(os.listdir(tmp_path / "cut")) == [f"plain_ckpt_rank{r}.pt" for r in range(ranks)], first.stdout
+    for r in range(ranks):
+        held = torch.load(tmp_path / "cut" / f"plain_ckpt_rank{r}.pt", weights_only=True)  # no pickled objects
+        assert held["step"] == 3 and held["layout"]["world_size"] == ranks, held.keys()
+    again = run_copy(tmp_path, script, ranks, six + ["--out_dir", "cut", "--ckpt_interval", "3", "--resume"])
+    assert "resumed step 3" in again.stdout, again.stdout
+    assert len(whole) == 6 and plain_losses(first.stdout) + plain_losses(again.stdout) == whole, (first.stdout, again.stdout)
+    fresh = run_copy(tmp_path, script, ranks, six + ["--out_dir", "cut", "--ckpt_interval", "3"], ok=False)
+    assert fresh.returncode == 2 and "--overwrite" in fresh.stderr, fresh.stderr
+    other = run_copy(tmp_path, script, 1, six + ["--out_dir", "cut", "--resume"], ok=False)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr
+    errors = [line for line in other.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "another layout" in errors[0] and "infra" in errors[0], other.stderr
+
+
+def usage_flags(text):
+    """The flags argparse's usage line lists (--help), in order."""
+    return re.findall(r"\[(--\w+)", text.split("\n\n")[0])
+
+
+def test_an_infra_flag_in_a_copy_is_refused_in_one_line(tmp_path):
+    """The README's dry run in a copy: refused in one line naming infra, not argparse's
+    "unrecognized arguments"; and the flags a copy refuses are exactly those the repository's
+    scripts have and a copy has not (common.INFRA_FLAGS, as the README lists them)."""
+    script = "03_ddp.py"
+    copy(tmp_path, script)
+    done = run_copy(tmp_path, script, 1, ["--dry_run", "--world_size", "8", "--metrics=m.jsonl"], ok=False)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr.strip().splitlines() == ["error: --dry_run --world_size --metrics need infra, the run "
+                                                "infrastructure: copy the infra package (infra/) beside this script "
+                                                "and import Run from it"], done.stderr
+    typo = run_copy(tmp_path, script, 1, ["--maxiters", "3"], ok=False)  # not infra's: argparse's own line
+    assert typo.returncode == 2 and "unrecognized arguments: --maxiters 3" in typo.stderr, typo.stderr
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    repo = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120).stdout
+    plain = run_copy(tmp_path, script, 1, ["--help"]).stdout
+    dropped = [flag for flag in usage_flags(repo) if flag not in usage_flags(plain)]
+    assert sorted(dropped) == sorted(f"--{name}" for name in INFRA_FLAGS), (dropped, INFRA_FLAGS)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert all(flag in readme for flag in dropped), [flag for flag in dropped if flag not in readme]
