@@ -24,12 +24,13 @@ ZB-V and DualPipeV, two chunks per rank in a V (r and 2p-1-r: rank 0 holds the f
 
 The words. A schedule is, per rank, a list of rounds; a round is a tuple of actions; an
 action is (kind, micro-batch i, chunk c of this rank): F a forward, B a backward, or zero
-bubble's two halves of a backward, I and W. Between two rounds a rank posts one exchange, a
-single batch_isend_irecv of the sends of what the round computed with the receives the next
-round needs (Megatron's send_forward_recv_backward and friends). schedule_rounds() and the V
-schedules build it, --schedule_csv FILE reads one in torch.distributed.pipelining's CSV ("3F1",
-"3I1", "3W1", "3B1", "(0F4;1B2)OVERLAP_F_B"), --write_schedule FILE writes it, and
-Pipeline.run runs it as it is.
+bubble's two halves of a backward, I and W; `vee`: the chunks sit in a V (chunk_stage).
+Between two rounds a rank posts one exchange, a single batch_isend_irecv of the sends of what
+the round computed with the receives the next round needs (Megatron's
+send_forward_recv_backward and friends). schedule_rounds() and the V schedules build it,
+--schedule_csv FILE reads one in torch.distributed.pipelining's CSV ("3F1", "3I1", "3W1",
+"3B1", "(0F4;1B2)OVERLAP_F_B"), --write_schedule FILE writes it, and Pipeline.run runs it as
+it is.
 
 One rank holds: its chunks' layers (the tied wte on the first and the last stage), their
     gradients and optimizer state, and the activations of its micro-batches in flight.
@@ -101,9 +102,8 @@ def free_output(out):
 
 
 def backward_from_freed(out, grad):
-    """out.backward(grad) for an output whose storage free_output freed (Megatron's
-    custom_backward): backward() would check that grad has out's shape, now [1], so autograd's
-    engine is run directly, with backward()'s own arguments."""
+    """out.backward(grad) for an output free_output emptied (Megatron's custom_backward):
+    backward() would check grad's shape against out's, now [1], so autograd's engine runs it."""
     Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False,
                                             create_graph=False, inputs=(), allow_unreachable=True,
                                             accumulate_grad=True)
@@ -229,7 +229,7 @@ class Pipeline:
                 out.backward()
             else:
                 backward_from_freed(out, dy)
-        if self.deferred is not None:  # zero bubble: B left its W nodes in `deferred`
+        if self.deferred is not None:  # zero bubble: the split Linears left their W nodes in `deferred`
             self.weights[(i, c)] = self.deferred[:]
             self.deferred.clear()
             if kind == "B":  # a whole backward: its W at once
@@ -496,6 +496,13 @@ def check_layout(args, config, p):
           "every chunk needs at least one layer")
 
 
+def check_micro_batches(args, p, m):
+    check(args.schedule != "interleaved" or m % p == 0,
+          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    check(args.schedule != "dualpipev" or m >= 2 * p,
+          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
+
+
 def micro_batches(data, split, step, args, env, m, first, last, eval_split=False):
     """The step's batch in m micro-batches: the tokens for the first stage, the targets for
     the last; a middle stage loads neither (None for each)."""
@@ -582,10 +589,7 @@ def main():
     # rank before the fit check, and named: the ledger counts its all-reduce as all_reduce[embedding]
     env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p),
                        groups=lambda env: dist.new_group([0, p - 1], group_desc="embedding") if p > 1 else None)
-    check(args.schedule != "interleaved" or m % p == 0,
-          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
-    check(args.schedule != "dualpipev" or m >= 2 * p,
-          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
+    check_micro_batches(args, p, m)  # interleaved: a multiple of p; DualPipeV: at least 2p
     every, v, vee, split = run_schedule(args, p, m)  # every rank's rounds: what runs, is drawn and is priced
     write_schedule(args, every, p, vee, env)  # --write_schedule FILE: torch's CSV (rank 0)
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
@@ -1456,11 +1460,12 @@ def plan(args, p, v, m):
     # the activation bytes are not in these lines: any dtype gives the same stage lines
     stages = [costs(args, config, p, torch.float32, rank) for rank in range(p)]
     layout, vee = chunk_layers(config.n_layer, p * v), chunks_per_rank(args)[1]
+    held = [[chunk_stage(p, r, c, vee) for c in range(v)] for r in range(p)]  # every rank's global chunks
     return ([f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
              f"{args.micro_batch_size}; bubble {bubble_formula(args.schedule, v)} = "
              f"{bubble_theory(args.schedule, p, m, v) or 0:.3f}"]
             + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
-               f"{', '.join(f'{layout[g][0]}-{sum(layout[g]) - 1}' for g in (chunk_stage(p, r, c, vee) for c in range(v)))}, holds "
+               f"{', '.join(f'{layout[g][0]}-{sum(layout[g]) - 1}' for g in held[r])}, holds "
                f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
                f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
                f"{s['in_flight']} micro-batch(es) of activations in flight"

@@ -1509,9 +1509,8 @@ def free_output(out):
 
 
 def backward_from_freed(out, grad):
-    """out.backward(grad) for an output whose storage free_output freed (Megatron's
-    custom_backward): backward() would check that grad has out's shape, now [1], so autograd's
-    engine is run directly, with backward()'s own arguments."""
+    """out.backward(grad) for an output free_output emptied (Megatron's custom_backward):
+    backward() would check grad's shape against out's, now [1], so autograd's engine runs it."""
     Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False,
                                             create_graph=False, inputs=(), allow_unreachable=True,
                                             accumulate_grad=True)
@@ -1633,7 +1632,7 @@ class Pipeline:
                 out.backward()
             else:
                 backward_from_freed(out, dy)
-        if self.deferred is not None:  # zero bubble: B left its W nodes in `deferred`
+        if self.deferred is not None:  # zero bubble: the split Linears left their W nodes in `deferred`
             self.weights[(i, c)] = self.deferred[:]
             self.deferred.clear()
             if kind == "B":  # a whole backward: its W at once
