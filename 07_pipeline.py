@@ -32,10 +32,8 @@ send_forward_recv_backward and friends). schedule_rounds() and the V schedules b
 "3B1", "(0F4;1B2)OVERLAP_F_B"), --write_schedule FILE writes it, and Pipeline.run runs it as
 it is.
 
-One rank holds: its chunks' layers (the tied wte on the first and the last stage), their
-    gradients and optimizer state, and the activations of its micro-batches in flight.
-One rank sends: b·s·h forward and b·s·h back per micro-batch and stage boundary (fp32), the
-    wte gradient between the first and the last stage, the clipping norm, and the loss.
+One rank holds: its chunks' layers, gradients and optimizer state, and the activations in flight.
+One rank sends: b·s·h each way per micro-batch per stage boundary, wte's gradient, norm and loss.
 
 The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the
 head; their gradients are summed before every update, so the two stay equal.
