@@ -125,12 +125,12 @@ class Pipeline:
         self.deferred, self.timed, self.vee = deferred, timed, vee
         self.to_self = {}  # messages to this rank itself: one stage, or the V's turn
 
-    def post(self, batch, sends):
-        """Post one exchange: the sends of `sends` and the receives of `batch`, together in one
+    def post(self, exchange, sends):
+        """Post one exchange: its sends (of tensors in `sends`) and its receives, together in one
         batch_isend_irecv (NCCL: one request for the batch); returns (requests, {tag: tensor
         arriving}). A message to this rank itself passes in memory (pass_in_memory)."""
         ops, arriving = [], {}
-        for op, peer, tag in batch:
+        for op, peer, tag in exchange:
             if peer == self.rank:  # one stage, or the V's turn: no message at all
                 if op == "send":
                     self.to_self[tag] = self.pass_in_memory(*sends[tag])
@@ -143,14 +143,14 @@ class Pipeline:
                 ops.append(dist.P2POp(dist.irecv, arriving[tag], group=self.group, group_peer=peer, tag=tag))
         return (dist.batch_isend_irecv(ops) if ops else []), arriving
 
-    def complete(self, requests, batch, sends):
+    def complete(self, requests, exchange, sends):
         """Wait for the whole exchange, sends included (as Megatron's _communicate does), then
         free each output sent (free_output). No deadlock follows: the exchanges keep NCCL's
         rules (a rank's batches complete in order, a send once its receive is posted). Under
         gloo it is what frees the outputs: a send is complete to wait() only."""
         for request in requests:
             request.wait()
-        for op, peer, tag in batch:
+        for op, peer, tag in exchange:
             if op == "send" and peer != self.rank and sends[tag][1]:
                 free_output(sends[tag][0])
 
@@ -164,8 +164,8 @@ class Pipeline:
         return passed
 
     def run(self, rounds, inputs, targets, m, train=True, posts=None):
-        """Run one step's rounds, posting exchanges()'s batches (or `posts`, their order for
-        NCCL in a V) between them; returns the summed loss (last stage), the peak number of
+        """Run one step's rounds, posting exchanges() between them (or `posts`, those ordered
+        for NCCL in a V); returns the summed loss (last stage), the peak number of
         micro-batch chunks in flight (forward done, backward not; with zero bubble: W not),
         and when timed a function giving the share of the time this rank computed (1 - it is
         its measured bubble; call it after the step: it reads the device's events).
@@ -180,7 +180,7 @@ class Pipeline:
         with autocast(self.env):
             requests, received = self.post(posts[0], {})  # the first round's receives
             self.complete(requests, posts[0], {})
-            for actions, batch in zip(rounds, posts[1:]):
+            for actions, exchange in zip(rounds, posts[1:]):
                 sends = {}  # what this round sends: {tag: (tensor, free it once sent)}
                 for kind, i, c in actions:
                     g = chunk_stage(self.p, self.rank, c, self.vee)  # this chunk's place in the pipeline
@@ -197,11 +197,11 @@ class Pipeline:
                         if g > 0:  # x's gradient, back to chunk g-1
                             sends[backward_tag(i, g, n, m)] = (dx, False)
                         del dy, dx  # the message in `sends` is the only reference left
-                requests, arriving = self.post(batch, sends)  # this round's sends, the next one's receives
+                requests, arriving = self.post(exchange, sends)  # this round's sends, the next one's receives
                 for kind, i, c in actions:
                     if kind == "W":  # zero bubble: nobody waits for W, so it runs while the messages travel
                         self.timed_span(self.weight_gradient, i, c)
-                self.complete(requests, batch, sends)
+                self.complete(requests, exchange, sends)
                 received.update(arriving)
         whole = (start, self.mark())
         spans = self.spans
