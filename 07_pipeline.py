@@ -640,10 +640,10 @@ def main():
 # ----------------------------------------------------------------------------------------
 # ---- Beyond the lesson ----
 # ----------------------------------------------------------------------------------------
-# What follows is not needed to understand the strategy: the V schedules' orders (ZB-V,
-# DualPipeV, as torch writes them), the exchanges reordered for NCCL in a V, a schedule's
-# CSV import and export, costs() and the accounting, checkpoint pieces, and the unit-cost
-# replay that draws the schedule and its bubble.
+# What follows is not needed to read the strategy: zero bubble's split Linear (SplitLinear),
+# the V schedules' orders (ZB-V, DualPipeV, as torch writes them), the exchanges reordered
+# for NCCL in a V, a schedule's CSV import and export, costs() and the accounting, checkpoint
+# pieces, and the unit-cost replay that draws the schedule and its bubble.
 
 
 # ---------------------------------------------------------------------------------------
