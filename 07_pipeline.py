@@ -1,113 +1,42 @@
-"""07_pipeline.py: pipeline parallelism by hand: GPipe, 1F1B, interleaved 1F1B, zero bubble
-(ZB-H1) and its V-shaped ZB-V, DualPipeV, or any schedule given as a table, with the schedule
-that ran drawn as a timeline.
+"""07_pipeline.py: pipeline parallelism by hand. The layers are cut into p stages, one per
+rank, and the batch into m micro-batches that flow through them: a stage receives a
+micro-batch's activations from the previous stage, runs its layers, sends the result on, and
+in backward passes the gradient back the same way. Only b·s·h activations cross a stage
+boundary, the cheapest parallelism in communication, paid for in idle time, the bubble,
+while the pipeline fills and drains.
 
-The layers are split into P consecutive stages, one per rank; the embedding lives on the
-first stage, the final LayerNorm and the head on the last. The global batch is cut into m
-micro-batches; a stage receives a micro-batch's activations from the previous stage, runs its
-layers, sends the result on, and in backward passes the gradient back the same way. Only
-activations of b·s·h cross a stage boundary: the cheapest parallelism in communication, paid
-for in idle time, the bubble, while the pipeline fills and drains.
-
-    GPipe (Huang et al. 2019): all forwards, then all backwards. p = 4, m = 4:
-      stage 0  F0 F1 F2 F3 .. .. .. .. .. .. B0 B1 B2 B3
-      stage 1  .. F0 F1 F2 F3 .. .. .. .. B0 B1 B2 B3 ..        bubble = (p-1)/(m+p-1)
-      stage 2  .. .. F0 F1 F2 F3 .. .. B0 B1 B2 B3 .. ..        activations held: m
-      stage 3  .. .. .. F0 F1 F2 F3 B0 B1 B2 B3 .. .. ..        micro-batches per stage
-
-    1F1B (PipeDream-Flush, Narayanan et al. 2021): stage r runs p-r-1 warm-up forwards,
-    then one forward one backward (the steady state), then the cool-down backwards. With F
-    and B one unit each, p = 4, m = 6:
+    1F1B (PipeDream-Flush, Narayanan et al. 2021), p = 4, m = 6, F and B one unit each:
+    stage r runs p-r-1 warm-up forwards, then one forward one backward (the steady state),
+    then the cool-down backwards.
               warm-up  steady state               cool-down  (stage 0's)
       stage 0  F0 F1 F2 F3  .  .  . B0 F4 B1 F5 B2  . B3  . B4  . B5
       stage 1   . F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3  . B4  . B5  .
       stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4  . B5  .  .
       stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5  .  .  .
-    The same bubble as GPipe's, but a backward frees a micro-batch's activations as soon as
-    the pipeline is full, so stage r holds at most p-r micro-batches instead of m.
+    bubble = (p-1)/(m+p-1), GPipe's (all forwards, then all backwards), but a backward frees
+    its micro-batch as soon as the pipeline is full: stage r holds p-r of them, not m.
 
-    Interleaved 1F1B (Narayanan et al. 2021): each rank holds v smaller chunks of layers
-    (rank r: chunks r, r+p, ..., r+(v-1)p), so the pipeline fills v times faster:
-    bubble = (p-1)/(v·m + p - 1), for v·p-1 stage boundaries instead of p-1 (a middle rank
-    sends v times as much, the first and the last 2v-1 times as much).
+The variants, derived with their pictures, bubbles and memory in docs/strategies.md ("The
+pipeline schedules, derived"): interleaved 1F1B (v chunks of layers per rank, r, r+p, ...);
+zero bubble ZB-H1, each backward split into I, the input gradient the previous stage waits
+for, and W, the weight gradient nobody waits for, deferred into the bubble (SplitLinear); and
+ZB-V and DualPipeV, two chunks per rank in a V (r and 2p-1-r: rank 0 holds the first and last).
 
-    Zero bubble, ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a
-    backward is two passes. B, the input gradient dx = dy·W of every Linear, is what the
-    previous stage waits for; W, the weight gradient dW = dyᵀ·x, nobody waits for, so it
-    is deferred (SplitLinear), its x and dy kept until it runs. 1F1B's order of F and B
-    stays; stage r defers the W of its first r backwards and runs them at the end, where
-    1F1B's later stages idle, and every other B is followed by one W. With F, B and W one
-    unit each, p = 4, m = 6:
-      stage 0  F0 F1 F2 F3  .  .  . B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5
-      stage 1   . F0 F1 F2  .  . B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5
-      stage 2   .  . F0 F1  . B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5
-      stage 3   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
-    bubble = (p-1)/(3m + p - 1) (m >= p), about a third of 1F1B's (p-1)/(m+p-1) in the same
-    units (its backward is B + W, two of them). A micro-batch is held from F to W: whole
-    until B, then its W tensors, x and dy of each Linear, 16e·bsh per block (e = bytes of
-    the compute dtype), about what the block saved (the paper's M_W = 32bsh against
-    M_B = 34bsh + 5as²b in 16 bits). Stage r holds up to p micro-batches, p-r whole and r
-    as W tensors: every stage near stage 0's 1F1B peak, which stays the peak over stages
-    when stages are alike. Where they are not, ZB-H1 costs more: the last stage's
-    micro-batch also holds the head's b·s·V log-softmax; and W tensors are not recomputed,
-    so --recompute saves far less than under 1F1B (docs/memory.md has GPT-2's figures).
+The words. A schedule is, per rank, a list of rounds; a round is a tuple of actions; an
+action is (kind, micro-batch i, chunk c of this rank): F a forward, B a backward, or zero
+bubble's two halves of a backward, I and W; `vee`: the chunks sit in a V (chunk_stage).
+Between two rounds a rank posts one exchange, a single batch_isend_irecv of the sends of what
+the round computed with the receives the next round needs (Megatron's
+send_forward_recv_backward and friends). schedule_rounds() and the V schedules build it,
+--schedule_csv FILE reads one in torch.distributed.pipelining's CSV ("3F1", "3I1", "3W1",
+"3B1", "(0F4;1B2)OVERLAP_F_B"), --write_schedule FILE writes it, and Pipeline.run runs it as
+it is.
 
-    ZB-V (Qi et al. 2024, section 6; torch.distributed.pipelining's ScheduleZBVZeroBubble)
-    cuts the model in 2p chunks and lays them in a V: rank r holds chunk r on the way down
-    and chunk 2p-1-r on the way back (chunk_stage), p = 2:
-      chunk   0     1     2     3          rank 0 holds the first and the last chunk: the
-      rank    0  →  1  →  1  →  0          loss's backward starts where the forwards start,
-                 (in memory)               and wte and its tied head are one tensor
-    so the backward of the last chunk follows its forward at once on the rank that would
-    idle longest, and the warm-up of 2(p-r)-1 forwards of chunk r holds 2p chunk-sized
-    micro-batches (p whole ones, 1F1B's stage-0 peak) on every rank. With F, B, W of a
-    chunk one half unit each ('a' down, 'b' back), p = 2, m = 4:
-      stage 0  F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b B2a W2a B3a W3a   .
-      stage 1    . F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b B3a W2a W3b W3a
-    idle: max((p-1)/2, 2p-1-m) units of 3m + idle, so bubble = (p-1)/(6m+p-1) once
-    m >= (3p-1)/2, half of ZB-H1's; fewer micro-batches cannot fill the V:
-    (2p-1-m)/(2m+2p-1).
+One rank holds: its chunks' layers, gradients and optimizer state, and the activations in flight.
+One rank sends: b·s·h each way per micro-batch per stage boundary, wte's gradient, norm and loss.
 
-    DualPipeV (DeepSeek-V3's DualPipe folded into the same V; torch's ScheduleDualPipeV;
-    m >= 2p) overlaps the forward of one chunk with the full backward (I + W) of the other,
-    written as one action, "(0F3;3B1)OVERLAP_F_B", and drawn as one: the forward in a 'with'
-    row, under the backward it shares its time with. DualPipe assumes full overlap (on GPUs
-    each hides the other's communication), so the pair takes max(F, B) = B, not F + B.
-    p = 2, m = 4:
-      stage 0  F0a F1a F2a F0b B0b W0b F1b B1b W1b   . B0a W0a B2b W2b B1a W1a B3b W3b B2a W2a B3a W3a
-      with                                 F3a         F2b             F3b
-      stage 1    . F0a F0b F1a F1b F2a B0b W0b B0a W0a B1b W1b B1a W1a B2b W2b B2a W2a B3b B3a W3b W3a
-      with                                     F2b     F3a     F3b
-    idle: (p-1)(p+2)/4 units over the stages of a timeline 2m + 3p/2 long (3m units of
-    work less the hidden forwards): bubble = (p-1)(p+2)/(2p(4m+3p)), a larger share than
-    ZB-V's of a shorter step. 07 itself runs a pair in order, on one stream, on any device:
-    what --measure_bubble measures is F + B, a timeline as long as ZB-V's, with ZB-V's
-    bubble (p-1)/(6m+p-1); the log states both. DualPipeV holds one chunk-sized micro-batch
-    more than ZB-V, 2p+1 on every rank (the pair's forward comes before its backward frees).
-
-Tables. Every schedule is one table: per rank, its actions in order, in the notation of
-torch.distributed.pipelining (its _dump_csv / _load_csv CSV, one row per rank): "3F1" is
-stage 3's forward of micro-batch 1, "3I1" its backward-input (zero bubble's B), "3W1" its
-backward-weight, "3B1" a full backward, "(0F4;1B2)OVERLAP_F_B" two actions in one round.
-The executor runs the table (table_rounds: one round per action, a W riding in the round of
-the backward before it), the drawing, the bubble, costs() and the NCCL replay read it, and
-the sends and receives are derived from it (exchanges, nccl_batches). --write_schedule FILE
-writes any schedule's table; --schedule_csv FILE runs a user's, refused before anything is
-built, in one line naming the rank and the action, when it cannot run (table_problem).
-
-Point-to-point: a rank computes in rounds (one forward or backward; in the interleaved
-steady state one forward and one backward; ZB's W rides in the round of the B before it)
-and between two rounds posts one batch_isend_irecv (exchanges()): the sends of what it just
-computed with the receives the next round needs, then waits for the whole batch, sends too
-(Megatron's send_forward_recv_backward and friends); then each output sent is freed: only
-its autograd graph is needed for backward (free_output, Megatron's deallocate_output_tensor).
-In bf16 the step's schedule is one autocast region, so each weight is cast once per step,
-not once per micro-batch in flight.
-
-The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the head;
-both start equal (param_init) and stay equal because their gradients are all-reduced between
-the two stages before every update. The loss is computed on the last stage and broadcast for
-logging; the gradient-clipping norm sums every stage's squares (the tied weight counted once).
+The tied embedding: the first stage owns wte for the lookup, the last stage a copy as the
+head; their gradients are summed before every update, so the two stay equal.
 
 Run:
 
@@ -116,21 +45,6 @@ Run:
     mpiexec -n 4 python 07_pipeline.py --schedule zbv --model gpt2 --write_schedule zbv.csv
     mpiexec -n 4 python 07_pipeline.py --schedule_csv zbv.csv --model gpt2
     torchrun --standalone --nproc_per_node 4 07_pipeline.py --schedule interleaved --virtual_stages 3 ...
-
-Cost per rank, p stages, m micro-batches of b sequences, v chunks per rank:
-
-    memory:        16 bytes x (the stage's parameters; + wte on the first and last stage)
-                   + the activations of the micro-batches in flight on stage r: m (GPipe),
-                   min(p-r, m) (1F1B), or min(v·m, 2(p-r-1) + (v-1)p + 1) chunk-sized ones
-                   (interleaved: Megatron's warm-up of 2(p-r-1) + (v-1)p forwards, plus one);
-                   ZB-H1 (m >= p): (p-r-1)·K + r·n·16e·bsh + the most one B holds, K being
-                   a micro-batch's activations, which B turns into its n·16e·bsh W tensors;
-                   ZB-V: up to 2p chunk-sized micro-batches (p whole: 1F1B's stage 0 on
-                   every rank), walked along the table (held_peak, activation_peak)
-    communication: per micro-batch per stage boundary, b·s·h forward and b·s·h backward,
-                   fp32 also under autocast (the residual stream); v·p-1 boundaries instead
-                   of p-1 when interleaved; + an all-reduce of the wte gradient (V·h) between first
-                   and last stage, of the clipping norm, and a broadcast of the loss per step
 """
 
 import csv
@@ -149,70 +63,20 @@ from infra import Run  # the run infrastructure; `from common import Run` is the
 
 
 # ---------------------------------------------------------------------------------------
-# Schedules: the order of ("F" | "B", micro-batch, chunk) on one rank, in rounds, and what it
-# posts between two rounds
+# Where the chunks sit, and the messages between them
 # ---------------------------------------------------------------------------------------
 
-def schedule_rounds(kind, p, rank, m, v=1):
-    """The operations rank `rank` of `p` runs for `m` micro-batches (v chunks per rank for
-    the interleaved schedule), in order, in rounds: between two rounds the rank exchanges
-    activations and gradients with its neighbours (exchanges()). A round is one operation,
-    except in the interleaved steady state (one forward and one backward) and in ZB-H1,
-    where a W rides in the round of the B before it: it runs once that B's gradient has
-    been posted to the previous stage, while the round's receives travel."""
-    if kind == "gpipe":  # every forward, then every backward
-        return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
-    if kind == "1f1b":
-        warmup = min(p - rank - 1, m)  # forwards before the first backward reaches this stage
-        forwards = [("F", i, 0) for i in range(m)]
-        backwards = [("B", i, 0) for i in range(m)]
-        order = forwards[:warmup]
-        for i in range(m - warmup):  # steady state: one forward, one backward
-            order += [forwards[warmup + i], backwards[i]]
-        return [(op,) for op in order + backwards[m - warmup:]]  # cool-down
-    if kind == "interleaved":  # Megatron's: forwards visit chunks in groups of p micro-batches
-        total = m * v
-
-        def forward_op(k):
-            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
-
-        def backward_op(k):
-            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
-
-        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-        return ([(forward_op(k),) for k in range(warmup)]
-                + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
-                + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
-    # zero bubble, ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
-    # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
-    # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
-    # steady state, but stage `rank` defers the W of its first `rank` backwards; from then
-    # on each B is followed by the W of the oldest micro-batch whose W is pending, and the
-    # `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
-    assert kind == "zb", kind
-    warmup = min(p - rank - 1, m)
-    rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
-    for k in range(m):
-        if warmup + k < m:  # steady state: one forward, then one backward
-            rounds.append((("F", warmup + k, 0),))
-        if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
-            rounds.append((("B", k, 0), ("W", w, 0)))
-            w += 1
-        else:
-            rounds.append((("B", k, 0),))
-    return rounds + [(("W", j, 0),) for j in range(w, m)]
+def chunk_stage(p, rank, c, vee=False):
+    """The pipeline position (global chunk) of rank `rank`'s c-th chunk: c·p + rank
+    (interleaved: rank r holds r, r+p, ...), or in a V (ZB-V, DualPipeV: two chunks per
+    rank) r on the way down and 2p-1-r on the way back, so rank 0 holds the first and the
+    last chunk and rank p-1 the two in the middle, passed from one to the other in memory."""
+    return (2 * p - 1 - rank if c else rank) if vee else c * p + rank
 
 
-def schedule(kind, p, rank, m, v=1):
-    """The operations of schedule_rounds(), one after the other."""
-    return [op for ops in schedule_rounds(kind, p, rank, m, v) for op in ops]
-
-
-def forward_rounds(p, m, v):
-    """Evaluation's rounds: forwards only, micro-batches in groups of p through chunk 0,
-    then chunk 1, ... (the interleaved order without its backwards); v = 1: 0..m-1."""
-    return [(("F", i, c),) for group in range(0, m, p) for c in range(v)
-            for i in range(group, min(group + p, m))]
+def stage_rank(p, g, vee=False):
+    """The rank that holds global chunk g (the inverse of chunk_stage)."""
+    return (g if g < p else 2 * p - 1 - g) if vee else g % p
 
 
 def forward_tag(i, g, n):
@@ -227,26 +91,260 @@ def backward_tag(i, g, n, m):
     return n * m + forward_tag(i, g, n)
 
 
-def chunk_stage(p, rank, c, vee=False):
-    """The pipeline position (global chunk) of rank `rank`'s c-th chunk: c·p + rank
-    (interleaved: rank r holds r, r+p, ...), or in a V (ZB-V, DualPipeV: two chunks per
-    rank) r on the way down and 2p-1-r on the way back, so rank 0 holds the first and the
-    last chunk and rank p-1 the two in the middle, passed from one to the other in memory."""
-    return (2 * p - 1 - rank if c else rank) if vee else c * p + rank
+def free_output(out):
+    """Free a stage output's storage once it has been sent (Megatron-LM's
+    deallocate_output_tensor): backward needs only the graph `out` is the root of, never its
+    values, so a micro-batch in flight keeps its activations, not its b·s·h output. `out` is
+    no view (the chunk's last residual add): freeing a view would free nothing."""
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
-def stages_of(p, rank, v, vee=False):
-    """The global chunks rank `rank` holds, in its chunk order."""
-    return [chunk_stage(p, rank, c, vee) for c in range(v)]
+def backward_from_freed(out, grad):
+    """out.backward(grad) for an output free_output emptied (Megatron's custom_backward):
+    backward() would check grad's shape against out's, now [1], so autograd's engine runs it."""
+    Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False,
+                                            create_graph=False, inputs=(), allow_unreachable=True,
+                                            accumulate_grad=True)
 
 
-def stage_rank(p, g, vee=False):
-    """The rank that holds global chunk g (the inverse of chunk_stage)."""
-    return (g if g < p else 2 * p - 1 - g) if vee else g % p
+# ---------------------------------------------------------------------------------------
+# The executor: a rank runs its rounds, posting one exchange between two rounds
+# ---------------------------------------------------------------------------------------
+
+class Pipeline:
+    """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
+    rank in the group, and its messages name their peers by stage (group_peer), so that a
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `deferred`: zero
+    bubble's list where I leaves its W (split_backward). `timed`: mark every F, B, I and W
+    on the device's own timeline, to measure the bubble (08_3d.py measures none). `vee`: the
+    chunks sit in a V (chunk_stage), so the rank passes some messages to itself, in memory."""
+
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
+        self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
+        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.deferred, self.timed, self.vee = deferred, timed, vee
+        self.to_self = {}  # messages to this rank itself: one stage, or the V's turn
+
+    def post(self, exchange, sends):
+        """Post one exchange: its sends (of tensors in `sends`) and its receives, together in one
+        batch_isend_irecv (NCCL: one request for the batch); returns (requests, {tag: tensor
+        arriving}). A message to this rank itself passes in memory (pass_in_memory)."""
+        ops, arriving = [], {}
+        for op, peer, tag in exchange:
+            if peer == self.rank:  # one stage, or the V's turn: no message at all
+                if op == "send":
+                    self.to_self[tag] = self.pass_in_memory(*sends[tag])
+                else:
+                    arriving[tag] = self.to_self.pop(tag)
+            elif op == "send":  # an activation forward or a gradient back, b·s·h
+                ops.append(dist.P2POp(dist.isend, sends[tag][0], group=self.group, group_peer=peer, tag=tag))
+            else:
+                arriving[tag] = torch.empty(self.act_shape, device=self.env.device)
+                ops.append(dist.P2POp(dist.irecv, arriving[tag], group=self.group, group_peer=peer, tag=tag))
+        return (dist.batch_isend_irecv(ops) if ops else []), arriving
+
+    def complete(self, requests, exchange, sends):
+        """Wait for the whole exchange, sends included (as Megatron's _communicate does), then
+        free each output sent (free_output). No deadlock follows: the exchanges keep NCCL's
+        rules (a rank's batches complete in order, a send once its receive is posted). Under
+        gloo it is what frees the outputs: a send is complete to wait() only."""
+        for request in requests:
+            request.wait()
+        for op, peer, tag in exchange:
+            if op == "send" and peer != self.rank and sends[tag][1]:
+                free_output(sends[tag][0])
+
+    @staticmethod
+    def pass_in_memory(tensor, free):
+        """A message to this rank itself: the same storage, detached from the sender's graph;
+        a sent output then keeps only its graph (free_output), as after a send."""
+        passed = tensor.detach()
+        if free:
+            free_output(tensor)
+        return passed
+
+    def run(self, rounds, inputs, targets, m, train=True, posts=None):
+        """Run one step's rounds, posting exchanges() between them (or `posts`, those ordered
+        for NCCL in a V); returns the summed loss (last stage), the peak number of
+        micro-batch chunks in flight (forward done, backward not; with zero bubble: W not),
+        and when timed a function giving the share of the time this rank computed (1 - it is
+        its measured bubble; call it after the step: it reads the device's events).
+
+        bf16: the whole schedule is one autocast region, so autocast's cache casts each
+        weight once per step, not once per micro-batch in flight; backward runs with autocast
+        off, as it does outside a region."""
+        n, posts = self.p * self.v, posts or exchanges(rounds, self.p, self.rank, self.v, m, self.vee)
+        self.saved, self.weights, self.spans = {}, {}, []  # (i, c) -> (x, out); (i, c) -> its W nodes
+        self.in_flight = self.peak = 0
+        loss_sum, start = torch.zeros((), device=self.env.device), self.mark()
+        with autocast(self.env):
+            requests, received = self.post(posts[0], {})  # the first round's receives
+            self.complete(requests, posts[0], {})
+            for actions, exchange in zip(rounds, posts[1:]):
+                sends = {}  # what this round sends: {tag: (tensor, free it once sent)}
+                for kind, i, c in actions:
+                    g = chunk_stage(self.p, self.rank, c, self.vee)  # this chunk's place in the pipeline
+                    if kind == "F":  # in: the tokens, or chunk g-1's activation; out: to chunk g+1, or the loss
+                        x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
+                        out = self.timed_span(self.forward, x, i, c, targets[i] if g == n - 1 else None, train, m)
+                        if g == n - 1:
+                            loss_sum += out.detach().float()
+                        else:
+                            sends[forward_tag(i, g, n)] = (out if train else out.detach(), train)
+                    elif kind in "BI":  # d loss / d out: 1 on the last chunk, else what chunk g+1 sent back
+                        dy = received.pop(backward_tag(i, g + 1, n, m)) if g < n - 1 else None
+                        dx = self.timed_span(self.backward, kind, i, c, dy)
+                        if g > 0:  # x's gradient, back to chunk g-1
+                            sends[backward_tag(i, g, n, m)] = (dx, False)
+                        del dy, dx  # the message in `sends` is the only reference left
+                requests, arriving = self.post(exchange, sends)  # this round's sends, the next one's receives
+                for kind, i, c in actions:
+                    if kind == "W":  # zero bubble: nobody waits for W, so it runs while the messages travel
+                        self.timed_span(self.weight_gradient, i, c)
+                self.complete(requests, exchange, sends)
+                received.update(arriving)
+        whole = (start, self.mark())
+        spans = self.spans
+        return loss_sum, self.peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
+
+    def forward(self, x, i, c, target, train, m):
+        """F: chunk c on micro-batch i, kept for its backward; the last chunk's output is the
+        loss, whose backward is that of the mean over the m micro-batches."""
+        with torch.set_grad_enabled(train):  # in run()'s autocast region
+            out = self.chunks[c](x, target)
+        if train:
+            self.saved[(i, c)] = (x, out / m if target is not None else out)
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        return out
+
+    def backward(self, kind, i, c, dy):
+        """B (or I, the input gradient only, on split Linears): from the loss, or from the
+        gradient `dy` received for the output that was sent and freed; returns dx to send back."""
+        x, out = self.saved.pop((i, c))
+        with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
+            if dy is None:
+                out.backward()
+            else:
+                backward_from_freed(out, dy)
+        if self.deferred is not None:  # zero bubble: the split Linears left their W nodes in `deferred`
+            self.weights[(i, c)] = self.deferred[:]
+            self.deferred.clear()
+            if kind == "B":  # a whole backward: its W at once
+                self.weight_gradient(i, c)
+        else:
+            self.in_flight -= 1
+        return x.grad
+
+    def weight_gradient(self, i, c):
+        """W: dW = dyᵀ·x of every Linear of chunk c for micro-batch i, into .grad; frees x and dy."""
+        with torch.autocast(self.env.device.type, enabled=False):
+            torch.autograd.backward(self.weights.pop((i, c)))
+        self.in_flight -= 1
+
+    def timed_span(self, work, *args):
+        """work(*args), between two marks when timed: the spans are the compute time."""
+        if not self.timed:
+            return work(*args)
+        begin = self.mark()
+        result = work(*args)
+        self.spans.append((begin, self.mark()))
+        return result
+
+    def mark(self):
+        """Now, on this rank's compute stream: a device event recorded behind the kernels
+        already queued, which the host does not wait for, or on CPU the host clock. A wait()
+        on an NCCL receive only makes the stream wait, so a span never counts the wait."""
+        if not self.timed:
+            return None
+        if self.env.device.type == "cpu":
+            return time.perf_counter()
+        event = torch.Event(self.env.device, enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def busy_fraction(spans, whole):
+        """The share of the schedule's time, `whole` (its first and last marks), that its
+        `spans` took: read after the step, where waiting for the last event costs no overlap."""
+        def seconds(start, end):
+            if isinstance(start, float):
+                return end - start
+            end.synchronize()  # this event only, not the device
+            return start.elapsed_time(end) / 1e3
+        return sum(seconds(*span) for span in spans) / seconds(*whole)
+
+
+# ---------------------------------------------------------------------------------------
+# Schedules: per rank, its rounds of actions, and the exchange it posts between two rounds
+# ---------------------------------------------------------------------------------------
+
+def schedule_rounds(kind, p, rank, m, v=1):
+    """The rounds of rank `rank` of `p` for `m` micro-batches (v chunks per rank for the
+    interleaved schedule): one action per round, except in the interleaved steady state (a
+    forward and a backward) and in ZB-H1, where a W rides in the round of the I before it
+    (it runs while that round's messages travel)."""
+    if kind == "gpipe":  # every forward, then every backward
+        return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
+    if kind == "1f1b":
+        warmup = min(p - rank - 1, m)  # forwards before the first backward reaches this stage
+        forwards = [("F", i, 0) for i in range(m)]
+        backwards = [("B", i, 0) for i in range(m)]
+        order = forwards[:warmup]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            order += [forwards[warmup + i], backwards[i]]
+        return [(action,) for action in order + backwards[m - warmup:]]  # cool-down
+    if kind == "interleaved":  # Megatron's: forwards visit chunks in groups of p micro-batches
+        total = m * v
+
+        def forward_action(k):
+            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+        def backward_action(k):
+            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+        return ([(forward_action(k),) for k in range(warmup)]
+                + [(forward_action(warmup + k), backward_action(k)) for k in range(total - warmup)]  # steady state
+                + [(backward_action(k),) for k in range(total - warmup, total)])  # cool-down
+    # zero bubble, ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
+    # ZeroBubbleH1Pipeline orders it): 1F1B's warm-up and F/I steady state, but stage `rank`
+    # defers the W of its first `rank` backwards; from then on each I is followed by the W of
+    # the oldest micro-batch whose W is pending, and the deferred Ws fill the tail, where
+    # 1F1B's later stages sit idle
+    assert kind == "zb", kind
+    warmup = min(p - rank - 1, m)
+    rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
+    for k in range(m):
+        if warmup + k < m:  # steady state: one forward, then one backward
+            rounds.append((("F", warmup + k, 0),))
+        if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
+            rounds.append((("I", k, 0), ("W", w, 0)))
+            w += 1
+        else:
+            rounds.append((("I", k, 0),))
+    return rounds + [(("W", j, 0),) for j in range(w, m)]
+
+
+def schedule(kind, p, rank, m, v=1):
+    """The actions of schedule_rounds(), one after the other."""
+    return [action for actions in schedule_rounds(kind, p, rank, m, v) for action in actions]
+
+
+def forward_rounds(p, m, v):
+    """Evaluation's rounds: forwards only, micro-batches in groups of p through chunk 0,
+    then chunk 1, ... (the interleaved order without its backwards); v = 1: 0..m-1."""
+    return [(("F", i, c),) for group in range(0, m, p) for c in range(v)
+            for i in range(group, min(group + p, m))]
+
+
+def eval_rounds(p, m, v, vee=False):
+    """Evaluation's rounds: forward_rounds(), or in a V every micro-batch down, then back."""
+    return forward_rounds(p, m, v) if not vee else [(("F", i, c),) for c in range(2) for i in range(m)]
 
 
 def exchanges(rounds, p, rank, v, m, vee=False):
-    """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
+    """What the rank posts, one batch_isend_irecv per entry: before the first round, the
     receives it needs; after each round, the sends of what it computed (outputs to the next
     stage, input gradients to the previous) together with the receives of the next round.
     Megatron's p2p calls: send_forward_recv_forward after a forward (..._recv_backward when a
@@ -257,314 +355,50 @@ def exchanges(rounds, p, rank, v, m, vee=False):
 
     Why one batch per round, sends and receives together: under NCCL a send completes only
     once its receive is posted, and a rank's batches complete one after another. Posted this
-    way, no cycle of ranks waiting on each other's later batches forms, for every schedule at
-    every p, v and m the tests try (tests/test_schedules.py replays every rank's posting order
-    under NCCL's rules). Posted one batch per operation instead, the interleaved schedule
-    deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it."""
+    way, no cycle of ranks waiting on each other's later batches forms (tests/test_schedules.py
+    replays every rank's posting order under NCCL's rules; in a V, exchanges_for_nccl reorders
+    the receives). Posted one batch per action instead, the interleaved schedule deadlocked
+    on NCCL whenever m > p, though gloo, which buffers sends, ran it."""
     n = p * v
 
-    def receives(ops):
-        for kind, i, c in ops:
+    def receives(actions):
+        for kind, i, c in actions:
             g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
                 yield "recv", stage_rank(p, g - 1, vee), forward_tag(i, g - 1, n)
-            if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
+            if kind in "BI" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
                 yield "recv", stage_rank(p, g + 1, vee), backward_tag(i, g + 1, n, m)
 
-    def sends(ops):
-        for kind, i, c in ops:
+    def sends(actions):
+        for kind, i, c in actions:
             g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g < n - 1:
                 yield "send", stage_rank(p, g + 1, vee), forward_tag(i, g, n)
-            if kind == "B" and g > 0:
+            if kind in "BI" and g > 0:
                 yield "send", stage_rank(p, g - 1, vee), backward_tag(i, g, n, m)
 
     following = rounds[1:] + [()]
-    return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
-                                          for ops, nxt in zip(rounds, following)]
+    return [list(receives(rounds[0]))] + [list(sends(actions)) + list(receives(nxt))
+                                          for actions, nxt in zip(rounds, following)]
 
-
-# ---------------------------------------------------------------------------------------
-# Tables: a schedule as every rank's actions in order, in torch.distributed.pipelining's
-# notation; the executor, the drawing, costs() and the NCCL replay all read the table
-# ---------------------------------------------------------------------------------------
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
 V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank in a V (chunk_stage)
 
 
-def zbv_actions(p, rank, m):
-    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6), as torch's
-    ScheduleZBVZeroBubble orders it: rank r runs 2(p-r)-1 forwards down the V (its chunk
-    r), then alternates forwards of its two chunks, then from the bottom of the V a forward
-    of the way back (chunk 2p-1-r) with its I and W at once; in the steady state one F, I
-    and W of each chunk; the cool-down's Is, and the Ws last. Built for at least 2p-1
-    micro-batches (what fills the V), those beyond m then dropped."""
-    down, up, n = f"{rank}", f"{2 * p - 1 - rank}", max(2 * p - 1, m)
-    out, count = [], {}
-
-    def act(stage, kind):  # the next micro-batch of this stage and kind
-        key = (stage, kind)
-        count[key] = count.get(key, 0) + 1
-        out.append(f"{stage}{kind}{count[key] - 1}")
-    for _ in range(2 * (p - rank) - 1):  # warm-up: down the V
-        act(down, "F")
-    for _ in range(rank):
-        act(up, "F"), act(down, "F")
-    for _ in range(p - rank):  # the way back starts: its Is and Ws at once
-        act(up, "F"), act(up, "I"), act(up, "W")
-    while count[(down, "F")] < n or count.get((up, "F"), 0) < count[(down, "F")]:  # steady state
-        if count[(down, "F")] < n:
-            act(down, "F")
-        act(down, "I"), act(down, "W"), act(up, "F"), act(up, "I"), act(up, "W")
-    w_down, w_up = count.get((down, "W"), 0), count.get((up, "W"), 0)
-    for _ in range(rank):  # cool-down: input gradients first, what the other ranks wait for
-        act(down, "I"), act(up, "I")
-    for _ in range(p - rank):
-        act(down, "I")
-        out.append(f"{down}W{w_down}")
-        w_down += 1
-    out += [f"{up}W{i}" for i in range(w_up, count.get((up, "I"), 0))]
-    out += [f"{down}W{i}" for i in range(w_down, count[(down, "I")])]
-    return [a for a in out if int(re.match(r"\d+[A-Z]+(\d+)", a).group(1)) < m]
-
-
-def dualpipev_actions(p, rank, m):
-    """DualPipeV (DeepSeek-V3's DualPipe folded into a V, deepseek-ai/DualPipe), as torch's
-    ScheduleDualPipeV orders it (m >= 2p): the steady state is one forward of one chunk
-    overlapped with the full backward of the other, "(aFi;bBj)OVERLAP_F_B", which on GPUs
-    hides each one's communication behind the other's compute and here runs one after the
-    other; the first and last phases use zero bubble's I and W. B is a full backward."""
-    down, up = rank, 2 * p - 1 - rank
-    out, count, weights = [], {}, []
-
-    def act(stage, kind, emit=True):
-        key = (stage, "I" if kind == "B" else kind)
-        i = count.get(key, 0)
-        count[key] = i + 1
-        if kind == "I":
-            weights.append(f"{stage}W{i}")
-        if emit:
-            out.append(f"{stage}{kind}{i}")
-        return f"{stage}{kind}{i}"
-
-    def overlap(forward, backward):
-        out.append(f"({act(forward, 'F', False)};{act(backward, 'B', False)})OVERLAP_F_B")
-
-    def pending_weight():
-        if weights:
-            out.append(weights.pop(0))
-    for _ in range(2 * (p - rank - 1)):
-        act(down, "F")
-    for _ in range(rank + 1):
-        act(down, "F"), act(up, "F")
-    for _ in range(p - rank - 1):
-        act(up, "I"), pending_weight(), act(up, "F")
-    for k in range(m - 2 * p + rank + 1):  # the main phase: F0B1 and F1B0, overlapped
-        if k == 0 and rank == p - 1:  # not overlapped, to shorten the bubble
-            act(down, "F"), act(up, "B")
-        else:
-            overlap(down, up)
-        overlap(up, down)
-    for _ in range(p - rank - 1):
-        act(up, "B"), overlap(up, down)
-    zero_bubble = False
-    for k in range(rank + 1):  # the second half of the backwards uses I and W
-        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 1
-        act(up, "I" if zero_bubble else "B")
-        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 0
-        act(down, "I" if zero_bubble else "B")
-    for _ in range(p - rank - 1):
-        pending_weight(), act(down, "I" if zero_bubble else "B")
-    for _ in range(rank + 1):
-        pending_weight()
-    return out
-
-
-def table(kind, p, m, v=1):
-    """Every rank's actions, in order, as torch.distributed.pipelining writes them: "3F1"
-    (stage 3's forward of micro-batch 1), "3I1" (its backward-input, zero bubble's B), "3W1"
-    (backward-weight), "3B1" (a full backward), "(0F4;1B2)OVERLAP_F_B" (two run as one
-    round: the interleaved steady state's forward and backward, DualPipe's overlapped
-    pair). The four older schedules are their schedule_rounds() written so; a W rides in
-    the round of the I or B before it (table_rounds)."""
-    if kind == "zbv":
-        return [zbv_actions(p, r, m) for r in range(p)]
-    if kind == "dualpipev":
-        return [dualpipev_actions(p, r, m) for r in range(p)]
-    tables = []
-    for rank in range(p):
-        cells = []
-        for ops in schedule_rounds(kind, p, rank, m, v):
-            names = [f"{c * p + rank}{'I' if kind == 'zb' and op == 'B' else op}{i}" for op, i, c in ops]
-            cells += [f"({names[0]};{names[1]})OVERLAP_F_B"] if [o[0] for o in ops] == ["F", "B"] else names
-        tables.append(cells)
-    return tables
-
-
-ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
-
-
-def parse_action(text):
-    """[(stage, "F" | "I" | "W" | "B", micro-batch)] of one action (two for an overlapped pair)."""
-    pair = re.match(r"^\((.*);(.*)\)OVERLAP_F_B$", text.strip())
-    parts = [pair.group(1), pair.group(2)] if pair else [text]
-    found = [ACTION.match(part.strip()) for part in parts]
-    if not all(found):
-        raise ValueError(f"not an action: {text!r} (expected e.g. 2F0, 2I0, 2W0, 2B0 or (0F1;1B0)OVERLAP_F_B)")
-    return [(int(f.group(1)), f.group(2), int(f.group(3))) for f in found]
-
-
-def split_table(actions):
-    """Does the table split backwards into I and W (zero bubble: SplitLinear)?"""
-    return any(kind in "IW" for row in actions for text in row for _, kind, _ in parse_action(text))
-
-
-def table_rounds(row, p, rank, v, vee=False, split=False):
-    """The rounds the executor runs (Pipeline.run, exchanges()) from one rank's actions: one
-    round per action, an overlapped pair one round, and a W riding in the round of the
-    backward before it (it runs while that round's messages travel). Our ops: ("F" | "B" |
-    "W", micro-batch, local chunk), B being I when split; a full backward of a split table
-    is its B and W in one round."""
-    local = {chunk_stage(p, rank, c, vee): c for c in range(v)}
-    rounds = []
-    for text in row:
-        ops = []
-        for g, kind, i in parse_action(text):
-            ops.append(({"I": "B"}.get(kind, kind), i, local[g]))
-            if kind == "B" and split:
-                ops.append(("W", i, local[g]))
-        if [op[0] for op in ops] == ["W"] and rounds and rounds[-1][-1][0] == "B":
-            rounds[-1] += tuple(ops)
-        else:
-            rounds.append(tuple(ops))
-    return rounds
-
-
-def eval_rounds(p, m, v, vee=False):
-    """Evaluation's rounds: forward_rounds(), or in a V every micro-batch down, then back."""
-    return forward_rounds(p, m, v) if not vee else [(("F", i, c),) for c in range(2) for i in range(m)]
-
-
-def read_table(path):
-    """Every rank's actions from a CSV file as torch.distributed.pipelining's _dump_csv
-    writes it and _load_csv reads it: one row per rank, one action per cell, an empty cell
-    an idle step."""
-    with open(path, newline="") as f:
-        return [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
-
-
-def write_table(actions, path):
-    with open(path, "w", newline="") as f:
-        csv.writer(f).writerows(actions)
-
-
-def placement_of(actions):
-    """(v, vee): the chunks per rank and their placement that the table's stages name; None
-    if no rank r holds r, r+p, ... (interleaved) or r and 2p-1-r (a V) for all r."""
-    p = len(actions)
-    held = [sorted({g for text in row for g, _, _ in parse_action(text)}) for row in actions]
-    v = max(len(h) for h in held)
-    for vee in (False, True) if v == 2 else (False,):
-        if all(h == sorted(stages_of(p, r, v, vee)) for r, h in enumerate(held)):
-            return v, vee
-    return None
-
-
-class Deadlock(ValueError):
-    def __init__(self, rank, batch, message):
-        super().__init__(message)
-        self.rank, self.batch = rank, batch
-
-
-def table_problem(actions, p, m):
-    """Why the table cannot run at p ranks and m micro-batches, in one line naming the rank
-    and the action, or None: rows not one per rank, an action that is not one, stages not
-    placed as 07 places them, an action missing or twice (its send would have no receive),
-    an I without its W or a W without its I, an action before its input exists or a W before
-    its I (the order, replayed with every rank waiting for what it needs, stops), or an order
-    that deadlocks under NCCL's rules (nccl_batches)."""
-    if len(actions) != p:
-        return f"the table has {len(actions)} rows, one per rank, for {p} ranks"
-    for r, row in enumerate(actions):
-        for text in row:
-            try:
-                parse_action(text)
-            except ValueError as e:
-                return f"rank {r}: {e}"
-    placement = placement_of(actions)
-    if placement is None:
-        return ("its stages are not placed as 07 places chunks: rank r holds r, r+p, ... (interleaved) "
-                "or r and 2p-1-r (a V), every rank as many")
-    (v, vee), seen = placement, {}
-    for r, row in enumerate(actions):
-        for text in row:
-            for g, kind, i in parse_action(text):
-                if (g, kind, i) in seen:
-                    return f"rank {r}, action {text}: {g}{kind}{i} runs twice"
-                if i >= m:
-                    return f"rank {r}, action {text}: micro-batch {i}, but the run has {m} (0 to {m - 1})"
-                seen[(g, kind, i)] = r
-    n = p * v
-    for g, i in ((g, i) for g in range(n) for i in range(m)):
-        r, back = stage_rank(p, g, vee), [k for k in "BI" if (g, k, i) in seen]
-        missing = (f"{g}F{i}" if (g, "F", i) not in seen else f"{g}B{i} (or {g}I{i} and {g}W{i})" if not back
-                   else f"{g}W{i} after its {g}I{i}" if back == ["I"] and (g, "W", i) not in seen else None)
-        if missing:
-            return f"rank {r}: never runs {missing}"
-        if len(back) > 1 or (back == ["B"] and (g, "W", i) in seen):
-            return f"rank {r}: {g}{'I' if len(back) > 1 else 'W'}{i} besides the full backward {g}B{i}"
-    def needs(g, kind, i):  # what must have run, on any rank, before this action
-        if kind == "F":
-            return [(g - 1, "F", i)] if g > 0 else []
-        if kind == "W":
-            return [(g, "I", i)]
-        return [(g, "F", i)] + [(g + 1, k, i) for k in "BI" if g < n - 1 and (g + 1, k, i) in seen]
-    flat = [[(text, sub) for text in row for sub in parse_action(text)] for row in actions]
-    done, position, moved = set(), [0] * p, True
-    while moved:  # every rank runs its next action once what it needs has run
-        moved = False
-        for r in range(p):
-            while position[r] < len(flat[r]) and all(need in done for need in needs(*flat[r][position[r]][1])):
-                done.add(flat[r][position[r]][1])
-                position[r], moved = position[r] + 1, True
-    stuck = [r for r in range(p) if position[r] < len(flat[r])]
-    for r in sorted(stuck, key=lambda r: not any(  # a rank waiting on itself first: the cause, not a victim
-            stage_rank(p, need[0], vee) == r for need in needs(*flat[r][position[r]][1]) if need not in done)):
-        text, action = flat[r][position[r]]
-        g, k, i = next(need for need in needs(*action) if need not in done)
-        holder = stage_rank(p, g, vee)
-        return (f"rank {r}, action {text}: needs {g}{k}{i} first, which this rank runs after it" if holder == r else
-                f"rank {r}, action {text}: needs {g}{k}{i} first, which rank {holder} runs only after "
-                f"what waits on this (the order deadlocks)")
-    split = split_table(actions)
-    rounds = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
-    try:
-        nccl_batches(rounds, p, v, m, vee)
-    except Deadlock as e:
-        ops = rounds[e.rank][e.batch - 1] if e.batch else ()
-        names = " ".join(f"{chunk_stage(p, e.rank, c, vee)}{'I' if k == 'B' and split else k}{i}" for k, i, c in ops)
-        return f"rank {e.rank}, after action {names or '(none)'}: {e}"
-    return None
-
-
-def use_table_file(args, p):
-    """--schedule_csv: read the user's table and refuse it, in one line naming the rank and
-    the action, if it cannot run (table_problem), before anything is built. Its micro-batch
-    count is the run's m: the micro-batch size is the global batch over it."""
-    try:
-        actions = read_table(args.schedule_csv)
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        fail(f"--schedule_csv {args.schedule_csv}: cannot read it ({e})")
-    m = 1 + max((int(i) for row in actions for text in row for i in re.findall(r"[FIWB](\d+)", text)), default=-1)
-    check(m > 0 and args.global_batch_size % m == 0, f"--schedule_csv {args.schedule_csv}: its {m} micro-batches "
-          f"do not divide --global_batch_size {args.global_batch_size}")
-    check(args.micro_batch_size in ("auto", args.global_batch_size // m),
-          f"--schedule_csv {args.schedule_csv} has {m} micro-batches of {args.global_batch_size // m}: "
-          f"leave out --micro_batch_size {args.micro_batch_size}")
-    problem = table_problem(actions, p, m)
-    check(problem is None, f"--schedule_csv {args.schedule_csv}: {problem}")
-    args.micro_batch_size, args.schedule = args.global_batch_size // m, "csv"
+def run_schedule(args, p, m):
+    """(every rank's rounds, v, vee, split) of the run: --schedule's rounds (the V schedules'
+    from zbv_rounds and dualpipev_rounds, below) or those of --schedule_csv's table; the
+    chunks per rank, whether they sit in a V, and whether backwards split into I and W."""
+    v, vee = chunks_per_rank(args)
+    if args.schedule_csv:
+        rows = read_table(args.schedule_csv)
+        every = [table_rounds(rows[r], p, r, v, vee) for r in range(p)]
+    else:
+        build = {"zbv": zbv_rounds, "dualpipev": dualpipev_rounds}.get(args.schedule)
+        every = [build(p, r, m) if build else schedule_rounds(args.schedule, p, r, m, v) for r in range(p)]
+    split = any(kind in "IW" for rounds in every for actions in rounds for kind, _, _ in actions)
+    return every, v, vee, split
 
 
 def chunks_per_rank(args):
@@ -573,98 +407,6 @@ def chunks_per_rank(args):
         return placement_of(read_table(args.schedule_csv))
     vee = args.schedule in V_SHAPED
     return (2 if vee else args.virtual_stages if args.schedule == "interleaved" else 1), vee
-
-
-def schedule_table(args, p, m, env):
-    """run_table() once m is known: the schedules' rules on m checked first, and the table
-    written to --write_schedule (by rank 0; a dry run has no env)."""
-    check(args.schedule != "interleaved" or m % p == 0,
-          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
-    check(args.schedule != "dualpipev" or m >= 2 * p,
-          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
-    actions, v, vee, split = run_table(args, p, m)
-    if args.write_schedule and (env is None or env.rank == 0):
-        write_table(actions, args.write_schedule)
-    return actions, v, vee, split
-
-
-def run_table(args, p, m):
-    """(table, v, vee, split) of the run: --schedule's table, its chunks per rank, their
-    placement, and whether backwards split into I and W."""
-    v, vee = chunks_per_rank(args)
-    actions = read_table(args.schedule_csv) if args.schedule_csv else table(args.schedule, p, m, v)
-    return actions, v, vee, split_table(actions)
-
-
-def nccl_batches(rounds_by_rank, p, v, m, vee=False):
-    """exchanges() of every rank, made to run under NCCL's point-to-point rules (those of
-    tests/nccl_replay.py: a rank's batches complete in posting order; a send completes only
-    once its receive is posted; the k-th send from a to b is b's k-th receive from a,
-    whatever the tags). The four older schedules' batches already do, and are returned as
-    they are. In a V one channel carries two streams (rank r passes chunk r's activations
-    and chunk 2p-1-r's gradients to rank r+1) and a rank may need a later message first
-    (ZB-V at p = 2: rank 1 runs 2I0 before 1F2, whose input rank 0 sent first): 1. a
-    receive is posted together with those its sender sends before it; 2. replaying the
-    batches, where ranks wait on each other (a send's receive behind its peer's own send,
-    posted alone), a receive whose send is already posted moves into the waiting rank's
-    batch. Early receives wait in the executor's `received` until their round. Raises
-    Deadlock naming the rank and its batch where no move helps (a real deadlock)."""
-    batches = [[list(b) for b in exchanges(rounds_by_rank[r], p, r, v, m, vee)] for r in range(p)]
-    sent = {(q, r): [tag for b in batches[q] for op, peer, tag in b if op == "send" and peer == r]
-            for q in range(p) for r in range(p) if q != r}
-    for r in range(p):  # 1. receives in their senders' order
-        done = {q: 0 for q in range(p)}
-        for b in batches[r]:
-            wanted = [(q, tag) for op, q, tag in b if op == "recv" and q != r]
-            b[:] = [entry for entry in b if entry[0] == "send" or entry[1] == r]
-            for q, tag in wanted:
-                if tag in sent[(q, r)][done[q]:]:
-                    upto = sent[(q, r)].index(tag, done[q]) + 1
-                    b += [("recv", q, t) for t in sent[(q, r)][done[q]:upto]]
-                    done[q] = upto
-    where, ops_of, key = {}, [], {}  # (channel, message number, op) -> its batch; per batch what it waits on
-    for r in range(p):
-        count = {}
-        ops_of.append([])
-        for j, b in enumerate(batches[r]):
-            ops_of[r].append([])
-            for entry in b:
-                op, q, _ = entry
-                if q != r:
-                    channel = (r, q) if op == "send" else (q, r)
-                    count[channel] = count.get(channel, 0) + 1
-                    where[key.setdefault((r, entry), (channel, count[channel], op))] = j
-                    ops_of[r][-1].append(((channel, count[channel], "recv" if op == "send" else "send"), q))
-    head = [0] * p
-    while True:  # 2. replay; where stuck, move a receive whose send is posted to its waiting rank
-        moved = True
-        while moved:  # a move only ever brings a receive forward: the heads reached stay reached
-            moved = False
-            for r in range(p):
-                while head[r] < len(batches[r]) and all(where.get(other, len(batches[q])) <= head[q]
-                                                        for other, q in ops_of[r][head[r]]):
-                    head[r], moved = head[r] + 1, True
-        if all(head[r] == len(batches[r]) for r in range(p)):
-            return batches
-        moves = 0
-        for r in (r for r in range(p) if head[r] < len(batches[r])):
-            for q in (q for q in range(p) if q != r and head[q] < len(batches[q])):
-                tags = [tag for op, peer, tag in batches[q][head[q]] if op == "send" and peer == r]
-                later = tags and next(((j, entry) for j in range(head[r] + 1, len(batches[r]))
-                                       for entry in batches[r][j] if entry[0] == "recv" and entry[1] == q), None)
-                if later and later[1][2] in tags:  # its send is posted: receive it now
-                    j, entry = later  # the first from q after the head: its message number stays
-                    batches[r][j].remove(entry)
-                    batches[r][head[r]].append(entry)
-                    where[key[(r, entry)]] = head[r]
-                    send = ((*key[(r, entry)][:2], "send"), q)
-                    ops_of[r][j].remove(send)
-                    ops_of[r][head[r]].append(send)
-                    moves += 1
-        if not moves:
-            r = min(r for r in range(p) if head[r] < len(batches[r]))
-            raise Deadlock(r, head[r], f"its batch {batches[r][head[r]]} deadlocks under NCCL's rules "
-                                       "(every rank waits on another)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -742,83 +484,8 @@ def build_chunks(config, p, v, rank, seed=None, recompute=False, vee=False):
 
 
 # ---------------------------------------------------------------------------------------
-# Zero bubble: each Linear's backward split into B (the input gradient) and W (the weight's)
+# The training step's pieces, and main()
 # ---------------------------------------------------------------------------------------
-
-class _WeightGradient(torch.autograd.Function):
-    """W of one Linear for one micro-batch, as its B leaves it behind: a graph node whose
-    backward is the weight gradient dW = dyᵀ·x, db = Σ dy, which autograd accumulates into
-    .grad as for any leaf. x (the Linear's input) and dy (its output's gradient) are saved
-    the way autograd saves any tensor, so they are held, and the activation meter counts
-    them, until W runs: per block 7 b·s·h of inputs and 9 b·s·h of gradients, 16e·bsh
-    (Qi et al.'s M_W = 32bsh in 16 bits, against the M_B = 34bsh + 5as²b a block saves)."""
-
-    @staticmethod
-    def forward(ctx, weight, bias, x, dy):
-        ctx.save_for_backward(x, dy)
-        ctx.has_bias = bias is not None
-        return x.new_zeros(())  # a handle: W is torch.autograd.backward(handles)
-
-    @staticmethod
-    def backward(ctx, _):
-        x, dy = ctx.saved_tensors
-        dy = dy.reshape(-1, dy.shape[-1])
-        return dy.t() @ x.reshape(-1, x.shape[-1]), dy.sum(0) if ctx.has_bias else None, None, None
-
-
-class _InputGradientOnly(torch.autograd.Function):
-    """y = x·Wᵀ + b whose backward is B alone: dx = dy·W, what the layer below (and the
-    previous stage) waits for; the weight gradient is deferred as a _WeightGradient node
-    appended to `deferred`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, deferred):
-        ctx.save_for_backward(x, weight, bias)
-        ctx.deferred = deferred
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias = ctx.saved_tensors
-        with torch.enable_grad():  # W's node hangs off the weight, to run when the schedule says
-            ctx.deferred.append(_WeightGradient.apply(weight, bias, x.detach(), dy.detach()))
-        return dy @ weight, None, None, None
-
-
-class SplitLinear(nn.Module):
-    """An nn.Linear, the same parameters under the same names, whose backward is split
-    (zero bubble's B and W). Under autocast the inputs are cast here, as F.linear's autocast
-    would, so that what is saved (the compute-dtype input; the weight's copy is a
-    parameter's) is what nn.Linear saves."""
-
-    def __init__(self, linear, deferred):
-        super().__init__()
-        self.weight, self.deferred = linear.weight, deferred
-        self.register_parameter("bias", linear.bias)
-
-    def forward(self, x):
-        if not torch.is_grad_enabled():  # evaluation: nothing to split
-            return F.linear(x, self.weight, self.bias)
-        weight, bias = self.weight, self.bias
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-        return _InputGradientOnly.apply(x, weight, bias, self.deferred)
-
-
-def split_backward(chunks):
-    """Replace every Linear of every block by a SplitLinear: B then leaves its weight
-    gradients in the list returned, one _WeightGradient node per Linear. The head's weight
-    gradient stays in B (deferring it would hold the b·s·V logits' gradient), as do those of
-    the LayerNorms and the embeddings, which cost little."""
-    deferred = []
-    for block in (block for chunk in chunks for block in chunk.h):
-        for module in list(block.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, SplitLinear(child, deferred))
-    return deferred
-
 
 def check_layout(args, config, p):
     v, vee = chunks_per_rank(args)
@@ -827,204 +494,23 @@ def check_layout(args, config, p):
           "every chunk needs at least one layer")
 
 
-# ---------------------------------------------------------------------------------------
-# Running a schedule
-# ---------------------------------------------------------------------------------------
-
-def free_output(out):
-    """Free a stage output's storage once it has been sent: Megatron-LM's
-    deallocate_output_tensor (module megatron.core.pipeline_parallel.schedules, "called right
-    after the output tensor has been sent to the next pipeline stage"), which sets
-    `out.data` to a one-element tensor. Safe: backward needs only the graph `out` is the
-    root of (its grad_fn, and the tensors the ops saved), never the output's values, and
-    d loss / d out arrives from the next stage; Pipeline.run starts backward from it with
-    autograd's engine, which, unlike out.backward(grad), does not check the shapes. So a
-    micro-batch in flight keeps its activations, not its b·s·h output. `out` is no view
-    (the chunk's last residual add): freeing a view would free nothing (Megatron asserts
-    out._base is None)."""
-    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+def check_micro_batches(args, p, m):
+    check(args.schedule != "interleaved" or m % p == 0,
+          f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple of pp {p}")
+    check(args.schedule != "dualpipev" or m >= 2 * p,
+          f"dualpipev needs at least 2·pp = {2 * p} micro-batches (its two chunks per rank), got {m}")
 
 
-class Pipeline:
-    """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
-    rank in the group, and its messages name their peers by stage (group_peer), so that a
-    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: mark the
-    start and end of every F, B and W on the device's own timeline (mark()), to measure the
-    compute time and so the bubble without waiting for the device inside the step (08_3d.py
-    measures none). `vee`: the chunks sit in a V (chunk_stage; ZB-V and DualPipeV), so the
-    rank passes some messages to itself, in memory."""
-
-    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
-        self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
-        self.vee = vee
-        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.timed = timed
-        self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
-        self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
-
-    def mark(self):
-        """Now, on this rank's compute stream: a device event recorded behind the kernels already
-        queued, which the host does not wait for (the F it ends may still be running, the next
-        one queued behind it), or on CPU, where an op has run when its call returns, the host
-        clock. A wait() on an NCCL receive only makes the stream wait, so an F's start event
-        records after its input has arrived: the spans count compute, never the wait."""
-        if self.env.device.type == "cpu":
-            return time.perf_counter()
-        event = torch.Event(self.env.device, enable_timing=True)
-        event.record()
-        return event
-
-    @staticmethod
-    def busy_fraction(spans, whole):
-        """The share of the schedule's time, `whole` (its first and last marks), that its F, B
-        and W `spans` took: read after the step, where waiting for the last event costs no
-        overlap (the events of one stream complete in order)."""
-        def seconds(start, end):
-            if isinstance(start, float):
-                return end - start
-            end.synchronize()  # this event only, not the device
-            return start.elapsed_time(end) / 1e3
-        return sum(seconds(*span) for span in spans) / seconds(*whole)
-
-    def global_chunk(self, c):
-        return chunk_stage(self.p, self.rank, c, self.vee)
-
-    def _exchange(self, batch, outputs, meanwhile=lambda: None):
-        """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
-        after sending)}) and the receives together, run `meanwhile` (ZB's W passes, which
-        nobody waits for), wait for the whole batch, sends included (Megatron's _communicate
-        waits for every request of its batch_isend_irecv too), and free each sent output
-        (free_output); returns {tag: received tensor}. Waiting for a send adds no deadlock:
-        the batches keep NCCL's rules (nccl_batches: a rank's batches complete in order, a
-        send once its receive is posted), under which NCCL itself completes a batch as one.
-        And it is what frees the outputs under gloo, which reports a send complete to wait()
-        only (is_completed() stays False): polling, every output stayed until the step's end."""
-        if self.p == 1:
-            for tag, (tensor, free) in outputs.items():
-                self.mailbox[tag] = self._pass_in_memory(tensor, free)
-            meanwhile()
-            return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
-        ops, received = [], {}
-        for op, peer, tag in [entry for entry in batch if entry[1] == self.rank]:  # the V's turn: in memory
-            if op == "send":
-                self.mailbox[tag] = self._pass_in_memory(*outputs[tag])
-            else:
-                received[tag] = self.mailbox.pop(tag)
-        batch = [entry for entry in batch if entry[1] != self.rank]
-        for op, peer, tag in batch:  # activations or gradients, b·s·h each
-            if op == "send":
-                ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
-            else:
-                received[tag] = torch.empty(self.act_shape, device=self.env.device)
-                ops.append(dist.P2POp(dist.irecv, received[tag], group=self.group, group_peer=peer, tag=tag))
-        requests = dist.batch_isend_irecv(ops) if ops else []  # NCCL: one request for the batch
-        meanwhile()
-        for request in requests:
-            request.wait()
-        for op, _, tag in batch:
-            if op == "send" and outputs[tag][1]:
-                free_output(outputs[tag][0])
-        return received
-
-    @staticmethod
-    def _pass_in_memory(tensor, free):
-        """A message to this rank itself (one stage; the V's turn): the next chunk's input (or
-        the gradient going back) is the same storage, detached from the sender's graph; a
-        sent output then keeps only its graph (free_output), as after a send."""
-        passed = tensor.detach()
-        if free:
-            free_output(tensor)
-        return passed
-
-    def run(self, rounds, inputs, targets, m, train=True, batches=None):
-        """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
-        them); returns the summed loss (last stage), the peak number of micro-batch chunks in
-        flight (forward done, backward not; with zero bubble: W not), and when timed a
-        function giving the fraction of the schedule's time this rank spent computing (1 -
-        that is its measured bubble; call it after the step: it reads the device's events).
-
-        bf16: the whole schedule is one autocast region, so autocast's cache casts each
-        weight once per step and every micro-batch in flight saves that one copy (a region
-        per forward would make, and keep until its backward, a copy per micro-batch in
-        flight: k·e·Ψ_c); B and W run with autocast off, as backward runs outside a region."""
-        with autocast(self.env):
-            return self._schedule(rounds, inputs, targets, m, train, batches)
-
-    def _schedule(self, rounds, inputs, targets, m, train, batches):
-        n = self.p * self.v
-        saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
-        weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
-        mark = self.mark if self.timed else (lambda: None)
-        start = mark()
-        batches = batches or exchanges(rounds, self.p, self.rank, self.v, m, self.vee)  # or nccl_batches()'s
-        received = self._exchange(batches[0], {})
-        for ops, batch in zip(rounds, batches[1:]):
-            outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
-
-            def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
-                nonlocal in_flight
-                for kind, i, c in ops:
-                    if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
-                        t0 = mark()
-                        with torch.autocast(self.env.device.type, enabled=False):
-                            torch.autograd.backward(weight_nodes.pop((i, c)))
-                        spans.append((t0, mark()))
-                        in_flight -= 1
-            for kind, i, c in ops:
-                if kind == "W":
-                    continue
-                g = self.global_chunk(c)
-                t0 = mark()  # compute only: waiting for the input is the bubble
-                if kind == "F":
-                    x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
-                    with torch.set_grad_enabled(train):  # in run()'s autocast region
-                        out = self.chunks[c](x, targets[i] if g == n - 1 else None)
-                    if g == n - 1:
-                        loss_sum += out.detach().float()
-                        out = out / m  # backward of the mean over micro-batches
-                    else:
-                        outputs[forward_tag(i, g, n)] = (out if train else out.detach(), train)
-                    if train:
-                        saved[(i, c)] = (x, out)
-                        in_flight += 1
-                        peak = max(peak, in_flight)
-                else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
-                    x, out = saved.pop((i, c))
-                    with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
-                        if g == n - 1:
-                            out.backward()
-                        else:
-                            # the output's data was freed after sending (its shape is now [1]):
-                            # run autograd's engine directly, which, unlike out.backward(grad),
-                            # does not check that grad has out's shape
-                            Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
-                                tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
-                                keep_graph=False,  # free the graph as it goes (retain_graph=False)
-                                create_graph=False,  # no graph of the backward itself
-                                inputs=(),  # none named: every leaf the graph reaches (x, the weights)
-                                allow_unreachable=True,  # as backward() passes it (matters only with inputs)
-                                accumulate_grad=True)  # add into .grad, as backward() does
-                    if g > 0:
-                        outputs[backward_tag(i, g, n, m)] = (x.grad, False)
-                    del x, out  # the input and its gradient live on only as the message, until it is sent
-                    if self.deferred is None:
-                        in_flight -= 1
-                    else:  # the micro-batch's W tensors stay until its W
-                        weight_nodes[(i, c)] = self.deferred[:]
-                        self.deferred.clear()
-                spans.append((t0, mark()))
-            received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
-        whole = (start, mark())
-        return loss_sum, peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
-
-
-def micro_batches(data, split, step, args, env, m, eval_split=False):
-    """The step's batch in m micro-batches (only the first stage uses the tokens, the last
-    the targets)."""
+def micro_batches(data, split, step, args, env, m, first, last, eval_split=False):
+    """The step's batch in m micro-batches: the tokens for the first stage, the targets for
+    the last; a middle stage loads neither (None for each)."""
+    if not (first or last):
+        return [None] * m, [None] * m
     x, y = data.batch(split, step, args.global_batch_size, eval_split=eval_split)
-    x, y = to_device(x, env), to_device(y, env)
+    x, y = to_device(x, env) if first else None, to_device(y, env) if last else None
     b = args.micro_batch_size
-    return [x[i * b:(i + 1) * b] for i in range(m)], [y[i * b:(i + 1) * b] for i in range(m)]
+    return ([x[i * b:(i + 1) * b] if first else None for i in range(m)],
+            [y[i * b:(i + 1) * b] if last else None for i in range(m)])
 
 
 def share_loss(loss_sum, group, m, last=None):
@@ -1074,12 +560,13 @@ def evaluate(pipeline, chunks, data, args, env, p, m, v):
     chunks.eval()
     losses, vee = {}, pipeline.vee
     rounds = eval_rounds(p, m, v, vee)
-    batches = nccl_batches([rounds] * p, p, v, m, vee)[env.rank]
+    posts = exchanges_for_nccl([rounds] * p, p, v, m, vee)[env.rank]
     for split in ("train", "val"):
         total = 0.0
         for k in range(args.eval_iters):
-            xs, ys = micro_batches(data, split, k, args, env, m, eval_split=True)
-            loss_sum, _, _ = pipeline.run(rounds, xs, ys, m, train=False, batches=batches)
+            xs, ys = micro_batches(data, split, k, args, env, m, chunks[0].is_first, chunks[-1].is_last,
+                                   eval_split=True)
+            loss_sum, _, _ = pipeline.run(rounds, xs, ys, m, train=False, posts=posts)
             total += share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee)).item()
         losses[split] = total / args.eval_iters
     chunks.train()
@@ -1100,7 +587,9 @@ def main():
     # rank before the fit check, and named: the ledger counts its all-reduce as all_reduce[embedding]
     env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p),
                        groups=lambda env: dist.new_group([0, p - 1], group_desc="embedding") if p > 1 else None)
-    actions, v, vee, split = schedule_table(args, p, m, env)  # every rank's actions: the schedule's one source
+    check_micro_batches(args, p, m)  # interleaved: a multiple of p; DualPipeV: at least 2p
+    every, v, vee, split = run_schedule(args, p, m)  # every rank's rounds: what runs, is drawn and is priced
+    write_schedule(args, every, p, vee, env)  # --write_schedule FILE: torch's CSV (rank 0)
     run.dry_run(costs, lambda config: plan(args, p, v, m))  # every stage's layers, bytes, activations in flight
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
@@ -1108,7 +597,7 @@ def main():
     torch.manual_seed(args.seed + env.rank)  # dropout: every stage its own stream
 
     chunks = build_chunks(config, p, v, env.rank, args.seed, args.recompute, vee).to(env.device)
-    deferred = split_backward(chunks) if split else None  # zero bubble: B (I) and W apart
+    deferred = split_backward(chunks) if split else None  # zero bubble: I and W apart
     first, last = chunks[0].is_first, chunks[-1].is_last
     # the two copies of the tied embedding: first stage (lookup) and last stage (head)
     tied = ([chunks[0].wte.weight] if first else []) + ([chunks[-1].lm_head.weight] if last else [])
@@ -1116,21 +605,21 @@ def main():
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
                         timed=args.measure_bubble, vee=vee)
-    every = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]  # ("F" | "B" | "W", micro-batch, chunk)
-    rounds, batches = every[env.rank], nccl_batches(every, p, v, m, vee)[env.rank]
+    rounds = every[env.rank]  # this rank's rounds of ("F" | "B" | "I" | "W", micro-batch, chunk)
+    posts = exchanges_for_nccl(every, p, v, m, vee)[env.rank]  # exchanges(), ordered for NCCL in a V
     run.begin(config, optimizer, costs, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
               pieces=lambda: checkpoint_pieces(chunks, optimizer),
               evaluate=lambda: evaluate(pipeline, chunks, data, args, env, p, m, v),
               describe=describe(args, config, p, v, m))
-    bubble = log_timeline(run, args, p, v, m)  # the schedule drawn, with its bubble
+    bubble = log_timeline(run, args, p, m)  # the schedule drawn, with its bubble
 
     for step in run.steps():
         lr = lr_at(step, args)  # linear warm-up, then cosine decay (nanoGPT's get_lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        xs, ys = micro_batches(data, "train", step, args, env, m)  # only the first stage uses xs, the last ys
+        xs, ys = micro_batches(data, "train", step, args, env, m, first, last)  # tokens: first stage; targets: last
         with run.meter:
-            loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m, batches=batches)  # busy: computing
+            loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m, posts=posts)  # busy: computing
         loss = share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee))
         if p > 1 and first != last:  # (in a V, one rank holds both: the head is wte itself)
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
@@ -1149,6 +638,441 @@ def main():
 
 
 # ----------------------------------------------------------------------------------------
+# ---- Beyond the lesson ----
+# ----------------------------------------------------------------------------------------
+# What follows is not needed to read the strategy: zero bubble's split Linear (SplitLinear),
+# the V schedules' orders (ZB-V, DualPipeV, as torch writes them), the exchanges reordered
+# for NCCL in a V, a schedule's CSV import and export, costs() and the accounting, checkpoint
+# pieces, and the unit-cost replay that draws the schedule and its bubble.
+
+
+# ---------------------------------------------------------------------------------------
+# Zero bubble: each Linear's backward split into I (the input gradient) and W (the weight's)
+# ---------------------------------------------------------------------------------------
+
+class _WeightGradient(torch.autograd.Function):
+    """W of one Linear for one micro-batch, as its I leaves it behind: a graph node whose
+    backward is the weight gradient dW = dyᵀ·x, db = Σ dy, which autograd accumulates into
+    .grad as for any leaf. x (the Linear's input) and dy (its output's gradient) are saved
+    the way autograd saves any tensor, so they are held, and the activation meter counts
+    them, until W runs: per block 7 b·s·h of inputs and 9 b·s·h of gradients, 16e·bsh
+    (Qi et al.'s M_W = 32bsh in 16 bits, against the M_B = 34bsh + 5as²b a block saves)."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, x, dy):
+        ctx.save_for_backward(x, dy)
+        ctx.has_bias = bias is not None
+        return x.new_zeros(())  # a handle: W is torch.autograd.backward(handles)
+
+    @staticmethod
+    def backward(ctx, _):
+        x, dy = ctx.saved_tensors
+        dy = dy.reshape(-1, dy.shape[-1])
+        return dy.t() @ x.reshape(-1, x.shape[-1]), dy.sum(0) if ctx.has_bias else None, None, None
+
+
+class _InputGradientOnly(torch.autograd.Function):
+    """y = x·Wᵀ + b whose backward is I alone: dx = dy·W, what the layer below (and the
+    previous stage) waits for; the weight gradient is deferred as a _WeightGradient node
+    appended to `deferred`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferred):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.deferred = deferred
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        with torch.enable_grad():  # W's node hangs off the weight, to run when the schedule says
+            ctx.deferred.append(_WeightGradient.apply(weight, bias, x.detach(), dy.detach()))
+        return dy @ weight, None, None, None
+
+
+class SplitLinear(nn.Module):
+    """An nn.Linear, the same parameters under the same names, whose backward is split
+    (zero bubble's I and W). Under autocast the inputs are cast here, as F.linear's autocast
+    would, so that what is saved (the compute-dtype input; the weight's copy is a
+    parameter's) is what nn.Linear saves."""
+
+    def __init__(self, linear, deferred):
+        super().__init__()
+        self.weight, self.deferred = linear.weight, deferred
+        self.register_parameter("bias", linear.bias)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():  # evaluation: nothing to split
+            return F.linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        return _InputGradientOnly.apply(x, weight, bias, self.deferred)
+
+
+def split_backward(chunks):
+    """Replace every Linear of every block by a SplitLinear: I then leaves its weight
+    gradients in the list returned, one _WeightGradient node per Linear. The head's weight
+    gradient stays in I (deferring it would hold the b·s·V logits' gradient), as do those of
+    the LayerNorms and the embeddings, which cost little."""
+    deferred = []
+    for block in (block for chunk in chunks for block in chunk.h):
+        for module in list(block.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, SplitLinear(child, deferred))
+    return deferred
+
+
+# ---------------------------------------------------------------------------------------
+# The V schedules, ZB-V and DualPipeV, as torch.distributed.pipelining orders them
+# ---------------------------------------------------------------------------------------
+
+def in_rounds(steps):
+    """Rounds from steps (each a tuple: one action, or an overlapped pair): one round per
+    step, and a W riding in the round of the I before it (it runs while that round's
+    messages travel), as ZB-H1's rounds have it."""
+    rounds = []
+    for step in steps:
+        if step[0][0] == "W" and rounds and rounds[-1][-1][0] == "I":
+            rounds[-1] += step
+        else:
+            rounds.append(tuple(step))
+    return rounds
+
+
+def zbv_rounds(p, rank, m):
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6), as torch's
+    ScheduleZBVZeroBubble orders it: rank r runs 2(p-r)-1 forwards down the V (its chunk 0,
+    global chunk r), then alternates forwards of its two chunks, then from the bottom of the
+    V a forward of the way back (chunk 1, global 2p-1-r) with its I and W at once; in the
+    steady state one F, I and W of each chunk; the cool-down's Is, and the Ws last. Built for
+    at least 2p-1 micro-batches (what fills the V), those beyond m then dropped."""
+    down, up, n = 0, 1, max(2 * p - 1, m)
+    out, count = [], {}
+
+    def act(c, kind):  # the next micro-batch of this chunk and kind
+        key = (c, kind)
+        count[key] = count.get(key, 0) + 1
+        out.append((kind, count[key] - 1, c))
+    for _ in range(2 * (p - rank) - 1):  # warm-up: down the V
+        act(down, "F")
+    for _ in range(rank):
+        act(up, "F"), act(down, "F")
+    for _ in range(p - rank):  # the way back starts: its Is and Ws at once
+        act(up, "F"), act(up, "I"), act(up, "W")
+    while count[(down, "F")] < n or count.get((up, "F"), 0) < count[(down, "F")]:  # steady state
+        if count[(down, "F")] < n:
+            act(down, "F")
+        act(down, "I"), act(down, "W"), act(up, "F"), act(up, "I"), act(up, "W")
+    w_down, w_up = count.get((down, "W"), 0), count.get((up, "W"), 0)
+    for _ in range(rank):  # cool-down: input gradients first, what the other ranks wait for
+        act(down, "I"), act(up, "I")
+    for _ in range(p - rank):
+        act(down, "I")
+        out.append(("W", w_down, down))
+        w_down += 1
+    out += [("W", i, up) for i in range(w_up, count.get((up, "I"), 0))]
+    out += [("W", i, down) for i in range(w_down, count[(down, "I")])]
+    return in_rounds([(action,) for action in out if action[1] < m])
+
+
+def dualpipev_rounds(p, rank, m):
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V, deepseek-ai/DualPipe), as torch's
+    ScheduleDualPipeV orders it (m >= 2p): the steady state is one forward of one chunk
+    overlapped with the whole backward of the other, a round of two ("(aFi;bBj)OVERLAP_F_B"
+    in torch's notation), which on GPUs hides each one's communication behind the other's
+    compute and here runs one after the other; the first and last phases use I and W."""
+    down, up = 0, 1
+    out, count, weights = [], {}, []
+
+    def act(c, kind, emit=True):
+        key = (c, "I" if kind == "B" else kind)
+        i = count.get(key, 0)
+        count[key] = i + 1
+        if kind == "I":
+            weights.append(("W", i, c))
+        if emit:
+            out.append(((kind, i, c),))
+        return kind, i, c
+
+    def overlap(forward, backward):
+        out.append((act(forward, "F", False), act(backward, "B", False)))
+
+    def pending_weight():
+        if weights:
+            out.append((weights.pop(0),))
+    for _ in range(2 * (p - rank - 1)):
+        act(down, "F")
+    for _ in range(rank + 1):
+        act(down, "F"), act(up, "F")
+    for _ in range(p - rank - 1):
+        act(up, "I"), pending_weight(), act(up, "F")
+    for k in range(m - 2 * p + rank + 1):  # the main phase: F0B1 and F1B0, overlapped
+        if k == 0 and rank == p - 1:  # not overlapped, to shorten the bubble
+            act(down, "F"), act(up, "B")
+        else:
+            overlap(down, up)
+        overlap(up, down)
+    for _ in range(p - rank - 1):
+        act(up, "B"), overlap(up, down)
+    zero_bubble = False
+    for k in range(rank + 1):  # the second half of the backwards uses I and W
+        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 1
+        act(up, "I" if zero_bubble else "B")
+        zero_bubble |= k == (rank + 1) // 2 and rank % 2 == 0
+        act(down, "I" if zero_bubble else "B")
+    for _ in range(p - rank - 1):
+        pending_weight(), act(down, "I" if zero_bubble else "B")
+    for _ in range(rank + 1):
+        pending_weight()
+    return in_rounds(out)
+
+
+# ---------------------------------------------------------------------------------------
+# In a V, the exchanges reordered so that they complete under NCCL's rules
+# ---------------------------------------------------------------------------------------
+
+class Deadlock(ValueError):
+    def __init__(self, rank, batch, message):
+        super().__init__(message)
+        self.rank, self.batch = rank, batch
+
+
+def exchanges_for_nccl(rounds_by_rank, p, v, m, vee=False):
+    """exchanges() of every rank, ordered to complete under NCCL's point-to-point rules (those of
+    tests/nccl_replay.py: a rank's batches complete in posting order; a send completes only
+    once its receive is posted; the k-th send from a to b is b's k-th receive from a,
+    whatever the tags). The four older schedules' batches already do, and are returned as
+    they are. In a V one channel carries two streams (rank r passes chunk r's activations
+    and chunk 2p-1-r's gradients to rank r+1) and a rank may need a later message first
+    (ZB-V at p = 2: rank 1 runs 2I0 before 1F2, whose input rank 0 sent first): 1. a
+    receive is posted together with those its sender sends before it; 2. replaying the
+    batches, where ranks wait on each other (a send's receive behind its peer's own send,
+    posted alone), a receive whose send is already posted moves into the waiting rank's
+    batch. Early receives wait in Pipeline.run's `received` until their round. Raises
+    Deadlock naming the rank and its batch where no move helps (a real deadlock)."""
+    batches = [[list(b) for b in exchanges(rounds_by_rank[r], p, r, v, m, vee)] for r in range(p)]
+    sent = {(q, r): [tag for b in batches[q] for op, peer, tag in b if op == "send" and peer == r]
+            for q in range(p) for r in range(p) if q != r}
+    for r in range(p):  # 1. receives in their senders' order
+        done = {q: 0 for q in range(p)}
+        for b in batches[r]:
+            wanted = [(q, tag) for op, q, tag in b if op == "recv" and q != r]
+            b[:] = [entry for entry in b if entry[0] == "send" or entry[1] == r]
+            for q, tag in wanted:
+                if tag in sent[(q, r)][done[q]:]:
+                    upto = sent[(q, r)].index(tag, done[q]) + 1
+                    b += [("recv", q, t) for t in sent[(q, r)][done[q]:upto]]
+                    done[q] = upto
+    where, ops_of, key = {}, [], {}  # (channel, message number, op) -> its batch; per batch what it waits on
+    for r in range(p):
+        count = {}
+        ops_of.append([])
+        for j, b in enumerate(batches[r]):
+            ops_of[r].append([])
+            for entry in b:
+                op, q, _ = entry
+                if q != r:
+                    channel = (r, q) if op == "send" else (q, r)
+                    count[channel] = count.get(channel, 0) + 1
+                    where[key.setdefault((r, entry), (channel, count[channel], op))] = j
+                    ops_of[r][-1].append(((channel, count[channel], "recv" if op == "send" else "send"), q))
+    head = [0] * p
+    while True:  # 2. replay; where stuck, move a receive whose send is posted to its waiting rank
+        moved = True
+        while moved:  # a move only ever brings a receive forward: the heads reached stay reached
+            moved = False
+            for r in range(p):
+                while head[r] < len(batches[r]) and all(where.get(other, len(batches[q])) <= head[q]
+                                                        for other, q in ops_of[r][head[r]]):
+                    head[r], moved = head[r] + 1, True
+        if all(head[r] == len(batches[r]) for r in range(p)):
+            return batches
+        moves = 0
+        for r in (r for r in range(p) if head[r] < len(batches[r])):
+            for q in (q for q in range(p) if q != r and head[q] < len(batches[q])):
+                tags = [tag for op, peer, tag in batches[q][head[q]] if op == "send" and peer == r]
+                later = tags and next(((j, entry) for j in range(head[r] + 1, len(batches[r]))
+                                       for entry in batches[r][j] if entry[0] == "recv" and entry[1] == q), None)
+                if later and later[1][2] in tags:  # its send is posted: receive it now
+                    j, entry = later  # the first from q after the head: its message number stays
+                    batches[r][j].remove(entry)
+                    batches[r][head[r]].append(entry)
+                    where[key[(r, entry)]] = head[r]
+                    send = ((*key[(r, entry)][:2], "send"), q)
+                    ops_of[r][j].remove(send)
+                    ops_of[r][head[r]].append(send)
+                    moves += 1
+        if not moves:
+            r = min(r for r in range(p) if head[r] < len(batches[r]))
+            raise Deadlock(r, head[r], f"its batch {batches[r][head[r]]} deadlocks under NCCL's rules "
+                                       "(every rank waits on another)")
+
+
+
+# ---------------------------------------------------------------------------------------
+# A schedule as a table: torch.distributed.pipelining's CSV, imported and exported
+# ---------------------------------------------------------------------------------------
+
+ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
+
+
+def parse_action(text):
+    """[(stage, "F" | "I" | "W" | "B", micro-batch)] of one cell (two for an overlapped pair)."""
+    pair = re.match(r"^\((.*);(.*)\)OVERLAP_F_B$", text.strip())
+    parts = [pair.group(1), pair.group(2)] if pair else [text]
+    found = [ACTION.match(part.strip()) for part in parts]
+    if not all(found):
+        raise ValueError(f"not an action: {text!r} (expected e.g. 2F0, 2I0, 2W0, 2B0 or (0F1;1B0)OVERLAP_F_B)")
+    return [(int(f.group(1)), f.group(2), int(f.group(3))) for f in found]
+
+
+def table_rounds(row, p, rank, v, vee=False):
+    """One rank's rounds from its row of cells (import): "3F1" is global chunk 3's forward of
+    micro-batch 1 (3I1 its I, 3W1 its W, 3B1 a whole backward), an overlapped pair
+    "(0F4;1B2)OVERLAP_F_B" one round; a W rides in the round of the I before it (in_rounds)."""
+    local = {chunk_stage(p, rank, c, vee): c for c in range(v)}
+    return in_rounds([tuple((kind, i, local[g]) for g, kind, i in parse_action(text)) for text in row])
+
+
+def table(rounds_by_rank, p, vee=False):
+    """Every rank's row of cells (export), as torch.distributed.pipelining writes them: one
+    cell per action, a round that starts with a forward and holds a backward (the
+    interleaved steady state, DualPipeV's overlapped pair) one "(aFi;bBj)OVERLAP_F_B" cell."""
+    rows = []
+    for rank, rounds in enumerate(rounds_by_rank):
+        cells = []
+        for actions in rounds:
+            names = [f"{chunk_stage(p, rank, c, vee)}{kind}{i}" for kind, i, c in actions]
+            pair = len(actions) > 1 and actions[0][0] == "F" and actions[1][0] in "BI"
+            cells += [f"({names[0]};{names[1]})OVERLAP_F_B"] + names[2:] if pair else names
+        rows.append(cells)
+    return rows
+
+
+def read_table(path):
+    """Every rank's cells from a CSV file as torch.distributed.pipelining's _dump_csv
+    writes it and _load_csv reads it: one row per rank, one action per cell, an empty cell
+    an idle step."""
+    with open(path, newline="") as f:
+        return [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
+
+
+def write_table(rows, path):
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+
+
+def write_schedule(args, every, p, vee, env):
+    """--write_schedule FILE: the run's rounds as torch's CSV, by rank 0 (a dry run has no env)."""
+    if args.write_schedule and (env is None or env.rank == 0):
+        write_table(table(every, p, vee), args.write_schedule)
+
+
+def placement_of(rows):
+    """(v, vee): the chunks per rank and their placement that the table's stages name; None
+    if no rank r holds r, r+p, ... (interleaved) or r and 2p-1-r (a V) for all r."""
+    p = len(rows)
+    held = [sorted({g for text in row for g, _, _ in parse_action(text)}) for row in rows]
+    v = max(len(h) for h in held)
+    for vee in (False, True) if v == 2 else (False,):
+        if all(h == sorted(chunk_stage(p, r, c, vee) for c in range(v)) for r, h in enumerate(held)):
+            return v, vee
+    return None
+
+
+def table_problem(actions, p, m):
+    """Why the table cannot run at p ranks and m micro-batches, in one line naming the rank
+    and the action, or None: rows not one per rank, an action that is not one, stages not
+    placed as 07 places them, an action missing or twice (its send would have no receive),
+    an I without its W or a W without its I, an action before its input exists or a W before
+    its I (the order, replayed with every rank waiting for what it needs, stops), or an order
+    that deadlocks under NCCL's rules (exchanges_for_nccl)."""
+    if len(actions) != p:
+        return f"the table has {len(actions)} rows, one per rank, for {p} ranks"
+    for r, row in enumerate(actions):
+        for text in row:
+            try:
+                parse_action(text)
+            except ValueError as e:
+                return f"rank {r}: {e}"
+    placement = placement_of(actions)
+    if placement is None:
+        return ("its stages are not placed as 07 places chunks: rank r holds r, r+p, ... (interleaved) "
+                "or r and 2p-1-r (a V), every rank as many")
+    (v, vee), seen = placement, {}
+    for r, row in enumerate(actions):
+        for text in row:
+            for g, kind, i in parse_action(text):
+                if (g, kind, i) in seen:
+                    return f"rank {r}, action {text}: {g}{kind}{i} runs twice"
+                if i >= m:
+                    return f"rank {r}, action {text}: micro-batch {i}, but the run has {m} (0 to {m - 1})"
+                seen[(g, kind, i)] = r
+    n = p * v
+    for g, i in ((g, i) for g in range(n) for i in range(m)):
+        r, back = stage_rank(p, g, vee), [k for k in "BI" if (g, k, i) in seen]
+        missing = (f"{g}F{i}" if (g, "F", i) not in seen else f"{g}B{i} (or {g}I{i} and {g}W{i})" if not back
+                   else f"{g}W{i} after its {g}I{i}" if back == ["I"] and (g, "W", i) not in seen else None)
+        if missing:
+            return f"rank {r}: never runs {missing}"
+        if len(back) > 1 or (back == ["B"] and (g, "W", i) in seen):
+            return f"rank {r}: {g}{'I' if len(back) > 1 else 'W'}{i} besides the full backward {g}B{i}"
+    def needs(g, kind, i):  # what must have run, on any rank, before this action
+        if kind == "F":
+            return [(g - 1, "F", i)] if g > 0 else []
+        if kind == "W":
+            return [(g, "I", i)]
+        return [(g, "F", i)] + [(g + 1, k, i) for k in "BI" if g < n - 1 and (g + 1, k, i) in seen]
+    flat = [[(text, sub) for text in row for sub in parse_action(text)] for row in actions]
+    done, position, moved = set(), [0] * p, True
+    while moved:  # every rank runs its next action once what it needs has run
+        moved = False
+        for r in range(p):
+            while position[r] < len(flat[r]) and all(need in done for need in needs(*flat[r][position[r]][1])):
+                done.add(flat[r][position[r]][1])
+                position[r], moved = position[r] + 1, True
+    stuck = [r for r in range(p) if position[r] < len(flat[r])]
+    for r in sorted(stuck, key=lambda r: not any(  # a rank waiting on itself first: the cause, not a victim
+            stage_rank(p, need[0], vee) == r for need in needs(*flat[r][position[r]][1]) if need not in done)):
+        text, action = flat[r][position[r]]
+        g, k, i = next(need for need in needs(*action) if need not in done)
+        holder = stage_rank(p, g, vee)
+        return (f"rank {r}, action {text}: needs {g}{k}{i} first, which this rank runs after it" if holder == r else
+                f"rank {r}, action {text}: needs {g}{k}{i} first, which rank {holder} runs only after "
+                f"what waits on this (the order deadlocks)")
+    rounds = [table_rounds(actions[r], p, r, v, vee) for r in range(p)]
+    try:
+        exchanges_for_nccl(rounds, p, v, m, vee)
+    except Deadlock as e:
+        done = rounds[e.rank][e.batch - 1] if e.batch else ()
+        names = " ".join(f"{chunk_stage(p, e.rank, c, vee)}{k}{i}" for k, i, c in done)
+        return f"rank {e.rank}, after action {names or '(none)'}: {e}"
+    return None
+
+
+def use_table_file(args, p):
+    """--schedule_csv: read the user's table and refuse it, in one line naming the rank and
+    the action, if it cannot run (table_problem), before anything is built. Its micro-batch
+    count is the run's m: the micro-batch size is the global batch over it."""
+    try:
+        actions = read_table(args.schedule_csv)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        fail(f"--schedule_csv {args.schedule_csv}: cannot read it ({e})")
+    m = 1 + max((int(i) for row in actions for text in row for i in re.findall(r"[FIWB](\d+)", text)), default=-1)
+    check(m > 0 and args.global_batch_size % m == 0, f"--schedule_csv {args.schedule_csv}: its {m} micro-batches "
+          f"do not divide --global_batch_size {args.global_batch_size}")
+    check(args.micro_batch_size in ("auto", args.global_batch_size // m),
+          f"--schedule_csv {args.schedule_csv} has {m} micro-batches of {args.global_batch_size // m}: "
+          f"leave out --micro_batch_size {args.micro_batch_size}")
+    problem = table_problem(actions, p, m)
+    check(problem is None, f"--schedule_csv {args.schedule_csv}: {problem}")
+    args.micro_batch_size, args.schedule = args.global_batch_size // m, "csv"
+
+
+# ----------------------------------------------------------------------------------------
 # Accounting: what a stage holds and sends (the ledger's theory), checkpoint pieces, and the
 # schedule's plan: its bubble, the unit-cost replay that is drawn, every stage's dry run
 # ----------------------------------------------------------------------------------------
@@ -1161,13 +1085,14 @@ def costs(args, config, world_size, dtype, rank=0):
     all-reduced between the first and last stage, the norm and the logged loss."""
     from infra import formula, newton_schulz_flops
     p, m = world_size, args.global_batch_size // args.micro_batch_size
-    actions, v, vee, split = run_table(args, p, m)
+    every, v, vee, split = run_schedule(args, p, m)
     chunks = meta_chunks(config, p, v, rank, vee)
     psi = sum(t.numel() for t in chunks.parameters())
     psi_m = sum(t.numel() for name, t in chunks.named_parameters() if is_hidden_matrix(name, t.shape))
     first, last = chunks[0].is_first, chunks[-1].is_last
-    rounds = table_rounds(actions[rank], p, rank, v, vee, split)
-    order = [op for ops in rounds for op in ops]
+    rounds = every[rank]
+    order = [action for actions in rounds for action in actions]
+    units = unit_actions(order, split)  # a whole backward of a split schedule: its I, then its W
     # what crosses to another rank (one rank alone, or the V's turn, passes in memory)
     posted = [op for batch in exchanges(rounds, p, rank, v, m, vee) for op, peer, _ in batch if peer != rank]
     sends, recvs = posted.count("send"), posted.count("recv")
@@ -1183,14 +1108,14 @@ def costs(args, config, world_size, dtype, rank=0):
             formula("4*Ψ_m + 8*(Ψ_stage - Ψ_m)", Ψ_stage=psi, Ψ_m=psi_m)}  # Muon: one moment of its matrices
     in_flight = {"gpipe": m, "1f1b": min(p - rank, m), "zb": min(p, m),
                  "interleaved": min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)}.get(
-        args.schedule, held_peak(order, split))  # the V schedules: walked (ZB-V: 2p chunks, as 1F1B's stage 0)
+        args.schedule, held_peak(order))  # the V schedules: walked (ZB-V: 2p chunks, as 1F1B's stage 0)
     cost = {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
                                                 if v > 1 else ""),
             "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
             # Muon: Newton-Schulz on this stage's matrices (infra.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([t.shape for name, t in chunks.named_parameters()
                                               if args.optimizer == "muon" and is_hidden_matrix(name, t.shape)]),
-            "in_flight": in_flight, "activations": activation_peak(args, config, dtype, order, p, v, rank, vee, split)}
+            "in_flight": in_flight, "activations": activation_peak(args, config, dtype, units, p, v, rank, vee, split)}
     # every live tensor at its most, by phase (infra.phase_peaks on this stage's chunks: the
     # logits only where the head is), with the boundaries' (boundary_terms). Start-up: the
     # stage's weights, each drawn whole by param_init
@@ -1201,7 +1126,7 @@ def costs(args, config, world_size, dtype, rank=0):
                         matrix=largest_matrix(t.shape for name, t in chunks.named_parameters()
                                               if is_hidden_matrix(name, t.shape)))
     forward, backward = boundary_terms(b, s, h, sends=p > 1 and any(not chunk.is_last for chunk in chunks))
-    casts = {"casts": casts_peak(order, dtype, {chunk_stage(p, rank, c, vee): chunk_casts(chunk, split)
+    casts = {"casts": casts_peak(units, dtype, {chunk_stage(p, rank, c, vee): chunk_casts(chunk, split)
                                                 for c, chunk in enumerate(chunks)}, p, rank, vee)}
     cost["peak"] = phase_peaks(cost, t, forward={**casts, **(forward or {})}, backward={**casts, **(backward or {})})
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * (args.optimizer == "muon"), show="init",
@@ -1240,7 +1165,7 @@ def casts_peak(order, dtype, casts, p, rank, vee=False):
     """bf16: autocast's weight copies held at the peak, `casts` {global chunk: (cached, per
     micro-batch)} from chunk_casts: the cached ones once for the step (every chunk of the
     rank has run a forward by a phase's peak), zero bubble's per-forward ones for each
-    micro-batch chunk from its F to its B, walked along the rank's order. fp32: none."""
+    micro-batch chunk from its F to its I, walked along the rank's unit_actions(). fp32: none."""
     from infra import formula
     e = dtype.itemsize
     if e != 2:
@@ -1248,7 +1173,7 @@ def casts_peak(order, dtype, casts, p, rank, vee=False):
     now, peak = {}, {}
     for kind, _, c in order:
         g = chunk_stage(p, rank, c, vee)
-        if kind in ("F", "B") and casts[g][1]:
+        if kind in "FBI" and casts[g][1]:
             now[g] = now.get(g, 0) + (1 if kind == "F" else -1)
             if sum(n * casts[k][1] for k, n in now.items()) > sum(n * casts[k][1] for k, n in peak.items()):
                 peak = {k: n for k, n in now.items() if n}
@@ -1259,7 +1184,7 @@ def casts_peak(order, dtype, casts, p, rank, vee=False):
 
 def boundary_terms(b, s, h, sends):
     """What the pipeline itself holds at a stage boundary, beside the activations, tensor by
-    tensor (Pipeline.run and _exchange), each b·s·h and fp32 (4 bytes) in bf16 runs too: the
+    tensor (Pipeline.run, post and complete), each b·s·h and fp32 (4 bytes) in bf16 runs too: the
     residual stream stays fp32 under autocast (fp32 embeddings plus bf16 block outputs) and
     the receive buffers are made in the default dtype. ({forward}, {backward}) for
     phase_peaks; `sends`: the stage has a next one (not the last chunk's, whose output is
@@ -1290,14 +1215,21 @@ def boundary_terms(b, s, h, sends):
     return {"boundary": formula("out + dy", out=out, dy=dy)}, {"boundary": formula("dy", dy=dy)}
 
 
-def held_peak(order, split):
-    """The most micro-batch chunks held at once along a rank's order: from F to its W (split)
-    or its B."""
+def held_peak(order):
+    """The most micro-batch chunks held at once along a rank's actions: from F to its B, or
+    (zero bubble) to its W."""
     held = peak = 0
     for kind, _, _ in order:
-        held += 1 if kind == "F" else -1 if kind == ("W" if split else "B") else 0
+        held += 1 if kind == "F" else -1 if kind in "BW" else 0
         peak = max(peak, held)
     return peak
+
+
+def unit_actions(order, split):
+    """The actions at unit cost: in a split schedule (SplitLinear) a whole backward B is its
+    I, then its W, one unit each; elsewhere B is one unit, as F."""
+    return [half for action in order for half in (
+        [("I", *action[1:]), ("W", *action[1:])] if split and action[0] == "B" else [action])]
 
 
 def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=False):
@@ -1305,7 +1237,8 @@ def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=Fal
     holds kept_g (common's activation_terms for its layers) from its forward to its
     backward, during_g while its backward runs, and (zero bubble) W_g from B to W, the x
     and dy of its Linears (zero_bubble_phases). The formula is the sum at the peak: m
-    chunks in flight for GPipe, p - rank for 1F1B, the interleaved warm-up's count."""
+    chunks in flight for GPipe, p - rank for 1F1B, the interleaved warm-up's count. `order`:
+    unit_actions(), a split schedule's whole backward as its I and W."""
     from infra import activation_device_type, activation_phases, activation_terms, formula
     b = args.micro_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
@@ -1323,12 +1256,12 @@ def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=Fal
             values[f"kept_{g}"], values[f"during_{g}"], values[f"W_{g}"] = zero_bubble_phases(*chunk, e_bsh, mask)
         else:
             (values[f"kept_{g}"], values[f"during_{g}"]), values[f"W_{g}"] = activation_phases(*chunk), 0
-        held = f"{'W' if kind == 'W' else 'kept'}_{g}"  # F keeps the chunk's tensors, B and W free them
+        held = f"{'W' if kind == 'W' else 'kept'}_{g}"  # F keeps the chunk's tensors, B (I) and W free them
         now[held] = now.get(held, 0) + (1 if kind == "F" else -1)
-        held = {**now, f"during_{g}": 1} if kind == "B" else now
+        held = {**now, f"during_{g}": 1} if kind in "BI" else now
         if sum(n * values[k] for k, n in held.items()) > sum(n * values[k] for k, n in peak.items()):
             peak = {k: n for k, n in held.items() if n and values[k]}
-        if kind == "B":  # until its W, the chunk keeps what W needs
+        if kind in "BI":  # until its W, the chunk keeps what W needs
             now[f"W_{g}"] = now.get(f"W_{g}", 0) + 1
     return formula(" + ".join(f"{n}*{k}" if n > 1 else k for k, n in sorted(peak.items())) or "0", **values)
 
@@ -1396,8 +1329,8 @@ def overlaps(rounds_by_rank, vee):
     backward run one after the other on any device, as drawn before. A pair of one chunk's
     forward and backward of one micro-batch (a user's table may write one) runs in order:
     the backward needs that forward."""
-    return [{ops[0]: ops[1:] for ops in rounds if vee and len(ops) > 1 and ops[0][0] == "F" and ops[1][0] == "B"
-             and ops[0][1:] != ops[1][1:]} for rounds in rounds_by_rank]
+    return [{actions[0]: actions[1:] for actions in rounds if vee and len(actions) > 1 and actions[0][0] == "F"
+             and actions[1][0] in "BI" and actions[0][1:] != actions[1][1:]} for rounds in rounds_by_rank]
 
 
 def simulate(orders, p, v, vee=False, overlap=None):
@@ -1427,7 +1360,7 @@ def simulate(orders, p, v, vee=False, overlap=None):
             op = orders[r][position[r]]
             group = [op, *overlap[r].get(op, ())]  # one op, or a forward and the backward it overlaps
             assert orders[r][position[r]:position[r] + len(group)] == group, "an overlapped pair out of order"
-            keys = [(kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
+            keys = [("B" if kind == "I" else kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
             wanted = [n for member in group for n in needs(r, *member) if n not in keys]
             if any(n not in done for n in wanted):
                 continue
@@ -1476,22 +1409,22 @@ def describe(args, config, p, v, m):
             f"{m} micro-batches of {args.micro_batch_size}")
 
 
-def timeline(actions, p, v, vee, split, overlapped=True):
-    """A table replayed at unit cost (simulate) and drawn (draw): (text, drawn bubble,
-    starts, overlap). `overlapped`: DualPipeV's pairs take max(F, B) (overlaps()); False:
-    F + B, one after the other, as 07 runs them."""
-    rounds = [table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
-    orders = [[op for ops in rounds[r] for op in ops] for r in range(p)]
-    overlap = overlaps(rounds, vee) if overlapped else None
+def timeline(rounds_by_rank, p, v, vee, split, overlapped=True):
+    """Every rank's rounds replayed at unit cost (simulate) and drawn (draw): (text, drawn
+    bubble, starts, overlap). `overlapped`: DualPipeV's pairs take max(F, B) (overlaps());
+    False: F + B, one after the other, as 07 runs them."""
+    units = [[tuple(unit_actions(actions, split)) for actions in rounds] for rounds in rounds_by_rank]
+    orders = [[action for actions in rounds for action in actions] for rounds in units]
+    overlap = overlaps(units, vee) if overlapped else None
     starts = simulate(orders, p, v, vee, overlap)
     return (*draw(starts, p, v, overlap), starts, overlap)
 
 
-def timeline_text(args, p, v, m):
+def timeline_text(args, p, m):
     """The run's schedule drawn, with its bubble drawn and in theory, and where pairs
     overlap, the bubble with each pair run in order: (text, drawn bubble)."""
-    actions, v, vee, split = run_table(args, p, m)
-    text, bubble, _, overlap = timeline(actions, p, v, vee, split)
+    every, v, vee, split = run_schedule(args, p, m)
+    text, bubble, _, overlap = timeline(every, p, v, vee, split)
     theory = bubble_theory(args.schedule, p, m, v)  # None for a user's table
     pairs = any(overlap)
     text = ("schedule (unit-cost replay of the order each stage runs; '.' = idle"
@@ -1499,15 +1432,15 @@ def timeline_text(args, p, v, m):
             + f"):\n{text}\nbubble: {bubble:.3f} drawn"
             + (f", {theory:.3f} in theory ({bubble_formula(args.schedule, v)})" if theory is not None else ""))
     if pairs:  # what 07 runs (one stream, on any device), and so what --measure_bubble measures
-        in_order = timeline(actions, p, v, vee, split, overlapped=False)[1]
+        in_order = timeline(every, p, v, vee, split, overlapped=False)[1]
         text += (f"; {in_order:.3f} with each pair run in order (F + B), as 07 runs it and --measure_bubble sees"
                  + (": ZB-V's (p-1)/(6m+p-1)" if args.schedule == "dualpipev" else ""))
     return text, bubble
 
 
-def log_timeline(run, args, p, v, m):
+def log_timeline(run, args, p, m):
     """Log the schedule every stage runs as a unit-cost timeline; returns its drawn bubble."""
-    text, bubble = timeline_text(args, p, v, m)
+    text, bubble = timeline_text(args, p, m)
     run.log(text)
     return bubble
 
@@ -1525,16 +1458,17 @@ def plan(args, p, v, m):
     # the activation bytes are not in these lines: any dtype gives the same stage lines
     stages = [costs(args, config, p, torch.float32, rank) for rank in range(p)]
     layout, vee = chunk_layers(config.n_layer, p * v), chunks_per_rank(args)[1]
+    held = [[chunk_stage(p, r, c, vee) for c in range(v)] for r in range(p)]  # every rank's global chunks
     return ([f"layout: {p} stages x {v} chunk(s), schedule {args.schedule}, {m} micro-batches of "
              f"{args.micro_batch_size}; bubble {bubble_formula(args.schedule, v)} = "
              f"{bubble_theory(args.schedule, p, m, v) or 0:.3f}"]
             + [f"  stage {r} (node {r // args.ranks_per_node}): layers "
-               f"{', '.join(f'{layout[g][0]}-{sum(layout[g]) - 1}' for g in stages_of(p, r, v, vee))}, holds "
+               f"{', '.join(f'{layout[g][0]}-{sum(layout[g]) - 1}' for g in held[r])}, holds "
                f"{format_bytes(sum(val for _, val in s['held'].values()))}, "
                f"{format_bytes(sum(val for _, val in s['sent'].values()))} sent+received per step, "
                f"{s['in_flight']} micro-batch(es) of activations in flight"
                for r, s in enumerate(stages)]
-            + (timeline_text(args, p, v, m)[0].split("\n") if m * v <= DRY_RUN_DRAWN else [])
+            + (timeline_text(args, p, m)[0].split("\n") if m * v <= DRY_RUN_DRAWN else [])
             + ["(below: stage 0)"])
 
 

@@ -1301,15 +1301,12 @@ class ContextParallelAttention(TPAttention):
 
 
 # ---- restated from 07_pipeline.py: schedule_rounds, schedule, forward_rounds, forward_tag, backward_tag, chunk_stage, stage_rank, exchanges (word for word; tests/test_restated.py checks it) ----
-# the schedules and their messages
 
 def schedule_rounds(kind, p, rank, m, v=1):
-    """The operations rank `rank` of `p` runs for `m` micro-batches (v chunks per rank for
-    the interleaved schedule), in order, in rounds: between two rounds the rank exchanges
-    activations and gradients with its neighbours (exchanges()). A round is one operation,
-    except in the interleaved steady state (one forward and one backward) and in ZB-H1,
-    where a W rides in the round of the B before it: it runs once that B's gradient has
-    been posted to the previous stage, while the round's receives travel."""
+    """The rounds of rank `rank` of `p` for `m` micro-batches (v chunks per rank for the
+    interleaved schedule): one action per round, except in the interleaved steady state (a
+    forward and a backward) and in ZB-H1, where a W rides in the round of the I before it
+    (it runs while that round's messages travel)."""
     if kind == "gpipe":  # every forward, then every backward
         return [(("F", i, 0),) for i in range(m)] + [(("B", i, 0),) for i in range(m)]
     if kind == "1f1b":
@@ -1319,26 +1316,25 @@ def schedule_rounds(kind, p, rank, m, v=1):
         order = forwards[:warmup]
         for i in range(m - warmup):  # steady state: one forward, one backward
             order += [forwards[warmup + i], backwards[i]]
-        return [(op,) for op in order + backwards[m - warmup:]]  # cool-down
+        return [(action,) for action in order + backwards[m - warmup:]]  # cool-down
     if kind == "interleaved":  # Megatron's: forwards visit chunks in groups of p micro-batches
         total = m * v
 
-        def forward_op(k):
+        def forward_action(k):
             return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
 
-        def backward_op(k):
+        def backward_action(k):
             return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
         warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-        return ([(forward_op(k),) for k in range(warmup)]
-                + [(forward_op(warmup + k), backward_op(k)) for k in range(total - warmup)]  # steady state
-                + [(backward_op(k),) for k in range(total - warmup, total)])  # cool-down
+        return ([(forward_action(k),) for k in range(warmup)]
+                + [(forward_action(warmup + k), backward_action(k)) for k in range(total - warmup)]  # steady state
+                + [(backward_action(k),) for k in range(total - warmup, total)])  # cool-down
     # zero bubble, ZB-H1 (Qi et al. 2023, Fig. 3; as sail-sg/zero-bubble-pipeline-parallelism's
-    # ZeroBubbleH1Pipeline and torch.distributed.pipelining's ScheduleInterleavedZeroBubble
-    # at one chunk per rank order it): 1F1B's warm-up of p-rank-1 forwards and its F/B
-    # steady state, but stage `rank` defers the W of its first `rank` backwards; from then
-    # on each B is followed by the W of the oldest micro-batch whose W is pending, and the
-    # `rank` deferred Ws fill the tail, where 1F1B's later stages sit idle
+    # ZeroBubbleH1Pipeline orders it): 1F1B's warm-up and F/I steady state, but stage `rank`
+    # defers the W of its first `rank` backwards; from then on each I is followed by the W of
+    # the oldest micro-batch whose W is pending, and the deferred Ws fill the tail, where
+    # 1F1B's later stages sit idle
     assert kind == "zb", kind
     warmup = min(p - rank - 1, m)
     rounds, w = [(("F", i, 0),) for i in range(warmup)], 0
@@ -1346,16 +1342,16 @@ def schedule_rounds(kind, p, rank, m, v=1):
         if warmup + k < m:  # steady state: one forward, then one backward
             rounds.append((("F", warmup + k, 0),))
         if k >= rank or warmup + k >= m:  # cool-down backwards always take their W
-            rounds.append((("B", k, 0), ("W", w, 0)))
+            rounds.append((("I", k, 0), ("W", w, 0)))
             w += 1
         else:
-            rounds.append((("B", k, 0),))
+            rounds.append((("I", k, 0),))
     return rounds + [(("W", j, 0),) for j in range(w, m)]
 
 
 def schedule(kind, p, rank, m, v=1):
-    """The operations of schedule_rounds(), one after the other."""
-    return [op for ops in schedule_rounds(kind, p, rank, m, v) for op in ops]
+    """The actions of schedule_rounds(), one after the other."""
+    return [action for actions in schedule_rounds(kind, p, rank, m, v) for action in actions]
 
 
 def forward_rounds(p, m, v):
@@ -1391,7 +1387,7 @@ def stage_rank(p, g, vee=False):
 
 
 def exchanges(rounds, p, rank, v, m, vee=False):
-    """What the rank posts, as one batch_isend_irecv per entry: before the first round, the
+    """What the rank posts, one batch_isend_irecv per entry: before the first round, the
     receives it needs; after each round, the sends of what it computed (outputs to the next
     stage, input gradients to the previous) together with the receives of the next round.
     Megatron's p2p calls: send_forward_recv_forward after a forward (..._recv_backward when a
@@ -1402,36 +1398,36 @@ def exchanges(rounds, p, rank, v, m, vee=False):
 
     Why one batch per round, sends and receives together: under NCCL a send completes only
     once its receive is posted, and a rank's batches complete one after another. Posted this
-    way, no cycle of ranks waiting on each other's later batches forms, for every schedule at
-    every p, v and m the tests try (tests/test_schedules.py replays every rank's posting order
-    under NCCL's rules). Posted one batch per operation instead, the interleaved schedule
-    deadlocked on NCCL whenever m > p, though gloo, which buffers sends, ran it."""
+    way, no cycle of ranks waiting on each other's later batches forms (tests/test_schedules.py
+    replays every rank's posting order under NCCL's rules; in a V, exchanges_for_nccl reorders
+    the receives). Posted one batch per action instead, the interleaved schedule deadlocked
+    on NCCL whenever m > p, though gloo, which buffers sends, ran it."""
     n = p * v
 
-    def receives(ops):
-        for kind, i, c in ops:
+    def receives(actions):
+        for kind, i, c in actions:
             g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g > 0:  # chunk g-1's output, the input of chunk g
                 yield "recv", stage_rank(p, g - 1, vee), forward_tag(i, g - 1, n)
-            if kind == "B" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
+            if kind in "BI" and g < n - 1:  # the gradient of chunk g's output, from chunk g+1
                 yield "recv", stage_rank(p, g + 1, vee), backward_tag(i, g + 1, n, m)
 
-    def sends(ops):
-        for kind, i, c in ops:
+    def sends(actions):
+        for kind, i, c in actions:
             g = chunk_stage(p, rank, c, vee)
             if kind == "F" and g < n - 1:
                 yield "send", stage_rank(p, g + 1, vee), forward_tag(i, g, n)
-            if kind == "B" and g > 0:
+            if kind in "BI" and g > 0:
                 yield "send", stage_rank(p, g - 1, vee), backward_tag(i, g, n, m)
 
     following = rounds[1:] + [()]
-    return [list(receives(rounds[0]))] + [list(sends(ops)) + list(receives(nxt))
-                                          for ops, nxt in zip(rounds, following)]
+    return [list(receives(rounds[0]))] + [list(sends(actions)) + list(receives(nxt))
+                                          for actions, nxt in zip(rounds, following)]
+
 # ---- end restated ----
 
 
 # ---- restated from 07_pipeline.py: chunk_layers (word for word; tests/test_restated.py checks it) ----
-# the layers of each stage
 
 def chunk_layers(n_layer, n_chunks):
     """(first layer, layer count) of each of the n_chunks chunks, in pipeline order: n_layer
@@ -1441,49 +1437,174 @@ def chunk_layers(n_layer, n_chunks):
     base, extra = divmod(n_layer, n_chunks)
     sizes = [base + (c >= n_chunks - extra) for c in range(n_chunks)]
     return [(sum(sizes[:c]), sizes[c]) for c in range(n_chunks)]
+
 # ---- end restated ----
 
 
-# ---- restated from 07_pipeline.py: free_output, Pipeline (word for word; tests/test_restated.py checks it) ----
-# the executor
+# ---- restated from 07_pipeline.py: free_output, backward_from_freed, Pipeline (word for word; tests/test_restated.py checks it) ----
 
 def free_output(out):
-    """Free a stage output's storage once it has been sent: Megatron-LM's
-    deallocate_output_tensor (module megatron.core.pipeline_parallel.schedules, "called right
-    after the output tensor has been sent to the next pipeline stage"), which sets
-    `out.data` to a one-element tensor. Safe: backward needs only the graph `out` is the
-    root of (its grad_fn, and the tensors the ops saved), never the output's values, and
-    d loss / d out arrives from the next stage; Pipeline.run starts backward from it with
-    autograd's engine, which, unlike out.backward(grad), does not check the shapes. So a
-    micro-batch in flight keeps its activations, not its b·s·h output. `out` is no view
-    (the chunk's last residual add): freeing a view would free nothing (Megatron asserts
-    out._base is None)."""
+    """Free a stage output's storage once it has been sent (Megatron-LM's
+    deallocate_output_tensor): backward needs only the graph `out` is the root of, never its
+    values, so a micro-batch in flight keeps its activations, not its b·s·h output. `out` is
+    no view (the chunk's last residual add): freeing a view would free nothing."""
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def backward_from_freed(out, grad):
+    """out.backward(grad) for an output free_output emptied (Megatron's custom_backward):
+    backward() would check grad's shape against out's, now [1], so autograd's engine runs it."""
+    Variable._execution_engine.run_backward(tensors=(out,), grad_tensors=(grad,), keep_graph=False,
+                                            create_graph=False, inputs=(), allow_unreachable=True,
+                                            accumulate_grad=True)
 
 
 class Pipeline:
     """This rank's chunks and the stages of its pipeline `group`: the rank's stage is its
     rank in the group, and its messages name their peers by stage (group_peer), so that a
-    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `timed`: mark the
-    start and end of every F, B and W on the device's own timeline (mark()), to measure the
-    compute time and so the bubble without waiting for the device inside the step (08_3d.py
-    measures none). `vee`: the chunks sit in a V (chunk_stage; ZB-V and DualPipeV), so the
-    rank passes some messages to itself, in memory."""
+    pipeline inside a bigger mesh (08_3d.py) talks to its own stages only. `deferred`: zero
+    bubble's list where I leaves its W (split_backward). `timed`: mark every F, B, I and W
+    on the device's own timeline, to measure the bubble (08_3d.py measures none). `vee`: the
+    chunks sit in a V (chunk_stage), so the rank passes some messages to itself, in memory."""
 
     def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
-        self.vee = vee
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.timed = timed
-        self.deferred = deferred  # zero bubble: where B leaves its W nodes (split_backward)
-        self.mailbox = {}  # with one stage, "sending to the next stage" is sending to itself
+        self.deferred, self.timed, self.vee = deferred, timed, vee
+        self.to_self = {}  # messages to this rank itself: one stage, or the V's turn
+
+    def post(self, exchange, sends):
+        """Post one exchange: its sends (of tensors in `sends`) and its receives, together in one
+        batch_isend_irecv (NCCL: one request for the batch); returns (requests, {tag: tensor
+        arriving}). A message to this rank itself passes in memory (pass_in_memory)."""
+        ops, arriving = [], {}
+        for op, peer, tag in exchange:
+            if peer == self.rank:  # one stage, or the V's turn: no message at all
+                if op == "send":
+                    self.to_self[tag] = self.pass_in_memory(*sends[tag])
+                else:
+                    arriving[tag] = self.to_self.pop(tag)
+            elif op == "send":  # an activation forward or a gradient back, b·s·h
+                ops.append(dist.P2POp(dist.isend, sends[tag][0], group=self.group, group_peer=peer, tag=tag))
+            else:
+                arriving[tag] = torch.empty(self.act_shape, device=self.env.device)
+                ops.append(dist.P2POp(dist.irecv, arriving[tag], group=self.group, group_peer=peer, tag=tag))
+        return (dist.batch_isend_irecv(ops) if ops else []), arriving
+
+    def complete(self, requests, exchange, sends):
+        """Wait for the whole exchange, sends included (as Megatron's _communicate does), then
+        free each output sent (free_output). No deadlock follows: the exchanges keep NCCL's
+        rules (a rank's batches complete in order, a send once its receive is posted). Under
+        gloo it is what frees the outputs: a send is complete to wait() only."""
+        for request in requests:
+            request.wait()
+        for op, peer, tag in exchange:
+            if op == "send" and peer != self.rank and sends[tag][1]:
+                free_output(sends[tag][0])
+
+    @staticmethod
+    def pass_in_memory(tensor, free):
+        """A message to this rank itself: the same storage, detached from the sender's graph;
+        a sent output then keeps only its graph (free_output), as after a send."""
+        passed = tensor.detach()
+        if free:
+            free_output(tensor)
+        return passed
+
+    def run(self, rounds, inputs, targets, m, train=True, posts=None):
+        """Run one step's rounds, posting exchanges() between them (or `posts`, those ordered
+        for NCCL in a V); returns the summed loss (last stage), the peak number of
+        micro-batch chunks in flight (forward done, backward not; with zero bubble: W not),
+        and when timed a function giving the share of the time this rank computed (1 - it is
+        its measured bubble; call it after the step: it reads the device's events).
+
+        bf16: the whole schedule is one autocast region, so autocast's cache casts each
+        weight once per step, not once per micro-batch in flight; backward runs with autocast
+        off, as it does outside a region."""
+        n, posts = self.p * self.v, posts or exchanges(rounds, self.p, self.rank, self.v, m, self.vee)
+        self.saved, self.weights, self.spans = {}, {}, []  # (i, c) -> (x, out); (i, c) -> its W nodes
+        self.in_flight = self.peak = 0
+        loss_sum, start = torch.zeros((), device=self.env.device), self.mark()
+        with autocast(self.env):
+            requests, received = self.post(posts[0], {})  # the first round's receives
+            self.complete(requests, posts[0], {})
+            for actions, exchange in zip(rounds, posts[1:]):
+                sends = {}  # what this round sends: {tag: (tensor, free it once sent)}
+                for kind, i, c in actions:
+                    g = chunk_stage(self.p, self.rank, c, self.vee)  # this chunk's place in the pipeline
+                    if kind == "F":  # in: the tokens, or chunk g-1's activation; out: to chunk g+1, or the loss
+                        x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
+                        out = self.timed_span(self.forward, x, i, c, targets[i] if g == n - 1 else None, train, m)
+                        if g == n - 1:
+                            loss_sum += out.detach().float()
+                        else:
+                            sends[forward_tag(i, g, n)] = (out if train else out.detach(), train)
+                    elif kind in "BI":  # d loss / d out: 1 on the last chunk, else what chunk g+1 sent back
+                        dy = received.pop(backward_tag(i, g + 1, n, m)) if g < n - 1 else None
+                        dx = self.timed_span(self.backward, kind, i, c, dy)
+                        if g > 0:  # x's gradient, back to chunk g-1
+                            sends[backward_tag(i, g, n, m)] = (dx, False)
+                        del dy, dx  # the message in `sends` is the only reference left
+                requests, arriving = self.post(exchange, sends)  # this round's sends, the next one's receives
+                for kind, i, c in actions:
+                    if kind == "W":  # zero bubble: nobody waits for W, so it runs while the messages travel
+                        self.timed_span(self.weight_gradient, i, c)
+                self.complete(requests, exchange, sends)
+                received.update(arriving)
+        whole = (start, self.mark())
+        spans = self.spans
+        return loss_sum, self.peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
+
+    def forward(self, x, i, c, target, train, m):
+        """F: chunk c on micro-batch i, kept for its backward; the last chunk's output is the
+        loss, whose backward is that of the mean over the m micro-batches."""
+        with torch.set_grad_enabled(train):  # in run()'s autocast region
+            out = self.chunks[c](x, target)
+        if train:
+            self.saved[(i, c)] = (x, out / m if target is not None else out)
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        return out
+
+    def backward(self, kind, i, c, dy):
+        """B (or I, the input gradient only, on split Linears): from the loss, or from the
+        gradient `dy` received for the output that was sent and freed; returns dx to send back."""
+        x, out = self.saved.pop((i, c))
+        with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
+            if dy is None:
+                out.backward()
+            else:
+                backward_from_freed(out, dy)
+        if self.deferred is not None:  # zero bubble: the split Linears left their W nodes in `deferred`
+            self.weights[(i, c)] = self.deferred[:]
+            self.deferred.clear()
+            if kind == "B":  # a whole backward: its W at once
+                self.weight_gradient(i, c)
+        else:
+            self.in_flight -= 1
+        return x.grad
+
+    def weight_gradient(self, i, c):
+        """W: dW = dyᵀ·x of every Linear of chunk c for micro-batch i, into .grad; frees x and dy."""
+        with torch.autocast(self.env.device.type, enabled=False):
+            torch.autograd.backward(self.weights.pop((i, c)))
+        self.in_flight -= 1
+
+    def timed_span(self, work, *args):
+        """work(*args), between two marks when timed: the spans are the compute time."""
+        if not self.timed:
+            return work(*args)
+        begin = self.mark()
+        result = work(*args)
+        self.spans.append((begin, self.mark()))
+        return result
 
     def mark(self):
-        """Now, on this rank's compute stream: a device event recorded behind the kernels already
-        queued, which the host does not wait for (the F it ends may still be running, the next
-        one queued behind it), or on CPU, where an op has run when its call returns, the host
-        clock. A wait() on an NCCL receive only makes the stream wait, so an F's start event
-        records after its input has arrived: the spans count compute, never the wait."""
+        """Now, on this rank's compute stream: a device event recorded behind the kernels
+        already queued, which the host does not wait for, or on CPU the host clock. A wait()
+        on an NCCL receive only makes the stream wait, so a span never counts the wait."""
+        if not self.timed:
+            return None
         if self.env.device.type == "cpu":
             return time.perf_counter()
         event = torch.Event(self.env.device, enable_timing=True)
@@ -1492,9 +1613,8 @@ class Pipeline:
 
     @staticmethod
     def busy_fraction(spans, whole):
-        """The share of the schedule's time, `whole` (its first and last marks), that its F, B
-        and W `spans` took: read after the step, where waiting for the last event costs no
-        overlap (the events of one stream complete in order)."""
+        """The share of the schedule's time, `whole` (its first and last marks), that its
+        `spans` took: read after the step, where waiting for the last event costs no overlap."""
         def seconds(start, end):
             if isinstance(start, float):
                 return end - start
@@ -1502,136 +1622,6 @@ class Pipeline:
             return start.elapsed_time(end) / 1e3
         return sum(seconds(*span) for span in spans) / seconds(*whole)
 
-    def global_chunk(self, c):
-        return chunk_stage(self.p, self.rank, c, self.vee)
-
-    def _exchange(self, batch, outputs, meanwhile=lambda: None):
-        """Post one of exchanges()'s batches: the sends of `outputs` ({tag: (tensor, free
-        after sending)}) and the receives together, run `meanwhile` (ZB's W passes, which
-        nobody waits for), wait for the whole batch, sends included (Megatron's _communicate
-        waits for every request of its batch_isend_irecv too), and free each sent output
-        (free_output); returns {tag: received tensor}. Waiting for a send adds no deadlock:
-        the batches keep NCCL's rules (nccl_batches: a rank's batches complete in order, a
-        send once its receive is posted), under which NCCL itself completes a batch as one.
-        And it is what frees the outputs under gloo, which reports a send complete to wait()
-        only (is_completed() stays False): polling, every output stayed until the step's end."""
-        if self.p == 1:
-            for tag, (tensor, free) in outputs.items():
-                self.mailbox[tag] = self._pass_in_memory(tensor, free)
-            meanwhile()
-            return {tag: self.mailbox.pop(tag) for op, _, tag in batch if op == "recv"}
-        ops, received = [], {}
-        for op, peer, tag in [entry for entry in batch if entry[1] == self.rank]:  # the V's turn: in memory
-            if op == "send":
-                self.mailbox[tag] = self._pass_in_memory(*outputs[tag])
-            else:
-                received[tag] = self.mailbox.pop(tag)
-        batch = [entry for entry in batch if entry[1] != self.rank]
-        for op, peer, tag in batch:  # activations or gradients, b·s·h each
-            if op == "send":
-                ops.append(dist.P2POp(dist.isend, outputs[tag][0], group=self.group, group_peer=peer, tag=tag))
-            else:
-                received[tag] = torch.empty(self.act_shape, device=self.env.device)
-                ops.append(dist.P2POp(dist.irecv, received[tag], group=self.group, group_peer=peer, tag=tag))
-        requests = dist.batch_isend_irecv(ops) if ops else []  # NCCL: one request for the batch
-        meanwhile()
-        for request in requests:
-            request.wait()
-        for op, _, tag in batch:
-            if op == "send" and outputs[tag][1]:
-                free_output(outputs[tag][0])
-        return received
-
-    @staticmethod
-    def _pass_in_memory(tensor, free):
-        """A message to this rank itself (one stage; the V's turn): the next chunk's input (or
-        the gradient going back) is the same storage, detached from the sender's graph; a
-        sent output then keeps only its graph (free_output), as after a send."""
-        passed = tensor.detach()
-        if free:
-            free_output(tensor)
-        return passed
-
-    def run(self, rounds, inputs, targets, m, train=True, batches=None):
-        """Run one step's schedule (its rounds, exchanging exchanges()'s batches between
-        them); returns the summed loss (last stage), the peak number of micro-batch chunks in
-        flight (forward done, backward not; with zero bubble: W not), and when timed a
-        function giving the fraction of the schedule's time this rank spent computing (1 -
-        that is its measured bubble; call it after the step: it reads the device's events).
-
-        bf16: the whole schedule is one autocast region, so autocast's cache casts each
-        weight once per step and every micro-batch in flight saves that one copy (a region
-        per forward would make, and keep until its backward, a copy per micro-batch in
-        flight: k·e·Ψ_c); B and W run with autocast off, as backward runs outside a region."""
-        with autocast(self.env):
-            return self._schedule(rounds, inputs, targets, m, train, batches)
-
-    def _schedule(self, rounds, inputs, targets, m, train, batches):
-        n = self.p * self.v
-        saved, loss_sum, in_flight, peak, spans = {}, torch.zeros((), device=self.env.device), 0, 0, []
-        weight_nodes = {}  # zero bubble: (micro-batch, chunk) -> the W nodes its B left
-        mark = self.mark if self.timed else (lambda: None)
-        start = mark()
-        batches = batches or exchanges(rounds, self.p, self.rank, self.v, m, self.vee)  # or nccl_batches()'s
-        received = self._exchange(batches[0], {})
-        for ops, batch in zip(rounds, batches[1:]):
-            outputs = {}  # what this round sends: {tag: (tensor, free after sending)}
-
-            def weight_passes(ops=ops):  # ZB's W: run once the round's B has posted its gradient
-                nonlocal in_flight
-                for kind, i, c in ops:
-                    if kind == "W":  # dW = dyᵀ·x of every Linear, into .grad; frees their x and dy
-                        t0 = mark()
-                        with torch.autocast(self.env.device.type, enabled=False):
-                            torch.autograd.backward(weight_nodes.pop((i, c)))
-                        spans.append((t0, mark()))
-                        in_flight -= 1
-            for kind, i, c in ops:
-                if kind == "W":
-                    continue
-                g = self.global_chunk(c)
-                t0 = mark()  # compute only: waiting for the input is the bubble
-                if kind == "F":
-                    x = inputs[i] if g == 0 else received.pop(forward_tag(i, g - 1, n)).requires_grad_(train)
-                    with torch.set_grad_enabled(train):  # in run()'s autocast region
-                        out = self.chunks[c](x, targets[i] if g == n - 1 else None)
-                    if g == n - 1:
-                        loss_sum += out.detach().float()
-                        out = out / m  # backward of the mean over micro-batches
-                    else:
-                        outputs[forward_tag(i, g, n)] = (out if train else out.detach(), train)
-                    if train:
-                        saved[(i, c)] = (x, out)
-                        in_flight += 1
-                        peak = max(peak, in_flight)
-                else:  # B: with the zero-bubble schedule the input gradient only (SplitLinear)
-                    x, out = saved.pop((i, c))
-                    with torch.autocast(self.env.device.type, enabled=False):  # backward: autocast off
-                        if g == n - 1:
-                            out.backward()
-                        else:
-                            # the output's data was freed after sending (its shape is now [1]):
-                            # run autograd's engine directly, which, unlike out.backward(grad),
-                            # does not check that grad has out's shape
-                            Variable._execution_engine.run_backward(  # d loss / d out: the gradient received
-                                tensors=(out,), grad_tensors=(received.pop(backward_tag(i, g + 1, n, m)),),
-                                keep_graph=False,  # free the graph as it goes (retain_graph=False)
-                                create_graph=False,  # no graph of the backward itself
-                                inputs=(),  # none named: every leaf the graph reaches (x, the weights)
-                                allow_unreachable=True,  # as backward() passes it (matters only with inputs)
-                                accumulate_grad=True)  # add into .grad, as backward() does
-                    if g > 0:
-                        outputs[backward_tag(i, g, n, m)] = (x.grad, False)
-                    del x, out  # the input and its gradient live on only as the message, until it is sent
-                    if self.deferred is None:
-                        in_flight -= 1
-                    else:  # the micro-batch's W tensors stay until its W
-                        weight_nodes[(i, c)] = self.deferred[:]
-                        self.deferred.clear()
-                spans.append((t0, mark()))
-            received.update(self._exchange(batch, outputs, meanwhile=weight_passes))
-        whole = (start, mark())
-        return loss_sum, peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
 # ---- end restated ----
 
 

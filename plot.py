@@ -16,9 +16,9 @@ bytes rank 0 sent per step by operation, measured against theory the same way.
 A 02_collectives.py --bench file gives the bus bandwidth (nccl-tests' busbw) against the
 message size, one line per operation, with the link's peak (--peak_gbps) as a dashed line.
 
---schedule draws the order every stage of 07_pipeline.py runs (its own table, replayed
-with unit costs by its timeline(), as its log draws in text): forwards, backwards (and
-weight-gradient passes, W, where a schedule has them) coloured, each box labelled with its
+--schedule draws the order every stage of 07_pipeline.py runs (its own rounds, replayed
+with unit costs by its timeline(), as its log draws in text): forwards, backwards (zero
+bubble's input- and weight-gradient passes, I and W, where a schedule has them) coloured, each box labelled with its
 micro-batch (and chunk), the bubble drawn and in theory in the title. DualPipeV's overlapped
 pairs share a slot as two half-height bars (the forward on top), max(F, B) long; the title
 adds the bubble with each pair run in order, F + B, as 07 runs it.
@@ -46,7 +46,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_OPS = 20000  # operations in a drawn schedule (pp x micro_batches x virtual_stages x 2): a typo beyond
 FORMATS = (".png", ".svg", ".pdf")  # -o's extension says which
-COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
+COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#8172b3"}
 
 
 class Refused(Exception):
@@ -337,16 +337,16 @@ def pipeline_module():
 
 
 def plot_schedule(plt, kind, p, m, v):
-    """07's timeline (its timeline(): the table replayed at unit cost), one box per F, B or
-    W. DualPipeV's overlapped pair shares one slot, max(F, B) long: its forward a half-height
+    """07's timeline (its timeline(): every rank's rounds replayed at unit cost), one box per
+    F, B, I or W. DualPipeV's overlapped pair shares one slot, max(F, B) long: its forward a half-height
     bar on top, the backward it overlaps (and its W) below; the title gives the bubble drawn
     so and with each pair run in order, F + B, as 07 runs it (one stream)."""
-    pp = pipeline_module()  # the schedule's table, as 07 runs and draws it (run_table, timeline_text)
+    pp = pipeline_module()  # the schedule's rounds, as 07 runs and draws them (run_schedule, timeline_text)
     flags = type("Flags", (), dict(schedule=kind, schedule_csv=None, virtual_stages=v))
-    actions, v, vee, split = pp.run_table(flags, p, m)
-    _, bubble, starts, overlap = pp.timeline(actions, p, v, vee, split)
+    every, v, vee, split = pp.run_schedule(flags, p, m)
+    _, bubble, starts, overlap = pp.timeline(every, p, v, vee, split)
     pairs = any(overlap)
-    in_order = pp.timeline(actions, p, v, vee, split, overlapped=False)[1] if pairs else None
+    in_order = pp.timeline(every, p, v, vee, split, overlapped=False)[1] if pairs else None
     width = 1.0 / v
     end = max(s for row in starts for s, _ in row) + width
     fig, ax = plt.subplots(figsize=(min(18, 4 + end * 0.55), 1.3 + 0.5 * min(p, 32)))
@@ -368,8 +368,8 @@ def plot_schedule(plt, kind, p, m, v):
     ax.set_xlim(0, end)
     ax.set_xlabel("time (one stage's forward or backward = 1" + (f"; a chunk's = 1/{v}" if v > 1 else "")
                   + ("; a half-height pair: a forward overlapped with a backward, max(F, B)" if pairs else "") + ")")
-    ops = sorted({op for row in starts for _, (op, _, _) in row}, key="FBW".index)
-    names = {"F": "forward", "B": "backward", "W": "weight gradient"}
+    ops = sorted({op for row in starts for _, (op, _, _) in row}, key="FBIW".index)
+    names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[o]) for o in ops]
     ax.legend(handles, [names[o] for o in ops], loc="upper left", fontsize=8, bbox_to_anchor=(1.005, 1))
     theory = pp.bubble_theory(kind, p, m, v)

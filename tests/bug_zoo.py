@@ -205,20 +205,20 @@ BUGS = [
 
     # ------------------------------------------------------------------ 07: pipeline
     Bug("pp_interleaved_one_batch_per_operation", "07_pipeline.py",
-        (("requests = dist.batch_isend_irecv(ops) if ops else []",
-          "requests = [r for op in ops for r in dist.batch_isend_irecv([op])]  # each on its own"),),
+        (("return (dist.batch_isend_irecv(ops) if ops else []), arriving",
+          "return [r for op in ops for r in dist.batch_isend_irecv([op])], arriving  # each on its own"),),
         origin="our history (07's interleaved deadlock at m > p, tests/test_schedules.py); Megatron's "
                "send_forward_recv_backward batches exist for this reason",
         symptom="runs on gloo (it buffers sends); deadlocks on the first GPU run",
         check=NCCL, first_line="DEADLOCK under NCCL's semantics",
         flags=("--schedule", "interleaved", "--virtual_stages", "2", "--n_layer", "4")),
     Bug("pp_w_before_its_b", "07_pipeline.py",
-        (('            rounds.append((("B", k, 0), ("W", w, 0)))\n            w += 1',
-          '            w += 1\n            rounds.append((("B", k, 0), ("W", w, 0)))'),),
-        origin="Qi et al. 2023 (zero bubble): W of a micro-batch needs its B's saved x and dy; "
-               "an off-by-one schedules a W before its B",
+        (('            rounds.append((("I", k, 0), ("W", w, 0)))\n            w += 1',
+          '            w += 1\n            rounds.append((("I", k, 0), ("W", w, 0)))'),),
+        origin="Qi et al. 2023 (zero bubble): W of a micro-batch needs the x and dy its I saved "
+               "(the paper's B); an off-by-one schedules a W before its I",
         symptom="the W would find nothing to run on; 07 replays its schedule at unit cost before the "
-                "first step (simulate(), to draw it) and stops there: the W waits for a B that comes later",
+                "first step (simulate(), to draw it) and stops there: the W waits for an I that comes later",
         check=CRASH, first_line="uncaught AssertionError: the schedule deadlocks", flags=("--schedule", "zb")),
     Bug("pp_tied_embedding_not_synced", "07_pipeline.py",
         (("dist.all_reduce(weight.grad, group=run.groups)", "pass  # (each stage keeps its own wte)"),),

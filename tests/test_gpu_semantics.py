@@ -185,8 +185,9 @@ def test_a_batch_with_two_sends_keeps_nccls_one_request_for_both(module, monkeyp
     env = type("Env", (), {"device": torch.device("cpu")})()
     pipeline = module.Pipeline([], env, None, 2, (1, 2, 3), timed=False)
     a, b = torch.ones(1, 2, 3), torch.zeros(1, 2, 3)
-    received = pipeline._exchange([("send", 1, 10), ("send", 1, 11), ("recv", 1, 12)],
-                                  {10: (a, True), 11: (b, False)})
+    batch, sends = [("send", 1, 10), ("send", 1, 11), ("recv", 1, 12)], {10: (a, True), 11: (b, False)}
+    requests, received = pipeline.post(batch, sends)
+    pipeline.complete(requests, batch, sends)
     (request,) = fake.requests
     assert set(received) == {12} and request.waited == 1
     assert a.numel() == 1 and b.numel() == 6  # the freed output, the kept one

@@ -12,7 +12,7 @@ pp = importlib.import_module("07_pipeline")
 
 
 def ops(text):
-    """'F0 F1 B0' -> [("F", 0, 0), ...]; 'F0b' is chunk 1."""
+    """'F0 F1 B0' -> [("F", 0, 0), ...]; 'F0b' is chunk 1; I0 zero bubble's input gradient."""
     return [(t[0], int(t[1:].rstrip("ab")), 1 if t.endswith("b") else 0) for t in text.split()]
 
 
@@ -25,12 +25,12 @@ def ops(text):
     # Narayanan et al. 2021, p = 2, v = 2, m = 4: chunks visited in groups of p micro-batches
     ("interleaved", 2, 4, ["F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a B2b B3b B2a B3a",
                            "F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a"]),
-    # ZB-H1 (Qi et al. 2023, Fig. 3), p = 4, m = 6: 1F1B's F/B order, stage r defers its
-    # first r Ws, each later B takes the oldest W, the deferred ones fill the tail
-    ("zb", 4, 6, ["F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5",
-                  "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5",
-                  "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5",
-                  "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"]),
+    # ZB-H1 (Qi et al. 2023, Fig. 3; the paper's B is our I), p = 4, m = 6: 1F1B's F/B order,
+    # stage r defers its first r Ws, each later I takes the oldest W, the deferred ones fill the tail
+    ("zb", 4, 6, ["F0 F1 F2 F3 I0 W0 F4 I1 W1 F5 I2 W2 I3 W3 I4 W4 I5 W5",
+                  "F0 F1 F2 I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 I4 W3 I5 W4 W5",
+                  "F0 F1 I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 I5 W3 W4 W5",
+                  "F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 W3 W4 W5"]),
 ])
 def test_orders_equal_the_textbook(kind, p, m, expected):
     for rank in range(p):
@@ -50,7 +50,7 @@ def test_drawn_bubble_equals_theory_and_timeline_is_well_formed(kind, p, m, v):
     for r, row in enumerate(rows):
         cells = row.split()[2:]
         labels = [c for c in cells if c != "."]
-        assert len(labels) == (3 if kind == "zb" else 2) * m * v == len(set(labels))  # every F, B (W) once
+        assert len(labels) == (3 if kind == "zb" else 2) * m * v == len(set(labels))  # every F, B (I, W) once
         assert (cells[0] == ".") == (r > 0)  # a later stage waits for the first activation
 
 
@@ -80,7 +80,7 @@ def test_zero_bubble_is_a_third_of_1f1b_and_holds_p_micro_batches_per_stage():
     def peak(order):
         live = top = 0
         for kind, _, _ in order:
-            live += {"F": 1, "B": 0, "W": -1}[kind]
+            live += {"F": 1, "I": 0, "W": -1}[kind]
             top = max(top, live)
         return top
     for p, m in ((4, 8), (3, 3), (4, 2)):
@@ -121,7 +121,7 @@ def test_losses_and_ledger(reference, ranks, kind, v, micro, model):
     step = run.steps[0]
     # rank 0 (the first stage): sends its forward outputs and the gradients of chunks > 0
     bsh = micro * 64 * 64 * 4
-    sends = sum(1 for k, i, c in order if (k == "F" and c * ranks < ranks * v - 1) or (k == "B" and c > 0))
+    sends = sum(1 for k, i, c in order if (k == "F" and c * ranks < ranks * v - 1) or (k in "BI" and c > 0))
     if ranks > 1:
         assert step["comm_bytes"]["send"] == sends * bsh == step["comm_bytes"]["recv"]
         assert step["comm_bytes"]["all_reduce[embedding]"] == 65 * 64 * 4  # tied wte gradient, its own group

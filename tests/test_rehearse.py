@@ -153,20 +153,20 @@ def test_roles_extended_by_symmetry_replay_as_every_rank_rehearsed(tmp_path):
 
 
 ONE_BATCH_PER_OPERATION = """
-_exchange = Pipeline._exchange
+_post = Pipeline.post
 
 
-def _one_batch_per_operation(self, batch, outputs, meanwhile=lambda: None):
+def _one_batch_per_operation(self, batch, sends):
     # 07 before Megatron's paired batches: every send and receive posted as a batch of its own
     post = dist.batch_isend_irecv
     dist.batch_isend_irecv = lambda ops: [r for op in ops for r in post([op])]
     try:
-        return _exchange(self, batch, outputs, meanwhile)
+        return _post(self, batch, sends)
     finally:
         dist.batch_isend_irecv = post
 
 
-Pipeline._exchange = _one_batch_per_operation
+Pipeline.post = _one_batch_per_operation
 """
 
 

@@ -1,11 +1,12 @@
-"""07_pipeline.py's schedules as tables (every rank's actions, torch.distributed.pipelining's
-notation): the four older schedules' tables give exactly their rounds; ZB-V's and DualPipeV's
-equal torch's ScheduleZBVZeroBubble and ScheduleDualPipeV (built here on CPU, with stand-in
-stages: the orders need no process group); their posting orders replay under NCCL's rules
-(tests/nccl_replay.py), and every split or V schedule's at 16 stages; their drawn bubble is
-the docstring's formula, DualPipeV's pairs drawn overlapped (max(F, B)) and in order (F + B);
-and run for real they reproduce 01's losses, the ledger's every byte included, posting what
-nccl_batches() says."""
+"""07_pipeline.py's schedules and their tables (torch.distributed.pipelining's CSV notation,
+import and export only): every schedule's rounds written as a table and read back are the
+same rounds; ZB-V's and DualPipeV's tables equal torch's ScheduleZBVZeroBubble and
+ScheduleDualPipeV (built here on CPU, with stand-in stages: the orders need no process
+group); their posting orders replay under NCCL's rules (tests/nccl_replay.py), and every
+split or V schedule's at 16 stages; their drawn bubble is docs/strategies.md's formula,
+DualPipeV's pairs drawn overlapped (max(F, B)) and in order (F + B); and run for real they
+reproduce 01's losses, the ledger's every byte included, posting what exchanges_for_nccl()
+says."""
 
 import importlib
 import os
@@ -19,33 +20,50 @@ import nccl_replay
 from harness import ROOT, TINY, assert_losses_match, launch
 
 pp = importlib.import_module("07_pipeline")
+STRATEGIES = open(os.path.join(ROOT, "docs", "strategies.md")).read()  # the derivations, with their pictures
 OLDER = [(kind, v) for kind, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zb", [1]))
          for v in vs]
 
 
 def rounds_of(kind, p, m, v=1):
-    actions = pp.table(kind, p, m, v)
-    vee, split = kind in pp.V_SHAPED, pp.split_table(actions)
-    return [pp.table_rounds(actions[r], p, r, v, vee, split) for r in range(p)]
+    """Every rank's rounds, as the run builds them (run_schedule)."""
+    flags = types.SimpleNamespace(schedule=kind, schedule_csv=None, virtual_stages=v)
+    return pp.run_schedule(flags, p, m)[0]
 
 
-def test_the_older_schedules_tables_give_exactly_their_rounds():
-    """Written as tables and read back, gpipe, 1f1b, interleaved and zb are today's rounds
-    (so today's orders, exchanges and drawings), at p 2-8 and m from p to 4p; zb's B is
-    torch's I (backward-input), the interleaved steady state's pairs OVERLAP_F_B; and their
-    batches need none of nccl_batches()'s moves."""
+def table(kind, p, m, v=1):
+    """The schedule's table, as --write_schedule writes it."""
+    return pp.table(rounds_of(kind, p, m, v), p, kind in pp.V_SHAPED)
+
+
+def test_every_schedules_table_reads_back_as_its_rounds():
+    """Written as a table and read back, every schedule's rounds are the same rounds, at p
+    2-8 and m from p to 4p (2p for DualPipeV); zb's I and W are torch's, the interleaved
+    steady state's pairs OVERLAP_F_B; and the older schedules' exchanges need none of
+    exchanges_for_nccl()'s moves."""
     for p in range(2, 9):
         for m in range(p, 4 * p + 1):
-            for kind, v in OLDER:
-                if kind == "interleaved" and m % p:
+            for kind, v in OLDER + [("zbv", 2), ("dualpipev", 2)]:
+                if (kind == "interleaved" and m % p) or (kind == "dualpipev" and m < 2 * p):
                     continue
-                rounds = rounds_of(kind, p, m, v)
-                assert rounds == [pp.schedule_rounds(kind, p, r, m, v) for r in range(p)], (kind, p, m, v)
-                if p <= 4:
-                    assert pp.nccl_batches(rounds, p, v, m) == [
+                rounds, vee = rounds_of(kind, p, m, v), kind in pp.V_SHAPED
+                rows = pp.table(rounds, p, vee)
+                assert [pp.table_rounds(rows[r], p, r, v, vee) for r in range(p)] == rounds, (kind, p, m, v)
+                if p <= 4 and not vee:
+                    assert rounds == [pp.schedule_rounds(kind, p, r, m, v) for r in range(p)], (kind, p, m, v)
+                    assert pp.exchanges_for_nccl(rounds, p, v, m) == [
                         [list(b) for b in pp.exchanges(rounds[r], p, r, v, m)] for r in range(p)], (kind, p, m)
-    assert pp.table("zb", 2, 2)[1] == ["1F0", "1I0", "1F1", "1I1", "1W0", "1W1"]  # stage 1 defers one W
-    assert "(0F2;2B0)OVERLAP_F_B" in pp.table("interleaved", 2, 4, 2)[0]
+    assert table("zb", 2, 2)[1] == ["1F0", "1I0", "1F1", "1I1", "1W0", "1W1"]  # stage 1 defers one W
+    assert "(0F2;2B0)OVERLAP_F_B" in table("interleaved", 2, 4, 2)[0]
+
+
+def test_zero_bubble_with_fewer_micro_batches_than_stages_runs_its_own_rounds():
+    """At m < p, zb's W of a stage's last micro-batch has no I to ride with: the rounds run
+    are schedule_rounds()'s, [(F0), (I0), (W0)] on stage 1 of 2 at m = 1 (read back from a
+    table, the W would ride with its I: one exchange fewer, the same order)."""
+    rounds = rounds_of("zb", 2, 1)
+    assert rounds[1] == [(("F", 0, 0),), (("I", 0, 0),), (("W", 0, 0),)]
+    assert pp.table_rounds(pp.table(rounds, 2)[1], 2, 1, 1) == [(("F", 0, 0),), (("I", 0, 0), ("W", 0, 0))]
 
 
 def torch_orders(cls, p, m):
@@ -60,9 +78,9 @@ def torch_orders(cls, p, m):
 def test_v_orders_equal_torchs():
     for p in range(1, 9):
         for m in range(1, 4 * p + 1):
-            assert pp.table("zbv", p, m) == torch_orders(ScheduleZBVZeroBubble, p, m), (p, m)
+            assert table("zbv", p, m, 2) == torch_orders(ScheduleZBVZeroBubble, p, m), (p, m)
             if m >= 2 * p:
-                assert pp.table("dualpipev", p, m) == torch_orders(ScheduleDualPipeV, p, m), (p, m)
+                assert table("dualpipev", p, m, 2) == torch_orders(ScheduleDualPipeV, p, m), (p, m)
 
 
 def posts(batches, p):
@@ -76,17 +94,17 @@ def posts(batches, p):
 def test_v_schedules_replay_under_nccl(kind):
     """Training and evaluation, p 2-8, m from p (2p for DualPipeV) to 4p: no deadlock, every
     pair matched in FIFO order. Each micro-batch crosses 2p-1 chunk boundaries each way, one
-    of them (chunk p-1 to p) in memory. Without nccl_batches()'s moves ZB-V mismatches."""
+    of them (chunk p-1 to p) in memory. Without exchanges_for_nccl()'s moves ZB-V mismatches."""
     for p in range(2, 9):
         for m in sorted({p, 2 * p - 1, 2 * p, 3 * p + 1, 4 * p}):
             if kind == "dualpipev" and m < 2 * p:
                 continue
             rounds = rounds_of(kind, p, m, 2)
-            train = posts(pp.nccl_batches(rounds, p, 2, m, True), p)
+            train = posts(pp.exchanges_for_nccl(rounds, p, 2, m, True), p)
             result = nccl_replay.replay(train)
             assert result.ok, (p, m, result.report())
             assert sum(len(b["ops"]) for r in train for b in train[r]) == 2 * 2 * m * (2 * p - 2)
-            evaluation = posts(pp.nccl_batches([pp.eval_rounds(p, m, 2, True)] * p, p, 2, m, True), p)
+            evaluation = posts(pp.exchanges_for_nccl([pp.eval_rounds(p, m, 2, True)] * p, p, 2, m, True), p)
             assert nccl_replay.replay(evaluation).ok, (p, m)
     plain = posts([pp.exchanges(r, 2, rank, 2, 4, True) for rank, r in enumerate(rounds_of("zbv", 2, 4, 2))], 2)
     assert not nccl_replay.replay(plain).ok
@@ -96,19 +114,19 @@ def test_v_drawn_bubble_is_the_formula_and_the_first_and_last_chunk_sit_on_rank_
     for kind in pp.V_SHAPED:
         for p in (2, 3, 4, 6):
             for m in range(2 * p if kind == "dualpipev" else 1, 4 * p + 1):
-                actions = pp.table(kind, p, m)
-                bubble = pp.timeline(actions, p, 2, True, True)[1]
+                rounds = rounds_of(kind, p, m, 2)
+                bubble = pp.timeline(rounds, p, 2, True, True)[1]
                 assert bubble == pytest.approx(pp.bubble_theory(kind, p, m, 2)), (kind, p, m)
                 # the pairs run in order (F + B, as on CPU): DualPipeV's bubble is ZB-V's
-                in_order = pp.timeline(actions, p, 2, True, True, overlapped=False)[1]
+                in_order = pp.timeline(rounds, p, 2, True, True, overlapped=False)[1]
                 assert in_order == pytest.approx(pp.bubble_theory("zbv", p, m, 2)), (kind, p, m)
                 if m >= 2 * p:  # the docstring's memory: 2p chunk-sized micro-batches (DualPipeV 2p+1)
-                    orders = [[op for ops in rounds for op in ops] for rounds in rounds_of(kind, p, m, 2)]
-                    assert {pp.held_peak(order, True) for order in orders} == {2 * p + (kind == "dualpipev")}
-    rounds = rounds_of("zbv", 2, 4, 2)  # the docstring's picture is the drawing
-    text, _ = pp.draw(pp.simulate([[op for ops in r for op in ops] for r in rounds], 2, 2, True), 2, 2)
-    assert all("    " + line.rstrip() in pp.__doc__ for line in text.split("\n"))
-    assert [pp.stages_of(4, r, 2, True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+                    orders = [[action for actions in r for action in actions] for r in rounds]
+                    assert {pp.held_peak(order) for order in orders} == {2 * p + (kind == "dualpipev")}
+    rounds = rounds_of("zbv", 2, 4, 2)  # docs/strategies.md's picture is the drawing
+    text, _ = pp.draw(pp.simulate([[a for actions in r for a in actions] for r in rounds], 2, 2, True), 2, 2)
+    assert all("    " + line.rstrip() in STRATEGIES for line in text.split("\n"))
+    assert [[pp.chunk_stage(4, r, c, True) for c in range(2)] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [pp.stage_rank(4, g, True) for g in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
@@ -120,27 +138,28 @@ def test_dualpipev_pairs_are_drawn_overlapped_taking_max_f_b():
     pairs share messages only: not overlapped, drawn as before."""
     for p in range(2, 9):
         for m in (2 * p, 3 * p + 1, 4 * p):
-            actions = pp.table("dualpipev", p, m)
-            text, bubble, starts, overlap = pp.timeline(actions, p, 2, True, True)
-            assert sum(len(pairs) for pairs in overlap) == sum(a.endswith("OVERLAP_F_B") for row in actions
-                                                               for a in row) > 0
+            rounds = rounds_of("dualpipev", p, m, 2)
+            text, bubble, starts, overlap = pp.timeline(rounds, p, 2, True, True)
+            assert sum(len(pairs) for pairs in overlap) == sum(a.endswith("OVERLAP_F_B") for row in pp.table(
+                rounds, p, True) for a in row) > 0
             end = max(s for row in starts for s, _ in row) + 0.5
             assert end == 2 * m + 1.5 * p, (p, m)
             for r in range(p):
                 begins = {op: s for s, op in starts[r]}
                 for forward, backward in overlap[r].items():
                     assert begins[forward] == begins[backward[0]], (p, m, r, forward)
-            in_order = pp.timeline(actions, p, 2, True, True, overlapped=False)
+            in_order = pp.timeline(rounds, p, 2, True, True, overlapped=False)
             assert max(s for row in in_order[2] for s, _ in row) + 0.5 > end and "with" not in in_order[0]
             lines = text.split("\n")
             assert len(lines) == 2 * p and all(lines[2 * r + 1].startswith("  with ") for r in range(p))
             assert sum(line.count("F") for line in lines[1::2]) == sum(len(pairs) for pairs in overlap)
-    text = pp.timeline(pp.table("dualpipev", 2, 4), 2, 2, True, True)[0]
-    assert all("    " + line.rstrip() in pp.__doc__ for line in text.split("\n"))  # the docstring's picture
+    text = pp.timeline(rounds_of("dualpipev", 2, 4, 2), 2, 2, True, True)[0]
+    assert all("    " + line.rstrip() in STRATEGIES for line in text.split("\n"))  # docs/strategies.md's picture
     interleaved = rounds_of("interleaved", 2, 4, 2)
     assert pp.overlaps(interleaved, False) == [{}, {}] and any(len(ops) == 2 for ops in interleaved[0])
     same = [["0F0", "(3F0;3B0)OVERLAP_F_B", "0B0"], ["1F0", "2F0", "2B0", "1B0"]]  # a user's pair of one chunk:
-    assert pp.table_problem(same, 2, 1) is None and pp.timeline(same, 2, 2, True, False)[3] == [{}, {}]  # in order
+    same_rounds = [pp.table_rounds(same[r], 2, r, 2, True) for r in range(2)]
+    assert pp.table_problem(same, 2, 1) is None and pp.timeline(same_rounds, 2, 2, True, False)[3] == [{}, {}]
 
 
 @pytest.mark.parametrize("kind, v", [("interleaved", 2), ("zb", 1), ("zbv", 2), ("dualpipev", 2)])
@@ -152,9 +171,9 @@ def test_every_schedule_replays_under_nccl_at_16_stages(kind, v):
     for m in (p, 2 * p - 1, 2 * p, 3 * p + 1, 4 * p):
         if (kind == "interleaved" and m % p) or (kind == "dualpipev" and m < 2 * p):
             continue
-        result = nccl_replay.replay(posts(pp.nccl_batches(rounds_of(kind, p, m, v), p, v, m, vee), p))
+        result = nccl_replay.replay(posts(pp.exchanges_for_nccl(rounds_of(kind, p, m, v), p, v, m, vee), p))
         assert result.ok, (kind, m, result.report())
-        evaluation = posts(pp.nccl_batches([pp.eval_rounds(p, m, v, vee)] * p, p, v, m, vee), p)
+        evaluation = posts(pp.exchanges_for_nccl([pp.eval_rounds(p, m, v, vee)] * p, p, v, m, vee), p)
         assert nccl_replay.replay(evaluation).ok, (kind, m)
 
 
@@ -195,8 +214,8 @@ def test_recorded_zbv_run_posts_nccl_batches_and_replays(tmp_path):
     record = tmp_path / "record"
     launch(os.path.join(ROOT, "tests", "nccl_replay.py"), [record, "07_pipeline.py"] + flags, nprocs=ranks).ok()
     recorded = nccl_replay.read_records(record)
-    evaluation = posts(pp.nccl_batches([pp.eval_rounds(ranks, m, 2, True)] * ranks, ranks, 2, m, True), ranks)
-    train = posts(pp.nccl_batches(rounds_of("zbv", ranks, m, 2), ranks, 2, m, True), ranks)
+    evaluation = posts(pp.exchanges_for_nccl([pp.eval_rounds(ranks, m, 2, True)] * ranks, ranks, 2, m, True), ranks)
+    train = posts(pp.exchanges_for_nccl(rounds_of("zbv", ranks, m, 2), ranks, 2, m, True), ranks)
     for r in range(ranks):
         def plain(entries):
             return [[(o["op"], o["peer"], o["tag"]) for o in e["ops"]] for e in entries if e["kind"] == "batch"]
@@ -213,20 +232,20 @@ def test_tables_travel_through_torchs_csv_format(tmp_path):
                                     submod=torch.nn.Linear(1, 1)) for g in (0, 5)]
     schedule = ScheduleZBVZeroBubble(stages, 6)
     schedule._dump_csv(tmp_path / "torch.csv", format="compute_only")
-    assert pp.read_table(tmp_path / "torch.csv") == pp.table("zbv", 3, 6)
-    pp.write_table(pp.table("zbv", 3, 6), tmp_path / "ours.csv")
+    assert pp.read_table(tmp_path / "torch.csv") == table("zbv", 3, 6, 2)
+    pp.write_table(table("zbv", 3, 6, 2), tmp_path / "ours.csv")
     schedule.pipeline_order = {}
     schedule._load_csv(tmp_path / "ours.csv")
-    assert [[str(a) for a in schedule.pipeline_order[r]] for r in range(3)] == pp.table("zbv", 3, 6)
+    assert [[str(a) for a in schedule.pipeline_order[r]] for r in range(3)] == table("zbv", 3, 6, 2)
     for kind, v in OLDER + [("zbv", 2), ("dualpipev", 2)]:
-        pp.write_table(pp.table(kind, 3, 6, v), tmp_path / f"{kind}.csv")
+        pp.write_table(table(kind, 3, 6, v), tmp_path / f"{kind}.csv")
         actions = pp.read_table(tmp_path / f"{kind}.csv")
-        assert actions == pp.table(kind, 3, 6, v) and pp.table_problem(actions, 3, 6) is None
+        assert actions == table(kind, 3, 6, v) and pp.table_problem(actions, 3, 6) is None
         assert all(str(_Action.from_str(text)) == text for row in actions for text in row), kind
 
 
 def test_a_table_that_cannot_run_is_refused_naming_the_rank_and_action():
-    good = pp.table("zb", 2, 3)  # [0F0 0F1 0I0 0W0 0F2 ...], [1F0 1I0 1F1 ...]
+    good = table("zb", 2, 3)  # [0F0 0F1 0I0 0W0 0F2 ...], [1F0 1I0 1F1 ...]
 
     def problem(rank, change):
         actions = [list(row) for row in good]
@@ -245,10 +264,10 @@ def test_a_table_that_cannot_run_is_refused_naming_the_rank_and_action():
     assert problem(0, lambda row: [a.replace("0", "1", 1) if a[0] == "0" else a for a in row]).startswith(
         "its stages are not placed as 07 places chunks")
     # the posting orders themselves (the backstop behind the check above): where no
-    # receive can move, nccl_batches names the first rank waiting, and its batch
+    # receive can move, exchanges_for_nccl names the first rank waiting, and its batch
     crossed = [[(("B", 0, 0),), (("F", 0, 0),)], [(("F", 0, 0),), (("B", 0, 0),)]]
     with pytest.raises(pp.Deadlock) as caught:
-        pp.nccl_batches(crossed, 2, 1, 1)
+        pp.exchanges_for_nccl(crossed, 2, 1, 1)
     assert (caught.value.rank, caught.value.batch) == (0, 0) and "deadlocks under NCCL's rules" in str(caught.value)
 
 

@@ -37,9 +37,9 @@ from harness import launch  # noqa: E402
 pp = importlib.import_module("07_pipeline")
 
 
-def stage0_idle(actions, p, v, vee, split, overlapped):
+def stage0_idle(every, p, v, vee, split, overlapped):
     """Stage 0's idle share of its own span in 07's unit-cost timeline."""
-    _, _, starts, overlap = pp.timeline(actions, p, v, vee, split, overlapped)
+    _, _, starts, overlap = pp.timeline(every, p, v, vee, split, overlapped)
     hidden = overlap[0] if overlap else {}
     passes = [start for start, op in starts[0] if op not in hidden]  # an overlapped forward takes no time of its own
     span = max(passes) + 1 / v - min(passes)
@@ -50,9 +50,9 @@ def drawn(kind, p, m, v):
     """(bubble over all stages, stage 0's idle share): the overlapped pairs max(F, B), and
     stage 0 also with them in order (F + B), as the CPU runs them."""
     flags = argparse.Namespace(schedule=kind, schedule_csv=None, virtual_stages=v)
-    actions, v, vee, split = pp.run_table(flags, p, m)
-    bubble = pp.timeline(actions, p, v, vee, split)[1]
-    return bubble, stage0_idle(actions, p, v, vee, split, True), stage0_idle(actions, p, v, vee, split, False)
+    every, v, vee, split = pp.run_schedule(flags, p, m)
+    bubble = pp.timeline(every, p, v, vee, split)[1]
+    return bubble, stage0_idle(every, p, v, vee, split, True), stage0_idle(every, p, v, vee, split, False)
 
 
 def main():
