@@ -1,7 +1,7 @@
 """Copy one script and it runs (issue "Copy one script"): every training script, copied with
 common.py alone into an empty directory and its one tie to the run infrastructure replaced
 (`from infra import Run` -> `from common import Run`), launches at its usual small layout
-through a real launcher, in fresh interpreters that cannot import infra.py, and trains with
+through a real launcher, in fresh interpreters that cannot import infra/, and trains with
 01's per-step losses (the plain Run logs each step's loss: `step N: loss X, ...`)."""
 
 import ast
@@ -51,7 +51,7 @@ def references():
 @pytest.mark.parametrize("script,ranks,flags", CASES, ids=[c[0] for c in CASES])
 def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, ranks, flags):
     source = open(os.path.join(ROOT, script)).read()
-    assert source.count(TIE) == 1, f"{script}: its one tie to infra.py is not the line {TIE.strip()!r}"
+    assert source.count(TIE) == 1, f"{script}: its one tie to infra is not the line {TIE.strip()!r}"
     top_level = [node for node in ast.parse(source).body if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert [ast.unparse(n) for n in top_level if "infra" in ast.unparse(n)] == ["from infra import Run"], \
         f"{script} imports infra at module level besides the Run line (costs() imports it inside)"
