@@ -53,7 +53,7 @@ def add_run_flags(parser):
                    help="execute the real steps of these ranks of a --world_size run (0,17,511 | roles | all) in "
                         "this one process, on the fake backend with fake tensors: what each holds and sends next to "
                         "costs(); every rank's posting order (the others' by the mesh's symmetry) replayed under NCCL's "
-                        "rules (infra.py: rehearsal)")
+                        "rules (infra/rehearsal.py)")
     return parser
 
 

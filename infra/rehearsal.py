@@ -43,7 +43,7 @@ from infra.replay import recording_every_group, replay, replay_verdict, symmetri
 #                                                     send/recv counted (ledger) and recorded
 #     the report: per rank, held / activations / sent next to costs(); --metrics: one row
 #     per rank; every rank's posting order (with fewer than `all`, the others' from their
-#     roles', symmetry below) replayed under NCCL's rules (replay below)
+#     roles', infra.replay's symmetry) replayed under NCCL's rules (infra.replay)
 #
 # A 175B model's stage needs no memory: its tensors have shapes and no storage. What depends
 # on the data gets a stand-in, said in the report (STAND_INS): every value read on the host
@@ -168,7 +168,7 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
                 f.write(json.dumps(finite_or_null(state.results[rank]["rows"][-1]), allow_nan=False) + "\n")
     status, posts, how, t1 = 0, state.posts, None, time.perf_counter()
     gc.disable()  # from here on millions of small objects and no cycles (see replay)
-    if len(ranks) < args.world_size:  # the others' orders from their roles' (the symmetry section)
+    if len(ranks) < args.world_size:  # the others' orders from their roles' (infra.replay's symmetry)
         posts, how = symmetric_posts(state.posts, state.made, args.world_size, roles)
     if os.environ.get("GPTPAR_REHEARSAL_POSTS"):  # every rank's posting order, as replayed (tests read it)
         with open(os.environ["GPTPAR_REHEARSAL_POSTS"], "w") as f:

@@ -351,7 +351,7 @@ def launch_for(args):
     the --world_size ranks being planned (no launcher, network or accelerator is touched)."""
     if args.dry_run:
         return Launch("dry_run", 0, 0, args.world_size, args.ranks_per_node)
-    if args.rehearse:  # the rank being rehearsed (the rehearsal section), rank 0 before
+    if args.rehearse:  # the rank being rehearsed (infra.rehearsal), rank 0 before
         rank = rehearsal.REHEARSING.rank if rehearsal.REHEARSING else 0
         return Launch("rehearse", rank, rank % args.ranks_per_node, args.world_size, args.ranks_per_node)
     return detect_launcher(os.environ)
@@ -382,10 +382,6 @@ class RehearsedRun(Run):
         pieces = [piece for piece in self.pieces() if piece.write]
         self.pieces_count = (len(pieces), sum(_nbytes(piece.tensor) for piece in pieces))
         LEDGER.take()
-
-    def logged(self, step):
-        """Whether `step` writes a metrics row: at --log_interval, and the last step."""
-        return step % self.args.log_interval == 0 or step == self.args.max_iters - 1
 
     def evaluate(self, step):
         LEDGER.step, LEDGER.phase = step, "evaluation"
