@@ -173,7 +173,7 @@ GUARD_ON_TWO_RANKS = """
 import os, sys, types
 import torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
-import infra
+import infra.stop
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 env = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, rank=rank, master=rank == 0)

@@ -17,7 +17,7 @@ from test_launch import probe_reports
 
 REPORT = textwrap.dedent("""
     import json, os, signal, sys, threading, time
-    import infra
+    import infra.stop
     rank = int(os.environ.get("RANK", 0))
     handlers = {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGPIPE", "SIGCHLD")}
     print("REPORT " + json.dumps(dict(

@@ -19,7 +19,6 @@ import pytest
 import common
 import infra.cli
 import infra.dry_run
-import infra.formulas
 from infra.formulas import Formula, formula, plus
 from harness import ROOT
 

@@ -23,7 +23,6 @@ import infra.checkpoint_format
 import infra.cli
 import infra.data_check
 import infra.fit
-import infra.run
 import infra.start
 from harness import LAUNCHER_ENV, ROOT, TINY, dry, launch
 from test_failures import committed, refused
