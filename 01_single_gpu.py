@@ -23,7 +23,7 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
     parameters 4Ψ + gradients 4Ψ + optimizer 8Ψ = 16Ψ      (fp32, and also with bf16
                                                             autocast: weights stay fp32)
     communication: none
-    activations (one micro-batch of b x s tokens, width h, infra.activation_terms counts
+    activations (one micro-batch of b x s tokens, width h, infra.formulas.activation_terms counts
     them op by op): per block 64bsh + 16bs + 4·b·heads·s in fp32, 36bsh + ... under bf16
     autocast, plus the head's 4bsV log-softmax; --recompute keeps only each block's input
 """
@@ -71,7 +71,7 @@ def main():
     check(run.world_size == 1, f"01_single_gpu.py runs as one process, not {run.world_size}: "
           "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
-    resume = getattr(args, "resume", False)  # (infra.py's flag: a plain copy has none)
+    resume = getattr(args, "resume", False)  # (infra's flag: a plain copy has none)
     check(not (resume and args.init_from), "--resume and --init_from both say where the weights come from: "
           "pass one (--resume continues a run; --init_from starts a new one from a one-file model)")
     env, accum_steps = run.start(costs, dp_size=1)  # the process up; --micro_batch_size auto: what fits
@@ -83,7 +83,7 @@ def main():
     config = model_config(args, data.vocab_size)
     model = build_model(config, args.seed, env.device, recompute=args.recompute)
     if args.init_from:
-        from infra import load_model_file  # the checkpoint reader, which refuses pickled code
+        from infra.checkpoint import load_model_file  # the checkpoint reader, which refuses pickled code
         model.load_state_dict(load_model_file(args.init_from, config))
     train_model = torch.compile(model) if args.compile else model
     optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
@@ -133,9 +133,9 @@ def costs(args, config, world_size, dtype):
     """What the one device holds, in bytes (Ψ parameters): the weights, their gradients and
     AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
     the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
-    layers (infra.activation_terms counts them op by op; --recompute keeps block inputs)."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
-                       newton_schulz_flops, phase_peaks, transient_terms)
+    layers (infra.formulas.activation_terms counts them op by op; --recompute keeps block inputs)."""
+    from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
+                                newton_schulz_flops, phase_peaks, transient_terms)
     psi, _ = count_params(config)
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
@@ -145,10 +145,10 @@ def costs(args, config, world_size, dtype):
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
             "sent": {},
-            # Muon: Newton-Schulz on every matrix (infra.newton_schulz_flops)
+            # Muon: Newton-Schulz on every matrix (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
-    # every live tensor at its most, by phase (infra.phase_peaks: the state, the saved
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks: the state, the saved
     # activations, the model's transients), and at start-up: the weights and param_init's
     # scratch (AdamW's moments are made at the first step, Muon's momentum at once)
     t = transient_terms(config, b, config.block_size, dtype, activation_device_type(args), args.optimizer)
@@ -161,8 +161,8 @@ def costs(args, config, world_size, dtype):
 
 def checkpoint_pieces(model, optimizer):
     """Every parameter and its AdamW moments, whole, under nanoGPT's names (the tied head
-    is transformer.wte.weight): infra.py's format, which any script resumes."""
-    from infra import param_pieces
+    is transformer.wte.weight): infra's format, which any script resumes."""
+    from infra.checkpoint_format import param_pieces
     return [piece for name, p in model.named_parameters() for piece in param_pieces(name, p.shape, p, optimizer)]
 
 

@@ -229,8 +229,8 @@ def costs(args, config, world_size, dtype):
     """The docstring's two lines as formulas, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
     all-reduce of every gradient per step plus the logged loss, whatever N."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
-                       newton_schulz_flops, phase_peaks, transient_terms)
+    from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
+                                newton_schulz_flops, phase_peaks, transient_terms)
     psi, _ = count_params(config)
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
     b = args.micro_batch_size or args.global_batch_size // world_size
@@ -241,10 +241,10 @@ def costs(args, config, world_size, dtype):
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
             "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)},  # the gradients, the logged loss
-            # Muon: Newton-Schulz on every matrix, on every replica (infra.newton_schulz_flops)
+            # Muon: Newton-Schulz on every matrix, on every replica (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
-    # every live tensor at its most, by phase (infra.phase_peaks: 01's; the gradients live in
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks: 01's; the gradients live in
     # their buckets, and the all-reduce works in place), and at start-up: the weights with
     # param_init's scratch, then the buckets, made whole before the first step
     t = transient_terms(config, b, config.block_size, dtype, activation_device_type(args), args.optimizer)
@@ -259,7 +259,7 @@ def costs(args, config, world_size, dtype):
 def checkpoint_pieces(model, optimizer, env):
     """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
     writes them; every rank reads them (common.py's format, any script resumes it)."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     return [piece for name, p in model.named_parameters()
             for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
 

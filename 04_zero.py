@@ -667,8 +667,8 @@ def costs(args, config, world_size, dtype, rank=0):
     (mixed precision), m the micro-batches per step. --optimizer muon: Ψ_mr of this rank's
     elements are Muon's (one fp32 moment, not two), and it sends its pieces of them to their
     owners and receives back, in the compute dtype, the Ψ_o elements of the matrices it owns."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
-                       newton_schulz_flops, phase_peaks, transient_terms)
+    from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
+                                newton_schulz_flops, phase_peaks, transient_terms)
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n
@@ -711,9 +711,9 @@ def costs(args, config, world_size, dtype, rank=0):
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
     if stage == 3:  # the working parameters at the peak: the root, gathered all step, and the block being
         cost["gathered"] = f("e*(root + block)")  # run (its backward releases it before the next is gathered)
-    # Muon: Newton-Schulz on the matrices this rank owns, whole (infra.newton_schulz_flops)
+    # Muon: Newton-Schulz on the matrices this rank owns, whole (infra.formulas.newton_schulz_flops)
     cost["muon_flops"] = newton_schulz_flops([shape for (shape, _), owner in zip(matrices, owners) if owner == rank])
-    # every live tensor at its most, by phase (infra.phase_peaks), with ZeRO's own: stages 2-3
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks), with ZeRO's own: stages 2-3
     # in backward hold a unit's gradients as backward makes them (e) and its fp32 flat
     # reduce-scatter input, one unit in flight at a time (the previous one's is waited for
     # first); AdamW works on the shards' pieces, one per parameter (at most ⌈unit/N⌉ elements)
@@ -765,7 +765,7 @@ def layout_lines(args, world_size, accum_steps):
 def held_bytes(zero):
     """Model-state bytes this rank holds, counted from the live tensors (the fp32 master
     counts as optimizer state when it is a separate copy, as in the paper)."""
-    from infra import tensor_bytes
+    from infra.ledger import tensor_bytes
     units = zero.units
     masters = [u.master for u in units]
     moments = [v for state in zero.optimizer.state.values() for k, v in state.items()
@@ -792,7 +792,7 @@ def checkpoint_pieces(zero):
     AdamW moments; the padding is not saved. In common.py's format, so any script resumes
     it at any layout, and this script resumes any other's. Every rank writes its shard;
     rank 0 commits the set with a metadata file, last."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     pieces = []
     for unit in zero.units:
         optimizer_tensors = iter(unit.pieces)  # one per parameter this shard overlaps

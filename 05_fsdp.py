@@ -584,8 +584,8 @@ def costs(args, config, world_size, dtype, rank=0):
     per step. --optimizer muon: Ψ_m of Ψ are Muon's (one fp32 moment, not two); this rank
     sends its Ψ_mr elements of them to their owners and receives back, in the compute dtype,
     the Ψ_o elements of the matrices it owns (fsdp_optimizer)."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
-                       newton_schulz_flops, phase_peaks, plus, transient_terms)
+    from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
+                                newton_schulz_flops, phase_peaks, plus, transient_terms)
     S, R = world_size // args.replicate, args.replicate
     padded = {k: math.ceil(shape[0] / S) * S * math.prod(shape[1:]) for k, shape in param_shapes(config).items()}
     root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))
@@ -632,7 +632,7 @@ def costs(args, config, world_size, dtype, rank=0):
             # Muon: Newton-Schulz on the matrices this rank owns in its shard group, whole (every replica's too)
             "muon_flops": newton_schulz_flops([s for (_, s), owner in zip(matrices, owners) if owner == r]),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
-    # every live tensor at its most, by phase (infra.phase_peaks). Forward peaks at its end,
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks). Forward peaks at its end,
     # with the root and the last block gathered (the prefetched next block exists only
     # while a block with fewer activations behind it runs). Backward: the packed copy of a
     # unit's gradients to reduce-scatter (rb per element), one in flight at a time, beside
@@ -652,7 +652,7 @@ def costs(args, config, world_size, dtype, rank=0):
 
 def log_gathered(run, fsdp):
     """Once, next to the ledger: the gathered parameters at the peak against costs()'s bound."""
-    from infra import format_bytes
+    from infra.formulas import format_bytes
     formula, bound = run.cost["gathered"]
     numel = sum(shape.numel() for unit in fsdp.units for shape in unit.shapes)  # Ψ, unpadded
     run.log(f"gathered parameters at the peak: {format_bytes(fsdp.gathered_peak)} (bound: {formula} = "
@@ -677,7 +677,7 @@ def held_bytes(fsdp, optimizer):
     """Model-state bytes this rank holds, counted from the live tensors: the fp32 shards,
     their gradients and AdamW's moments; with --offload all of it in host memory (the
     device has the gathered units only)."""
-    from infra import state_bytes
+    from infra.ledger import state_bytes
     held = state_bytes(fsdp.shards(), optimizer)
     if isinstance(fsdp, OffloadedFSDP):
         held = {"params": 0, "grads": 0, "optim": 0, **{f"{k} (host)": v for k, v in held.items()}}
@@ -698,7 +698,7 @@ def checkpoint_pieces(fsdp, optimizer):
     """This rank's rows of every parameter (dim-0 shards, without the padding rows) and
     their AdamW moments, in common.py's format: any script resumes it at any layout. With
     HSDP the replicas hold equal shards: replica 0 writes them; every replica reads."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     pieces = []
     for unit in fsdp.units:
         for name, shape, rows, shard in zip(unit.names, unit.shapes, unit.rows, unit.shards):

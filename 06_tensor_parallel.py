@@ -598,8 +598,8 @@ def costs(args, config, world_size, dtype, rank=0):
     backward and the embedding/head all-reduces move 4 bytes an element. With
     --sequence_parallel f's all-gathers (in forward, and again in backward) move the
     LayerNorm output cast to the compute dtype: e bytes."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula, largest_matrix,
-                       matmul_weights, newton_schulz_flops, phase_peaks, plus, transient_terms)
+    from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
+                                largest_matrix, matmul_weights, newton_schulz_flops, phase_peaks, plus, transient_terms)
     T, L, sp = world_size, config.n_layer, args.sequence_parallel
     check_layout(args, config, T)  # first: the formulas divide by T exactly
     with torch.device("meta"):
@@ -635,7 +635,7 @@ def costs(args, config, world_size, dtype, rank=0):
     if args.recompute:  # backward runs each block's forward again, its g (e) twice too
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor") if sp else ("all_reduce",):
             sent[op] = plus(sent[op], f("m*L*2*e*b*s*h"))
-    # activations: Megatron's split (infra.activation_terms with tp, sp), plus the
+    # activations: Megatron's split (infra.formulas.activation_terms with tp, sp), plus the
     # vocabulary-parallel ends: the embedding's out-of-slice mask (bool, b·s) and a head
     # that keeps its input (the whole sequence, its shard with SP), this rank's fp32 softmax
     # (b·s·V/T) and the target-ownership mask (bool, b·s) instead of the log-softmax of all V;
@@ -650,10 +650,10 @@ def costs(args, config, world_size, dtype, rank=0):
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     cost = {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
             "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
-            # Muon: Newton-Schulz on the matrices this rank owns, put together whole (infra.newton_schulz_flops)
+            # Muon: Newton-Schulz on the matrices this rank owns, put together whole (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([shape for shape, owner in zip(matrices, owners) if owner == rank]),
             "activations": activations_of_layers(terms, L, args.recompute)}
-    # every live tensor at its most, by phase (infra.phase_peaks on this rank's shards: the
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks on this rank's shards: the
     # vocabulary-parallel logits V/T, the MLP's 4h/T; the all-reduces work in place), and at
     # start-up the shards, each parameter drawn whole by param_init before its slice is kept
     t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, tp=T,
@@ -671,7 +671,7 @@ def checkpoint_pieces(model, optimizer, env):
     (the global shape is the unpadded vocabulary), the column-parallel rows ([Q_t; K_t; V_t]
     of c_attn are three pieces), the row-parallel columns; the replicated parameters are
     written by rank 0 only. Any layout of any script reads these pieces back."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     pieces = []
     for name, p in model.named_parameters():
         full, boxes = shard_boxes(name, p.shape, model.config.vocab_size, model.tp_size, model.tp_rank)

@@ -1083,7 +1083,7 @@ def costs(args, config, world_size, dtype, rank=0):
     gradients it sends and receives across stage boundaries, which stay fp32 under autocast
     (the residual stream adds fp32 embeddings to bf16 block outputs), the wte gradient
     all-reduced between the first and last stage, the norm and the logged loss."""
-    from infra import formula, newton_schulz_flops
+    from infra.formulas import formula, newton_schulz_flops
     p, m = world_size, args.global_batch_size // args.micro_batch_size
     every, v, vee, split = run_schedule(args, p, m)
     chunks = meta_chunks(config, p, v, rank, vee)
@@ -1112,14 +1112,14 @@ def costs(args, config, world_size, dtype, rank=0):
     cost = {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
                                                 if v > 1 else ""),
             "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
-            # Muon: Newton-Schulz on this stage's matrices (infra.newton_schulz_flops)
+            # Muon: Newton-Schulz on this stage's matrices (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([t.shape for name, t in chunks.named_parameters()
                                               if args.optimizer == "muon" and is_hidden_matrix(name, t.shape)]),
             "in_flight": in_flight, "activations": activation_peak(args, config, dtype, units, p, v, rank, vee, split)}
-    # every live tensor at its most, by phase (infra.phase_peaks on this stage's chunks: the
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks on this stage's chunks: the
     # logits only where the head is), with the boundaries' (boundary_terms). Start-up: the
     # stage's weights, each drawn whole by param_init
-    from infra import activation_device_type, largest_matrix, matmul_weights, phase_peaks, transient_terms
+    from infra.formulas import activation_device_type, largest_matrix, matmul_weights, phase_peaks, transient_terms
     t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, last=last, kept=False,
                         casts=matmul_weights({name: t.shape for name, t in chunks.named_parameters()}),
                         update=max(t.numel() for t in chunks.parameters()),
@@ -1149,11 +1149,11 @@ def meta_chunks(config, p, v, rank, vee):
 
 def chunk_casts(chunk, split=False):
     """The elements autocast copies into the compute dtype for one forward of `chunk`: the
-    weights of its matmuls (infra.matmul_weights), the head's where it is the last chunk; wte
+    weights of its matmuls (infra.formulas.matmul_weights), the head's where it is the last chunk; wte
     only as the head (the first chunk's lookup reads it in fp32). (cached, per micro-batch):
     F.linear's casts go through autocast's cache, one per step (Pipeline.run); zero bubble's
     SplitLinear casts the blocks' weights itself, a copy per forward, kept until its B."""
-    from infra import matmul_weights
+    from infra.formulas import matmul_weights
     shapes = {name: t.shape for name, t in chunk.named_parameters()
               if chunk.is_last or not name.endswith("wte.weight")}
     blocks = matmul_weights({name: shape for name, shape in shapes.items() if name.startswith("h.")})
@@ -1166,7 +1166,7 @@ def casts_peak(order, dtype, casts, p, rank, vee=False):
     micro-batch)} from chunk_casts: the cached ones once for the step (every chunk of the
     rank has run a forward by a phase's peak), zero bubble's per-forward ones for each
     micro-batch chunk from its F to its I, walked along the rank's unit_actions(). fp32: none."""
-    from infra import formula
+    from infra.formulas import formula
     e = dtype.itemsize
     if e != 2:
         return formula("0")
@@ -1208,7 +1208,7 @@ def boundary_terms(b, s, h, sends):
     last stage none: (n·k + 2)·4bsh, the term fitted before, counted every output and
     gradient sent in a step, which gloo kept alive until the step's end (its sends were
     never polled complete)."""
-    from infra import formula
+    from infra.formulas import formula
     if not sends:
         return None, None
     out, dy = formula("4*b*s*h", b=b, s=s, h=h), formula("4*b*s*h", b=b, s=s, h=h)
@@ -1239,7 +1239,7 @@ def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=Fal
     and dy of its Linears (zero_bubble_phases). The formula is the sum at the peak: m
     chunks in flight for GPipe, p - rank for 1F1B, the interleaved warm-up's count. `order`:
     unit_actions(), a split schedule's whole backward as its I and W."""
-    from infra import activation_device_type, activation_phases, activation_terms, formula
+    from infra.formulas import activation_device_type, activation_phases, activation_terms, formula
     b = args.micro_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     e = torch.tensor([], dtype=dtype).element_size()
@@ -1276,7 +1276,7 @@ def zero_bubble_phases(terms, n_layers, recompute, first, last, e_bsh, mask):
     chunk without the head (whose backward first frees the b·s·V log-softmax). With
     --recompute each block's forward runs again and its W tensors pile up under the next
     block's: the bottom block's B holds (n-1) blocks' W tensors and a whole layer."""
-    from infra import activation_phases
+    from infra.formulas import activation_phases
     kept, _ = activation_phases(terms, n_layers, recompute, first, last)
     for_w = 16 * e_bsh
     first_dy = max(0, e_bsh - mask)
@@ -1291,7 +1291,7 @@ def checkpoint_pieces(chunks, optimizer):
     """Every parameter of this rank's chunks, whole, under 01's names (common.py's format,
     which any script resumes at any layout); the last stage's copy of the tied embedding
     (its head) is written by the first stage only, and read by both."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     return [piece for chunk in chunks for name, param in chunk.named_parameters()
             for piece in param_pieces(chunk.full_name(name), param.shape, param, optimizer,
                                       write=name != "lm_head.weight")]
@@ -1452,7 +1452,7 @@ def plan(args, p, v, m):
     """--dry_run: the layout, the schedule's bubble and every stage's layers, model state,
     traffic and activations in flight, and the timeline drawn while it is a screen wide
     (the lines Run.dry_run prints above stage 0's costs)."""
-    from infra import format_bytes
+    from infra.formulas import format_bytes
     config = model_config(args, Data.vocab_size_of(args.data))
     check_layout(args, config, p)
     # the activation bytes are not in these lines: any dtype gives the same stage lines

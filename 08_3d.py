@@ -498,7 +498,7 @@ def costs(args, config, world_size, dtype, rank=0):
     formula L is the layers of this rank's stage, s the tokens of a sequence on this CP rank
     (s/C), e the bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's
     parameters and Ψ_r the TP-replicated ones among them."""
-    from infra import newton_schulz_flops, plus
+    from infra.formulas import newton_schulz_flops, plus
     T, P, C = args.tp, args.pp, args.cp
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
@@ -521,17 +521,17 @@ def costs(args, config, world_size, dtype, rank=0):
               "replicated")
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
                  # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica
-                 # (--zero1 too: docs/strategies.md's 08 section); infra.newton_schulz_flops
+                 # (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
                  "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners)
                                                     if own == mesh.tp_rank]),
                  "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
-    # every live tensor at its most, by phase (infra.phase_peaks on this rank's shards and s
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks on this rank's shards and s
     # tokens), with 07's boundaries (its boundary_terms: a stage with a next one holds its
     # output until the send completes and the gradient received with it, fp32 b·s·h each,
     # b·(s/T)·h with SP, act_shape in main; free_output frees the outputs in flight);
     # AdamW's largest tensor: the vocabulary slice at the ends, else c_fc's 4h²/T. Start-up:
     # the shards, each parameter drawn whole by param_init
-    from infra import activation_device_type, formula, phase_peaks, transient_terms
+    from infra.formulas import activation_device_type, formula, phase_peaks, transient_terms
     h = config.n_embd
     t = transient_terms(config, x["b"], x["s"], dtype, activation_device_type(args), args.optimizer, tp=T,
                         last=ends[1], kept=False, casts=casts,  # one copy a step: autocast's cache
@@ -563,7 +563,7 @@ def costs(args, config, world_size, dtype, rank=0):
 
 def cost(expr, x, **more):
     """One of 08's formulas at this rank's symbols; m and e printed by value."""
-    from infra import formula
+    from infra.formulas import formula
     return formula(expr, show="m e n", **x, **more)
 
 
@@ -626,10 +626,10 @@ def cp_costs(args, x):
 
 
 def activation_costs(args, config, dtype, x, in_flight, first, last):
-    """The activations line (docs/strategies.md's 08 section): infra.activation_terms with 06's vocabulary-parallel
+    """The activations line (docs/strategies.md's 08 section): infra.formulas.activation_terms with 06's vocabulary-parallel
     ends (the embedding's out-of-slice mask, b·s bool; the head's input, this rank's fp32
     softmax of V/T and the target mask) and, with CP, 09's attention; `in_flight` of them."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, plus, sdpa_logsumexp
+    from infra.formulas import activation_device_type, activation_terms, activations_of_layers, plus, sdpa_logsumexp
     T, C, sp, device_type = x["T"], x["C"], args.sequence_parallel, activation_device_type(args)
     sp_T, attention = "/T" if sp else "", None
     if C > 1 and args.cp_impl == "ring":
@@ -726,7 +726,7 @@ def held_bytes(replicas):
     parameters, gradients and optimizer state; ZeRO1's flat buffers (through the parameters'
     views of them), the reduced shard and AdamW's state (with Muon: the matrices, their
     gradients and momentum too)."""
-    from infra import state_bytes
+    from infra.ledger import state_bytes
     held = state_bytes(replicas.params, replicas.optimizer)
     if isinstance(replicas, ZeRO1):
         held["grads"] += replicas.grad_shard.untyped_storage().nbytes()
@@ -740,7 +740,7 @@ def checkpoint_pieces(replicas):
     each optimizer tensor holds elements [a, b) of one parameter flattened; where that meets a
     TP piece of the parameter (elements [s, e) of it, a box of 01's tensor), it is the elements
     [x - s, y - s) of the box."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     stage, named, write = replicas.stage, list(replicas.stage.named_parameters()), replicas.mesh.reduce_rank == 0
     if isinstance(replicas, DataParallel):
         return [piece for name, p in named for piece in tp_pieces(stage, name, p, replicas.optimizer, write=write)]
@@ -767,7 +767,7 @@ def tp_pieces(stage, name, p, optimizer, write):
     parameters whole. Written where they count once (counted_once: a replicated parameter by
     TP rank 0 of each stage, the tied embedding by the first stage; the last stage's copy is
     read, never written). With the optimizer: the AdamW moments too."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     shape, boxes = shard_boxes(name, p.shape, stage.config.vocab_size, stage.mesh.tp_size, stage.mesh.tp_rank)
     write = write and counted_once(stage, name)
     return [piece for box, index in boxes
@@ -788,7 +788,8 @@ def one_f_one_b(p, stage, m):
 def plan(args, world, T, P, m):
     """--dry_run: the mesh, the schedule and every stage's costs, without starting a process
     (the lines Run.dry_run prints above rank 0's costs)."""
-    from infra import format_bytes, planned_dtype
+    from infra.formulas import format_bytes
+    from infra.dry_run import planned_dtype
     config = model_config(args, Data.vocab_size_of(args.data))
     check_layout(config, T, P, args.sequence_parallel, args.cp, args.cp_impl)
     dtype = planned_dtype(args)

@@ -539,10 +539,10 @@ def costs(args, config, world_size, dtype):
     """The formulas of docs/strategies.md's 09 section for one rank: layout, bytes held, bytes
     sent per step, activations (the layout is validated first, so --dry_run refuses what a
     launch would refuse). In every formula s is this rank's block_size/C tokens of a sequence
-    (the section's T). Activations: infra.activation_terms on them, with the attention term
+    (the section's T). Activations: infra.formulas.activation_terms on them, with the attention term
     replaced by what this script's attention saves."""
-    from infra import (activation_device_type, activation_terms, activations_of_layers, formula,
-                       newton_schulz_flops, phase_peaks, sdpa_logsumexp, transient_terms)
+    from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
+                                newton_schulz_flops, phase_peaks, sdpa_logsumexp, transient_terms)
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices
@@ -573,10 +573,10 @@ def costs(args, config, world_size, dtype):
     terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
     cost = {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
             "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ" if args.optimizer == "adamw" else "4*Ψ_m + 8*(Ψ - Ψ_m)")},
-            # Muon: Newton-Schulz on every matrix, on every CP and DP rank (infra.newton_schulz_flops)
+            # Muon: Newton-Schulz on every matrix, on every CP and DP rank (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
-    # every live tensor at its most, by phase (infra.phase_peaks: 01's on s tokens), with the
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks: 01's on s tokens), with the
     # ring's working set: in forward the fp32 O being merged, a block's output and the next
     # K/V arriving; in backward the fp32 dQ, this hop's dK, dV and the pair arriving with
     # them, and the next K/V. Start-up: the weights and param_init's scratch
@@ -593,7 +593,7 @@ def costs(args, config, world_size, dtype):
 def checkpoint_pieces(model, optimizer, env):
     """Every parameter and its AdamW moments, whole: the replicas are equal, so rank 0
     writes them; every rank reads them (common.py's format, any script resumes it)."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     return [piece for name, p in model.named_parameters()
             for piece in param_pieces(name, p.shape, p, optimizer, write=env.master)]
 

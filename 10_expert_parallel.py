@@ -311,8 +311,8 @@ def costs(args, config, world_size, dtype, received=None):
     """The formulas of docs/strategies.md's 10 section in bytes per rank. `received`: the rows
     this rank received in this step's all-to-alls, per layer per micro-batch (from its routing
     counts); without it, balanced routing: k·b·s each."""
-    from infra import (activation_device_type, formula, matmul_weights, newton_schulz_flops, phase_peaks,
-                       transient_terms)
+    from infra.formulas import (activation_device_type, formula, matmul_weights, newton_schulz_flops, phase_peaks,
+                                transient_terms)
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
     with torch.device("meta"):
@@ -348,11 +348,11 @@ def costs(args, config, world_size, dtype, received=None):
                        and is_hidden_matrix(name, p.shape) and is_expert(name) == expert] for expert in (False, True))
     cost = {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": {op: value for op, value in sent.items() if value[1]},
-            # Muon: Newton-Schulz on the dense matrices and on this rank's experts' (infra.newton_schulz_flops)
+            # Muon: Newton-Schulz on the dense matrices and on this rank's experts' (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(dense + experts[:len(experts) // ep]),
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
                                key=lambda a: a[1])}
-    # every live tensor at its most, by phase (infra.phase_peaks; autocast casts the dense
+    # every live tensor at its most, by phase (infra.formulas.phase_peaks; autocast casts the dense
     # weights and this rank's experts), with the dispatch's packed rows in forward, and
     # reduce_gradients' flat copy of the dense
     # gradients, still named while the experts' is made, before AdamW's temporaries; at
@@ -373,10 +373,10 @@ def costs(args, config, world_size, dtype, received=None):
 
 def activations(args, config, b, dtype, rows):
     """The formula of what one micro-batch holds for backward when layer l's experts
-    received rows[l] rows (infra.activation_terms): every layer's until backward; with
+    received rows[l] rows (infra.formulas.activation_terms): every layer's until backward; with
     --recompute the block inputs, and while layer l's backward runs, the inputs below it and
     its internals."""
-    from infra import activation_device_type, activation_terms, activations_of_layers, formula
+    from infra.formulas import activation_device_type, activation_terms, activations_of_layers, formula
     def terms(n):
         return activation_terms(config, b, config.block_size, dtype, activation_device_type(args), expert_rows=n)
     if args.recompute:  # layer l as the top of l + 1 layers: its backward holds l inputs and itself
@@ -401,7 +401,7 @@ def checkpoint_pieces(model, optimizer, writes_experts, env):
     """Every parameter and its AdamW moments under 01's names: the replicated ones written by
     rank 0, each expert by the rank of the first EP group that holds it (common.py's format:
     01 with --n_expert, or 10 at another --ep, resumes it)."""
-    from infra import param_pieces
+    from infra.checkpoint_format import param_pieces
     return [piece for name, p in model.named_parameters()
             for piece in param_pieces(name, p.shape, p, optimizer,
                                       write=env.master or (writes_experts and is_expert(name)))]

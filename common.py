@@ -1,6 +1,6 @@
 """What every script shares, and no strategy: the GPT model (nanoGPT's, dense or a mixture of
 experts), the optimizer and its schedule, the data, the shared command line, launch / device /
-process groups, and a plain `Run` doing only what a plain loop needs; infra.py's Run extends it.
+process groups, and a plain `Run` doing only what a plain loop needs; infra's Run (infra/run.py) extends it.
 With `from common import Run` in place of `from infra import Run`, a script and this file alone
 train with 01's losses. The contract (flags, determinism, metrics schema) is docs/design.md's.
 
@@ -672,14 +672,16 @@ def to_device(t, env):
     return t.to(env.device)
 
 
+FAKE_HOST = None  # tests: infra.fake_host puts its host_tensor here (this file imports nothing from infra)
+
+
 def to_host(t, device):
     """`t` in host memory, pinned for asynchronous DMA; GPTPAR_FAKE_HOST=1 (tests): infra's HostTensor."""
     out = t.to("cpu", copy=True)
     if device.type in ("cuda", "xpu"):
         out = out.pin_memory()
-    if os.environ.get("GPTPAR_FAKE_HOST") == "1":  # tests: host memory told apart (infra.HostTensor)
-        from infra import host_tensor
-        out = host_tensor(out)
+    if FAKE_HOST and os.environ.get("GPTPAR_FAKE_HOST") == "1":  # tests: host memory told apart (infra.fake_host)
+        out = FAKE_HOST(out)
     return out
 
 
@@ -723,7 +725,7 @@ def make_parser(doc, experts=False):
     g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
     g.add_argument("--micro_batch_size", type=micro_batch_size_arg, default="auto",
                    help="sequences per forward per data-parallel rank: a number, or auto: the largest that "
-                        "divides the rank's share of the global batch (with infra.py: and fits its memory; "
+                        "divides the rank's share of the global batch (with infra: and fits its memory; "
                         "pipelines: at least 2 micro-batches per stage where one fits)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_iters", type=int, default=5000)
@@ -1194,7 +1196,8 @@ INFRA_FLAGS = ("dry_run", "world_size", "ranks_per_node", "machine", "gpu_mem_gb
 class Run:
     """The run protocol: what every main() does alike, so that main() shows its strategy. This one
     does what nanoGPT's loop does (evaluation, one log line per step, a checkpoint per rank at
-    --ckpt_interval and --resume from it at the same layout); infra's Run adds the rest at the same calls:
+    --ckpt_interval and --resume from it at the same layout); infra's Run (infra/run.py) adds the rest
+    at the same calls:
 
         run = Run(parser, __file__)                       # the command line; who this process is
         env, accum_steps = run.start(costs, dp_size=D)    # the processes started, the micro-batch chosen

@@ -20,15 +20,15 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  provides it (else the table says "activations not counted"); the rank that
                  holds the most. Fits by the scripts' own rule, the verdict of their --dry_run
                  and of a launch's fit check: that + 25% + 128 MiB for transients on a
-                 GPU (infra.fit_need; on CPU 50% + 768 MiB, measured) within 90% of the
-                 GPU's memory (infra.planned_room; the rest: the CUDA/ROCm context, the
+                 GPU (infra.fit.fit_need; on CPU 50% + 768 MiB, measured) within 90% of the
+                 GPU's memory (infra.fit.planned_room; the rest: the CUDA/ROCm context, the
                  communicators' buffers, fragmentation); with --device
                  cpu and no GPU memory given, within this host's available memory shared by
                  --gpus_per_node ranks. The scripts choose their micro-batch against the
                  same room (--micro_batch_size auto)
     step time    compute + muon + communication, nothing overlapped (an upper bound: DDP's buckets
                  and FSDP's prefetch hide part of it):
-                   compute = training FLOPs of the global batch (infra.flops_per_token of
+                   compute = training FLOPs of the global batch (infra.formulas.flops_per_token of
                              nanoGPT's count, as the scripts' MFU; with --recompute one more
                              forward of the blocks, a third of their training FLOPs: the head,
                              6Vh per token, is not recomputed) / (N x peak x --efficiency),
@@ -73,10 +73,13 @@ import math
 import os
 import sys
 
-import infra
+import infra.run
 from common import PRESETS, count_params
-from infra import (GPU_MEMORY_GB, PEAK_FLOPS, fit_need, flops_per_token, format_bytes, planned_device_type,
-                   planned_dtype, planned_room)
+from infra.cli import GPU_MEMORY_GB
+from infra.dry_run import planned_device_type, planned_dtype
+from infra.fit import allowance_text, fit_need, planned_room
+from infra.formulas import flops_per_token, format_bytes
+from infra.metrics import PEAK_FLOPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -97,7 +100,7 @@ MACHINES = {
     # ALCF Aurora user guide, "Aurora Machine Overview": 6 Max 1550 per node, 2 tiles each (12
     # ranks), 768 GiB HBM per node = 64 GiB per tile, GPUs "connected all-to-all with Intel
     # Xe Link", 8 Slingshot-11 NICs per node (8 x 25 GB/s for 12 tiles). Peak bf16 per tile:
-    # infra.PEAK_FLOPS. The Xe Link figure a ring achieves between GPUs is the least certain
+    # infra.metrics.PEAK_FLOPS. The Xe Link figure a ring achieves between GPUs is the least certain
     # number here (tiles of one GPU talk faster over MDFI): 30 GB/s, measure it
     "aurora": dict(gpus_per_node=12, gpu_mem_gb=GPU_MEMORY_GB["aurora"], peak_tflops=PEAK_FLOPS["MAX 1550"][0] / 1e12,
                    intra_gbps=30.0, inter_gbps=8 * 25.0 / 12),
@@ -174,10 +177,10 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     argv = [name, *flags, "--dry_run", "--world_size", str(gpus), "--ranks_per_node", str(gpus_per_node)]
     if gpu_mem_gb:  # the room its --micro_batch_size auto chooses against
         argv += ["--gpu_mem_gb", str(gpu_mem_gb)]
-    # the scripts print their plan through infra.dry_run (Run.dry_run, or their own plan
-    # printing, which imports it): catch it in both places
-    saved_argv, saved = sys.argv, (infra.dry_run, getattr(module, "dry_run", None))
-    sys.argv, infra.dry_run = argv, capture
+    # the scripts print their plan through infra.dry_run's dry_run (as infra.run names it for
+    # Run.dry_run, or in their own plan printing, which imports it): catch it in both places
+    saved_argv, saved = sys.argv, (infra.run.dry_run, getattr(module, "dry_run", None))
+    sys.argv, infra.run.dry_run = argv, capture
     if saved[1] is not None:
         module.dry_run = capture
     err = io.StringIO()
@@ -189,7 +192,7 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     except SystemExit:
         return err.getvalue().strip().removeprefix("error: ") or "refused"
     finally:
-        sys.argv, infra.dry_run = saved_argv, saved[0]
+        sys.argv, infra.run.dry_run = saved_argv, saved[0]
         if saved[1] is not None:
             module.dry_run = saved[1]
     return "the dry run did not reach its cost function"
@@ -620,7 +623,7 @@ def print_table(args, machine, psi, scored, refused, choice, why):
         print("ACTIVATIONS NOT COUNTED: the scripts' costs() do not give them yet; memory is model state only")
     print(f"{'':2}{'strategy':<30} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7} {'need':>7} "
           f"{'comm/step':>10} {'step s':>8} {'MFU':>6}  command  (GB per GPU, need: "
-          f"{infra.allowance_text(scored[0]['need_device'] if scored else 'cuda').replace('costs()', 'total')} against "
+          f"{allowance_text(scored[0]['need_device'] if scored else 'cuda').replace('costs()', 'total')} against "
           f"{gb(scored[0]['room_bytes']) if scored else '-'} GB of room; sorted by step time, fitting first)")
     for c in scored[:args.top]:
         h = c["per_gpu_bytes"]
@@ -809,7 +812,7 @@ def main_measured(args, machine):
 
 def rehearse(choice, n, machine):
     """The recommended layout rehearsed: its script run, in a fresh interpreter, with the
-    plan's flags and `--rehearse roles --world_size N` (infra.py's rehearsal: each distinct
+    plan's flags and `--rehearse roles --world_size N` (infra.rehearsal: each distinct
     rank's real steps on the fake backend with fake tensors; every other rank's posting order
     from its role's, by the mesh's symmetry, and all N replayed under NCCL's rules). Returns
     {"rehearsed": True when it ran and every rehearsed rank equals its costs() (and the replay,

@@ -390,7 +390,7 @@ def plot_schedule(plt, kind, p, m, v):
 # --hangs: where every rank of a stalled job waits, from torch's Flight Recorder dumps
 # ----------------------------------------------------------------------------------------
 
-TRAIL = "ledger.{rank}.jsonl"  # infra.trail_path's name: the step/phase trail beside the dumps
+TRAIL = "ledger.{rank}.jsonl"  # infra.ledger.trail_path's name: the step/phase trail beside the dumps
 
 
 class _PlainUnpickler(pickle.Unpickler):

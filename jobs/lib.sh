@@ -102,7 +102,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/${USER:-$(id -un)}/triton}  # [
 # Recorder keeps the last collectives of every rank in a ring buffer; these variables make the
 # watchdog write every rank's buffer to FOLDER (the shared file system: NCCL's default,
 # /tmp/nccl_trace_rank_, is node-local and gone with the job) before it ends the job. Beside
-# the dumps the ledger leaves each rank's step and phase (infra.py), and
+# the dumps the ledger leaves each rank's step and phase (infra/ledger.py), and
 #   python plot.py --hangs FOLDER
 # says where every rank waits (docs/failures.md, "Hangs on GPUs").
 flight_recorder() {

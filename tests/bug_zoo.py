@@ -18,13 +18,13 @@ The checks (what each prints first when it fires):
                  assert_losses_match): "losses differ from 01"
     resume       a checkpoint the bug wrote, resumed by 01 at one rank: the oracle again, on
                  the resumed steps
-    ledger       measured bytes against the script's costs() (infra.print_ledger), on every
+    ledger       measured bytes against the script's costs() (infra.ledger.print_ledger), on every
                  rank: "ledger mismatch on rank R: ..."; the losses stay 01's
     nccl         the run's posting order recorded and replayed under NCCL's rules
                  (tests/nccl_replay.py); gloo ran it: "DEADLOCK under NCCL's semantics"
     hang         the collective a rank was in when the job failed or timed out (the ledger's
                  CommLedger.report): "rank R was in OP #N on group G, step S, PHASE when it failed"
-    checksum     a damaged checkpoint refused on resume (infra.Checkpoint.verify)
+    checksum     a damaged checkpoint refused on resume (infra.checkpoint_format.Checkpoint.verify)
     refusal      one line and exit 2 on every rank (common.check)
     streams      each rank's dropout generator state at every draw (a probe run before the
                  script): inside TP's sharded heads the ranks' streams must differ, on the

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from common import make_parser, setup, teardown
-from infra import LEDGER, parse_args
+from infra.cli import parse_args
+from infra.ledger import LEDGER
 
 
 def main():

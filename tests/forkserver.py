@@ -28,7 +28,7 @@ when the client goes away, the job's process group is killed.
 Each rank: its own process group for the job (the first rank leads it), the job's cwd and
 environment (plus RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and a free
 MASTER_PORT chosen per job when "world"), stdout and stderr appended to the job's files,
-stdin from /dev/null, the signal dispositions of a fresh interpreter, infra.STARTED reset
+stdin from /dev/null, the signal dispositions of a fresh interpreter, infra.stop.STARTED reset
 (--time_limit counts from it), torch.set_num_threads from OMP_NUM_THREADS, sys.argv and
 sys.path as `python script args` would have them, then the script run as __main__. It ends
 as the interpreter would (non-daemon threads joined, atexit handlers run, streams flushed)
@@ -37,8 +37,9 @@ with os._exit: it never returns into this server's code.
 Safety of fork: the server imports modules only. It never runs a torch op, so no OpenMP or
 intra-op thread pool exists when it forks; it checks that it holds exactly one thread
 (threading and /proc/self/task) at start and before every fork, and refuses jobs otherwise.
-Repository modules imported here (common.py, infra.py) that have changed on disk since are dropped
-from sys.modules in the rank, which then imports the file as it is now.
+Repository modules imported here (common.py, the modules of infra/) are dropped from sys.modules
+in the rank, all of them, when any has changed on disk since, and the rank imports the files as
+they are now.
 
 What fork cannot give: every rank of every job shares the server's string-hash seed
 (PYTHONHASHSEED is fixed at interpreter start), so ranks iterate a set of strings in the same
@@ -181,9 +182,9 @@ def run_rank(job, rank, pgid, port, close_fds, base_path, loaded):
             for name in loaded:
                 sys.modules.pop(name, None)
         import time
-        infra = sys.modules.get("infra")
-        if infra is not None:
-            infra.STARTED = time.monotonic()  # as if imported now: --time_limit counts from here
+        stop = sys.modules.get("infra.stop")  # (the guard's clock: infra.stop reads its own STARTED)
+        if stop is not None:
+            stop.STARTED = time.monotonic()  # as if imported now: --time_limit counts from here
         import torch
         threads_wanted = env.get("OMP_NUM_THREADS", "1")
         torch.set_num_threads(int(threads_wanted) if threads_wanted.isdigit() and int(threads_wanted) > 0 else 1)

@@ -15,18 +15,19 @@ import runpy
 import signal
 import sys
 
-import infra
+import infra.ledger
+import infra.run
 
 frozen_rank, frozen_step, piddir, script = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")))
 with open(os.path.join(piddir, f"rank{rank}"), "w") as f:
     f.write(str(os.getpid()))
 
-end_step = infra.Run.end_step
+end_step = infra.run.Run.end_step
 
 
 def end_step_then_freeze(self, loss, extra=None, **step_costs):
-    step = infra.LEDGER.step
+    step = infra.ledger.LEDGER.step
     result = end_step(self, loss, extra, **step_costs)
     if rank == frozen_rank and step == frozen_step:
         with open(os.path.join(piddir, "frozen.tmp"), "w") as f:
@@ -36,7 +37,7 @@ def end_step_then_freeze(self, loss, extra=None, **step_costs):
     return result
 
 
-infra.Run.end_step = end_step_then_freeze
+infra.run.Run.end_step = end_step_then_freeze
 sys.argv = [script] + sys.argv[5:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
 runpy.run_path(script, run_name="__main__")

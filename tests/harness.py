@@ -157,15 +157,15 @@ GUARD = "all_reduce[guard]"
 
 
 def without_guard(row, nprocs):
-    """A metrics row with the guard's per-step flags (infra.Guard: 12 bytes on every rank of a
+    """A metrics row with the guard's per-step flags (infra.stop.Guard: 12 bytes on every rank of a
     multi-rank run, measured and in theory) checked and taken out of comm_bytes and
     comm_bytes_theory, so that a test compares the strategy's own traffic with its formulas.
     nprocs None: not a numbered script (torch's baselines), nothing to check."""
     if "comm_bytes" in row and isinstance(row["comm_bytes"], dict):
         if ROOT not in sys.path:
             sys.path.insert(0, ROOT)
-        import infra
-        expected = infra.GUARD_BYTES if nprocs and nprocs > 1 else None
+        import infra.stop
+        expected = infra.stop.GUARD_BYTES if nprocs and nprocs > 1 else None
         measured = row["comm_bytes"].pop(GUARD, None)
         theory = (row.get("comm_bytes_theory") or {}).pop(GUARD, None)
         assert nprocs is None or measured == theory == expected, \

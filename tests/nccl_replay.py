@@ -7,7 +7,7 @@ the order and replays it under the rules below; a deadlock (or a mismatched pair
 with what every rank is blocked on.
 
 Recording. Run a script through this file, which wraps torch.distributed's functions
-(infra.record_posts) and then runs the script as __main__ (harness.launch runs it like any script):
+(infra.rehearsal.record_posts) and then runs the script as __main__ (harness.launch runs it like any script):
 
     python tests/nccl_replay.py RECORD_DIR 07_pipeline.py --schedule interleaved ...
 
@@ -47,8 +47,9 @@ import os
 import runpy
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # infra.py, beside the scripts
-from infra import Replay, record_posts, replay  # noqa: E402  (the model and the recorder live in infra.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # infra/, beside the scripts
+from infra.rehearsal import record_posts  # noqa: E402  (the recorder a rehearsal uses too)
+from infra.replay import Replay, replay  # noqa: E402  (the model: NCCL's rules)
 
 __all__ = ["Replay", "replay", "read_records", "install"]
 
@@ -64,7 +65,7 @@ def read_records(directory):
 
 
 # ----------------------------------------------------------------------------------------
-# Recording: infra.record_posts, each rank to its own file
+# Recording: infra.rehearsal.record_posts, each rank to its own file
 # ----------------------------------------------------------------------------------------
 
 def install(directory):

@@ -3,7 +3,7 @@ the check it names run at the smallest layout that shows it: the test passes onl
 check FAILS the way the zoo says (a check is trusted once it has been seen to fail). A bug no
 check catches yet is a strict xfail whose reason says which check must grow.
 
-    tmp/  common.py  infra.py  the script (one bug applied)    ->  harness.launch (fork server)
+    tmp/  common.py  infra/  the script (one bug applied)    ->  harness.launch (fork server)
                                                               ->  the check: oracle, ledger, NCCL
                                                                   replay, hang report, checksum,
                                                                   refusal, crash
@@ -31,15 +31,16 @@ MODEL_FLAGS = {"--grad_clip", "--n_expert", "--top_k", "--n_layer", "--dropout"}
 
 
 def apply(bug, directory):
-    """A copy of the bug's script with its edits, beside common.py and infra.py; each edit's
+    """A copy of the bug's script with its edits, beside common.py and infra/; each edit's
     `old` must occur exactly once in today's script."""
     source = open(os.path.join(ROOT, bug.script)).read()
     for old, new in bug.edits:
         assert source.count(old) == 1, \
             f"{bug.name}: {bug.script} holds {source.count(old)} copies of {old!r}: the zoo has drifted"
         source = source.replace(old, new)
-    for name in ("common.py", "infra.py"):
-        shutil.copy(os.path.join(ROOT, name), directory)
+    shutil.copy(os.path.join(ROOT, "common.py"), directory)
+    shutil.copytree(os.path.join(ROOT, "infra"), os.path.join(directory, "infra"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
     path = os.path.join(directory, bug.script)
     with open(path, "w") as f:
         f.write(source)

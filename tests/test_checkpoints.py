@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import common
-import infra
+import infra.checkpoint
+import infra.checkpoint_format
 from harness import TINY, assert_losses_match, launch
 from test_real_conditions import dry
 
@@ -97,7 +98,7 @@ def test_metadata_names_every_piece_and_each_rank_file_holds_its_share(chain_b):
     assert wte["shape"] == [65, 64]  # the unpadded vocabulary, though tp 2 pads it to 66
     assert sorted(p["box"][0] for p in wte["pieces"]) == [[0, 33], [33, 65]]
     # a reader opens only the rank files whose pieces overlap what it asks for
-    ckpt = infra.Checkpoint(str(saved / "ckpt" / directory))
+    ckpt = infra.checkpoint_format.Checkpoint(str(saved / "ckpt" / directory))
     (first,) = [p["rank"] for p in wte["pieces"] if p["box"][0] == [0, 33]]
     ckpt.read("model/transformer.wte.weight", [65, 64], [[0, 20], [0, 64]])
     assert list(ckpt.files) == [first]
@@ -131,7 +132,7 @@ def test_export_is_the_checkpoint_consolidated_in_nanogpts_format(chain_a):
     out, runs = chain_a
     exported = torch.load(out / "exported.pt", weights_only=True)
     assert exported["iter_num"] == 8 and exported["model_args"]["n_layer"] == 4
-    ckpt = infra.Checkpoint(infra.latest_checkpoint(str(out)))
+    ckpt = infra.checkpoint_format.Checkpoint(infra.checkpoint_format.latest_checkpoint(str(out)))
     for name, value in exported["model"].items():
         stored = "transformer.wte.weight" if name == "lm_head.weight" else name
         shape = list(value.shape)
@@ -175,20 +176,20 @@ def test_refusals_are_one_line(tmp_path):
         assert "Traceback" not in run.stderr
 
     def says(action, *words):  # the same checks in this process, without the launch cost
-        with pytest.raises(infra.CheckpointError) as e:
+        with pytest.raises(infra.checkpoint_format.CheckpointError) as e:
             action()
         assert all(w in str(e.value) for w in words), str(e.value)
 
     refused(base + ["--resume", "--n_layer", "2"], "another model", "n_layer")
     run = json.load(open(out / "ckpt" / "step_2" / "metadata.json"))["run"]  # what 01 wrote: this run
-    infra.open_checkpoint(str(out), run)  # opens
-    says(lambda: infra.open_checkpoint(str(out), {**run, "seed": 7}), "another run", "seed")
-    says(lambda: infra.open_checkpoint(str(out), {**run, "lr_decay_iters": 20}), "lr_decay_iters=20",
+    infra.checkpoint.open_checkpoint(str(out), run)  # opens
+    says(lambda: infra.checkpoint.open_checkpoint(str(out), {**run, "seed": 7}), "another run", "seed")
+    says(lambda: infra.checkpoint.open_checkpoint(str(out), {**run, "lr_decay_iters": 20}), "lr_decay_iters=20",
          f"pass --lr_decay_iters {run['lr_decay_iters']}")
     rank0 = out / "ckpt" / "step_2" / "rank0.pt"
     good = rank0.read_bytes()
     torch.save(torch.zeros(3), rank0)  # a plain tensor (another file renamed into place)
-    says(lambda: infra.Checkpoint(str(rank0.parent)).file(0), str(rank0), "not a rank file", "Tensor")
+    says(lambda: infra.checkpoint_format.Checkpoint(str(rank0.parent)).file(0), str(rank0), "not a rank file", "Tensor")
     rank0.write_bytes(good[:1000])  # truncated
     refused(base + ["--resume"], str(rank0), "unreadable")
     # foreign one-file checkpoints: nanoGPT's ckpt.pt where the set is expected, and as --init_from
@@ -205,11 +206,11 @@ def test_refusals_are_one_line(tmp_path):
     damaged = json.load(open(metadata))
     del damaged["tensors"]["model/transformer.wte.weight"]["pieces"], damaged["layout"]
     metadata.write_text(json.dumps(damaged))
-    says(lambda: infra.open_checkpoint(str(out), run), str(metadata), "damaged", "layout",
+    says(lambda: infra.checkpoint.open_checkpoint(str(out), run), str(metadata), "damaged", "layout",
          "tensors/model/transformer.wte.weight")
     (out / "ckpt" / "step_2" / "metadata.json").write_text("[1, 2]")
-    says(lambda: infra.open_checkpoint(str(out), run), "metadata.json", "not the metadata")
-    says(lambda: infra.open_checkpoint(str(tmp_path / "none"), run), "no checkpoint")
+    says(lambda: infra.checkpoint.open_checkpoint(str(out), run), "metadata.json", "not the metadata")
+    says(lambda: infra.checkpoint.open_checkpoint(str(tmp_path / "none"), run), "no checkpoint")
 
 
 def test_a_bad_file_on_rank_1_is_one_line_naming_it_and_exit_2_everywhere(chain_b, tmp_path):
@@ -240,6 +241,6 @@ def test_flat_ranges_and_boxes_meet_exactly():
         full = torch.arange(int(torch.tensor(shape).prod())).view(shape)
         expected = full[tuple(slice(s, e) for s, e in box)].reshape(-1)[a:b]
         got = torch.full((b - a,), -1)
-        copied = infra._copy_overlap(got, infra._flat_boxes(box, (a, b)), full.reshape(-1),
-                                      [([[0, s] for s in shape], 0)])
+        copied = infra.checkpoint_format._copy_overlap(got, infra.checkpoint_format._flat_boxes(box, (a, b)),
+                                                       full.reshape(-1), [([[0, s] for s in shape], 0)])
         assert copied == b - a and torch.equal(got, expected)

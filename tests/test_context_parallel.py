@@ -181,7 +181,7 @@ def test_job_script_launches_a_valid_layout(scheduler):
     assert len(line) == 1 and line[0].startswith("mpiexec -n 8 --ppn 4 "), lines
     argv = line[0].split(" | ")[0].split("python 09_context_parallel.py ")[1].split()
     from common import check_batch, make_parser, model_config
-    from infra import parse_args
+    from infra.cli import parse_args
     args = parse_args(cp_module.add_flags(make_parser(cp_module.__doc__)), argv)
     config = model_config(args, 256)
     assert cp_module.check_layout(args, config, 8) == (4, 2) and config.block_size == 16384

@@ -1,7 +1,7 @@
 """Copy one script and it runs (issue "Copy one script"): every training script, copied with
 common.py alone into an empty directory and its one tie to the run infrastructure replaced
 (`from infra import Run` -> `from common import Run`), launches at its usual small layout
-through a real launcher, in fresh interpreters that cannot import infra, and trains with
+through a real launcher, in fresh interpreters that cannot import infra/, and trains with
 01's per-step losses (the plain Run logs each step's loss: `step N: loss X, ...`). The copy is
 a complete program (issue "The lesson first", item 5): without data/ its default flags say so in
 one line; it writes a checkpoint per rank at --ckpt_interval and resumes from it with the

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common import Data, SYNTHETIC_VOCAB
-from infra import data_problem
+from infra.data_check import data_problem
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ Whole plans (how many layouts are valid and fit, which is recommended, which 3D 
 come from plan.plan itself, each made once a session (tests/whole_plans.py) and shared with
 tests/test_plan.py, which checks the same 175B plan; the worked layouts of those plans are
 read from them. The step's peak of a published run's priced rank (and of the 175B plan's
-choice) is checked term by term as 08's costs() hands the terms to infra.phase_peaks, in the
+choice) is checked term by term as 08's costs() hands the terms to infra.formulas.phase_peaks, in the
 phase where it falls, and again without the boundary term.
 
 What is not checked here, and why: the counts of the GPT-3 175B plan at the doc's batch of
@@ -53,7 +53,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import plan  # noqa: E402
-import infra  # noqa: E402
+import infra.fit  # noqa: E402
+import infra.formulas  # noqa: E402
 from whole_plans import whole_plan  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
@@ -428,12 +429,12 @@ def test_the_published_runs_table_is_what_plan_py_computes(tmp_path):
 
 # ----------------------------------------------------------------------------------------
 # docs/planning.md, "plan.py against published large runs", **Memory.**: the step's peak of a
-# published run's priced rank, term by term, as 08's costs() builds it (infra.phase_peaks'
+# published run's priced rank, term by term, as 08's costs() builds it (infra.formulas.phase_peaks'
 # named terms, recorded as costs() hands them over), and the same costs() without the
 # pipeline's boundary term
 # ----------------------------------------------------------------------------------------
 
-# the terms of a phase's peak as infra.phase_peaks builds them: the model's transients
+# the terms of a phase's peak as infra.formulas.phase_peaks builds them: the model's transients
 # (transient_terms) of that phase, and the names 08's costs() may hand it besides (a name of
 # the model's replaces its term: SP's backward gradients replace the model's)
 MODEL_TERMS = {"forward": ("casts", "logits"), "backward": ("casts", "gradients")}
@@ -445,7 +446,7 @@ WORDS = {"casts": "of autocast's bf16 weight copies", "logits": "of logits", "gr
 def peak_terms(plan_flags, strategy, data, rank=None):
     """08's step peak on `rank` (the priced rank where None) of a published run, by term, in GB:
     the phase it falls in (forward or backward), state (params, grads, optim), activations, the
-    phase's transients as costs() hands them to infra.phase_peaks (`working`: {name: GB}, the
+    phase's transients as costs() hands them to infra.formulas.phase_peaks (`working`: {name: GB}, the
     nonzero ones), the boundary term and its text (07's boundary_terms: out + dy in forward, dy in
     backward); the need with and without the boundary term; k (the micro-batches in flight on
     the stage, as costs() hands them to its activation_costs) and the stage."""
@@ -455,7 +456,7 @@ def peak_terms(plan_flags, strategy, data, rank=None):
     if rank is None:
         rank = priced(plan_flags, "08_3d.py", strategy, data)["priced_rank"]
     three = plan.script("08_3d.py")
-    original, activation_costs, seen, flights = infra.phase_peaks, three.activation_costs, [], []
+    original, activation_costs, seen, flights = infra.formulas.phase_peaks, three.activation_costs, [], []
 
     def recording(cost, t, forward=None, backward=None, optimizer=None):
         seen.append(dict(cost=cost, t=t, forward=dict(forward or {}), backward=dict(backward or {})))
@@ -470,16 +471,16 @@ def peak_terms(plan_flags, strategy, data, rank=None):
         return activation_costs(*args)
     costs = {}
     for name, patch in (("with", recording), ("without", without_boundary)):
-        infra.phase_peaks, three.activation_costs = patch, in_flight
+        infra.formulas.phase_peaks, three.activation_costs = patch, in_flight
         try:
             costs[name] = plan.rank_costs("08_3d.py", r_args, config, n, plan.planned_dtype(r_args), rank)
         finally:
-            infra.phase_peaks, three.activation_costs = original, activation_costs
+            infra.formulas.phase_peaks, three.activation_costs = original, activation_costs
     (got,), (k,) = seen, set(flights)
     cost, t = got["cost"], got["t"]
     phase = max(("forward", "backward"), key=lambda p: cost["peak"][p][1])
     peak = cost["peak"][phase][1]
-    assert peak == max(infra.peak_numbers(cost).values())  # the step's peak: not the optimizer's, not start-up's
+    assert peak == max(infra.fit.peak_numbers(cost).values())  # the step's peak: not the optimizer's, not start-up's
     unnamed = set(got[phase]) - STRATEGY_TERMS[phase]
     assert not unnamed and "gathered" not in cost, f"08's {phase} peak has terms this test does not name: {unnamed}"
     named = {**{name: t[name] for name in MODEL_TERMS[phase]}, **got[phase]}
@@ -492,9 +493,9 @@ def peak_terms(plan_flags, strategy, data, rank=None):
     pp = rank // (r_args.cp * r_args.tp)
     return dict(terms, **held, working=working, phase=phase, peak=peak / 1e9, text=boundary[0], k=k, stage=pp,
                 P=r_args.pp, layers=three.stage_layers(config.n_layer, r_args.pp)[pp][1],
-                need=infra.fit_need(costs["with"], device) / 1e9, room=plan.planned_room(r_args) / 1e9,
-                peak_nb=max(infra.peak_numbers(costs["without"]).values()) / 1e9,
-                need_nb=infra.fit_need(costs["without"], device) / 1e9)
+                need=infra.fit.fit_need(costs["with"], device) / 1e9, room=plan.planned_room(r_args) / 1e9,
+                peak_nb=max(infra.fit.peak_numbers(costs["without"]).values()) / 1e9,
+                need_nb=infra.fit.fit_need(costs["without"], device) / 1e9)
 
 
 def breakdown(p):
@@ -663,7 +664,7 @@ def strategies_figures():
     sweep = plan.script("02_collectives.py").SWEEP_BYTES
     yield f"(to {sweep['cpu'] >> 20} MiB on CPU, {sweep['accelerator'] >> 30} GiB on GPUs)"
     # zero bubble's W tensors per block, in units of one b·s·h tensor (e·bsh = 1)
-    from infra import activation_terms
+    from infra.formulas import activation_terms
     tiny = common.GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=16)
     per_block = pipeline.zero_bubble_phases(activation_terms(tiny, 1, 4, torch.float32, "cpu"), 1, False, False,
                                             False, 1, 0)[2]

@@ -114,7 +114,7 @@ def test_bare_command_dry_runs(ranks):
     ("10_expert_parallel.py", "bfloat16", ["--micro_batch_size", "4"]),
 ])
 def test_activations_and_bf16_ledger_equal_their_formulas(script, dtype, extra):
-    """The MoE block's activations (infra.activation_terms counts the router, k rows through
+    """The MoE block's activations (infra.formulas.activation_terms counts the router, k rows through
     the experts and the combine) and, in bfloat16, the all-to-alls moving 2-byte rows."""
     run = launch(script, BASE + ["--max_iters", "2", "--dtype", dtype] + extra).ok()
     for step in run.steps:

@@ -15,7 +15,9 @@ import time
 import numpy as np
 import pytest
 
-import infra
+import infra.metrics
+import infra.start
+import infra.stop
 from harness import TINY, launch
 from test_real_conditions import dry
 from test_reliability import background_job, rank_pids, wait_for_rows
@@ -148,13 +150,13 @@ def test_non_finite_loss_stops_before_the_update(tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
     flags = TINY + ["--lr", "1e6", "--ckpt_interval", "1", "--out_dir", out, "--metrics", metrics]
     run = launch("04_zero.py", flags + ["--stage", "3"], nprocs=2)
-    refused(run, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
+    refused(run, "non-finite loss or gradient at step 1", status=infra.stop.NONFINITE_EXIT)
     text = metrics.read_text()
     rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the metrics")) for line in text.splitlines()]
     assert [row["step"] for row in rows] == [0]  # no row for the step that was stopped
     assert "LOCK" not in os.listdir(out)
     again = launch("04_zero.py", flags + ["--stage", "3", "--resume"], nprocs=2)
-    refused(again, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
+    refused(again, "non-finite loss or gradient at step 1", status=infra.stop.NONFINITE_EXIT)
 
 
 @pytest.mark.parametrize("script, extra", [("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"]),
@@ -163,7 +165,7 @@ def test_non_finite_loss_stops_every_strategy(tmp_path, script, extra):
     """The same stop in a script whose loop was written apart from 04's (09's ring), and
     without clipping (no global norm: the guard agrees on its flags before the update)."""
     run = launch(script, TINY + extra + ["--lr", "1e6", "--out_dir", tmp_path / "out"], nprocs=2)
-    refused(run, "non-finite loss or gradient at step 1", status=infra.NONFINITE_EXIT)
+    refused(run, "non-finite loss or gradient at step 1", status=infra.stop.NONFINITE_EXIT)
     assert "stopped before the optimizer step" in run.error_lines[0]
 
 
@@ -171,11 +173,11 @@ GUARD_ON_TWO_RANKS = """
 import os, sys, types
 import torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
-import infra
+import infra.stop
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 env = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, rank=rank, master=rank == 0)
-guard = infra.Guard(types.SimpleNamespace(time_limit=0, max_iters=10, out_dir="unused"), env)
+guard = infra.stop.Guard(types.SimpleNamespace(time_limit=0, max_iters=10, out_dir="unused"), env)
 for step in range(4):
     if (rank, step) == (1, 0):
         guard.signal = "SIGTERM"  # as the handler sets it
@@ -188,7 +190,7 @@ for step in range(4):
 
 @pytest.mark.parametrize("nan", [False, True])
 def test_the_guard_agrees_on_a_stop_one_step_later_on_every_rank(tmp_path, nan):
-    """infra.Guard on two real gloo ranks, with a finite global norm (clipping's): a stop
+    """infra.stop.Guard on two real gloo ranks, with a finite global norm (clipping's): a stop
     signal on rank 1 at step 0 travels in the flags posted at step 0 and read at step 1, so
     both ranks say stop at step 1 and not before; a loss non-finite on rank 1 alone at step 2
     (the norm finite: it reached no gradient) stops both ranks before step 3's update, one
@@ -205,11 +207,11 @@ def test_the_guard_agrees_on_a_stop_one_step_later_on_every_rank(tmp_path, nan):
         return
     assert {f"rank {rank} step 2: stop True" for rank in (0, 1)} <= said and len(said) == 6, run.stdout
     refused(run, "non-finite loss or gradient at step 2 (first seen on rank 1): stopped before step 3's update",
-            status=infra.NONFINITE_EXIT)
+            status=infra.stop.NONFINITE_EXIT)
 
 
 def test_metrics_rows_are_strict_json():
-    row = infra.finite_or_null({"loss": float("nan"), "val": [float("inf"), 1.0], "x": {"y": -float("inf")}})
+    row = infra.metrics.finite_or_null({"loss": float("nan"), "val": [float("inf"), 1.0], "x": {"y": -float("inf")}})
     assert json.dumps(row, allow_nan=False) == '{"loss": null, "val": [null, 1.0], "x": {"y": null}}'
 
 
@@ -301,10 +303,10 @@ def test_ctrl_c_twice_to_every_rank_ends_quietly_with_a_checkpoint(tmp_path):
 def test_lock_of_another_host_is_stale_once_its_heartbeat_stops(tmp_path):
     lock = tmp_path / "LOCK"
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "42"}))
-    assert not infra._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
-    old = time.time() - infra.LOCK_STALE_S - 1
+    assert not infra.start._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
+    old = time.time() - infra.start.LOCK_STALE_S - 1
     os.utime(lock, (old, old))
-    assert infra._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
+    assert infra.start._lock_is_stale(str(lock), {"host": "elsewhere", "pid": 1})
 
 
 def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monkeypatch):
@@ -312,15 +314,15 @@ def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monk
     lock still looks alive. The new job waits for the heartbeat to stop (LOCK_STALE_S, here
     shortened), then takes the lock; a lock whose heartbeat goes on is refused after the wait."""
     import threading
-    monkeypatch.setattr(infra, "LOCK_STALE_S", 2)
+    monkeypatch.setattr(infra.start, "LOCK_STALE_S", 2)
     out = tmp_path / "out"
     out.mkdir()
     lock = out / "LOCK"
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "41"}))  # killed: no heartbeat
     t0 = time.time()
-    assert infra.lock_out_dir(str(out), wait_s=10) is None
+    assert infra.start.lock_out_dir(str(out), wait_s=10) is None
     assert 1.5 < time.time() - t0 < 6 and json.loads(lock.read_text())["pid"] == os.getpid()
-    infra.release_out_dir()
+    infra.start.release_out_dir()
     assert not lock.exists()
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "42"}))  # alive: it beats on
     alive = threading.Event()
@@ -331,7 +333,7 @@ def test_lock_of_another_host_is_waited_for_then_taken_or_refused(tmp_path, monk
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
         t0 = time.time()
-        problem = infra.lock_out_dir(str(out), wait_s=1.5)  # the whole wait, the heartbeat going on
+        problem = infra.start.lock_out_dir(str(out), wait_s=1.5)  # the whole wait, the heartbeat going on
         assert problem and "is in use by another job" in problem and "job 42" in problem
         assert 1.4 < time.time() - t0 < 6.5
     finally:

@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from infra import Guard, HostTensor, host_tensor
+from infra.stop import Guard
+from infra.fake_host import HostTensor, host_tensor
 from harness import ROOT, TINY, assert_losses_match, launch
 
 FAKE_HOST = {"GPTPAR_FAKE_HOST": "1"}

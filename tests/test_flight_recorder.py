@@ -21,7 +21,8 @@ import datetime, glob, os, sys, time
 import torch
 import torch.distributed as dist
 from common import make_parser, setup
-from infra import LEDGER, dump_flight_recorder, flight_recorder_prefix, parse_args
+from infra.cli import parse_args
+from infra.ledger import LEDGER, dump_flight_recorder, flight_recorder_prefix
 
 args = parse_args(make_parser("a stalled job"))
 env = setup(args)

@@ -17,7 +17,7 @@ from test_launch import probe_reports
 
 REPORT = textwrap.dedent("""
     import json, os, signal, sys, threading, time
-    import infra
+    import infra.stop
     rank = int(os.environ.get("RANK", 0))
     handlers = {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGPIPE", "SIGCHLD")}
     print("REPORT " + json.dumps(dict(
@@ -25,7 +25,7 @@ REPORT = textwrap.dedent("""
         env={k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                             "MASTER_PORT", "OMP_NUM_THREADS", "GPTPAR_FORK_PROBE")},
         handlers=handlers, blocked=sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-        stdin=os.readlink("/proc/self/fd/0"), since_start=time.monotonic() - infra.STARTED,
+        stdin=os.readlink("/proc/self/fd/0"), since_start=time.monotonic() - infra.stop.STARTED,
         pgid=os.getpgid(0), threads=threading.active_count())), flush=True)
     print(f"rank {rank} to stderr", file=sys.stderr)
     code = int(sys.argv[1]) if len(sys.argv) > 1 else 0
@@ -67,7 +67,7 @@ def test_a_rank_looks_like_a_fresh_interpreter_under_torchrun(tmp_path):
                                  "SIGUSR1": str(signal.SIG_DFL), "SIGPIPE": str(signal.SIG_IGN),
                                  "SIGCHLD": str(signal.SIG_DFL)}
         assert r["blocked"] == [] and r["stdin"] == "/dev/null" and r["threads"] == 1
-        assert 0 <= r["since_start"] < 5  # infra.STARTED: this rank's start, not the server's
+        assert 0 <= r["since_start"] < 5  # infra.stop.STARTED: this rank's start, not the server's
         assert r["pgid"] != os.getpgid(0)  # the job's own group
     assert sorted(run.stderr.splitlines()) == ["rank 0 to stderr", "rank 1 to stderr", "rank 2 to stderr"]
     assert run.seconds < 10

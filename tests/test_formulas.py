@@ -5,8 +5,8 @@ branch: the first, a middle and the last pipeline stage (07, 08), sequence paral
 and off (06, 08), fp32 and bf16 on CPU and GPU, with and without dropout, ZeRO stages 1-3
 and offload (04), FSDP's resharding, prefetch and replicas (05), ring and Ulysses (08, 09),
 expert parallelism with balanced and uneven routing (10), --recompute. Every term must come
-from infra.formula, and its text, read back by the small parser below (which knows nothing
-of how infra.formula writes: juxtaposition and · multiply, x² is a power, ⌈x⌉ a ceiling,
+from infra.formulas.formula, and its text, read back by the small parser below (which knows nothing
+of how infra.formulas.formula writes: juxtaposition and · multiply, x² is a power, ⌈x⌉ a ceiling,
 names are the formula's own symbols), must evaluate to the number beside it."""
 
 import importlib.util
@@ -17,8 +17,9 @@ from fractions import Fraction
 import pytest
 
 import common
-import infra
-from infra import Formula, formula, plus
+import infra.cli
+import infra.dry_run
+from infra.formulas import Formula, formula, plus
 from harness import ROOT
 
 COMMON = ["--model", "tiny", "--global_batch_size", "24", "--dry_run"]
@@ -65,9 +66,9 @@ def costs_at(name, world, flags):
     argv = COMMON + ["--world_size", str(world), "--micro_batch_size", "2"] + flags
     parser = module.add_flags(common.make_parser(module.__doc__, experts=name in ("01_single_gpu.py",
                                                                                    "10_expert_parallel.py")))
-    args = infra.parse_args(parser, argv)
+    args = infra.cli.parse_args(parser, argv)
     config = common.model_config(args, common.Data.vocab_size_of(args.data))
-    dtype = infra.planned_dtype(args)
+    dtype = infra.dry_run.planned_dtype(args)
     if name in PIPELINES:
         return [(rank, module.costs(args, config, world, dtype, rank)) for rank in range(world)]
     if name == "10_expert_parallel.py":  # also a step whose routing was uneven
@@ -89,7 +90,7 @@ def terms_of(cost):
 
 
 # ----------------------------------------------------------------------------------------
-# Reading a formula's text back, independently of how infra.formula writes it
+# Reading a formula's text back, independently of how infra.formulas.formula writes it
 # ----------------------------------------------------------------------------------------
 
 SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
@@ -188,8 +189,8 @@ def read(text, symbols):
 
 
 def check(term, where):
-    """The term came from infra.formula, and its text reads back as its number."""
-    assert isinstance(term, Formula), f"{where}: {term!r} was written by hand, not by infra.formula"
+    """The term came from infra.formulas.formula, and its text reads back as its number."""
+    assert isinstance(term, Formula), f"{where}: {term!r} was written by hand, not by infra.formulas.formula"
     text, number = term
     assert read(text, term.symbols) == number, \
         f"{where}: {text!r} = {read(text, term.symbols)} at {term.symbols}, but the number is {number}"

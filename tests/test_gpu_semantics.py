@@ -42,7 +42,7 @@ def test_the_fit_check_reads_the_room_with_every_group_up_and_step_0_says_how_fa
 
 
 def in_bytes(text):
-    """"23.3 MiB" -> bytes (infra.format_bytes's units)."""
+    """"23.3 MiB" -> bytes (infra.formulas.format_bytes's units)."""
     value, unit = text.split()
     return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
 

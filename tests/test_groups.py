@@ -178,7 +178,7 @@ def test_the_world_named_is_still_called_world():
     reads "on group world", as a call that leaves the group out did."""
     import torch.distributed as dist
     from common import _free_port
-    from infra import CommLedger
+    from infra.ledger import CommLedger
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         ledger = CommLedger()

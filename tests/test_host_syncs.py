@@ -3,10 +3,10 @@
 A device-wide synchronize, or reading a device tensor's value on the host (.item(),
 .tolist(), .cpu(), bool(), ...), makes the host wait until the GPU has run everything queued,
 so the next kernels cannot be queued behind the running ones. On CPU these cost nothing, which
-is why a CPU run can count them: with GPTPAR_COUNT_SYNCS=1 infra.HostSyncs counts them inside
+is why a CPU run can count them: with GPTPAR_COUNT_SYNCS=1 infra.stop.HostSyncs counts them inside
 each step (forwards, backwards, the guard, the optimizer step; the logging after the step is
 not counted) and writes the count into the metrics row as `host_syncs`. torch's fused AdamW,
-which the scripts use on GPUs, reads nothing back; its CPU path is exempt (infra.HostSyncs).
+which the scripts use on GPUs, reads nothing back; its CPU path is exempt (infra.stop.HostSyncs).
 
 The table is the contract: the guard reads its flags once per step (1), and a strategy may
 add only what it states here."""
@@ -15,7 +15,7 @@ import pytest
 
 from harness import TINY, launch
 
-GUARD = 1  # infra.Guard: one read of the agreed flags, before the update
+GUARD = 1  # infra.stop.Guard: one read of the agreed flags, before the update
 
 # script, ranks, flags, host syncs per step and why
 CASES = [

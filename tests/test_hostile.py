@@ -1,7 +1,7 @@
 """Hostile cases, tried as users on a cluster would (the Reliability III round), one test per
 kind of failure, so that each kind stays fixed: damaged checkpoints that would load, runs that
 would silently do something else, writes that fail, locks left by failed or dying jobs.
-Launches are one process of 01 (every script shares these paths through infra.Run) unless
+Launches are one process of 01 (every script shares these paths through infra.run.Run) unless
 the case needs ranks; each ends with one line naming the cause, or with the right result."""
 
 import json
@@ -18,7 +18,12 @@ import pytest
 import torch
 
 import common
-import infra
+import infra.checkpoint
+import infra.checkpoint_format
+import infra.cli
+import infra.data_check
+import infra.fit
+import infra.start
 from harness import LAUNCHER_ENV, ROOT, TINY, dry, launch
 from test_failures import committed, refused
 from test_reliability import wait_for_rows
@@ -106,29 +111,29 @@ def test_a_failed_torch_save_is_an_io_error_and_leaves_nothing(tmp_path, monkeyp
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(OSError, match="the write failed .* free on that file system; torch: .enforce fail"):
-        infra.atomic_save({"x": torch.ones(2)}, str(tmp_path / "rank0.pt"))
+        infra.checkpoint_format.atomic_save({"x": torch.ones(2)}, str(tmp_path / "rank0.pt"))
     assert os.listdir(tmp_path) == []
 
 
 def test_locks_of_failed_starts_and_of_zombies_are_stale(tmp_path):
     lock = tmp_path / "LOCK"
     lock.write_text("")  # a start that could not write its lock (disk full)
-    assert not infra._lock_is_stale(str(lock), {})  # it may be being written right now
-    old = time.time() - infra.LOCK_WRITE_S - 1
+    assert not infra.start._lock_is_stale(str(lock), {})  # it may be being written right now
+    old = time.time() - infra.start.LOCK_WRITE_S - 1
     os.utime(lock, (old, old))
-    assert infra._lock_is_stale(str(lock), {})
+    assert infra.start._lock_is_stale(str(lock), {})
     child = subprocess.Popen(["true"])  # exits; not reaped yet: a zombie answers kill(pid, 0)
     deadline = time.time() + 10
-    while not infra._is_zombie(child.pid) and time.time() < deadline:
+    while not infra.start._is_zombie(child.pid) and time.time() < deadline:
         time.sleep(0.05)
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid}))
     holder = json.loads(lock.read_text())
     try:
-        assert infra._is_zombie(child.pid) and infra._lock_is_stale(str(lock), holder)
+        assert infra.start._is_zombie(child.pid) and infra.start._lock_is_stale(str(lock), holder)
     finally:
         child.wait()
-    assert infra.lock_out_dir(str(tmp_path), wait_s=1) is None  # taken over
-    infra.release_out_dir()
+    assert infra.start.lock_out_dir(str(tmp_path), wait_s=1) is None  # taken over
+    infra.start.release_out_dir()
 
 
 @pytest.mark.skipif(not shutil.which("mpiexec"), reason="needs mpiexec")
@@ -176,7 +181,8 @@ def test_token_files_that_are_directories_or_shrink_under_the_job(tmp_path):
     d = dataset(tmp_path / "data")
     (d / "train.bin").unlink()
     (d / "train.bin").mkdir()
-    assert infra.data_problem(str(d), 64) == f"--data {d}: {d / 'train.bin'} is a directory, not a token file"
+    assert infra.data_check.data_problem(str(d), 64) == \
+        f"--data {d}: {d / 'train.bin'} is a directory, not a token file"
     d = dataset(tmp_path / "data2")
     data = common.Data(str(d), 0, 64)
     x, _ = data.batch("train", 0, 4)
@@ -253,9 +259,9 @@ def test_dry_run_resume_needs_every_rank_file_and_data_spelling_does_not_matter(
     os.remove(os.path.join(directory, "rank0.pt"))
     p = dry("01_single_gpu.py", "--world_size", 1, *ONE, "--out_dir", out, "--resume")
     assert p.returncode == 2 and f"checkpoint file {directory}/rank0.pt is missing" in p.stderr
-    args = infra.parse_args(common.make_parser(""), ["--data", str(tmp_path) + "/"])
+    args = infra.cli.parse_args(common.make_parser(""), ["--data", str(tmp_path) + "/"])
     config = common.GPTConfig(vocab_size=65, **common.PRESETS["tiny"])
-    assert infra.run_config(args, config, None)["data"] == str(tmp_path)
+    assert infra.checkpoint.run_config(args, config, None)["data"] == str(tmp_path)
 
 
 # ---- fits before it runs: costs() against the memory a rank can have ----------------------
@@ -281,20 +287,20 @@ def test_fit_problem_suggests_exactly_what_costs_says_fits(monkeypatch):
     spec = importlib.util.spec_from_file_location("single", os.path.join(common.HERE, "01_single_gpu.py"))
     single = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(single)
-    args = infra.parse_args(common.make_parser(""), ["--device", "cpu", "--global_batch_size", "8"])
+    args = infra.cli.parse_args(common.make_parser(""), ["--device", "cpu", "--global_batch_size", "8"])
     args.micro_batch_size = 8
     env = common.Env(common.Launch("single"), torch.device("cpu"), "gloo", torch.float32)
     config = common.model_config(args, 65)
 
     def need(**changes):
-        return infra.fit_need(single.costs(common.argparse.Namespace(**{**vars(args), **changes}), config, 1,
+        return infra.fit.fit_need(single.costs(common.argparse.Namespace(**{**vars(args), **changes}), config, 1,
                                             torch.float32), "cpu")
-    monkeypatch.setattr(infra, "memory_room", lambda env: need(micro_batch_size=4))  # 4 fits exactly
-    problem = infra.fit_problem(args, env, single.costs)
+    monkeypatch.setattr(infra.fit, "memory_room", lambda env: need(micro_batch_size=4))  # 4 fits exactly
+    problem = infra.fit.fit_problem(args, env, single.costs)
     assert "--micro_batch_size 4 fits (2x the accumulation steps)" in problem
     assert ("--recompute fits" in problem) == (need(recompute=True) <= need(micro_batch_size=4))
-    monkeypatch.setattr(infra, "memory_room", lambda env: need())
-    assert infra.fit_problem(args, env, single.costs) is None
+    monkeypatch.setattr(infra.fit, "memory_room", lambda env: need())
+    assert infra.fit.fit_problem(args, env, single.costs) is None
 
 
 def test_auto_chooses_the_largest_micro_batch_that_fits():
@@ -305,11 +311,11 @@ def test_auto_chooses_the_largest_micro_batch_that_fits():
     ddp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ddp)
     flags = ["--model", "gpt2", "--world_size", "2"]
-    args = infra.parse_args(ddp.add_flags(common.make_parser("")), flags + ["--dry_run"])
+    args = infra.cli.parse_args(ddp.add_flags(common.make_parser("")), flags + ["--dry_run"])
 
     def need(b):
-        return infra.rank_need(args, ddp.costs, 2, torch.bfloat16, "cuda", micro_batch_size=b)
-    gpu_mem_gb = (need(4) + need(6)) / 2 / infra.GPU_USABLE / 1e9  # room between the needs of 4 and 6
+        return infra.fit.rank_need(args, ddp.costs, 2, torch.bfloat16, "cuda", micro_batch_size=b)
+    gpu_mem_gb = (need(4) + need(6)) / 2 / infra.fit.GPU_USABLE / 1e9  # room between the needs of 4 and 6
     out = dry("03_ddp.py", *flags, "--gpu_mem_gb", gpu_mem_gb).stdout
     assert "--micro_batch_size auto: 4 (of the 24 sequences per replica" in out and "fit: fits" in out, out
     assert "layout: 2 replicas, each 6 micro-batch(es) of 4 per step" in out
@@ -400,8 +406,8 @@ def fake_cgroup(tmp_path, monkeypatch, version, limit, usage):
     (folder / files[0]).write_text(f"{limit}\n")
     (folder / files[1]).write_text(f"{usage}\n")
     (tmp_path / "cgroup").write_text(proc)
-    monkeypatch.setattr(infra, "CGROUP_ROOT", str(tmp_path))
-    monkeypatch.setattr(infra, "PROC_SELF_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(infra.fit, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(infra.fit, "PROC_SELF_CGROUP", str(tmp_path / "cgroup"))
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -409,14 +415,14 @@ def test_the_room_on_cpu_honours_the_jobs_memory_cgroup(tmp_path, monkeypatch, v
     """Slurm's --mem, PBS's mem= or a shared node put the job in a memory cgroup whose limit
     the OOM killer enforces long before MemAvailable runs out (a bare 01 under a 3 GiB limit
     chose micro-batch 48 from MemAvailable and was killed): the room is the least of the two."""
-    host = infra.host_available()
+    host = infra.fit.host_available()
     fake_cgroup(tmp_path, monkeypatch, version, limit=3 * 2**30, usage=2**30)
-    assert infra.cgroup_room() == 2 * 2**30
-    assert infra.host_available() == min(host, 2 * 2**30)
+    assert infra.fit.cgroup_room() == 2 * 2**30
+    assert infra.fit.host_available() == min(host, 2 * 2**30)
     unlimited = "max" if version == 2 else str(2**63 - 4096)
     (tmp_path / ("job.slice/memory.max" if version == 2 else "memory/slurm/job/memory.limit_in_bytes")).write_text(
         unlimited + "\n")
-    assert infra.cgroup_room() is None
+    assert infra.fit.cgroup_room() is None
 
 
 def test_a_dry_run_on_cpu_chooses_for_the_cgroups_room(tmp_path, monkeypatch):
@@ -433,8 +439,8 @@ def test_a_dry_run_on_cpu_chooses_for_the_cgroups_room(tmp_path, monkeypatch):
 
 def test_the_room_honours_the_address_space_limit():
     """ulimit -v (RLIMIT_AS): what this process may still map, within the host's share."""
-    code = ("import resource, infra; resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY)); "
-            "room = infra.address_space_room(); share = infra.host_room(1); "
+    code = ("import resource, infra.fit; resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY)); "
+            "room = infra.fit.address_space_room(); share = infra.fit.host_room(1); "
             "assert 0 < room < 8 * 2**30 and share <= room, (room, share); print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": ROOT})

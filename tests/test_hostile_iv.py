@@ -18,7 +18,10 @@ import pytest
 import torch
 
 import common
-import infra
+import infra.checkpoint
+import infra.checkpoint_format
+import infra.cli
+import infra.fit
 from harness import ROOT, TINY, dry, launch
 from test_failures import dataset, refused
 
@@ -145,12 +148,12 @@ def test_any_damage_to_the_metadata_is_a_checkpoint_error(two_ranks, tmp_path):
             inner[at[-1]] = rng.choice(values)
         path.write_text(json.dumps(meta))
         try:
-            ckpt = infra.open_checkpoint(str(out), run)
+            ckpt = infra.checkpoint.open_checkpoint(str(out), run)
             names = [at[1]] if at[0] == "tensors" else list(good["tensors"])[:2]
             for name in names:
                 shape = good["tensors"][name]["shape"]
                 ckpt.read(name, shape, [[0, s] for s in shape])
-        except infra.CheckpointError:
+        except infra.checkpoint_format.CheckpointError:
             pass
 
 
@@ -202,13 +205,14 @@ def test_the_advice_fits_the_problem(monkeypatch):
     flags = ["--world_size", 1, "--device", "cpu", "--model", "shakespeare", "--global_batch_size", 64,
              "--micro_batch_size", 64, "--block_size", 1024]
     single = module("single_iv", "01_single_gpu.py")
-    args = infra.parse_args(common.make_parser(""), [str(f) for f in flags[2:]] + ["--dry_run", "--world_size", "1"])
+    args = infra.cli.parse_args(common.make_parser(""),
+                                [str(f) for f in flags[2:]] + ["--dry_run", "--world_size", "1"])
 
     def need(**changes):
-        return infra.rank_need(args, single.costs, 1, torch.float32, "cpu", **changes)
+        return infra.fit.rank_need(args, single.costs, 1, torch.float32, "cpu", **changes)
 
     def verdict(room):
-        monkeypatch.setattr(infra, "host_room", lambda ranks: room)
+        monkeypatch.setattr(infra.fit, "host_room", lambda ranks: room)
         p = dry("01_single_gpu.py", *flags)
         assert p.returncode == 0, p.stderr
         return next(line for line in p.stdout.splitlines() if line.startswith("fit: "))
@@ -257,7 +261,7 @@ def test_a_malicious_init_from_is_one_line_and_runs_nothing(tmp_path):
     refused(launch("01_single_gpu.py", FLAGS + SOLO + ["--init_from", tmp_path]),
             f"--init_from {tmp_path} is a directory, not a one-file model")
     torch.save({"model": Payload(), "model_args": {}}, evil)
-    obj, problem = infra.load_tensors(str(evil))
+    obj, problem = infra.checkpoint_format.load_tensors(str(evil))
     assert obj is None and problem.startswith("holds more than tensors (unsupported GLOBAL posix.system)")
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import common
-import infra
+import infra.start
 from harness import TINY, dry, launch
 from test_failures import refused
 
@@ -101,15 +101,15 @@ def test_a_fresh_lock_whose_pid_was_reused_is_stale(tmp_path):
     """A job killed a moment ago left its lock; its pid now belongs to another live process
     (here: this one, started long before the lock's holder was). The start time recorded
     with the pid tells them apart: no 60 s wait, no refusal."""
-    me = infra._lock_holder()
-    assert me["started"] == infra._started(os.getpid()) is not None
+    me = infra.start._lock_holder()
+    assert me["started"] == infra.start._started(os.getpid()) is not None
     lock = tmp_path / "LOCK"
     lock.write_text(json.dumps({**me, "started": me["started"] + 1}))  # fresh: written just now
-    assert infra._lock_is_stale(str(lock), json.loads(lock.read_text()))
-    assert infra.lock_out_dir(str(tmp_path), wait_s=0) is None  # taken over at once
+    assert infra.start._lock_is_stale(str(lock), json.loads(lock.read_text()))
+    assert infra.start.lock_out_dir(str(tmp_path), wait_s=0) is None  # taken over at once
     assert json.loads(lock.read_text()) == me
-    infra.release_out_dir()
+    infra.start.release_out_dir()
     lock.write_text(json.dumps(me))  # the holder itself, alive: in use
-    assert not infra._lock_is_stale(str(lock), me)
-    assert "is in use by another job" in infra.lock_out_dir(str(tmp_path), wait_s=0)
+    assert not infra.start._lock_is_stale(str(lock), me)
+    assert "is in use by another job" in infra.start.lock_out_dir(str(tmp_path), wait_s=0)
     assert socket.gethostname() in lock.read_text()

@@ -112,8 +112,8 @@ def test_device_auto_in_a_batch_job_without_a_gpu_is_one_line(monkeypatch, capsy
 def test_collectives_refuse_a_tensor_off_the_run_device():
     """NCCL and XCCL take only tensors on the rank's device; gloo takes host tensors too, so
     the ledger's wrapper checks every collective and send/recv on every backend."""
-    import infra
-    ledger = infra.CommLedger()
+    import infra.ledger
+    ledger = infra.ledger.CommLedger()
     calls = []
     all_reduce = ledger._wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: calls.append(1),
                               "tensor")
@@ -134,14 +134,14 @@ def test_collectives_refuse_a_tensor_off_the_run_device():
 
 
 def test_metrics_over_ranks_and_the_straggler():
-    import infra
+    import infra.metrics
     rows = [(100.0, 2**30, "x1000c0s0"), (105.0, 3 * 2**30, "x1000c0s0"), (320.0, 2**30, "x1000c0s1"), (98.0, 2**30, "x1000c0s1")]
-    stats = infra.rank_stats(rows)
+    stats = infra.metrics.rank_stats(rows)
     assert stats["dt_ms_max"] == 320.0 and stats["dt_ms_max_rank"] == 2 and stats["dt_ms_max_host"] == "x1000c0s1"
     assert stats["dt_ms_min"] == 98.0 and stats["dt_ms_mean"] == pytest.approx(155.75)
     assert stats["mem_peak_bytes_max"] == 3 * 2**30 and stats["mem_peak_bytes_max_rank"] == 1
     assert stats["straggler"] == "; straggler: rank 2 on x1000c0s1, 3.2x the median step time"
-    even = infra.rank_stats([(100.0, None, "a"), (110.0, None, "b")])
+    even = infra.metrics.rank_stats([(100.0, None, "a"), (110.0, None, "b")])
     assert "straggler" not in even and "mem_peak_bytes_max" not in even  # CPU: no device memory
 
 

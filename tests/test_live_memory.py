@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 
-import infra
-from common import GPT, GPTConfig, PRESETS, count_params, param_shapes
+import infra.cli
+import infra.fit
+from common import GPT, GPTConfig, PRESETS, Data, count_params, make_parser, model_config, param_shapes
 from harness import ROOT, TINY, launch
 
 
@@ -52,10 +53,10 @@ def test_zero3_counts_its_gathered_parameters(dtype, ranks):
 
 def test_the_fit_check_counts_zero3s_gathered_parameters():
     zero = script("04_zero.py")
-    args = infra.parse_args(zero.add_flags(infra.common.make_parser(zero.__doc__)),
+    args = infra.cli.parse_args(zero.add_flags(make_parser(zero.__doc__)),
                             ["--model", "gpt2", "--stage", "3", "--micro_batch_size", "1", "--global_batch_size", "8",
                              "--data", "synthetic"])
-    config = infra.model_config(args, infra.Data.vocab_size_of(args.data))
+    config = model_config(args, Data.vocab_size_of(args.data))
     cost = zero.costs(args, config, 8, torch.bfloat16)
     _, gathered = cost["gathered"]
     root, block = zero.unit_numels(config)[0], zero.unit_numels(config)[1]
@@ -63,7 +64,7 @@ def test_the_fit_check_counts_zero3s_gathered_parameters():
     # the fit reads costs()'s peak, whose forward and backward hold the gathered units
     assert all("gathered" in cost["peak"][phase][0] for phase in ("forward", "backward"))
     without = {k: v for k, v in cost.items() if k not in ("gathered", "peak", "startup")}  # state + activations
-    assert infra.fit_need(cost, "cuda") - infra.fit_need(without, "cuda") >= gathered
+    assert infra.fit.fit_need(cost, "cuda") - infra.fit.fit_need(without, "cuda") >= gathered
 
 
 def test_planning_quotes_the_zero_paper_figures_the_scripts_compute():

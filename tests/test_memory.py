@@ -1,4 +1,4 @@
-"""Activation memory: the bytes autograd holds for backward (infra.ActivationMeter, through
+"""Activation memory: the bytes autograd holds for backward (infra.activations.ActivationMeter, through
 saved-tensor hooks) equal each script's costs()["activations"] to the byte, in fp32 and
 bf16, with dropout and without, with and without --recompute (without it and without
 dropout, for every strategy: test_real_conditions.py); --recompute leaves the
@@ -96,7 +96,7 @@ def test_recompute_redraws_the_same_dropout_masks(script, ranks, flags):
 def test_meter_counts_storages_once_and_skips_parameters():
     """In-process: views of one storage count once, parameters (and their transposes) are
     not counted, everything is released after backward, and the peak is kept."""
-    from infra import ActivationMeter
+    from infra.activations import ActivationMeter
     lin = torch.nn.Linear(8, 24)
     x = torch.randn(4, 8, requires_grad=True)
     with ActivationMeter() as meter:

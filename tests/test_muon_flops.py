@@ -1,4 +1,4 @@
-"""Muon's Newton-Schulz FLOPs in costs() ("muon_flops", infra.newton_schulz_flops) against the
+"""Muon's Newton-Schulz FLOPs in costs() ("muon_flops", infra.formulas.newton_schulz_flops) against the
 matrix products the code really runs: each script's own main() rehearsed as every rank of a
 3-rank run (--rehearse all: the real steps, in one process, on torch's fake backend with fake
 tensors), with the script's orthogonalize wrapped in torch.utils.flop_counter.FlopCounterMode.
@@ -19,26 +19,26 @@ from harness import ROOT, TINY, launch
 WRAPPER = """
 import importlib.util, json, sys
 from torch.utils.flop_counter import FlopCounterMode
-import infra
+import infra.rehearsal
 
 path = sys.argv.pop(1)
 spec = importlib.util.spec_from_file_location("script_under_test", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-measured, theory, real, report = {}, {}, module.orthogonalize, infra.rehearsal_lines
+measured, theory, real, report = {}, {}, module.orthogonalize, infra.rehearsal.rehearsal_lines
 
 def counted(g, dtype):
     with FlopCounterMode(display=False) as counter:
         out = real(g, dtype)
-    rank = infra.REHEARSING.rank
-    measured[rank] = measured.get(rank, 0) + counter.get_total_flops() // infra.REHEARSAL_STEPS
+    rank = infra.rehearsal.REHEARSING.rank
+    measured[rank] = measured.get(rank, 0) + counter.get_total_flops() // infra.rehearsal.REHEARSAL_STEPS
     return out
 
 def lines(rank, result):
     theory[rank] = result["cost"]["muon_flops"]
     return report(rank, result)
 
-module.orthogonalize, infra.rehearsal_lines = counted, lines
+module.orthogonalize, infra.rehearsal.rehearsal_lines = counted, lines
 try:
     module.main()
 finally:

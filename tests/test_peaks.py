@@ -1,6 +1,6 @@
 """Issue 40 item 1 and issue 48's start-up: costs()'s peak of every live tensor, by phase
 (forward, backward, optimizer) and at start-up, against the count of every live tensor
-storage (GPTPAR_COUNT_LIVE=1, infra.LiveStorage), for every training script at two
+storage (GPTPAR_COUNT_LIVE=1, infra.activations.LiveStorage), for every training script at two
 layouts, one in fp32 and one in bf16, on every rank (a pipeline's stages and 08's mesh
 hold different things: each rank's own costs() is the theory it reports).
 

@@ -1,5 +1,5 @@
-"""--rehearse: a rank's real steps on torch's fake backend with fake tensors (infra.py's
-rehearsal section), checked against what real gloo runs measure and against NCCL's rules.
+"""--rehearse: a rank's real steps on torch's fake backend with fake tensors (infra.rehearsal),
+checked against what real gloo runs measure and against NCCL's rules.
 
   * at 2 ranks, what each rehearsed rank holds, its activation peak and the bytes it sends
     by operation equal a real run's ledger (rank 0's metrics row) in its steady state;
@@ -209,22 +209,22 @@ def test_a_bad_layout_is_one_line_and_exit_2(tmp_path):
 
 
 def test_the_replay_verdict_names_a_size_mismatch_and_a_collective_one_rank_never_posts():
-    """infra.replay_verdict, the rehearsal's last line, on posting orders built by hand: a
+    """infra.replay.replay_verdict, the rehearsal's last line, on posting orders built by hand: a
     collective whose sizes differ between members, and one that a member never posts."""
-    import infra
+    import infra.replay
 
     def collective(kind, nbytes, where="step 0, forward"):
         return {"kind": kind, "group": "1", "desc": "tp", "ranks": (0, 1), "bytes": nbytes, "where": where}
     sizes = {0: [collective("all_reduce", 4)], 1: [collective("all_reduce", 8)]}
-    verdict = infra.replay_verdict(infra.replay(sizes), sizes)
+    verdict = infra.replay.replay_verdict(infra.replay.replay(sizes), sizes)
     assert verdict.startswith("replay under NCCL's rules: mismatch: collective 0 of group 1") and "8 bytes" in verdict
     missing = {0: [collective("all_reduce", 4), collective("all_gather", 4, "step 1, backward")],
                1: [collective("all_reduce", 4)]}
-    verdict = infra.replay_verdict(infra.replay(missing), missing)
+    verdict = infra.replay.replay_verdict(infra.replay.replay(missing), missing)
     assert verdict == ("replay under NCCL's rules: DEADLOCK: rank 0 blocks first, at its operation 1: all_gather of "
                        "4 bytes over ranks 0-1 on group tp (step 1, backward); 1 rank(s) blocked"), verdict
     fine = {0: [collective("all_reduce", 4)], 1: [collective("all_reduce", 4)]}
-    assert "no deadlock" in infra.replay_verdict(infra.replay(fine), fine)
+    assert "no deadlock" in infra.replay.replay_verdict(infra.replay.replay(fine), fine)
 
 
 # ---- the issue's big meshes that are fast enough for the suite (the rest: test_rehearse_big.py)

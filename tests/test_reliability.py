@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import infra
+import infra.checkpoint_format
 from harness import LAUNCHER_ENV, ROOT, TINY, command, default_launcher, launch
 
 LAUNCHERS = [l for l in ("mpiexec", "torchrun") if l != "mpiexec" or default_launcher() == "mpiexec"]
@@ -103,7 +103,7 @@ def test_sigkill_ends_the_job_and_resume_reproduces_the_run(tmp_path, launcher, 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
-    infra.atomic_save({"step": 1, "w": torch.ones(3)}, path)
+    infra.checkpoint_format.atomic_save({"step": 1, "w": torch.ones(3)}, path)
     real_save = torch.save
 
     def crash(obj, f):
@@ -112,7 +112,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         raise KeyboardInterrupt("killed mid-write")
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        infra.atomic_save({"step": 2, "w": torch.zeros(3)}, path)
+        infra.checkpoint_format.atomic_save({"step": 2, "w": torch.zeros(3)}, path)
     monkeypatch.setattr(torch, "save", real_save)
     assert torch.load(path, weights_only=True)["step"] == 1  # the previous checkpoint, intact
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # and no half-written file beside it

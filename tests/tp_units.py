@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from common import setup, teardown
-from infra import ActivationMeter
+from infra.activations import ActivationMeter
 
 tp_module = importlib.import_module("06_tensor_parallel")
 

@@ -21,13 +21,13 @@ For every rank the launch records, in the same process:
               imported, the process group up, before the model is built. This is the moment
               of the fit check, whose room (MemAvailable) already excludes it.
   costs()     the script's own costs() for this rank, as the fit check computes them
-              (infra.fit_problem: this rank's position for 07/08, all of held incl. the
+              (infra.fit.fit_problem: this rank's position for 07/08, all of held incl. the
               (host) parts on CPU): model state (held) + activations.
   peak        ru_maxrss at the end of the run (peak_rss.py).
   rest        peak - runtime - costs(): what the allowance must cover (outputs before the
               next op consumes them, gradients in flight, AdamW's temporaries, buffers of the
               collectives, the allocator's and the libraries' first-use growth).
-  allowance   infra.FIT_SHARE x costs() + infra.FIT_MIB MiB; the check's need is
+  allowance   infra.fit.FIT_SHARE x costs() + infra.fit.FIT_MIB MiB; the check's need is
               costs() + allowance, so it keeps its promise here when rest <= allowance.
 
 The table shows, per case, the rank with the least margin (allowance - rest); `all ranks`
@@ -92,7 +92,7 @@ def vm_rss():
 
 
 def worker(argv):
-    """`bench_fit.py --worker SCRIPT FLAGS...`, one per rank: wrap infra.Run.start so that,
+    """`bench_fit.py --worker SCRIPT FLAGS...`, one per rank: wrap infra.run.Run.start so that,
     once the process group and device are up (where the fit check runs), this rank prints
     its resident set and its costs(); then run the script under peak_rss.py, which prints
     its ru_maxrss at the end."""
@@ -101,9 +101,10 @@ def worker(argv):
     import inspect
 
     import common
-    import infra
+    import infra.fit
+    import infra.run
 
-    start = infra.Run.start
+    start = infra.run.Run.start
 
     def measured_start(self, *args, **kwargs):
         env, accum_steps = start(self, *args, **kwargs)
@@ -116,11 +117,11 @@ def worker(argv):
         held = sum(v for _, (_, v) in cost["held"].items())  # on CPU the (host) parts too, as fit_need
         acts = cost["activations"][1] if "activations" in cost else 0
         print("bench_fit " + json.dumps(dict(rank=env.rank, runtime=runtime, runtime_peak=runtime_peak, held=held,
-                                             activations=acts, fit_share=infra.FIT_SHARE, fit_mib=infra.FIT_MIB,
+                                             activations=acts, fit_share=infra.fit.FIT_SHARE, fit_mib=infra.fit.FIT_MIB,
                                              threads=common.torch.get_num_threads())), flush=True)
         return env, accum_steps
 
-    infra.Run.start = measured_start
+    infra.run.Run.start = measured_start
     sys.argv = [os.path.join(HERE, "peak_rss.py")] + argv
     runpy.run_path(sys.argv[0], run_name="__main__")
 

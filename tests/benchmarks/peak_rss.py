@@ -45,10 +45,10 @@ def run_one():
 
 def predicted(case, flags, ranks):
     """(text, bytes) of costs() per rank for `case`: state + gathered + activations, and the
-    fit check's need on CPU (infra.fit_need: that + its CPU allowance)."""
+    fit check's need on CPU (infra.fit.fit_need: that + its CPU allowance)."""
     sys.path.insert(0, ROOT)
     import plan
-    from infra import fit_need
+    from infra.fit import fit_need
     name, strategy = PRICED_AS[case]
     result = plan.dry_run(name, strategy + flags, ranks, ranks)
     if isinstance(result, str):

@@ -78,7 +78,11 @@ def profile(spent, warm):
     """Wrap infra's per-step methods: spent[name] = [main thread CPU s, wall s, calls], counted
     once `warm()` (a nested call, one wrapped method inside another, counts in both)."""
     import functools
-    import infra
+    import infra.activations
+    import infra.ledger
+    import infra.metrics
+    import infra.run
+    import infra.stop
 
     def timed(name, fn):
         @functools.wraps(fn)
@@ -94,13 +98,13 @@ def profile(spent, warm):
                 total[1] += time.perf_counter() - wall
                 total[2] += 1
         return wrapper
-    for cls, names in ((infra.Run, ("check", "end_step")), (infra.Metrics, ("step",)),
-                       (infra.ActivationMeter, ("start", "stop", "_pack", "_release")),
-                       (infra.Guard, ("check",))):
+    for cls, names in ((infra.run.Run, ("check", "end_step")), (infra.metrics.Metrics, ("step",)),
+                       (infra.activations.ActivationMeter, ("start", "stop", "_pack", "_release")),
+                       (infra.stop.Guard, ("check",))):
         for name in names:
             setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
-    wrap = infra.CommLedger._wrap
-    infra.CommLedger._wrap = lambda self, op, fn, argument: timed(f"ledger {op}", wrap(
+    wrap = infra.ledger.CommLedger._wrap
+    infra.ledger.CommLedger._wrap = lambda self, op, fn, argument: timed(f"ledger {op}", wrap(
         self, op, timed(f"ledger {op}: the collective itself", fn), argument))
 
 
@@ -113,13 +117,17 @@ def main():
         same_malloc()
     ablate = {name for name in os.environ.get("GPTPAR_ABLATE", "").split(",") if name}
     if ablate:
-        import infra
+        import infra.activations
+        import infra.ledger
+        import infra.metrics
+        import infra.run
+        import infra.stop
         assert ablate <= {"guard", "meter"}, f"GPTPAR_ABLATE: unknown {ablate - {'guard', 'meter'}}"
         if "guard" in ablate:
-            infra.Guard.check = lambda self, step, loss, grads, norm=None: False
+            infra.stop.Guard.check = lambda self, step, loss, grads, norm=None: False
         if "meter" in ablate:
-            infra.ActivationMeter.__enter__ = lambda self: self
-            infra.ActivationMeter.__exit__ = lambda self, *exc: None
+            infra.activations.ActivationMeter.__enter__ = lambda self: self
+            infra.activations.ActivationMeter.__exit__ = lambda self, *exc: None
     spent = {}
     if os.environ.get("GPTPAR_PROFILE") == "1":
         profile(spent, lambda: len(rows) >= WARM)

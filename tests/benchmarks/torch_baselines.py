@@ -28,7 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from common import (ADAM_BETAS, Data, decay_groups, autocast, build_model, check_batch,  # noqa: E402
                     detect_launcher, lr_at, make_adamw, make_parser, model_config, model_block_size, setup,
                     synchronize, teardown, to_device)
-from infra import LEDGER, flops_per_token, Metrics, parse_args, state_bytes  # noqa: E402
+from infra.cli import parse_args  # noqa: E402
+from infra.formulas import flops_per_token  # noqa: E402
+from infra.ledger import LEDGER, state_bytes  # noqa: E402
+from infra.metrics import Metrics  # noqa: E402
 
 
 NO_THEORY = {"held": {}, "sent": {}}  # torch's implementations: no costs() formulas to compare

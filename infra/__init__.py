@@ -1,0 +1,38 @@
+"""The run infrastructure: what makes a training script a reference rather than a loop. Its
+`Run` extends common.py's plain one at the same calls (see common.Run's docstring), with the
+command line of the infrastructure and its checks; start-up (the run's files checked and
+out_dir locked, agreed by every rank; the fit check and --micro_batch_size auto); the guard
+(a non-finite loss or gradient stops every rank before the update; SIGTERM, SIGUSR1 and
+--time_limit stop after a checkpoint); the communication ledger and the activation meter,
+printed once next to the script's costs(); metrics (JSONL, wandb), the dry run, the
+rehearsal, and the checkpoint files.
+
+A numbered script's only tie to this package is `from infra import Run`; its costs() and
+checkpoint pieces import what they need from the modules below inside the function, so a copy
+of the script with `from common import Run` and common.py alone imports and trains (copy
+infra/ beside it too, and nothing is lost).
+
+One module per concern. A module imports only modules below it in this list, and common.py
+imports nothing from here (tests/test_package.py checks both from the source):
+
+Layers, top first:
+    run                 Run (the run protocol), the rehearsed rank's RehearsedRun, launch_for
+    rehearsal           --rehearse: fake process group and tensors, stand-ins, record_posts
+    replay              every rank's posting order by symmetry; the replay under NCCL's rules
+    dry_run             --dry_run: the layout and one rank's costs, without launching
+    checkpoint          save, resume (any layout), export, --init_from; agreed by every rank
+    stop                the Guard (non-finite, signals, --time_limit), HostSyncs
+    metrics             Metrics (JSONL rows, over ranks, MFU), wandb, the node map
+    start               agree and leave; the start-up checks of the run's files; the out_dir lock
+    fit                 the fit check: need against room, the cheapest fix; groups warmed up
+    checkpoint_format   pieces, the files and their metadata checks, reading any region
+    activations         ActivationMeter, LiveStorage, the allocator's peak
+    ledger              CommLedger (bytes by operation and group), the Flight Recorder trail
+    fake_host           HostTensor (GPTPAR_FAKE_HOST=1): host memory told apart on a CPU
+    data_check          --data scanned once per job before the run
+    formulas            formula(): one expression, the text and the number; the model's terms
+    cli                 the infrastructure's flags and their checks
+
+docs/design.md draws the same picture."""
+
+from infra.run import Run  # noqa: F401  (the scripts' one line: `from infra import Run`)
