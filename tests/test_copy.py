@@ -117,12 +117,7 @@ def test_a_copy_without_data_says_so_in_one_line(tmp_path):
     with_infra.mkdir()
     shutil.copy(os.path.join(ROOT, script), with_infra)
     shutil.copy(os.path.join(ROOT, "common.py"), with_infra)
-    for name in ("infra.py", "infra"):  # the module, or the package it becomes
-        source = os.path.join(ROOT, name)
-        if os.path.isdir(source):
-            shutil.copytree(source, with_infra / name, ignore=shutil.ignore_patterns("__pycache__"))
-        elif os.path.exists(source):
-            shutil.copy(source, with_infra)
+    shutil.copytree(os.path.join(ROOT, "infra"), with_infra / "infra", ignore=shutil.ignore_patterns("__pycache__"))
     dry = run_copy(with_infra, script, 1, ["--dry_run", "--world_size", "8"], ok=False)
     assert dry.returncode == 2 and dry.stderr.strip().splitlines() == [lines[0].replace(str(tmp_path),
                                                                                         str(with_infra))], dry.stderr

@@ -1,7 +1,7 @@
 """The run infrastructure's shape, read from the source (no process started): infra/ is a
 package of one module per concern, layered in the order infra/__init__.py's docstring states
 (a module imports only modules below it, so no change can quietly close a circle), no module
-over MAX_LINES lines, infra.py gone, common.py importing nothing from infra, and every numbered
+over MAX_LINES lines, the single-file module gone, common.py importing nothing from infra, and every numbered
 script tied to it by exactly one top-level line, `from infra import Run`."""
 
 import ast
