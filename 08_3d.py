@@ -1499,6 +1499,7 @@ class Pipeline:
         gloo it is what frees the outputs: a send is complete to wait() only."""
         for request in requests:
             request.wait()
+        requests.clear()  # a finished request still holds its tensors: let them go now
         for op, peer, tag in exchange:
             if op == "send" and peer != self.rank and sends[tag][1]:
                 free_output(sends[tag][0])
@@ -1540,6 +1541,7 @@ class Pipeline:
                             loss_sum += out.detach().float()
                         else:
                             sends[forward_tag(i, g, n)] = (out if train else out.detach(), train)
+                        del x, out  # the input lives on in self.saved, the output as the message
                     elif kind in "BI":  # d loss / d out: 1 on the last chunk, else what chunk g+1 sent back
                         dy = received.pop(backward_tag(i, g + 1, n, m)) if g < n - 1 else None
                         dx = self.timed_span(self.backward, kind, i, c, dy)
