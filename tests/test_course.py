@@ -9,7 +9,9 @@ the script the course applies it to (08 carries a bug of 06 in its restated bloc
     Break it: `sp_layernorm_grads_not_all_reduced`    a bug of the zoo
     break_it tp_vocab_not_divisible 08_3d.py          applied to that script by the course
 
-Only the text is read: nothing is imported or launched, so the test takes milliseconds."""
+And every command it gives is a valid run: each is dry-run in process at its rank count (the
+script's own main() with --dry_run, through plan.dry_run), so a renamed flag or a layout that
+no longer divides fails here. Nothing is launched; the file takes a few seconds."""
 
 import ast
 import glob
@@ -112,3 +114,33 @@ def test_every_bug_the_course_applies_still_applies():
         for old, _ in bug.edits:
             assert source.count(old) == 1, \
                 f"docs/course.md applies {name} to {script}, which holds {source.count(old)} copies of {old!r}"
+
+
+COMMAND = re.compile(r"(?:mpiexec -n (\d+) )?python (\d\d_\w+\.py)([^;&\n]*)")
+
+
+def commands():
+    """Each training command the course gives, as (script, ranks, flags) with $F expanded;
+    02 (no dry run) and the resumes (they need the checkpoint written before) left out."""
+    text = open(COURSE, encoding="utf-8").read()
+    flags = re.search(r'^F="([^"]*)"', text, re.M).group(1)
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for ranks, script, rest in COMMAND.findall(block):
+            if script.startswith("02_") or "--resume" in rest:
+                continue
+            found.append((script, int(ranks or 1), rest.replace("$F", flags).split()))
+    return found
+
+
+def test_every_command_the_course_gives_is_valid():
+    """Each command, dry-run in process for its rank count (the script's own main() with
+    --dry_run, as plan.py asks it): a flag renamed or a layout that no longer divides fails
+    here, not in a learner's terminal."""
+    sys.path.insert(0, ROOT)
+    import plan
+    given = commands()
+    assert {script for script, _, _ in given} == set(SCRIPTS) - {"02_collectives.py"}
+    for script, ranks, flags in given:
+        verdict = plan.dry_run(script, flags, ranks, ranks)
+        assert not isinstance(verdict, str), f"docs/course.md: {script} {' '.join(flags)} at {ranks} rank(s): {verdict}"
