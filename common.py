@@ -1122,9 +1122,8 @@ def device_rng_state(device):
 
 def set_device_rng_state(device, state):
     if device.type in ("cuda", "xpu"):
-        torch.get_device_module(device).set_rng_state(state, device)
-    else:
-        (torch.mps.set_rng_state if device.type == "mps" else torch.set_rng_state)(state)
+        return torch.get_device_module(device).set_rng_state(state, device)
+    (torch.mps.set_rng_state if device.type == "mps" else torch.set_rng_state)(state)
 
 
 def rng_state(env):
@@ -1178,8 +1177,7 @@ class Run:
               "infrastructure: copy the infra package (infra/) beside this script and import Run from it")
         self.args, self.script = parse_args(parser), os.path.basename(script)
         self.launch = detect_launcher(os.environ)
-        self.world_size = self.launch.world_size
-        self.env = None
+        self.world_size, self.env = self.launch.world_size, None
 
     def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,), groups=None):
         """`setup`, `groups(env)`, the micro-batch (auto: micro_batch_sizes' largest; infra's: fits)."""
@@ -1208,10 +1206,9 @@ class Run:
               "another run's checkpoint: --resume it, or --overwrite it")
 
     def checkpointed(self):
-        """(tensors, states): what this rank's optimizer updates (parameters, or the strategy's shards
-        of them; one that is a view into a buffer, ZeRO's flat shards, as that whole buffer, so that
-        what was gathered into it comes back too) and its state. With the step and the random
-        streams, all a rank needs to go on at the same layout (04 gathers again in `after_resume`)."""
+        """(tensors, states): what this rank's optimizer updates (a view into a buffer, ZeRO's flat shard,
+        as that whole buffer, so that what was gathered into it comes back too) and its state: with the step
+        and the random streams, all a rank needs to go on at the same layout (04 gathers in `after_resume`)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         buffers = {id(t): t for t in (p if p._base is None else p._base for p in params)}
         return list(buffers.values()), [self.optimizer.state[p] for p in params]
