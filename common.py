@@ -33,17 +33,14 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (*_single) and warns;
-# the scripts keep the old names, which every torch since 2.0 has
+# torch 2.13 renames these two (*_single) and warns; the scripts keep the names every torch since 2.0 has
 warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 SHAKESPEARE_TXT = os.path.join(HERE, "data", "tinyshakespeare.txt")
 SHAKESPEARE_MISSING = (f"--data shakespeare_char reads {SHAKESPEARE_TXT}, which is missing: copy data/ beside "
                        "common.py, or pass --data synthetic or --data DIR (nanoGPT's train.bin, val.bin)")
 
 
-# ----------------------------------------------------------------------------------------
-# The GPT model (nanoGPT's, with the same module names)
-# ----------------------------------------------------------------------------------------
+# ---- The GPT model (nanoGPT's, with the same module names) ----
 
 @dataclass
 class GPTConfig:
@@ -65,20 +62,15 @@ PRESETS = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=64, block_size=64, dropout=0.0, bias=True),
     # nanoGPT's "baby GPT" for shakespeare_char (config/train_shakespeare_char.py)
     "shakespeare": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, bias=False),
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, dropout=0.0, bias=True),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, dropout=0.0, bias=True),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, dropout=0.0, bias=True),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, dropout=0.0, bias=True),
-    # Brown et al. 2020, Table 2.1 (context 2048); two sizes cannot be built as printed: XL's 24 heads
-    # of 128 do not make d_model 2048 (16 heads of 128 here); 13B's 5140 is not a multiple of 40 (5120)
-    "gpt3-small": dict(n_layer=12, n_head=12, n_embd=768, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-large": dict(n_layer=24, n_head=16, n_embd=1536, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-xl": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-2.7b": dict(n_layer=32, n_head=32, n_embd=2560, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, dropout=0.0, bias=True),
-    "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288, block_size=2048, dropout=0.0, bias=True),
+    # GPT-2's four sizes (context 1024), then Brown et al. 2020, Table 2.1 (context 2048): (layers, heads,
+    # d_model). Two cannot be built as printed: XL's 24 heads of 128 do not make d_model 2048 (16 heads of
+    # 128 here); 13B's 5140 is not a multiple of 40 (5120)
+    **{name: dict(n_layer=layers, n_head=heads, n_embd=width, block_size=1024 if name.startswith("gpt2") else 2048,
+                  dropout=0.0, bias=True) for name, (layers, heads, width) in {
+        "gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600),
+        "gpt3-small": (12, 12, 768), "gpt3-medium": (24, 16, 1024), "gpt3-large": (24, 16, 1536),
+        "gpt3-xl": (24, 16, 2048), "gpt3-2.7b": (32, 32, 2560), "gpt3-6.7b": (32, 32, 4096),
+        "gpt3-13b": (40, 40, 5120), "gpt3-175b": (96, 96, 12288)}.items()},
 }
 
 
@@ -97,16 +89,14 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
-        self.dropout = config.dropout
+        self.n_head, self.dropout = config.n_head, config.dropout
 
     def forward(self, x):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -124,14 +114,11 @@ class MLP(nn.Module):
 
 
 def route(logits, top_k):
-    """Top-k routing (Mixtral's, Jiang et al. 2024) of a (B, T, E) router output: each token goes
-    to its k most probable experts, weighted by those k probabilities renormalised to sum to one.
-    Returns weights (B·T, k), best first; `order`, the stable permutation grouping the B·T·k entries
-    by expert (entry i·k + j: token i's j-th choice); `counts` (E,); and aux, Switch Transformer's
-    balancing loss E·Σ_e f_e·P_e (Fedus et al. 2022, eq. 4; f_e the share of assignments to e, no
-    gradient; P_e e's mean router probability; 1 when even, E when one expert takes all), per
-    sequence and averaged (DeepSeek-V3's sequence-wise form), so that the objective is the same
-    however the batch is split into ranks and micro-batches: the equivalence oracle holds."""
+    """Top-k routing (Mixtral's): each token to its k most probable experts, weighted by those k
+    probabilities renormalised. Returns weights (B·T, k); `order`, the stable permutation grouping the
+    B·T·k entries (i·k + j: token i's j-th choice) by expert; `counts` (E,); and Switch Transformer's
+    balancing loss E·Σ_e f_e·P_e (f_e: share of assignments, no gradient; P_e: mean router probability)
+    per sequence, averaged (DeepSeek-V3's form): the same however the batch is split, as the oracle needs."""
     probs = F.softmax(logits.float(), dim=-1)  # (B, T, E), in fp32 also under autocast
     B, T, E = probs.shape
     top_p, experts = torch.topk(probs, top_k, dim=-1)
@@ -255,22 +242,18 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / temperature
+            logits = self(idx[:, -self.config.block_size:])[0][:, -1, :] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+            idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)), dim=1)
         return idx
 
 
 class _Recompute(torch.autograd.Function):
-    """Activation recomputation (Chen et al. 2016): forward saves only the input; backward runs `fn`
-    again, with the same autocast and random streams, and back-propagates through that graph. By
-    hand, not torch.utils.checkpoint, so that the ActivationMeter sees the kept input and recomputed
-    tensors (checkpoint's hooks hide both) and extra streams (a `.state`: TP dropout) are restored."""
+    """Activation recomputation (Chen et al. 2016): forward keeps only the input; backward runs `fn` again
+    with the same autocast and random streams. By hand, not torch.utils.checkpoint, whose hooks hide the
+    kept and recomputed tensors from the ActivationMeter, and so that trackers' streams (TP dropout) are restored."""
 
     @staticmethod
     def forward(ctx, fn, trackers, x):
@@ -365,16 +348,14 @@ def build_model(config, seed, device, recompute=False):
     return model
 
 
-# ----------------------------------------------------------------------------------------
-# The optimizer and the learning-rate schedule (nanoGPT's)
-# ----------------------------------------------------------------------------------------
+# ---- The optimizer and the learning-rate schedule (nanoGPT's) ----
+
+ADAM_BETAS = (0.9, 0.95)
+
 
 def is_decayed(shape):
     """nanoGPT's rule, decay on matrices only; by shape, so that a flat shard gets its rule too."""
     return len(shape) >= 2
-
-
-ADAM_BETAS = (0.9, 0.95)
 
 
 def decay_groups(params):
@@ -483,9 +464,7 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
-# ----------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------
+# ---- Data ----
 
 SPLITS = {"train": 0, "val": 1}
 SHAKESPEARE_TRAIN_FRACTION = 0.9  # the first 90% of the text is train, the rest val (nanoGPT's split)
@@ -499,9 +478,6 @@ class _Stub:
         stub = object.__new__(cls)
         stub.args, stub.state = args, None
         return stub
-
-    def __init__(self, *args):
-        pass
 
     def __setstate__(self, state):
         self.state = state
@@ -642,9 +618,7 @@ class Data:
         return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
 
     def decode(self, ids):
-        if self.itos is None:
-            return " ".join(map(str, ids))
-        return "".join(self.itos[i] for i in ids)
+        return " ".join(map(str, ids)) if self.itos is None else "".join(self.itos[i] for i in ids)
 
 
 SYNTHETIC_VOCAB = 256
@@ -685,9 +659,7 @@ def to_host(t, device):
     return out
 
 
-# ----------------------------------------------------------------------------------------
-# The command line and validation
-# ----------------------------------------------------------------------------------------
+# ---- The command line and validation ----
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -706,11 +678,8 @@ def make_parser(doc, experts=False):
     p.experts = experts
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS), help="preset")
-    g.add_argument("--n_layer", type=int)
-    g.add_argument("--n_head", type=int)
-    g.add_argument("--n_embd", type=int)
-    g.add_argument("--block_size", type=int)
-    g.add_argument("--dropout", type=float)
+    for name, kind in (("n_layer", int), ("n_head", int), ("n_embd", int), ("block_size", int), ("dropout", float)):
+        g.add_argument(f"--{name}", type=kind)  # each overrides the preset's
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases in Linear and LayerNorm (preset's choice by default)")
     g.add_argument("--n_expert", type=int, help="mixture of experts: E expert MLPs per block, 0 = dense "
@@ -789,8 +758,7 @@ def parse_args(parser, argv=None):
           "which these scripts leave out; use --dtype bfloat16 (float32's range, no scaling needed)")
     for name, value in vars(args).items():  # nan and inf pass no range check below: refuse them here
         check(not isinstance(value, float) or math.isfinite(value), f"--{name} must be a finite number, got {value}")
-    positive = ["global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval"]
-    for name in positive:
+    for name in ("global_batch_size", "micro_batch_size", "max_iters", "eval_iters", "log_interval"):
         value = getattr(args, name)
         check(value is None or value == "auto" or value > 0, f"--{name} must be positive, got {value}")
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
@@ -849,9 +817,7 @@ def fail(message, everyone=False):
     sys.exit(2)
 
 
-# ----------------------------------------------------------------------------------------
-# Launchers, devices, process groups, random streams
-# ----------------------------------------------------------------------------------------
+# ---- Launchers, devices, process groups, random streams ----
 
 @dataclass
 class Launch:
@@ -972,13 +938,6 @@ def pick_device(requested, local_rank, local_world_size=1):
     return torch.device("cpu"), "gloo"
 
 
-def pick_dtype(requested, device):
-    if requested == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu"
-        return torch.bfloat16 if bf16 else torch.float32
-    return getattr(torch, requested)
-
-
 _MPI_COMM = None
 
 
@@ -996,7 +955,8 @@ def setup(args, launch=None, distributed=True):
     check(device.type != "mps" or launch.world_size == 1 or not distributed,
           f"MPS has no collective backend ({launch.world_size} ranks asked): run 01_single_gpu.py on MPS, "
           "or pass --device cpu")
-    dtype = pick_dtype(args.dtype, device)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if (
+        device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu") else torch.float32
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
     if device.type in ("cuda", "xpu"):  # before init_process_group, so NCCL / XCCL bind the right device
@@ -1164,9 +1124,8 @@ def device_rng_state(device):
 
 def set_device_rng_state(device, state):
     if device.type in ("cuda", "xpu"):
-        torch.get_device_module(device).set_rng_state(state, device)
-    else:
-        (torch.mps.set_rng_state if device.type == "mps" else torch.set_rng_state)(state)
+        return torch.get_device_module(device).set_rng_state(state, device)
+    (torch.mps.set_rng_state if device.type == "mps" else torch.set_rng_state)(state)
 
 
 def rng_state(env):
@@ -1183,9 +1142,7 @@ def set_rng_state(env, state):
         set_device_rng_state(env.device, state["device"])
 
 
-# ----------------------------------------------------------------------------------------
-# The run protocol, plain
-# ----------------------------------------------------------------------------------------
+# ---- The run protocol, plain ----
 
 # The run infrastructure's own flags (infra's add_run_flags): this file's Run refuses them by name
 # (tests/test_copy.py: exactly the flags a script's --help loses in a copy)
@@ -1223,8 +1180,7 @@ class Run:
               "infrastructure: copy the infra package (infra/) beside this script and import Run from it")
         self.args, self.script = parse_args(parser), os.path.basename(script)
         self.launch = detect_launcher(os.environ)
-        self.world_size = self.launch.world_size
-        self.env = None
+        self.world_size, self.env = self.launch.world_size, None
 
     def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,), groups=None):
         """`setup`, `groups(env)`, the micro-batch (auto: micro_batch_sizes' largest; infra's: fits)."""
@@ -1253,10 +1209,9 @@ class Run:
               "another run's checkpoint: --resume it, or --overwrite it")
 
     def checkpointed(self):
-        """(tensors, states): what this rank's optimizer updates (parameters, or the strategy's shards
-        of them; one that is a view into a buffer, ZeRO's flat shards, as that whole buffer, so that
-        what was gathered into it comes back too) and its state. With the step and the random
-        streams, all a rank needs to go on at the same layout (04 gathers again in `after_resume`)."""
+        """(tensors, states): what this rank's optimizer updates (a view into a buffer, ZeRO's flat shard,
+        as that whole buffer, so that what was gathered into it comes back too) and its state: with the step
+        and the random streams, all a rank needs to go on at the same layout (04 gathers in `after_resume`)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         buffers = {id(t): t for t in (p if p._base is None else p._base for p in params)}
         return list(buffers.values()), [self.optimizer.state[p] for p in params]
