@@ -577,16 +577,14 @@ def evaluate(pipeline, chunks, data, args, env, p, m, v):
 
 def main():
     run = Run(add_flags(make_parser(__doc__)), __file__)
-    args = run.args
-    p = run.world_size
+    args, p = run.args, run.world_size
     check(args.pp in (None, p), f"--pp {args.pp} must equal the world size {p} in 07_pipeline.py "
           "(08_3d.py combines PP with data and tensor parallelism)")
     check(args.virtual_stages >= 1, f"--virtual_stages must be positive, got {args.virtual_stages}")
     if args.schedule_csv:  # a user's table: checked before anything is built
         use_table_file(args, p)
-    # --micro_batch_size auto: the largest that fits every stage, aiming at m >= 2p micro-batches (the bubble
-    # (p-1)/(m+p-1) is then about 1/3); groups: the tied embedding's (first and last stage), made by every
-    # rank before the fit check, and named: the ledger counts its all-reduce as all_reduce[embedding]
+    # auto: the largest micro-batch that fits every stage, aiming at m >= 2p (the bubble (p-1)/(m+p-1) about 1/3);
+    # the tied embedding's group (first and last stage), made by every rank before the fit check
     env, m = run.start(costs, dp_size=1, aim=2 * p, multiple=p if args.schedule == "interleaved" else 1, ranks=range(p),
                        groups=lambda env: dist.new_group([0, p - 1], group_desc="embedding") if p > 1 else None)
     check_micro_batches(args, p, m)  # interleaved: a multiple of p; DualPipeV: at least 2p

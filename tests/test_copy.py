@@ -123,8 +123,7 @@ def test_a_copy_without_data_says_so_in_one_line(tmp_path):
                                                                                         str(with_infra))], dry.stderr
 
 
-@pytest.mark.parametrize("script,ranks,flags", [("03_ddp.py", 2, []), ("07_pipeline.py", 2, [])],
-                         ids=["03_ddp.py", "07_pipeline.py"])
+@pytest.mark.parametrize("script,ranks,flags", [("07_pipeline.py", 2, [])], ids=["07_pipeline.py"])
 def test_a_copy_checkpoints_and_resumes_with_the_same_losses(tmp_path, script, ranks, flags):
     """nanoGPT's --out_dir, --ckpt_interval and --resume in the copy: one file per rank, read back
     with weights_only; 3 steps, then --resume to 6, log the uninterrupted run's 6 losses (to the
