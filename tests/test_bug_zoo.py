@@ -285,7 +285,9 @@ def caught(bug, tmp_path):
         assert run.returncode not in (0, "timeout"), f"{what}: the job ended with {run.returncode}"
         lines = [line for line in run.stderr.splitlines() if " was in " in line and "when it failed" in line]
         assert lines, f"{what}: no rank named the collective it was in\n{run.stderr[-3000:]}"
-        return lines[0]
+        # Every rank names where it was; the stuck one names the bug's collective, the others may
+        # have moved on to the next (which one prints first is a race between the ranks' timeouts).
+        return ([line for line in lines if bug.first_line in line] or lines)[0]
     assert bug.check == CRASH, bug.check
     assert run.returncode not in (0, "timeout"), f"{what}: the job ended with {run.returncode}"
     lines = [line for line in run.stderr.splitlines() if bug.first_line in line]
