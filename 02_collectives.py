@@ -371,8 +371,9 @@ def bench(env, args, world):
             seconds = seconds.item()
             nbytes = numel * 4
             algbw = nbytes / seconds / 1e9
-            row = dict(op=name, bytes=nbytes, world_size=n, time_us=seconds * 1e6, algbw_GBps=algbw,
-                       busbw_GBps=algbw * bus_factor(name, n), backend=env.backend)
+            row = dict(op=name, bytes=nbytes, world_size=n, ranks_per_node=env.launch.local_world_size,
+                       time_us=seconds * 1e6, algbw_GBps=algbw, busbw_GBps=algbw * bus_factor(name, n),
+                       backend=env.backend)
             rows.append(row)
             log(env, f"{name:<16} {nbytes:>10} {seconds * 1e6:>10.1f} {algbw:>11.3f} {row['busbw_GBps']:>11.3f}")
     return rows

@@ -1333,15 +1333,17 @@ def overlaps(rounds_by_rank, vee):
              and actions[1][0] in "BI" and actions[0][1:] != actions[1][1:]} for rounds in rounds_by_rank]
 
 
-def simulate(orders, p, v, vee=False, overlap=None):
+def simulate(orders, p, v, vee=False, overlap=None, cost=None):
     """Replay the executed orders with unit costs (a forward or backward of a whole stage
     takes 1, of one of v chunks 1/v; ZB's B and W one each) and the pipeline's
     dependencies: returns, per rank, the (start, op) of each operation. This is the
     timeline that is drawn. `overlap` (overlaps()): a forward and the backward it overlaps
     start together, once the inputs of both are there, and take max(F, B + its Ws), not
-    F + B: DualPipe's full overlap; what either sends leaves at the end of the pair."""
+    F + B: DualPipe's full overlap; what either sends leaves at the end of the pair.
+    `cost(rank, kind, chunk)`: each operation's own duration instead (plan.py's step time:
+    a stage's own layers, the head on the last), the dependencies the same."""
     done, clock, starts, position = {}, [0.0] * p, [[] for _ in range(p)], [0] * p
-    cost = 1.0 / v
+    cost = cost or (lambda _r, _kind, _c: 1.0 / v)
     last_chunk = p * v - 1
     overlap = overlap or [{}] * p
 
@@ -1366,10 +1368,12 @@ def simulate(orders, p, v, vee=False, overlap=None):
                 continue
             start = max([clock[r]] + [done[n] for n in wanted])
             backward = [member for member in group if member[0] != "F"]
-            forward = len(group) - len(backward)
             starts[r] += [(start, member) for member in group if member[0] == "F"]
-            starts[r] += [(start + k * cost, member) for k, member in enumerate(backward)]
-            clock[r] = start + cost * max(forward, len(backward))
+            offset = 0.0
+            for member in backward:  # a backward and the Ws riding with it, one after the other
+                starts[r].append((start + offset, member))
+                offset += cost(r, member[0], member[2])
+            clock[r] = start + max(sum(cost(r, kind, c) for kind, _, c in group if kind == "F"), offset)
             done.update((key, clock[r]) for key in keys)
             position[r] += len(group)
             progressed = True
@@ -1377,6 +1381,16 @@ def simulate(orders, p, v, vee=False, overlap=None):
     for row in starts:
         row.sort(key=lambda entry: entry[0])
     return starts
+
+
+def step_length(args, p, m, cost):
+    """The step's length when every rank runs its rounds (run_schedule) as 07 runs them, one
+    operation after another (DualPipeV's pairs in order), each taking cost(rank, kind, chunk)
+    (kind F, B, or I and W in a split backward): the slowest rank's finish. plan.py's time."""
+    every, v, vee, split = run_schedule(args, p, m)
+    orders = [[action for actions in rounds for action in unit_actions(actions, split)] for rounds in every]
+    starts = simulate(orders, p, v, vee, None, cost)
+    return max(start + cost(r, kind, c) for r, row in enumerate(starts) for start, (kind, _, c) in row)
 
 
 def draw(starts, p, v, overlap=None):

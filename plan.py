@@ -28,26 +28,37 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  same room (--micro_batch_size auto)
     step time    compute + muon + communication, nothing overlapped (an upper bound: DDP's buckets
                  and FSDP's prefetch hide part of it):
-                   compute = training FLOPs of the global batch (infra.formulas.flops_per_token of
-                             nanoGPT's count, as the scripts' MFU; with --recompute one more
-                             forward of the blocks, a third of their training FLOPs: the head,
-                             6Vh per token, is not recomputed) / (N x peak x --efficiency),
-                             divided by (1 - bubble) for a pipeline (07's bubble_theory)
+                   compute = the FLOPs as the kernels run them (flops_as_run: nanoGPT's count less
+                             the half of attention's s² that causal kernels skip; with
+                             --recompute one more forward of the blocks, not of the head) /
+                             (N x peak x --efficiency); a pipeline (07, 08 with pp > 1) is
+                             simulated as its ranks run it (07's step_length over the rounds of
+                             the schedule each rank executes), every F, B, I and W taking its own
+                             stage's time (the last L mod p stages hold one more layer, the last
+                             the head): the slowest stage sets the pace, and the bubble comes
+                             out of the schedule
                    muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
                              priced (costs()'s muon_flops: the matrices it orthogonalises, each
                              5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
                              the last backward, outside any bubble
-                   comm    = per operation, an alpha-beta model of a ring collective over its
-                             group of g ranks: steps x alpha + busfactor(g) x bytes / beta,
+                   comm    = per operation, an alpha-beta model over its group of g ranks: a
+                             ring collective steps x alpha + busfactor(g) x bytes / beta,
                              busfactor from 02_collectives.py (all-reduce 2(g-1)/g,
                              all-gather / reduce-scatter (g-1)/g, send 1); beta is the link
                              bandwidth inside a node; across nodes, a group with k ranks on a
                              node runs k rings side by side through k GPUs' share of the node's
                              NICs: k x the NIC bandwidth per GPU (at most the node's NICs, at
-                             most the links inside). The costs give bytes per step, not call
-                             counts, so alpha is paid once per operation and step (a lower
-                             bound on latency; bandwidth dominates at these sizes)
-                 the slowest rank's time is the step time; MFU = model FLOPs / (time x N x peak)
+                             most the links inside). An all-to-all across nodes is not a ring:
+                             a rank's rows for the g - k ranks elsewhere leave through its own
+                             share of the NICs, bytes x (g-k)/g at the per-GPU bandwidth, while
+                             the rest cross the links inside. With experts, --imbalance F (1:
+                             balanced; or a run's --metrics, its expert_imbalance) gives the
+                             busiest rank F x the rows, in its all-to-all and its experts'
+                             FLOPs. The costs give bytes per step, not call counts, so alpha is
+                             paid once per operation and step (a lower bound on latency;
+                             bandwidth dominates at these sizes)
+                 the slowest rank's time is the step time; MFU = model FLOPs (PaLM's count, attention
+                 non-causal, as the scripts' MFU) / (time x N x peak)
     recommendation  the ALCF rules ("Deciding on a parallelism strategy"): fits on one GPU ->
                  DDP; otherwise sharded data parallelism (ZeRO / FSDP, HSDP across nodes) or,
                  when layers are too big or there are many GPUs, 3D: TP inside a node (fast
@@ -65,6 +76,7 @@ Run:
 
 import argparse
 import contextlib
+import functools
 import glob
 import importlib.util
 import io
@@ -78,7 +90,7 @@ from common import PRESETS, count_params
 from infra.cli import GPU_MEMORY_GB
 from infra.dry_run import planned_device_type, planned_dtype
 from infra.fit import allowance_text, fit_need, planned_room
-from infra.formulas import flops_per_token, format_bytes
+from infra.formulas import expert_params, flops_per_token, format_bytes
 from infra.metrics import PEAK_FLOPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -360,23 +372,82 @@ def comm_seconds(op, nbytes, g, per_node, machine):
     kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
             "all_to_all_single": "all_to_all"}.get(base, base)
     steps = 2 * (g - 1) if kind == "all_reduce" else g - 1
+    if kind == "all_to_all" and across:
+        # not a ring: every rank's rows for the g - k ranks on other nodes leave through its own
+        # share of the node's NICs (all k GPUs of the node send at once), the k - 1 others' rows
+        # over the links inside, at the same time
+        k = min(int(per_node), g)
+        return steps * alpha + max(nbytes * (g - k) / g / (1e9 * machine["inter_gbps"]),
+                                   nbytes * (k - 1) / g / (1e9 * machine["intra_gbps"]))
     return steps * alpha + script("02_collectives.py").bus_factor(kind, g) * nbytes / beta
 
 
-def bubble(name, args, config, n):
-    """The idle fraction of a pipeline's step (07's formula; 08 runs 1F1B)."""
+def flops_as_run(config, n_params):
+    """(training FLOPs per token of the blocks, of the head) as the kernels run them: the
+    MFU's count (PaLM's, infra.formulas.flops_per_token, which keeps its 12·L·H·Q·T of
+    attention, the non-causal s²) less the half of s² that causal attention skips (the
+    flash/memory-efficient kernels and 09's zigzag ring compute only the blocks on or under
+    the diagonal). MFU keeps PaLM's convention; the step time counts what runs."""
+    L, H, T = config.n_layer, config.n_head, config.block_size
+    head = 6 * config.vocab_size * config.n_embd
+    return flops_per_token(config, n_params) - head - 6 * L * H * (config.n_embd // H) * T, head
+
+
+SIMULATED_OPS = 8192  # a pipeline's step is simulated whole up to this many operations per rank
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_length(schedule, virtual_stages, p, m, forward, recompute):
+    """07's step_length of `schedule` on p stages and m micro-batches, each global chunk g
+    taking forward[g] to run forward, twice that backward (+ one more forward of its blocks
+    with --recompute; a split backward's I and W half each). Past SIMULATED_OPS the step is
+    simulated at two micro-batch counts p apart and extended linearly: in the steady state
+    each further p micro-batches add the same time (the slowest stage's)."""
+    pipeline = script("07_pipeline.py")
+    run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=virtual_stages)
+    v, vee = pipeline.chunks_per_rank(run)
+    blocks, head = zip(*forward)
+
+    def cost(r, kind, c):
+        g = pipeline.chunk_stage(p, r, c, vee)
+        f = blocks[g] + head[g]
+        b = 2 * f + (blocks[g] if recompute else 0)
+        return f if kind == "F" else b if kind == "B" else b / 2
+    if 3 * m * v <= SIMULATED_OPS or m <= 6 * p:
+        return pipeline.step_length(run, p, m, cost)
+    m1 = p * max(4, SIMULATED_OPS // (3 * v * p * p))
+    m1 += (m - m1) % p  # m1 and m2 as m modulo p (interleaved runs in rounds of p micro-batches)
+    first, second = pipeline.step_length(run, p, m1, cost), pipeline.step_length(run, p, m1 + p, cost)
+    return second + (m - m1 - p) / p * (second - first)
+
+
+def compute_seconds(name, args, config, n, rate):
+    """(compute seconds of the step, its bubble): the global batch's FLOPs as they run
+    (flops_as_run) at `rate` FLOP/s per GPU. A pipeline (07; 08 with pp > 1) is simulated as
+    its ranks run it (pipeline_length): each stage's own layers (the last L mod p stages
+    hold one more, the last the head), so the slowest stage sets the pace and the bubble
+    comes out of the schedule; the bubble is the stages' mean idle share."""
+    per_token, head = flops_as_run(config, count_params_once(config)[1])
+    recompute = bool(getattr(args, "recompute", False))  # one more forward of the blocks, not of the head
+    run_per_token = per_token * (4 / 3 if recompute else 1) + head
+    if not (name.startswith("07") or (name.startswith("08") and args.pp > 1)):
+        return run_per_token * args.global_batch_size * config.block_size / (n * rate), 0.0
     pipeline = script("07_pipeline.py")
     if name.startswith("07"):
-        v, _ = pipeline.chunks_per_rank(args)  # 2 for the V schedules
-        # DualPipeV's pairs overlap one's communication with the other's compute, not compute with
-        # compute: the step's compute is still F + B per pair, so it is priced with its in-order
-        # bubble (ZB-V's), which is what 07 runs and --measure_bubble sees
-        kind = "zbv" if args.schedule == "dualpipev" else args.schedule
-        return pipeline.bubble_theory(kind, n, args.global_batch_size // args.micro_batch_size, v)
-    if name.startswith("08") and args.pp > 1:
-        D = n // (args.tp * args.pp * args.cp)
-        return pipeline.bubble_theory("1f1b", args.pp, args.global_batch_size // (args.micro_batch_size * D), 1)
-    return 0.0
+        p, split, schedule = n, 1, args.schedule
+        m = args.global_batch_size // args.micro_batch_size
+    else:  # 08: 1F1B over pp, a stage's work split over tp x cp, its micro-batches per replica
+        p, split, schedule = args.pp, args.tp * args.cp, "1f1b"
+        m = args.global_batch_size // (args.micro_batch_size * (n // (args.tp * args.pp * args.cp)))
+    v, _ = pipeline.chunks_per_rank(argparse.Namespace(schedule=schedule, schedule_csv=None,
+                                                       virtual_stages=getattr(args, "virtual_stages", 1)))
+    micro = args.micro_batch_size * config.block_size / (split * rate)  # seconds per FLOP-per-token
+    layers = pipeline.chunk_layers(config.n_layer, p * v)
+    forward = tuple((count * per_token / config.n_layer / 3 * micro, (g == p * v - 1) * head / 3 * micro)
+                    for g, (_, count) in enumerate(layers))
+    length = pipeline_length(schedule, v, p, m, forward, recompute)
+    busy = run_per_token * m * args.micro_batch_size * config.block_size / (p * split * rate)
+    return length, 1 - busy / length
 
 
 def score(name, flags, label, plan_args, machine):
@@ -394,33 +465,33 @@ def score(name, flags, label, plan_args, machine):
     for rank in ranks_to_price(name, args, config, n):
         cost = rank_costs(name, args, config, n, dtype, rank)
         comm = {op: value for op, (_, value) in cost["sent"].items()}
+        # the busiest expert-parallel rank receives (and sends back) imbalance x the balanced rows
+        comm.update({op: value * plan_args.imbalance for op, value in comm.items() if op == "all_to_all_single[ep]"})
         comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items())
         ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s,
                           muon_flops=cost["muon_flops"][1] if "muon_flops" in cost else 0,
                           need=fit_need(cost, planned_device_type(args))))
     fullest = max(ranks, key=lambda r: (r["need"], r["held"]["total"], r["comm_s"]))
     slowest_comm_s = max(r["comm_s"] for r in ranks)
-    # compute: the model FLOPs of the global batch (nanoGPT's count, as the scripts' MFU)
+    # compute: what the kernels run (causal attention), a pipeline as its stages run it; the
+    # MFU's model FLOPs are nanoGPT's count (PaLM's convention, as the scripts' MFU)
     model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
     peak = machine["peak_tflops"] * 1e12
-    if getattr(args, "recompute", False):  # one more forward of every block; the head is not recomputed
-        head_flops = 6 * config.vocab_size * config.n_embd * args.global_batch_size * config.block_size
-        model_flops_run = model_flops + (model_flops - head_flops) / 3
-    else:
-        model_flops_run = model_flops
-    compute_s = model_flops_run / (n * peak * plan_args.efficiency)
-    f = bubble(name, args, config, n)
+    compute_s, f = compute_seconds(name, args, config, n, peak * plan_args.efficiency)
+    if config.n_expert and plan_args.imbalance > 1:  # the busiest rank's experts run imbalance x their share of rows
+        expert_flops = 6 * config.n_layer * config.top_k * expert_params(config) * args.global_batch_size * config.block_size
+        compute_s += (plan_args.imbalance - 1) * expert_flops / (n * peak * plan_args.efficiency)
     muon_s = max(r["muon_flops"] for r in ranks) / (peak * plan_args.efficiency)  # Newton-Schulz, the busiest rank's
-    step_s = compute_s / (1 - f) + muon_s + slowest_comm_s
+    step_s = compute_s + muon_s + slowest_comm_s
     if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
         argv += ["--micro_batch_size", str(args.micro_batch_size)]
     return dict(script=name, flags=argv, label=label, layout=fullest["layout"],
                 command=launch_command(name, argv, n, G),
                 per_gpu_bytes=fullest["held"], activations_counted=fullest["held"]["activations"] is not None,
                 comm_bytes_per_step=fullest["comm"], priced_rank=fullest["rank"],
-                compute_s=compute_s / (1 - f), muon_s=muon_s, comm_s=slowest_comm_s, bubble=f,
+                compute_s=compute_s, muon_s=muon_s, comm_s=slowest_comm_s, bubble=f,
                 step_time_s=step_s, mfu=model_flops / (step_s * n * peak),
-                need_bytes=fullest["need"], need_device=planned_device_type(args), room_bytes=planned_room(args),
+                experts=bool(config.n_expert), need_bytes=fullest["need"], need_device=planned_device_type(args), room_bytes=planned_room(args),
                 fits=fullest["need"] <= planned_room(args)), None
 
 
@@ -454,8 +525,11 @@ def recommend(scored, n):
         return fastest(sharded), ("a replica does not fit, sharded data parallelism does: ZeRO/FSDP "
                                   "(HSDP keeps the parameter gathers inside a node)")
     if three_d:
-        return fastest(three_d), ("layers too big or many GPUs: 3D parallelism, TP inside a node over the "
-                                  "fast links, PP across nodes, DP outermost (+ ZeRO-1 when it saves memory)")
+        best = fastest(three_d)
+        tp = best["flags"][best["flags"].index("--tp") + 1] if "--tp" in best["flags"] else "1"
+        return best, ("layers too big or many GPUs: 3D parallelism, "
+                      + ("TP inside a node over the fast links, " if tp != "1" else "no TP (a stage's layers fit one GPU), ")
+                      + "PP across nodes, DP outermost (+ ZeRO-1 when it saves memory)")
     return fastest(fits), "the only strategies that fit"
 
 
@@ -466,23 +540,43 @@ def recommend(scored, n):
 MAX_BENCH_BYTES = 64 * 2**20  # 02's --bench writes a few KiB: a larger file is not one
 
 
-def read_bench(path, error):
+MAX_IMBALANCE = 1e4  # an expert-parallel rank cannot take more than all the rows: a typo
+
+
+def read_imbalance(value, error):
+    """--imbalance: a number >= 1, or the largest expert_imbalance of a --metrics file (10's)."""
+    try:
+        number = float(value)
+    except ValueError:
+        rows = read_bench(value, error, flag="--imbalance", what="a --metrics file of a mixture-of-experts run")
+        found = [r["expert_imbalance"] for r in rows if isinstance(r, dict) and isinstance(r.get("expert_imbalance"), (int, float))
+                 and not isinstance(r.get("expert_imbalance"), bool) and math.isfinite(r["expert_imbalance"])]
+        if not found:
+            error(f"--imbalance {value}: no expert_imbalance in its rows (the --metrics of 10_expert_parallel.py)")
+        number = max(found)
+    if not (math.isfinite(number) and 1 <= number <= MAX_IMBALANCE):
+        error(f"--imbalance must be a number in 1..{MAX_IMBALANCE:g} (the busiest rank's rows over the balanced "
+              f"share) or a metrics file, got {value[:80]!r}")
+    return number
+
+
+def read_bench(path, error, flag="--bench", what="02_collectives.py --bench metrics"):
     """The JSON rows of a --bench file, or one error line: a device or a pipe (/dev/zero
     reads forever), a file too large to be 02's output, lines that are not JSON (or nested
     too deep for the parser) all name the file and the cause."""
     try:
         if not os.path.isfile(path):
-            error(f"--bench {path}: {'no such file' if not os.path.exists(path) else 'not a regular file'} "
-                  "(expected 02_collectives.py --bench metrics, a JSONL file)")
+            error(f"{flag} {path}: {'no such file' if not os.path.exists(path) else 'not a regular file'} "
+                  f"(expected {what}, a JSONL file)")
         if os.path.getsize(path) > MAX_BENCH_BYTES:
-            error(f"--bench {path}: {os.path.getsize(path):,} bytes, not 02_collectives.py --bench metrics "
-                  f"(a few KiB; at most {MAX_BENCH_BYTES // 2**20} MiB read)")
+            error(f"{flag} {path}: {os.path.getsize(path):,} bytes, not {what} "
+                  f"(at most {MAX_BENCH_BYTES // 2**20} MiB read)")
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
     except RecursionError:
-        error(f"--bench {path}: a line nests JSON thousands of levels deep: not 02_collectives.py --bench metrics")
+        error(f"{flag} {path}: a line nests JSON thousands of levels deep: not {what}")
     except (OSError, ValueError) as e:
-        error(f"--bench {path}: cannot read it as 02_collectives.py --bench metrics ({str(e)[:150]})")
+        error(f"{flag} {path}: cannot read it as {what} ({str(e)[:150]})")
 
 
 def parse(argv=None):
@@ -519,6 +613,10 @@ def parse(argv=None):
                         "across nodes, replace the datasheet's; the plan says where the ranking changed and why")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
+    g.add_argument("--imbalance", default="1",
+                   help="mixture of experts: the busiest expert-parallel rank's rows over the balanced share (its "
+                        "all-to-all bytes and expert FLOPs), a number >= 1, or a run's --metrics file, whose "
+                        "largest expert_imbalance is taken (1: balanced routing)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     g.add_argument("--show_invalid", action="store_true", help="list refused layouts with the reason")
@@ -545,6 +643,7 @@ def parse(argv=None):
         value = getattr(args, flag)
         if value is not None and not 1 <= value <= MAX_SIZE:
             error(f"--{flag} must be in 1..{MAX_SIZE:,}, got {value}")
+    args.imbalance = read_imbalance(args.imbalance, error)
     machine = dict(MACHINES[args.machine]) if args.machine else dict(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
     by_hand = dict(gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb, peak_tflops=args.peak_tflops,
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
@@ -560,7 +659,13 @@ def parse(argv=None):
             error(f"{path}: its all_reduce rows lack positive {', '.join(fields)} (not 02_collectives.py --bench output?)")
         g = rows[0]["world_size"]
         where = "inter" if g > machine.get("gpus_per_node", g) else "intra"
-        machine[f"{where}_gbps"] = max(r["busbw_GBps"] for r in rows)
+        # across nodes the ring's bus bandwidth is its k ranks per node sharing the node's NICs
+        # (comm_seconds' rule, k x inter_gbps): the per-GPU figure is busbw / k (02 --bench
+        # writes ranks_per_node; an older file: full nodes)
+        k = rows[0].get("ranks_per_node") or min(g, machine.get("gpus_per_node", g)) if where == "inter" else 1
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= g:
+            error(f"{path}: ranks_per_node {str(k)[:40]!r} is not a rank count of its {g} ranks")
+        machine[f"{where}_gbps"] = max(r["busbw_GBps"] for r in rows) / k
         fastest = min(r["time_us"] for r in rows)  # a small message: latency only
         machine[f"alpha_{where}"] = fastest * 1e-6 / max(1, 2 * (g - 1))
     needed = ("gpus_per_node", "peak_tflops", "intra_gbps", "inter_gbps") + (() if args.device == "cpu" else ("gpu_mem_gb",))
@@ -619,6 +724,9 @@ def print_table(args, machine, psi, scored, refused, choice, why):
           + f", {machine['peak_tflops']:g} TFLOP/s "
           f"x {args.efficiency:g} efficiency per GPU; links {machine['intra_gbps']:g} GB/s in a node, "
           f"{machine['inter_gbps']:.3g} GB/s per GPU across nodes")
+    if any(c["experts"] for c in scored):
+        print(f"routing: the busiest expert-parallel rank takes {args.imbalance:g} x the balanced rows (--imbalance"
+              + ("; 1: balanced routing, which a run measures as expert_imbalance in its --metrics)" if args.imbalance == 1 else ")"))
     if not counted:
         print("ACTIVATIONS NOT COUNTED: the scripts' costs() do not give them yet; memory is model state only")
     print(f"{'':2}{'strategy':<30} {'params':>7} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7} {'need':>7} "
