@@ -91,8 +91,8 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
      ["{total:.1f} GB per GPU ({act:.1f} of activations; need {need:.1f}\nGB), ~{step:.1f} s per step, {mfu:.0f}% MFU",
       "{sent:.0f} GiB sent per GPU per step in all"]),
     (P175, "08_3d.py", "--tp 4 --pp 64 --zero1 --sequence_parallel" + MB1,
-     ["{total:.1f} GB per GPU ({act:.1f} GB of it activations; need {need:.1f}\nGB), ~{step:.1f} s per step, {mfu:.0f}% MFU",
-      "in all against {sent:.0f} GiB", "(a bubble of 63/447 = {bubble:.0f}%)"]),
+     ["{total:.1f} GB per GPU ({act:.1f} GB of it activations; need {need:.1f} GB), ~{step:.1f} s per step, {mfu:.0f}% MFU",
+      "in all against {sent:.0f} GiB", "bubble of {bubble:.0f}% (the stages' mean idle share)"]),
     (P175, "08_3d.py", "--tp 4 --pp 32 --cp 2 --cp_impl ring --zero1 --sequence_parallel" + MB1,
      ["{total:.1f} GB ({act:.1f} of activations, need {need:.1f}), ~{step:.1f} s, {mfu:.0f}% MFU, {sent:.0f} GiB sent per GPU per step (estimate)"]),
     (P175, "08_3d.py", "--tp 4 --pp 32 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
@@ -222,14 +222,14 @@ def plan_figures(flags):
 WHOLE = [  # (plan flags, phrases: str.format over plan_figures, compared with the lines joined, seconds if not in the suite)
     (P175_DEFAULT, ["With the scripts' default global batch (48) the best 3D is {best3d} ({best3d_total:.1f} GB) at "
                     "{best3d_mfu:.0f}% MFU",
-                    "The plan recommends (2026-11-26) {rec}, {rec_total:.1f} GB, ~{rec_step:.2f} s, {rec_mfu:.0f}% MFU"], 0),
+                    "The plan recommends (2026-11-29) {rec}, {rec_total:.1f} GB, ~{rec_step:.2f} s, {rec_mfu:.0f}% MFU"], 0),
     (L32, ["Without `--recompute`, **{only}** ({fit} of {valid} valid,", "the leanest 3D, {nearest3d}, needs",
            "The plan recommends {command} {rec}:"], 0),
     (L32 + " --recompute", ["With `--recompute` (`... --recompute`, {valid} valid, {fit} fit) the plan (2026-11-26) "
                             "recommends {rec_label}, `{rec_script} ", " --micro_batch_size {rec_micro}`, {rec_total:.1f} GB",
                             "3D fits again too: {best3d}, {best3d_total:.1f} GB"], 0),
     (P175, ["--global_batch_size 1536`, {valid} valid layouts, {fit} fit, {which}) recommends {command} {rec}, ",
-            "The 3D layout that needs the least, {nearest3d}, is the one recommended"], 23),
+            "The 3D layout that needs the least, {nearest3d}, is that one"], 23),
     (XL, ["the peak) recommends {rec_label}, `{command}`",
           "at micro-batch {fastest_micro} ({fastest_total:.1f} GB, ~{fastest_step:.3f} s), {faster:.0f}% faster than "
           "{rec_label} and not recommended"], 3),
@@ -537,7 +537,7 @@ def derived_phrases():
     from fractions import Fraction
     yield f"move {Fraction(round(wire_ratio(1, 'bfloat16'), 3)).limit_denominator(8)} of the wire bytes of 03's all-reduce"
     p = peak_terms(P175, "--tp 4 --pp 64 --zero1 --sequence_parallel" + MB1, None)
-    yield (f"On its priced rank, stage {p['stage']} of {p['P']} ({p['layers']} layers), {p['k']} micro-batches are in "
+    yield (f"On the 64-stage layout's priced rank, stage {p['stage']} of {p['P']} ({p['layers']} layers), {p['k']} micro-batches are in "
            f"flight under 1F1B, and the step's peak is in {p['phase']}: {breakdown(p)}")
 
 
