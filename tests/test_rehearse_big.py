@@ -6,7 +6,8 @@ at the sizes users run them, each with no deadlock under NCCL's rules.
     layout): `roles` (17 ranks executed, 1,007 filled in by the mesh's symmetry), every
     rehearsed rank equal to its costs(), under 4 GiB resident;
   * GPT-3 175B on 1,024 ranks as plan.py recommends it when the test runs, rehearsed by
-    `plan.py --rehearse` itself (dp 1 x pp 64 x cp 4 x tp 4 when written: 65 ranks executed,
+    `plan.py --rehearse` itself (dp 1 x pp 64 x cp 4 x tp 4 when written, dp 2 x pp 32 x cp 4 since the
+    step is simulated from the schedule; then: 65 ranks executed,
     959 by symmetry, 4.3 million operations replayed), equal to costs(), under 4 GiB. The
     fixed layout above stays: it pins a mesh with data parallelism (the plan's has dp 1), its
     per-stage parameter bytes, and runs in a tenth of the time;
