@@ -9,7 +9,7 @@ at the sizes users run them, each with no deadlock under NCCL's rules.
     `plan.py --rehearse` itself (dp 1 x pp 64 x cp 4 x tp 4 when written, dp 2 x pp 32 x cp 4 since the
     step is simulated from the schedule; then: 65 ranks executed,
     959 by symmetry, 4.3 million operations replayed), equal to costs(), under 4 GiB. The
-    fixed layout above stays: it pins a mesh with data parallelism (the plan's has dp 1), its
+    fixed layout above stays: it pins a mesh with more data parallelism than the plan's, its
     per-stage parameter bytes, and runs in a tenth of the time;
   * 07 interleaved at p 16, v 2, m 64 and 07 zero bubble at p 16, m 64: `all`.
 
