@@ -720,15 +720,20 @@ class ShardedMuon(Muon):
 
     Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
     on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
-    steps, for every matrix, and every rank would repeat the small products.)"""
+    steps, for every matrix, and every rank would repeat the small products.) `replicas`
+    (08): the ranks holding the same shards in other replicas, which assemble the same whole
+    matrices; each is orthogonalised by one of them (muon_owners again) and broadcast to the
+    others (03's ReplicatedMuon, in the same words). A group of one rank posts nothing."""
 
-    def __init__(self, model, args, env, group, rest=None):
+    def __init__(self, model, args, env, group, rest=None, replicas=None):
         named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
         if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
             rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
                               args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
         self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.replicas, self.replica_size = replicas, dist.get_world_size(replicas) if replicas else 1
+        self.replica_rank = dist.get_rank(replicas) if replicas else 0
         self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
                       for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
         self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
@@ -742,24 +747,30 @@ class ShardedMuon(Muon):
         sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
         # 1: to each owner (in rank order) this rank's shards of the matrices it owns
         send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
-        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
-        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
+        shards = send.new_empty(T * sizes[me]) if T > 1 else send  # row t: rank t's shards of my matrices
+        if T > 1:
+            dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
         shards = shards.view(T, sizes[me])
         offset = 0
-        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
+        replica_owners = muon_owners([self.boxes[i][0][0] for i in owned[me]], self.replica_size)
+        for i, replica in zip(owned[me], replica_owners):  # each of my matrices whole, orthogonalised, cut back
             full, n = self.boxes[i][0][0], updates[i].numel()
             whole = shards.new_empty(full)
             pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
                       for t in range(T) for box, index in self.boxes[i][t][1]]
-            for shard, box, index in pieces:
-                whole[tuple(slice(*b) for b in box)] = shard[index]
-            whole = orthogonalize(whole, self.ns_dtype)
+            if replica == self.replica_rank:
+                for shard, box, index in pieces:
+                    whole[tuple(slice(*b) for b in box)] = shard[index]
+                whole = orthogonalize(whole, self.ns_dtype)
+            if self.replica_size > 1:  # the replica that orthogonalised it: the whole matrix to the others
+                dist.broadcast(whole, group=self.replicas, group_src=replica)
             for shard, box, index in pieces:
                 shard[index] = whole[tuple(slice(*b) for b in box)]
             offset += n
         # 2: the orthogonalised shards back to the ranks that hold them
-        back = send.new_empty(send.numel())
-        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
+        back = send.new_empty(send.numel()) if T > 1 else shards.reshape(-1)
+        if T > 1:
+            dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
         offset = 0
         for t in range(T):
             for i in owned[t]:

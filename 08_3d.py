@@ -236,7 +236,7 @@ class DataParallel:
     def __init__(self, stage, mesh, args, env):
         self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
         self.optimizer = make_adamw(self.params, args, env.device.type) if args.optimizer == "adamw" else \
-            ShardedMuon(stage, args, env, mesh.tp_group)  # Muon: 06's, each TP group on its stage's matrices
+            ShardedMuon(stage, args, env, mesh.tp_group, replicas=mesh.dp_group)  # Muon: 06's, each matrix once
         self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: every gradient once
 
     def reduce_gradients(self):
@@ -321,7 +321,7 @@ class ZeRO1:
             offset += p.numel()
         self.matrices_counted = [p for name, p in matrices if counted_once(stage, name)]
         if self.muon:  # 06's, on this replica's TP group, with AdamW on the flat shard inside
-            self.optimizer = ShardedMuon(stage, args, env, mesh.tp_group, rest=self.optimizer)
+            self.optimizer = ShardedMuon(stage, args, env, mesh.tp_group, rest=self.optimizer, replicas=mesh.dp_group)
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):
@@ -511,6 +511,7 @@ def costs(args, config, world_size, dtype, rank=0):
              Ψ_m=sum(map(math.prod, matrices)),
              Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank))
     ends = (mesh.pp_rank == 0, mesh.pp_rank == P - 1)  # first, last stage
+    mine = [shape for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank]  # this TP rank's, whole
     held, sent = dp_costs(args, x)
     sent.update(tp_costs(args, x, *ends))
     sent.update(pp_costs(args, x, *ends))
@@ -520,10 +521,10 @@ def costs(args, config, world_size, dtype, rank=0):
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
-                 # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica
-                 # (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
-                 "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners)
-                                                    if own == mesh.tp_rank]),
+                 # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, each in one of
+                 # the D·C replicas (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
+                 "muon_flops": newton_schulz_flops([shape for shape, own in zip(mine, muon_owners(mine, D * C))
+                                                    if own == mesh.reduce_rank]),
                  "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks on this rank's shards and s
     # tokens), with 07's boundaries (its boundary_terms: a stage with a next one holds its
@@ -584,8 +585,10 @@ def dp_costs(args, x):
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
                 "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
         sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank", x)}
-    if muon:  # 06's Muon on each TP group: this rank's update shards to their owners, its own matrices' back
+    if muon and x["T"] > 1:  # 06's Muon on each TP group: this rank's update shards to their owners, its own back
         sent["all_to_all_single[tp]"] = cost("e*(Ψ_m/T + Ψ_o)", x)
+    if muon and x["D"] * x["C"] > 1:  # its own matrices, each orthogonalised by one replica, broadcast to the others
+        sent["broadcast[dp]"] = cost("e*Ψ_o", x)
     if args.grad_clip > 0:  # the squared norm, over the model group (--zero1: the world)
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)
     return held, sent
@@ -856,15 +859,20 @@ class ShardedMuon(Muon):
 
     Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
     on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
-    steps, for every matrix, and every rank would repeat the small products.)"""
+    steps, for every matrix, and every rank would repeat the small products.) `replicas`
+    (08): the ranks holding the same shards in other replicas, which assemble the same whole
+    matrices; each is orthogonalised by one of them (muon_owners again) and broadcast to the
+    others (03's ReplicatedMuon, in the same words). A group of one rank posts nothing."""
 
-    def __init__(self, model, args, env, group, rest=None):
+    def __init__(self, model, args, env, group, rest=None, replicas=None):
         named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
         if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
             rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
                               args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
         self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.replicas, self.replica_size = replicas, dist.get_world_size(replicas) if replicas else 1
+        self.replica_rank = dist.get_rank(replicas) if replicas else 0
         self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
                       for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
         self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
@@ -878,24 +886,30 @@ class ShardedMuon(Muon):
         sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
         # 1: to each owner (in rank order) this rank's shards of the matrices it owns
         send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
-        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
-        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
+        shards = send.new_empty(T * sizes[me]) if T > 1 else send  # row t: rank t's shards of my matrices
+        if T > 1:
+            dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
         shards = shards.view(T, sizes[me])
         offset = 0
-        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
+        replica_owners = muon_owners([self.boxes[i][0][0] for i in owned[me]], self.replica_size)
+        for i, replica in zip(owned[me], replica_owners):  # each of my matrices whole, orthogonalised, cut back
             full, n = self.boxes[i][0][0], updates[i].numel()
             whole = shards.new_empty(full)
             pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
                       for t in range(T) for box, index in self.boxes[i][t][1]]
-            for shard, box, index in pieces:
-                whole[tuple(slice(*b) for b in box)] = shard[index]
-            whole = orthogonalize(whole, self.ns_dtype)
+            if replica == self.replica_rank:
+                for shard, box, index in pieces:
+                    whole[tuple(slice(*b) for b in box)] = shard[index]
+                whole = orthogonalize(whole, self.ns_dtype)
+            if self.replica_size > 1:  # the replica that orthogonalised it: the whole matrix to the others
+                dist.broadcast(whole, group=self.replicas, group_src=replica)
             for shard, box, index in pieces:
                 shard[index] = whole[tuple(slice(*b) for b in box)]
             offset += n
         # 2: the orthogonalised shards back to the ranks that hold them
-        back = send.new_empty(send.numel())
-        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
+        back = send.new_empty(send.numel()) if T > 1 else shards.reshape(-1)
+        if T > 1:
+            dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
         offset = 0
         for t in range(T):
             for i in owned[t]:
