@@ -761,7 +761,7 @@ class ShardedMuon(Muon):
             if replica == self.replica_rank:
                 for shard, box, index in pieces:
                     whole[tuple(slice(*b) for b in box)] = shard[index]
-                whole = orthogonalize(whole, self.ns_dtype)
+                whole.copy_(orthogonalize(whole, self.ns_dtype))  # in place: a broadcast needs it contiguous
             if self.replica_size > 1:  # the replica that orthogonalised it: the whole matrix to the others
                 dist.broadcast(whole, group=self.replicas, group_src=replica)
             for shard, box, index in pieces:

@@ -60,7 +60,7 @@ def main():
           f"{'muon/adamw':>10}", flush=True)
     for name in a.only:
         script, ranks, flags = LAYOUTS[name]
-        dp = {"03": ranks, "03-x4": ranks, "04-s1": ranks, "04-s3": ranks, "05": ranks}.get(name, 1)
+        dp = ranks if name.startswith(("03", "04", "05")) else 1  # every rank a data-parallel one
         micro = [] if "--micro_batch_size" in flags else ["--micro_batch_size", str(16 // dp)]
         base = [*MODEL, *flags, *micro, "--max_iters", str(a.iters), "--log_interval", "1", "--eval_interval", "0",
                 "--warmup_iters", "2"]
