@@ -104,7 +104,8 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        if dist.get_world_size(ctx.group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
         return grad, None
 
 
@@ -114,7 +115,8 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
+        if dist.get_world_size(group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
         return x
 
     @staticmethod
@@ -190,16 +192,20 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
+        many = dist.get_world_size(group) > 1  # a one-rank group posts nothing
+        if many:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
         target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
+        if many:
+            dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
+        if many:
+            dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
         loss = sum_exp.log() - target_logit
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
@@ -628,11 +634,11 @@ def costs(args, config, world_size, dtype, rank=0):
         sent = {"all_gather_into_tensor": f("m*(L*(2*2*e + 2*e) + 2*e + 4)*b*s*h"),
                 "reduce_scatter_tensor": f("m*(L*(2*e + 2*4) + 2*4)*b*s*h"),
                 "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm")}
-    else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head
-        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm")}
-    if matrices:  # Muon: this rank's update shards to their owners, its own matrices' shards back
+    else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head (none alone)
+        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm" if T > 1 else "4*norm")}
+    if matrices and T > 1:  # Muon: this rank's update shards to their owners, its own matrices' shards back
         sent["all_to_all_single"] = f("e*(Ψ_m/T + Ψ_o)")
-    if args.recompute:  # backward runs each block's forward again, its g (e) twice too
+    if args.recompute and (sp or T > 1):  # backward runs each block's forward again, its g (e) twice too
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor") if sp else ("all_reduce",):
             sent[op] = plus(sent[op], f("m*L*2*e*b*s*h"))
     # activations: Megatron's split (infra.formulas.activation_terms with tp, sp), plus the

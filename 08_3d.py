@@ -598,6 +598,8 @@ def tp_costs(args, x, first, last):
     """The TP and SP lines (docs/strategies.md's 08 section): the embedding's on the first stage only, the head's
     and the loss statistics (3·4bs) on the last only; --recompute repeats g (2e per layer)."""
     again = " + m*L*2*e*b*s*h" if args.recompute else ""
+    if x["T"] == 1 and not args.sequence_parallel:  # a one-rank TP group posts nothing
+        return {}
     if not args.sequence_parallel:
         return {"all_reduce[tp]": cost("m*(L*(2*e + 2*4)*b*s*h" + " + 4*b*s*h" * first
                                        + " + 4*b*s*h + 3*4*b*s" * last + ")" + again, x)}
@@ -994,7 +996,8 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        if dist.get_world_size(ctx.group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
         return grad, None
 
 
@@ -1004,7 +1007,8 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
+        if dist.get_world_size(group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
         return x
 
     @staticmethod
@@ -1180,16 +1184,20 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
+        many = dist.get_world_size(group) > 1  # a one-rank group posts nothing
+        if many:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
         target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
+        if many:
+            dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
+        if many:
+            dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
         loss = sum_exp.log() - target_logit
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
