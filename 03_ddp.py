@@ -26,7 +26,8 @@ Run:
     python 03_ddp.py --no_overlap ...        # all-reduce each gradient after backward (naive)
 
 One rank holds  a full replica, 16Ψ bytes (Ψ parameters): fp32 weights 4Ψ, gradients 4Ψ, AdamW 8Ψ
-One rank sends  one all-reduce of every gradient per step, 4Ψ bytes (none on accumulation micro-steps)
+One rank sends  one all-reduce of every gradient per step, 4Ψ bytes (none on accumulation micro-steps);
+                with Muon each matrix's orthogonalised update from its one owner, e·Ψ_m (ReplicatedMuon)
 
 The costs and why buckets overlap: docs/strategies.md, section "03_ddp.py: data parallel".
 """
