@@ -241,6 +241,8 @@ class DataParallel:
 
     def reduce_gradients(self):
         """The mean gradient on every replica: one all-reduce of this rank's flat gradients."""
+        if self.mesh.reduce_size == 1:  # one replica, no CP: its gradients are the mean, nothing to post
+            return
         for p in self.params:  # CP ranks' gradients are their tokens' shares: /C too
             p.grad.div_(self.mesh.reduce_size)
         flat = torch.cat([p.grad.view(-1) for p in self.params])
@@ -362,7 +364,8 @@ def clip_grad_norm(replicas, max_norm):
     """Scale the gradients so that their global norm, every parameter counted once over the
     whole model, is at most max_norm."""
     squares = replicas.squared_norm()
-    dist.all_reduce(squares, group=replicas.norm_group)  # over the ranks of distinct gradients
+    if dist.get_world_size(replicas.norm_group) > 1:  # a one-rank group posts nothing
+        dist.all_reduce(squares, group=replicas.norm_group)  # over the ranks of distinct gradients
     total_norm = squares.sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in replicas.grad_tensors():
@@ -391,9 +394,11 @@ def global_mean(loss_sum, mesh, m):
     """The mean loss over every micro-batch of every replica, on every rank (with CP each
     CP rank's loss is the mean over its s/C tokens: their mean over the CP ranks is the
     sequences' mean)."""
-    dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
+    if dist.get_world_size(mesh.pp_group) > 1:  # a one-rank group posts nothing (here and below)
+        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
     loss_sum /= m * mesh.reduce_size
-    dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas (and CP ranks)
+    if mesh.reduce_size > 1:
+        dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas (and CP ranks)
     return loss_sum
 
 
@@ -579,18 +584,19 @@ def dp_costs(args, x):
         pad, own = f"D*C*ceil({flat}/(D*C))", " + 4*Ψ_m/T" if muon else ""  # padded to D·C; Muon's matrices
         held = {"params": cost(f"4*{pad}{own}", x), "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}", x),
                 "optim": cost(f"8*ceil({flat}/(D*C)){own}", x)}
-        sent = {"all_reduce[dp]": cost(f"4*loss{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
+        loss = "4*loss" if x["D"] * x["C"] > 1 else "0"  # the logged loss's mean over the replicas, if any
+        sent = {"all_reduce[dp]": cost(f"{loss}{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
                 "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)}
     else:
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
                 "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
-        sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank", x)}
+        sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank" if x["D"] * x["C"] > 1 else "0", x)}  # none alone
     if muon and x["T"] > 1:  # 06's Muon on each TP group: this rank's update shards to their owners, its own back
         sent["all_to_all_single[tp]"] = cost("e*(Ψ_m/T + Ψ_o)", x)
     if muon and x["D"] * x["C"] > 1:  # its own matrices, each orthogonalised by one replica, broadcast to the others
         sent["broadcast[dp]"] = cost("e*Ψ_o", x)
-    if args.grad_clip > 0:  # the squared norm, over the model group (--zero1: the world)
-        sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)
+    if args.grad_clip > 0 and x["T"] * x["P"] * (x["D"] * x["C"] if args.zero1 else 1) > 1:
+        sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)  # the squared norm's sum
     return held, sent
 
 
@@ -612,7 +618,7 @@ def tp_costs(args, x, first, last):
 
 def pp_costs(args, x, first, last):
     """The PP line (docs/strategies.md's 08 section), n the stage boundaries this rank sits on; the logged loss."""
-    sent = {"all_reduce[pp]": cost("4*loss", x)}
+    sent = {"all_reduce[pp]": cost("4*loss", x)} if x["P"] > 1 else {}  # none in a one-stage pipeline
     if x["P"] > 1:
         sent["send"] = sent["recv"] = cost("m*n*4*b*s*h" + "/T" * args.sequence_parallel, x, n=2 - first - last)
         if first or last:
