@@ -477,8 +477,9 @@ def main():
 
 
 # ---- Beyond the lesson ----
-# Muon divided among the ranks (03's), the fused attention kernels a ring block runs; costs() (the ledger's theory, the dry run, the
-# fit check and plan.py), the checkpoint pieces and the dry run's layout lines.
+# Muon divided among the ranks (03's), the fused attention kernels a ring block runs; costs() (the
+# ledger's theory, the dry run, the fit check and plan.py), the checkpoint pieces and the dry run's
+# layout lines.
 
 aten = torch.ops.aten
 
@@ -578,7 +579,8 @@ def costs(args, config, world_size, dtype, rank=0):
     terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
     cost = {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
             "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ" if args.optimizer == "adamw" else "4*Ψ_m + 8*(Ψ - Ψ_m)")},
-            # Muon: Newton-Schulz on the matrices this rank owns, of all CP and DP ranks' (infra.formulas.newton_schulz_flops)
+            # Muon: Newton-Schulz on the matrices this rank owns among all the CP and DP ranks
+            # (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([shape for shape, owner in zip(shapes, muon_owners(shapes, world_size))
                                                if owner == rank]),
             "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}

@@ -305,8 +305,9 @@ def main():
 
 
 # ---- Beyond the lesson ----
-# Muon divided among the replicas (03's ReplicatedMuon), # costs() (the ledger's theory, the dry run, the fit check and plan.py) and its activations, the
-# metrics' expert keys, the checkpoint pieces and the dry run's layout lines.
+# Muon divided among the replicas (03's ReplicatedMuon), costs() (the ledger's theory, the dry run,
+# the fit check and plan.py) and its activations, the metrics' expert keys, the checkpoint pieces
+# and the dry run's layout lines.
 
 def replicated_optimizer(model, args, env, data_group, dp_group):
     """common.make_optimizer's AdamW, or its Muon as 03's ReplicatedMuon twice: each replicated
@@ -369,7 +370,8 @@ def costs(args, config, world_size, dtype, received=None, rank=0):
         [shape for shape, owner in zip(experts, muon_owners(experts, dp)) if owner == rank // ep]
     cost = {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": {op: value for op, value in sent.items() if value[1]},
-            # Muon: Newton-Schulz on the matrices this rank owns, dense and of its experts (infra.formulas.newton_schulz_flops)
+            # Muon: Newton-Schulz on the matrices this rank owns, dense and of its experts
+            # (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(owned),
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
                                key=lambda a: a[1])}
