@@ -57,11 +57,10 @@ from infra import Run  # the run infrastructure; `from common import Run` is the
 # The layout: which parameter the group splits, along which dimension (one table)
 # ---------------------------------------------------------------------------------------
 
-# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` T ways; with
-# parts = 3 that dimension is three blocks stacked (c_attn's rows [Q; K; V]), each split, so
-# that rank t holds its heads of Q, K and V. The vocabulary is padded to a multiple of T.
-# Every parameter not named is replicated: LayerNorms, the position embedding, the
-# row-parallel biases (added once, after g).
+# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` T ways; with parts = 3
+# that dimension is three blocks stacked (c_attn's rows [Q; K; V]), each split, so that rank t holds
+# its heads of Q, K and V. The vocabulary is padded to a multiple of T. Every parameter not named is
+# replicated: LayerNorms, the position embedding, the row-parallel biases (added once, after g).
 TP_PLAN = {
     "wte.weight":         ("vocab", 0, 1),   # rows [t·V/T, (t+1)·V/T): the embedding and the tied head
     "attn.c_attn.weight": ("column", 0, 3),  # column-parallel: output rows, this rank's heads of Q, K, V
@@ -79,9 +78,8 @@ def tp_split(name):
 
 
 def shard_shape(name, shape, tp_size):
-    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension
-    divided among the T ranks (the vocabulary's rounded up: padded to a multiple of T), or
-    `shape` itself where the parameter is replicated."""
+    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension divided among
+    the T ranks (the vocabulary's rounded up: padded to a multiple of T), or `shape` where replicated."""
     shape, split = list(shape), tp_split(name)
     if split is not None:
         shape[split[1]] = math.ceil(shape[split[1]] / tp_size)  # exact, but for the vocabulary's padding
@@ -187,8 +185,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, start, vocab_size, group):
-        logits = logits.float()
-        n_local = logits.shape[-1]
+        logits, n_local = logits.float(), logits.shape[-1]
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
@@ -233,8 +230,7 @@ def all_gather_sequence(x, group):
 
 def reduce_scatter_sequence(x, group):
     """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of the sum."""
-    tp_size = dist.get_world_size(group)
-    b, s, h = x.shape
+    tp_size, (b, s, h) = dist.get_world_size(group), x.shape
     chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3).reshape(tp_size * b, s // tp_size, h)
     out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps sequence chunk t

@@ -954,9 +954,8 @@ def tp_split(name):
 
 
 def shard_shape(name, shape, tp_size):
-    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension
-    divided among the T ranks (the vocabulary's rounded up: padded to a multiple of T), or
-    `shape` itself where the parameter is replicated."""
+    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension divided among
+    the T ranks (the vocabulary's rounded up: padded to a multiple of T), or `shape` where replicated."""
     shape, split = list(shape), tp_split(name)
     if split is not None:
         shape[split[1]] = math.ceil(shape[split[1]] / tp_size)  # exact, but for the vocabulary's padding
@@ -1032,8 +1031,7 @@ def all_gather_sequence(x, group):
 
 def reduce_scatter_sequence(x, group):
     """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of the sum."""
-    tp_size = dist.get_world_size(group)
-    b, s, h = x.shape
+    tp_size, (b, s, h) = dist.get_world_size(group), x.shape
     chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3).reshape(tp_size * b, s // tp_size, h)
     out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps sequence chunk t
@@ -1185,8 +1183,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, start, vocab_size, group):
-        logits = logits.float()
-        n_local = logits.shape[-1]
+        logits, n_local = logits.float(), logits.shape[-1]
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
