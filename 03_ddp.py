@@ -26,17 +26,22 @@ Run:
     python 03_ddp.py --no_overlap ...        # all-reduce each gradient after backward (naive)
 
 One rank holds  a full replica, 16Ψ bytes (Ψ parameters): fp32 weights 4Ψ, gradients 4Ψ, AdamW 8Ψ
-One rank sends  one all-reduce of every gradient per step, 4Ψ bytes (none on accumulation micro-steps)
+One rank sends  one all-reduce of every gradient per step, 4Ψ bytes (none on accumulation micro-steps);
+                with Muon each matrix's orthogonalised update from its one owner, e·Ψ_m (ReplicatedMuon)
 
 The costs and why buckets overlap: docs/strategies.md, section "03_ddp.py: data parallel".
 """
 
 
+import math
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
-                    lr_at, make_optimizer, make_parser, model_block_size, model_config, to_device)
+                    lr_at, make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply,
+                    muon_momentum, orthogonalize, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -186,7 +191,8 @@ def main():
         dist.broadcast(tensor.data, group=dp_group, group_src=0)  # the first replica's values to all
     buckets = GradientBuckets(model.parameters(), args.bucket_mb * 2**20, dp_group,
                               overlap=not args.no_overlap)
-    optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
+    # AdamW, or Muon + AdamW with each matrix's Newton-Schulz run by one replica (ReplicatedMuon)
+    optimizer = make_optimizer(model.named_parameters(), args, env, muon=partial(ReplicatedMuon, group=dp_group))
     run.begin(config, optimizer, costs, layout={"strategy": "data parallel"},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_group),
@@ -223,15 +229,73 @@ def main():
 
 
 # ---- Beyond the lesson ----
-# Not the strategy: what a rank holds and sends (costs(), the ledger's theory), checkpoint pieces.
+# Not the strategy: Muon divided among the replicas, what a rank holds and sends (costs(), the
+# ledger's theory), checkpoint pieces.
 
-def costs(args, config, world_size, dtype):
+class ReplicatedMuon(Muon):
+    """Muon on replicas. After the all-reduce every replica of `group` holds the same mean
+    gradient, so Newton-Schulz, Muon's costly part, need run only once per matrix: each matrix
+    has one owner among the replicas (muon_owners, 04's balanced assignment), which
+    orthogonalises the matrix's update and broadcasts it to the others; every replica then
+    applies it. The work per replica falls as 1/N instead of staying whole on each.
+
+    The momentum stays replicated: element-wise and cheap, every replica keeps all of it, so
+    the replicas stay equal and any one of them checkpoints it whole, as AdamW's moments.
+
+    One broadcast per matrix from its owner, not one all-gather: the owners' shares are whole
+    matrices of unequal sizes, and an all-gather pads every replica's part to the busiest's
+    (N·max ≥ Ψ_m elements, and N times the largest matrix once replicas outnumber matrices),
+    while the broadcasts move Ψ_m exactly. They are posted asynchronously, so an owner's
+    update travels while the replicas go on to their next matrix. The update lands in the
+    matrix's gradient, spent by then, read in the Newton-Schulz dtype: no buffer is added."""
+
+    def __init__(self, matrices, adamw, args, ns_dtype, group):
+        super().__init__(matrices, adamw, args, ns_dtype)
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.owners = muon_owners([p.shape for p in self.param_groups[0]["params"]], self.size)
+
+    @torch.no_grad()
+    def step(self):
+        group, handles, received = self.param_groups[0], [], []
+        for p, owner in zip(group["params"], self.owners):
+            update = muon_momentum(p.grad, self.state[p]["momentum_buffer"])  # every replica: the momentum
+            orthogonal = p.grad.view(-1).view(self.ns_dtype)[:p.numel()].view(p.shape)  # the gradient's memory
+            if owner == self.rank:
+                orthogonal.copy_(orthogonalize(update, self.ns_dtype))
+            if self.size > 1:  # a replica alone posts nothing
+                # the owner's orthogonalised update (the matrix, in the NS dtype) to every replica
+                handles.append(dist.broadcast(orthogonal, group=self.group, group_src=owner, async_op=True))
+            received.append(orthogonal)
+        for handle in handles:
+            handle.wait()
+        for p, orthogonal in zip(group["params"], received):
+            muon_apply(p, orthogonal, group["lr"], group["weight_decay"], p.shape)
+        self.adamw.step()
+
+
+# ---- restated from 04_zero.py: muon_owners (word for word; tests/test_restated.py checks it) ----
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+# ---- end restated ----
+
+
+def costs(args, config, world_size, dtype, rank=0):
     """The docstring's two lines as formulas, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
-    all-reduce of every gradient per step plus the logged loss, whatever N."""
+    all-reduce of every gradient per step plus the logged loss, whatever N. Muon adds its
+    owners' broadcasts, every matrix's update once in the Newton-Schulz dtype (e·Ψ_m, none
+    alone), and Newton-Schulz on the matrices this rank owns."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
                                 newton_schulz_flops, phase_peaks, transient_terms)
     psi, _ = count_params(config)
+    shapes = hidden_matrix_shapes(config) if args.optimizer == "muon" else []  # Muon's matrices, whole
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
     b = args.micro_batch_size or args.global_batch_size // world_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
@@ -241,9 +305,12 @@ def costs(args, config, world_size, dtype):
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
             "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)},  # the gradients, the logged loss
-            # Muon: Newton-Schulz on every matrix, on every replica (infra.formulas.newton_schulz_flops)
-            "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
+            # Muon: Newton-Schulz on the matrices this replica owns (infra.formulas.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops([shape for shape, owner in zip(shapes, muon_owners(shapes, world_size))
+                                               if owner == rank]),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
+    if shapes and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every replica
+        cost["sent"]["broadcast"] = formula("e*Ψ_m", show="e", e=dtype.itemsize, Ψ_m=hidden_matrix_params(config))
     # every live tensor at its most, by phase (infra.formulas.phase_peaks: 01's; the gradients live in
     # their buckets, and the all-reduce works in place), and at start-up: the weights with
     # param_init's scratch, then the buckets, made whole before the first step

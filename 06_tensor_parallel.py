@@ -57,11 +57,10 @@ from infra import Run  # the run infrastructure; `from common import Run` is the
 # The layout: which parameter the group splits, along which dimension (one table)
 # ---------------------------------------------------------------------------------------
 
-# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` T ways; with
-# parts = 3 that dimension is three blocks stacked (c_attn's rows [Q; K; V]), each split, so
-# that rank t holds its heads of Q, K and V. The vocabulary is padded to a multiple of T.
-# Every parameter not named is replicated: LayerNorms, the position embedding, the
-# row-parallel biases (added once, after g).
+# parameter-name suffix -> (how, dim, parts): the group splits dimension `dim` T ways; with parts = 3
+# that dimension is three blocks stacked (c_attn's rows [Q; K; V]), each split, so that rank t holds
+# its heads of Q, K and V. The vocabulary is padded to a multiple of T. Every parameter not named is
+# replicated: LayerNorms, the position embedding, the row-parallel biases (added once, after g).
 TP_PLAN = {
     "wte.weight":         ("vocab", 0, 1),   # rows [t·V/T, (t+1)·V/T): the embedding and the tied head
     "attn.c_attn.weight": ("column", 0, 3),  # column-parallel: output rows, this rank's heads of Q, K, V
@@ -79,9 +78,8 @@ def tp_split(name):
 
 
 def shard_shape(name, shape, tp_size):
-    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension
-    divided among the T ranks (the vocabulary's rounded up: padded to a multiple of T), or
-    `shape` itself where the parameter is replicated."""
+    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension divided among
+    the T ranks (the vocabulary's rounded up: padded to a multiple of T), or `shape` where replicated."""
     shape, split = list(shape), tp_split(name)
     if split is not None:
         shape[split[1]] = math.ceil(shape[split[1]] / tp_size)  # exact, but for the vocabulary's padding
@@ -104,7 +102,8 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        if dist.get_world_size(ctx.group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
         return grad, None
 
 
@@ -114,7 +113,8 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
+        if dist.get_world_size(group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
         return x
 
     @staticmethod
@@ -185,21 +185,24 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, start, vocab_size, group):
-        logits = logits.float()
-        n_local = logits.shape[-1]
+        logits, n_local = logits.float(), logits.shape[-1]
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
+        many = dist.get_world_size(group) > 1  # a one-rank group posts nothing
+        if many:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
         target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
+        if many:
+            dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
+        if many:
+            dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
         loss = sum_exp.log() - target_logit
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)
@@ -227,8 +230,7 @@ def all_gather_sequence(x, group):
 
 def reduce_scatter_sequence(x, group):
     """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of the sum."""
-    tp_size = dist.get_world_size(group)
-    b, s, h = x.shape
+    tp_size, (b, s, h) = dist.get_world_size(group), x.shape
     chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3).reshape(tp_size * b, s // tp_size, h)
     out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps sequence chunk t
@@ -628,11 +630,11 @@ def costs(args, config, world_size, dtype, rank=0):
         sent = {"all_gather_into_tensor": f("m*(L*(2*2*e + 2*e) + 2*e + 4)*b*s*h"),
                 "reduce_scatter_tensor": f("m*(L*(2*e + 2*4) + 2*4)*b*s*h"),
                 "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm")}
-    else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head
-        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm")}
-    if matrices:  # Muon: this rank's update shards to their owners, its own matrices' shards back
+    else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head (none alone)
+        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm" if T > 1 else "4*norm")}
+    if matrices and T > 1:  # Muon: this rank's update shards to their owners, its own matrices' shards back
         sent["all_to_all_single"] = f("e*(Ψ_m/T + Ψ_o)")
-    if args.recompute:  # backward runs each block's forward again, its g (e) twice too
+    if args.recompute and (sp or T > 1):  # backward runs each block's forward again, its g (e) twice too
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor") if sp else ("all_reduce",):
             sent[op] = plus(sent[op], f("m*L*2*e*b*s*h"))
     # activations: Megatron's split (infra.formulas.activation_terms with tp, sp), plus the
@@ -720,15 +722,20 @@ class ShardedMuon(Muon):
 
     Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
     on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
-    steps, for every matrix, and every rank would repeat the small products.)"""
+    steps, for every matrix, and every rank would repeat the small products.) `replicas`
+    (08): the ranks holding the same shards in other replicas, which assemble the same whole
+    matrices; each is orthogonalised by one of them (muon_owners again) and broadcast to the
+    others (03's ReplicatedMuon, in the same words). A group of one rank posts nothing."""
 
-    def __init__(self, model, args, env, group, rest=None):
+    def __init__(self, model, args, env, group, rest=None, replicas=None):
         named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
         if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
             rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
                               args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
         self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.replicas, self.replica_size = replicas, dist.get_world_size(replicas) if replicas else 1
+        self.replica_rank = dist.get_rank(replicas) if replicas else 0
         self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
                       for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
         self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
@@ -742,24 +749,30 @@ class ShardedMuon(Muon):
         sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
         # 1: to each owner (in rank order) this rank's shards of the matrices it owns
         send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
-        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
-        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
+        shards = send.new_empty(T * sizes[me]) if T > 1 else send  # row t: rank t's shards of my matrices
+        if T > 1:
+            dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
         shards = shards.view(T, sizes[me])
         offset = 0
-        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
+        replica_owners = muon_owners([self.boxes[i][0][0] for i in owned[me]], self.replica_size)
+        for i, replica in zip(owned[me], replica_owners):  # each of my matrices whole, orthogonalised, cut back
             full, n = self.boxes[i][0][0], updates[i].numel()
             whole = shards.new_empty(full)
             pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
                       for t in range(T) for box, index in self.boxes[i][t][1]]
-            for shard, box, index in pieces:
-                whole[tuple(slice(*b) for b in box)] = shard[index]
-            whole = orthogonalize(whole, self.ns_dtype)
+            if replica == self.replica_rank:
+                for shard, box, index in pieces:
+                    whole[tuple(slice(*b) for b in box)] = shard[index]
+                whole.copy_(orthogonalize(whole, self.ns_dtype))  # in place: a broadcast needs it contiguous
+            if self.replica_size > 1:  # the replica that orthogonalised it: the whole matrix to the others
+                dist.broadcast(whole, group=self.replicas, group_src=replica)
             for shard, box, index in pieces:
                 shard[index] = whole[tuple(slice(*b) for b in box)]
             offset += n
         # 2: the orthogonalised shards back to the ranks that hold them
-        back = send.new_empty(send.numel())
-        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
+        back = send.new_empty(send.numel()) if T > 1 else shards.reshape(-1)
+        if T > 1:
+            dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
         offset = 0
         for t in range(T):
             for i in owned[t]:

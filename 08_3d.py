@@ -236,11 +236,13 @@ class DataParallel:
     def __init__(self, stage, mesh, args, env):
         self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
         self.optimizer = make_adamw(self.params, args, env.device.type) if args.optimizer == "adamw" else \
-            ShardedMuon(stage, args, env, mesh.tp_group)  # Muon: 06's, each TP group on its stage's matrices
+            ShardedMuon(stage, args, env, mesh.tp_group, replicas=mesh.dp_group)  # Muon: 06's, each matrix once
         self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: every gradient once
 
     def reduce_gradients(self):
         """The mean gradient on every replica: one all-reduce of this rank's flat gradients."""
+        if self.mesh.reduce_size == 1:  # one replica, no CP: its gradients are the mean, nothing to post
+            return
         for p in self.params:  # CP ranks' gradients are their tokens' shares: /C too
             p.grad.div_(self.mesh.reduce_size)
         flat = torch.cat([p.grad.view(-1) for p in self.params])
@@ -321,7 +323,7 @@ class ZeRO1:
             offset += p.numel()
         self.matrices_counted = [p for name, p in matrices if counted_once(stage, name)]
         if self.muon:  # 06's, on this replica's TP group, with AdamW on the flat shard inside
-            self.optimizer = ShardedMuon(stage, args, env, mesh.tp_group, rest=self.optimizer)
+            self.optimizer = ShardedMuon(stage, args, env, mesh.tp_group, rest=self.optimizer, replicas=mesh.dp_group)
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):
@@ -362,7 +364,8 @@ def clip_grad_norm(replicas, max_norm):
     """Scale the gradients so that their global norm, every parameter counted once over the
     whole model, is at most max_norm."""
     squares = replicas.squared_norm()
-    dist.all_reduce(squares, group=replicas.norm_group)  # over the ranks of distinct gradients
+    if dist.get_world_size(replicas.norm_group) > 1:  # a one-rank group posts nothing
+        dist.all_reduce(squares, group=replicas.norm_group)  # over the ranks of distinct gradients
     total_norm = squares.sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in replicas.grad_tensors():
@@ -391,9 +394,11 @@ def global_mean(loss_sum, mesh, m):
     """The mean loss over every micro-batch of every replica, on every rank (with CP each
     CP rank's loss is the mean over its s/C tokens: their mean over the CP ranks is the
     sequences' mean)."""
-    dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
+    if dist.get_world_size(mesh.pp_group) > 1:  # a one-rank group posts nothing (here and below)
+        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
     loss_sum /= m * mesh.reduce_size
-    dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas (and CP ranks)
+    if mesh.reduce_size > 1:
+        dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas (and CP ranks)
     return loss_sum
 
 
@@ -511,6 +516,7 @@ def costs(args, config, world_size, dtype, rank=0):
              Ψ_m=sum(map(math.prod, matrices)),
              Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank))
     ends = (mesh.pp_rank == 0, mesh.pp_rank == P - 1)  # first, last stage
+    mine = [shape for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank]  # this TP rank's, whole
     held, sent = dp_costs(args, x)
     sent.update(tp_costs(args, x, *ends))
     sent.update(pp_costs(args, x, *ends))
@@ -520,10 +526,10 @@ def costs(args, config, world_size, dtype, rank=0):
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated")
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
-                 # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, in every replica
-                 # (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
-                 "muon_flops": newton_schulz_flops([shape for shape, own in zip(matrices, owners)
-                                                    if own == mesh.tp_rank]),
+                 # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, each in one of
+                 # the D·C replicas (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
+                 "muon_flops": newton_schulz_flops([shape for shape, own in zip(mine, muon_owners(mine, D * C))
+                                                    if own == mesh.reduce_rank]),
                  "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks on this rank's shards and s
     # tokens), with 07's boundaries (its boundary_terms: a stage with a next one holds its
@@ -578,16 +584,19 @@ def dp_costs(args, x):
         pad, own = f"D*C*ceil({flat}/(D*C))", " + 4*Ψ_m/T" if muon else ""  # padded to D·C; Muon's matrices
         held = {"params": cost(f"4*{pad}{own}", x), "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}", x),
                 "optim": cost(f"8*ceil({flat}/(D*C)){own}", x)}
-        sent = {"all_reduce[dp]": cost(f"4*loss{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
+        loss = "4*loss" if x["D"] * x["C"] > 1 else "0"  # the logged loss's mean over the replicas, if any
+        sent = {"all_reduce[dp]": cost(f"{loss}{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
                 "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)}
     else:
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
                 "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
-        sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank", x)}
-    if muon:  # 06's Muon on each TP group: this rank's update shards to their owners, its own matrices' back
+        sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank" if x["D"] * x["C"] > 1 else "0", x)}  # none alone
+    if muon and x["T"] > 1:  # 06's Muon on each TP group: this rank's update shards to their owners, its own back
         sent["all_to_all_single[tp]"] = cost("e*(Ψ_m/T + Ψ_o)", x)
-    if args.grad_clip > 0:  # the squared norm, over the model group (--zero1: the world)
-        sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)
+    if muon and x["D"] * x["C"] > 1:  # its own matrices, each orthogonalised by one replica, broadcast to the others
+        sent["broadcast[dp]"] = cost("e*Ψ_o", x)
+    if args.grad_clip > 0 and x["T"] * x["P"] * (x["D"] * x["C"] if args.zero1 else 1) > 1:
+        sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)  # the squared norm's sum
     return held, sent
 
 
@@ -595,6 +604,8 @@ def tp_costs(args, x, first, last):
     """The TP and SP lines (docs/strategies.md's 08 section): the embedding's on the first stage only, the head's
     and the loss statistics (3·4bs) on the last only; --recompute repeats g (2e per layer)."""
     again = " + m*L*2*e*b*s*h" if args.recompute else ""
+    if x["T"] == 1 and not args.sequence_parallel:  # a one-rank TP group posts nothing
+        return {}
     if not args.sequence_parallel:
         return {"all_reduce[tp]": cost("m*(L*(2*e + 2*4)*b*s*h" + " + 4*b*s*h" * first
                                        + " + 4*b*s*h + 3*4*b*s" * last + ")" + again, x)}
@@ -607,7 +618,7 @@ def tp_costs(args, x, first, last):
 
 def pp_costs(args, x, first, last):
     """The PP line (docs/strategies.md's 08 section), n the stage boundaries this rank sits on; the logged loss."""
-    sent = {"all_reduce[pp]": cost("4*loss", x)}
+    sent = {"all_reduce[pp]": cost("4*loss", x)} if x["P"] > 1 else {}  # none in a one-stage pipeline
     if x["P"] > 1:
         sent["send"] = sent["recv"] = cost("m*n*4*b*s*h" + "/T" * args.sequence_parallel, x, n=2 - first - last)
         if first or last:
@@ -856,15 +867,20 @@ class ShardedMuon(Muon):
 
     Each rank sends its Ψ_m/T update elements once and receives as many back. (The iteration
     on the shards themselves would need an all-reduce of a Gram matrix in each of its 5
-    steps, for every matrix, and every rank would repeat the small products.)"""
+    steps, for every matrix, and every rank would repeat the small products.) `replicas`
+    (08): the ranks holding the same shards in other replicas, which assemble the same whole
+    matrices; each is orthogonalised by one of them (muon_owners again) and broadcast to the
+    others (03's ReplicatedMuon, in the same words). A group of one rank posts nothing."""
 
-    def __init__(self, model, args, env, group, rest=None):
+    def __init__(self, model, args, env, group, rest=None, replicas=None):
         named = [(name, p) for name, p in model.named_parameters() if is_hidden_matrix(name, p.shape)]
         if rest is None:  # AdamW for the other parameters (08's ZeRO1 passes its own, on its flat shard)
             rest = make_adamw([p for name, p in model.named_parameters() if not is_hidden_matrix(name, p.shape)],
                               args, env.device.type)
         super().__init__([p for _, p in named], rest, args, env.dtype)
         self.group, self.tp_size, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.replicas, self.replica_size = replicas, dist.get_world_size(replicas) if replicas else 1
+        self.replica_rank = dist.get_rank(replicas) if replicas else 0
         self.boxes = [[shard_boxes(name, p.shape, 0, self.tp_size, t) for t in range(self.tp_size)]
                       for name, p in named]  # [matrix][rank]: (full shape, [(box, index), ...])
         self.owners = muon_owners([boxes[0][0] for boxes in self.boxes], self.tp_size)
@@ -878,24 +894,30 @@ class ShardedMuon(Muon):
         sizes = [sum(updates[i].numel() for i in owned[t]) for t in range(T)]
         # 1: to each owner (in rank order) this rank's shards of the matrices it owns
         send = torch.cat([updates[i].reshape(-1) for t in range(T) for i in owned[t]])
-        shards = send.new_empty(T * sizes[me])  # row t: rank t's shards of my matrices
-        dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
+        shards = send.new_empty(T * sizes[me]) if T > 1 else send  # row t: rank t's shards of my matrices
+        if T > 1:
+            dist.all_to_all_single(shards, send, [sizes[me]] * T, sizes, group=self.group)
         shards = shards.view(T, sizes[me])
         offset = 0
-        for i in owned[me]:  # each of my matrices assembled whole, orthogonalised, cut back in place
+        replica_owners = muon_owners([self.boxes[i][0][0] for i in owned[me]], self.replica_size)
+        for i, replica in zip(owned[me], replica_owners):  # each of my matrices whole, orthogonalised, cut back
             full, n = self.boxes[i][0][0], updates[i].numel()
             whole = shards.new_empty(full)
             pieces = [(shards[t, offset:offset + n].view_as(updates[i]), box, index)
                       for t in range(T) for box, index in self.boxes[i][t][1]]
-            for shard, box, index in pieces:
-                whole[tuple(slice(*b) for b in box)] = shard[index]
-            whole = orthogonalize(whole, self.ns_dtype)
+            if replica == self.replica_rank:
+                for shard, box, index in pieces:
+                    whole[tuple(slice(*b) for b in box)] = shard[index]
+                whole.copy_(orthogonalize(whole, self.ns_dtype))  # in place: a broadcast needs it contiguous
+            if self.replica_size > 1:  # the replica that orthogonalised it: the whole matrix to the others
+                dist.broadcast(whole, group=self.replicas, group_src=replica)
             for shard, box, index in pieces:
                 shard[index] = whole[tuple(slice(*b) for b in box)]
             offset += n
         # 2: the orthogonalised shards back to the ranks that hold them
-        back = send.new_empty(send.numel())
-        dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
+        back = send.new_empty(send.numel()) if T > 1 else shards.reshape(-1)
+        if T > 1:
+            dist.all_to_all_single(back, shards.reshape(-1), sizes, [sizes[me]] * T, group=self.group)
         offset = 0
         for t in range(T):
             for i in owned[t]:
@@ -932,9 +954,8 @@ def tp_split(name):
 
 
 def shard_shape(name, shape, tp_size):
-    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension
-    divided among the T ranks (the vocabulary's rounded up: padded to a multiple of T), or
-    `shape` itself where the parameter is replicated."""
+    """Parameter `name`'s shape on one rank: the whole `shape` with TP_PLAN's dimension divided among
+    the T ranks (the vocabulary's rounded up: padded to a multiple of T), or `shape` where replicated."""
     shape, split = list(shape), tp_split(name)
     if split is not None:
         shape[split[1]] = math.ceil(shape[split[1]] / tp_size)  # exact, but for the vocabulary's padding
@@ -980,7 +1001,8 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
+        if dist.get_world_size(ctx.group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(grad, group=ctx.group)  # sum the input-gradient parts of every rank's weight shard
         return grad, None
 
 
@@ -990,7 +1012,8 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
+        if dist.get_world_size(group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(x, group=group)  # sum the partial outputs of the row-parallel shards
         return x
 
     @staticmethod
@@ -1008,8 +1031,7 @@ def all_gather_sequence(x, group):
 
 def reduce_scatter_sequence(x, group):
     """[b, s, h] partial sums on each rank -> [b, s/T, h]: this rank's sequence shard of the sum."""
-    tp_size = dist.get_world_size(group)
-    b, s, h = x.shape
+    tp_size, (b, s, h) = dist.get_world_size(group), x.shape
     chunks = x.reshape(b, tp_size, s // tp_size, h).permute(1, 0, 2, 3).reshape(tp_size * b, s // tp_size, h)
     out = torch.empty((b, s // tp_size, h), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, chunks, group=group)  # sum over ranks; rank t keeps sequence chunk t
@@ -1161,21 +1183,24 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, start, vocab_size, group):
-        logits = logits.float()
-        n_local = logits.shape[-1]
+        logits, n_local = logits.float(), logits.shape[-1]
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding never counts
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
+        many = dist.get_world_size(group) > 1  # a one-rank group posts nothing
+        if many:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # the global max per token
         shifted = logits - logits_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
         target_logit = shifted.gather(-1, local_target.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
+        if many:
+            dist.all_reduce(target_logit, group=group)  # only the owning rank contributes the target's logit
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
+        if many:
+            dist.all_reduce(sum_exp, group=group)  # the softmax denominator over the whole vocabulary
         loss = sum_exp.log() - target_logit
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target.clamp(0, n_local - 1), mine)

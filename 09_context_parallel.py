@@ -64,7 +64,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
-                    lr_at, make_optimizer, make_parser, model_config, recomputed, to_device)
+                    lr_at, make_optimizer, make_parser, model_config, Muon, muon_apply, muon_momentum, orthogonalize,
+                    recomputed, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -435,7 +436,8 @@ def main():
     cp.recompute = args.recompute
     positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
     model = build_model(config, args.seed, env.device)
-    optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
+    # AdamW, or Muon + AdamW with each matrix's Newton-Schulz run by one rank (03's ReplicatedMuon)
+    optimizer = make_optimizer(model.named_parameters(), args, env, muon=partial(ReplicatedMuon, group=world))
     run.begin(config, optimizer, costs, layout={"strategy": "context parallel", "cp": C, "cp_impl": args.cp_impl},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp, world),
@@ -475,8 +477,9 @@ def main():
 
 
 # ---- Beyond the lesson ----
-# The fused attention kernels a ring block runs; costs() (the ledger's theory, the dry run, the
-# fit check and plan.py), the checkpoint pieces and the dry run's layout lines.
+# Muon divided among the ranks (03's), the fused attention kernels a ring block runs; costs() (the
+# ledger's theory, the dry run, the fit check and plan.py), the checkpoint pieces and the dry run's
+# layout lines.
 
 aten = torch.ops.aten
 
@@ -535,7 +538,7 @@ def block_backward(dout, q, k, v, out, lse, causal, forward):
     return explicit_block_backward(dout, q, k, v, out, lse, causal)
 
 
-def costs(args, config, world_size, dtype):
+def costs(args, config, world_size, dtype, rank=0):
     """The formulas of docs/strategies.md's 09 section for one rank: layout, bytes held, bytes
     sent per step, activations (the layout is validated first, so --dry_run refuses what a
     launch would refuse). In every formula s is this rank's block_size/C tokens of a sequence
@@ -546,6 +549,7 @@ def costs(args, config, world_size, dtype):
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices
+    shapes = hidden_matrix_shapes(config) if args.optimizer == "muon" else []  # their shapes, whole
     micro = args.micro_batch_size or args.global_batch_size // D
     m = args.global_batch_size // (micro * D)
     e = torch.tensor([], dtype=dtype).element_size()
@@ -555,6 +559,8 @@ def costs(args, config, world_size, dtype):
     def f(expr):
         return formula(expr, show="m e", Ψ=n_params, Ψ_m=psi_m, L=L, m=m, C=C, b=micro, s=s, h=h, a=a, e=e, loss=1)
     sent = {"all_reduce": f("4*Ψ + 4*loss")}
+    if psi_m and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every rank
+        sent["broadcast"] = f("e*Ψ_m")
     # the recomputed forward sends its K/V (ring) or its 4 all-to-alls again
     if C > 1 and args.cp_impl == "ring":  # K, V (e) C-1 hops forward and in backward; dK, dV (fp32) C hops
         sent["send"] = sent["recv"] = f(f"m*L*({6 if args.recompute else 4}*(C - 1)*e*b*s*h + 8*C*b*s*h)")
@@ -573,8 +579,10 @@ def costs(args, config, world_size, dtype):
     terms = activation_terms(config, micro, s, dtype, device_type, attention=attention)
     cost = {"layout": f"context parallel ({args.cp_impl}) over {C} ranks x {D} data-parallel, {m} micro-batch(es)",
             "held": {"params": f("4*Ψ"), "grads": f("4*Ψ"), "optim": f("8*Ψ" if args.optimizer == "adamw" else "4*Ψ_m + 8*(Ψ - Ψ_m)")},
-            # Muon: Newton-Schulz on every matrix, on every CP and DP rank (infra.formulas.newton_schulz_flops)
-            "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
+            # Muon: Newton-Schulz on the matrices this rank owns among all the CP and DP ranks
+            # (infra.formulas.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops([shape for shape, owner in zip(shapes, muon_owners(shapes, world_size))
+                                               if owner == rank]),
             "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks: 01's on s tokens), with the
     # ring's working set: in forward the fp32 O being merged, a block's output and the next
@@ -603,6 +611,60 @@ def layout_lines(args, config, C, D, accum_steps):
     return [f"layout: {D} data-parallel x {C} context-parallel ({args.cp_impl}; groups of {C} consecutive "
             f"ranks), {config.block_size // C} of {config.block_size} tokens per sequence per rank, "
             f"{accum_steps} micro-batch(es) of {args.micro_batch_size} per replica per step"]
+
+
+# ---- restated from 03_ddp.py: ReplicatedMuon, muon_owners (word for word; tests/test_restated.py checks it) ----
+class ReplicatedMuon(Muon):
+    """Muon on replicas. After the all-reduce every replica of `group` holds the same mean
+    gradient, so Newton-Schulz, Muon's costly part, need run only once per matrix: each matrix
+    has one owner among the replicas (muon_owners, 04's balanced assignment), which
+    orthogonalises the matrix's update and broadcasts it to the others; every replica then
+    applies it. The work per replica falls as 1/N instead of staying whole on each.
+
+    The momentum stays replicated: element-wise and cheap, every replica keeps all of it, so
+    the replicas stay equal and any one of them checkpoints it whole, as AdamW's moments.
+
+    One broadcast per matrix from its owner, not one all-gather: the owners' shares are whole
+    matrices of unequal sizes, and an all-gather pads every replica's part to the busiest's
+    (N·max ≥ Ψ_m elements, and N times the largest matrix once replicas outnumber matrices),
+    while the broadcasts move Ψ_m exactly. They are posted asynchronously, so an owner's
+    update travels while the replicas go on to their next matrix. The update lands in the
+    matrix's gradient, spent by then, read in the Newton-Schulz dtype: no buffer is added."""
+
+    def __init__(self, matrices, adamw, args, ns_dtype, group):
+        super().__init__(matrices, adamw, args, ns_dtype)
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.owners = muon_owners([p.shape for p in self.param_groups[0]["params"]], self.size)
+
+    @torch.no_grad()
+    def step(self):
+        group, handles, received = self.param_groups[0], [], []
+        for p, owner in zip(group["params"], self.owners):
+            update = muon_momentum(p.grad, self.state[p]["momentum_buffer"])  # every replica: the momentum
+            orthogonal = p.grad.view(-1).view(self.ns_dtype)[:p.numel()].view(p.shape)  # the gradient's memory
+            if owner == self.rank:
+                orthogonal.copy_(orthogonalize(update, self.ns_dtype))
+            if self.size > 1:  # a replica alone posts nothing
+                # the owner's orthogonalised update (the matrix, in the NS dtype) to every replica
+                handles.append(dist.broadcast(orthogonal, group=self.group, group_src=owner, async_op=True))
+            received.append(orthogonal)
+        for handle in handles:
+            handle.wait()
+        for p, orthogonal in zip(group["params"], received):
+            muon_apply(p, orthogonal, group["lr"], group["weight_decay"], p.shape)
+        self.adamw.step()
+
+
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+# ---- end restated ----
 
 
 if __name__ == "__main__":

@@ -52,13 +52,14 @@ no cap). The derivations, the imbalance and the activation terms: docs/strategie
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from common import (autocast, check, combine, Data, GPT, is_hidden_matrix, lr_at, make_optimizer, make_parser,
-                    model_block_size, model_config, route, to_device)
+                    model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, route, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -266,7 +267,7 @@ def main():
     ep_group, dp_group = run.groups
     data_group = dist.group.WORLD  # every rank trains on its own slice of the batch: ep x dp ranks
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
-    optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
+    optimizer = replicated_optimizer(model, args, env, data_group, dp_group)  # AdamW, or Muon + AdamW
     run.begin(config, optimizer, costs, layout={"strategy": "expert parallel", "ep": ep},
               pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, data_group),
@@ -304,10 +305,24 @@ def main():
 
 
 # ---- Beyond the lesson ----
-# costs() (the ledger's theory, the dry run, the fit check and plan.py) and its activations, the
-# metrics' expert keys, the checkpoint pieces and the dry run's layout lines.
+# Muon divided among the replicas (03's ReplicatedMuon), costs() (the ledger's theory, the dry run,
+# the fit check and plan.py) and its activations, the metrics' expert keys, the checkpoint pieces
+# and the dry run's layout lines.
 
-def costs(args, config, world_size, dtype, received=None):
+def replicated_optimizer(model, args, env, data_group, dp_group):
+    """common.make_optimizer's AdamW, or its Muon as 03's ReplicatedMuon twice: each replicated
+    matrix's owner among every rank (`data_group`), each expert matrix's among the ranks that
+    hold the same experts (`dp_group`); the one steps the other, as Muon steps its AdamW."""
+    named = list(model.named_parameters())
+    if args.optimizer == "adamw":
+        return make_optimizer(named, args, env)
+    experts = [is_expert(name) and is_hidden_matrix(name, p.shape) for name, p in named]
+    rest = make_optimizer([x for x, expert in zip(named, experts) if not expert], args, env,
+                          muon=partial(ReplicatedMuon, group=data_group))
+    return ReplicatedMuon([p for (_, p), expert in zip(named, experts) if expert], rest, args, env.dtype, dp_group)
+
+
+def costs(args, config, world_size, dtype, received=None, rank=0):
     """The formulas of docs/strategies.md's 10 section in bytes per rank. `received`: the rows
     this rank received in this step's all-to-alls, per layer per micro-batch (from its routing
     counts); without it, balanced routing: k·b·s each."""
@@ -346,10 +361,18 @@ def costs(args, config, world_size, dtype, received=None):
     # Muon's matrices on this rank: the dense ones, and those of its E/N experts of every layer (alike)
     dense, experts = ([p.shape for name, p in model.named_parameters() if args.optimizer == "muon"
                        and is_hidden_matrix(name, p.shape) and is_expert(name) == expert] for expert in (False, True))
+    experts, dp = experts[:len(experts) // ep], world_size // ep  # this rank's, replicated over dp ranks
+    if dense and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every replica
+        sent["broadcast"] = f("e*Ψ_dm")
+    if experts and dp > 1:  # and the experts' among the ranks that hold the same experts
+        sent["broadcast[expert_dp]"] = f("e*L*Ψ_em*E/N")
+    owned = [shape for shape, owner in zip(dense, muon_owners(dense, world_size)) if owner == rank] + \
+        [shape for shape, owner in zip(experts, muon_owners(experts, dp)) if owner == rank // ep]
     cost = {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": {op: value for op, value in sent.items() if value[1]},
-            # Muon: Newton-Schulz on the dense matrices and on this rank's experts' (infra.formulas.newton_schulz_flops)
-            "muon_flops": newton_schulz_flops(dense + experts[:len(experts) // ep]),
+            # Muon: Newton-Schulz on the matrices this rank owns, dense and of its experts
+            # (infra.formulas.newton_schulz_flops)
+            "muon_flops": newton_schulz_flops(owned),
             "activations": max((activations(args, config, b, dtype, rows) for rows in zip(*received)),
                                key=lambda a: a[1])}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks; autocast casts the dense
@@ -418,6 +441,60 @@ def layout_lines(args, config, world_size, accum_steps):
         lines.append(f"  warning: an expert-parallel group spans nodes of {args.ranks_per_node} ranks: its "
                      "all-to-alls cross the network (a smaller --ep keeps them inside a node)")
     return lines
+
+
+# ---- restated from 03_ddp.py: ReplicatedMuon, muon_owners (word for word; tests/test_restated.py checks it) ----
+class ReplicatedMuon(Muon):
+    """Muon on replicas. After the all-reduce every replica of `group` holds the same mean
+    gradient, so Newton-Schulz, Muon's costly part, need run only once per matrix: each matrix
+    has one owner among the replicas (muon_owners, 04's balanced assignment), which
+    orthogonalises the matrix's update and broadcasts it to the others; every replica then
+    applies it. The work per replica falls as 1/N instead of staying whole on each.
+
+    The momentum stays replicated: element-wise and cheap, every replica keeps all of it, so
+    the replicas stay equal and any one of them checkpoints it whole, as AdamW's moments.
+
+    One broadcast per matrix from its owner, not one all-gather: the owners' shares are whole
+    matrices of unequal sizes, and an all-gather pads every replica's part to the busiest's
+    (N·max ≥ Ψ_m elements, and N times the largest matrix once replicas outnumber matrices),
+    while the broadcasts move Ψ_m exactly. They are posted asynchronously, so an owner's
+    update travels while the replicas go on to their next matrix. The update lands in the
+    matrix's gradient, spent by then, read in the Newton-Schulz dtype: no buffer is added."""
+
+    def __init__(self, matrices, adamw, args, ns_dtype, group):
+        super().__init__(matrices, adamw, args, ns_dtype)
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.owners = muon_owners([p.shape for p in self.param_groups[0]["params"]], self.size)
+
+    @torch.no_grad()
+    def step(self):
+        group, handles, received = self.param_groups[0], [], []
+        for p, owner in zip(group["params"], self.owners):
+            update = muon_momentum(p.grad, self.state[p]["momentum_buffer"])  # every replica: the momentum
+            orthogonal = p.grad.view(-1).view(self.ns_dtype)[:p.numel()].view(p.shape)  # the gradient's memory
+            if owner == self.rank:
+                orthogonal.copy_(orthogonalize(update, self.ns_dtype))
+            if self.size > 1:  # a replica alone posts nothing
+                # the owner's orthogonalised update (the matrix, in the NS dtype) to every replica
+                handles.append(dist.broadcast(orthogonal, group=self.group, group_src=owner, async_op=True))
+            received.append(orthogonal)
+        for handle in handles:
+            handle.wait()
+        for p, orthogonal in zip(group["params"], received):
+            muon_apply(p, orthogonal, group["lr"], group["weight_decay"], p.shape)
+        self.adamw.step()
+
+
+def muon_owners(shapes, group_size):
+    """The rank that orthogonalises each hidden matrix (given their full shapes): largest
+    first to the least-loaded rank (LPT), so the group's Newton-Schulz work is spread as
+    evenly as whole matrices allow. The same on every rank: no communication."""
+    owners, load = [None] * len(shapes), [0] * group_size
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        owners[i] = min(range(group_size), key=lambda t: load[t])
+        load[owners[i]] += math.prod(shapes[i])
+    return owners
+# ---- end restated ----
 
 
 if __name__ == "__main__":

@@ -445,13 +445,14 @@ class Muon(torch.optim.Optimizer):
         self.adamw.step()
 
 
-def make_optimizer(named_params, args, env):
-    """adamw, or Muon for the blocks' matrices with Newton-Schulz in the run's dtype (as Jordan's)."""
+def make_optimizer(named_params, args, env, muon=Muon):
+    """adamw, or Muon for the blocks' matrices with Newton-Schulz in the run's dtype (as Jordan's);
+    `muon`: Muon's class, or a strategy's Muon that divides the work among ranks (03's ReplicatedMuon)."""
     named = [(name, p) for name, p in named_params if p.requires_grad]
     if args.optimizer == "adamw":
         return make_adamw([p for _, p in named], args, env.device.type)
     rest = make_adamw([p for name, p in named if not is_hidden_matrix(name, p.shape)], args, env.device.type)
-    return Muon([p for name, p in named if is_hidden_matrix(name, p.shape)], rest, args, env.dtype)
+    return muon([p for name, p in named if is_hidden_matrix(name, p.shape)], rest, args, env.dtype)
 
 
 def lr_at(step, args):

@@ -113,6 +113,18 @@ def test_sharded_muon_moves_whole_matrices_as_its_formula_says(script, extra, dt
         assert_losses_match(single, run, what=f"{script} x3 muon")
 
 
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_replicas_broadcast_each_matrix_from_its_owner(ranks):
+    """03's ReplicatedMuon in bf16: each matrix orthogonalised by one replica (3 ranks: unequal
+    owners) and broadcast from it in the Newton-Schulz dtype, received into the gradient's
+    memory read as bf16: e·Ψ_m bytes on every rank, as costs() says; one rank posts nothing."""
+    run = launch("03_ddp.py", BASE + ["--dtype", "bfloat16", "--global_batch_size", "12", "--max_iters", "3"],
+                 nprocs=ranks).ok()
+    row = run.steps[-1]
+    assert row["comm_bytes"] == row["comm_bytes_theory"] and "ledger mismatch" not in run.stdout + run.stderr
+    assert (row["comm_bytes"].get("broadcast", 0) > 0) == (ranks > 1)
+
+
 def test_momentum_is_checkpointed_and_resharded_by_another_script(reference, tmp_path):
     first = launch("08_3d.py", BASE + ["--tp", "2", "--zero1", "--max_iters", "3", "--ckpt_interval", "3",
                                        "--lr_decay_iters", "5", "--out_dir", tmp_path], nprocs=4).ok()

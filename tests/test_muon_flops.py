@@ -5,7 +5,8 @@ tensors), with the script's orthogonalize wrapped in torch.utils.flop_counter.Fl
 04 (ZeRO-1: matrices that straddle the flat shards' boundaries, each gathered whole to its
 owner) and 06 (tensor parallelism: c_attn's Q, K and V blocks split in three, put together
 whole by their owner) orthogonalise on each rank exactly the FLOPs its formula says, and
-together every matrix once."""
+together every matrix once; so does 03 (data parallel: ReplicatedMuon, each matrix's owner among
+the replicas)."""
 
 import json
 import os
@@ -49,7 +50,8 @@ FLAGS = [*TINY, "--optimizer", "muon", "--n_layer", "1", "--n_head", "6", "--n_e
          "--global_batch_size", "6", "--micro_batch_size", "2", "--max_iters", "2", "--rehearse", "all", "--world_size", "3"]
 
 
-@pytest.mark.parametrize("script, extra", [("04_zero.py", ["--stage", "1"]), ("06_tensor_parallel.py", [])])
+@pytest.mark.parametrize("script, extra", [("04_zero.py", ["--stage", "1"]), ("06_tensor_parallel.py", []),
+                                           ("03_ddp.py", [])])
 def test_each_rank_orthogonalises_the_flops_its_formula_says(tmp_path, script, extra):
     wrapper = tmp_path / "counted.py"
     wrapper.write_text(WRAPPER)

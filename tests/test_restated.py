@@ -95,9 +95,11 @@ OTHER_BLOCKS = [(script, *block) for script in SCRIPTS for block in fenced_block
 
 def test_other_scripts_restate_muons_pieces_from_04():
     """05 and 06 move whole matrices for Muon as 04 does: its owners, and 05 its FlatMuon; 05
-    stages --offload's copies as 04 does (HostCopies)."""
+    stages --offload's copies as 04 does (HostCopies). 03 gives each matrix an owner among the
+    replicas with 04's owners, and 09 and 10 restate 03's ReplicatedMuon."""
     assert {(script, source) for script, source, _, _ in OTHER_BLOCKS} == {
-        ("05_fsdp.py", "04_zero.py"), ("06_tensor_parallel.py", "04_zero.py")}
+        ("05_fsdp.py", "04_zero.py"), ("06_tensor_parallel.py", "04_zero.py"), ("03_ddp.py", "04_zero.py"),
+        ("09_context_parallel.py", "03_ddp.py"), ("10_expert_parallel.py", "03_ddp.py")}
 
 
 @pytest.mark.parametrize("script, source, names, block", OTHER_BLOCKS,

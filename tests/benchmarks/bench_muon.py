@@ -6,7 +6,8 @@ micro-batch per data-parallel rank). Rerun with
     python tests/benchmarks/bench_muon.py --only 04-s3 06 --iters 20 --repeats 3
 
 The two optimizers run alternately (who goes first alternates too), each run's median step
-time over its steps after --skip, the best median of --repeats kept (as bench.py). Each layout
+time over its steps after --skip, the best median of --repeats kept (as bench.py); the last
+column is the median over the --repeats pairs of muon/adamw, each pair run back to back. Each layout
 holds /tmp/gptpar-tests.lock while it runs, so the shared machine's tests and benchmarks do not
 overlap it. Also printed: the Newton-Schulz GFLOP of the busiest rank (costs()'s muon_flops),
 the iteration the step time's difference pays for."""
@@ -23,6 +24,7 @@ from harness import ROOT, launch  # noqa: E402
 
 LAYOUTS = {  # name: (script, ranks, flags)
     "03": ("03_ddp.py", 2, []),
+    "03-x4": ("03_ddp.py", 4, []),
     "04-s1": ("04_zero.py", 2, ["--stage", "1"]),
     "04-s3": ("04_zero.py", 2, ["--stage", "3"]),
     "05": ("05_fsdp.py", 2, []),
@@ -54,10 +56,11 @@ def main():
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args()
-    print(f"{'layout':<12} {'ranks':>5} {'adamw ms':>9} {'muon ms':>9} {'muon - adamw':>13} {'NS GFLOP':>9}", flush=True)
+    print(f"{'layout':<12} {'ranks':>5} {'adamw ms':>9} {'muon ms':>9} {'muon - adamw':>13} {'NS GFLOP':>9} "
+          f"{'muon/adamw':>10}", flush=True)
     for name in a.only:
         script, ranks, flags = LAYOUTS[name]
-        dp = {"03": ranks, "04-s1": ranks, "04-s3": ranks, "05": ranks}.get(name, 1)
+        dp = ranks if name.startswith(("03", "04", "05")) else 1  # every rank a data-parallel one
         micro = [] if "--micro_batch_size" in flags else ["--micro_batch_size", str(16 // dp)]
         base = [*MODEL, *flags, *micro, "--max_iters", str(a.iters), "--log_interval", "1", "--eval_interval", "0",
                 "--warmup_iters", "2"]
@@ -71,8 +74,9 @@ def main():
                                  timeout=1800).ok()
                     ms[opt].append(statistics.median(row["dt_ms"] for row in run.steps[a.skip:]))
         adamw, muon = min(ms["adamw"]), min(ms["muon"])
+        ratio = statistics.median(m / a for m, a in zip(ms["muon"], ms["adamw"]))  # pair by pair
         print(f"{name:<12} {ranks:>5} {adamw:>9.0f} {muon:>9.0f} {muon - adamw:>+13.0f} "
-              f"{busiest_ns_gflop(script, ranks, flags + micro):>9.2f}", flush=True)
+              f"{busiest_ns_gflop(script, ranks, flags + micro):>9.2f} {ratio:>10.3f}", flush=True)
 
 
 if __name__ == "__main__":
