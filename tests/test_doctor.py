@@ -327,3 +327,55 @@ def test_a_bad_measured_file_is_one_line_and_status_2(tmp_path, content, reason,
 def test_bad_doctor_flags_are_one_line_and_status_2(flags, reason):
     run = launch("02_collectives.py", ["--device", "cpu"] + flags, nprocs=2, metrics=False, out_dir=False, timeout=60)
     assert run.returncode == 2 and len(run.error_lines) == 1 and reason in run.error_lines[0], run.stderr
+
+
+# --------------------------------------------------------------------------------------
+# Launches the doctor exists for: uneven nodes, a frozen rank
+# --------------------------------------------------------------------------------------
+
+FAKE_NODES = """import os, socket, sys, time, importlib.util
+sys.path.insert(0, {root!r})
+rank, sizes = int(os.environ["RANK"]), {sizes!r}
+node = next(i for i in range(len(sizes)) if rank < sum(sizes[:i + 1]))  # mpiexec --ppn's blocks
+os.environ.update(LOCAL_RANK=str(rank - sum(sizes[:node])), LOCAL_WORLD_SIZE=str(sizes[node]))
+socket.gethostname = lambda: f"node{{node}}"
+spec = importlib.util.spec_from_file_location("collectives", os.path.join({root!r}, "02_collectives.py"))
+doctor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(doctor)
+matmul = doctor.matmul
+def frozen(a, b):
+    if rank == {frozen}:
+        time.sleep(600)
+    return matmul(a, b)
+doctor.matmul = frozen
+doctor.main()
+"""
+
+
+def test_seven_ranks_on_nodes_of_4_and_3_end_with_the_ranks_per_node_verdict(tmp_path):
+    """`mpiexec -n 7 --ppn 4` (host names faked per rank, the local ranks as MPICH gives them):
+    the verdict, not a hang in groups made only on their members."""
+    script = tmp_path / "uneven_doctor.py"
+    script.write_text(FAKE_NODES.format(root=ROOT, sizes=[4, 3], frozen=-1))
+    run = launch(str(script), ["--doctor", "--device", "cpu", "--iters", "1", "--timeout", "60", "--straggler_margin",
+                               "1e6"], nprocs=7,
+                 metrics=False, out_dir=False, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    problems = [line for line in run.stdout.splitlines() if line.startswith("problem: ")]
+    assert problems == ["problem: the nodes hold different numbers of ranks per node (4 on node0, 3 on node1): "
+                        "launch as many on each (-n a multiple of --ppn, or --ntasks-per-node); the network sweep "
+                        "is skipped"], run.stdout
+    assert "network: not swept" in run.stdout
+
+
+def test_a_frozen_rank_is_named_with_the_step_it_was_in(tmp_path):
+    """Rank 1 of 3 freezes in the hardware timing: one line names it and the step, within
+    --timeout, exit 2 (not gloo's traceback)."""
+    script = tmp_path / "frozen_doctor.py"
+    script.write_text(FAKE_NODES.format(root=ROOT, sizes=[3], frozen=1))
+    run = launch(str(script), ["--doctor", "--device", "cpu", "--iters", "1", "--timeout", "3"], nprocs=3,
+                 metrics=False, out_dir=False, timeout=60, grace=1)
+    assert run.returncode == 2 and run.seconds < 30, (run.returncode, run.seconds, run.stderr)
+    assert run.error_lines == ["error: rank(s) 1 did not finish the doctor's hardware timing within --timeout 3 s "
+                               "(frozen, or its node is down): leave that node out and run the doctor again"], run.stderr
+    assert "Traceback" not in run.stderr
