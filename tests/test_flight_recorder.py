@@ -172,3 +172,15 @@ def test_a_fifo_or_device_among_the_dumps_is_named_not_read(tmp_path):
     lines = hangs(tmp_path)
     assert f"note: {tmp_path}/rank_1 is a FIFO, not a Flight Recorder dump: not read" in lines, lines
     assert f"note: {tmp_path}/ledger.0.jsonl is a device, not a ledger trail: not read" in lines, lines
+
+
+def test_two_runs_outside_a_scheduler_leave_their_dumps_apart(tmp_path):
+    """jobs/lib.sh: without a job id ("fr-local", "fr-") each run's folder is named by its start."""
+    def folder(base):
+        p = subprocess.run(["bash", "-c", f"source {ROOT}/jobs/lib.sh && flight_recorder {base} && "
+                            'echo "$TORCH_FR_DUMP_TEMP_FILE"'], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.splitlines()[-1]
+    first, second = folder(tmp_path / "fr-local"), folder(tmp_path / "fr-local")
+    assert first != second and first.startswith(f"{tmp_path}/fr-local-") and first.endswith("/rank_")
+    assert folder(tmp_path / "fr-").startswith(f"{tmp_path}/fr-2") and folder(tmp_path / "fr-77") == f"{tmp_path}/fr-77/rank_"
