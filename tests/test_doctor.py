@@ -379,3 +379,32 @@ def test_a_frozen_rank_is_named_with_the_step_it_was_in(tmp_path):
     assert run.error_lines == ["error: rank(s) 1 did not finish the doctor's hardware timing within --timeout 3 s "
                                "(frozen, or its node is down): leave that node out and run the doctor again"], run.stderr
     assert "Traceback" not in run.stderr
+
+
+OTHER_MPI = """import os, sys, types, importlib.util
+sys.path.insert(0, {root!r})
+# PALS's mpiexec (Polaris, Aurora) with an mpi4py built on another MPI: a world of one on each rank
+rank, size = os.environ.pop("RANK"), os.environ.pop("WORLD_SIZE")
+os.environ.update(PALS_RANKID=rank, PMI_RANK=rank, PMI_SIZE=size, PALS_LOCAL_RANKID=rank, PALS_LOCAL_SIZE=size)
+class World:
+    Get_size = staticmethod(lambda: 1)
+    Get_rank = staticmethod(lambda: 0)
+sys.modules["mpi4py"] = types.SimpleNamespace(MPI=types.SimpleNamespace(
+    COMM_WORLD=World(), Get_library_version=lambda: "Open MPI v4.1.5"))
+spec = importlib.util.spec_from_file_location("collectives", os.path.join({root!r}, "02_collectives.py"))
+doctor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(doctor)
+doctor.main()
+"""
+
+
+def test_mpi4py_of_another_mpi_falls_back_as_training_does_and_warns(tmp_path):
+    """The doctor meets through MASTER_ADDR/PORT, as common.setup does for training, and says why."""
+    script = tmp_path / "other_mpi_doctor.py"
+    script.write_text(OTHER_MPI.format(root=ROOT))
+    run = launch(str(script), ["--doctor", "--device", "cpu", "--iters", "1", "--max_bytes", "65536",
+                               "--straggler_margin", "1e6"], nprocs=2, metrics=False, out_dir=False, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "warning: ranks 0-1: mpi4py's MPI (Open MPI v4.1.5) sees rank 0 of 1" in run.stdout, run.stdout
+    assert "(the ranks met through MASTER_ADDR and MASTER_PORT instead, as training does)" in run.stdout
+    assert run.stdout.splitlines()[-1] == "healthy: no problem found (1 warning(s) above)"
