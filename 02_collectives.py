@@ -976,9 +976,6 @@ def arrive(env, monitor, step, timeout, failed=None):
             ranks = sorted(int(r) for r in re.findall(r"\d+", late.group(1)))
             say(f"error: rank(s) {ranks_text(ranks)} did not finish the doctor's {step} within --timeout {timeout:g} s "
                 "(frozen, or its node is down): leave that node out and run the doctor again", sys.stderr)
-        elif "timed out" in str(e).lower() and "connection closed" not in str(e).lower():  # rank 0 itself
-            say(f"error: rank {env.rank}: rank 0 did not finish the doctor's {step} within --timeout {timeout:g} s "
-                "(frozen, or its node is down): leave that node out and run the doctor again", sys.stderr)
         stop_everyone()  # the other ranks: rank 0, which names them, is gone or said it
     if failed is not None:
         first = (str(failed).strip().splitlines() or [""])[0][:200]
