@@ -55,10 +55,12 @@ Where a backend lacks reduce_scatter (gloo before torch 2.6), it falls back to a
 followed by taking this rank's chunk: the same result at twice the traffic.
 """
 
+import datetime
 import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import sys
@@ -424,8 +426,13 @@ DOCUMENTED = {
         # ALCF "Polaris Device Affinity Information": GPU g sits on NUMA domain 3 - g
         device_cpus={0: "24-31,56-63", 1: "16-23,48-55", 2: "8-15,40-47", 3: "0-7,32-39"},
         reserved_cores="", plugin="libnccl-net",
-        plugin_fix="module load conda (it puts the aws-ofi-nccl plugin, libnccl-net*.so, on LD_LIBRARY_PATH)",
+        # ALCF's NCCL page puts the plugin on the path itself; its sentence saying the conda module
+        # sets these variables has been commented out since 2024-11-07 (jobs/README.md)
+        plugin_fix="export LD_LIBRARY_PATH=/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib:/soft/libraries/hwloc/lib/:"
+                   "$LD_LIBRARY_PATH, as ALCF's NCCL page does (jobs/polaris.sh does)",
         multi_node={"NCCL_NET": (("AWS Libfabric",), "NCCL over libfabric, never TCP sockets (ALCF's NCCL page)")},
+        # the page's remedy when the plugin hangs a pipeline job: these four unset (NCCL_PLUGIN=off)
+        plugin_off=("NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC", "NCCL_COLLNET_ENABLE", "NCCL_NET"),
         recommended=["NCCL_NET_GDR_LEVEL=PHB", "NCCL_CROSS_NIC=1", "NCCL_COLLNET_ENABLE=1",
                      "FI_CXI_DISABLE_HOST_REGISTER=1", "FI_MR_CACHE_MONITOR=userfaultfd",
                      "FI_CXI_DEFAULT_CQ_SIZE=131072"]),
@@ -439,11 +446,13 @@ DOCUMENTED = {
         # "Since March 31, 2025, cores 0 (104) and 52 (156) ... reserved for system services"
         # (ALCF's running-jobs page; argonne-lcf/user-guides #836)
         reserved_cores="0,52,104,156", plugin=None, plugin_fix="",
+        # the oneCCL page's "Minimal set", "essential for functionality for training workloads";
+        # its userfaultfd, not the tuning list's FI_MR_CACHE_MONITOR=disabled (jobs/aurora.sh)
         multi_node={"CCL_PROCESS_LAUNCHER": (("pmix",), "oneCCL learns the ranks from PALS' PMIx"),
                     "CCL_ATL_TRANSPORT": (("mpi",), "oneCCL moves data across nodes over MPI"),
+                    "FI_MR_CACHE_MONITOR": (("userfaultfd",), "the oneCCL page's minimal set"),
                     "CCL_KVS_MODE": (("mpi",), "oneCCL's key-value store bootstraps over MPI")},
-        recommended=["CCL_KVS_USE_MPI_RANKS=1", "CCL_CONFIGURATION=cpu_gpu_dpcpp",
-                     "FI_MR_CACHE_MONITOR=disabled", "FI_CXI_RX_MATCH_MODE=hybrid"]),
+        recommended=["CCL_KVS_USE_MPI_RANKS=1", "CCL_CONFIGURATION=cpu_gpu_dpcpp", "FI_CXI_RX_MATCH_MODE=hybrid"]),
     "frontier": dict(
         site="OLCF Frontier", module="module load rocm/$ROCM_VERSION rccl-net-plugin (your ROCm PyTorch environment)",
         backends=("nccl",), devices_per_rank=1,
@@ -498,6 +507,38 @@ def cpu_set(text):
         low, _, high = part.partition("-")
         cpus.update(range(int(low), int(high or low) + 1))
     return cpus
+
+
+def cpu_ranges(text, limit=None):
+    """'0-7,32-39' -> [(0, 7), (32, 39)] without building the sets (a typo's 0-99999999999 costs
+    nothing); None when it is not a cpulist, or names a CPU at or beyond `limit`."""
+    runs = []
+    for part in filter(None, str(text).replace(" ", "").split(",")):
+        low, _, high = part.partition("-")
+        if not (low.isdigit() and (high or low).isdigit()) or int(high or low) < int(low):
+            return None
+        runs.append((int(low), int(high or low)))
+    return None if limit is not None and any(high >= limit for _, high in runs) else runs
+
+
+def shown(value, width=60):
+    """An environment value as a line shows it: escaped, and cut when long."""
+    text = ascii(value)[1:-1]
+    return text if len(text) <= width else text[:width] + f"... ({len(value)} characters)"
+
+
+def environment_count(environ, name):
+    """A whole number from the environment (None: unset); anything else stops the doctor with
+    one line naming the variable, on every rank."""
+    value = environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    check(value.strip().isdigit(), f"{name}={shown(value)} in the environment is not a whole number: "
+          "unset it, or give the number of nodes of the job")
+    return int(value)
+
+
+WARNING = "warning: "  # a line check_environment returns that is said, but is no problem (exit 0)
 
 
 def cpu_list(cpus):
@@ -600,8 +641,8 @@ def check_environment(environ, facts, machine=None):
     doc = DOCUMENTED.get(machine, {})
     problems = []
     job = environ.get("PBS_JOBID") or environ.get("SLURM_JOB_ID")
-    nodes = facts.get("nodes") or int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 0) \
-        or facts.get("pbs_nodes") or 1
+    nodes = facts.get("nodes") or environment_count(environ, "SLURM_JOB_NUM_NODES") or \
+        environment_count(environ, "SLURM_NNODES") or facts.get("pbs_nodes") or 1
     # the launcher: one process in a multi-node allocation trains on one GPU of one node
     if facts["launcher"] == "single" and job and nodes > 1:
         problems.append(f"one process in a {nodes}-node job: launch with {doc.get('launch', 'mpiexec or srun')}")
@@ -611,10 +652,15 @@ def check_environment(environ, facts, machine=None):
         problems.append(f"launched by mpiexec but mpi4py does not import ({mpi['error']}): "
                         "MPICC=cc pip install --no-binary mpi4py mpi4py, against this MPI")
     elif mpi and "size" in mpi and (mpi["size"], mpi["rank"]) != (facts["world_size"], facts["rank"]):
-        problems.append(f"mpi4py's MPI ({mpi['library']}) sees rank {mpi['rank']} of {mpi['size']} where the "
-                        f"launcher started rank {facts['rank']} of {facts['world_size']}: mpi4py is built against "
-                        "another MPI; rebuild it against the launcher's: "
-                        "MPICC=cc pip install --force-reinstall --no-binary mpi4py mpi4py")
+        # common.setup then meets through Slurm's variables or MASTER_ADDR/PORT, as training does
+        # (facts["rendezvous"]: the launcher it fell back to): said, but the job runs
+        fallback = {"slurm": "Slurm's variables", "env": "MASTER_ADDR and MASTER_PORT"}.get(facts.get("rendezvous"))
+        line = (f"mpi4py's MPI ({mpi['library']}) sees rank {mpi['rank']} of {mpi['size']} where the "
+                f"launcher started rank {facts['rank']} of {facts['world_size']}: mpi4py is built against "
+                "another MPI; rebuild it against the launcher's: "
+                "MPICC=cc pip install --force-reinstall --no-binary mpi4py mpi4py")
+        problems.append(WARNING + line + f" (the ranks met through {fallback} instead, as training does)"
+                        if fallback else line)
     elif mpi and "library" in mpi:
         family = "Open MPI" if "OMPI_COMM_WORLD_RANK" in environ else "MPICH" if (
             "PMI_RANK" in environ or "PALS_RANKID" in environ) else None
@@ -654,15 +700,20 @@ def check_environment(environ, facts, machine=None):
         problems.append(f"bound to reserved core(s) {cpu_list(affinity & reserved)} (kept for system services on "
                         f"{doc['site']} since 31 March 2025, user-guides #836): {doc['launch']}")
     workers = environ.get("CCL_WORKER_AFFINITY")
-    if workers is not None and machine == "aurora":
-        cores = cpu_set(workers) if workers.replace(",", "").replace("-", "").isdigit() else set()
-        if cores & (affinity | reserved):
-            problems.append(f"CCL_WORKER_AFFINITY={workers} puts oneCCL's workers on core(s) "
-                            f"{cpu_list(cores & (affinity | reserved))}, which this rank or the system uses "
+    if workers is not None and machine == "aurora" and workers.strip() not in ("", "auto"):
+        # counted range by range, never built: a typo's 0-99999999999 is a line, not a MemoryError
+        runs = cpu_ranges(workers, limit=max(facts["cpus"] or 0, max(affinity | reserved, default=-1) + 1) or None)
+        used = {c for c in affinity | reserved if any(low <= c <= high for low, high in runs or [])}
+        if runs is None:
+            problems.append(f"CCL_WORKER_AFFINITY={shown(workers)} is not a list of this node's cores "
+                            f"(0-{(facts['cpus'] or 1) - 1}): list one free core per local rank, or unset it")
+        elif used:
+            problems.append(f"CCL_WORKER_AFFINITY={shown(workers)} puts oneCCL's workers on core(s) "
+                            f"{cpu_list(used)}, which this rank or the system uses "
                             "(ezpz #34): unset CCL_WORKER_AFFINITY, or list one free core per local rank")
-        elif cores and len(cores) < local:
-            problems.append(f"CCL_WORKER_AFFINITY={workers} names {len(cores)} core(s) for {local} local ranks: "
-                            "list one core per local rank, or unset it")
+        elif sum(high - low + 1 for low, high in runs) < local:
+            problems.append(f"CCL_WORKER_AFFINITY={shown(workers)} names {sum(h - l + 1 for l, h in runs)} core(s) "
+                            f"for {local} local ranks: list one core per local rank, or unset it")
     threads = environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and affinity and int(threads) > len(affinity):
         problems.append(f"OMP_NUM_THREADS={threads} threads on {len(affinity)} bound CPU(s): "
@@ -671,9 +722,22 @@ def check_environment(environ, facts, machine=None):
     bad = _known_bad_monitor(environ, machine)
     if bad:
         problems.append(bad)
+    # Polaris: NCCL_PLUGIN=off (jobs/polaris.sh), or the four unset by hand with the rest of the
+    # page's set in place, is ALCF's own remedy for a pipeline job the plugin hangs: one warning
+    off = doc.get("plugin_off", ())
+    rest = [v for v in doc.get("recommended", []) if v.split("=")[0] not in off]
+    plugin_off = bool(off) and nodes > 1 and (environ.get("NCCL_PLUGIN") == "off" or not any(
+        v in environ for v in off) and all(environ.get(v.split("=")[0]) == v.split("=", 1)[1] for v in rest))
+    if plugin_off:
+        problems.append(f"{WARNING}the aws-ofi-nccl plugin is off ({' '.join(off)} unset: NCCL_PLUGIN=off, "
+                        "ALCF's remedy when the plugin hangs a pipeline job): collectives across nodes go over "
+                        "TCP sockets, several times slower; drop NCCL_PLUGIN=off unless the job hangs with it")
+    skipped = set(off) if plugin_off else set()
     for name, (good, why) in (doc.get("multi_node", {}) if nodes > 1 else doc.get("single_node", {})).items():
+        if name in skipped or name == "FI_MR_CACHE_MONITOR" and bad:
+            continue
         if environ.get(name) not in good:
-            value = f"{name}={environ[name]}" if name in environ else f"{name} is unset"
+            value = f"{name}={shown(environ[name])}" if name in environ else f"{name} is unset"
             fix = f"export {name}={good[0]}" if good[0] else f"unset {name}"
             problems.append(f"{value} on {nodes} node(s): {fix} ({why})")
     if nodes > 1 and doc.get("plugin") and not facts["libraries"].get(doc["plugin"]):
@@ -684,7 +748,7 @@ def check_environment(environ, facts, machine=None):
         problems.append("FI_CXI_RDZV_PROTO=alt_read without the allocation's --network=disable_rdzv_get: "
                         "add #SBATCH --network=disable_rdzv_get, or unset FI_CXI_RDZV_PROTO (OLCF: both or neither)")
     missing = [v for v in doc.get("recommended", []) if environ.get(v.split("=")[0]) != v.split("=", 1)[1]
-               and not (v.startswith("FI_MR_CACHE_MONITOR") and bad)]
+               and not (v.startswith("FI_MR_CACHE_MONITOR") and bad) and v.split("=")[0] not in skipped]
     if missing and nodes > 1:
         problems.append(f"not set as {doc['site']} documents for jobs across nodes: export {' '.join(missing)} "
                         f"(jobs/{machine}.sh sets them)")
@@ -798,21 +862,43 @@ def stragglers(rows, margin):
 # The network: the all_reduce sweep per link type, fitted as alpha and beta
 # ---------------------------------------------------------------------------------------
 
-def link_groups(env, hosts):
-    """Every rank's groups: `intra` (the ranks of its node) and `inter` (the ranks with its
-    local index on every node), as (group, size) or None where the group has one rank.
-    hosts[r]: rank r's host name. Each group is created by its members only, in the same
-    order on each (use_local_synchronization)."""
+def node_sizes(hosts):
+    """{host: its ranks}, in the order of the first rank of each (hosts[r]: rank r's host)."""
     nodes = {}
     for rank, host in enumerate(hosts):
         nodes.setdefault(host, []).append(rank)
-    members = list(nodes.values())
-    mine = nodes[hosts[env.rank]]
-    index = mine.index(env.rank)
+    return nodes
+
+
+def uneven_nodes(hosts):
+    """The verdict when the nodes hold different numbers of ranks (`mpiexec -n 7 --ppn 4`: 4
+    and 3), else None. The sweep's groups need as many ranks on every node; training's
+    layouts do too."""
+    sizes = {host: len(ranks) for host, ranks in node_sizes(hosts).items()}
+    if len(set(sizes.values())) < 2:
+        return None
+    shown = ", ".join(f"{n} on {host}" for host, n in list(sizes.items())[:8]) + (", ..." if len(sizes) > 8 else "")
+    return (f"the nodes hold different numbers of ranks per node ({shown}): launch as many on each "
+            "(-n a multiple of --ppn, or --ntasks-per-node); the network sweep is skipped")
+
+
+def link_groups(env, hosts):
+    """Every rank's groups: `intra` (the ranks of its node) and `inter` (the ranks with its
+    local index on every node), as (group, size) or None where the group has one rank.
+    hosts[r]: rank r's host name; every node holds as many ranks (uneven_nodes). Every rank
+    creates every group, in one order: with device_id bound, NCCL and XCCL split each new
+    group from the world's communicator, a call every rank must make."""
+    members = list(node_sizes(hosts).values())
+    per_node = len(members[0])
     groups = {}
-    for kind, ranks in (("intra", mine), ("inter", [m[index] for m in members if len(m) > index])):
-        groups[kind] = (dist.new_group(ranks, use_local_synchronization=True), len(ranks)) if len(ranks) > 1 else None
-    return groups, len(members), max(len(m) for m in members)
+    for kind, all_ranks in (("intra", members), ("inter", [[m[i] for m in members] for i in range(per_node)])):
+        for ranks in all_ranks:
+            if len(ranks) > 1:
+                group = dist.new_group(ranks)
+                if env.rank in ranks:
+                    groups[kind] = (group, len(ranks))
+        groups.setdefault(kind, None)
+    return groups, len(members), per_node
 
 
 def sweep_link(env, group, g, sizes, iters, world):
@@ -878,6 +964,46 @@ def check_links(links, machine):
     return problems
 
 
+def arrive(env, monitor, step, timeout, failed=None):
+    """Every rank reaches the end of `step`, or the job ends with one line naming the ranks that
+    did not (frozen, or their node down) and the step, instead of a collective's traceback:
+    gloo's monitored_barrier, in which rank 0 waits for each rank by name. failed: the error a
+    collective of the step raised on this rank (a peer that never came), said if all arrived."""
+    try:
+        dist.monitored_barrier(group=monitor, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as e:
+        late = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e))
+        if late:
+            ranks = sorted(int(r) for r in re.findall(r"\d+", late.group(1)))
+            say(f"error: rank(s) {ranks_text(ranks)} did not finish the doctor's {step} within --timeout {timeout:g} s "
+                "(frozen, or its node is down): leave that node out and run the doctor again", sys.stderr)
+        stop_everyone()  # the other ranks: rank 0, which names them, is gone or said it
+    if failed is not None:
+        first = (str(failed).strip().splitlines() or [""])[0][:200]
+        say(f"error: rank {env.rank}: the doctor's {step} failed: {first}", sys.stderr)
+        stop_everyone()
+
+
+def stop_everyone():
+    """Exit 2 now, and end the job's other ranks (MPI_Abort under mpiexec, else the launcher)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if mpi_comm() is not None:
+        time.sleep(1)  # let mpiexec's proxy forward the line first
+        mpi_comm().Abort(2)
+    os._exit(2)
+
+
+def in_step(env, monitor, step, timeout, work):
+    """work(), every rank's part of `step`; then arrive() (a collective that failed: named)."""
+    try:
+        result, failed = work(), None
+    except RuntimeError as e:  # gloo's timeout when a peer never posts: find the peer by name
+        result, failed = None, e
+    arrive(env, monitor, step, timeout, failed)
+    return result
+
+
 def doctor(args):
     """--doctor: the environment, the hardware and the network of this allocation; one line per
     problem; exit 0 when healthy, 2 otherwise (on every rank)."""
@@ -888,31 +1014,35 @@ def doctor(args):
         say(f"doctor: machine {machine or 'not recognised'} ({how}), {launch.world_size} rank(s) "
             f"launched by {launch.kind}" + ("" if machine else "; the general checks only (--machine names one)"))
     facts = local_facts(os.environ, launch)
-    mpi = facts["mpi"]
-    if mpi and "size" in mpi and mpi["size"] != launch.world_size:  # no process group can form: say so and stop
-        for line in check_environment(os.environ, facts, machine):
-            if master and line.startswith("mpi4py"):
-                say(f"problem: {line}")
-        sys.exit(2)
     if args.device == "auto" and not any(facts["accelerators"].values()) and xpu_backend() is None:
         args.device = "cpu"  # the environment check names the missing GPU; the rest runs on CPU
-    env = setup(args, launch)
+    env = setup(args, launch)  # mpi4py's world not the launcher's: Slurm's or MASTER_ADDR's, as training
+    if env.launch.kind != launch.kind:
+        facts["rendezvous"] = env.launch.kind
     world = dist.group.WORLD  # every collective below names its group
+    # rank 0 waits for every rank by name at the end of each step (gloo's monitored_barrier)
+    monitor = world if env.backend == "gloo" else dist.new_group(backend="gloo")
     facts["device"] = device_facts(os.environ, env.device)
     if env.device.type == "xpu":  # XPUs that only intel_extension_for_pytorch makes visible
         facts["accelerators"]["xpu"] = torch.xpu.device_count()
     facts["problems"] = check_environment(os.environ, facts, machine)
+    arrive(env, monitor, "environment check", args.timeout)
     rows = [None] * env.world_size
-    dist.all_gather_object(rows, facts, group=world)  # every rank's facts, for the node checks and the report
+    in_step(env, monitor, "environment check", args.timeout,
+            lambda: dist.all_gather_object(rows, facts, group=world))  # every rank's facts, for the report
     report = dict(machine=machine, recognised_by=how, world_size=env.world_size, backend=env.backend,
-                  ranks=rows, problems=[])
-    problems = {}  # message -> ranks that have it
+                  ranks=rows, problems=[], warnings=[])
+    problems, warnings = {}, {}  # message -> ranks that have it
     for row in rows:
         for line in row["problems"]:
-            problems.setdefault(line, []).append(row["rank"])
+            kind = warnings if line.startswith(WARNING) else problems
+            kind.setdefault(line.removeprefix(WARNING), []).append(row["rank"])
     for line in check_nodes(rows):
         problems.setdefault(line, [])
     hosts = [r["host"] for r in rows]
+    uneven = uneven_nodes(hosts)
+    if uneven:
+        problems.setdefault(uneven, [])
     log(env, f"environment: {len(rows)} rank(s) on {len(set(hosts))} node(s), backend {env.backend}")
     for row in rows[:16]:
         d = row["device"]
@@ -925,8 +1055,9 @@ def doctor(args):
         log(env, f"  ... {len(rows) - 16} more ranks (--json)")
     # the hardware
     mine = dict(rank=env.rank, host=facts["host"], **time_hardware(env, args.iters))
+    arrive(env, monitor, "hardware timing", args.timeout)
     timed = [None] * env.world_size
-    dist.all_gather_object(timed, mine, group=world)
+    in_step(env, monitor, "hardware timing", args.timeout, lambda: dist.all_gather_object(timed, mine, group=world))
     report["hardware"] = timed
     for line in stragglers(timed, args.straggler_margin):
         problems.setdefault(line, [])
@@ -936,35 +1067,53 @@ def doctor(args):
              f"{statistics.median(tflops):.3g} / {max(tflops):.3g} TFLOP/s (min / median / max over ranks); copy "
              f"{timed[0]['copy_bytes'] >> 20} MiB to the device: {min(copies):.3g} / {statistics.median(copies):.3g}"
              f" / {max(copies):.3g} GB/s")
-    # the network
+    # the network (every node as many ranks, else its verdict is the report's)
     max_bytes = sweep_max_bytes(args, env.device)
     sizes = [args.min_bytes * 4**k for k in range(64) if args.min_bytes * 4**k <= max_bytes]
-    groups, n_nodes, per_node = link_groups(env, hosts)
     report["links"] = {}
-    for kind, where in (("intra", "inside a node"), ("inter", "across nodes")):
-        g = per_node if kind == "intra" else n_nodes
-        if g < 2:
-            log(env, f"network {where}: one rank per {'node' if kind == 'intra' else 'job'}, nothing to sweep")
-            continue
-        mine_group = groups[kind]
-        link_rows = sweep_link(env, mine_group[0] if mine_group else None, g, sizes, args.iters, world)
-        fit = fit_link(link_rows, g)
-        report["links"][kind] = fit
-        log(env, f"network {where}: all_reduce over {g} ranks, {len(sizes)} sizes {sizes[0]} B..{sizes[-1] >> 10} KiB: "
-                 f"alpha {fit['alpha_s'] * 1e6:.3g} us per ring step, beta {fit['beta_GBps']:.3g} GB/s "
-                 f"(fit within {fit['max_rel_error']:.0%}; busbw at the largest size {link_rows[-1]['busbw_GBps']:.3g} GB/s)")
+    if uneven:
+        log(env, "network: not swept (the nodes hold different numbers of ranks)")
+    else:
+        groups, n_nodes, per_node = link_groups(env, hosts)
+        for kind, where in (("intra", "inside a node"), ("inter", "across nodes")):
+            g = per_node if kind == "intra" else n_nodes
+            if g < 2:
+                log(env, f"network {where}: one rank per {'node' if kind == 'intra' else 'job'}, nothing to sweep")
+                continue
+            mine_group = groups[kind]
+            link_rows = in_step(env, monitor, f"network sweep {where}", args.timeout,
+                                lambda: sweep_link(env, mine_group[0] if mine_group else None, g, sizes, args.iters, world))
+            fit = fit_link(link_rows, g)
+            report["links"][kind] = fit
+            log(env, f"network {where}: all_reduce over {g} ranks, {len(sizes)} sizes {sizes[0]} B..{sizes[-1] >> 10} KiB: "
+                     f"alpha {fit['alpha_s'] * 1e6:.3g} us per ring step, beta {fit['beta_GBps']:.3g} GB/s "
+                     f"(fit within {fit['max_rel_error']:.0%}; busbw at the largest size {link_rows[-1]['busbw_GBps']:.3g} GB/s)")
     for line in check_links(report["links"], machine):
         problems.setdefault(line, [])
     # the verdict: identical on every rank (they all hold the gathered rows); rank 0 prints it
-    report["problems"] = [(f"ranks {ranks_text(r)}: " if len(r) > 1 else f"rank {r[0]}: " if r else "") + line
-                          for line, r in problems.items()]
+    def with_ranks(line, r):
+        return (f"ranks {ranks_text(r)}: " if len(r) > 1 else f"rank {r[0]}: " if r else "") + line
+    report["problems"] = [with_ranks(line, r) for line, r in problems.items()]
+    report["warnings"] = [with_ranks(line, r) for line, r in warnings.items()]
+    for line in report["warnings"]:
+        log(env, f"warning: {line}")
     for line in report["problems"]:
         log(env, f"problem: {line}")
-    log(env, "healthy: no problem found" if not problems else f"{len(problems)} problem(s): fix the lines above, "
-             "then run the doctor again (jobs/README.md says what each means)")
-    if args.json and env.master:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    log(env, ("healthy: no problem found" + (f" ({len(warnings)} warning(s) above)" if warnings else ""))
+        if not problems else f"{len(problems)} problem(s): fix the lines above, "
+        "then run the doctor again (jobs/README.md says what each means)")
+    if args.json:  # checked before the doctor ran; a disk that filled since: one line, exit 2 everywhere
+        written = [None]
+        if env.master:
+            try:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=1, default=str)
+            except OSError as e:
+                written[0] = f"--json {args.json} cannot be written: {e.strerror or e}"
+                say(f"error: {written[0]}", sys.stderr)
+        dist.broadcast_object_list(written, src=0, group=world)
+        if written[0]:
+            problems.setdefault(written[0], [])
     teardown(env)
     sys.exit(2 if problems else 0)
 
@@ -983,6 +1132,9 @@ def main():
     folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
     check(folder is None or os.path.isdir(folder) and os.access(folder, os.W_OK),
           f"--json {args.json}: the directory {folder} does not exist or is not writable")
+    check(folder is None or not os.path.exists(args.json) or os.path.isfile(args.json) and os.access(args.json, os.W_OK),
+          f"--json {args.json} is " + ("a directory" if args.json and os.path.isdir(args.json) else
+                                       "not a regular file it may write") + ": name the file to write the report to")
     check(math.isfinite(args.straggler_margin) and args.straggler_margin > 0,
           f"--straggler_margin must be a positive fraction (0.2: 20% slower), got {args.straggler_margin}")
     check(args.doctor or not (args.json or args.machine), "--json and --machine go with --doctor")

@@ -61,6 +61,9 @@ def load_rows(path):
         raise Refused(f"{path} is a directory, not a metrics file")
     if not os.path.isfile(path):  # a device or a pipe (/dev/zero would be read for ever)
         raise Refused(f"{path} is not a regular file, not a metrics file")
+    too_big = refusal(path, "metrics file")
+    if too_big:
+        raise Refused(too_big)
     rows = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -391,6 +394,26 @@ def plot_schedule(plt, kind, p, m, v):
 # ----------------------------------------------------------------------------------------
 
 TRAIL = "ledger.{rank}.jsonl"  # infra.ledger.trail_path's name: the step/phase trail beside the dumps
+MAX_DUMP_BYTES = 4 * 2**30  # a Flight Recorder dump or a trail beyond this is no real run's (20,000 entries: ~10 MB)
+
+
+def refusal(path, what, limit=MAX_DUMP_BYTES):
+    """Why `path` is not read, before a byte of it is (a FIFO nobody writes, /dev/zero, a file of
+    terabytes would be read for ever), or None."""
+    try:
+        stat = os.stat(path)
+    except OSError as e:
+        return f"{path} cannot be read: {e.strerror or e}"
+    import stat as kinds
+    if kinds.S_ISDIR(stat.st_mode):
+        return f"{path} is a directory, not {what}"
+    if not kinds.S_ISREG(stat.st_mode):
+        kind = "a FIFO" if kinds.S_ISFIFO(stat.st_mode) else "a device" if kinds.S_ISCHR(stat.st_mode) or \
+            kinds.S_ISBLK(stat.st_mode) else "a socket" if kinds.S_ISSOCK(stat.st_mode) else "not a regular file"
+        return f"{path} is {kind}, not {what}: not read"
+    if stat.st_size > limit:
+        return f"{path} holds {stat.st_size:,} bytes, more than any {what} ({limit:,}): not read"
+    return None
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -401,36 +424,132 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing {module}.{name}: not a Flight Recorder dump")
 
 
+def read_trail(path):
+    """A ledger trail's JSON objects, and notes on the lines it could not read: a line cut by
+    a disk that filled (or anything else that is not a JSON object) loses only that line."""
+    why = refusal(path, "a ledger trail")
+    if why:
+        return [], [why]
+    rows, bad = [], []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    row = None
+                if isinstance(row, dict):
+                    rows.append(row)
+                else:
+                    bad.append(number)
+    except OSError as e:
+        return rows, [f"{path} cannot be read: {e.strerror or e}"]
+    notes = [f"{path}: line{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:5]))}"
+             f"{', ...' if len(bad) > 5 else ''} not a trail line (cut, or not JSON): skipped"] if bad else []
+    return rows, notes
+
+
+def _int(value):
+    """A whole number from a dump or a trail (older torch, a string), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    if isinstance(value, (str, bytes)) and len(value) < 40:
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def entry_of(raw):
+    """One Flight Recorder entry as the reader needs it, from any torch since 2.3 (seq_id before
+    collective_seq_id), or None when it lacks what places it (a dict with a process group
+    and a number): dict(key, desc, seq, p2p, op, backend, state, t_ns, record)."""
+    if not isinstance(raw, dict):
+        return None
+    group = raw.get("process_group")
+    if not (isinstance(group, (list, tuple)) and group and isinstance(group[0], (str, int))):
+        return None
+    p2p = raw.get("is_p2p") is True
+    seq = _int(raw.get("p2p_seq_id") if p2p else raw.get("collective_seq_id", raw.get("seq_id")))
+    if seq is None:
+        return None
+    name = raw.get("profiling_name")
+    name = name if isinstance(name, str) else "?"
+    state = raw.get("state")
+    return dict(key=str(group[0]), desc=str(group[1]) if len(group) > 1 else "", seq=seq, p2p=p2p,
+                op=name.split(":", 1)[-1][:60] or "?", backend=name.split(":", 1)[0] if ":" in name else "",
+                state=state if isinstance(state, str) else None, t_ns=_int(raw.get("time_created_ns")),
+                record=_int(raw.get("record_id")))
+
+
+def group_ranks(config):
+    """A pg_config entry's ranks, a list of whole numbers, or None (nested, cut or odd: unread)."""
+    ranks = config.get("ranks") if isinstance(config, dict) else None
+    if isinstance(ranks, str):
+        if len(ranks) > 10**7:
+            return None
+        try:
+            ranks = json.loads(ranks)
+        except (ValueError, RecursionError):
+            return None
+    if isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        return ranks
+    return None
+
+
 def read_dumps(folder):
     """{rank: dump} of the Flight Recorder dumps in `folder` (files named <prefix><rank>, all
-    with one prefix, as TORCH_FR_DUMP_TEMP_FILE writes them), and {rank: trail lines}."""
+    with one prefix, as TORCH_FR_DUMP_TEMP_FILE writes them), {rank: trail rows}, notes on what
+    was not read, and {rank: path} of the dumps older than this run (not read as its)."""
     if not os.path.isdir(folder):
         raise Refused(f"--hangs {folder}: " + ("no such directory" if not os.path.exists(folder) else
                       "not a directory (the folder of the Flight Recorder dumps, logs/fr-<job id>)"))
-    dumps, trails, prefixes = {}, {}, set()
+    dumps, trails, prefixes, notes, written = {}, {}, set(), [], {}
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         trail = re.fullmatch(TRAIL.replace(".", r"\.").replace("{rank}", r"(\d+)"), name)
         if trail:
-            trails[int(trail.group(1))] = load_rows(path)
+            trails[int(trail.group(1))], more = read_trail(path)
+            notes += more
             continue
         found = re.fullmatch(r"(.*?)(\d+)", name)
-        if not found or name.startswith(".") or not os.path.isfile(path):
+        if not found or name.startswith(".") or os.path.isdir(path):
+            continue
+        why = refusal(path, "a Flight Recorder dump")
+        if why:
+            notes.append(why)
             continue
         try:
             with open(path, "rb") as f:
                 dump = _PlainUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, OSError) as e:
-            raise Refused(f"{path} is not a Flight Recorder dump ({e})") from None
+            written[int(found.group(2))] = os.stat(path).st_mtime_ns
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, OSError, RecursionError, MemoryError,
+                AttributeError, IndexError, KeyError) as e:
+            raise Refused(f"{path} is not a Flight Recorder dump ({str(e)[:200]})") from None
         if not (isinstance(dump, dict) and isinstance(dump.get("entries"), list)):
             raise Refused(f"{path} is not a Flight Recorder dump (no entries)")
         prefixes.add(found.group(1))
-        dumps[int(found.group(2))] = dump
+        dumps[int(found.group(2))] = (dump, path)
     if not dumps:
-        raise Refused(f"--hangs {folder}: no Flight Recorder dumps (files <prefix><rank>) in it")
+        raise Refused(f"--hangs {folder}: no Flight Recorder dumps (files <prefix><rank>) in it"
+                      + (f" that can be read ({notes[0]})" if notes else ""))
     if len(prefixes) > 1:
         raise Refused(f"--hangs {folder}: dumps of several prefixes ({', '.join(sorted(prefixes))}): one job's only")
-    return dumps, trails
+    # this run began at its trails' first line (each trail is rewritten when a run starts), or at
+    # the first entry of its newest dump: a dump written before that is an earlier run's
+    firsts = [row["t_ns"] for rows in trails.values() for row in rows[:2] if _int(row.get("t_ns")) is not None]
+    newest = max(dumps, key=lambda r: written[r])
+    times = [e["t_ns"] for e in map(entry_of, dumps[newest][0]["entries"]) if e and e["t_ns"] is not None]
+    began = min([_int(t) for t in firsts] + ([min(times)] if times else []), default=None)
+    stale = {r: path for r, (dump, path) in dumps.items() if began is not None and written[r] < began}
+    return {r: d for r, (d, p) in dumps.items() if r not in stale}, trails, notes, stale
 
 
 def hang_lines(folder):
@@ -440,75 +559,89 @@ def hang_lines(folder):
     others wait for it to post; then the first operation that not every rank of its group
     posted. An operation is done when its state says so (NCCL, XCCL); gloo does not update
     the state, so there an operation is done once every member of its group posted it,
-    unless it is the last operation every one of them posted.
+    unless it is the last operation every one of them posted. Entries and trail lines it
+    cannot read (an older or newer torch's, cut ones) are counted in a note, never a
+    traceback; the work is linear in the entries.
 
         rank 0 waits in operation #3 (all_reduce) on group world, posted at step 7, phase forward
         rank 2 waits in no operation: it has not posted #3 on group world, which ranks 0, 1 wait in;
                its last was #2 (all_reduce) on group world, posted at step 6, phase optimizer
     """
-    dumps, trails = read_dumps(folder)
+    raw_dumps, trails, notes, stale = read_dumps(folder)
     groups = {}  # group name -> {"name", "ranks"}
-    for rank, dump in dumps.items():
-        for key, config in (dump.get("pg_config") or {}).items():
-            if key and isinstance(config, dict):
-                ranks = config.get("ranks")
-                ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
-                if ranks:
-                    groups.setdefault(key, {})["ranks"] = list(ranks)
+    dumps = {}  # rank -> its readable entries, in the order they were recorded
+    for rank, dump in raw_dumps.items():
+        configs = dump.get("pg_config")
+        for key, config in (configs.items() if isinstance(configs, dict) else ()):
+            ranks = group_ranks(config)
+            if key and ranks:
+                groups.setdefault(str(key), {})["ranks"] = ranks
+        entries = [entry_of(raw) for raw in dump["entries"]]
+        unread = sum(e is None for e in entries)
+        if unread:
+            notes.append(f"rank {rank}: {unread} of {len(entries)} Flight Recorder entries not read (no process "
+                         "group or sequence number: another torch's format)")
+        entries = [e for e in entries if e is not None]
+        if all(e["record"] is not None for e in entries):
+            entries.sort(key=lambda e: e["record"])
+        dumps[rank] = entries
     for rows in trails.values():
         for row in rows:
-            if "group" in row:
-                groups.setdefault(str(row["group"]), {}).update(name=row.get("name"), ranks=row.get("ranks"))
+            if "group" in row and isinstance(row.get("group"), (str, int)):
+                ranks = row.get("ranks")
+                groups.setdefault(str(row["group"]), {}).update(
+                    name=row["name"] if isinstance(row.get("name"), str) else None,
+                    ranks=ranks if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks) else None)
+    steps = {rank: [(_int(r["t_ns"]), r.get("step"), r.get("phase")) for r in rows
+                    if "t_ns" in r and _int(r["t_ns"]) is not None] for rank, rows in trails.items()}
 
     def label(entry):
-        key, desc = entry["process_group"]
-        known = groups.get(key, {})
+        known = groups.get(entry["key"], {})
         if known.get("name"):
             return known["name"]
-        if desc == "default_pg":
+        if entry["desc"] == "default_pg":
             return "world"
-        if desc and desc != "undefined":
-            return desc
-        return "ranks " + ",".join(map(str, known.get("ranks") or [])) if known.get("ranks") else f"group {key}"
-
-    def number(entry):
-        return entry["p2p_seq_id"] if entry.get("is_p2p") else entry["collective_seq_id"]
-
-    def operation(entry):
-        return entry.get("profiling_name", "?").split(":", 1)[-1]
+        if entry["desc"] and entry["desc"] != "undefined":
+            return entry["desc"][:60]
+        return "ranks " + ",".join(map(str, known.get("ranks") or [])) if known.get("ranks") else f"group {entry['key']}"
 
     def posted(rank, entry):
-        rows = [r for r in trails.get(rank, []) if "t_ns" in r and r["t_ns"] <= entry.get("time_created_ns", 0)]
-        if not rows:
+        before = [row for row in steps.get(rank, []) if entry["t_ns"] is not None and row[0] <= entry["t_ns"]]
+        if not before:
             return "at an unknown step and phase (no ledger trail)" if rank not in trails else \
+                "at an unknown step and phase (no time in the entry)" if entry["t_ns"] is None else \
                 "before the first step"
-        return f"at step {rows[-1]['step']}, phase {rows[-1]['phase']}"
+        return f"at step {before[-1][1]}, phase {before[-1][2]}"
 
-    # the highest collective number each rank posted on each group
-    last = {}
-    for rank, dump in dumps.items():
-        for e in dump["entries"]:
-            if not e.get("is_p2p"):
-                key = e["process_group"][0]
-                last[rank, key] = max(last.get((rank, key), 0), e["collective_seq_id"])
-
-    final = {}  # each rank's last collective: (group, number)
-    for rank, dump in dumps.items():
-        entries = sorted(dump["entries"], key=lambda e: e.get("record_id", 0))
-        if entries and not entries[-1].get("is_p2p"):
-            final[rank] = (entries[-1]["process_group"][0], entries[-1]["collective_seq_id"])
+    # the highest collective number each rank posted on each group; each rank's last
+    # collective; the last p2p entry of each rank on each group (one pass over the entries)
+    last, final, last_p2p = {}, {}, {}
+    for rank, entries in dumps.items():
+        for e in entries:
+            if e["p2p"]:
+                last_p2p[rank, e["key"]] = e
+            else:
+                last[rank, e["key"]] = max(last.get((rank, e["key"]), 0), e["seq"])
+        if entries and not entries[-1]["p2p"]:
+            final[rank] = (entries[-1]["key"], entries[-1]["seq"])
+    posted_on = {}
+    for rank, key in last:
+        posted_on.setdefault(key, set()).add(rank)
+    memo = {}
 
     def members(key):
-        ranks = groups.get(key, {}).get("ranks") or sorted({r for r, k in last if k == key})
-        return [r for r in ranks if r in dumps]
+        if key not in memo:
+            ranks = groups.get(key, {}).get("ranks") or sorted(posted_on.get(key, ()))
+            memo[key] = [r for r in ranks if r in dumps]
+        return memo[key]
 
-    def pending(rank, entry, entries):
-        if not entry["profiling_name"].startswith("gloo:"):
-            return entry.get("state") != "completed"
-        key = entry["process_group"][0]
-        if entry.get("is_p2p"):  # not numbered alike on both sides: pending while the last on its group
-            return entry is [e for e in entries if e["process_group"][0] == key][-1]
-        seq = entry["collective_seq_id"]
+    def pending(rank, entry):
+        if entry["backend"] != "gloo":
+            return entry["state"] != "completed"
+        key = entry["key"]
+        if entry["p2p"]:  # not numbered alike on both sides: pending while the last on its group
+            return entry is last_p2p.get((rank, key))
+        seq = entry["seq"]
         if not all(last.get((r, key), 0) >= seq for r in members(key)):
             return True  # a member has not posted it: it cannot have completed
         # every member posted it: done, unless it is the last thing every member posted (they
@@ -517,36 +650,36 @@ def hang_lines(folder):
 
     waits, lines = {}, []
     for rank in sorted(dumps):
-        entries = sorted(dumps[rank]["entries"], key=lambda e: e.get("record_id", 0))
-        waits[rank] = next((e for e in entries if pending(rank, e, entries)), None)
+        waits[rank] = next((e for e in dumps[rank] if pending(rank, e)), None)
     missing = {}  # (group, number) -> ranks that did not post it
     for rank, entry in waits.items():
-        if entry is not None and not entry.get("is_p2p"):
-            key, seq = entry["process_group"][0], entry["collective_seq_id"]
+        if entry is not None and not entry["p2p"]:
+            key, seq = entry["key"], entry["seq"]
             late = [r for r in members(key) if last.get((r, key), 0) < seq]
             if late:
                 missing.setdefault((key, seq, label(entry)), set()).update(late)
     for rank in sorted(dumps):
         entry = waits[rank]
         if entry is not None:
-            lines.append(f"rank {rank} waits in operation #{number(entry)} ({operation(entry)}) on group "
+            lines.append(f"rank {rank} waits in operation #{entry['seq']} ({entry['op']}) on group "
                          f"{label(entry)}, posted {posted(rank, entry)}")
             continue
         line = f"rank {rank} waits in no operation"
         for (key, seq, name), late in sorted(missing.items()):
             if rank in late:
-                waiting = sorted(r for r, e in waits.items() if e is not None and e["process_group"][0] == key
-                                 and not e.get("is_p2p") and e["collective_seq_id"] == seq)
+                waiting = sorted(r for r, e in waits.items() if e is not None and e["key"] == key
+                                 and not e["p2p"] and e["seq"] == seq)
                 line += f": it has not posted #{seq} on group {name}, which rank(s) {', '.join(map(str, waiting))} wait in"
                 break
-        entries = sorted(dumps[rank]["entries"], key=lambda e: e.get("record_id", 0))
-        if entries:
-            e = entries[-1]
-            line += f"; its last was #{number(e)} ({operation(e)}) on group {label(e)}, posted {posted(rank, e)}"
+        if dumps[rank]:
+            e = dumps[rank][-1]
+            line += f"; its last was #{e['seq']} ({e['op']}) on group {label(e)}, posted {posted(rank, e)}"
         lines.append(line)
     world = max((len(g.get("ranks") or []) for g in groups.values()), default=0)
-    absent = [rank for rank in range(world) if rank not in dumps]
-    lines += [f"rank {rank}: no dump (its process ended before it could write one)" for rank in absent]
+    absent = [rank for rank in range(max(world, max(stale, default=-1) + 1)) if rank not in dumps]
+    lines += [f"rank {rank}: no dump of this run (its dump {stale[rank]} was written before this run began: an "
+              "earlier run's, not read)" if rank in stale else
+              f"rank {rank}: no dump (its process ended before it could write one)" for rank in absent]
     if missing:
         (key, seq, name), late = min(missing.items(), key=lambda item: item[0][1])
         lines.append(f"the hang: rank(s) {', '.join(map(str, sorted(late)))} never posted #{seq} on group {name}")
@@ -556,7 +689,7 @@ def hang_lines(folder):
     elif any(e is not None for e in waits.values()):
         lines.append("the hang: every rank posted the operations the others wait in: a slow or failed link, "
                      "not ranks that disagree on what comes next")
-    return lines
+    return lines + [f"note: {note}" for note in notes]
 
 
 class _Parser(argparse.ArgumentParser):

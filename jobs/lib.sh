@@ -105,12 +105,16 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/${USER:-$(id -un)}/triton}  # [
 # the dumps the ledger leaves each rank's step and phase (infra/ledger.py), and
 #   python plot.py --hangs FOLDER
 # says where every rank waits (docs/failures.md, "Hangs on GPUs").
+# Outside a scheduler FOLDER ends in "-local" or "-" (no job id): each run gets its own, named
+# by its start time and process id, so a second run's dumps never sit beside the first's.
 flight_recorder() {
-    mkdir -p "$1"
+    local folder=$1
+    case $folder in *-local|*-) folder=${folder%-}${folder:+-}$(date +%Y%m%dT%H%M%S)-$$ ;; esac
+    mkdir -p "$folder"
     export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}  # [torch-fr] entries kept per rank (0 turns the recorder off)
     export TORCH_NCCL_DUMP_ON_TIMEOUT=1    # [torch-fr] dump every rank's buffer when a collective times out
-    export TORCH_FR_DUMP_TEMP_FILE=$1/rank_  # [torch-fr] the dumps: FOLDER/rank_<rank>, on the shared file system
-    echo "a hang leaves its Flight Recorder dumps in $1: python plot.py --hangs $1"
+    export TORCH_FR_DUMP_TEMP_FILE=$folder/rank_  # [torch-fr] the dumps: FOLDER/rank_<rank>, on the shared file system
+    echo "a hang leaves its Flight Recorder dumps in $folder: python plot.py --hangs $folder"
 }
 
 # has_checkpoint OUT_DIR: OUT_DIR holds a committed checkpoint to resume from. The one place

@@ -40,7 +40,7 @@ AURORA_ENV = dict(
     PALS_RANKID="0", PALS_LOCAL_RANKID="0", PMI_RANK="0", PMI_SIZE="24", PALS_LOCAL_SIZE="12",
     OMP_NUM_THREADS="4", ZE_FLAT_DEVICE_HIERARCHY="FLAT", CCL_PROCESS_LAUNCHER="pmix", CCL_ATL_TRANSPORT="mpi",
     CCL_KVS_MODE="mpi", CCL_KVS_USE_MPI_RANKS="1", CCL_CONFIGURATION="cpu_gpu_dpcpp",
-    FI_MR_CACHE_MONITOR="disabled", FI_CXI_RX_MATCH_MODE="hybrid")
+    FI_MR_CACHE_MONITOR="userfaultfd", FI_CXI_RX_MATCH_MODE="hybrid")  # the oneCCL page's minimal set
 FRONTIER_ENV = dict(
     SLURM_JOB_ID="99", SLURM_CLUSTER_NAME="frontier", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="16",
     SLURM_JOB_NUM_NODES="2", ROCR_VISIBLE_DEVICES="4", OMP_NUM_THREADS="7", NCCL_NET="OFI",
@@ -114,7 +114,7 @@ KNOWN_BAD = [
     ("polaris", {}, [], dict(mpi=dict(size=1, rank=0, library="Open MPI v4.1.5")),
      [["sees rank 0 of 1", "started rank 0 of 8", "--no-binary mpi4py"]]),
     ("polaris", {}, [], dict(libraries={"librccl-net": None, "libnccl-net": None}),
-     [["no network plugin (libnccl-net", "module load conda"]]),
+     [["no network plugin (libnccl-net", "/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib", "jobs/polaris.sh"]]),
     ("polaris", {}, [], dict(affinity=list(range(64))), [["not bound to cores", "--cpu-bind depth"]]),
     ("polaris", {}, ["NCCL_NET"], {}, [["NCCL_NET is unset", 'export NCCL_NET=AWS Libfabric']]),
     # Aurora: a binding that includes a reserved core; CCL workers on a rank's cores; the
@@ -129,6 +129,14 @@ KNOWN_BAD = [
                             device=dict(type="cpu", index=None, name=None, physical=None, uid=None, near_cpus=None)),
      [["no GPU visible", "module load frameworks"]]),
     ("aurora", {}, ["CCL_ATL_TRANSPORT"], {}, [["CCL_ATL_TRANSPORT is unset", "export CCL_ATL_TRANSPORT=mpi"]]),
+    # the tuning list's FI_MR_CACHE_MONITOR=disabled against the minimal set's userfaultfd
+    ("aurora", {"FI_MR_CACHE_MONITOR": "disabled"}, [], {},
+     [["FI_MR_CACHE_MONITOR=disabled on 2 node(s)", "export FI_MR_CACHE_MONITOR=userfaultfd", "minimal set"]]),
+    ("aurora", {"FI_MR_CACHE_MONITOR": "memhooks"}, [], {}, [["memhooks", "export FI_MR_CACHE_MONITOR=userfaultfd"]]),
+    # a typo's huge range is counted, never built; a range beyond the node's CPUs is named
+    ("aurora", {"CCL_WORKER_AFFINITY": "0-99999999999"}, [], {},
+     [["CCL_WORKER_AFFINITY=0-99999999999 is not a list of this node's cores (0-207)"]]),
+    ("aurora", {"CCL_WORKER_AFFINITY": "100-101,x"}, [], {}, [["is not a list of this node's cores"]]),
     # Frontier: memhooks (olcf-user-docs #947), or the monitor unset; no aws-ofi-rccl plugin on
     # two nodes; NCCL_NET=OFI on one node; srun without --gpus-per-task=1; alt_read alone
     ("frontier", {"FI_MR_CACHE_MONITOR": "memhooks"}, [], {},
@@ -151,6 +159,42 @@ KNOWN_BAD = [
     ("perlmutter", {}, ["SLURM_PROCID", "SLURM_NTASKS"], dict(launcher="single", world_size=1, local_world_size=1),
      [["one process in a 2-node job", "srun"]]),
 ]
+
+
+POLARIS_PLUGIN = ("NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC", "NCCL_COLLNET_ENABLE", "NCCL_NET")
+
+
+@pytest.mark.parametrize("changes", [{"NCCL_PLUGIN": "off"}, {}])
+def test_alcfs_plugin_off_remedy_is_one_warning_not_problems(changes):
+    """jobs/polaris.sh's NCCL_PLUGIN=off (or the four variables unset by hand, as ALCF's NCCL page
+    says when the plugin hangs a pipeline job) is one warning: the doctor exits 0 on it."""
+    lines = diagnose("polaris", changes, POLARIS_PLUGIN)
+    assert len(lines) == 1 and lines[0].startswith(collectives.WARNING) and "NCCL_PLUGIN=off" in lines[0], lines
+    # a job with none of the page's variables is not that remedy: every missing one is a problem
+    bare = diagnose("polaris", {}, POLARIS_PLUGIN + ("FI_CXI_DEFAULT_CQ_SIZE",))
+    assert len(bare) == 2 and not any(line.startswith(collectives.WARNING) for line in bare), bare
+
+
+def test_mpi4py_of_another_mpi_is_a_warning_when_the_ranks_met_another_way():
+    """common.setup falls back to Slurm's variables or MASTER_ADDR/PORT, as training does: said."""
+    seen = dict(mpi=dict(size=1, rank=0, library="Open MPI v4.1.5"))
+    assert not diagnose("polaris", **seen)[0].startswith(collectives.WARNING)
+    line, = diagnose("polaris", rendezvous="env", **seen)
+    assert line.startswith(collectives.WARNING) and "MASTER_ADDR and MASTER_PORT" in line and "sees rank 0 of 1" in line
+
+
+@pytest.mark.parametrize("name", ["SLURM_JOB_NUM_NODES", "SLURM_NNODES"])
+def test_a_node_count_that_is_no_number_is_one_line_naming_it(name, capsys):
+    with pytest.raises(SystemExit) as stop:
+        diagnose("frontier", {name: "abc"}, [] if name == "SLURM_JOB_NUM_NODES" else ["SLURM_JOB_NUM_NODES"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {name}=abc "), err
+
+
+def test_uneven_nodes_are_the_verdict_and_even_ones_are_not():
+    assert collectives.uneven_nodes(["a"] * 4 + ["b"] * 4) is None
+    line = collectives.uneven_nodes(["a"] * 4 + ["b"] * 3)
+    assert "ranks per node (4 on a, 3 on b)" in line and "--ppn" in line and "skipped" in line
 
 
 @pytest.mark.parametrize("machine, changes, unset, fact_changes, expected", KNOWN_BAD,
@@ -275,6 +319,7 @@ def test_a_bad_measured_file_is_one_line_and_status_2(tmp_path, content, reason,
 
 @pytest.mark.parametrize("flags, reason", [
     (["--doctor", "--json", "/nonexistent-gptpar/doctor.json"], "--json /nonexistent-gptpar/doctor.json: the directory"),
+    (["--doctor", "--json", "/tmp"], "--json /tmp is a directory"),
     (["--doctor", "--straggler_margin", "nan"], "--straggler_margin must be a positive fraction"),
     (["--machine", "polaris"], "--json and --machine go with --doctor"),
     (["--doctor", "--bench"], "give --doctor or --bench, not both"),
@@ -282,3 +327,87 @@ def test_a_bad_measured_file_is_one_line_and_status_2(tmp_path, content, reason,
 def test_bad_doctor_flags_are_one_line_and_status_2(flags, reason):
     run = launch("02_collectives.py", ["--device", "cpu"] + flags, nprocs=2, metrics=False, out_dir=False, timeout=60)
     assert run.returncode == 2 and len(run.error_lines) == 1 and reason in run.error_lines[0], run.stderr
+
+
+# --------------------------------------------------------------------------------------
+# Launches the doctor exists for: uneven nodes, a frozen rank
+# --------------------------------------------------------------------------------------
+
+FAKE_NODES = """import os, socket, sys, time, importlib.util
+sys.path.insert(0, {root!r})
+rank, sizes = int(os.environ["RANK"]), {sizes!r}
+node = next(i for i in range(len(sizes)) if rank < sum(sizes[:i + 1]))  # mpiexec --ppn's blocks
+os.environ.update(LOCAL_RANK=str(rank - sum(sizes[:node])), LOCAL_WORLD_SIZE=str(sizes[node]))
+socket.gethostname = lambda: f"node{{node}}"
+spec = importlib.util.spec_from_file_location("collectives", os.path.join({root!r}, "02_collectives.py"))
+doctor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(doctor)
+matmul = doctor.matmul
+def frozen(a, b):
+    if rank == {frozen}:
+        time.sleep(600)
+    return matmul(a, b)
+doctor.matmul = frozen
+doctor.main()
+"""
+
+
+def test_seven_ranks_on_nodes_of_4_and_3_end_with_the_ranks_per_node_verdict(tmp_path):
+    """`mpiexec -n 7 --ppn 4` (host names faked per rank, the local ranks as MPICH gives them):
+    the verdict, not a hang in groups made only on their members."""
+    script = tmp_path / "uneven_doctor.py"
+    script.write_text(FAKE_NODES.format(root=ROOT, sizes=[4, 3], frozen=-1))
+    run = launch(str(script), ["--doctor", "--device", "cpu", "--iters", "1", "--timeout", "60", "--straggler_margin",
+                               "1e6"], nprocs=7,
+                 metrics=False, out_dir=False, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    problems = [line for line in run.stdout.splitlines() if line.startswith("problem: ")]
+    assert problems == ["problem: the nodes hold different numbers of ranks per node (4 on node0, 3 on node1): "
+                        "launch as many on each (-n a multiple of --ppn, or --ntasks-per-node); the network sweep "
+                        "is skipped"], run.stdout
+    assert "network: not swept" in run.stdout
+
+
+def test_a_frozen_rank_is_named_with_the_step_it_was_in(tmp_path):
+    """Rank 1 of 3 freezes in the hardware timing: one line names it and the step, within
+    --timeout, exit 2 (not gloo's traceback)."""
+    script = tmp_path / "frozen_doctor.py"
+    script.write_text(FAKE_NODES.format(root=ROOT, sizes=[3], frozen=1))
+    run = launch(str(script), ["--doctor", "--device", "cpu", "--iters", "1", "--timeout", "3"], nprocs=3,
+                 metrics=False, out_dir=False, timeout=60, grace=1)
+    assert run.returncode == 2 and run.seconds < 30, (run.returncode, run.seconds, run.stderr)
+    assert run.error_lines == ["error: rank(s) 1 did not finish the doctor's hardware timing within --timeout 3 s "
+                               "(frozen, or its node is down): leave that node out and run the doctor again"], run.stderr
+    assert "Traceback" not in run.stderr
+
+
+OTHER_MPI = """import os, sys, types, importlib.util
+sys.path.insert(0, {root!r})
+# PALS's mpiexec (Polaris, Aurora) with an mpi4py built on another MPI: a world of one on each rank
+rank, size = os.environ.pop("RANK"), os.environ.pop("WORLD_SIZE")
+os.environ.update(PALS_RANKID=rank, PMI_RANK=rank, PMI_SIZE=size, PALS_LOCAL_RANKID=rank, PALS_LOCAL_SIZE=size)
+class World:
+    Get_size = staticmethod(lambda: 1)
+    Get_rank = staticmethod(lambda: 0)
+sys.modules["mpi4py"] = types.SimpleNamespace(MPI=types.SimpleNamespace(
+    COMM_WORLD=World(), Get_library_version=lambda: "Open MPI v4.1.5"))
+spec = importlib.util.spec_from_file_location("collectives", os.path.join({root!r}, "02_collectives.py"))
+doctor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(doctor)
+doctor.main()
+"""
+
+
+def test_mpi4py_of_another_mpi_falls_back_as_training_does_and_warns(tmp_path):
+    """The doctor meets through MASTER_ADDR/PORT, as common.setup does for training, and says why."""
+    script = tmp_path / "other_mpi_doctor.py"
+    script.write_text(OTHER_MPI.format(root=ROOT))
+    run = launch(str(script), ["--doctor", "--device", "cpu", "--iters", "1", "--max_bytes", "65536",
+                               "--straggler_margin", "1e6"], nprocs=2, metrics=False, out_dir=False, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    warnings = [line for line in run.stdout.splitlines() if line.startswith("warning: ")]
+    assert [w.split(": mpi4py is built")[0] for w in warnings] == [
+        f"warning: rank {r}: mpi4py's MPI (Open MPI v4.1.5) sees rank 0 of 1 where the launcher started rank {r} of 2"
+        for r in (0, 1)], run.stdout
+    assert all(w.endswith("(the ranks met through MASTER_ADDR and MASTER_PORT instead, as training does)") for w in warnings)
+    assert run.stdout.splitlines()[-1] == "healthy: no problem found (2 warning(s) above)"

@@ -96,3 +96,91 @@ def test_hangs_refuses_what_is_not_a_dump_in_one_line(tmp_path):
     assert p.stderr.startswith(f"error: {tmp_path}/rank_0 is not a Flight Recorder dump (refusing posix.system")
     p = hangs(tmp_path / "nothing")
     assert p.returncode == 2 and p.stderr == f"error: --hangs {tmp_path}/nothing: no such directory\n"
+
+
+# --------------------------------------------------------------------------------------
+# Dumps as other torch versions, full disks and second runs leave them (one process, no launch)
+# --------------------------------------------------------------------------------------
+
+def entry(seq, group="0", desc="default_pg", op="all_reduce", t_ns=1000, record=None, p2p=False, **more):
+    e = dict(record_id=seq if record is None else record, process_group=[group, desc], collective_seq_id=seq,
+             p2p_seq_id=0, is_p2p=p2p, profiling_name=f"gloo:{op}", time_created_ns=t_ns, state="scheduled")
+    e.update(more)
+    return e
+
+
+def write_dump(folder, rank, entries, pg_config=None):
+    folder.mkdir(exist_ok=True)
+    (folder / f"rank_{rank}").write_bytes(pickle.dumps({"entries": entries, "pg_config": pg_config or {}}))
+
+
+def hangs(folder):
+    import plot
+    return plot.hang_lines(str(folder))
+
+
+def test_older_and_odd_dumps_are_read_where_they_can_be_and_the_rest_named(tmp_path):
+    """torch before collective_seq_id (seq_id), entries without a process group, string
+    entries, a string time and a pg_config nested thousands deep: read, never a traceback."""
+    old = [{k: v for k, v in entry(s).items() if k != "collective_seq_id"} | {"seq_id": s} for s in (1, 2)]
+    nested = {"0": {"ranks": "[" * 5000 + "]" * 5000}, "1": [[[[1]]]]}
+    write_dump(tmp_path, 0, old + ["a string entry", {"record_id": 9, "collective_seq_id": 3}], pg_config=nested)
+    write_dump(tmp_path, 1, [entry(1, t_ns="1000")])
+    lines = hangs(tmp_path)
+    assert lines[:2] == ["rank 0 waits in operation #2 (all_reduce) on group world, posted at an unknown step and "
+                         "phase (no ledger trail)",
+                         "rank 1 waits in no operation: it has not posted #2 on group world, which rank(s) 0 wait in; "
+                         "its last was #1 (all_reduce) on group world, posted at an unknown step and phase "
+                         "(no ledger trail)"], lines
+    assert "note: rank 0: 2 of 4 Flight Recorder entries not read (no process group or sequence number: " \
+           "another torch's format)" in lines
+
+
+def test_hangs_is_linear_in_the_entries(tmp_path):
+    """50,000 entries per rank (a larger TORCH_FR_BUFFER_SIZE), p2p among them: seconds, not hours."""
+    import time
+    for rank in (0, 1):
+        write_dump(tmp_path, rank, [entry(i // 2 + 1, p2p=True, op="send", p2p_seq_id=i // 2 + 1, record=i)
+                                    if i % 2 else entry(i // 2 + 1, record=i) for i in range(50_000 - rank)])
+    t0 = time.perf_counter()
+    lines = hangs(tmp_path)
+    assert time.perf_counter() - t0 < 10 and lines[-1].startswith("the hang"), lines
+
+
+def test_an_earlier_runs_dump_is_not_read_as_this_runs_and_a_cut_trail_line_loses_only_itself(tmp_path):
+    """Two runs into one folder: rank 0's dump is the first run's (written before this run's
+    trail began), so it is named, not read; the trail's last line, cut by a full disk, is skipped."""
+    write_dump(tmp_path, 0, [entry(1, t_ns=10)])
+    os.utime(tmp_path / "rank_0", ns=(50, 50))
+    now = 10**18
+    write_dump(tmp_path, 1, [entry(1, t_ns=now + 5), entry(2, t_ns=now + 7)])
+    for rank in (0, 1):
+        (tmp_path / f"ledger.{rank}.jsonl").write_text(
+            f'{{"group": "0", "name": "world", "ranks": [0, 1]}}\n{{"t_ns": {now}, "step": 4, "phase": "forward"}}\n'
+            f'{{"t_ns": {now + 6}, "step": 4, "phase": "backward"}}\n{{"t_ns": {now + 8}, "st')
+    lines = hangs(tmp_path)
+    assert lines[0] == "rank 1 waits in operation #2 (all_reduce) on group world, posted at step 4, phase backward", lines
+    assert f"rank 0: no dump of this run (its dump {tmp_path}/rank_0 was written before this run began: an earlier " \
+           "run's, not read)" in lines
+    assert f"note: {tmp_path}/ledger.1.jsonl: line 4 not a trail line (cut, or not JSON): skipped" in lines
+
+
+def test_a_fifo_or_device_among_the_dumps_is_named_not_read(tmp_path):
+    write_dump(tmp_path, 0, [entry(1)])
+    os.mkfifo(tmp_path / "rank_1")  # nobody writes it: reading it would wait for ever
+    os.symlink("/dev/zero", tmp_path / "ledger.0.jsonl")
+    lines = hangs(tmp_path)
+    assert f"note: {tmp_path}/rank_1 is a FIFO, not a Flight Recorder dump: not read" in lines, lines
+    assert f"note: {tmp_path}/ledger.0.jsonl is a device, not a ledger trail: not read" in lines, lines
+
+
+def test_two_runs_outside_a_scheduler_leave_their_dumps_apart(tmp_path):
+    """jobs/lib.sh: without a job id ("fr-local", "fr-") each run's folder is named by its start."""
+    def folder(base):
+        p = subprocess.run(["bash", "-c", f"source {ROOT}/jobs/lib.sh && flight_recorder {base} && "
+                            'echo "$TORCH_FR_DUMP_TEMP_FILE"'], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.splitlines()[-1]
+    first, second = folder(tmp_path / "fr-local"), folder(tmp_path / "fr-local")
+    assert first != second and first.startswith(f"{tmp_path}/fr-local-") and first.endswith("/rank_")
+    assert folder(tmp_path / "fr-").startswith(f"{tmp_path}/fr-2") and folder(tmp_path / "fr-77") == f"{tmp_path}/fr-77/rank_"
