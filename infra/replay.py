@@ -113,6 +113,9 @@ def mesh_rotations(made, world_size, roles):
 
 def moved_entry(entry, perm, names, members):
     """One posted operation moved by a mesh rotation: every peer and every group mapped."""
+    group = entry.get("group")
+    if (group is None or names[group] == group) and not ("peer" in entry or "ops" in entry or "sent" in entry):
+        return entry  # nothing in it moves (a collective on the world, or on a group the rotation keeps)
     e = dict(entry)
     if entry.get("group") is not None:
         e["group"] = names[entry["group"]]
@@ -134,20 +137,26 @@ def moved_entry(entry, perm, names, members):
 class MovedOrder(collections.abc.Sequence):
     """A rehearsed rank's posting order moved by a mesh rotation (or by several, composed into
     one), made as it is read: 959 ranks' orders of 4,216 operations each (GPT-3 175B, pp 64 x
-    cp 4 x tp 4) were 6 GiB as dicts; as views they are a permutation of the ranks and a map
-    of the few groups the order posts on.
+    cp 4 x tp 4) were 6 GiB as dicts; as views they are the few ranks and groups the order
+    names, mapped.
 
-        order[i] = moved_entry(source[i], perm, names, members)"""
+        order[i] = moved_entry(source[i], perm, names, members)
+
+    `perm` keeps only the ranks the source order names (its peers, and the members of a group
+    whose all-to-all sizes it records): a data-parallel rank names none, so 65,536 ranks' moved
+    orders are 65,536 small objects, where a whole permutation each was 65,536² integers."""
 
     __slots__ = ("source", "perm", "names", "members")
 
     def __init__(self, source, perm, names, members):
         if isinstance(source, MovedOrder):  # a moved order moved again: one rotation, composed
-            self.source, self.perm = source.source, [perm[r] for r in source.perm]
-            self.names = {g: names[h] for g, h in source.names.items()}
+            self.source = source.source
+            self.perm = {r: perm[p] for r, p in source.perm.items()} if source.perm else source.perm
+            moved = {g: names[h] for g, h in source.names.items()}
+            self.names = source.names if moved == source.names else moved  # (a world's: itself, shared)
         else:
-            used = {e["group"] for e in source if e.get("group") is not None}
-            self.source, self.perm, self.names = source, perm, {g: names[g] for g in used}
+            groups, ranks = named(source)
+            self.source, self.perm, self.names = source, {r: perm[r] for r in ranks}, {g: names[g] for g in groups}
         self.members = members
 
     def __len__(self):
@@ -161,6 +170,21 @@ class MovedOrder(collections.abc.Sequence):
     def __iter__(self):
         perm, names, members = self.perm, self.names, self.members
         return (moved_entry(e, perm, names, members) for e in self.source)
+
+
+def named(order):
+    """The groups and the ranks a posting order names: what moving it needs mapped."""
+    groups, ranks = set(), set()
+    for e in order:
+        if e.get("group") is not None:
+            groups.add(e["group"])
+        if "peer" in e:
+            ranks.add(e["peer"])
+        if "ops" in e:
+            ranks.update(op["peer"] for op in e["ops"])
+        if "sent" in e:
+            ranks.update(e["ranks"])
+    return groups, ranks
 
 
 REPLAYED = ("kind", "group", "ranks", "bytes", "peer", "tag", "ops", "sent", "received")
