@@ -189,3 +189,29 @@ def test_the_symmetry_and_the_replay_take_memory_linear_in_the_world():
     finally:
         tracemalloc.stop()
     assert per_rank[8192] < 1.25 * per_rank[2048] and per_rank[8192] < 4096, per_rank
+
+
+# plan.py --rehearse: the tiny model on 2 GPUs (tests/test_plan.py's cluster)
+PLAN = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--global_batch_size", "8", "--gpus", "2",
+        "--gpus_per_node", "2", "--peak_tflops", "0.05", "--link_gbps", "1", "--rehearse"]
+
+
+def test_plan_rehearse_says_when_nothing_fits_and_rehearses_the_measured_plan(tmp_path, capsys):
+    """Nothing fits (1 MB GPUs): one line saying the rehearsal was not done, exit 1, where it
+    did nothing, exit 0. With --measured: the measured plan's recommendation rehearsed, where
+    --rehearse was ignored."""
+    import plan
+    with pytest.raises(SystemExit) as stop:
+        plan.main([*PLAN, "--gpu_mem_gb", "0.001"])
+    out = capsys.readouterr().out.splitlines()
+    assert stop.value.code == 1 and out[-1] == "plan: --rehearse: not done: nothing fits, so there is no layout to " \
+                                               "rehearse", out[-3:]
+    measured = tmp_path / "doctor.json"
+    measured.write_text(json.dumps({"machine": None, "links": {"intra": {"alpha_s": 5e-6, "beta_GBps": 0.5,
+                                                                         "group_size": 2}}}))
+    plan.main([*PLAN, "--gpu_mem_gb", "1", "--measured", str(measured), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["measured"]["file"] == str(measured) and doc["recommendation"]["script"] == "03_ddp.py"
+    rehearsal = doc["rehearsal"]
+    assert rehearsal["rehearsed"] and rehearsal["replayed"] and rehearsal["status"] == 0, rehearsal
+    assert any(line.startswith("rehearsal: 03_ddp.py as rank(s) 0-1 of 2") for line in rehearsal["lines"]), rehearsal
