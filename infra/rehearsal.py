@@ -29,7 +29,7 @@ from infra.metrics import finite_or_null, spans
 from infra.stop import Guard
 from infra.start import opened_problem, output_problem
 from infra.dry_run import planned_dtype
-from infra.replay import recording_every_group, replay, replay_verdict, symmetric_posts
+from infra.replay import posts_json, recording_every_group, replay, replay_verdict, symmetric_posts
 
 
 # `--rehearse RANKS --world_size N` runs the script's own main() once per named rank, in this
@@ -136,22 +136,19 @@ def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller, groups=No
 def stop_on_signals():
     """Ctrl-C and SIGTERM end a rehearsal at once: a worker exits (its parent says why); the
     process driving it raises Interrupted, ends its workers and exits 128 + the signal."""
+    def interrupted(signum, frame):
+        if REHEARSING is not None and os.getpid() != REHEARSING.parent:
+            os._exit(128 + signum)  # a forked worker, quietly: the terminal's Ctrl-C reached its parent too
+        raise Interrupted(signum)
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _interrupted)
-
-
-def _interrupted(signum, frame):
-    if REHEARSING is None or os.getpid() != REHEARSING.parent:
-        os._exit(128 + signum)  # a forked worker, quietly: the terminal's Ctrl-C reached its parent too
-    raise Interrupted(signum)
+        signal.signal(signum, interrupted)
 
 
 def rehearsal_settings(args):
-    """What the rehearsal reads besides its flags, checked before anything runs (one line
-    naming the cause, exit 2): GPTPAR_REHEARSAL_WORKERS=K, its K forked workers (unset or
-    empty: one per CPU this process may use); GPTPAR_REHEARSAL_POSTS=FILE, every rank's posting
-    order as replayed, in JSON (tests read it); and --metrics, each file writable. Returns
-    (the workers, the posts' file or None)."""
+    """What the rehearsal reads besides its flags, checked before anything runs (one line, exit
+    2): GPTPAR_REHEARSAL_WORKERS=K forked workers (unset or empty: one per CPU it may use);
+    GPTPAR_REHEARSAL_POSTS=FILE, every rank's posting order as replayed, in JSON (tests read
+    it); --metrics. Returns (the workers, the posts' file or None)."""
     text = os.environ.get("GPTPAR_REHEARSAL_WORKERS", "").strip()
     check(text == "" or (text.isascii() and text.isdigit() and int(text) > 0),
           f"GPTPAR_REHEARSAL_WORKERS={text[:40]!r}: expected a whole number of worker processes, 1 or more "
@@ -255,19 +252,9 @@ def written(path, flag, mode, pieces):
     full disk) is one line naming the file, exit 2."""
     try:
         with open(path, mode) as f:
-            for piece in pieces:
-                f.write(piece)
+            f.writelines(pieces)
     except OSError as e:
         fail(f"cannot write {flag} {path}: {e.strerror or e}")
-
-
-def posts_json(rehearsed, posts):
-    """{"rehearsed": [ranks], "posts": {rank: [entries]}} as JSON text, one rank's order at a
-    time: the orders the symmetry fills in are made as they are read, never all at once."""
-    yield '{"rehearsed": ' + json.dumps(rehearsed) + ', "posts": {'
-    for i, (rank, order) in enumerate(posts.items()):
-        yield (", " if i else "") + json.dumps(str(rank)) + ": " + json.dumps(list(order))
-    yield "}}"
 
 
 def cpu_seconds():
@@ -307,9 +294,7 @@ def rehearse_ranks(state, ranks, main, workers):
             try:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-            except ChildProcessError:  # (reaped already)
-                pass
-            except ProcessLookupError:
+            except (ChildProcessError, ProcessLookupError):  # (reaped already)
                 pass
             if os.path.exists(path):
                 os.unlink(path)

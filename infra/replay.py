@@ -7,6 +7,7 @@ import dataclasses
 import collections
 import collections.abc
 import gc
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import wraps
@@ -228,6 +229,15 @@ def symmetric_posts(posts, made, world_size, roles):
     return full, (f"replayed {world_size:,} ranks: {len(posts):,} rehearsed, {world_size - len(posts):,} by symmetry "
                   f"(the mesh's rotations: {how}" + "".join(f"; rank {r} rehearsed and also moved from rank {o}: "
                                                              "the same order" for r, o in sorted(checked.items())) + ")")
+
+
+def posts_json(rehearsed, posts):
+    """{"rehearsed": [ranks], "posts": {rank: [entries]}} as JSON text, one rank's order at a
+    time: the orders the symmetry fills in are made as they are read, never all at once."""
+    yield '{"rehearsed": ' + json.dumps(rehearsed) + ', "posts": {'
+    for i, (rank, order) in enumerate(posts.items()):
+        yield (", " if i else "") + json.dumps(str(rank)) + ": " + json.dumps(list(order))
+    yield "}}"
 
 
 # The posting orders are what record_posts() writes: a rehearsal's (every rank's, in this
