@@ -188,6 +188,18 @@ def named(order):
     return groups, ranks
 
 
+NAMED_RANK_BYTES, MOVED_ORDER_BYTES = 100, 2048  # a moved order's map entry; its object and replay state (measured)
+
+
+def available_bytes():
+    """The memory this host has available (Linux's MemAvailable), or no limit where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return float("inf")
+
+
 REPLAYED = ("kind", "group", "ranks", "bytes", "peer", "tag", "ops", "sent", "received")
 
 
@@ -200,6 +212,11 @@ def symmetric_posts(posts, made, world_size, roles):
         return None, "the rehearsed ranks made different process groups"
     if any(name is None for name, _, _ in groups):
         return None, "a process group has a hashed name (use_local_synchronization)"
+    naming = max(len(named(order)[1]) for order in posts.values())  # ranks a moved order maps (MovedOrder)
+    need, free = (world_size - len(posts)) * (naming * NAMED_RANK_BYTES + MOVED_ORDER_BYTES), available_bytes()
+    if need > free / 2:  # (an all-to-all over a large group names all of its members)
+        return None, (f"the symmetry would need about {need / 2**30:.1f} GiB ({world_size - len(posts):,} ranks' "
+                      f"orders, each naming {naming:,} ranks), more than half the {free / 2**30:.1f} GiB available")
     rotations = mesh_rotations(groups, world_size, roles)
     members = {name: ranks for name, ranks, _ in groups}
     full, queue, checked = dict(posts), collections.deque(sorted(posts)), {}

@@ -12,7 +12,10 @@ symmetry and the replay take memory linear in the world's size.
     workers: exit 130, one line, no worker left;
   * the symmetry of a data-parallel mesh of 65,536 ranks in a few MiB (each moved order keeps
     the ranks it names, not a permutation of the world: 65,536 x 65,536 integers was the
-    MemoryError), and the replay's memory per rank a constant."""
+    MemoryError), and the replay's memory per rank a constant; a symmetry the host cannot hold
+    (each order naming 65,536 ranks) refused in one line naming the size;
+  * plan.py --rehearse when nothing fits says so (exit 1); with --measured it rehearses the
+    measured plan's recommendation."""
 
 import json
 import os
@@ -215,3 +218,18 @@ def test_plan_rehearse_says_when_nothing_fits_and_rehearses_the_measured_plan(tm
     rehearsal = doc["rehearsal"]
     assert rehearsal["rehearsed"] and rehearsal["replayed"] and rehearsal["status"] == 0, rehearsal
     assert any(line.startswith("rehearsal: 03_ddp.py as rank(s) 0-1 of 2") for line in rehearsal["lines"]), rehearsal
+
+
+def test_a_symmetry_too_big_for_the_host_is_refused_naming_the_size(monkeypatch):
+    """An order naming every rank (an all-to-all over the world) at 65,536 ranks: each moved
+    order would map 65,536 ranks (about 400 GiB): refused in one line with the size, at once."""
+    import infra.replay
+    n = 65536
+    world = tuple(range(n))
+    order = [{"kind": "all_to_all_single", "group": "0", "ranks": world, "bytes": 4 * n, "sent": [4] * n,
+              "received": [4] * n, "desc": "world", "where": "step"}]
+    made = [("0", world, "world")]
+    monkeypatch.setattr(infra.replay, "available_bytes", lambda: 64 << 30)
+    full, why = infra.replay.symmetric_posts({0: order, n - 1: order}, {0: made, n - 1: made}, n, [0])
+    assert full is None and why.startswith("the symmetry would need about 400.1 GiB (65,534 ranks' orders, each "
+                                           "naming 65,536 ranks), more than half the 64.0 GiB available"), why
