@@ -92,6 +92,7 @@ from infra.dry_run import planned_device_type, planned_dtype
 from infra.fit import allowance_text, fit_need, planned_room
 from infra.formulas import expert_params, flops_per_token, format_bytes
 from infra.metrics import PEAK_FLOPS
+from infra.stop import with_guard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -282,10 +283,15 @@ def ranks_to_price(name, args, config, n):
 
 
 def rank_costs(name, args, config, n, dtype, rank):
+    """A rank's costs() as its run's ledger states them: the script's, and the guard's flags
+    every step (infra.stop.with_guard: all_reduce[guard], 12 bytes, a run of 2 ranks or more)."""
     module = script(name)
     if name.startswith(("07", "08")):
-        return module.costs(args, config, n, dtype, rank)
-    return module.costs(args, config, n, dtype)
+        return with_guard(module.costs(args, config, n, dtype, rank), n)
+    return with_guard(module.costs(args, config, n, dtype), n)
+
+
+GUARD_OP = "all_reduce[guard]"  # its bytes are counted; no time: the flags travel while the next step runs (Guard)
 
 
 # ----------------------------------------------------------------------------------------
@@ -467,7 +473,8 @@ def score(name, flags, label, plan_args, machine):
         comm = {op: value for op, (_, value) in cost["sent"].items()}
         # the busiest expert-parallel rank receives (and sends back) imbalance x the balanced rows
         comm.update({op: value * plan_args.imbalance for op, value in comm.items() if op == "all_to_all_single[ep]"})
-        comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items())
+        comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items()
+                     if op != GUARD_OP)
         ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s,
                           muon_flops=cost["muon_flops"][1] if "muon_flops" in cost else 0,
                           need=fit_need(cost, planned_device_type(args))))
@@ -623,7 +630,8 @@ def parse(argv=None):
     g.add_argument("--top", type=int, default=25, help="rows of the table")
     g.add_argument("--rehearse", action="store_true",
                    help="then rehearse the recommended layout: its script's real steps as each distinct rank "
-                        "(--rehearse roles, on the fake backend with fake tensors), next to its costs()")
+                        "(--rehearse roles, on the fake backend with fake tensors), next to its costs(); with --measured, "
+                        "the measured plan's recommendation")
     args = p.parse_args(argv)
 
     def error(message):
@@ -848,7 +856,7 @@ def per_link(c, plan_args, machine):
             g, across = group_of(c["script"], op, args, n, G)
             kind = "inter" if across else "intra"
             split[kind][0] += nbytes if g > 1 and op.split("[")[0] != "recv" else 0
-            split[kind][1] += comm_seconds(op, nbytes, g, across, machine)
+            split[kind][1] += comm_seconds(op, nbytes, g, across, machine) if op != GUARD_OP else 0.0
         if worst is None or sum(s for _, s in split.values()) > sum(s for _, s in worst.values()):
             worst = split
     return {kind: tuple(v) for kind, v in worst.items()}
@@ -904,18 +912,22 @@ def main_measured(args, machine):
         changes, lines = ranking_changes(args, machine, measured, before, after)
     said = [f"{LINKS[k]}: alpha {f['alpha_s'] * 1e6:.3g} us, beta {f['beta_GBps']:.3g} GB/s (datasheet "
             f"{machine[f'alpha_{k}'] * 1e6:.3g} us, {machine[f'{k}_gbps']:.3g} GB/s)" for k, f in links.items()]
+    rehearsal = rehearse(after[3], args.gpus, measured) if args.rehearse else None  # the measured plan's choice
     if args.json:
         out = as_json(*after)
         out["measured"] = dict(file=args.measured, links={k: {"alpha_s": f["alpha_s"], "beta_GBps": f["beta_GBps"]}
                                                            for k, f in links.items()},
                                datasheet_recommendation=as_json(*before)["recommendation"], **changes)
-        print(json.dumps(out))
-        return
+        print(json.dumps({**out, **({"rehearsal": rehearsal} if rehearsal else {})}))
+        return rehearsal
     print(f"measured links ({args.measured}): " + "; ".join(said))
     print_table(args, measured, *after)
     print("what the measured links changed:")
     for line in lines:
         print(line)
+    if rehearsal:
+        print_rehearsal(rehearsal)
+    return rehearsal
 
 
 def rehearse(choice, n, machine):
@@ -925,7 +937,10 @@ def rehearse(choice, n, machine):
     from its role's, by the mesh's symmetry, and all N replayed under NCCL's rules). Returns
     {"rehearsed": True when it ran and every rehearsed rank equals its costs() (and the replay,
     where done, found no deadlock), "replayed": True when every rank's order was replayed,
-    "status", "lines"}."""
+    "status", "lines"}; with no layout (nothing fits), not done, its line saying so (status None)."""
+    if choice is None:
+        return {"rehearsed": False, "replayed": False, "status": None,
+                "lines": ["plan: --rehearse: not done: nothing fits, so there is no layout to rehearse"]}
     import subprocess
     argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), choice["script"]),
             *choice["flags"], "--rehearse", "roles", "--world_size", str(n),
@@ -939,26 +954,34 @@ def rehearse(choice, n, machine):
     return {"rehearsed": agreed, "replayed": replayed, "status": done.returncode, "lines": lines}
 
 
+def print_rehearsal(rehearsal):
+    """The rehearsal's lines and the plan's verdict on them."""
+    print("\n".join(rehearsal["lines"]))
+    if rehearsal["status"] is None:  # not done: its line says why
+        return
+    print("plan: REHEARSED: the recommended layout's real steps equal its costs() on every distinct rank"
+          + (", and every rank's posting order replays under NCCL's rules" if rehearsal["replayed"] else
+             " (the posting orders not replayed: see above)")
+          if rehearsal["rehearsed"] else
+          f"plan: the rehearsal of the recommended layout did not agree (exit {rehearsal['status']}): see above")
+
+
 def main(argv=None):
     args, machine = parse(argv)
     if args.measured:
-        return main_measured(args, machine)
-    psi, scored, refused, choice, why = plan(args, machine)
-    rehearsal = rehearse(choice, args.gpus, machine) if args.rehearse and choice else None
-    if args.json:
-        print(json.dumps({**as_json(psi, scored, refused, choice, why),
-                          **({"rehearsal": rehearsal} if rehearsal else {})}))
+        rehearsal = main_measured(args, machine)
     else:
-        print_table(args, machine, psi, scored, refused, choice, why)
-        if rehearsal:
-            print("\n".join(rehearsal["lines"]))
-            print("plan: REHEARSED: the recommended layout's real steps equal its costs() on every distinct rank"
-                  + (", and every rank's posting order replays under NCCL's rules" if rehearsal["replayed"] else
-                     " (the posting orders not replayed: see above)")
-                  if rehearsal["rehearsed"] else
-                  f"plan: the rehearsal of the recommended layout did not agree (exit {rehearsal['status']}): see above")
+        psi, scored, refused, choice, why = plan(args, machine)
+        rehearsal = rehearse(choice, args.gpus, machine) if args.rehearse else None
+        if args.json:
+            print(json.dumps({**as_json(psi, scored, refused, choice, why),
+                              **({"rehearsal": rehearsal} if rehearsal else {})}))
+        else:
+            print_table(args, machine, psi, scored, refused, choice, why)
+            if rehearsal:
+                print_rehearsal(rehearsal)
     if rehearsal and not rehearsal["rehearsed"]:
-        sys.exit(1)
+        sys.exit(1)  # asked for, and it did not agree or could not be done
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import inspect
 import io
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -26,8 +27,9 @@ from infra.ledger import LEDGER
 from infra.activations import ActivationMeter
 from infra.metrics import finite_or_null, spans
 from infra.stop import Guard
+from infra.start import opened_problem, output_problem
 from infra.dry_run import planned_dtype
-from infra.replay import recording_every_group, replay, replay_verdict, symmetric_posts
+from infra.replay import posts_json, recording_every_group, replay, replay_verdict, symmetric_posts
 
 
 # `--rehearse RANKS --world_size N` runs the script's own main() once per named rank, in this
@@ -80,6 +82,11 @@ class Rehearsal:
     results: dict = None  # rank -> {"rows": [...], "cost": costs(), "pieces": (n, bytes)}
     interned: dict = None  # one tuple per distinct group membership
     made: dict = None  # rank -> every group it made: (name, ranks, desc), the world first (symmetry)
+    parent: int = None  # the process that drives the rehearsal (the others are its forked workers)
+
+
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) or SIGTERM during a rehearsal: raised in the process driving it."""
 
 
 def rehearsal_ranks(spec, world_size, roles):
@@ -122,16 +129,63 @@ def rehearsal_start(run, costs, dp_size, aim, multiple, roles, caller, groups=No
     run.meter = ActivationMeter()
     run.groups = groups(run.env) if groups else None  # the script's process groups, as start() makes them
     run.guard = Guard(args, run.env)
+    stop_on_signals()  # (the Guard's handlers wait for a step's end: a rehearsal ends at once)
     return run.env, check_batch(args, dp_size)
+
+
+def stop_on_signals():
+    """Ctrl-C and SIGTERM end a rehearsal at once: a worker exits (its parent says why); the
+    process driving it raises Interrupted, ends its workers and exits 128 + the signal."""
+    def interrupted(signum, frame):
+        if REHEARSING is not None and os.getpid() != REHEARSING.parent:
+            os._exit(128 + signum)  # a forked worker, quietly: the terminal's Ctrl-C reached its parent too
+        raise Interrupted(signum)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupted)
+
+
+def rehearsal_settings(args):
+    """What the rehearsal reads besides its flags, checked before anything runs (one line, exit
+    2): GPTPAR_REHEARSAL_WORKERS=K forked workers (unset or empty: one per CPU it may use);
+    GPTPAR_REHEARSAL_POSTS=FILE, every rank's posting order as replayed, in JSON (tests read
+    it); --metrics. Returns (the workers, the posts' file or None)."""
+    text = os.environ.get("GPTPAR_REHEARSAL_WORKERS", "").strip()
+    check(text == "" or (text.isascii() and text.isdigit() and int(text) > 0),
+          f"GPTPAR_REHEARSAL_WORKERS={text[:40]!r}: expected a whole number of worker processes, 1 or more "
+          "(unset: one per CPU)")
+    posts = os.environ.get("GPTPAR_REHEARSAL_POSTS") or None
+    check(not (posts and args.metrics and os.path.realpath(posts) == os.path.realpath(args.metrics)),
+          f"--metrics and GPTPAR_REHEARSAL_POSTS name the same file, {args.metrics}: the posts would overwrite the rows")
+    for flag, path in (("--metrics", args.metrics), ("GPTPAR_REHEARSAL_POSTS", posts)):
+        if path:
+            problem = output_problem(flag, path) or opened_problem(flag, path)
+            check(problem is None, problem)
+    return int(text) if text else len(os.sched_getaffinity(0)), posts
 
 
 def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     """Drive the rehearsal: the micro-batch as the dry run chooses it, then `main()` once per
     rank, then the report and the replay of every rank's posting order (the ranks not
     rehearsed: by the mesh's symmetry, where it holds). Exits: 0, or 1 when the replay finds a
-    deadlock or a mismatch."""
+    deadlock or a mismatch; Ctrl-C or SIGTERM: at once, its workers ended, one line, 128 + the
+    signal (130 for Ctrl-C)."""
+    global REHEARSING
+    stop_on_signals()
+    try:
+        drive(run, costs, dp_size, aim, multiple, roles, main)
+    except Interrupted as stop:
+        REHEARSING = None
+        signum = stop.args[0]
+        print(f"error: interrupted by {signal.Signals(signum).name}: the rehearsal and its workers stopped",
+              file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+
+
+def drive(run, costs, dp_size, aim, multiple, roles, main):
+    """The rehearsal, as rehearse() says."""
     global REHEARSING
     args = run.args
+    workers, posts_file = rehearsal_settings(args)
     ranks = rehearsal_ranks(args.rehearse, args.world_size, roles)
     # one thread: no OpenMP team is ever started, so the forked workers (rehearse_ranks) never
     # wait on one that only the parent had (libgomp's teams do not survive fork)
@@ -142,10 +196,11 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
         run.choose_micro_batch(costs, dp_size, aim, multiple, roles)
         args.dry_run = False
     check_batch(args, dp_size)
-    REHEARSING = state = Rehearsal(ranks, args.micro_batch_size, dtype, posts={}, results={}, interned={}, made={})
+    REHEARSING = state = Rehearsal(ranks, args.micro_batch_size, dtype, posts={}, results={}, interned={}, made={},
+                                   parent=os.getpid())
     record_posts(lambda entry: state.posts[state.rank].append(entry), state.interned)
     t0, c0 = time.perf_counter(), cpu_seconds()
-    workers = rehearse_ranks(state, ranks, main)
+    workers = rehearse_ranks(state, ranks, main, workers)
     elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     lines = [f"rehearsal: {run.script} as rank(s) {spans(ranks)} of {args.world_size} ({args.ranks_per_node} per "
              f"node), {dtype}, micro-batch {args.micro_batch_size}: {REHEARSAL_STEPS} steps, an evaluation and the "
@@ -163,16 +218,14 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     lines.append("costs(): every rehearsed rank holds and sends what its formulas say" if not differ else
                  f"costs(): {len(differ)} difference(s): " + "; ".join(differ[:8]))
     if args.metrics:
-        with open(args.metrics, "a") as f:
-            for rank in ranks:
-                f.write(json.dumps(finite_or_null(state.results[rank]["rows"][-1]), allow_nan=False) + "\n")
+        written(args.metrics, "--metrics", "a",
+                [json.dumps(finite_or_null(state.results[rank]["rows"][-1]), allow_nan=False) + "\n" for rank in ranks])
     status, posts, how, t1 = 0, state.posts, None, time.perf_counter()
     gc.disable()  # from here on millions of small objects and no cycles (see replay)
     if len(ranks) < args.world_size:  # the others' orders from their roles' (infra.replay's symmetry)
         posts, how = symmetric_posts(state.posts, state.made, args.world_size, roles)
-    if os.environ.get("GPTPAR_REHEARSAL_POSTS"):  # every rank's posting order, as replayed (tests read it)
-        with open(os.environ["GPTPAR_REHEARSAL_POSTS"], "w") as f:
-            json.dump({"rehearsed": ranks, "posts": {rank: list(order) for rank, order in posts.items()}}, f)
+    if posts_file:  # every rank's posting order, as replayed (the rehearsed ones' where the symmetry is refused)
+        written(posts_file, "GPTPAR_REHEARSAL_POSTS", "w", posts_json(ranks, posts if posts is not None else state.posts))
     if posts is None:
         lines.append(f"replay: not done: {how} ({len(ranks)} of {args.world_size} ranks rehearsed; --rehearse all "
                      "replays every rank's own posting order under NCCL's rules)")
@@ -194,6 +247,16 @@ def rehearse(run, costs, dp_size, aim, multiple, roles, main):
     sys.exit(status)
 
 
+def written(path, flag, mode, pieces):
+    """`pieces` (strings, or made as they are read) written to `path`: a write that fails (a
+    full disk) is one line naming the file, exit 2."""
+    try:
+        with open(path, mode) as f:
+            f.writelines(pieces)
+    except OSError as e:
+        fail(f"cannot write {flag} {path}: {e.strerror or e}")
+
+
 def cpu_seconds():
     """CPU time of this process and of its workers that have ended."""
     t = os.times()
@@ -208,21 +271,41 @@ def rehearse_one(state, rank, main):
         main()
 
 
-def rehearse_ranks(state, ranks, main):
+def rehearse_ranks(state, ranks, main, workers):
     """Rehearse `ranks`: the first here (a layout the script refuses is refused once, here; and
     FakeTensorMode's cache of operations' outputs is warm after it), the others shared among
-    forked workers, one per CPU this process may use (GPTPAR_REHEARSAL_WORKERS=K: K), each
-    handing back its ranks' posts, groups and results in a file. Returns the processes used."""
+    `workers` forked workers (rehearsal_settings: one per CPU), each handing back its ranks'
+    posts, groups and results in a file. Returns the processes used. Interrupted (Ctrl-C): the
+    workers are ended (SIGKILL) and their files removed before it goes on up."""
     rehearse_one(state, ranks[0], main)
     rest = ranks[1:]
-    workers = min(int(os.environ.get("GPTPAR_REHEARSAL_WORKERS") or len(os.sched_getaffinity(0))), len(rest))
+    workers = min(workers, len(rest))
     if workers <= 1:
         for rank in rest:
             rehearse_one(state, rank, main)
         return 1
+    children = []
+    try:
+        return forked(state, rest, main, workers, children)
+    except Interrupted:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # (a second Ctrl-C must not cut the clean-up short)
+            signal.signal(signum, signal.SIG_IGN)
+        for pid, path, _ in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ChildProcessError, ProcessLookupError):  # (reaped already)
+                pass
+            if os.path.exists(path):
+                os.unlink(path)
+        raise
+
+
+def forked(state, rest, main, workers, children):
+    """rehearse_ranks's workers: each forked with its share of `rest`, its (pid, file, share)
+    appended to `children` as it starts; then waited for, their records read."""
     import pickle
     import traceback
-    children = []
     for w in range(workers):
         share = rest[w::workers]
         fd, path = tempfile.mkstemp(prefix="gptpar-rehearsal-")
@@ -250,6 +333,8 @@ def rehearse_ranks(state, ranks, main):
     status = 0
     for pid, path, share in children:
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # a worker stopped by a signal only it had
+            raise Interrupted(code - 128)
         if code == 0:
             with open(path, "rb") as f:
                 records = pickle.load(f)

@@ -7,6 +7,7 @@ import dataclasses
 import collections
 import collections.abc
 import gc
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import wraps
@@ -113,6 +114,9 @@ def mesh_rotations(made, world_size, roles):
 
 def moved_entry(entry, perm, names, members):
     """One posted operation moved by a mesh rotation: every peer and every group mapped."""
+    group = entry.get("group")
+    if (group is None or names[group] == group) and not ("peer" in entry or "ops" in entry or "sent" in entry):
+        return entry  # nothing in it moves (a collective on the world, or on a group the rotation keeps)
     e = dict(entry)
     if entry.get("group") is not None:
         e["group"] = names[entry["group"]]
@@ -134,20 +138,26 @@ def moved_entry(entry, perm, names, members):
 class MovedOrder(collections.abc.Sequence):
     """A rehearsed rank's posting order moved by a mesh rotation (or by several, composed into
     one), made as it is read: 959 ranks' orders of 4,216 operations each (GPT-3 175B, pp 64 x
-    cp 4 x tp 4) were 6 GiB as dicts; as views they are a permutation of the ranks and a map
-    of the few groups the order posts on.
+    cp 4 x tp 4) were 6 GiB as dicts; as views they are the few ranks and groups the order
+    names, mapped.
 
-        order[i] = moved_entry(source[i], perm, names, members)"""
+        order[i] = moved_entry(source[i], perm, names, members)
+
+    `perm` keeps only the ranks the source order names (its peers, and the members of a group
+    whose all-to-all sizes it records): a data-parallel rank names none, so 65,536 ranks' moved
+    orders are 65,536 small objects, where a whole permutation each was 65,536² integers."""
 
     __slots__ = ("source", "perm", "names", "members")
 
     def __init__(self, source, perm, names, members):
         if isinstance(source, MovedOrder):  # a moved order moved again: one rotation, composed
-            self.source, self.perm = source.source, [perm[r] for r in source.perm]
-            self.names = {g: names[h] for g, h in source.names.items()}
+            self.source = source.source
+            self.perm = {r: perm[p] for r, p in source.perm.items()} if source.perm else source.perm
+            moved = {g: names[h] for g, h in source.names.items()}
+            self.names = source.names if moved == source.names else moved  # (a world's: itself, shared)
         else:
-            used = {e["group"] for e in source if e.get("group") is not None}
-            self.source, self.perm, self.names = source, perm, {g: names[g] for g in used}
+            groups, ranks = named(source)
+            self.source, self.perm, self.names = source, {r: perm[r] for r in ranks}, {g: names[g] for g in groups}
         self.members = members
 
     def __len__(self):
@@ -163,6 +173,33 @@ class MovedOrder(collections.abc.Sequence):
         return (moved_entry(e, perm, names, members) for e in self.source)
 
 
+def named(order):
+    """The groups and the ranks a posting order names: what moving it needs mapped."""
+    groups, ranks = set(), set()
+    for e in order:
+        if e.get("group") is not None:
+            groups.add(e["group"])
+        if "peer" in e:
+            ranks.add(e["peer"])
+        if "ops" in e:
+            ranks.update(op["peer"] for op in e["ops"])
+        if "sent" in e:
+            ranks.update(e["ranks"])
+    return groups, ranks
+
+
+NAMED_RANK_BYTES, MOVED_ORDER_BYTES = 100, 2048  # a moved order's map entry; its object and replay state (measured)
+
+
+def available_bytes():
+    """The memory this host has available (Linux's MemAvailable), or no limit where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return float("inf")
+
+
 REPLAYED = ("kind", "group", "ranks", "bytes", "peer", "tag", "ops", "sent", "received")
 
 
@@ -175,6 +212,11 @@ def symmetric_posts(posts, made, world_size, roles):
         return None, "the rehearsed ranks made different process groups"
     if any(name is None for name, _, _ in groups):
         return None, "a process group has a hashed name (use_local_synchronization)"
+    naming = max(len(named(order)[1]) for order in posts.values())  # ranks a moved order maps (MovedOrder)
+    need, free = (world_size - len(posts)) * (naming * NAMED_RANK_BYTES + MOVED_ORDER_BYTES), available_bytes()
+    if need > free / 2:  # (an all-to-all over a large group names all of its members)
+        return None, (f"the symmetry would need about {need / 2**30:.1f} GiB ({world_size - len(posts):,} ranks' "
+                      f"orders, each naming {naming:,} ranks), more than half the {free / 2**30:.1f} GiB available")
     rotations = mesh_rotations(groups, world_size, roles)
     members = {name: ranks for name, ranks, _ in groups}
     full, queue, checked = dict(posts), collections.deque(sorted(posts)), {}
@@ -204,6 +246,15 @@ def symmetric_posts(posts, made, world_size, roles):
     return full, (f"replayed {world_size:,} ranks: {len(posts):,} rehearsed, {world_size - len(posts):,} by symmetry "
                   f"(the mesh's rotations: {how}" + "".join(f"; rank {r} rehearsed and also moved from rank {o}: "
                                                              "the same order" for r, o in sorted(checked.items())) + ")")
+
+
+def posts_json(rehearsed, posts):
+    """{"rehearsed": [ranks], "posts": {rank: [entries]}} as JSON text, one rank's order at a
+    time: the orders the symmetry fills in are made as they are read, never all at once."""
+    yield '{"rehearsed": ' + json.dumps(rehearsed) + ', "posts": {'
+    for i, (rank, order) in enumerate(posts.items()):
+        yield (", " if i else "") + json.dumps(str(rank)) + ": " + json.dumps(list(order))
+    yield "}}"
 
 
 # The posting orders are what record_posts() writes: a rehearsal's (every rank's, in this

@@ -22,7 +22,7 @@ from infra.fit import (GPU_USABLE, allowance_text, fit_base, fit_fixes, fit_need
                        memory_taken, planned_room, rank_need, recording_groups, warm_groups)
 from infra.start import agree, ignore_stop_signals, release_out_dir, startup_problem
 from infra.metrics import Metrics, WRITE_FAILURES, host_bytes, log_node_map
-from infra.stop import GUARD_BYTES, Guard, HostSyncs
+from infra.stop import Guard, HostSyncs, with_guard
 from infra.checkpoint import export_agreed, resume_checkpoint, run_config, save_checkpoint
 from infra.dry_run import dry_run, planned_device_type, planned_dtype
 from infra import rehearsal
@@ -160,9 +160,7 @@ class Run(common.Run):
         by_rank = "rank" in inspect.signature(self.costs).parameters
         cost = self.costs(args, self.config, env.world_size, env.dtype, **({"rank": env.rank} if by_rank else {}),
                           **step)
-        if env.world_size > 1:  # the protocol's own traffic: the guard's flags (Guard)
-            cost = {**cost, "sent": {**cost["sent"], "all_reduce[guard]": ("3 flags x 4 B", GUARD_BYTES)}}
-        return cost
+        return with_guard(cost, env.world_size)  # the protocol's own traffic: the guard's flags (Guard)
 
     def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
               after_resume=None):
@@ -413,6 +411,6 @@ class RehearsedRun(Run):
         pass
 
     def finish(self):
-        ignore_stop_signals()
+        rehearsal.stop_on_signals()  # the next rank's rehearsal, or the replay, follows: Ctrl-C still ends it
         dist.destroy_process_group()
         rehearsal.REHEARSING.results[self.env.rank] = {"rows": self.rows, "cost": self.cost, "pieces": self.pieces_count}

@@ -60,12 +60,7 @@ def startup_problem(args, env):
         return problem
     problem = output_problems(args)
     if problem is None and args.metrics:
-        try:  # without blocking: a plain open of a FIFO waits for ever for a reader
-            os.close(os.open(args.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644))
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # (a FIFO with a reader, as `--metrics >(jq .)` makes, is fine)
-                return f"--metrics {args.metrics} is a FIFO that nothing reads: start its reader first, or name a file"
-            return f"--metrics {args.metrics} cannot be written: {e.strerror}"
+        problem = opened_problem("--metrics", args.metrics)
     # the other ranks wait in `agree` meanwhile: never longer than half the collective timeout
     problem = problem or lock_out_dir(args.out_dir, wait_s=min(LOCK_STALE_S, args.timeout / 2))
     if problem is None:  # ours now: remove what interrupted writes of earlier jobs left
@@ -89,15 +84,9 @@ def output_problems(args):
     if all(path for _, path in outputs) and os.path.realpath(args.metrics) == os.path.realpath(args.export):
         return f"--metrics and --export name the same file, {args.export}: the export would overwrite the metrics"
     for flag, path in outputs:
-        if not path:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            return f"{flag} {path}: the directory {folder} does not exist"
-        if os.path.isdir(path):
-            return f"{flag} {path} is a directory"
-        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-            return f"{flag} {path} cannot be written: permission denied"
+        problem = path and output_problem(flag, path)
+        if problem:
+            return problem
     committed = latest_checkpoint(args.out_dir) if os.path.isdir(args.out_dir) else None
     if committed and not args.resume and not getattr(args, "overwrite", False):
         return (f"--out_dir {args.out_dir} holds the checkpoint of another run ({committed}): pass --resume to "
@@ -112,6 +101,32 @@ def output_problems(args):
     except OSError as e:
         verb = "is not writable" if existing == os.path.abspath(args.out_dir) else f"cannot be created in {existing}"
         return f"--out_dir {args.out_dir} {verb}: {e.strerror}"
+    return None
+
+
+def output_problem(flag, path):
+    """Why the file `path` (named by `flag`: an option, or an environment variable) cannot be
+    written, or None, found without writing: its directory must exist and be writable, and the
+    path must not be a directory."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{flag} {path}: the directory {folder} does not exist"
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag} {path} cannot be written: permission denied"
+    return None
+
+
+def opened_problem(flag, path):
+    """Why `path` cannot be opened for appending, or None: it is opened (created if need be)
+    without blocking, since a plain open of a FIFO waits for ever for a reader."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # (a FIFO with a reader, as `--metrics >(jq .)` makes, is fine)
+            return f"{flag} {path} is a FIFO that nothing reads: start its reader first, or name a file"
+        return f"{flag} {path} cannot be written: {e.strerror}"
     return None
 
 

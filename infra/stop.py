@@ -94,6 +94,15 @@ def by_device(tensors):
 GUARD_BYTES = 12  # the guard's flags, all-reduced every step: 3 fp32
 
 
+def with_guard(cost, world_size):
+    """A rank's costs() with the run protocol's own traffic added, the guard's flags
+    (all_reduce[guard], every step of a run of 2 ranks or more): the ledger's theory column,
+    and what plan.py prices, to the byte what a run measures."""
+    if world_size <= 1:
+        return cost
+    return {**cost, "sent": {**cost["sent"], "all_reduce[guard]": ("3 flags x 4 B", GUARD_BYTES)}}
+
+
 class Guard:
     """Before each optimizer step every rank must know two things, and the guard learns both
     without making a rank wait for another:

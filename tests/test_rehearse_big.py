@@ -11,7 +11,10 @@ at the sizes users run them, each with no deadlock under NCCL's rules.
     959 by symmetry, 4.3 million operations replayed), equal to costs(), under 4 GiB. The
     fixed layout above stays: it pins a mesh with more data parallelism than the plan's, its
     per-stage parameter bytes, and runs in a tenth of the time;
-  * 07 interleaved at p 16, v 2, m 64 and 07 zero bubble at p 16, m 64: `all`.
+  * 07 interleaved at p 16, v 2, m 64 and 07 zero bubble at p 16, m 64: `all`;
+  * 03 at 65,536 ranks (Frontier has 75k GCDs), `roles`: under a 6 GiB address-space cap and
+    1 GiB resident (the symmetry was quadratic in the world: 16,384 ranks 2.5 GB, 65,536 a
+    MemoryError; issue 59).
 
 The issue's other two big meshes (08 at pp 16 x cp 4 x tp 8 on 512 ranks, 10 at ep 16) are in
 the plain suite, tests/test_rehearse.py, as fast as these are slow."""
@@ -75,3 +78,23 @@ def test_07_at_p16_m64_every_rank(tmp_path, schedule):
     flags = ["--n_layer", "32", "--global_batch_size", "64", "--micro_batch_size", "1", *schedule]
     _, rows = rehearsed(tmp_path, "07_pipeline.py", flags, "all", 16)
     assert sorted(rows) == list(range(16))
+
+
+def test_03_at_65536_ranks_roles_in_linear_memory():
+    """2 ranks executed, 65,534 filled in by symmetry, 3.9 million operations replayed, in the
+    memory 1,024 ranks took, or near it (0.44 GB resident when written; 0.33 GB at 1,024)."""
+    import resource
+
+    def capped():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    n = 65536
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "03_ddp.py"), "--model", "tiny", "--device", "cpu",
+                           "--global_batch_size", str(n), "--rehearse", "roles", "--world_size", str(n)],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900, preexec_fn=capped,
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    out = done.stdout
+    assert done.returncode == 0, (out[-3000:], done.stderr[-3000:])
+    assert "symmetry: replayed 65,536 ranks: 2 rehearsed, 65,534 by symmetry" in out, out[-3000:]
+    assert out.splitlines()[-1].startswith("replay under NCCL's rules: no deadlock"), out[-3000:]
+    resident = int(re.search(r"([\d,]+) MiB resident", out).group(1).replace(",", ""))
+    assert resident < 1024, out.splitlines()[0]
