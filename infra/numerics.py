@@ -57,9 +57,7 @@ def reduction_lengths(args, config, layout, world_size):
     ep = layout.get("ep", 1)
     P = layout.get("pp", 1)
     sp = bool(layout.get("sequence_parallel")) and T > 1
-    terms, rounds = ["M"], []
-    if P > 1:
-        terms.append("M")  # the tied head's gradients, summed apart
+    terms, rounds = ["2*M" if P > 1 else "M"], []  # a pipeline: the tied head's M, summed apart
     if T > 1:
         terms.append("4*h")
         rounds.append("2*L*T")  # attention's and the MLP's row-parallel outputs
