@@ -46,7 +46,8 @@ def reduction_lengths(args, config, layout, world_size):
     CP split a weight gradient's sum over the b·s tokens of a micro-batch across ranks, and
     the ring adds the s keys of attention in C steps; EP sums an expert's tokens from the ep
     ranks' micro-batches in one matmul (b·s·ep) and combines the top-k outputs; a pipeline
-    sums the tied embedding's M head gradients apart from its M embedding gradients. Under
+    sums the tied embedding's M head gradients apart from its M embedding gradients
+    (docs/numerics.md has the table, and where the bound is rigorous and where not). Under
     bf16 autocast each split matmul's T partial outputs (C ring partials, k expert outputs)
     are rounded to bf16 before they are added, in each of L layers."""
     b, s, h, L, M = args.micro_batch_size, config.block_size, config.n_embd, config.n_layer, \
@@ -63,7 +64,7 @@ def reduction_lengths(args, config, layout, world_size):
         rounds.append("2*L*T")  # attention's and the MLP's row-parallel outputs
     if sp or C > 1:
         terms.append("b*s")
-    if C > 1:
+    if C > 1 and layout.get("cp_impl", "ring") == "ring":  # Ulysses keeps each head's keys whole
         terms.append("s")
         rounds.append("L*C")
     if strategy == "expert parallel":
@@ -185,16 +186,17 @@ def compare(ref, grads, missing, n, r, path):
     Returns the exit status."""
     (n_text, n), (r_text, r) = n, r
     factor = bound_factor(n, r)
-    rounds = f" + γ_r(2^-8)), r = {r_text} = {r:,}" if r else ")"
-    say(f"gradient oracle: step 0 against {path}; bound = 2(γ_n(2^-24){rounds}·max Σ_m|g_m| = {factor:.3g}·max Σ_m|g_m|,"
-        f" n = {n_text} = {n:,}")
+    gammas = f"2(γ_n(2^-24) + γ_r(2^-8)), r = {r_text} = {r:,}," if r else "2γ_n(2^-24)"
+    say(f"gradient oracle: step 0 against {path}; bound = {gammas}·max Σ_m|g_m| = {factor:.3g}·max Σ_m|g_m|, "
+        f"n = {n_text} = {n:,}")
     say(f"{'parameter':<42} {'max |error|':>12} {'bound':>11}")
     bad, worst = [], 0.0
     for name in sorted(set(ref["grads"]) | set(grads)):
         if name not in grads or name not in ref["grads"] or grads[name].shape != ref["grads"][name].shape:
             bad.append(name)
-            say(f"{name:<42} {'-':>12} {'-':>11}  BUG (not in both: "
-                f"{'missing here' if name not in grads else 'not in the reference' if name not in ref['grads'] else 'shape'})")
+            why = "missing here" if name not in grads else "not in the reference" if name not in ref["grads"] \
+                else "another shape"
+            say(f"{name:<42} {'-':>12} {'-':>11}  BUG ({why})")
             continue
         error = (grads[name] - ref["grads"][name]).abs().max().item()
         bound = factor * ref["abs_sums"][name].max().item()

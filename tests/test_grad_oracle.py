@@ -72,7 +72,8 @@ def test_every_gradient_bug_is_outside(refs, bug, tmp_path):
             del layout[layout.index(flag):layout.index(flag) + 2]
     run = launch(script, FLAGS + layout + ["--check_gradients", refs["--n_expert" in layout]], nprocs=bug.ranks,
                  metrics=False)
-    assert run.returncode == GRADIENT_BUG_EXIT, f"{bug.name}: exit {run.returncode}\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
+    assert run.returncode == GRADIENT_BUG_EXIT, \
+        f"{bug.name}: exit {run.returncode}\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
     assert verdict(run).startswith("gradient oracle: BUG"), verdict(run)
 
 
@@ -81,6 +82,16 @@ def test_every_bug_has_a_gradient_verdict():
     assert len(GRADIENT_BUGS) >= 12
     for bug in BUGS:
         assert bug.gradient == CAUGHT or bug.gradient in NOT_GRADIENT, bug.name
+
+
+def test_the_zoo_table_says_the_same():
+    """docs/bugs.md's table: the gradient oracle's column is the zoo's verdict, bug by bug."""
+    import os
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[5].strip()
+            for line in open(os.path.join(ROOT, "docs", "bugs.md")) if line.startswith("| `")}
+    assert set(rows) == {bug.name for bug in BUGS}
+    for bug in BUGS:
+        assert (rows[bug.name] == "caught") == (bug.gradient == CAUGHT), (bug.name, rows[bug.name])
 
 
 def test_a_missing_or_mismatched_reference_is_one_line(refs, tmp_path):
@@ -101,7 +112,8 @@ def test_the_bound_is_the_summation_bound():
     assert reduction_lengths(args, config, {"strategy": "data parallel"}, 2)[0] == ("M", 4)
     assert reduction_lengths(args, config, {"strategy": "tensor parallel", "sequence_parallel": True}, 2)[0] \
         == ("M + 4h + bs", 4 + 256 + 128)
-    assert reduction_lengths(args, config, {"strategy": "3d", "pp": 2, "tp": 2, "cp": 2}, 8)[0][0] == "2M + 4h + bs + s"
+    assert reduction_lengths(args, config, {"strategy": "3d", "pp": 2, "tp": 2, "cp": 2, "cp_impl": "ring"}, 8)[0][0] \
+        == "2M + 4h + bs + s"
     args.dtype = "bfloat16"
     assert reduction_lengths(args, config, {"strategy": "3d", "tp": 2}, 2)[1] == ("2LT", 16)
     assert gamma(4, 2.0 ** -24) == pytest.approx(4 * 2.0 ** -24)
