@@ -186,9 +186,9 @@ def compare(ref, grads, missing, n, r, path):
     Returns the exit status."""
     (n_text, n), (r_text, r) = n, r
     factor = bound_factor(n, r)
-    gammas = f"2(γ_n(2^-24) + γ_r(2^-8)), r = {r_text} = {r:,}," if r else "2γ_n(2^-24)"
+    gammas, rounds = ("2(γ_n(2^-24) + γ_r(2^-8))", f", r = {r_text} = {r:,}") if r else ("2γ_n(2^-24)", "")
     say(f"gradient oracle: step 0 against {path}; bound = {gammas}·max Σ_m|g_m| = {factor:.3g}·max Σ_m|g_m|, "
-        f"n = {n_text} = {n:,}")
+        f"n = {n_text} = {n:,}{rounds}")
     say(f"{'parameter':<42} {'max |error|':>12} {'bound':>11}")
     bad, worst = [], 0.0
     for name in sorted(set(ref["grads"]) | set(grads)):

@@ -60,6 +60,14 @@ def test_every_layout_is_inside_its_bound(refs, ranks, script, flags):
     assert verdict(run).startswith("gradient oracle: OK"), verdict(run)
 
 
+def test_bf16_autocast_is_inside_its_bound(tmp_path):
+    """Under bf16 autocast (CPU's): the r term, 2(γ_n + γ_r(2^-8)), for TP + SP's split matmuls."""
+    flags = [f if f != "float32" else "bfloat16" for f in FLAGS] + ["--check_gradients", str(tmp_path / "ref.pt")]
+    launch("01_single_gpu.py", flags + ["--sample_tokens", "0"], metrics=False).ok()
+    run = launch("06_tensor_parallel.py", flags + ["--sequence_parallel"], nprocs=2, metrics=False).ok()
+    assert "r = 2LT = 16" in run.stdout and verdict(run).startswith("gradient oracle: OK"), run.stdout[-3000:]
+
+
 GRADIENT_BUGS = [bug for bug in BUGS if bug.gradient == CAUGHT]
 
 
