@@ -70,9 +70,11 @@ def reduction_lengths(args, config, layout, world_size):
     if strategy == "expert parallel":
         terms.append("b*s*ep + k")
         rounds.append("L*k")
-    bf16 = args.dtype == "bfloat16"
+    rounds = rounds if args.dtype == "bfloat16" else []  # fp32: no bf16 rounding in one micro-batch
+    if getattr(args, "reduce_dtype", "float32") == "bfloat16":  # 05's bf16 reduce-scatter: each micro-batch's
+        rounds.append("M")  # share rounded to bf16 once, the D partial sums added in bf16 (D <= M)
     n = formula(" + ".join(terms), M=M, h=h, b=b, s=s, ep=ep, k=getattr(config, "top_k", 0) or 1)
-    r = formula(" + ".join(rounds) if bf16 and rounds else "0", L=L, T=T, C=C, k=getattr(config, "top_k", 0) or 1)
+    r = formula(" + ".join(rounds) if rounds else "0", M=M, L=L, T=T, C=C, k=getattr(config, "top_k", 0) or 1)
     return n, r
 
 
@@ -85,6 +87,11 @@ def bound_factor(n, r):
 def agreed_config(args, run_config):
     return {"model": run_config["model"], "data": run_config["data"], "global_batch_size": args.global_batch_size,
             "micro_batch_size": args.micro_batch_size, "seed": args.seed, "dtype": args.dtype}
+
+
+def _flat(config):
+    """{"model": {"n_layer": 4}, "seed": 1} -> {"n_layer": 4, "seed": 1}: what differs, by its flag's name."""
+    return {k2: v2 for k, v in config.items() for k2, v2 in (v.items() if isinstance(v, dict) else [(k, v)])}
 
 
 def _load(path):
@@ -121,10 +128,11 @@ class GradientOracle:
         else:
             self.ref, problem = _load(self.path)
             if self.ref:
-                differ = [k for k in AGREED if self.ref["config"].get(k) != self.config[k]]
+                there, here = _flat(self.ref["config"]), _flat(self.config)
+                differ = [k for k in here if there.get(k) != here[k]]
                 if differ:
                     problem = (f"--check_gradients {self.path} was written with other " + ", ".join(
-                        f"{k} ({self.ref['config'].get(k)!r:.60} there, {self.config[k]!r:.60} here)" for k in differ)
+                        f"{k} ({there.get(k)!r:.40} there, {here[k]!r:.40} here)" for k in differ[:4])
                         + ": compare a gradient of the same model, data and micro-batches")
         agree(env, problem)
         self.abs_sums = {}
