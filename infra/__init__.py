@@ -21,6 +21,7 @@ Layers, top first:
     replay              every rank's posting order by symmetry; the replay under NCCL's rules
     dry_run             --dry_run: the layout and one rank's costs, without launching
     checkpoint          save, resume (any layout), export, --init_from; agreed by every rank
+    numerics            --check_gradients: step 0's gradient against 01's, inside a derived bound
     stop                the Guard (non-finite, signals, --time_limit), HostSyncs
     metrics             Metrics (JSONL rows, over ranks, MFU), wandb, the node map
     start               agree and leave; the start-up checks of the run's files; the out_dir lock

@@ -46,13 +46,17 @@ class CheckpointError(Exception):
 class Piece:
     """One rank's piece of one global tensor: `tensor` holds the region `box` of the tensor
     `name` (global shape `shape`), or with `flat` = (a, b) the elements [a, b) of that box
-    flattened. `write`: this rank stores it (one of the replicas does); every rank reads."""
+    flattened. `write`: this rank stores it (one of the replicas does); every rank reads.
+    `source`: on the first optimizer piece of a parameter, (the tensor the optimizer steps on,
+    the function that picks this piece from it): its .grad is the piece's gradient, which the
+    gradient oracle reassembles (infra.numerics)."""
     name: str
     shape: tuple
     box: list
     flat: tuple
     tensor: torch.Tensor
     write: bool = True
+    source: tuple = None
 
 
 def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=None, write=True, model=True):
@@ -68,14 +72,16 @@ def param_pieces(name, shape, param, optimizer=None, box=None, flat=None, index=
     if optimizer is not None:
         state = optimizer.state[param]
         if "momentum_buffer" in state:  # a Muon matrix (common.Muon makes its buffer at once)
-            return pieces + [Piece(f"optim/momentum/{name}", shape, box, flat, pick(state["momentum_buffer"]), write)]
+            return pieces + [Piece(f"optim/momentum/{name}", shape, box, flat, pick(state["momentum_buffer"]), write,
+                                   (param, pick))]
         if "exp_avg" not in state:
             fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if fused else "cpu")
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         for moment in ("exp_avg", "exp_avg_sq"):
-            pieces.append(Piece(f"optim/{moment}/{name}", shape, box, flat, pick(state[moment]), write))
+            pieces.append(Piece(f"optim/{moment}/{name}", shape, box, flat, pick(state[moment]), write,
+                                (param, pick) if moment == "exp_avg" else None))
     return pieces
 
 

@@ -31,6 +31,11 @@ def add_run_flags(parser):
     g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
                    help="stop cleanly, with a checkpoint, before this many minutes from the start "
                         "(the job's walltime less a margin)")
+    g.add_argument("--check_gradients", default=None, metavar="REF",
+                   help="the gradient oracle: stop after step 0's backward and compare the whole gradient (clipping "
+                        "off), per parameter, with 01_single_gpu.py's in REF against a bound derived from the "
+                        "arithmetic (docs/numerics.md); 01 writes REF when it does not exist. Exit 0 if every tensor "
+                        "is inside its bound, 4 otherwise")
     g = parser.add_argument_group("dry run (no launcher, network or accelerator needed)")
     g.add_argument("--dry_run", action="store_true",
                    help="validate the configuration for --world_size ranks, print the layout and what "
@@ -70,6 +75,12 @@ def parse_args(parser, argv=None):
         check(args.world_size is None and args.ranks_per_node is None and args.machine is None
               and args.gpu_mem_gb is None, "--world_size, --ranks_per_node, --machine and --gpu_mem_gb belong to "
               "--dry_run (a launch takes its size from the launcher and its memory from the device)")
+    check(args.check_gradients != "", "--check_gradients needs a file (01's gradient), got an empty name")
+    if args.check_gradients:
+        check(not (getattr(args, "resume", False) or getattr(args, "init_from", None) or args.dry_run or args.rehearse),
+              "--check_gradients compares step 0 from the seed's weights: not with --resume, --init_from, --dry_run "
+              "or --rehearse")
+        args.grad_clip = 0.0  # the raw averaged gradient is compared: clipping would hide a scale
     check(args.time_limit is None or args.time_limit > 0, f"--time_limit must be positive, got {args.time_limit}")
     check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
           "it needs --ckpt_interval (the final step is always saved)")

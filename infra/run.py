@@ -24,6 +24,7 @@ from infra.start import agree, ignore_stop_signals, release_out_dir, startup_pro
 from infra.metrics import Metrics, WRITE_FAILURES, host_bytes, log_node_map
 from infra.stop import Guard, HostSyncs, with_guard
 from infra.checkpoint import export_agreed, resume_checkpoint, run_config, save_checkpoint
+from infra.numerics import GradientOracle
 from infra.dry_run import dry_run, planned_device_type, planned_dtype
 from infra import rehearsal
 from infra.rehearsal import REHEARSAL_STEPS, rehearsal_start
@@ -122,7 +123,7 @@ class Run(common.Run):
 
     room = None  # the memory the micro-batch was chosen for (None: read it at the fit check)
     step_costs = None  # the step's own inputs run.cost was last evaluated for (end_step)
-    groups, groups_up, before_step = None, 0, None  # the script's groups; how many this rank is in; memory_mark()
+    groups, groups_up, before_step, oracle = None, 0, None, None  # the script's groups; how many this rank is in; memory_mark()
 
     def planned_fit(self, costs, ranks):
         """A dry run's fit verdict, the launch's fit check against planned_room() (else none)."""
@@ -195,6 +196,8 @@ class Run(common.Run):
                          "nothing to train (to train on, raise --max_iters and keep --lr_decay_iters)")
                 if getattr(args, "export", None):
                     export_agreed(args, env, self.start_step)
+        self.oracle = GradientOracle(args, env, self.script, self.run_config, pieces()) \
+            if args.check_gradients else None  # --check_gradients: REF read (or 01's measures) now
         nano_params = count_params(config)[1]
         log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
                  f"{str(env.dtype).replace('torch.', '')}, {describe}")
@@ -243,6 +246,8 @@ class Run(common.Run):
         non-finite value ends the run here, before the update, on every rank; a stop asked of
         any rank (a signal, --time_limit) ends it after the next step's checkpoint (Guard)."""
         LEDGER.phase = "optimizer"  # the guard's flags, the update and what follows it
+        if self.oracle:  # --check_gradients: the gradient against 01's, then exit (infra.numerics)
+            self.oracle.verdict(self.args, self.config, self.run_config["layout"], self.pieces())
         self.stopping = self.guard.check(self.step, loss, grads, norm)
         self.grad_norm = norm  # the global gradient norm clipping took (logged: the oracle compares it with 01's)
 

@@ -299,7 +299,7 @@ def caught(bug, tmp_path):
                                               if b.slips else []) for b in BUGS])
 def test_the_check_catches_the_bug(bug, tmp_path):
     first_line = caught(bug, tmp_path)
-    print(f"{bug.name}: {first_line}")  # (pytest -s shows what each check printed)
+    print(f"{bug.name}: {first_line} (gradient oracle: {bug.gradient})")  # (pytest -s shows what each check printed)
     assert bug.first_line in first_line, \
         f"{bug.name}: {bug.check} fired, but its first line is {first_line!r}, not {bug.first_line!r}"
 
