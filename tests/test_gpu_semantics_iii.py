@@ -2,14 +2,21 @@
 
 - G7: a torch older than 2.6 (no group-numbered peers) is refused in setup, in one line naming
   what to load, before it can fail mid-run with a TypeError.
+- G13: the guard's flags wait at once on NCCL, RCCL and XCCL (one communicator at a time on
+  the device), and a step later on gloo.
+- G2: 09's (and 08's) memory-efficient backward gets the log-sum-exp at its forward's length
+  (ROCm's is not padded), and a block SDPA's own checks refuse runs explicitly.
 """
 
 import argparse
+import importlib
 
 import pytest
 import torch
 
 import common
+
+ring_modules = [importlib.import_module("09_context_parallel"), importlib.import_module("08_3d")]
 
 
 def test_a_torch_older_than_2_6_is_refused_in_setup_naming_what_to_load(monkeypatch, capsys):
@@ -57,3 +64,57 @@ def test_the_guards_flags_wait_at_once_on_device_backends_and_a_step_later_on_gl
     lag = [("post", 0), ("wait", 0), ("post", 1)]
     at_once = [("post", 0), ("wait", 0), ("wait", 0), ("post", 1), ("wait", 1)]
     assert events == (lag if backend == "gloo" else at_once), events
+
+
+class EfficientKernel:
+    """aten's memory-efficient attention as CUDA (its log-sum-exp padded to 32 queries) or
+    ROCm's AOTriton (compact) returns it; the backward views L at the forward's length, as
+    AOTriton does, and fails on any other."""
+
+    def __init__(self, padded):
+        self.padded, self.calls = padded, []
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, lse, p, causal):
+        self.calls.append("forward")
+        t = q.size(2)
+        return q.clone(), torch.zeros(q.shape[:2] + ((t + 31) // 32 * 32 if self.padded else t,)), 1, 2
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, *rest):
+        self.calls.append("backward")
+        t = q.size(2)
+        lse.view(q.shape[:2] + ((t + 31) // 32 * 32 if self.padded else t,))
+        return q, k, v, None
+
+
+@pytest.mark.parametrize("module", ring_modules, ids=["09", "08"])
+@pytest.mark.parametrize("padded", [True, False], ids=["cuda", "rocm"])
+def test_the_efficient_backward_gets_the_log_sum_exp_at_its_forwards_length(module, padded, monkeypatch):
+    """G2: the ring merges each block's L over its own t queries; the memory-efficient
+    backward is handed it at the length its forward returned (CUDA: padded to 32; ROCm: t)."""
+    fake = EfficientKernel(padded)
+    monkeypatch.setattr(module, "aten", fake)
+    monkeypatch.setattr(module, "fused_kernel", lambda device_type, dtype, head_dim: "efficient")
+    monkeypatch.setattr(module, "sdpa_accepts", lambda kernel, q, k, v, causal: True)
+    q = torch.randn(1, 2, 12, 8)
+    out, lse, state = module.block_forward(q, q, q, True)
+    assert lse.shape == (1, 2, 12) and state[0] == "efficient"
+    module.block_backward(q, q, q, q, out, lse, True, state)
+    assert fake.calls == ["forward", "backward"]
+
+
+@pytest.mark.parametrize("module", ring_modules, ids=["09", "08"])
+def test_a_block_sdpa_refuses_runs_explicitly_forward_and_backward(module, monkeypatch):
+    """G2: where SDPA's own checks refuse the kernel the head-dim rules picked (a GPU or
+    setting it does not support), the block runs explicitly, and so does its backward."""
+    fake, asked, accepts = EfficientKernel(True), [], module.sdpa_accepts
+    monkeypatch.setattr(module, "aten", fake)
+    monkeypatch.setattr(module, "fused_kernel", lambda device_type, dtype, head_dim: "efficient")
+    monkeypatch.setattr(module, "sdpa_accepts", lambda kernel, q, k, v, causal: asked.append(kernel))
+    q, dout = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    out, lse, state = module.block_forward(q, q, q, True)
+    assert asked == ["efficient"] and state == ("explicit",) and fake.calls == []
+    grads = module.block_backward(dout, q, q, q, out, lse, True, state)
+    for a, b in zip(grads, module.explicit_block_backward(dout, q, q, q, out, lse, True)):
+        torch.testing.assert_close(a, b)
+    # on this CPU build torch's SDPA checks refuse both CUDA kernels; the CPU kernel needs none
+    assert not accepts("efficient", q, q, q, True) and accepts("flash_cpu", q, q, q, True)
