@@ -118,3 +118,45 @@ def test_a_block_sdpa_refuses_runs_explicitly_forward_and_backward(module, monke
         torch.testing.assert_close(a, b)
     # on this CPU build torch's SDPA checks refuse both CUDA kernels; the CPU kernel needs none
     assert not accepts("efficient", q, q, q, True) and accepts("flash_cpu", q, q, q, True)
+
+
+def test_a_step_0_past_the_room_is_a_warning_with_the_micro_batch_that_fits():
+    """G4: step 0 that took more than the room the fit check read says so, with the largest
+    smaller micro-batch whose estimate, scaled by how far step 0 was from it, fits."""
+    from infra.fit import after_step_problem
+    args = argparse.Namespace(micro_batch_size=8)
+    need = lambda micro_batch_size=8: 1000 + 100 * micro_batch_size  # noqa: E731  (bytes, as costs() says)
+    assert after_step_problem(args, need, 1500, 1800, 2000) is None  # within the room
+    assert after_step_problem(args, need, 1500, 1800, None) is None  # the room unknown (MPS)
+    line = after_step_problem(args, need, 3600, 1800, 3000)  # 2x the estimate: b = 4 needs 2x1400 <= 3000
+    assert "step 0 took 3.5 KiB, more than the 2.9 KiB" in line and "(2.00x costs()' estimate" in line, line
+    assert "restart with --micro_batch_size 4 (2x the accumulation steps)" in line, line
+    line = after_step_problem(args, need, 9000, 1800, 3000)  # 5x: not even b = 1 (5 x 1100)
+    assert "no smaller micro-batch fits at that rate: restart with --recompute" in line, line
+
+
+def test_fit_after_step_0_warns_for_the_rank_past_its_room(monkeypatch, capsys):
+    """G4's glue: Run.fit_after_step compares what step 0 took with the room the fit check
+    read, and names the micro-batch from the script's own costs()."""
+    import types
+
+    import infra.run
+    script = importlib.import_module("01_single_gpu")
+    parser = script.add_flags(common.make_parser(script.__doc__, experts=True))
+    args = infra.run.parse_args(parser, ["--model", "tiny", "--device", "cpu", "--micro_batch_size", "8",
+                                         "--global_batch_size", "8"])
+    config = common.model_config(args, common.Data.vocab_size_of(args.data))
+    env = common.Env(common.Launch("single"), torch.device("cpu"), "gloo", torch.float32)
+    cost = script.costs(args, config, 1, torch.float32)
+    estimate = infra.run.fit_need(cost, "cpu")
+    run = types.SimpleNamespace(args=args, env=env, cost=cost, costs=script.costs, room=estimate * 2, groups_up=1,
+                                before_step={}, meter=types.SimpleNamespace(peak=0), held=lambda: {})
+    monkeypatch.setattr(infra.run, "memory_taken", lambda env, mark: (int(estimate * 3), (1, 0, 0)))
+    infra.run.Run.fit_after_step(run)
+    out = capsys.readouterr().out
+    assert "the estimate was 200% low" in out and "warning: fit after step 0: rank 0's step 0 took" in out, out
+    need = lambda **changes: infra.run.rank_need(args, script.costs, 1, torch.float32, "cpu", (0,), **changes)  # noqa
+    assert infra.run.after_step_problem(args, need, int(estimate * 3), estimate, estimate * 2) in out
+    run.room = estimate * 4
+    infra.run.Run.fit_after_step(run)
+    assert "warning" not in capsys.readouterr().out
