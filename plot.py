@@ -498,9 +498,13 @@ def hang_lines(folder):
         if entries and not entries[-1].get("is_p2p"):
             final[rank] = (entries[-1]["process_group"][0], entries[-1]["collective_seq_id"])
 
+    # a dump without entries says nothing of where its rank is (a recorder that saw none of the
+    # run's collectives: TORCH_FR_BUFFER_SIZE=0, or not its backend's): never read as "waits in none"
+    empty = {rank for rank, dump in dumps.items() if not dump["entries"]}
+
     def members(key):
         ranks = groups.get(key, {}).get("ranks") or sorted({r for r, k in last if k == key})
-        return [r for r in ranks if r in dumps]
+        return [r for r in ranks if r in dumps and r not in empty]
 
     def pending(rank, entry, entries):
         if not entry["profiling_name"].startswith("gloo:"):
@@ -531,6 +535,10 @@ def hang_lines(folder):
         if entry is not None:
             lines.append(f"rank {rank} waits in operation #{number(entry)} ({operation(entry)}) on group "
                          f"{label(entry)}, posted {posted(rank, entry)}")
+            continue
+        if rank in empty:
+            lines.append(f"rank {rank}: its dump holds no entries (its recorder saw none of this run's collectives: "
+                         "TORCH_FR_BUFFER_SIZE=0, or a recorder other than its backend's): where it waits is unknown")
             continue
         line = f"rank {rank} waits in no operation"
         for (key, seq, name), late in sorted(missing.items()):

@@ -6,6 +6,9 @@
   the device), and a step later on gloo.
 - G2: 09's (and 08's) memory-efficient backward gets the log-sum-exp at its forward's length
   (ROCm's is not padded), and a block SDPA's own checks refuse runs explicitly.
+- G4: a step 0 that took more than its room warns with the micro-batch that fits.
+- G9: a rank's own dump on NCCL is ProcessGroupNCCL's recorder (test_flight_recorder.py: an
+  empty dump is named so).
 """
 
 import argparse
@@ -160,3 +163,20 @@ def test_fit_after_step_0_warns_for_the_rank_past_its_room(monkeypatch, capsys):
     run.room = estimate * 4
     infra.run.Run.fit_after_step(run)
     assert "warning" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo", "xccl"])
+def test_the_dump_is_the_recorder_the_backend_writes_to(backend, monkeypatch):
+    """G9: on NCCL and RCCL a rank's own dump comes from ProcessGroupNCCL's recorder
+    (_dump_nccl_trace, what the watchdog writes under the same name); torch's generic one
+    (_dump_fr_trace) holds none of its entries. gloo and XCCL record in the generic one."""
+    import infra.ledger
+    c10d = torch._C._distributed_c10d
+    nccl_dump = lambda: b"nccl's"  # noqa: E731  (a CUDA build's function; this CPU build has none)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", nccl_dump, raising=False)
+    monkeypatch.setattr(infra.ledger.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(infra.ledger.dist, "get_backend", lambda group=None: backend)
+    chosen = infra.ledger.flight_recorder_dump()
+    assert chosen is (nccl_dump if backend == "nccl" else c10d._dump_fr_trace)
+    monkeypatch.delattr(c10d, "_dump_nccl_trace")
+    assert infra.ledger.flight_recorder_dump() is c10d._dump_fr_trace  # a build without it
