@@ -467,19 +467,23 @@ class OffloadedZeRO(ZeRO):
 
 
 class HostCopies:
-    """--offload's copies between the device and host memory on a side stream, so that they
-    run beside the compute stream's kernels instead of between them (ZeRO-Offload's overlap
-    of the gradients' trip down with the rest of backward):
+    """--offload's copies between the device and host memory on a side stream. The copies
+    down run beside the compute stream's kernels instead of between them (ZeRO-Offload's
+    overlap of the gradients' trip down with the rest of backward):
 
         compute stream   ..B(l)..  reduce-scatter(l) ..B(l-1)..  ..B(l-2)..           | host reads
         side stream                          down(l) ─────────> down(l-1) ──>      wait()
 
-    down(t): a pinned copy of device tensor `t`, arriving; read it only after wait(), which
-    makes the host wait for every copy down so far (once per micro-batch, before the CPU
-    adds them up). up(tensors, dtype): the host tensors packed into one pinned staging
-    buffer (a torch.cat of pinned tensors is not pinned) and copied to the device in
-    `dtype`; the compute stream waits for the copy, the host does not. On a CPU run (no
-    streams) both are the plain copies; unverified on GPUs (no GPU was lent)."""
+    down(t): a pinned copy of device tensor `t`, arriving; the side stream first waits for
+    the kernels queued so far (those that made t). wait(): the host waits for the side
+    stream, so for every copy down and for the kernels queued before the last one: in effect
+    for the micro-batch's backward, once per micro-batch, before the CPU adds them up.
+    up(tensors, dtype): the host tensors packed into one pinned staging buffer (a torch.cat
+    of pinned tensors is not pinned) and copied to the device in `dtype`; the host does not
+    wait, but the compute stream waits for the copy from the moment up() is called, so every
+    kernel queued after it waits too: a copy up overlaps no compute (call it when its tensor
+    is needed, not ahead). On a CPU run (no streams) both are the plain copies; unverified on
+    GPUs (no GPU was lent)."""
 
     def __init__(self, device):
         self.device = device

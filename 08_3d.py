@@ -1671,7 +1671,7 @@ def token_positions(s, C, cp_rank, impl):
 # ---- end restated ----
 
 
-# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, fused_kernel, block_forward, block_backward, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, fused_kernel, sdpa_accepts, block_forward, block_backward, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
 # ring attention
 
 class Ring:
@@ -1735,41 +1735,54 @@ def fused_kernel(device_type, dtype, head_dim):
     return "explicit"
 
 
+def sdpa_accepts(kernel, q, k, v, causal):
+    """Whether SDPA's own checks of this device and these tensors accept the CUDA kernel
+    fused_kernel() picked by its rules (the GPU's architecture, ROCm's HSA_XNACK, strides,
+    sizes), which calling the kernel directly would skip; where they do not, the block runs
+    explicitly instead of failing in the kernel."""
+    if kernel not in ("flash", "efficient"):
+        return True
+    can_use = getattr(torch.backends.cuda, f"can_use_{kernel}_attention")
+    return can_use(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False))
+
+
 def block_forward(q, k, v, causal):
     """One block's attention: its output O_b (normalised over the block's keys), the
     log-sum-exp of its scores L_b = log Σ_keys exp(q·k/√d), fp32 [b, heads, t], and what the
     kernel's backward needs of its forward besides (its RNG state: dropout's Philox seed and
-    offset, which the backward must replay; the sequence lengths), from the kernel
-    fused_kernel() picks (the CUDA kernels as torchtitan's ring calls them; unverified: 09 has
-    not run on a GPU)."""
+    offset, which the backward must replay; the sequence lengths; first, the kernel's name),
+    from the kernel fused_kernel() picks where SDPA's checks accept it (the CUDA kernels as
+    torchtitan's ring calls them; unverified: 09 has not run on a GPU)."""
     kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    kernel = kernel if sdpa_accepts(kernel, q, k, v, causal) else "explicit"
     if kernel == "flash_cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-        return out, lse, ()
+        return out, lse, (kernel,)
     if kernel == "flash":  # (rng_state, unused) are the backward's (philox_seed, philox_offset)
         out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal)
-        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
-    if kernel == "efficient":  # its log-sum-exp is padded to a multiple of 32 queries
+        return out, lse, (kernel, cum_q, cum_k, max_q, max_k, rng_state, unused)
+    if kernel == "efficient":  # CUDA's kernel pads its log-sum-exp to a multiple of 32 queries,
+        # ROCm's (AOTriton) does not: the backward gets L at the length this forward returned
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-        return out, lse[..., :q.size(2)], (seed, offset)
-    return (*explicit_block_forward(q, k, v, causal), ())
+        return out, lse[..., :q.size(2)], (kernel, seed, offset, lse.size(-1))
+    return (*explicit_block_forward(q, k, v, causal), (kernel,))
 
 
 def block_backward(dout, q, k, v, out, lse, causal, forward):
     """One block's dq, dk, dv from the *final* (merged) O and L (FlashAttention-2's backward
     needs only those and dO, not the block's own) and `forward`, what block_forward returned
     for the kernel's backward: the same kernel's backward, else the explicit fp32 reference."""
-    kernel = fused_kernel(q.device.type, q.dtype, q.size(-1))
+    kernel, *state = forward
     if kernel == "flash_cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
     if kernel == "flash":  # unverified
-        cum_q, cum_k, max_q, max_k, rng_state, unused = forward
+        cum_q, cum_k, max_q, max_k, rng_state, unused = state
         return aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused)
-    if kernel == "efficient":  # unverified; the kernel reads L padded to 32 queries
-        seed, offset = forward
-        lse = F.pad(lse, (0, -q.size(2) % 32))
+    if kernel == "efficient":  # unverified; the kernel reads L at its forward's length (padded on CUDA)
+        seed, offset, length = state
+        lse = F.pad(lse, (0, length - q.size(2)))
         return aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
     return explicit_block_backward(dout, q, k, v, out, lse, causal)

@@ -946,8 +946,20 @@ def mpi_comm():
     return _MPI_COMM  # mpi4py's COMM_WORLD when the job was launched by mpiexec (and it matches), else None
 
 
+def torch_too_old(version):
+    """One line when this torch predates 2.6, whose group-numbered peers (P2POp(group_peer=),
+    broadcast(group_src=), reduce(group_dst=)) the scripts call: older ones fail mid-run with a TypeError."""
+    major, minor = (int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+    return None if (major, minor) >= (2, 6) else (
+        f"torch {version} is older than 2.6, whose P2POp(group_peer=) and broadcast(group_src=) the scripts call: "
+        "load a newer one (Polaris: module use /soft/modulefiles; module load conda; Aurora: module load frameworks; "
+        "Perlmutter: module load pytorch; Frontier: pip install torch for your ROCm in miniforge3)")
+
+
 def setup(args, launch=None, distributed=True):
     """The launcher, device, process group (one rank's for a lone process) and abort hook: an Env."""
+    problem = torch_too_old(torch.__version__)
+    check(problem is None, problem)
     launch = launch or detect_launcher(os.environ)
     if launch.kind == "mpi":
         launch = _mpi_world(launch)

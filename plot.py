@@ -629,10 +629,14 @@ def hang_lines(folder):
         posted_on.setdefault(key, set()).add(rank)
     memo = {}
 
+    # a dump without entries says nothing of where its rank is (a recorder that saw none of the
+    # run's collectives: TORCH_FR_BUFFER_SIZE=0, or not its backend's): never read as "waits in none"
+    empty = {rank for rank, dump in raw_dumps.items() if not dump["entries"]}
+
     def members(key):
         if key not in memo:
             ranks = groups.get(key, {}).get("ranks") or sorted(posted_on.get(key, ()))
-            memo[key] = [r for r in ranks if r in dumps]
+            memo[key] = [r for r in ranks if r in dumps and r not in empty]
         return memo[key]
 
     def pending(rank, entry):
@@ -663,6 +667,10 @@ def hang_lines(folder):
         if entry is not None:
             lines.append(f"rank {rank} waits in operation #{entry['seq']} ({entry['op']}) on group "
                          f"{label(entry)}, posted {posted(rank, entry)}")
+            continue
+        if rank in empty:
+            lines.append(f"rank {rank}: its dump holds no entries (its recorder saw none of this run's collectives: "
+                         "TORCH_FR_BUFFER_SIZE=0, or a recorder other than its backend's): where it waits is unknown")
             continue
         line = f"rank {rank} waits in no operation"
         for (key, seq, name), late in sorted(missing.items()):

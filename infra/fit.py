@@ -295,6 +295,24 @@ def memory_taken(env, mark):
     return max(0, hwm - mark["rss"]), (int(mark["reset"]), 0, 0)
 
 
+def after_step_problem(args, need, took, estimate, room):
+    """None when step 0 took no more than the room the fit check read (or either is unknown);
+    else one warning: what the step took past the room, and the largest smaller micro-batch
+    whose estimate (costs() at that micro-batch, `need`) fits the room once scaled by how far
+    the estimate was from step 0 (took / estimate). The next steps hold what step 0 held, so
+    a run past its room now runs out of memory later, at a worse moment."""
+    if room is None or took is None or took <= room:
+        return None
+    rate, micro = took / max(estimate, 1), args.micro_batch_size
+    smaller = next((m for m in range(micro - 1, 0, -1) if micro % m == 0 and need(micro_batch_size=m) * rate <= room),
+                   None)
+    fix = (f"restart with --micro_batch_size {smaller} ({micro // smaller}x the accumulation steps), which fits "
+           "at that rate" if smaller else "no smaller micro-batch fits at that rate: restart with --recompute, or "
+           "shard the state (04_zero.py --stage 3, 05_fsdp.py)")
+    return (f"step 0 took {format_bytes(took)}, more than the {format_bytes(room)} the fit check read as this "
+            f"rank's room ({rate:.2f}x costs()' estimate of {format_bytes(estimate)}): {fix}")
+
+
 def fit_fixes(args, need, room, device_type="cpu"):
     """The cheapest changes that fit, each checked by evaluating costs() at the changed flags
     (`need`): the largest smaller micro-batch, --recompute, or both. When none fits, what is

@@ -255,6 +255,15 @@ def open_trail():
         return False
 
 
+def flight_recorder_dump():
+    """The dump of the recorder this run's collectives are in: on NCCL and RCCL,
+    ProcessGroupNCCL's own (_dump_nccl_trace, what its watchdog writes at a timeout); torch's
+    generic recorder (_dump_fr_trace, gloo's and XCCL's) holds none of their entries there."""
+    c10d = torch._C._distributed_c10d
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(c10d, "_dump_nccl_trace")
+    return c10d._dump_nccl_trace if nccl else c10d._dump_fr_trace
+
+
 def dump_flight_recorder():
     """Write this rank's Flight Recorder buffer where NCCL's watchdog writes it at a timeout
     (the prefix + the rank), unless a dump is there already; the path, or None. NCCL's
@@ -273,7 +282,7 @@ def dump_flight_recorder():
             # file that contains it): a reader never sees half a dump
             fd, partial = tempfile.mkstemp(dir=folder, prefix=".partial-")
             with os.fdopen(fd, "wb") as f:
-                f.write(torch._C._distributed_c10d._dump_fr_trace())
+                f.write(flight_recorder_dump()())
             os.replace(partial, path)
         return path
     except Exception as e:  # noqa: BLE001 (a dump is help, never a second failure)

@@ -18,8 +18,8 @@ from infra.cli import parse_args
 from infra.formulas import flops_per_token, format_bytes
 from infra.ledger import LEDGER, _nbytes, print_ledger, state_bytes, theory_bytes
 from infra.activations import ActivationMeter, reset_peak_memory
-from infra.fit import (GPU_USABLE, allowance_text, fit_base, fit_fixes, fit_need, fit_problem, memory_mark, memory_room,
-                       memory_taken, planned_room, rank_need, recording_groups, warm_groups)
+from infra.fit import (GPU_USABLE, after_step_problem, allowance_text, fit_base, fit_fixes, fit_need, fit_problem,
+                       memory_mark, memory_room, memory_taken, planned_room, rank_need, recording_groups, warm_groups)
 from infra.start import agree, ignore_stop_signals, release_out_dir, startup_problem
 from infra.metrics import Metrics, WRITE_FAILURES, host_bytes, log_node_map
 from infra.stop import Guard, HostSyncs, with_guard
@@ -95,6 +95,7 @@ class Run(common.Run):
         if not args.dry_run:
             if self.chose:
                 log(self.env, self.chose)
+            self.room = memory_room(self.env) if self.room is None else self.room
             if not args.no_fit_check:  # against the room the choice was made for (read again later,
                 # after the other ranks have grown, it could refuse what auto chose)
                 agree(self.env, fit_problem(args, self.env, costs, self.room))
@@ -121,7 +122,7 @@ class Run(common.Run):
                       f"replica, the largest that fits{' every rank' if self.world_size > 1 else ''}"
                       f"{f', at least {aim} micro-batches' if aim > 1 else ''})")
 
-    room = None  # the memory the micro-batch was chosen for (None: read it at the fit check)
+    room = None  # the memory the micro-batch was chosen for, or the fit check read (None: unknown)
     step_costs = None  # the step's own inputs run.cost was last evaluated for (end_step)
     groups, groups_up, before_step, oracle = None, 0, None, None  # the script's groups; how many this rank is in; memory_mark()
 
@@ -299,7 +300,8 @@ class Run(common.Run):
         library workspaces). On CPU the process's peak resident memory grown since the check
         (VmHWM, reset there), which also holds what glibc's heap keeps after freeing; and
         beside it what the ledger counts of costs()'s own terms: the live model state and the
-        activations saved for backward."""
+        activations saved for backward. A rank that took more than the room its fit check read
+        gets a warning naming the micro-batch that fits (after_step_problem)."""
         env = self.env
         if self.before_step is None:
             return
@@ -308,7 +310,8 @@ class Run(common.Run):
         counted = sum(v for kind, v in self.held().items() if device_type == "cpu" or "host" not in kind) \
             + (self.meter.peak or 0)
         mine = torch.tensor([fit_need(self.cost, device_type), -1 if took is None else took, counted,
-                             fit_base(self.cost, device_type), *parts], dtype=torch.float64, device=env.device)
+                             fit_base(self.cost, device_type), -1 if self.room is None else self.room, *parts],
+                            dtype=torch.float64, device=env.device)
         everyone = [torch.empty_like(mine) for _ in range(env.world_size)] if env.world_size > 1 else [mine]
         if env.world_size > 1:
             with LEDGER.paused():  # control traffic, once
@@ -318,7 +321,7 @@ class Run(common.Run):
             log(env, "fit after step 0: not measured (the device reports no memory)")
             return
         rank = max(range(len(rows)), key=lambda r: rows[r][1] / max(rows[r][0], 1))
-        estimate, took, counted, base, *parts = rows[rank]
+        estimate, took, counted, base, _, *parts = rows[rank]
         if device_type == "cpu":
             how = ("CPU: the peak resident memory grown since the fit check" if parts[0] else "CPU: the peak "
                    "resident memory since the process began (VmHWM could not be reset)") + ", glibc's kept heap included"
@@ -332,6 +335,12 @@ class Run(common.Run):
                  f"{self.groups_up} process group(s) up): the estimate was {abs(off):.0%} "
                  f"{'low' if off > 0 else 'high'}; the ledger counted {format_bytes(counted)} (model state + "
                  f"saved activations) of costs()'s peak of every live tensor, {format_bytes(base)}")
+        over = [(r, row) for r, row in enumerate(rows) if row[4] >= 0 and row[1] > row[4]]
+        if over and env.master:  # the rank furthest past its room: the micro-batch that fits it fits the others
+            r, (estimate, took, _, _, room, *_) = max(over, key=lambda item: item[1][1] / item[1][4])
+            need = lambda **changes: rank_need(self.args, self.costs, env.world_size, env.dtype, device_type, (r,),
+                                               **changes)
+            log(env, f"warning: fit after step 0: rank {r}'s {after_step_problem(self.args, need, took, estimate, room)}")
 
     def save(self, step):
         LEDGER.phase = "checkpoint"

@@ -119,9 +119,14 @@ class Guard:
         time + three times the slowest step seen, i.e. this step, one more and a checkpoint,
         would pass it), or failed a write? This is host state, agreed in one 12-byte
         all-reduce (3 flags, counted by the ledger as all_reduce[guard]) posted at step t and
-        read at step t+1: it travels while step t+1 runs, and the stop, on every rank, comes
-        after step t+1's checkpoint. A rank's own loss that is non-finite while the norm is
-        finite (it never reached a gradient) travels with these flags too.
+        read at step t+1, and the stop, on every rank, comes after step t+1's checkpoint. On
+        gloo it travels while step t+1 runs. On NCCL, RCCL and XCCL its work is waited for
+        right after posting (that orders the device's stream behind it; the host does not
+        block), so that the guard's communicator never runs beside the world's: NCCL's user
+        guide says concurrent communicators "might work ... but could break at any time", and
+        RCCL deadlocks with two or three of them on MI250X (ROCm/rccl #2191). A rank's own loss
+        that is non-finite while the norm is finite (it never reached a gradient) travels with
+        these flags too.
 
     One read on the host per step: the norm and the flags that arrived, together. The flags
     have a group of their own (the world's ranks, named "guard"), so that they are never
@@ -193,6 +198,8 @@ class Guard:
         if self.group is not None and agreed:  # posted now, read at the next check
             self.posted = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group,
                                                         async_op=True))  # counted: all_reduce[guard]
+            if self.env.backend != "gloo":  # one communicator at a time on the device (see (2) above)
+                self.posted[1].wait()
         self.reason = {1: f"--time_limit {self.args.time_limit or 0:g} min is near",
                        2: self.signal or "a SIGTERM, SIGUSR1 or SIGINT on another rank"}.get(int(why))
         return bool(why) and step + 1 < self.args.max_iters

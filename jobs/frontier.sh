@@ -69,6 +69,10 @@ fi
 export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3  # [olcf-pytorch] RCCL bootstrap over the Slingshot interfaces (if it hangs: hsn0 alone)
 export NCCL_NET_GDR_LEVEL=PHB              # [olcf-pytorch] GPUDirect RDMA between a GCD and a NIC under the same PCIe host bridge
 export NCCL_CROSS_NIC=1                    # [olcf-pytorch] rings may leave through a different NIC than they enter
+# NCCL connects every peer, algorithm and protocol when a communicator is made, not at first use
+# (NCCL_RUNTIME_CONNECT=1, the default since 2.22): the fit check then reads a room the
+# communicators have already taken (a 4-byte warm-up would connect one protocol only)
+export NCCL_RUNTIME_CONNECT=0              # [nccl-env] connect at init (RCCL too)
 export HSA_FORCE_FINE_GRAIN_PCIE=1         # [olcf-pytorch] fine-grained PCIe memory, which the NIC's direct GPU access needs
 export FI_MR_CACHE_MONITOR=kdreg2          # [olcf-pytorch] Frontier's default registration-cache monitor, safe with the plugin (never memhooks)
 export FI_CXI_DISABLE_HOST_REGISTER=1      # [olcf-pytorch] avoids CXI registration-cache hangs with GPU memory

@@ -92,6 +92,9 @@ run_logged() {
 #               TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000; ProcessGroupNCCL.hpp: TORCH_NCCL_DUMP_ON_TIMEOUT;
 #               libtorch reads TORCH_FR_DUMP_TEMP_FILE, then TORCH_NCCL_DEBUG_INFO_TEMP_FILE), read 2026-11-25
 #   [here]      this project's own choice, explained beside the line and in jobs/README.md (2026-11-25)
+#   [nccl-env]  https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-runtime-connect
+#               (NCCL_RUNTIME_CONNECT, since NCCL 2.22, default 1: "dynamically connect peers during
+#               runtime ... instead of init stage"; RCCL, NCCL's fork, reads the same name; read 2026-11-29)
 
 # Compilation caches on node-local storage: never on the shared home file system.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/${USER:-$(id -un)}/torchinductor}  # [here]
@@ -111,9 +114,13 @@ flight_recorder() {
     local folder=$1
     case $folder in *-local|*-) folder=${folder%-}${folder:+-}$(date +%Y%m%dT%H%M%S)-$$ ;; esac
     mkdir -p "$folder"
-    export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}  # [torch-fr] entries kept per rank (0 turns the recorder off)
+    export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}  # [torch-fr] entries kept per rank (0 turns the recorder off)
     export TORCH_NCCL_DUMP_ON_TIMEOUT=1    # [torch-fr] dump every rank's buffer when a collective times out
     export TORCH_FR_DUMP_TEMP_FILE=$folder/rank_  # [torch-fr] the dumps: FOLDER/rank_<rank>, on the shared file system
+    # and the same under the names torch read before the rename (a facility's older build would
+    # otherwise keep 2000 entries in /tmp/nccl_trace_rank_, node-local, where the log does not say)
+    export TORCH_NCCL_TRACE_BUFFER_SIZE=$TORCH_FR_BUFFER_SIZE  # [torch-fr] TORCH_FR_BUFFER_SIZE's older name
+    export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE  # [torch-fr] TORCH_FR_DUMP_TEMP_FILE's older name
     echo "a hang leaves its Flight Recorder dumps in $folder: python plot.py --hangs $folder"
 }
 

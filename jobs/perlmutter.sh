@@ -47,6 +47,10 @@ export MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))                             
 export NCCL_NET_GDR_LEVEL=PHB              # [nersc-pytorch] GPUDirect RDMA when GPU and NIC share a PCIe host bridge (unverified)
 export NCCL_SOCKET_IFNAME=hsn              # [nersc-pytorch] bootstrap over the Slingshot interfaces hsn0-3 (a prefix; unverified)
 export FI_MR_CACHE_MONITOR=userfaultfd     # [nersc-sc25] memory-registration cache monitor
+# NCCL connects every peer, algorithm and protocol when a communicator is made, not at first use
+# (NCCL_RUNTIME_CONNECT=1, the default since 2.22): the fit check then reads a room the
+# communicators have already taken (a 4-byte warm-up would connect one protocol only)
+export NCCL_RUNTIME_CONNECT=0              # [nccl-env] connect at init (RCCL too)
 # GPU affinity: `-c 32 --cpu-bind=cores` puts local rank r on cores 16r..16r+15 (NUMA domain r),
 # whose GPU is 3 - r: NERSC's scripts reverse the GPU order "to match default CPU affinities
 # from Slurm". Every rank sees all four GPUs (--gpu-bind=none, as NERSC's scripts do) and

@@ -56,6 +56,10 @@ export NCCL_NET="AWS Libfabric"            # [alcf-nccl] NCCL over libfabric (th
 export FI_CXI_DISABLE_HOST_REGISTER=1      # [alcf-nccl] avoids CXI registration-cache hangs with CUDA
 export FI_MR_CACHE_MONITOR=userfaultfd     # [alcf-nccl] memory-registration cache monitor
 export FI_CXI_DEFAULT_CQ_SIZE=131072       # [alcf-nccl] larger completion queue for many-rank collectives
+# NCCL connects every peer, algorithm and protocol when a communicator is made, not at first use
+# (NCCL_RUNTIME_CONNECT=1, the default since 2.22): the fit check then reads a room the
+# communicators have already taken (a 4-byte warm-up would connect one protocol only)
+export NCCL_RUNTIME_CONNECT=0              # [nccl-env] connect at init (RCCL too)
 # The page warns: "For some applications such as Megatron-DeepSpeed, enabling the AWS plugin will
 # cause a hang or NCCL timeout issue" (Megatron-DeepSpeed's pipeline sends and receives between
 # stages, as 07 and 08 do); its remedy, NCCL_PLUGIN=off here, unsets the four NCCL variables.

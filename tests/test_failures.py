@@ -176,7 +176,7 @@ sys.path.insert(0, {root!r})
 import infra.stop
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-env = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, rank=rank, master=rank == 0)
+env = types.SimpleNamespace(device=torch.device("cpu"), backend="gloo", world_size=2, rank=rank, master=rank == 0)
 guard = infra.stop.Guard(types.SimpleNamespace(time_limit=0, max_iters=10, out_dir="unused"), env)
 for step in range(4):
     if (rank, step) == (1, 0):

@@ -67,6 +67,16 @@ def test_a_stalled_gloo_job_is_one_line_per_rank(tmp_path):
         "the hang: rank(s) 2 never posted #3 on group world",
     ], p.stdout
 
+    # G9: rank 2's dump without entries (a recorder that saw none of the run's collectives) is
+    # said to be empty, never read as a rank that waits in no operation
+    saved = (dumps / "rank_2").read_bytes()
+    (dumps / "rank_2").write_bytes(pickle.dumps({**pickle.loads(saved), "entries": []}))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), "--hangs", str(dumps)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.splitlines()[2].startswith(
+        "rank 2: its dump holds no entries (its recorder saw none of this run's collectives"), p.stdout
+    assert "waits in no operation" not in p.stdout and "never posted" not in p.stdout, p.stdout
+
     # without rank 2's dump (its process was killed first) and without rank 1's trail: said so
     os.remove(dumps / "rank_2")
     os.remove(dumps / "ledger.1.jsonl")

@@ -95,7 +95,7 @@ def test_the_explicit_block_is_the_fused_kernels_result(head_dim):
     for causal in (True, False):
         out, lse, state = module.block_forward(q, k, v, causal)
         ref_out, ref_lse = module.explicit_block_forward(q, k, v, causal)
-        assert state == ()
+        assert state == ("flash_cpu",)
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
         grads = module.block_backward(dout, q, k, v, out, lse, causal, state)
@@ -135,6 +135,7 @@ def test_the_backward_gets_the_forwards_rng_state(module, kernel, monkeypatch):
     fake = FakeAten()
     monkeypatch.setattr(module, "aten", fake)
     monkeypatch.setattr(module, "fused_kernel", lambda device_type, dtype, head_dim: kernel)
+    monkeypatch.setattr(module, "sdpa_accepts", lambda kernel, q, k, v, causal: True)  # as a GPU's SDPA would
     q = torch.randn(1, 2, 4, 8)
     out, lse, state = module.block_forward(q, q, q, True)
     module.block_backward(q, q, q, q, out, lse, True, state)

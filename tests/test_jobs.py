@@ -438,6 +438,10 @@ def test_gpu_jobs_keep_their_flight_recorder_dumps(scheduler, script, kind):
     try:
         assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
         assert env["TORCH_FR_DUMP_TEMP_FILE"] == folder + "/rank_" and os.path.isdir(folder)
+        # G10: the names torch read before the rename, alike; G4: NCCL and RCCL connect at init
+        assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == env["TORCH_FR_BUFFER_SIZE"]
+        assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == folder + "/rank_"
+        assert env.get("NCCL_RUNTIME_CONNECT") == (None if script == "aurora.sh" else "0"), script
         assert f"python plot.py --hangs {folder}" in p.stdout
     finally:
         shutil.rmtree(folder, ignore_errors=True)
