@@ -82,10 +82,12 @@ def startup_problem(args, env):
 
 def output_problems(args):
     """The first reason the files this run would write cannot be written, or None, found
-    without writing anything (a dry run calls it too): --metrics and --export need an
-    existing, writable directory; --out_dir must be a writable directory or creatable (a
-    directory is made and removed in it, or in the deepest part of its path that exists)."""
-    outputs = (("--metrics", args.metrics), ("--export", getattr(args, "export", None)))
+    without writing anything (a dry run calls it too): --metrics, --export and a script's own
+    output file (07's --write_schedule) need an existing, writable directory; --out_dir must
+    be a writable directory or creatable (a directory is made and removed in it, or in the
+    deepest part of its path that exists)."""
+    outputs = (("--metrics", args.metrics), ("--export", getattr(args, "export", None)),
+               ("--write_schedule", getattr(args, "write_schedule", None)))
     if all(path for _, path in outputs) and os.path.realpath(args.metrics) == os.path.realpath(args.export):
         return f"--metrics and --export name the same file, {args.export}: the export would overwrite the metrics"
     for flag, path in outputs:

@@ -4,8 +4,15 @@ frozen peer in 10's all-to-all: each ends in one `error:` line naming the cause 
 every rank, 130 on Ctrl-C), or in the right result."""
 
 import os
+import types
 
+from harness import TINY, dry, launch
 from infra.cli import file_problem, shown
+from infra.start import output_problems
+from test_failures import refused
+
+TABLE = TINY + ["--n_layer", "8", "--global_batch_size", "24", "--max_iters", "3", "--micro_batch_size", "4",
+                "--world_size", "2"]
 
 
 def test_a_file_that_is_not_regular_or_too_large_is_refused_before_it_is_read(tmp_path):
@@ -26,3 +33,42 @@ def test_hostile_text_is_shown_cut_and_escaped():
     line = shown("F" * 100_000)
     assert len(line) < 240 and line.endswith("... (100,000 characters)")
     assert len(shown("\x00" * 1000, limit=50)) < 80  # escaping never lengthens it past the cut
+
+
+def test_schedule_tables_from_a_spreadsheet_or_a_hostile_path(tmp_path):
+    """07's --schedule_csv: Excel's "CSV UTF-8" (a byte-order mark, CRLF, a trailing line of
+    empty cells) runs; a blank line inside is named; a FIFO nobody writes, /dev/zero and an
+    oversized file are refused before a byte is read; a 100,000-character cell is shown cut."""
+    path = tmp_path / "zbv.csv"
+    assert dry("07_pipeline.py", *TABLE, "--schedule", "zbv", "--write_schedule", path).returncode == 0
+    rows = path.read_text().splitlines()
+    excel = tmp_path / "excel.csv"
+    excel.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(rows + [",,,", ""]).encode())
+    assert dry("07_pipeline.py", *TABLE, "--schedule_csv", excel).returncode == 0
+    (tmp_path / "gap.csv").write_text(f"{rows[0]}\n\n{rows[1]}\n")
+    (tmp_path / "cell.csv").write_text(f"{rows[0]},{'F' * 100_000}\n{rows[1]}\n")
+    os.mkfifo(tmp_path / "fifo")
+    with open(tmp_path / "huge.csv", "wb") as f:
+        f.truncate(65 * 2**20)  # sparse: nothing is written, and nothing must be read
+    for name, reason in (("gap.csv", "the table has 3 rows, one per rank, for 2 ranks (line 2 is empty)"),
+                         ("cell.csv", "rank 0: not an action: 'FFFF"), ("fifo", "is a FIFO, not a regular file"),
+                         ("huge.csv", "68,157,440 bytes, more than the 67,108,864")):
+        p = dry("07_pipeline.py", *TABLE, "--schedule_csv", tmp_path / name)
+        assert p.returncode == 2 and reason in p.stderr and len(p.stderr) < 400, p.stderr[-500:]
+    p = dry("07_pipeline.py", *TABLE, "--schedule_csv", "/dev/zero")
+    assert p.returncode == 2 and "/dev/zero is a device" in p.stderr
+
+
+def test_write_schedule_is_checked_before_start_up_and_a_full_disk_is_one_agreed_line(tmp_path):
+    """--write_schedule into a missing directory is found with the run's other outputs,
+    before anything starts (a dry run too); a disk that fills at the write (/dev/full) ends
+    every rank of a launch with the one line, exit 2."""
+    flags = types.SimpleNamespace(metrics=None, export=None, write_schedule=str(tmp_path / "no" / "t.csv"),
+                                  out_dir=str(tmp_path / "out"), resume=False)
+    assert output_problems(flags) == f"--write_schedule {flags.write_schedule}: the directory {tmp_path / 'no'} " \
+                                     "does not exist"
+    p = dry("07_pipeline.py", *TABLE, "--write_schedule", flags.write_schedule)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "No such file or directory" in p.stderr
+    run = launch("07_pipeline.py", TINY + ["--n_layer", "2", "--global_batch_size", "4", "--max_iters", "1",
+                                           "--write_schedule", "/dev/full"], nprocs=2, timeout=120)
+    refused(run, "--write_schedule /dev/full: ")  # root: no space left at the write; others: refused at start-up
