@@ -3,9 +3,14 @@
 frozen peer in 10's all-to-all: each ends in one `error:` line naming the cause (exit 2 on
 every rank, 130 on Ctrl-C), or in the right result."""
 
+import json
+import math
 import os
 import types
 
+import pytest
+
+import plan
 from harness import TINY, dry, launch
 from infra.cli import file_problem, shown
 from infra.start import output_problems
@@ -72,3 +77,16 @@ def test_write_schedule_is_checked_before_start_up_and_a_full_disk_is_one_agreed
     run = launch("07_pipeline.py", TINY + ["--n_layer", "2", "--global_batch_size", "4", "--max_iters", "1",
                                            "--write_schedule", "/dev/full"], nprocs=2, timeout=120)
     refused(run, "--write_schedule /dev/full: ")  # root: no space left at the write; others: refused at start-up
+
+
+@pytest.mark.parametrize("fit", [{"alpha_s": 1e308, "beta_GBps": 25.0}, {"alpha_s": 5e-6, "beta_GBps": 1e-308}])
+def test_plan_refuses_a_measured_link_no_network_has_and_writes_strict_json(tmp_path, fit, capsys):
+    """plan.py --measured: a latency of 1e308 s or a bandwidth of 1e-308 GB/s (finite, but no
+    network's) is one line, exit 2, before any planning; --json never holds Infinity or NaN."""
+    path = tmp_path / "doctor.json"
+    path.write_text(json.dumps({"machine": None, "links": {"intra": dict(fit, group_size=2)}}))
+    with pytest.raises(SystemExit) as stop:
+        plan.main(["--model", "gpt2", "--gpus", "4", "--machine", "polaris", "--measured", str(path), "--json"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "are not a network's" in err
+    assert plan.strict_json({"step_time_s": math.inf, "mfu": [math.nan, 0.5]}) == '{"step_time_s": null, "mfu": [null, 0.5]}'
