@@ -90,3 +90,11 @@ def test_plan_refuses_a_measured_link_no_network_has_and_writes_strict_json(tmp_
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and "are not a network's" in err
     assert plan.strict_json({"step_time_s": math.inf, "mfu": [math.nan, 0.5]}) == '{"step_time_s": null, "mfu": [null, 0.5]}'
+
+
+def test_an_lr_beyond_float32_is_one_line_before_anything_starts():
+    """--lr 1e39 (AdamW or Muon: the same parse) was a RuntimeError traceback at the first step
+    (the optimizers take the lr as a float32 scalar); 1e36 stops as non-finite (test_failures)."""
+    p = dry("03_ddp.py", *TABLE[:-2], "--world_size", "2", "--optimizer", "muon", "--lr", "1e39")
+    assert p.returncode == 2 and p.stderr == "error: --lr 1e+39 is beyond float32's range (at most 3.4e38): " \
+                                             "no step can be taken with it\n"
