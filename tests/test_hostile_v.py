@@ -6,15 +6,19 @@ every rank, 130 on Ctrl-C), or in the right result."""
 import json
 import math
 import os
+import signal
+import subprocess
+import time
 import types
 
 import pytest
 
 import plan
-from harness import TINY, dry, launch
+from harness import LAUNCHER_ENV, ROOT, TINY, command, default_launcher, dry, launch
 from infra.cli import file_problem, shown
 from infra.start import output_problems
 from test_failures import refused
+from test_reliability import rank_pids
 
 TABLE = TINY + ["--n_layer", "8", "--global_batch_size", "24", "--max_iters", "3", "--micro_batch_size", "4",
                 "--world_size", "2"]
@@ -98,3 +102,40 @@ def test_an_lr_beyond_float32_is_one_line_before_anything_starts():
     p = dry("03_ddp.py", *TABLE[:-2], "--world_size", "2", "--optimizer", "muon", "--lr", "1e39")
     assert p.returncode == 2 and p.stderr == "error: --lr 1e+39 is beyond float32's range (at most 3.4e38): " \
                                              "no step can be taken with it\n"
+
+
+def test_ctrl_c_while_waiting_for_another_hosts_lock_is_one_line_and_130(tmp_path):
+    """X52: rank 0 waits for the lock of a job on another host (a killed job's heartbeat may
+    still be fresh) while the others wait for its verdict. Ctrl-C (SIGINT to every rank, and
+    once more as mpiexec forwards it) ends every rank with 130, one line, no traceback, and
+    the other job's lock left as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = json.dumps({"host": "elsewhere", "pid": 1, "job": "41"})
+    (out / "LOCK").write_text(holder)
+    marker = f"--out_dir={out}"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    with open(tmp_path / "err", "w") as err:
+        job = subprocess.Popen(command("03_ddp.py", 2, default_launcher()) + TINY + ["--max_iters", "2", marker],
+                               env=env, stdout=subprocess.PIPE, stderr=err, text=True, cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "waiting up to" not in (tmp_path / "err").read_text():
+            time.sleep(0.2)
+        pids = rank_pids(marker)
+        assert sorted(pids) == [0, 1], (tmp_path / "err").read_text()[-2000:]
+        t0 = time.time()
+        for _ in range(2):
+            for pid in pids.values():
+                os.kill(pid, signal.SIGINT)
+            time.sleep(0.05)
+        job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    stderr = (tmp_path / "err").read_text()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert job.returncode == 130 and len(errors) == 1 and "interrupted (SIGINT) while waiting" in errors[0], stderr
+    assert "Traceback" not in stderr and time.time() - t0 < 20
+    assert (out / "LOCK").read_text() == holder and sorted(os.listdir(out)) == ["LOCK"]
