@@ -48,6 +48,7 @@ Run:
 """
 
 import csv
+import os
 import re
 import time
 
@@ -916,7 +917,10 @@ def exchanges_for_nccl(rounds_by_rank, p, v, m, vee=False):
 # A schedule as a table: torch.distributed.pipelining's CSV, imported and exported
 # ---------------------------------------------------------------------------------------
 
-ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
+ACTION = re.compile(r"^(\d{1,9})([FIWB])(\d{1,9})$")  # (a billion stages or micro-batches is no table's)
+
+
+MAX_TABLE_BYTES = 64 * 2**20  # 1,024 ranks x 2,048 micro-batches of ZB-V take about 50 MiB
 
 
 def parse_action(text):
@@ -925,7 +929,9 @@ def parse_action(text):
     parts = [pair.group(1), pair.group(2)] if pair else [text]
     found = [ACTION.match(part.strip()) for part in parts]
     if not all(found):
-        raise ValueError(f"not an action: {text!r} (expected e.g. 2F0, 2I0, 2W0, 2B0 or (0F1;1B0)OVERLAP_F_B)")
+        from infra.cli import shown  # a spreadsheet's cell may be anything, of any length
+        raise ValueError(f"not an action: '{shown(text, 80)}' (expected e.g. 2F0, 2I0, 2W0, 2B0 or "
+                         "(0F1;1B0)OVERLAP_F_B)")
     return [(int(f.group(1)), f.group(2), int(f.group(3))) for f in found]
 
 
@@ -955,9 +961,13 @@ def table(rounds_by_rank, p, vee=False):
 def read_table(path):
     """Every rank's cells from a CSV file as torch.distributed.pipelining's _dump_csv
     writes it and _load_csv reads it: one row per rank, one action per cell, an empty cell
-    an idle step."""
-    with open(path, newline="") as f:
-        return [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
+    an idle step. A spreadsheet's export is read too: the byte-order mark of Excel's "CSV
+    UTF-8" is skipped, and empty lines at the end are no ranks."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        rows = [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
+    while rows and not rows[-1]:
+        rows.pop()
+    return rows
 
 
 def write_table(rows, path):
@@ -966,9 +976,24 @@ def write_table(rows, path):
 
 
 def write_schedule(args, every, p, vee, env):
-    """--write_schedule FILE: the run's rounds as torch's CSV, by rank 0 (a dry run has no env)."""
-    if args.write_schedule and (env is None or env.rank == 0):
-        write_table(table(every, p, vee), args.write_schedule)
+    """--write_schedule FILE: the run's rounds as torch's CSV, by rank 0 (a dry run has no env).
+    Start-up checked that FILE can be written; a write that fails even so (a full disk) is one
+    line, agreed by every rank, and leaves no partial table."""
+    if not args.write_schedule:
+        return
+    problem = None
+    if env is None or env.rank == 0:
+        try:
+            write_table(table(every, p, vee), args.write_schedule)
+        except OSError as e:
+            problem = f"--write_schedule {args.write_schedule}: cannot write it: {e.strerror or e}"
+            if os.path.isfile(args.write_schedule):
+                os.remove(args.write_schedule)
+    if env is None:
+        check(problem is None, problem)
+    else:
+        from infra.start import agree  # the others wait for rank 0's verdict: every rank exits 2 on its problem
+        agree(env, problem)
 
 
 def placement_of(rows):
@@ -991,7 +1016,9 @@ def table_problem(actions, p, m):
     its I (the order, replayed with every rank waiting for what it needs, stops), or an order
     that deadlocks under NCCL's rules (exchanges_for_nccl)."""
     if len(actions) != p:
-        return f"the table has {len(actions)} rows, one per rank, for {p} ranks"
+        empty = [str(r + 1) for r, row in enumerate(actions) if not row]
+        return (f"the table has {len(actions)} rows, one per rank, for {p} ranks"
+                + (f" (line {', '.join(empty[:5])} {'is' if len(empty) == 1 else 'are'} empty)" if empty else ""))
     for r, row in enumerate(actions):
         for text in row:
             try:
@@ -1056,19 +1083,26 @@ def table_problem(actions, p, m):
 def use_table_file(args, p):
     """--schedule_csv: read the user's table and refuse it, in one line naming the rank and
     the action, if it cannot run (table_problem), before anything is built. Its micro-batch
-    count is the run's m: the micro-batch size is the global batch over it."""
+    count is the run's m: the micro-batch size is the global batch over it. A FIFO, a device
+    or an oversized file is refused before it is read (a FIFO nobody writes would block)."""
+    from infra.cli import file_problem, shown
+    problem = file_problem(args.schedule_csv, "--schedule_csv", MAX_TABLE_BYTES)
+    check(problem is None, problem)
     try:
         actions = read_table(args.schedule_csv)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        fail(f"--schedule_csv {args.schedule_csv}: cannot read it ({e})")
-    m = 1 + max((int(i) for row in actions for text in row for i in re.findall(r"[FIWB](\d+)", text)), default=-1)
-    check(m > 0 and args.global_batch_size % m == 0, f"--schedule_csv {args.schedule_csv}: its {m} micro-batches "
+        fail(f"--schedule_csv {args.schedule_csv}: cannot read it ({shown(e)})")
+    try:
+        m = 1 + max((i for row in actions for text in row for _, _, i in parse_action(text)), default=-1)
+    except ValueError:
+        m = 1  # a cell that is not an action: table_problem names it
+    problem = table_problem(actions, p, m) if m > 0 else "it holds no actions"
+    check(problem is None, f"--schedule_csv {args.schedule_csv}: {problem}")
+    check(args.global_batch_size % m == 0, f"--schedule_csv {args.schedule_csv}: its {m} micro-batches "
           f"do not divide --global_batch_size {args.global_batch_size}")
     check(args.micro_batch_size in ("auto", args.global_batch_size // m),
           f"--schedule_csv {args.schedule_csv} has {m} micro-batches of {args.global_batch_size // m}: "
           f"leave out --micro_batch_size {args.micro_batch_size}")
-    problem = table_problem(actions, p, m)
-    check(problem is None, f"--schedule_csv {args.schedule_csv}: {problem}")
     args.micro_batch_size, args.schedule = args.global_batch_size // m, "csv"
 
 

@@ -766,6 +766,9 @@ def parse_args(parser, argv=None):
         check(cfg[name] > 0, f"--{name} must be positive, got {cfg[name]}")
     for name in ("warmup_iters", "lr_decay_iters", "eval_interval", "weight_decay", "grad_clip", "lr", "min_lr"):
         check(getattr(args, name) >= 0, f"--{name} must not be negative, got {getattr(args, name)}")
+    for name in ("lr", "min_lr"):  # the optimizers take the lr as a float32 scalar: past its range, a traceback
+        check(getattr(args, name) <= torch.finfo(torch.float32).max,
+              f"--{name} {getattr(args, name):g} is beyond float32's range (at most 3.4e38): no step can be taken with it")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2^32), got {args.seed}")
     check(0.0 <= cfg["dropout"] < 1.0, f"--dropout must be in [0, 1), got {cfg['dropout']}")
     check(cfg["n_embd"] % cfg["n_head"] == 0, f"n_embd {cfg['n_embd']} is not divisible by n_head {cfg['n_head']}")

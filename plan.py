@@ -91,7 +91,7 @@ from infra.cli import GPU_MEMORY_GB
 from infra.dry_run import planned_device_type, planned_dtype
 from infra.fit import allowance_text, fit_need, planned_room
 from infra.formulas import expert_params, flops_per_token, format_bytes
-from infra.metrics import PEAK_FLOPS
+from infra.metrics import finite_or_null, PEAK_FLOPS
 from infra.stop import with_guard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -765,6 +765,12 @@ def print_table(args, machine, psi, scored, refused, choice, why):
         print(f"  (fastest estimate: {fastest['label']}, {fastest['step_time_s']:.3g} s: {fastest['command']})")
 
 
+def strict_json(plan):
+    """The plan as strict JSON: a number that is not finite (a link priced at 1e-300 GB/s
+    takes forever) is null, never Infinity or NaN, which JSON parsers other than Python's refuse."""
+    return json.dumps(finite_or_null(plan), allow_nan=False)
+
+
 def as_json(psi, scored, refused, choice, why):
     keys = ("script", "flags", "label", "layout", "command", "per_gpu_bytes", "activations_counted",
             "comm_bytes_per_step", "priced_rank", "compute_s", "muon_s", "comm_s", "bubble", "step_time_s", "mfu", "need_bytes", "room_bytes", "fits")
@@ -786,6 +792,12 @@ def as_json(psi, scored, refused, choice, why):
 # whose place changed are listed with their bytes and seconds per link: the why.
 
 LINKS = {"intra": "inside a node", "inter": "across nodes"}
+
+
+# What a measured link may be: slower than a second per message or a MB/s, or faster than
+# 100 TB/s, is no network's (a fit of noise, or a hand edit) and would price every step
+# in years or in nothing.
+MAX_ALPHA_S, MIN_BETA_GBPS, MAX_BETA_GBPS = 1.0, 1e-3, 1e5
 
 
 def measured_machine(path, machine, machine_name):
@@ -814,6 +826,10 @@ def measured_machine(path, machine, machine_name):
                                            and math.isfinite(fit[k]) for k in ("alpha_s", "beta_GBps"))
         if not ok or fit["alpha_s"] < 0 or fit["beta_GBps"] <= 0:
             refuse(f"its {kind} link lacks a non-negative alpha_s and a positive beta_GBps")
+        if fit["alpha_s"] > MAX_ALPHA_S or not MIN_BETA_GBPS <= fit["beta_GBps"] <= MAX_BETA_GBPS:
+            refuse(f"its {kind} link's alpha {fit['alpha_s']:.3g} s, beta {fit['beta_GBps']:.3g} GB/s are not a "
+                   f"network's (alpha at most {MAX_ALPHA_S:g} s, beta {MIN_BETA_GBPS:g} to {MAX_BETA_GBPS:g} GB/s): "
+                   "a damaged or hand-edited file?")
     if machine_name and report.get("machine") and report["machine"] != machine_name:
         refuse(f"it was measured on {report['machine']}, the plan is for --machine {machine_name}")
     measured = dict(machine)
@@ -918,7 +934,7 @@ def main_measured(args, machine):
         out["measured"] = dict(file=args.measured, links={k: {"alpha_s": f["alpha_s"], "beta_GBps": f["beta_GBps"]}
                                                            for k, f in links.items()},
                                datasheet_recommendation=as_json(*before)["recommendation"], **changes)
-        print(json.dumps({**out, **({"rehearsal": rehearsal} if rehearsal else {})}))
+        print(strict_json({**out, **({"rehearsal": rehearsal} if rehearsal else {})}))
         return rehearsal
     print(f"measured links ({args.measured}): " + "; ".join(said))
     print_table(args, measured, *after)
@@ -974,8 +990,8 @@ def main(argv=None):
         psi, scored, refused, choice, why = plan(args, machine)
         rehearsal = rehearse(choice, args.gpus, machine) if args.rehearse else None
         if args.json:
-            print(json.dumps({**as_json(psi, scored, refused, choice, why),
-                              **({"rehearsal": rehearsal} if rehearsal else {})}))
+            print(strict_json({**as_json(psi, scored, refused, choice, why),
+                               **({"rehearsal": rehearsal} if rehearsal else {})}))
         else:
             print_table(args, machine, psi, scored, refused, choice, why)
             if rehearsal:

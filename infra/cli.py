@@ -1,6 +1,11 @@
 """The infrastructure's command line: the flags it adds to a script's parser (metrics,
 checkpoints and stopping, the dry run, the rehearsal), their checks, and the GPU memory of the
-facilities' nodes that a dry run's fit verdict plans for. Nothing here runs anything."""
+facilities' nodes that a dry run's fit verdict plans for; and the two guards every tool puts
+between a user's input and an error line: a file refused before it is read (a FIFO, a device,
+an oversized file) and hostile text shown cut and escaped. Nothing here runs anything."""
+
+import os
+import stat
 
 import common
 from common import check
@@ -98,3 +103,40 @@ def wandb_installed():
         return True
     except ImportError:
         return False
+
+
+def file_problem(path, what, max_bytes):
+    """Why the file `path` cannot be read as `what` (e.g. "--schedule_csv"), or None, found
+    before a byte of it is read: a file that does not exist, a directory, anything not a
+    regular file (a FIFO nobody writes blocks the reader for ever, /dev/zero never ends) and a
+    regular file over `max_bytes` (not what the flag expects; reading it would fill memory).
+    The line names `what` and the path, cut and escaped."""
+    try:
+        info = os.stat(path)  # follows a link: a link to /dev/zero is /dev/zero
+    except FileNotFoundError:
+        return f"{what} {shown(path)}: no such file"
+    except OSError as e:
+        return f"{what} {shown(path)}: cannot be read: {e.strerror or e}"
+    if stat.S_ISDIR(info.st_mode):
+        return f"{what} {shown(path)} is a directory, not a file"
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if stat.S_ISCHR(info.st_mode)
+                or stat.S_ISBLK(info.st_mode) else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a regular file")
+        return f"{what} {shown(path)} is {kind}, not a regular file: it is not read (it could block or never end)"
+    if info.st_size > max_bytes:
+        return f"{what} {shown(path)}: {info.st_size:,} bytes, more than the {max_bytes:,} such a file can hold"
+    if not os.access(path, os.R_OK):
+        return f"{what} {shown(path)}: cannot be read: permission denied"
+    return None
+
+
+def shown(text, limit=200):
+    """`text` (a cell, a path, a value from the user) as it may appear in a one-line error:
+    escaped as Python writes a string (a newline, a control character or a byte-order mark
+    shows as \\n, \\x07, \\ufeff, never acts on the terminal) and cut to about `limit`
+    characters, saying how long it was, so that a 100,000-character cell makes a short line."""
+    text = str(text)
+    escaped = repr(text[:limit])[1:-1]
+    if len(text) <= limit and len(escaped) <= limit:
+        return escaped
+    return f"{escaped[:limit]}... ({len(text):,} characters)"

@@ -20,7 +20,7 @@ from infra.ledger import LEDGER, _nbytes, print_ledger, state_bytes, theory_byte
 from infra.activations import ActivationMeter, reset_peak_memory
 from infra.fit import (GPU_USABLE, after_step_problem, allowance_text, fit_base, fit_fixes, fit_need, fit_problem,
                        memory_mark, memory_room, memory_taken, planned_room, rank_need, recording_groups, warm_groups)
-from infra.start import agree, ignore_stop_signals, release_out_dir, startup_problem
+from infra.start import agree, agree_on_startup, ignore_stop_signals, release_out_dir
 from infra.metrics import Metrics, WRITE_FAILURES, host_bytes, log_node_map
 from infra.stop import Guard, HostSyncs, with_guard
 from infra.checkpoint import export_agreed, resume_checkpoint, run_config, save_checkpoint
@@ -82,7 +82,7 @@ class Run(common.Run):
             if os.environ.get("GPTPAR_COUNT_SYNCS") == "1":
                 self.syncs = HostSyncs(self.env.device)
             log_node_map(self.env)
-            agree(self.env, startup_problem(args, self.env))
+            agree_on_startup(args, self.env)
             made = []
             with recording_groups(made):
                 self.groups = groups(self.env) if groups else None

@@ -23,11 +23,17 @@ from infra.ledger import LEDGER
 from infra.checkpoint_format import clean_checkpoints, latest_checkpoint, unfinished_checkpoints
 
 
+class Interrupted(str):
+    """A problem that is a Ctrl-C (SIGINT) during start-up: agreed like any other, but every
+    rank exits with 130, the shell's status for a job its user interrupted."""
+
+
 def agree(env, problem):
     """Every rank passes the problem it found (a one-line string) or None; if any rank found
     one, the first in rank order is printed once as `error: ...` and every rank exits with
-    status 2. A problem only some ranks can see (a file missing on one node, a slice of the
-    data) thus ends the whole job within seconds instead of hanging the others."""
+    status 2 (130 for an Interrupted one). A problem only some ranks can see (a file missing
+    on one node, a slice of the data) thus ends the whole job within seconds instead of
+    hanging the others."""
     if env.world_size > 1 and dist.is_initialized():
         with LEDGER.paused():  # control traffic, not the strategy's
             found = torch.tensor([1.0 if problem else 0.0], device=env.device)
@@ -39,7 +45,7 @@ def agree(env, problem):
     if problem:
         if env.master:
             say(f"error: {problem}", sys.stderr)
-        leave(env, 2)
+        leave(env, 130 if isinstance(problem, Interrupted) else 2)
 
 
 def leave(env, status):
@@ -48,6 +54,26 @@ def leave(env, status):
     release_out_dir()
     teardown(env)
     sys.exit(status)
+
+
+def agree_on_startup(args, env):
+    """startup_problem, agreed by every rank. Rank 0 may wait there for another host's lock
+    (up to half the timeout) while the others wait in `agree`: a Ctrl-C meanwhile, which
+    reaches every rank, ends the wait and the job in one line with status 130, instead of a
+    KeyboardInterrupt traceback on every rank and a wait that goes on (a rank inside a
+    collective cannot be interrupted). A SIGINT during the other checks is delivered as usual
+    once they are agreed."""
+    def defer(signum, frame):
+        _INTERRUPTED.append(signum)
+    previous = signal.signal(signal.SIGINT, defer)
+    agree(env, startup_problem(args, env))  # on a problem, every rank leaves: the stop signals ignored
+    signal.signal(signal.SIGINT, previous)
+    if _INTERRUPTED:
+        _INTERRUPTED.clear()
+        signal.raise_signal(signal.SIGINT)  # not during a wait for a lock: as if it came now
+
+
+_INTERRUPTED = []  # the SIGINTs received during start-up's checks (agree_on_startup)
 
 
 def startup_problem(args, env):
@@ -77,10 +103,12 @@ def startup_problem(args, env):
 
 def output_problems(args):
     """The first reason the files this run would write cannot be written, or None, found
-    without writing anything (a dry run calls it too): --metrics and --export need an
-    existing, writable directory; --out_dir must be a writable directory or creatable (a
-    directory is made and removed in it, or in the deepest part of its path that exists)."""
-    outputs = (("--metrics", args.metrics), ("--export", getattr(args, "export", None)))
+    without writing anything (a dry run calls it too): --metrics, --export and a script's own
+    output file (07's --write_schedule) need an existing, writable directory; --out_dir must
+    be a writable directory or creatable (a directory is made and removed in it, or in the
+    deepest part of its path that exists)."""
+    outputs = (("--metrics", args.metrics), ("--export", getattr(args, "export", None)),
+               ("--write_schedule", getattr(args, "write_schedule", None)))
     if all(path for _, path in outputs) and os.path.realpath(args.metrics) == os.path.realpath(args.export):
         return f"--metrics and --export name the same file, {args.export}: the export would overwrite the metrics"
     for flag, path in outputs:
@@ -223,7 +251,11 @@ def lock_out_dir(out_dir, wait_s=LOCK_STALE_S):
                       file=sys.stderr, flush=True)
                 deadline = time.time() + wait_s
                 while time.time() < deadline and os.path.exists(path) and not _lock_is_stale(path, holder):
-                    time.sleep(min(1.0, max(0.0, deadline - time.time())))
+                    if _INTERRUPTED:  # Ctrl-C: the lock is not ours, nothing was written
+                        return Interrupted(f"interrupted (SIGINT) while waiting for --out_dir {out_dir}'s lock, "
+                                           f"held by job {holder.get('job')} on host {holder.get('host')}: "
+                                           "nothing was started")
+                    time.sleep(min(0.2, max(0.0, deadline - time.time())))
                 wait_s = 0
                 if not os.path.exists(path):
                     continue  # released while we waited: take it
