@@ -1147,7 +1147,7 @@ def set_rng_state(env, state):
 # The run infrastructure's own flags (infra's add_run_flags): this file's Run refuses them by name
 # (tests/test_copy.py: exactly the flags a script's --help loses in a copy)
 INFRA_FLAGS = ("dry_run", "world_size", "ranks_per_node", "machine", "gpu_mem_gb", "rehearse", "no_fit_check",
-               "metrics", "wandb", "time_limit", "export", "unverified")
+               "metrics", "wandb", "time_limit", "export", "export_hf", "profile", "unverified")
 
 
 class Run:

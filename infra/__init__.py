@@ -20,11 +20,12 @@ Layers, top first:
     rehearsal           --rehearse: fake process group and tensors, stand-ins, record_posts
     replay              every rank's posting order by symmetry; the replay under NCCL's rules
     dry_run             --dry_run: the layout and one rank's costs, without launching
-    checkpoint          save, resume (any layout), export, --init_from; agreed by every rank
+    checkpoint          save, resume (any layout), export (--export, --export_hf), --init_from; agreed by every rank
     stop                the Guard (non-finite, signals, --time_limit), HostSyncs
     metrics             Metrics (JSONL rows, over ranks, MFU), wandb, the node map
     start               agree and leave; the start-up checks of the run's files; the out_dir lock
     fit                 the fit check: need against room, the cheapest fix; groups warmed up
+    hf                  Hugging Face GPT-2 in and out: config.json, safetensors by hand, Conv1D's layout
     checkpoint_format   pieces, the files and their metadata checks, reading any region
     activations         ActivationMeter, LiveStorage, the allocator's peak
     ledger              CommLedger (bytes by operation and group), the Flight Recorder trail

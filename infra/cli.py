@@ -28,6 +28,9 @@ def add_run_flags(parser):
                    help="--resume a set whose metadata records no checksums (read unchecked, with a warning)")
     g.add_argument("--export", default=None, metavar="FILE",
                    help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
+    g.add_argument("--export_hf", default=None, metavar="DIR",
+                   help="also write the final checkpoint as a transformers GPT-2 directory (config.json, "
+                        "model.safetensors): GPT2LMHeadModel.from_pretrained(DIR) reads it")
     g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
                    help="stop cleanly, with a checkpoint, before this many minutes from the start "
                         "(the job's walltime less a margin)")
@@ -71,8 +74,12 @@ def parse_args(parser, argv=None):
               and args.gpu_mem_gb is None, "--world_size, --ranks_per_node, --machine and --gpu_mem_gb belong to "
               "--dry_run (a launch takes its size from the launcher and its memory from the device)")
     check(args.time_limit is None or args.time_limit > 0, f"--time_limit must be positive, got {args.time_limit}")
-    check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
-          "it needs --ckpt_interval (the final step is always saved)")
+    for flag in ("export", "export_hf"):
+        check(not getattr(args, flag) or args.ckpt_interval, f"--{flag} consolidates the final checkpoint: "
+              "it needs --ckpt_interval (the final step is always saved)")
+    experts = common.preset_config(args)["n_expert"]
+    check(not args.export_hf or not experts, f"--export_hf: a mixture-of-experts model ({experts} experts) has no "
+          "GPT-2 form (--export writes it)")
     check(not args.unverified or args.resume, "--unverified belongs to --resume (a set without checksums)")
     check(args.wandb != "", "--wandb needs a project name, got an empty one (an unset variable in a job script?): "
           "name the project, or leave --wandb out")

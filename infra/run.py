@@ -195,7 +195,7 @@ class Run(common.Run):
             if self.start_step >= args.max_iters:  # a finished run: nothing to train, say so
                 log(env, f"note: the checkpoint is at step {self.start_step} and --max_iters is {args.max_iters}: "
                          "nothing to train (to train on, raise --max_iters and keep --lr_decay_iters)")
-                if getattr(args, "export", None):
+                if args.export or args.export_hf:
                     export_agreed(args, env, self.start_step)
         nano_params = count_params(config)[1]
         log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "

@@ -85,6 +85,10 @@ def output_problems(args):
     without writing anything (a dry run calls it too): --metrics and --export need an
     existing, writable directory; --out_dir must be a writable directory or creatable (a
     directory is made and removed in it, or in the deepest part of its path that exists)."""
+    directory = getattr(args, "export_hf", None)
+    if directory and (os.path.exists(directory) and not os.path.isdir(directory)
+                      or not os.path.isdir(os.path.dirname(os.path.abspath(directory)))):
+        return f"--export_hf {directory}: not a directory, nor one that can be made in an existing directory"
     outputs = (("--metrics", args.metrics), ("--export", getattr(args, "export", None)))
     if all(path for _, path in outputs) and os.path.realpath(args.metrics) == os.path.realpath(args.export):
         return f"--metrics and --export name the same file, {args.export}: the export would overwrite the metrics"
