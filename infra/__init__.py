@@ -28,6 +28,7 @@ Layers, top first:
     hf                  Hugging Face GPT-2 in and out: config.json, safetensors by hand, Conv1D's layout
     checkpoint_format   pieces, the files and their metadata checks, reading any region
     activations         ActivationMeter, LiveStorage, the allocator's peak
+    profiling           --profile: torch.profiler traces of the named steps, one per rank; CUDA memory snapshots
     ledger              CommLedger (bytes by operation and group), the Flight Recorder trail
     fake_host           HostTensor (GPTPAR_FAKE_HOST=1): host memory told apart on a CPU
     data_check          --data scanned once per job before the run

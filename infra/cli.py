@@ -34,6 +34,9 @@ def add_run_flags(parser):
     g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
                    help="stop cleanly, with a checkpoint, before this many minutes from the start "
                         "(the job's walltime less a margin)")
+    g.add_argument("--profile", default=None, metavar="STEPS",
+                   help="torch.profiler traces of these steps (5, or 5-7), one per rank under OUT_DIR/profile/, "
+                        "collectives named as the ledger names them; on GPUs a CUDA memory snapshot too")
     g = parser.add_argument_group("dry run (no launcher, network or accelerator needed)")
     g.add_argument("--dry_run", action="store_true",
                    help="validate the configuration for --world_size ranks, print the layout and what "
@@ -80,12 +83,28 @@ def parse_args(parser, argv=None):
     experts = common.preset_config(args)["n_expert"]
     check(not args.export_hf or not experts, f"--export_hf: a mixture-of-experts model ({experts} experts) has no "
           "GPT-2 form (--export writes it)")
+    check(not (args.profile and (args.dry_run or args.rehearse)), "--profile traces a launched run's steps; "
+          "--dry_run and --rehearse launch none")
+    if args.profile is not None:
+        args.profile = profile_window(args.profile, args.max_iters)
     check(not args.unverified or args.resume, "--unverified belongs to --resume (a set without checksums)")
     check(args.wandb != "", "--wandb needs a project name, got an empty one (an unset variable in a job script?): "
           "name the project, or leave --wandb out")
     check(not args.wandb or wandb_installed(), f"--wandb {args.wandb}: the wandb package is not installed "
           "(it is optional: pip install wandb)")
     return args
+
+
+def profile_window(spec, max_iters):
+    """`--profile 5` or `--profile 5-7` as (first, last); one line otherwise."""
+    try:
+        first, _, last = spec.partition("-")
+        first, last = int(first), int(last or first)
+    except ValueError:
+        first = last = None
+    check(first is not None and 0 <= first <= last, f"--profile {spec!r}: name a step (5) or a range of steps (5-7)")
+    check(last < max_iters, f"--profile {spec}: the run's steps are 0..{max_iters - 1} (--max_iters {max_iters})")
+    return first, last
 
 
 def wandb_installed():
