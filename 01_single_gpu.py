@@ -40,7 +40,8 @@ def add_flags(parser):
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--sample_tokens", type=int, default=300, help="tokens to sample at the end (0: none)")
     g.add_argument("--init_from", default=None,
-                   help="start from the weights of a one-file model (--export's, or nanoGPT's ckpt.pt)")
+                   help="start from the weights of a one-file model (--export's, or nanoGPT's ckpt.pt), or of "
+                        "hf:DIR, a transformers GPT-2 directory (save_pretrained's, or --export_hf's)")
     g.add_argument("--eval_only", action="store_true", help="evaluate (and sample), do not train")
     return parser
 
@@ -71,9 +72,8 @@ def main():
     check(run.world_size == 1, f"01_single_gpu.py runs as one process, not {run.world_size}: "
           "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
     check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
-    resume = getattr(args, "resume", False)  # (infra's flag: a plain copy has none)
-    check(not (resume and args.init_from), "--resume and --init_from both say where the weights come from: "
-          "pass one (--resume continues a run; --init_from starts a new one from a one-file model)")
+    check(not (getattr(args, "resume", False) and args.init_from), "--resume and --init_from both say where the "
+          "weights come from: pass one (--resume continues a run; --init_from starts a new one from saved weights)")
     env, accum_steps = run.start(costs, dp_size=1)  # the process up; --micro_batch_size auto: what fits
     run.dry_run(costs, lambda config: [f"layout: one device, {accum_steps} micro-batch(es) of "
                                        f"{args.micro_batch_size}"])  # --dry_run: the plan, then exit
@@ -81,10 +81,12 @@ def main():
 
     data = Data(args.data, args.seed, model_block_size(args))
     config = model_config(args, data.vocab_size)
+    if args.init_from:  # a one-file model, or hf:DIR (a transformers GPT-2, whose vocabulary the model takes)
+        from infra.checkpoint import load_model_file  # the checkpoint reader, which refuses pickled code
+        config, weights = load_model_file(args.init_from, config)
     model = build_model(config, args.seed, env.device, recompute=args.recompute)
     if args.init_from:
-        from infra.checkpoint import load_model_file  # the checkpoint reader, which refuses pickled code
-        model.load_state_dict(load_model_file(args.init_from, config))
+        model.load_state_dict(weights)
     train_model = torch.compile(model) if args.compile else model
     optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     run.begin(config, optimizer, costs, layout={"world_size": 1},

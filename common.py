@@ -520,12 +520,23 @@ def read_vocab_size(meta_path):
     return vocab
 
 
-class TokenFile:
-    """A nanoGPT token file (uint16) read by pread, not mmap: a truncated file is one line, not SIGBUS."""
+def token_dtype(spec):
+    """A --data directory's token dtype: nanoGPT's uint16, or uint32 where its meta.pkl says
+    dtype "uint32" (prepare.py's, for vocabularies above 65,536 tokens)."""
+    meta = os.path.join(spec, "meta.pkl")
+    if not os.path.isfile(meta):
+        return np.dtype(np.uint16)
+    with open(meta, "rb") as f:
+        found = _PlainUnpickler(f).load()
+    return np.dtype(np.uint32 if isinstance(found, dict) and found.get("dtype") == "uint32" else np.uint16)
 
-    def __init__(self, path):
-        self.path, self.fd = path, os.open(path, os.O_RDONLY)
-        self.length = os.fstat(self.fd).st_size // 2
+
+class TokenFile:
+    """A nanoGPT token file (uint16, or uint32) read by pread, not mmap: a truncated file is one line, not SIGBUS."""
+
+    def __init__(self, path, dtype=np.dtype(np.uint16)):
+        self.path, self.fd, self.dtype = path, os.open(path, os.O_RDONLY), dtype
+        self.length = os.fstat(self.fd).st_size // dtype.itemsize
 
     def __len__(self):
         return self.length
@@ -535,12 +546,13 @@ class TokenFile:
             index = np.arange(*index.indices(self.length))
         index = np.asarray(index)
         rows = index.reshape(-1, index.shape[-1])
-        out = np.empty(rows.shape, dtype=np.uint16)
+        out, size = np.empty(rows.shape, dtype=self.dtype), self.dtype.itemsize
         for r, row in enumerate(rows):
-            data = os.pread(self.fd, 2 * len(row), 2 * int(row[0]))
-            check(len(data) == 2 * len(row), f"{self.path} is now {os.fstat(self.fd).st_size} bytes, shorter than the "
-                  f"{2 * self.length} it had when the run started: it was truncated or rewritten under the running job")
-            out[r] = np.frombuffer(data, dtype=np.uint16)
+            data = os.pread(self.fd, size * len(row), size * int(row[0]))
+            check(len(data) == size * len(row), f"{self.path} is now {os.fstat(self.fd).st_size} bytes, shorter than "
+                  f"the {size * self.length} it had when the run started: it was truncated or rewritten under the "
+                  "running job")
+            out[r] = np.frombuffer(data, dtype=self.dtype)
         return out.reshape(index.shape)
 
 
@@ -575,7 +587,7 @@ class Data:
         elif spec == "synthetic":
             self.splits, self.vocab_size = synthetic_corpus(), SYNTHETIC_VOCAB
         else:
-            self.splits = {s: TokenFile(os.path.join(spec, f"{s}.bin")) for s in SPLITS}
+            self.splits = {s: TokenFile(os.path.join(spec, f"{s}.bin"), token_dtype(spec)) for s in SPLITS}
             self.vocab_size = Data.vocab_size_of(spec)
 
     @staticmethod
@@ -602,8 +614,10 @@ class Data:
             vocab = read_vocab_size(meta)
         except Exception as e:  # a damaged or foreign meta.pkl
             return None, None, f"--data {spec}: cannot read vocab_size from {meta} ({e})"
-        if not 0 < vocab <= 65536:
-            return None, None, f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..65536 (uint16 tokens)"
+        bits = 8 * token_dtype(spec).itemsize  # 32 where prepare.py wrote uint32 (above 65,536 tokens)
+        if not 0 < vocab <= 1 << bits:
+            return None, None, (f"--data {spec}: {meta} says vocab_size {vocab}; it must be in 1..{1 << bits} "
+                                f"(uint{bits} tokens{'; meta.pkl dtype uint32 for more' if bits == 16 else ''})")
         return vocab, f"{meta}'s vocab_size", None
 
     def batch(self, split, step, global_batch_size, dp_rank=0, dp_size=1, eval_split=False):
@@ -1163,7 +1177,7 @@ def set_rng_state(env, state):
 # The run infrastructure's own flags (infra's add_run_flags): this file's Run refuses them by name
 # (tests/test_copy.py: exactly the flags a script's --help loses in a copy)
 INFRA_FLAGS = ("dry_run", "world_size", "ranks_per_node", "machine", "gpu_mem_gb", "rehearse", "no_fit_check",
-               "metrics", "wandb", "time_limit", "export", "unverified")
+               "metrics", "wandb", "time_limit", "export", "export_hf", "profile", "unverified")
 
 
 class Run:

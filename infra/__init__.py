@@ -20,14 +20,16 @@ Layers, top first:
     rehearsal           --rehearse: fake process group and tensors, stand-ins, record_posts
     replay              every rank's posting order by symmetry; the replay under NCCL's rules
     dry_run             --dry_run: the layout and one rank's costs, without launching
-    checkpoint          save, resume (any layout), export, --init_from; agreed by every rank
+    checkpoint          save, resume (any layout), export (--export, --export_hf), --init_from; agreed by every rank
     numerics            --check_gradients: step 0's gradient against 01's, inside a derived bound
     stop                the Guard (non-finite, signals, --time_limit), HostSyncs
     metrics             Metrics (JSONL rows, over ranks, MFU), wandb, the node map
     start               agree and leave; the start-up checks of the run's files; the out_dir lock
     fit                 the fit check: need against room, the cheapest fix; groups warmed up
+    hf                  Hugging Face GPT-2 in and out: config.json, safetensors by hand, Conv1D's layout
     checkpoint_format   pieces, the files and their metadata checks, reading any region
     activations         ActivationMeter, LiveStorage, the allocator's peak
+    profiling           --profile: torch.profiler traces of the named steps, one per rank; CUDA memory snapshots
     ledger              CommLedger (bytes by operation and group), the Flight Recorder trail
     fake_host           HostTensor (GPTPAR_FAKE_HOST=1): host memory told apart on a CPU
     data_check          --data scanned once per job before the run

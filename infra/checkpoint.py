@@ -2,7 +2,8 @@
 rank and committed by rank 0's metadata.json; the newest set opened and checked against this run
 (its data, even if it moved, recognised by a fingerprint of its files) and every piece this rank
 holds read from it at any layout; the final set consolidated into nanoGPT's one-file format
-(--export), and such a file read back (--init_from). The format itself is infra.checkpoint_format's."""
+(--export), or into transformers' GPT-2 (--export_hf), and either read back (--init_from). The format
+itself is infra.checkpoint_format's; the Hugging Face one infra.hf's."""
 
 import json
 import math
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from common import GPTConfig, check, log, rng_state, set_rng_state
 from infra.formulas import format_bytes
+from infra.hf import HFError, export_hf, import_hf
 from infra.checkpoint_format import (CHECKPOINT_FORMAT, Checkpoint, CheckpointError, atomic_save, checkpoint_root,
                                      clean_checkpoints, latest_checkpoint, load_tensors, tensor_checksum)
 from infra.start import agree
@@ -106,21 +108,29 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
     sizes = [w for _, _, w, _ in everyone]
     log(env, f"checkpoint step {step} committed to {directory}: {format_bytes(min(sizes))} to "
              f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
-    if getattr(args, "export", None) and step == args.max_iters:
+    if (getattr(args, "export", None) or getattr(args, "export_hf", None)) and step == args.max_iters:
         export_agreed(args, env, step)
 
 
 def export_agreed(args, env, step):
-    """--export: rank 0 writes the newest committed set consolidated; a failure is one
-    agreed line (the checkpoint itself is committed)."""
+    """--export, --export_hf: rank 0 writes the newest committed set consolidated; a failure
+    is one agreed line (the checkpoint itself is committed)."""
     problem = None
     if env.master:
+        flag = "--export"
         try:
-            export_checkpoint(args.out_dir, args.export)
-            log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
-        except OSError as e:  # checked at start; the disk may have filled since
-            problem = (f"cannot write --export {args.export}: {e}; the checkpoint "
-                       f"{latest_checkpoint(args.out_dir)} is committed")
+            if args.export:
+                export_checkpoint(args.out_dir, args.export)
+                log(env, f"exported step {step}, consolidated, to {args.export} (nanoGPT's ckpt.pt format)")
+            if getattr(args, "export_hf", None):
+                flag = "--export_hf"
+                state, meta = consolidated_model(args.out_dir)
+                notes = export_hf(state, meta["run"]["model"], args.export_hf)
+                log(env, f"exported step {step} to {args.export_hf} as transformers' GPT-2 (config.json, "
+                         f"model.safetensors){': ' + '; '.join(notes) if notes else ''}")
+        except (OSError, HFError) as e:  # checked at start; the disk may have filled since
+            problem = (f"cannot write {flag} {args.export_hf if flag == '--export_hf' else args.export}: {e}; "
+                       f"the checkpoint {latest_checkpoint(args.out_dir)} is committed")
     agree(env, problem)
 
 
@@ -290,10 +300,9 @@ def resume_checkpoint(out_dir, env, pieces, run, optimizer, unverified=False):
     return meta["step"], extra
 
 
-def export_checkpoint(out_dir, path):
-    """The newest committed set, consolidated into one file in nanoGPT's ckpt.pt format
-    (model state dict with the tied lm_head.weight, model_args, iter_num, config): for
-    nanoGPT's sample.py, 01_single_gpu.py --init_from, or any user."""
+def consolidated_model(out_dir):
+    """The newest committed set's model, consolidated: (state dict under nanoGPT's names with
+    the tied lm_head.weight, the set's metadata)."""
     ckpt = Checkpoint(latest_checkpoint(out_dir))
     state = {}
     for name, entry in ckpt.meta["tensors"].items():
@@ -301,18 +310,38 @@ def export_checkpoint(out_dir, path):
             shape = entry["shape"]
             state[name[6:]] = ckpt.read(name, shape, [[0, s] for s in shape]).view(shape)
     state["lm_head.weight"] = state["transformer.wte.weight"]  # tied, as in nanoGPT
-    run = ckpt.meta["run"]
-    atomic_save({"model": state, "model_args": run["model"], "iter_num": ckpt.meta["step"],
+    return state, ckpt.meta
+
+
+def export_checkpoint(out_dir, path):
+    """The newest committed set, consolidated into one file in nanoGPT's ckpt.pt format
+    (model state dict with the tied lm_head.weight, model_args, iter_num, config): for
+    nanoGPT's sample.py, 01_single_gpu.py --init_from, or any user."""
+    state, meta = consolidated_model(out_dir)
+    run = meta["run"]
+    atomic_save({"model": state, "model_args": run["model"], "iter_num": meta["step"],
                  "config": {**{k: v for k, v in run.items() if k != "model"}, "dataset": run["data"]}}, path)
 
 
 def load_model_file(path, config):
-    """A one-file model (--export's, or nanoGPT's own ckpt.pt) for --init_from: its state
-    dict, after checking that it is one and that it is this model; one line otherwise."""
-    check(os.path.exists(path), f"--init_from {path}: no such file")
+    """--init_from: a one-file model (--export's, or nanoGPT's own ckpt.pt), or hf:DIR (a
+    transformers GPT-2 directory, infra.hf), as (config, state dict) after checking that it is
+    this model; one line otherwise. The config is `config`, or for hf:DIR with the directory's
+    vocabulary (GPT-2's 50257 where --data says nanoGPT's padded 50304)."""
+    if path.startswith("hf:"):
+        directory = path[3:]
+        check(os.path.isdir(directory), f"--init_from {path}: {directory} is not a directory (hf:DIR names a "
+              "transformers model directory, save_pretrained's)")
+        try:
+            vocab, state, notes = import_hf(directory, config, load_tensors)
+        except (HFError, OSError) as e:
+            check(False, str(e) if isinstance(e, HFError) else f"--init_from {path}: {e}")
+        print(f"--init_from {path}: transformers' GPT-2 read{': ' + '; '.join(notes) if notes else ''}", flush=True)
+        return GPTConfig(**{**asdict(config), "vocab_size": vocab}), state
+    check(os.path.exists(path), f"--init_from {path}: no such file (hf:DIR for a transformers directory)")
     check(os.path.isfile(path), f"--init_from {path} is {'a directory' if os.path.isdir(path) else 'not a regular file'}"
-          ", not a one-file model (--export's, or nanoGPT's ckpt.pt)")  # /dev/zero would be read for ever
-    obj, problem = load_tensors(path)
+          ", not a one-file model (--export's, or nanoGPT's ckpt.pt; hf:DIR for a transformers directory)")
+    obj, problem = load_tensors(path)  # /dev/zero would be read for ever: files only, above
     check(problem is None, f"--init_from {path} {problem}")
     check(isinstance(obj, dict) and isinstance(obj.get("model"), dict) and isinstance(obj.get("model_args"), dict),
           f"--init_from {path} is not a one-file model (expected a dict with 'model' and 'model_args', as "
@@ -323,7 +352,7 @@ def load_model_file(path, config):
     check(architecture(obj["model_args"]) == architecture(asdict(config)), f"--init_from {path} holds another "
           f"model: {architecture(obj['model_args'])}, this run builds {architecture(asdict(config))}")
     state = {k.removeprefix("_orig_mod."): v for k, v in obj["model"].items()}  # nanoGPT's compiled names
-    return {k: v for k, v in state.items() if not (k.endswith(".attn.bias") and v.dim() == 4)}  # nanoGPT's mask
+    return config, {k: v for k, v in state.items() if not (k.endswith(".attn.bias") and v.dim() == 4)}  # its mask
 
 
 def run_config(args, config, world_layout):

@@ -33,6 +33,9 @@ def add_run_flags(parser):
                    help="--resume a set whose metadata records no checksums (read unchecked, with a warning)")
     g.add_argument("--export", default=None, metavar="FILE",
                    help="also write the final checkpoint consolidated into one file (nanoGPT's ckpt.pt format)")
+    g.add_argument("--export_hf", default=None, metavar="DIR",
+                   help="also write the final checkpoint as a transformers GPT-2 directory (config.json, "
+                        "model.safetensors): GPT2LMHeadModel.from_pretrained(DIR) reads it")
     g.add_argument("--time_limit", type=float, default=None, metavar="MINUTES",
                    help="stop cleanly, with a checkpoint, before this many minutes from the start "
                         "(the job's walltime less a margin)")
@@ -41,6 +44,9 @@ def add_run_flags(parser):
                         "off), per parameter, with 01_single_gpu.py's in REF against a bound derived from the "
                         "arithmetic (docs/numerics.md); 01 writes REF when it does not exist. Exit 0 if every tensor "
                         "is inside its bound, 4 otherwise")
+    g.add_argument("--profile", default=None, metavar="STEPS",
+                   help="torch.profiler traces of these steps (5, or 5-7), one per rank under OUT_DIR/profile/, "
+                        "collectives named as the ledger names them; on GPUs a CUDA memory snapshot too")
     g = parser.add_argument_group("dry run (no launcher, network or accelerator needed)")
     g.add_argument("--dry_run", action="store_true",
                    help="validate the configuration for --world_size ranks, print the layout and what "
@@ -87,14 +93,34 @@ def parse_args(parser, argv=None):
               "or --rehearse")
         args.grad_clip = 0.0  # the raw averaged gradient is compared: clipping would hide a scale
     check(args.time_limit is None or args.time_limit > 0, f"--time_limit must be positive, got {args.time_limit}")
-    check(not args.export or args.ckpt_interval, "--export consolidates the final checkpoint: "
-          "it needs --ckpt_interval (the final step is always saved)")
+    for flag in ("export", "export_hf"):
+        check(not getattr(args, flag) or args.ckpt_interval, f"--{flag} consolidates the final checkpoint: "
+              "it needs --ckpt_interval (the final step is always saved)")
+    experts = common.preset_config(args)["n_expert"]
+    check(not args.export_hf or not experts, f"--export_hf: a mixture-of-experts model ({experts} experts) has no "
+          "GPT-2 form (--export writes it)")
+    check(not (args.profile and (args.dry_run or args.rehearse)), "--profile traces a launched run's steps; "
+          "--dry_run and --rehearse launch none")
+    if args.profile is not None:
+        args.profile = profile_window(args.profile, args.max_iters)
     check(not args.unverified or args.resume, "--unverified belongs to --resume (a set without checksums)")
     check(args.wandb != "", "--wandb needs a project name, got an empty one (an unset variable in a job script?): "
           "name the project, or leave --wandb out")
     check(not args.wandb or wandb_installed(), f"--wandb {args.wandb}: the wandb package is not installed "
           "(it is optional: pip install wandb)")
     return args
+
+
+def profile_window(spec, max_iters):
+    """`--profile 5` or `--profile 5-7` as (first, last); one line otherwise."""
+    try:
+        first, _, last = spec.partition("-")
+        first, last = int(first), int(last or first)
+    except ValueError:
+        first = last = None
+    check(first is not None and 0 <= first <= last, f"--profile {spec!r}: name a step (5) or a range of steps (5-7)")
+    check(last < max_iters, f"--profile {spec}: the run's steps are 0..{max_iters - 1} (--max_iters {max_iters})")
+    return first, last
 
 
 def wandb_installed():

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from common import Data, SHAKESPEARE_MISSING, SHAKESPEARE_TRAIN_FRACTION, SHAKESPEARE_TXT, SPLITS, SYNTHETIC_TOKENS
+from common import Data, token_dtype, SHAKESPEARE_MISSING, SHAKESPEARE_TRAIN_FRACTION, SHAKESPEARE_TXT, SPLITS, SYNTHETIC_TOKENS
 
 
 DATA_SCAN_CHUNK = 1 << 24  # tokens per read when scanning a file for out-of-vocabulary ids (32 MiB)
@@ -41,14 +41,14 @@ def data_problem(spec, block_size, rank=0, world_size=1):
             return f"--data {spec}: {split}.bin is missing"
         if not os.path.isfile(path):  # a FIFO, a socket, a device: token files are read at random positions
             return f"--data {spec}: {path} is not a regular file (a FIFO, socket or device): token files must be files"
-        size = os.path.getsize(path)
-        if size % 2:
-            return f"{path} is {size} bytes, not a whole number of uint16 tokens (truncated or not nanoGPT's format?)"
-        if size // 2 < block_size + 2:
-            return (f"{path} holds {size // 2} tokens, fewer than block_size+2 = {block_size + 2} "
+        size, dtype = os.path.getsize(path), token_dtype(spec)
+        if size % dtype.itemsize:
+            return f"{path} is {size} bytes, not a whole number of {dtype} tokens (truncated or not nanoGPT's format?)"
+        if size // dtype.itemsize < block_size + 2:
+            return (f"{path} holds {size // dtype.itemsize} tokens, fewer than block_size+2 = {block_size + 2} "
                     "(the batch sampler needs one window of block_size+1 tokens and a choice of start)")
         try:
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            tokens = np.memmap(path, dtype=dtype, mode="r")
         except OSError as e:  # unreadable: permissions, a stale network mount
             return f"{path} cannot be read: {e.strerror or e}"
         lo, hi = rank * len(tokens) // world_size, (rank + 1) * len(tokens) // world_size

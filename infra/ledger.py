@@ -70,6 +70,7 @@ class CommLedger:
                 except Exception:
                     name = "a subgroup"
         self.posted[name] = self.posted.get(name, 0) + 1
+        self.label = f"{op}[{name}] #{self.posted[name]}"  # what a --profile trace calls it
         phase = self.phase
         if phase == "step":  # inside autograd's backward, or the forward
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
@@ -191,7 +192,7 @@ class CommLedger:
                     self.add(p2p.op.__name__, _nbytes(p2p.tensor))
             where = self.position(f"batch_isend_irecv of {len(p2p_ops)}", p2p_ops[0].group if p2p_ops else None)
             try:
-                return self.watched(where, original(p2p_ops))
+                return self.watched(where, self.traced(original, p2p_ops))
             except Exception as e:
                 self.report(where, e)
                 raise
@@ -212,11 +213,23 @@ class CommLedger:
                          sum(map(_nbytes, value)) if isinstance(value, (list, tuple)) else _nbytes(value))
             where = self.position(op, bound.get("group"))
             try:
-                return self.watched(where, fn(*args, **kwargs))
+                return self.watched(where, self.traced(fn, *args, **kwargs))
             except Exception as e:  # a timeout (--timeout), a peer gone: say where this rank was
                 self.report(where, e)
                 raise
         return counted
+
+    profiling = False  # --profile's window is open (infra.profiling): name each call in the trace
+    label = None
+
+    def traced(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs); inside --profile's window under the ledger's name for it,
+        "all_reduce[dp] #37" (the group's name, the call's number on that group), so that a
+        trace shows which collective of the script each of its ranges is. Off, one test."""
+        if not self.profiling:
+            return fn(*args, **kwargs)
+        with torch.profiler.record_function(self.label):
+            return fn(*args, **kwargs)
 
     def take(self):
         """The bytes counted since the last take (one optimizer step's worth)."""

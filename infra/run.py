@@ -18,6 +18,7 @@ from infra.cli import parse_args
 from infra.formulas import flops_per_token, format_bytes
 from infra.ledger import LEDGER, _nbytes, print_ledger, state_bytes, theory_bytes
 from infra.activations import ActivationMeter, reset_peak_memory
+from infra.profiling import Profiler
 from infra.fit import (GPU_USABLE, after_step_problem, allowance_text, fit_base, fit_fixes, fit_need, fit_problem,
                        memory_mark, memory_room, memory_taken, planned_room, rank_need, recording_groups, warm_groups)
 from infra.start import agree, agree_on_startup, ignore_stop_signals, release_out_dir
@@ -79,6 +80,7 @@ class Run(common.Run):
         if not args.dry_run:
             self.env = setup(args, self.launch)
             LEDGER.install(self.env.device)
+            self.profiler = Profiler(args.profile, args.out_dir, self.env) if args.profile else None
             if os.environ.get("GPTPAR_COUNT_SYNCS") == "1":
                 self.syncs = HostSyncs(self.env.device)
             log_node_map(self.env)
@@ -124,6 +126,7 @@ class Run(common.Run):
 
     room = None  # the memory the micro-batch was chosen for, or the fit check read (None: unknown)
     step_costs = None  # the step's own inputs run.cost was last evaluated for (end_step)
+    profiler = None  # --profile's Profiler
     groups, groups_up, before_step, oracle = None, 0, None, None  # the script's groups; how many this rank is in; memory_mark()
 
     def planned_fit(self, costs, ranks):
@@ -195,7 +198,7 @@ class Run(common.Run):
             if self.start_step >= args.max_iters:  # a finished run: nothing to train, say so
                 log(env, f"note: the checkpoint is at step {self.start_step} and --max_iters is {args.max_iters}: "
                          "nothing to train (to train on, raise --max_iters and keep --lr_decay_iters)")
-                if getattr(args, "export", None):
+                if args.export or args.export_hf:
                     export_agreed(args, env, self.start_step)
         self.oracle = GradientOracle(args, env, self.script, self.run_config, pieces()) \
             if args.check_gradients else None  # --check_gradients: REF read (or 01's measures) now
@@ -225,6 +228,8 @@ class Run(common.Run):
             self.stopping, self.t0 = False, time.perf_counter()
             if self.syncs:
                 self.syncs.start()
+            if self.profiler:  # --profile: its window opens at its first step
+                self.profiler.begin_step(step)
             yield step
         if args.eval_interval and args.max_iters > self.start_step:
             self.evaluate(args.max_iters)
@@ -259,6 +264,8 @@ class Run(common.Run):
         checkpoint at --ckpt_interval, and the stop when one was agreed. `step_costs`: what
         this step's costs() depend on besides the layout (10's routing)."""
         args, env, step = self.args, self.env, self.step
+        if self.profiler:  # the step's range ends with its optimizer step; after the last, the traces
+            self.profiler.end_step(step)
         comm = LEDGER.take()
         syncs = self.syncs.stop() if self.syncs else None  # the step's own, before the logging's
         logged = self.logged(step)
@@ -351,6 +358,8 @@ class Run(common.Run):
     def finish(self):
         """Release out_dir and end the process group in step (common's teardown)."""
         ignore_stop_signals()
+        if self.profiler:  # a run stopped inside --profile's window: what it traced
+            self.profiler.close()
         self.guard.settle()  # the last step's flags, in flight
         agree(self.env, WRITE_FAILURES[0] if WRITE_FAILURES else None)  # a metrics row lost at the end
         self.metrics.close()  # --wandb: the run finished, its files complete
