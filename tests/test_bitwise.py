@@ -48,6 +48,10 @@ def assert_bitwise(reference, run, out_dir, what):
 CASES = [  # (script, ranks, flags)
     ("03_ddp.py", 2, []),
     ("03_ddp.py", 4, ["--bucket_mb", "0.05"]),
+    ("04_zero.py", 2, ["--stage", "1"]),
+    ("04_zero.py", 4, ["--stage", "2"]),
+    ("04_zero.py", 2, ["--stage", "3"]),
+    ("04_zero.py", 2, ["--stage", "2", "--offload"]),
 ]
 
 
