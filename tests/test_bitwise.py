@@ -52,6 +52,7 @@ CASES = [  # (script, ranks, flags)
     ("04_zero.py", 4, ["--stage", "2"]),
     ("04_zero.py", 2, ["--stage", "3"]),
     ("04_zero.py", 2, ["--stage", "2", "--offload"]),
+    ("05_fsdp.py", 4, ["--replicate", "2"]),
 ]
 
 
