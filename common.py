@@ -807,7 +807,7 @@ def check_batch(args, dp_size):
           f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
     accum = args.global_batch_size // (args.micro_batch_size * dp_size)
     # --bitwise: a rank's micro-batches must be one whole subtree of the global tree (TreeSum)
-    check(not args.bitwise or dp_size == 1 or accum & (accum - 1) == 0,
+    check(not getattr(args, "bitwise", False) or dp_size == 1 or accum & (accum - 1) == 0,
           f"--bitwise needs a power of two of micro-batches per data-parallel rank, so that each rank's are one "
           f"subtree of the global batch's tree; {dp_size} ranks x {accum} micro-batch(es) of "
           f"{args.micro_batch_size}: choose --micro_batch_size so that it is")
@@ -1063,7 +1063,7 @@ def setup(args, launch=None, distributed=True):
         device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu") else torch.float32
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
-    if args.bitwise:
+    if getattr(args, "bitwise", False):  # (a Namespace made by hand may lack it)
         deterministic(device)
     if device.type in ("cuda", "xpu"):  # before init_process_group, so NCCL / XCCL bind the right device
         torch.get_device_module(device).set_device(device)

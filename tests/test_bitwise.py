@@ -61,3 +61,14 @@ CASES = [  # (script, ranks, flags)
 def test_bitwise_equals_single_gpu(reference, tmp_path, dtype, script, ranks, flags):
     run = launch(script, BASE + flags + ["--dtype", dtype, "--out_dir", tmp_path], nprocs=ranks).ok()
     assert_bitwise(reference[dtype], run, tmp_path, f"{script} x{ranks} {' '.join(flags)} {dtype}")
+
+
+@pytest.mark.parametrize("script, ranks, flags, message", [
+    ("03_ddp.py", 2, ["--global_batch_size", "12"], "--bitwise needs a power of two of micro-batches per"),
+    ("06_tensor_parallel.py", 1, [], "tensor parallelism splits each matmul's inner dimension"),
+    ("09_context_parallel.py", 1, [], "context parallelism splits attention over the sequence"),
+    ("05_fsdp.py", 1, ["--reduce_dtype", "bfloat16"], "--bitwise reduces in fp32"),
+])
+def test_refused_where_it_cannot_hold(script, ranks, flags, message):
+    run = launch(script, BASE + flags, nprocs=ranks, timeout=60)
+    assert run.returncode == 2 and len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
