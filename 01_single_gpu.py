@@ -116,7 +116,8 @@ def main():
             loss_sum = bitwise_total(model, tree, accum_steps)  # the tree's sums (common.TreeSum)
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:  # (--bitwise: each parameter's norm in turn, as a sharded layout takes it)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip, foreach=not tree)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip,
+                                                  foreach=False if tree else None)
         run.check(loss_sum, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop
