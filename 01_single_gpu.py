@@ -31,7 +31,7 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
 import torch
 
 from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
-                    lr_at, make_optimizer, make_parser, model_block_size, model_config, to_device)
+                    lr_at, make_optimizer, make_parser, model_block_size, model_config, to_device, TreeGrads)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -89,6 +89,7 @@ def main():
         model.load_state_dict(weights)
     train_model = torch.compile(model) if args.compile else model
     optimizer = make_optimizer(model.named_parameters(), args, env)  # AdamW, or Muon + AdamW
+    tree = TreeGrads(lambda: [p.grad for p in model.parameters()], accum_steps) if args.bitwise else None
     run.begin(config, optimizer, costs, layout={"world_size": 1},
               pieces=lambda: checkpoint_pieces(model, optimizer),
               evaluate=lambda: evaluate(train_model, data, args, env, accum_steps),
@@ -109,11 +110,16 @@ def main():
                 rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
                 with autocast(env):
                     _, loss = train_model(x[rows], y[rows])
-                (loss / accum_steps).backward()  # accumulate the mean over the global batch
+                (loss if tree else loss / accum_steps).backward()  # accumulate the mean over the global batch
                 loss_sum += loss.detach().float()
+                if tree:  # --bitwise: this micro-batch's gradients kept apart, to be summed in one fixed tree
+                    tree.take(micro, loss)
+        if tree:
+            loss_sum = bitwise_total(model, tree, accum_steps)  # the tree's sums (common.TreeSum)
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
-        if args.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if args.grad_clip > 0:  # (--bitwise: each parameter's norm in turn, as a sharded layout takes it)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip,
+                                                  foreach=False if tree else None)
         run.check(loss_sum, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop
@@ -159,6 +165,15 @@ def costs(args, config, world_size, dtype):
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * muon, show="init", params=cost["held"]["params"],
                               init=t["init"], Ψ_m=hidden_matrix_params(config) * muon)
     return cost
+
+
+def bitwise_total(model, tree, n):
+    """--bitwise: the micro-batches' gradients, summed in common.TreeSum's order, divided once by
+    their count n into .grad, as every layout divides its tree's sum; the loss's sum, for the log."""
+    *grads, loss = tree.total()
+    for p, g in zip(model.parameters(), grads):
+        p.grad.copy_(g.div_(n))
+    return loss[0]
 
 
 def checkpoint_pieces(model, optimizer):

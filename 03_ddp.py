@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
                     lr_at, make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply,
-                    muon_momentum, orthogonalize, to_device)
+                    muon_momentum, orthogonalize, to_device, TreeGrads, tree_all_reduce)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -193,6 +193,7 @@ def main():
                               overlap=not args.no_overlap)
     # AdamW, or Muon + AdamW with each matrix's Newton-Schulz run by one replica (ReplicatedMuon)
     optimizer = make_optimizer(model.named_parameters(), args, env, muon=partial(ReplicatedMuon, group=dp_group))
+    tree = TreeGrads(lambda: buckets.buffers, accum_steps) if args.bitwise else None
     run.begin(config, optimizer, costs, layout={"strategy": "data parallel"},
               pieces=lambda: checkpoint_pieces(model, optimizer, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, dp_group),
@@ -210,17 +211,23 @@ def main():
         with run.meter:
             for micro in range(accum_steps):
                 rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
-                buckets.sync = micro == accum_steps - 1  # communicate only on the last micro-step
+                buckets.sync = micro == accum_steps - 1 and not tree  # communicate only on the last micro-step
                 with autocast(env):
                     _, loss = model(x[rows], y[rows])
-                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                (loss if tree else loss / accum_steps).backward()  # accumulate the mean over this rank's rows
                 loss_sum += loss.detach().float()
-        buckets.finish()  # gradients are now the mean over the global batch, on every rank
-        loss_sum /= accum_steps  # this replica's mean loss
-        mean_over_replicas(loss_sum, dp_group)  # the global batch's mean loss, for logging
+                if tree:  # --bitwise: this micro-batch's gradients kept apart, to be summed in one fixed tree
+                    tree.take(micro, loss)
+        if tree:  # --bitwise: every replica's tree, then one fixed tree over the replicas (below)
+            loss_sum = bitwise_reduce(tree, buckets.buffers, dp_group, accum_steps)
+        else:
+            buckets.finish()  # gradients are now the mean over the global batch, on every rank
+            loss_sum /= accum_steps  # this replica's mean loss
+            mean_over_replicas(loss_sum, dp_group)  # the global batch's mean loss, for logging
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
-        if args.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if args.grad_clip > 0:  # (--bitwise: each parameter's norm in turn, as a sharded layout takes it)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip,
+                                                  foreach=False if tree else None)
         run.check(loss_sum, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         run.end_step(loss_sum)  # ledger, metrics, checkpoint, stop
@@ -304,7 +311,10 @@ def costs(args, config, world_size, dtype, rank=0):
                      # AdamW's two moments; Muon keeps one (its momentum) for the Ψ_m matrix entries
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
-            "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)},  # the gradients, the logged loss
+            "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)} if not args.bitwise else
+            # --bitwise: the gradients and the loss, padded to N, to their owners and back (bitwise_reduce)
+            {op: formula("4*(Ψ + loss + pad)", Ψ=psi, loss=1, pad=-(psi + 1) % world_size)
+             for op in ("all_to_all_single", "all_gather_into_tensor")},
             # Muon: Newton-Schulz on the matrices this replica owns (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([shape for shape, owner in zip(shapes, muon_owners(shapes, world_size))
                                                if owner == rank]),
@@ -321,6 +331,23 @@ def costs(args, config, world_size, dtype, rank=0):
                               params=cost["held"]["params"], grads=cost["held"]["grads"],
                               Ψ_m=hidden_matrix_params(config) * muon)
     return cost
+
+
+def bitwise_reduce(tree, buffers, group, n):
+    """--bitwise: this replica's tree of its n micro-batches (every bucket's gradients, then the loss)
+    summed over the replicas by common.tree_all_reduce, the tree's upper levels in one fixed order,
+    and divided once by the global batch's micro-batch count, as 01 --bitwise divides; the loss's
+    mean returned. The same bytes as the ring's all-reduce (all_to_all, then all_gather)."""
+    p = dist.get_world_size(group)
+    flat = torch.cat(tree.total())  # the buckets' sums, then the loss's
+    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % p))  # a multiple of p elements
+    tree_all_reduce(flat, group)
+    flat.div_(n * p)
+    offset = 0
+    for buffer in buffers:
+        buffer.copy_(flat[offset:offset + buffer.numel()])
+        offset += buffer.numel()
+    return flat[offset]
 
 
 def checkpoint_pieces(model, optimizer, env):

@@ -58,7 +58,7 @@ from torch import nn
 
 from common import (autocast, check, Data, GPT, is_decayed, is_hidden_matrix, lr_at, make_adamw,
                     make_parser, model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize,
-                    param_init, param_shapes, to_device, to_host)
+                    param_init, param_shapes, to_device, to_host, TreeGrads, TreeSum, tree_all_reduce)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -161,12 +161,15 @@ class ZeRO:
         """`model`: a GPT on the meta device (shapes only). Its parameters are swapped for
         empty ones on the device, and each unit builds only what this rank keeps (above)."""
         self.stage, self.group, self.world_size = stage, group, dist.get_world_size(group)
-        self.compute_dtype, self.device, self.offload = env.dtype, env.device, args.offload
+        # (--bitwise: the working copy in fp32, as 01's weights under autocast, so that LayerNorm and
+        # the embedding read the same values; autocast casts the matmuls' inputs alike)
+        self.compute_dtype = torch.float32 if args.bitwise else env.dtype
+        self.device, self.offload = env.device, args.offload
         self.gathered_now = self.gathered_peak = 0  # stage 3: the gathered units' bytes (track)
         shapes = {k: p.shape for k, p in model.named_parameters()}
-        materialize(model, env.device, env.dtype)
+        materialize(model, env.device, self.compute_dtype)
         init = lambda name, shape: param_init(name, shape, model.config, args.seed)
-        unit = lambda name, prefix, named: Unit(name, prefix, named, shapes, init, group, env, env.dtype,
+        unit = lambda name, prefix, named: Unit(name, prefix, named, shapes, init, group, env, self.compute_dtype,
                                                 keep_full=stage < 3, offload=args.offload)
         self.root = unit("root", "", [(k, p) for k, p in model.named_parameters() if not k.startswith("transformer.h.")])
         self.blocks = [unit(f"transformer.h.{i}.", f"transformer.h.{i}.", list(block.named_parameters()))
@@ -184,6 +187,7 @@ class ZeRO:
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.first, self.sync, self.shard_empty = True, stage > 1, True
+        self.bitwise = BitwiseTrees(self, args, list(shapes)) if args.bitwise else None  # --bitwise: one fixed order (below)
         self.pending, self.reduced, self.waiting = [], False, {u: len(u.params) for u in self.units}
         if stage == 3:
             for block, unit in zip(model.transformer.h, self.blocks):
@@ -229,7 +233,7 @@ class ZeRO:
         """Stage 1 reduces the accumulated gradients once, during the last micro-batch's
         backward; stages 2-3 reduce in every micro-batch's backward. The first micro-batch
         writes stage 1's fp32 sums where later ones add to them (nothing to zero)."""
-        self.first, self.sync = first, self.stage > 1 or last
+        self.first, self.sync = first or bool(self.bitwise), self.stage > 1 or last or bool(self.bitwise)
 
     def _grad_ready(self, param):
         unit = self.unit_of[param]
@@ -253,16 +257,19 @@ class ZeRO:
             for p, offset in zip(unit.params, unit.offsets):
                 flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
                 p.grad = None  # the full gradient is freed at once: only the shard is kept
-        flat.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
-        # the step's first reduction lands in the gradient shard itself (nothing to zero, no
-        # copy); a later one (stages 2-3 accumulating), or one for the host, in a buffer
-        shard = unit.grad_shard if self.shard_empty and not self.offload else \
-            torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.device)
-        # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
-        # backward continues on the earlier blocks meanwhile
-        handle = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
-        self.pending.append((handle, unit, shard, flat))  # holds `flat` until the wait
-        self.reduced = True
+        if self.bitwise:  # --bitwise: into the unit's tree, reduced in one fixed order once whole (below)
+            self.bitwise.add(unit, flat)
+        else:
+            flat.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
+            # the step's first reduction lands in the gradient shard itself (nothing to zero, no
+            # copy); a later one (stages 2-3 accumulating), or one for the host, in a buffer
+            shard = unit.grad_shard if self.shard_empty and not self.offload else \
+                torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.device)
+            # sum every rank's gradients of this unit; rank r receives shard r; asynchronous, so
+            # backward continues on the earlier blocks meanwhile
+            handle = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
+            self.pending.append((handle, unit, shard, flat))  # holds `flat` until the wait
+            self.reduced = True
         if self.stage == 3 and unit is not self.root:
             self.release(unit)  # its backward is over: drop the gathered parameters
 
@@ -288,6 +295,8 @@ class ZeRO:
         self.finish_reductions()
         self.shard_empty = self.shard_empty and not self.reduced
         self.reduced, self.waiting = False, {u: len(u.params) for u in self.units}
+        if self.bitwise:
+            self.bitwise.micro += 1
 
     # -- the update ----------------------------------------------------------------------
     def shard_optimizer(self, args, env):
@@ -310,9 +319,12 @@ class ZeRO:
 
     def clip_grad_norm(self, max_norm):
         """The global gradient norm from the shards (padding is zero), as clip_grad_norm_."""
-        squares = sum(u.grad_shard.pow(2).sum() for u in self.units).to(self.device)
-        dist.all_reduce(squares, group=self.group)  # the sum of every rank's squared shard norms
-        total_norm = squares.sqrt()
+        if self.bitwise:  # --bitwise: from each parameter's norm, taken whole (BitwiseTrees)
+            total_norm = self.bitwise.norm()
+        else:
+            squares = sum(u.grad_shard.pow(2).sum() for u in self.units).to(self.device)
+            dist.all_reduce(squares, group=self.group)  # the sum of every rank's squared shard norms
+            total_norm = squares.sqrt()
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(self.root.grad_shard.device)
         for unit in self.units:
             unit.grad_shard.mul_(coef)
@@ -342,6 +354,8 @@ class ZeRO:
     def zero_grad(self):
         """The next step's first micro-batch and first reduction overwrite the sums."""
         self.shard_empty = True
+        if self.bitwise:
+            self.bitwise.micro = 0
 
 
 def add_flags(parser):
@@ -393,6 +407,7 @@ def main():
     for block in model.transformer.h:
         block.recompute = args.recompute
     zero = (OffloadedZeRO if args.offload else ZeRO)(model, args.stage, dp_group, env, args)  # only what it keeps
+    tree = TreeGrads(lambda: [], accum_steps) if args.bitwise else None
     run.begin(config, zero.optimizer, costs, layout={"strategy": "zero", "stage": args.stage},
               pieces=lambda: checkpoint_pieces(zero), held=lambda: held_bytes(zero),
               evaluate=lambda: evaluate(model, zero, data, args, env, accum_steps, dp_group),
@@ -413,12 +428,17 @@ def main():
                 with autocast(env):
                     _, loss = model(x[rows], y[rows])
                 zero.before_backward(micro == 0, micro == accum_steps - 1)  # stage 1: reduces in the last
-                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                (loss if tree else loss / accum_steps).backward()  # accumulate the mean over this rank's rows
                 zero.after_backward()  # this micro-batch's gradient shards are in (stage 1: the last's)
                 loss_sum += loss.detach().float()
+                if tree:  # --bitwise: the losses too, summed in one fixed tree
+                    tree.take(micro, loss)
         zero.release_root()
         loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
+        if tree:  # --bitwise: the same tree over ranks as the gradients' (BitwiseTrees)
+            loss_sum = zero.bitwise.loss(tree)
+        else:
+            dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
         norm = zero.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
         run.check(loss_sum, (u.grad_shard for u in zero.units), norm)  # non-finite? asked to stop?
         zero.step()  # AdamW on the shards, then (stages 1-2) all-gather the parameters
@@ -430,6 +450,43 @@ def main():
 # ---- Beyond the lesson ----
 # Not the strategy: --offload's copies, Muon on flat shards, what a rank holds and sends (costs(),
 # the ledger's theory), the dry run's lines, checkpoint pieces.
+
+class BitwiseTrees:
+    """--bitwise: each unit's gradients summed in one fixed binary tree over the global batch's
+    micro-batches (common.TreeSum): this rank's k micro-batches as the subtree it owns, then the
+    ranks' sums by common.tree_all_reduce (all_to_all, a tree in rank order on each shard's owner,
+    all_gather), divided once by the global count. Every rank then holds the unit's whole mean
+    gradient for a moment: each parameter's norm is taken from it, whole, as 01 --bitwise takes it
+    (a norm summed from shards would group the squares by the layout), and only the shard is kept."""
+
+    def __init__(self, zero, args, order):
+        self.zero, self.micro, self.norms, self.order = zero, 0, {}, order  # order: nanoGPT's names
+        self.k = args.global_batch_size // (args.micro_batch_size * zero.world_size)
+        self.trees = {unit: TreeSum(self.k) for unit in zero.units}
+
+    def add(self, unit, flat):
+        zero = self.zero
+        leaf = flat.clone() if flat is unit.grad_full else flat  # stage 1 reuses its buffer
+        total = self.trees[unit].add(self.micro, [leaf])
+        if total is None:
+            return  # more of this rank's micro-batches to come
+        self.trees[unit] = TreeSum(self.k)
+        flat = tree_all_reduce(total[0], zero.group).div_(self.k * zero.world_size)
+        for name, p, offset in zip(unit.names, unit.params, unit.offsets):
+            self.norms[unit.name + name if unit is not zero.root else name] = \
+                torch.linalg.vector_norm(flat[offset:offset + p.numel()].view(p.shape))
+        unit.grad_shard.copy_(flat[unit.lo:unit.hi])
+
+    def norm(self):
+        """The global norm from every parameter's, in nanoGPT's order, as clip_grad_norm_ takes it."""
+        return torch.linalg.vector_norm(torch.stack([self.norms[name] for name in self.order]))
+
+    def loss(self, tree):
+        """The losses' tree over ranks, as the gradients' (a vector of N, one loss each), and its mean."""
+        n = self.zero.world_size
+        flat = torch.nn.functional.pad(tree.total()[0], (0, n - 1))
+        return tree_all_reduce(flat, self.zero.group)[0] / (self.k * n)
+
 
 class OffloadedZeRO(ZeRO):
     """--offload (ZeRO-Offload, Ren et al. 2021): the fp32 master, the gradient shard and
@@ -676,7 +733,7 @@ def costs(args, config, world_size, dtype, rank=0):
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n
-    e = dtype.itemsize
+    e = 4 if args.bitwise else dtype.itemsize  # --bitwise: the working copy stays fp32 (ZeRO)
     K = 8 if e == 4 else 12
     m = args.global_batch_size // (args.micro_batch_size * n)
 
@@ -705,12 +762,15 @@ def costs(args, config, world_size, dtype, rank=0):
     else:  # stages 2 and 3 reduce-scatter every micro-batch; 3 gathers each block twice in it
         sent.update(reduce_scatter_tensor=f("m*4*Ψ"),
                     all_gather_into_tensor=f("e*Ψ") if stage == 2 else f("e*(root + m*2*blocks)"))
+    if args.bitwise:  # the gradients and the loss (one per rank) to their owners and back (BitwiseTrees)
+        sent = {"all_to_all_single": f("4*Ψ + 4*N"),
+                "all_gather_into_tensor": f("4*Ψ + 4*N + " + ("e*Ψ" if stage < 3 else "e*(root + m*2*blocks)"))}
     if matrices:  # Muon: this rank's pieces to their owners, its own matrices' pieces back
         sent["all_to_all_single"] = f("e*(Ψ_mr + Ψ_o)")
     # activations: each rank runs 01's model on its micro-batch; partitioning the model
     # states leaves them as they are (01's count per micro-batch)
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
-                             param_dtype=dtype)  # the working parameters: stored in the compute dtype
+                             param_dtype=torch.float32 if args.bitwise else dtype)  # the working parameters
     cost = {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent,
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
     if stage == 3:  # the working parameters at the peak: the root, gathered all step, and the block being

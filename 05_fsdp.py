@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from common import (autocast, check, Data, GPT, is_hidden_matrix, lr_at, make_adamw, make_parser,
                     model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init, param_shapes, to_device,
-                    to_host)
+                    to_host, TreeGrads, TreeSum, tree_all_reduce, tree_reduce_scatter)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -139,11 +139,14 @@ class Unit:
             padded[:shape[0]] = grad
             packed[:, offset:offset + numel] = padded.view(S, numel)  # rank r's rows -> row r
             p.grad = None  # the full gradient is freed: only the shard will be kept
-        packed.div_(fsdp.world_size)  # sum of g/N = the mean over every data-parallel rank
-        out = torch.empty(self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
-        # sum over the shard group; rank r receives the rows it owns of every gradient
-        handle = dist.reduce_scatter_tensor(out, packed.view(-1), group=fsdp.shard_group, async_op=True)
-        fsdp.reductions.append((handle, self, out, packed))
+        if fsdp.bitwise:  # --bitwise: into the unit's tree, reduced in one fixed order once whole (below)
+            fsdp.bitwise.add(self, packed)
+        else:
+            packed.div_(fsdp.world_size)  # sum of g/N = the mean over every data-parallel rank
+            out = torch.empty(self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
+            # sum over the shard group; rank r receives the rows it owns of every gradient
+            handle = dist.reduce_scatter_tensor(out, packed.view(-1), group=fsdp.shard_group, async_op=True)
+            fsdp.reductions.append((handle, self, out, packed))
         self.waiting = len(self.params)
         if fsdp.reshard and self is not fsdp.root:
             self.release()
@@ -178,7 +181,9 @@ class FSDP:
         S = self.shard_size = env.world_size // R
         self.shard_rank, self.replica = env.rank % S, env.rank // S
         self.shard_group, self.replicate_group = groups  # shard_groups()
-        self.compute_dtype = env.dtype
+        # (--bitwise: the gathered parameters in fp32, as 01's weights under autocast, so that LayerNorm
+        # and the embedding read the same values; autocast casts the matmuls' inputs alike)
+        self.compute_dtype = torch.float32 if args.bitwise else env.dtype
         self.reduce_dtype = getattr(torch, args.reduce_dtype)
         self.prefetch, self.reshard = not args.no_prefetch, not args.no_reshard
         self.gathered_now = self.gathered_peak = 0
@@ -190,6 +195,7 @@ class FSDP:
         self.blocks = [Unit(f"h.{i}", [(f"transformer.h.{i}.{k}", p) for k, p in block.named_parameters()],
                             self, shapes) for i, block in enumerate(model.transformer.h)]
         self.units = [self.root] + self.blocks
+        self.bitwise = BitwiseTrees(self, args, list(shapes)) if args.bitwise else None  # (below)
         for unit in self.units:
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit: unit.grad_ready())
@@ -244,10 +250,14 @@ class FSDP:
     def after_backward(self):
         """After each micro-batch's backward: its last reduce-scatter in."""
         self.finish_reductions()
+        if self.bitwise:
+            self.bitwise.micro += 1
 
     def end(self):
         for unit in self.units:
             unit.release()
+        if self.bitwise:
+            self.bitwise.micro = 0
 
     def home(self, t):
         """Where the fp32 shards (and so their gradients and AdamW's state) live: the device."""
@@ -263,9 +273,12 @@ class FSDP:
 
     def clip_grad_norm(self, max_norm):
         """Global norm from the shards (padding rows are zero); the replicas hold equal shards."""
-        squares = sum(s.grad.float().pow(2).sum() for s in self.shards()).to(self.device)
-        dist.all_reduce(squares, group=self.shard_group)  # the sum over the shard group
-        total_norm = squares.sqrt()
+        if self.bitwise:  # --bitwise: from each parameter's norm, taken whole (BitwiseTrees)
+            total_norm = self.bitwise.norm()
+        else:
+            squares = sum(s.grad.float().pow(2).sum() for s in self.shards()).to(self.device)
+            dist.all_reduce(squares, group=self.shard_group)  # the sum over the shard group
+            total_norm = squares.sqrt()
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(self.shards()[0].device)
         for s in self.shards():
             s.grad.mul_(coef)
@@ -324,6 +337,7 @@ def main():
     args = run.args
     check(args.replicate >= 1 and run.world_size % args.replicate == 0,
           f"--replicate {args.replicate} does not divide the world size {run.world_size}")
+    check_bitwise(args, run.world_size // args.replicate)
     env, accum_steps = run.start(costs, dp_size=run.world_size,  # processes up; auto: the largest that fits,
                                  groups=lambda env: shard_groups(env.world_size, args.replicate, env.rank))
     run.dry_run(costs, lambda config: layout_lines(args, run.world_size, accum_steps))
@@ -337,6 +351,7 @@ def main():
     for block in model.transformer.h:
         block.recompute = args.recompute
     fsdp = (OffloadedFSDP if args.offload else FSDP)(model, config, args, env, run.groups)  # only its rows
+    tree = TreeGrads(lambda: [], accum_steps) if args.bitwise else None
     # fused on GPUs; with --offload the shards are on the host and AdamW runs on the CPU
     optimizer = fsdp_optimizer(fsdp, args, env)  # AdamW (or Muon + AdamW) on this rank's fp32 rows
     run.begin(config, optimizer, costs, layout={"strategy": "fsdp", "replicate": args.replicate},
@@ -357,12 +372,17 @@ def main():
                 fsdp.begin()  # the root unit (gathered once per step) and the first block's prefetch
                 with autocast(env):
                     _, loss = model(x[rows], y[rows])
-                (loss / accum_steps).backward()  # accumulate the mean over this rank's rows
+                (loss if tree else loss / accum_steps).backward()  # accumulate the mean over this rank's rows
                 fsdp.after_backward()  # this micro-batch's gradient shards are in
                 loss_sum += loss.detach().float()
+                if tree:  # --bitwise: the losses too, summed in one fixed tree
+                    tree.take(micro, loss)
         fsdp.end()  # free the root (and, with --no_reshard, every block)
         loss_sum /= accum_steps * env.world_size
-        dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
+        if tree:  # --bitwise: the same tree over ranks as the gradients' (BitwiseTrees)
+            loss_sum = fsdp.bitwise.loss(tree, dp_group)
+        else:
+            dist.all_reduce(loss_sum, group=dp_group)  # the global batch's mean loss, for logging
         norm = fsdp.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 else None  # the global norm
         run.check(loss_sum, (s.grad for s in fsdp.shards()), norm)  # non-finite? asked to stop?
         optimizer.step()  # AdamW on this rank's fp32 rows only
@@ -377,6 +397,61 @@ def main():
 # ---- Beyond the lesson ----
 # Not the strategy: --offload's copies, Muon on dim-0 shards, what a rank holds and sends (costs(),
 # the ledger's theory), the dry run's lines, checkpoint pieces.
+
+def check_bitwise(args, S):
+    """--bitwise holds where the sums are the global tree's: fp32 reductions, and with replicas a
+    shard group of a power of two of ranks (each replica's ranks then one subtree)."""
+    check(not args.bitwise or args.reduce_dtype == "float32", "--bitwise reduces in fp32, as 01 accumulates: "
+          "drop --reduce_dtype bfloat16")
+    check(not args.bitwise or args.replicate == 1 or S & (S - 1) == 0, f"--bitwise with --replicate needs a power "
+          f"of two of ranks per shard group (each replica's ranks one subtree of the global tree), not {S}")
+
+
+class BitwiseTrees:
+    """--bitwise: each unit's gradients summed in one fixed binary tree over the global batch's
+    micro-batches (common.TreeSum): this rank's k micro-batches as the subtree it owns, the shard
+    group's ranks by common.tree_reduce_scatter, HSDP's replicas by common.tree_all_reduce of the
+    shard (the global tree's upper levels when a shard group is a power of two of ranks), divided
+    once by the global count. The shard group then gathers the unit's mean gradient for a moment:
+    each parameter's norm is taken from it, whole, as 01 --bitwise takes it (a norm summed from
+    shards would group the squares by the layout)."""
+
+    def __init__(self, fsdp, args, order):
+        self.fsdp, self.micro, self.norms, self.order = fsdp, 0, {}, order  # order: nanoGPT's names
+        self.k = args.global_batch_size // (args.micro_batch_size * fsdp.world_size)
+        self.trees = {unit: TreeSum(self.k) for unit in fsdp.units}
+
+    def add(self, unit, packed):
+        fsdp, S = self.fsdp, self.fsdp.shard_size
+        total = self.trees[unit].add(self.micro, [packed.view(-1)])
+        if total is None:
+            return  # more of this rank's micro-batches to come
+        self.trees[unit] = TreeSum(self.k)
+        shard = tree_reduce_scatter(total[0], fsdp.shard_group)
+        if fsdp.replicate_group is not None:
+            R = dist.get_world_size(fsdp.replicate_group)
+            padded = torch.nn.functional.pad(shard, (0, -shard.numel() % R))  # a multiple of R elements
+            shard = tree_all_reduce(padded, fsdp.replicate_group)[:unit.numel]
+        shard.div_(self.k * fsdp.world_size)
+        full = torch.empty(S * unit.numel, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(full, shard, group=fsdp.shard_group)  # the unit's whole gradient, once
+        full = full.view(S, unit.numel)
+        for name, shape, offset, numel, rows in zip(unit.names, unit.shapes, unit.offsets, unit.shard_numels,
+                                                    unit.rows):
+            whole = full[:, offset:offset + numel].reshape(S * rows, -1)[:shape[0]].reshape(shape).contiguous()
+            self.norms[name] = torch.linalg.vector_norm(whole)
+        fsdp.add_reduced(unit, shard)
+
+    def norm(self):
+        """The global norm from every parameter's, in nanoGPT's order, as clip_grad_norm_ takes it."""
+        return torch.linalg.vector_norm(torch.stack([self.norms[name] for name in self.order]))
+
+    def loss(self, tree, group):
+        """The losses' tree over every rank, as the gradients' (a vector of N, one loss each), and its mean."""
+        n = dist.get_world_size(group)
+        flat = torch.nn.functional.pad(tree.total()[0], (0, n - 1))
+        return tree_all_reduce(flat, group)[0] / (self.k * n)
+
 
 class OffloadedFSDP(FSDP):
     """--offload (CPU offload, as FSDP's CPUOffload and ZeRO-Offload): the fp32 shards, their
@@ -595,7 +670,7 @@ def costs(args, config, world_size, dtype, rank=0):
     root = sum(v for k, v in padded.items() if not k.startswith("transformer.h."))
     per_block = [sum(v for k, v in padded.items() if k.startswith(f"transformer.h.{i}.")) for i in range(config.n_layer)]
     psi, blocks = sum(padded.values()), sum(per_block)
-    e, rb = dtype.itemsize, getattr(torch, args.reduce_dtype).itemsize
+    e, rb = 4 if args.bitwise else dtype.itemsize, getattr(torch, args.reduce_dtype).itemsize  # --bitwise: fp32
     m = args.global_batch_size // (args.micro_batch_size * world_size)
     reshard, prefetch = not args.no_reshard, not args.no_prefetch
     # blocks are gathered in every micro-batch's forward and backward, or once per step
@@ -609,7 +684,7 @@ def costs(args, config, world_size, dtype, rank=0):
     rows = {k: math.ceil(shape[0] / S) for k, shape in matrices}
 
     def f(expr):  # root, blocks: the root unit's and the blocks' Ψ; block: the largest block's
-        return formula(expr, show="e rb m k", Ψ=psi, S=S, e=e, rb=rb, m=m, k=resident, root=root,
+        return formula(expr, show="e rb m k", Ψ=psi, S=S, N=world_size, e=e, rb=rb, m=m, k=resident, root=root,
                        blocks=blocks, block=max(per_block), loss=1, norm=1,
                        Ψ_m=sum(padded[k] for k, _ in matrices),
                        Ψ_mr=sum((min((r + 1) * rows[k], s[0]) - min(r * rows[k], s[0])) * s[1] for k, s in matrices),
@@ -623,6 +698,15 @@ def costs(args, config, world_size, dtype, rank=0):
             "all_reduce": f("4*loss")}
     if R > 1:
         sent["all_reduce[replicate]"] = f("m*rb*Ψ/S")
+    if args.bitwise:  # BitwiseTrees: each unit's gradients to their owners, the sums back (and across the
+        # replicas, each unit's shard padded to R), the loss (one per rank) to its owner and back
+        rep = sum(math.ceil(u // S / R) * R for u in [root] + per_block) * S
+        sent = {"all_gather_into_tensor[shard]": f("e*(root + 2*m*blocks) + 4*Ψ" if reshard else "e*(root + blocks) + 4*Ψ"),
+                "all_to_all_single[shard]": f("4*Ψ"), "all_to_all_single": f("4*N"),
+                "all_gather_into_tensor": f("4*N")}
+        if R > 1:
+            sent["all_to_all_single[replicate]"] = sent["all_gather_into_tensor[replicate]"] = \
+                formula("4*Ψ_R/S", Ψ_R=rep, S=S)
     if matrices:  # Muon: this rank's rows to their owners, its own matrices' rows back
         sent["all_to_all_single[shard]"] = f("e*(Ψ_mr + Ψ_o)")
     sent = {k: v for k, v in sent.items() if v[1]}
@@ -630,7 +714,7 @@ def costs(args, config, world_size, dtype, rank=0):
     # activations: each rank runs 01's model on its micro-batch; sharding the model states
     # leaves them as they are, but the residual stream is in the compute dtype
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
-                             param_dtype=dtype)  # the gathered units: stored in the compute dtype
+                             param_dtype=torch.float32 if args.bitwise else dtype)  # the gathered units
     cost = {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
             "held": held, "sent": sent, "gathered": gathered, "muon": matrices,
             # Muon: Newton-Schulz on the matrices this rank owns in its shard group, whole (every replica's too)

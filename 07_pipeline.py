@@ -491,6 +491,8 @@ def build_chunks(config, p, v, rank, seed=None, recompute=False, vee=False):
 # ---------------------------------------------------------------------------------------
 
 def check_layout(args, config, p):
+    check(not getattr(args, "bitwise", False), "--bitwise is not implemented in 07_pipeline.py yet (a stage would sum its "
+          "micro-batches' gradients in the tree's order; 03, 04, 05 have it)")
     v, vee = chunks_per_rank(args)
     chunks = f" x {v} chunks per rank ({args.schedule})" if vee else f" x virtual_stages {v}" if v > 1 else ""
     check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}{chunks}: "

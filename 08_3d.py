@@ -437,6 +437,8 @@ def main():
     args = run.args
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
+    check(not args.bitwise, "--bitwise is not implemented in 08_3d.py (tp > 1 and cp > 1 change one micro-batch's "
+          "arithmetic; dp x pp could hold it, as 03, 04, 05 do)")
     check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
           + (f" x cp {C}" if C > 1 else "") + f" = {T * P * C}")
     D = world // (T * P * C)  # CP ranks split the same sequences: the batch is shared by D

@@ -75,6 +75,8 @@ def add_flags(parser):
 def check_layout(args, config, world_size):
     """--ep: divides the world and the experts; returns it."""
     E = config.n_expert
+    check(not getattr(args, "bitwise", False), "--bitwise is not implemented in 10_expert_parallel.py (its expert-data-parallel "
+          "replicas could hold it; 03, 04, 05 have it for the dense model)")
     check(E > 0, "10_expert_parallel.py needs a mixture of experts: --n_expert E > 0 (or --model baby-moe)")
     check(args.ep is None or args.ep > 0, f"--ep must be positive, got {args.ep}")
     ep = args.ep or math.gcd(E, world_size)

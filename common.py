@@ -741,6 +741,10 @@ def make_parser(doc, experts=False):
     g.add_argument("--recompute", action="store_true",
                    help="activation recomputation: keep only each transformer block's input for backward "
                         "and run the block's forward again there (Chen et al. 2016)")
+    g.add_argument("--bitwise", action="store_true",
+                   help="sum the gradients in one fixed binary tree over the global batch's micro-batches, with "
+                        "deterministic kernels (one thread per rank on CPU): data-parallel, ZeRO, FSDP and "
+                        "pipeline layouts then equal 01 --bitwise bit for bit (docs/numerics.md)")
     return p
 
 
@@ -819,7 +823,13 @@ def check_batch(args, dp_size):
     check(args.global_batch_size % (args.micro_batch_size * dp_size) == 0,
           f"--global_batch_size {args.global_batch_size} is not divisible by "
           f"micro_batch_size {args.micro_batch_size} x data-parallel size {dp_size}")
-    return args.global_batch_size // (args.micro_batch_size * dp_size)
+    accum = args.global_batch_size // (args.micro_batch_size * dp_size)
+    # --bitwise: a rank's micro-batches must be one whole subtree of the global tree (TreeSum)
+    check(not getattr(args, "bitwise", False) or dp_size == 1 or accum & (accum - 1) == 0,
+          f"--bitwise needs a power of two of micro-batches per data-parallel rank, so that each rank's are one "
+          f"subtree of the global batch's tree; {dp_size} ranks x {accum} micro-batch(es) of "
+          f"{args.micro_batch_size}: choose --micro_batch_size so that it is")
+    return accum
 
 
 def check(condition, message, everyone=False):
@@ -833,6 +843,100 @@ def fail(message, everyone=False):
     if everyone or next((int(os.environ[n]) for n in names if os.environ.get(n, "").isdigit()), 0) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+# ---- --bitwise: one summation order for every layout ----
+
+class TreeSum:
+    """--bitwise: leaves 0..n-1 (each a list of tensors, e.g. one micro-batch's gradients) summed as
+    one binary tree over their indices, whatever order they arrive in. Node (level, i) is the sum
+    of leaves [i·2^level, (i+1)·2^level); the tree is padded to a power of two and a node whose
+    right half is wholly absent passes its left half up unchanged (6 leaves: ((0+1)+(2+3))+(4+5)).
+    a + b rounds to the same bits as b + a; only the grouping changes a float sum, and it is fixed
+    here. A rank holding leaves [r·k, (r+1)·k), k a power of two, sums exactly the subtree it owns;
+    the sums of p such ranks, in rank order, then form the tree's upper levels (TreeSum(p))."""
+
+    def __init__(self, n):
+        self.n, self.levels, self.nodes, self.total = n, max(0, (n - 1).bit_length()), {}, None
+
+    def add(self, index, leaf):
+        """Leaf `index` in (its tensors are summed into in place); the sum, once every leaf is in."""
+        level, i, node = 0, index, list(leaf)
+        while level < self.levels:
+            if i % 2 == 0 and (i + 1) << level >= self.n:  # no right half: pass the left one up
+                pass
+            else:
+                other = self.nodes.pop((level, i ^ 1), None)
+                if other is None:  # the sibling is still to come: wait for it
+                    self.nodes[(level, i)] = node
+                    return None
+                left, right = (node, other) if i % 2 == 0 else (other, node)
+                node = [a.add_(b) for a, b in zip(left, right)]
+            level, i = level + 1, i // 2
+        self.total = node
+        return node
+
+
+class TreeGrads:
+    """--bitwise's gradient accumulation: after each micro-batch's backward, `take` moves its gradients
+    (`grads()`, the tensors backward accumulates into) and its loss into a TreeSum of this rank's
+    `n` micro-batches and zeroes them for the next, so that they are summed in the tree's order
+    rather than as they come; `total()` is the subtree's sums, gradients then the loss. The
+    backward must be of the micro-batch's own mean loss, unscaled: the sum is divided once, by the
+    global batch's micro-batch count, in every layout alike."""
+
+    def __init__(self, grads, n):
+        self.grads, self.n, self.tree = grads, n, TreeSum(n)
+
+    def take(self, index, loss):
+        grads = self.grads()
+        leaf = [g.clone() for g in grads] + [loss.detach().float().reshape(1)]
+        for g in grads:
+            g.zero_()
+        self.tree.add(index, leaf)
+
+    def total(self):
+        total, self.tree = self.tree.total, TreeSum(self.n)
+        return total
+
+
+def tree_reduce_scatter(flat, group):
+    """--bitwise's reduce-scatter: the sum over `group`'s ranks of `flat` (its numel a multiple of
+    the group's size p), this rank r's shard [r·c, (r+1)·c) returned. all_to_all sends shard j of
+    every rank to rank j, (p-1)/p of `flat`, as a ring reduce-scatter does; the owner adds the p
+    pieces in one fixed tree of rank order (TreeSum(p)), where a ring's order depends on r."""
+    p = dist.get_world_size(group)
+    pieces = torch.empty_like(flat)
+    dist.all_to_all_single(pieces, flat, group=group)  # piece j of every rank to rank j
+    tree, c = TreeSum(p), flat.numel() // p
+    for j in range(p):
+        tree.add(j, [pieces[j * c:(j + 1) * c]])
+    return tree.total[0]
+
+
+def tree_all_reduce(flat, group):
+    """--bitwise's all-reduce, in place: tree_reduce_scatter, then every rank's summed shard to all
+    (all_gather): 2(p-1)/p of `flat` on the wire, a ring all-reduce's bytes, one order everywhere."""
+    shard = tree_reduce_scatter(flat, group)
+    dist.all_gather_into_tensor(flat, shard, group=group)  # every owner's summed shard, to every rank
+    return flat
+
+
+def grad_norm(grads):
+    """--bitwise's global gradient norm, as clip_grad_norm_ takes it: each parameter's norm, whole,
+    then the norm of those in nanoGPT's parameter order; every layout that holds (or gathers) whole
+    gradients gets these bits."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+def deterministic(device):
+    """--bitwise: kernels that give the same bits on every run. On CPU one thread per rank: a reduction
+    split over threads (LayerNorm's weight gradient, measured) sums in an order that depends on how
+    many there are, and a rank of 8 gets fewer than 01 alone. CUDA's cuBLAS needs its fixed workspace."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
 
 
 # ---- Launchers, devices, process groups, random streams ----
@@ -989,6 +1093,8 @@ def setup(args, launch=None, distributed=True):
         device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu") else torch.float32
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+    if getattr(args, "bitwise", False):  # (a Namespace made by hand may lack it)
+        deterministic(device)
     if device.type in ("cuda", "xpu"):  # before init_process_group, so NCCL / XCCL bind the right device
         torch.get_device_module(device).set_device(device)
     if distributed:

@@ -98,7 +98,7 @@ BUGS = [
         check=NCCL, gradient="traffic", first_line="mismatch: collective",
         flags=("--bucket_mb", "0.01"), perturb="grad_ready_order_reversed_on_rank_1"),
     Bug("ddp_grad_accum_not_averaged", "03_ddp.py",
-        (("(loss / accum_steps).backward()", "loss.backward()"),),
+        (("(loss if tree else loss / accum_steps).backward()", "(loss if tree else loss).backward()"),),
         origin="nanoGPT train.py scales the loss by 1/gradient_accumulation_steps; forgetting it is the "
                "classic accumulation bug (Hugging Face transformers' accumulation fix, Oct 2024, is its cousin)",
         symptom="gradients accum_steps times too large, which AdamW divides away (m/sqrt(v) does not see a "
@@ -117,7 +117,7 @@ BUGS = [
     Bug("ddp_rank_skips_collective", "03_ddp.py",
         (("mean_over_replicas(loss_sum, dp_group)  # the global batch's mean loss, for logging",
           "if env.master:  # only rank 0 logs, so only rank 0 averages the loss\n"
-          "            mean_over_replicas(loss_sum, dp_group)"),),
+          "                mean_over_replicas(loss_sum, dp_group)"),),
         origin="a collective inside `if rank == 0:` (logging): torch forums' most common NCCL hang; "
                "NVIDIA/Megatron-LM and DeepSpeed issues report it as a watchdog timeout",
         symptom="the job hangs at the end of step 0 until the collective timeout",
@@ -136,8 +136,8 @@ BUGS = [
     Bug("zero2_all_reduce_not_reduce_scatter", "04_zero.py",
         (("handle = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)",
           "handle = dist.all_reduce(flat, group=self.group, async_op=True)  # the whole gradient, then our slice\n"
-          "        handle.wait()\n"
-          "        shard.copy_(flat[unit.lo:unit.hi])"),),
+          "            handle.wait()\n"
+          "            shard.copy_(flat[unit.lo:unit.hi])"),),
         origin="Rajbhandari et al. 2020 (ZeRO) §5: stage 2 reduce-scatters; an all-reduce is correct but "
                "sends twice the bytes and holds the whole gradient",
         symptom="right losses; twice the gradient traffic on the wire",

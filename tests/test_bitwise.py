@@ -1,0 +1,74 @@
+"""--bitwise: the layouts that do not change one micro-batch's arithmetic (data parallel, ZeRO
+1/2/3 with and without --offload, HSDP, every pipeline schedule, 08's dp x pp) end a few steps
+with parameters, AdamW's moments (the checkpoint at --out_dir, every tensor whole) and every
+logged loss torch.equal to 01 --bitwise, in float32 and in bfloat16 autocast, clipping active.
+Launches are few and tiny: each layout runs once per dtype, against one 01 run per dtype."""
+
+import pytest
+import torch
+
+from harness import TINY, launch
+
+from infra.checkpoint_format import Checkpoint, latest_checkpoint
+
+STEPS = 4
+# 8 micro-batches of 2 per step: a power of two on every rank at 1, 2, 4 and 8 data-parallel ranks
+BASE = TINY + ["--global_batch_size", "16", "--micro_batch_size", "2", "--max_iters", str(STEPS),
+               "--grad_clip", "0.05", "--bitwise", "--ckpt_interval", str(STEPS)]
+DTYPES = ("float32", "bfloat16")
+
+
+def saved(out_dir):
+    """Every tensor of the newest checkpoint (parameters and optimizer state), whole."""
+    ckpt = Checkpoint(latest_checkpoint(str(out_dir)))
+    return {name: ckpt.read(name, e["shape"], [[0, s] for s in e["shape"]])
+            for name, e in ckpt.meta["tensors"].items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = {}
+    for dtype in DTYPES:
+        d = tmp_path_factory.mktemp(f"single_{dtype}")
+        run = launch("01_single_gpu.py", BASE + ["--dtype", dtype, "--sample_tokens", "0", "--out_dir", d]).ok()
+        out[dtype] = (run.losses, saved(d))
+    return out
+
+
+def assert_bitwise(reference, run, out_dir, what):
+    losses, tensors = reference
+    assert run.losses == losses, f"{what}: losses {run.losses} != 01's {losses}"
+    assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
+    mine = saved(out_dir)
+    assert mine.keys() == tensors.keys(), what
+    differ = [name for name in tensors if not torch.equal(mine[name], tensors[name])]
+    assert not differ, f"{what}: not bit for bit: {differ[:5]}"
+
+
+CASES = [  # (script, ranks, flags)
+    ("03_ddp.py", 2, []),
+    ("03_ddp.py", 4, ["--bucket_mb", "0.05"]),
+    ("04_zero.py", 2, ["--stage", "1"]),
+    ("04_zero.py", 4, ["--stage", "2"]),
+    ("04_zero.py", 2, ["--stage", "3"]),
+    ("04_zero.py", 2, ["--stage", "2", "--offload"]),
+    ("05_fsdp.py", 4, ["--replicate", "2"]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("script, ranks, flags", CASES)
+def test_bitwise_equals_single_gpu(reference, tmp_path, dtype, script, ranks, flags):
+    run = launch(script, BASE + flags + ["--dtype", dtype, "--out_dir", tmp_path], nprocs=ranks).ok()
+    assert_bitwise(reference[dtype], run, tmp_path, f"{script} x{ranks} {' '.join(flags)} {dtype}")
+
+
+@pytest.mark.parametrize("script, ranks, flags, message", [
+    ("03_ddp.py", 2, ["--global_batch_size", "12"], "--bitwise needs a power of two of micro-batches per"),
+    ("06_tensor_parallel.py", 1, [], "tensor parallelism splits each matmul's inner dimension"),
+    ("09_context_parallel.py", 1, [], "context parallelism splits attention over the sequence"),
+    ("05_fsdp.py", 1, ["--reduce_dtype", "bfloat16"], "--bitwise reduces in fp32"),
+])
+def test_refused_where_it_cannot_hold(script, ranks, flags, message):
+    run = launch(script, BASE + flags, nprocs=ranks, timeout=60)
+    assert run.returncode == 2 and len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
