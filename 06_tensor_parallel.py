@@ -451,8 +451,6 @@ def main():
     tp_size = run.world_size  # one tensor-parallel group: every rank
     check(args.tp in (None, tp_size), f"--tp {args.tp} must equal the world size {tp_size} in "
           "06_tensor_parallel.py (08_3d.py combines TP with data and pipeline parallelism)")
-    check(not args.bitwise, "--bitwise cannot hold in 06_tensor_parallel.py: tensor parallelism splits each "
-          "matmul's inner dimension over the ranks, which changes one micro-batch's arithmetic")
     env, accum_steps = run.start(costs, dp_size=1)  # the processes up; auto: the largest that fits
     run.dry_run(costs, lambda config: layout_lines(args, config, tp_size, accum_steps))  # the layout checked first
     data = Data(args.data, args.seed, model_block_size(args))
@@ -567,6 +565,8 @@ def evaluate(model, data, args, env, accum_steps):
 
 
 def check_layout(args, config, tp_size):
+    check(not getattr(args, "bitwise", False), "--bitwise cannot hold in 06_tensor_parallel.py: tensor parallelism splits each "
+          "matmul's inner dimension over the ranks, which changes one micro-batch's arithmetic")
     check(config.n_head % tp_size == 0,
           f"n_head {config.n_head} is not divisible by the tensor-parallel size {tp_size}: "
           f"each rank must own whole attention heads")

@@ -89,7 +89,7 @@ def check_layout(args, config, world_size):
     if C is None:
         C = max(c for c in range(1, world_size + 1) if world_size % c == 0 and splits(c, config, args.cp_impl))
     check(C >= 1, f"--cp must be positive, got {C}")
-    check(not args.bitwise, "--bitwise cannot hold in 09_context_parallel.py: context parallelism splits "
+    check(not getattr(args, "bitwise", False), "--bitwise cannot hold in 09_context_parallel.py: context parallelism splits "
           "attention over the sequence (ring steps, or heads by all-to-all), which changes one micro-batch's arithmetic")
     check(world_size % C == 0, f"--cp {C} does not divide the world size {world_size}")
     s = config.block_size

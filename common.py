@@ -243,6 +243,10 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:])[0][:, -1, :] / temperature
+            if not torch.isfinite(logits).all():  # the last update can leave the weights non-finite (a huge --lr)
+                print("error: the model's logits are not finite after its last step (too large an --lr?): no sample",
+                      file=sys.stderr, flush=True)
+                sys.exit(3)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")
@@ -1283,7 +1287,7 @@ def set_rng_state(env, state):
 # The run infrastructure's own flags (infra's add_run_flags): this file's Run refuses them by name
 # (tests/test_copy.py: exactly the flags a script's --help loses in a copy)
 INFRA_FLAGS = ("dry_run", "world_size", "ranks_per_node", "machine", "gpu_mem_gb", "rehearse", "no_fit_check",
-               "metrics", "wandb", "time_limit", "export", "export_hf", "profile", "unverified")
+               "metrics", "wandb", "time_limit", "export", "export_hf", "profile", "unverified", "check_gradients")
 
 
 class Run:

@@ -113,7 +113,7 @@ def output_problems(args):
     if directory and (os.path.exists(directory) and not os.path.isdir(directory)
                       or not os.path.isdir(os.path.dirname(os.path.abspath(directory)))):
         return f"--export_hf {directory}: not a directory, nor one that can be made in an existing directory"
-    if all(path for _, path in outputs) and os.path.realpath(args.metrics) == os.path.realpath(args.export):
+    if args.metrics and getattr(args, "export", None) and os.path.realpath(args.metrics) == os.path.realpath(args.export):
         return f"--metrics and --export name the same file, {args.export}: the export would overwrite the metrics"
     for flag, path in outputs:
         problem = path and output_problem(flag, path)

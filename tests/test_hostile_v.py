@@ -104,6 +104,15 @@ def test_an_lr_beyond_float32_is_one_line_before_anything_starts():
                                              "no step can be taken with it\n"
 
 
+def test_weights_left_non_finite_by_the_last_step_are_one_line_not_a_sampling_traceback():
+    """01 --lr 1e36 at one step: the step's loss and norm are finite, its update is not, and
+    01's sample at the end used to die in torch.multinomial (probability tensor contains inf)."""
+    run = launch("01_single_gpu.py", [*TINY, "--max_iters", "1", "--lr", "1e36", "--sample_tokens", "3"])
+    assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.error_lines == ["error: the model's logits are not finite after its last step (too large an --lr?): "
+                               "no sample"], run.stderr[-2000:]
+
+
 def test_ctrl_c_while_waiting_for_another_hosts_lock_is_one_line_and_130(tmp_path):
     """X52: rank 0 waits for the lock of a job on another host (a killed job's heartbeat may
     still be fresh) while the others wait for its verdict. Ctrl-C (SIGINT to every rank, and
