@@ -6,10 +6,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The big tier (`@pytest.mark.big`: rehearsals of big meshes and whole 1,024-GPU plans) is the second CI
+# The big tier (`@pytest.mark.big`: rehearsals of big meshes, whole 1,024-GPU plans, and slow repeats of
+# checks the suite makes at a smaller size) is the second CI
 # step, `python -m pytest -q -m big tests`; the README's plain `python -m pytest -q tests`
 # skips it. Any -m expression is pytest's own selection.
-BIG = "big: a rehearsal of a big mesh or a whole plan (tens of seconds); skipped unless selected with `-m big`"
+BIG = ("big: a rehearsal of a big mesh, a whole plan, or a slow repeat of a check the suite makes at a smaller size "
+       "(tens of seconds); skipped unless selected with `-m big`")
 
 
 def pytest_configure(config):

@@ -168,6 +168,7 @@ def worked_phrases():
             yield f"{script} {strategy} ({plan_flags})", phrase.format(**figures)
 
 
+@pytest.mark.big  # 40 s of plans: with the whole plans' phrases, in the big tier
 def test_the_worked_plans_quote_what_plan_py_computes():
     flat = " ".join(section("docs/planning.md", "## Worked plans").split())  # wherever the lines break
     stale = [f"{layout}: {phrase!r}" for layout, phrase in worked_phrases() if " ".join(phrase.split()) not in flat]

@@ -245,6 +245,7 @@ def rehearsed(tmp_path, script, flags, ranks, world_size):
     return out, rows
 
 
+@pytest.mark.big  # a big mesh (35 s): the suite's symmetry tests run small ones
 def test_08_at_pp16_cp4_tp8_roles_by_symmetry(tmp_path):
     """A 4D mesh of 512 ranks: 17 ranks executed (each stage's first, and the last rank), the
     other 495 posting orders moved from theirs through the mesh's rotations, all 512 replayed."""
@@ -254,6 +255,7 @@ def test_08_at_pp16_cp4_tp8_roles_by_symmetry(tmp_path):
     assert "symmetry: replayed 512 ranks: 17 rehearsed, 495 by symmetry" in out, out[-4000:]
 
 
+@pytest.mark.big  # a big mesh, every rank (19 s)
 def test_10_at_ep16_every_rank(tmp_path):
     """16 experts over 16 ranks, every rank executed: the all-to-all's sizes, balanced by the
     stand-in, match pairwise on every rank (replay rule 5)."""
