@@ -126,15 +126,21 @@ def main():
         optimizer.zero_grad(set_to_none=True)
 
     if args.sample_tokens:
-        start = torch.zeros((1, 1), dtype=torch.long, device=env.device)
-        generator = torch.Generator(device=env.device).manual_seed(args.seed)
-        with autocast(env):
-            sample = model.eval().generate(start, args.sample_tokens, top_k=200, generator=generator)
-        run.log("sample:\n" + data.decode(sample[0].tolist()))
+        run.log("sample:\n" + sample(model, data, args, env))  # a few tokens of text from the trained model
     run.finish()
 
 
 # ---- Beyond the lesson ----
+
+def sample(model, data, args, env):
+    """--sample_tokens of text from the trained model, from the seed's generator (top-k 200)."""
+    start = torch.zeros((1, 1), dtype=torch.long, device=env.device)
+    generator = torch.Generator(device=env.device).manual_seed(args.seed)
+    with autocast(env):
+        tokens = model.eval().generate(start, args.sample_tokens, top_k=200, generator=generator)
+    return data.decode(tokens[0].tolist())
+
+
 # Not the training loop: what the device holds and sends (costs(), the ledger's theory), checkpoint pieces.
 
 def costs(args, config, world_size, dtype):
