@@ -312,8 +312,14 @@ def forked(state, rest, main, workers, children):
         os.close(fd)
         sys.stdout.flush()
         sys.stderr.flush()
+        # Ctrl-C held back across the fork: a handler run inside fork's own callbacks (logging's
+        # _releaseLock) raises where Python only prints "Exception ignored", and the child is not yet
+        # in `children` for the clean-up to end. Unblocked, the held signal raises below, in plain code.
+        signals = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         pid = os.fork()
         if pid == 0:  # a worker: its ranks, then their records to `path`, then out without cleanup
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
             code = 0
             try:
                 for rank in share:
@@ -330,6 +336,7 @@ def forked(state, rest, main, workers, children):
             sys.stderr.flush()
             os._exit(code)
         children.append((pid, path, share))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     status = 0
     for pid, path, share in children:
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
