@@ -3,10 +3,12 @@ Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2022; Megatron-LM's token
 
 Every block's MLP is common.py's MoE: E expert MLPs and a router; each token goes to its top-k
 experts, their outputs weighted by the renormalised router probabilities (Mixtral's routing),
-dropless (no capacity limit). The experts of a block are divided among the N ranks of an
-expert-parallel (EP) group: rank r holds experts [r·E/N, (r+1)·E/N). Everything else
-(attention, embeddings, LayerNorms, routers) is replicated, and every rank trains on its own
-slice of the global batch, as in 03's data parallelism. Per MoE layer, on every rank:
+dropless unless --capacity_factor (common.route has the routing options, --balance and
+--shared_experts too: docs/strategies.md). The experts of a block are divided among the N
+ranks of an expert-parallel (EP) group: rank r holds experts [r·E/N, (r+1)·E/N). Everything
+else (attention, embeddings, LayerNorms, routers, shared experts) is replicated, and every
+rank trains on its own slice of the global batch, as in 03's data parallelism. Per MoE
+layer, on every rank:
 
     route locally     x ─ router ─ top-k ─> (token, expert) entries, k per token
     permute           sort the entries by expert: experts of rank 0 first, then rank 1, ...
@@ -47,7 +49,7 @@ One rank sends, per MoE layer per micro-batch: its k·b·s routed rows of h out 
 outputs back, forward and again backward (4·k·b·s·h·e·(N-1)/N on the wire when the routing is
 balanced), + E counts; per step the all-reduce of the replicated gradients over the world and of
 its experts' over the ranks holding the same experts. The busiest rank sets the pace (dropless:
-no cap). The derivations, the imbalance and the activation terms: docs/strategies.md, section
+no cap; --capacity_factor bounds it). The derivations, the imbalance and the activation terms: docs/strategies.md, section
 "10_expert_parallel.py".
 """
 
@@ -352,13 +354,13 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
     if received is None:  # [layer][micro-batch]
         capacity = math.ceil(config.capacity_factor * k * s / E)  # per sequence (common.route)
         received = [[min(b * E * capacity, ep * k * b * s) if capacity else k * b * s] * m] * L
-    sent = [[k * b * s] * m] * L if sent is None else sent  # fewer where --capacity_factor drops
+    rows_sent = [[k * b * s] * m] * L if sent is None else sent  # fewer where --capacity_factor drops
     passes = 3 if args.recompute else 2  # forward, backward (and the forward again)
 
     def f(expr):  # Ψ_d: the dense parameters, Ψ_e: one expert's; R, S: the rows received, sent over the step
         return formula(expr, show="e m p R S", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), Ψ_dm=muon[False],
                        Ψ_em=muon[True] // (L * E), L=L, E=E, N=ep, k=k, h=h, e=e,
-                       b=b, s=s, m=m, p=passes, R=sum(map(sum, received)), S=sum(map(sum, sent)), norm=1)
+                       b=b, s=s, m=m, p=passes, R=sum(map(sum, received)), S=sum(map(sum, rows_sent)), norm=1)
     held = {"params": f("4*(Ψ_d + L*Ψ_e*E/N)"), "grads": f("4*(Ψ_d + L*Ψ_e*E/N)"), "optim": f("8*(Ψ_d + L*Ψ_e*E/N)" if args.optimizer == "adamw" else  # Muon: one moment of its matrices
                    "4*(Ψ_dm + L*Ψ_em*E/N) + 8*(Ψ_d - Ψ_dm + L*(Ψ_e - Ψ_em)*E/N)")}
     # all-to-all inputs: the S routed rows out (L·m·k·b·s less those dropped) and the experts'
