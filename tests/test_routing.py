@@ -148,12 +148,12 @@ def test_bias_resumes_bit_exact_and_moves_to_01(reference, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--capacity_factor", "-1"], "--capacity_factor must not be negative, got -1.0"),
-    (["--shared_experts", "-1"], "--shared_experts must not be negative, got -1"),
-    (["--balance", "none", "--aux_loss_coef", "0.01"], "--aux_loss_coef with --balance none"),
-    (["--bias_update_rate", "0.1"], "--bias_update_rate is the step of --balance bias's bias"),
-    (["--n_expert", "0", "--balance", "bias"], "--balance: routing options of a mixture of experts"),
+    (MOE + ["--capacity_factor", "-1"], "--capacity_factor must not be negative, got -1.0"),
+    (MOE + ["--shared_experts", "-1"], "--shared_experts must not be negative, got -1"),
+    (MOE + ["--balance", "none", "--aux_loss_coef", "0.01"], "--aux_loss_coef with --balance none"),
+    (MOE + ["--bias_update_rate", "0.1"], "--bias_update_rate is the step of --balance bias's bias"),
+    (["--balance", "bias"], "--balance: routing options of a mixture of experts: pass --n_expert E"),
 ])
 def test_refusals_are_one_line(flags, message):
-    run = launch("01_single_gpu.py", TINY + MOE + flags, metrics=False)
+    run = launch("01_single_gpu.py", TINY + flags, metrics=False)
     assert run.returncode == 2 and len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr
