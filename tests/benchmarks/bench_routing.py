@@ -10,7 +10,6 @@ both over the steps. Rerun with
 The runs start from the same seed and see the same batches; only the balancing differs."""
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -57,8 +56,6 @@ def main():
     for balance, r in results.items():
         print(f"| {balance} | {r['val_loss']:.3f} | {r['imbalance_tail']:.2f} | {r['dropped_tail']:.3f} | "
               f"{r['step_ms']:.0f} |")
-    with open(os.path.splitext(a.output)[0] + ".json", "w") as f:
-        json.dump({"flags": list(map(str, flags)), "results": results}, f)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
