@@ -49,8 +49,8 @@ One rank sends, per MoE layer per micro-batch: its k·b·s routed rows of h out 
 outputs back, forward and again backward (4·k·b·s·h·e·(N-1)/N on the wire when the routing is
 balanced), + E counts; per step the all-reduce of the replicated gradients over the world and of
 its experts' over the ranks holding the same experts. The busiest rank sets the pace (dropless:
-no cap; --capacity_factor bounds it). The derivations, the imbalance and the activation terms: docs/strategies.md, section
-"10_expert_parallel.py".
+no cap; --capacity_factor bounds it). The derivations, the imbalance and the activation terms:
+docs/strategies.md, section "10_expert_parallel.py".
 """
 
 import math

@@ -2,8 +2,9 @@
 --shared_experts): the router itself as pure functions (GShard's capacity and drop order,
 DeepSeek-V3's bias for selection only and its update), then 10_expert_parallel.py with the options
 equal to 01_single_gpu.py with the same options at ep 4 and at ep 2 x dp 2 (other micro-batches:
-the capacity's group is one sequence), the ledger on each step's routing, the bias carried by the
-checkpoint (bit for bit at the same layout, and from 10 to 01), and the refusals."""
+the capacity's group is one sequence), --balance none at ep 2, the ledger on each step's routing,
+the bias carried by the checkpoint (bit for bit at the same layout, and from 10 to 01), and the
+refusals."""
 
 import math
 
@@ -128,6 +129,16 @@ def test_options_equal_single_gpu(reference, ranks, ep, micro):
         assert mine["dropped_fraction"] == pytest.approx(single["dropped_fraction"], abs=1e-12)
         assert mine["comm_bytes"] == mine["comm_bytes_theory"], mine["step"]
         assert mine["activation_bytes"] == mine["activation_bytes_theory"], mine["step"]
+
+
+def test_balance_none_equals_single_gpu():
+    """--balance none (no loss, no bias) with a tighter capacity, at ep 2: 01's losses and drops."""
+    flags = TINY + MOE + ["--balance", "none", "--capacity_factor", "0.5", "--max_iters", "3"]
+    single = launch("01_single_gpu.py", flags + ["--sample_tokens", "0"]).ok()
+    ep = launch("10_expert_parallel.py", flags + ["--ep", "2"], nprocs=2).ok()
+    assert_losses_match(single, ep, what="--balance none --capacity_factor 0.5 at ep 2")
+    assert [r["dropped_fraction"] for r in ep.steps] == pytest.approx([r["dropped_fraction"] for r in single.steps])
+    assert all(r["dropped_fraction"] >= 0.3 for r in single.steps)  # half the room: about half dropped
 
 
 def test_bias_resumes_bit_exact_and_moves_to_01(reference, tmp_path):
