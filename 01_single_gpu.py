@@ -30,8 +30,9 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
 
 import torch
 
-from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
-                    lr_at, make_optimizer, make_parser, model_block_size, model_config, to_device, TreeGrads)
+from common import (autocast, build_model, check, count_params, Data, expert_rows, expert_step, hidden_matrix_params,
+                    hidden_matrix_shapes, lr_at, make_optimizer, make_parser, model_block_size, model_config,
+                    to_device, TreeGrads)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -122,7 +123,8 @@ def main():
                                                   foreach=False if tree else None)
         run.check(loss_sum, (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
-        run.end_step(loss_sum / accum_steps)  # ledger, metrics, checkpoint, stop
+        routing = expert_step(model) if config.n_expert else None  # --balance bias: the routers' biases move
+        run.end_step(loss_sum / accum_steps, extra=routing, **expert_rows(model))  # ledger, metrics, checkpoint, stop
         optimizer.zero_grad(set_to_none=True)
 
     if args.sample_tokens:
@@ -143,11 +145,12 @@ def sample(model, data, args, env):
 
 # Not the training loop: what the device holds and sends (costs(), the ledger's theory), checkpoint pieces.
 
-def costs(args, config, world_size, dtype):
+def costs(args, config, world_size, dtype, rows=None):
     """What the one device holds, in bytes (Ψ parameters): the weights, their gradients and
     AdamW's two moments, all fp32 also under bf16 autocast (autocast casts inside each op;
     the stored tensors stay fp32). Nothing is sent. Activations: one micro-batch's, all
-    layers (infra.formulas.activation_terms counts them op by op; --recompute keeps block inputs)."""
+    layers (infra.formulas.activation_terms counts them op by op; --recompute keeps block inputs);
+    `rows` (--capacity_factor): the rows each layer's experts ran, per micro-batch, this step."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
                                 newton_schulz_flops, phase_peaks, transient_terms)
     psi, _ = count_params(config)
@@ -161,7 +164,8 @@ def costs(args, config, world_size, dtype):
             "sent": {},
             # Muon: Newton-Schulz on every matrix (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
-            "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
+            "activations": activations_of_layers(terms, config.n_layer, args.recompute) if rows is None else
+            max((routed_activations(args, config, b, dtype, r) for r in zip(*rows)), key=lambda a: a[1])}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks: the state, the saved
     # activations, the model's transients), and at start-up: the weights and param_init's
     # scratch (AdamW's moments are made at the first step, Muon's momentum at once)
@@ -171,6 +175,20 @@ def costs(args, config, world_size, dtype):
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * muon, show="init", params=cost["held"]["params"],
                               init=t["init"], Ψ_m=hidden_matrix_params(config) * muon)
     return cost
+
+
+def routed_activations(args, config, b, dtype, rows):
+    """--capacity_factor: what one micro-batch holds for backward when layer l's experts ran
+    rows[l] rows (the drops differ by layer), as 10_expert_parallel.py's activations()."""
+    from infra.formulas import activation_device_type, activation_terms, activations_of_layers, formula
+    def terms(n):
+        return activation_terms(config, b, config.block_size, dtype, activation_device_type(args), expert_rows=n)
+    if args.recompute:  # layer l as the top of l + 1 layers: its backward holds l inputs and itself
+        return max((activations_of_layers(terms(n), l + 1, True) for l, n in enumerate(rows)), key=lambda a: a[1])
+    layers = {f"layer_{l}": terms(n)["layer"] for l, n in enumerate(rows)}
+    ends = terms(rows[0])
+    return formula(" + ".join(layers) + " + embedding + head", **layers, embedding=ends["embedding"],
+                   head=ends["head"])
 
 
 def bitwise_total(model, tree, n):
@@ -184,9 +202,11 @@ def bitwise_total(model, tree, n):
 
 def checkpoint_pieces(model, optimizer):
     """Every parameter and its AdamW moments, whole, under nanoGPT's names (the tied head
-    is transformer.wte.weight): infra's format, which any script resumes."""
+    is transformer.wte.weight), and the routers' biases (--balance bias): infra's format,
+    which any script resumes."""
     from infra.checkpoint_format import param_pieces
-    return [piece for name, p in model.named_parameters() for piece in param_pieces(name, p.shape, p, optimizer)]
+    return [piece for name, p in model.named_parameters() for piece in param_pieces(name, p.shape, p, optimizer)] + \
+        [piece for name, b in model.named_buffers() for piece in param_pieces(name, b.shape, b)]  # routers' biases
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@ Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2022; Megatron-LM's token
 
 Every block's MLP is common.py's MoE: E expert MLPs and a router; each token goes to its top-k
 experts, their outputs weighted by the renormalised router probabilities (Mixtral's routing),
-dropless (no capacity limit). The experts of a block are divided among the N ranks of an
-expert-parallel (EP) group: rank r holds experts [r·E/N, (r+1)·E/N). Everything else
-(attention, embeddings, LayerNorms, routers) is replicated, and every rank trains on its own
-slice of the global batch, as in 03's data parallelism. Per MoE layer, on every rank:
+dropless unless --capacity_factor (common.route has the routing options, --balance and
+--shared_experts too: docs/strategies.md). The experts of a block are divided among the N
+ranks of an expert-parallel (EP) group: rank r holds experts [r·E/N, (r+1)·E/N). Everything
+else (attention, embeddings, LayerNorms, routers, shared experts) is replicated, and every
+rank trains on its own slice of the global batch, as in 03's data parallelism. Per MoE
+layer, on every rank:
 
     route locally     x ─ router ─ top-k ─> (token, expert) entries, k per token
     permute           sort the entries by expert: experts of rank 0 first, then rank 1, ...
@@ -47,8 +49,8 @@ One rank sends, per MoE layer per micro-batch: its k·b·s routed rows of h out 
 outputs back, forward and again backward (4·k·b·s·h·e·(N-1)/N on the wire when the routing is
 balanced), + E counts; per step the all-reduce of the replicated gradients over the world and of
 its experts' over the ranks holding the same experts. The busiest rank sets the pace (dropless:
-no cap). The derivations, the imbalance and the activation terms: docs/strategies.md, section
-"10_expert_parallel.py".
+no cap; --capacity_factor bounds it). The derivations, the imbalance and the activation terms:
+docs/strategies.md, section "10_expert_parallel.py".
 """
 
 import math
@@ -58,8 +60,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (autocast, check, combine, Data, GPT, is_hidden_matrix, lr_at, make_optimizer, make_parser,
-                    model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, route, to_device)
+from common import (autocast, check, combine, Data, expert_load, expert_step, GPT, is_hidden_matrix, lr_at,
+                    make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply, muon_momentum,
+                    orthogonalize, shared_plus, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -128,19 +131,21 @@ class AllToAll(torch.autograd.Function):
 class ExpertParallelMoE(nn.Module):
     """common.MoE with only this rank's experts (a ModuleDict under their global numbers, so
     that their parameters keep 01's names: transformer.h.0.mlp.experts.3.c_fc.weight) and the
-    dispatch / combine all-to-alls over the EP group. Records, for the ledger and the metrics,
-    the rows it received and this rank's tokens per expert (training forwards only)."""
+    dispatch / combine all-to-alls over the EP group; its router (which counts the tokens per
+    expert) and shared experts are replicated. Records, for the ledger, the rows it sent and
+    received (training forwards only)."""
 
     def __init__(self, moe, local, group):
         super().__init__()
         self.router, self.top_k, self.n_expert, self.group = moe.router, moe.top_k, len(moe.experts), group
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in local})
-        self.received, self.load = [], None  # load: on the device, summed there (no host read)
+        self.shared = moe.shared  # --shared_experts: every token's, replicated like the dense MLP
+        self.received, self.sent = [], []
 
     def forward(self, x):
         B, T, C = x.shape
         N, local = dist.get_world_size(self.group), len(self.experts)
-        weights, order, counts, aux = route(self.router(x), self.top_k)  # 01's routing, this rank's rows
+        weights, order, counts, aux = self.router(x)  # 01's routing (common.Router), this rank's rows
         rows = x.reshape(B * T, C)[order // self.top_k]  # permuted: grouped by expert, so by rank
         if torch.is_autocast_enabled(x.device.type):  # the experts' Linears would cast them anyway
             rows = rows.to(torch.get_autocast_dtype(x.device.type))
@@ -152,7 +157,7 @@ class ExpertParallelMoE(nn.Module):
         # too); what this rank sends comes back with it, in the same read
         received, send = torch.stack([received.view(N, local), counts.view(N, local)]).tolist()
         send, recv = [sum(row) for row in send], [sum(row) for row in received]  # [source][local expert]
-        inbox = AllToAll.apply(rows, recv, send, self.group)  # dispatch
+        inbox = AllToAll.apply(rows[:sum(send)], recv, send, self.group)  # dispatch (dropped rows: last, stay)
         # The dispatch delivers the rows source-major: from each source rank s, its rows for
         # each of this rank's experts j in turn. Each expert runs once on all of its rows, so
         # the [s][j] grid of pieces is transposed to [j][s], the experts run, and their outputs
@@ -169,8 +174,8 @@ class ExpertParallelMoE(nn.Module):
         out = AllToAll.apply(back, send, recv, self.group)  # combine: to the tokens' ranks
         if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
             self.received.append(sum(recv))  # one entry per micro-batch
-            self.load = counts if self.load is None else self.load + counts  # kept on the device
-        return combine(out, order, weights).view(B, T, C), aux
+            self.sent.append(sum(send))
+        return shared_plus(self.shared, combine(out, order, weights).view(B, T, C), x), aux
 
 
 def build_model(config, seed, device, ep_rank, ep, group, recompute):
@@ -192,14 +197,15 @@ def is_expert(name):
     return ".experts." in name
 
 
-def take_routing(model, device):
-    """This step's routing, and reset: (the rows this rank received, per layer per micro-batch,
-    an (L, E) tensor of this rank's tokens per expert, on the device)."""
+def take_routing(model):
+    """This step's routing, and reset: (the rows this rank received and sent, per layer per
+    micro-batch; the routers' (L, E) tokens per expert and (L,) dropped of this rank's tokens,
+    on the device: common.expert_load)."""
     layers = [block.mlp for block in model.transformer.h]
-    received, load = [m.received for m in layers], torch.stack([m.load for m in layers]).to(device)
+    received, sent = [m.received for m in layers], [m.sent for m in layers]
     for m in layers:
-        m.received, m.load = [], None
-    return received, load
+        m.received, m.sent = [], []
+    return received, sent, *expert_load(model)
 
 
 def reduce_gradients(model, world_size, data_group, dp_group, dp_size):
@@ -292,16 +298,19 @@ def main():
                 (loss / accum_steps).backward()  # their backward all-to-alls: the gradients' rows home
                 loss_sum += loss.detach().float()
         reduce_gradients(model, env.world_size, data_group, dp_group, dp)  # replicated: all; experts: same experts
-        received, load = take_routing(model, env.device)
-        stats = torch.cat([(loss_sum / (accum_steps * env.world_size)).view(1), load.float().view(-1)])
-        dist.all_reduce(stats, group=data_group)  # the global batch's mean loss and tokens per expert, for logging
+        received, sent, load, dropped = take_routing(model)
+        stats = torch.cat([(loss_sum / (accum_steps * env.world_size)).view(1), load.float().view(-1),
+                           dropped.float().sum().view(1)])
+        # the global batch's mean loss, tokens per expert (--balance bias steps on them) and tokens dropped
+        dist.all_reduce(stats, group=data_group)
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
             norm = clip_grad_norm(model, args.grad_clip, ep_group)  # the norm over every expert once
         run.check(stats[0], (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
-        run.end_step(stats[0], extra=lambda: expert_metrics(run.cost, stats[1:].view(config.n_layer, -1)),
-                     received=received)  # this step's routing: what its costs() depend on
+        routing = expert_step(model, stats[1:-1].view(config.n_layer, -1), stats[-1])  # --balance bias: the biases
+        run.end_step(stats[0], extra=lambda: {**expert_metrics(run.cost), **routing()},
+                     received=received, sent=sent)  # this step's routing: what its costs() depend on
         optimizer.zero_grad(set_to_none=True)
     run.finish()
 
@@ -324,10 +333,11 @@ def replicated_optimizer(model, args, env, data_group, dp_group):
     return ReplicatedMuon([p for (_, p), expert in zip(named, experts) if expert], rest, args, env.dtype, dp_group)
 
 
-def costs(args, config, world_size, dtype, received=None, rank=0):
-    """The formulas of docs/strategies.md's 10 section in bytes per rank. `received`: the rows
-    this rank received in this step's all-to-alls, per layer per micro-batch (from its routing
-    counts); without it, balanced routing: k·b·s each."""
+def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
+    """The formulas of docs/strategies.md's 10 section in bytes per rank. `received`, `sent`: the
+    rows this rank received and sent in this step's all-to-alls, per layer per micro-batch (from
+    its routing counts); without them, balanced routing: k·b·s each, and with --capacity_factor
+    the most the capacity lets in: b·E·ceil(C·k·s/E) received (at most N·k·b·s)."""
     from infra.formulas import (activation_device_type, formula, matmul_weights, newton_schulz_flops, phase_peaks,
                                 transient_terms)
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
@@ -341,23 +351,26 @@ def costs(args, config, world_size, dtype, received=None, rank=0):
             for expert in (False, True)}
     b = args.micro_batch_size or args.global_batch_size // world_size
     m, s = args.global_batch_size // (b * world_size), config.block_size
-    received = [[k * b * s] * m] * L if received is None else received  # [layer][micro-batch]
+    if received is None:  # [layer][micro-batch]
+        capacity = math.ceil(config.capacity_factor * k * s / E)  # per sequence (common.route)
+        received = [[min(b * E * capacity, ep * k * b * s) if capacity else k * b * s] * m] * L
+    rows_sent = [[k * b * s] * m] * L if sent is None else sent  # fewer where --capacity_factor drops
     passes = 3 if args.recompute else 2  # forward, backward (and the forward again)
 
-    def f(expr):  # Ψ_d: the dense parameters, Ψ_e: one expert's; R: the rows received over the step
-        return formula(expr, show="e m p R", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), Ψ_dm=muon[False],
+    def f(expr):  # Ψ_d: the dense parameters, Ψ_e: one expert's; R, S: the rows received, sent over the step
+        return formula(expr, show="e m p R S", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), Ψ_dm=muon[False],
                        Ψ_em=muon[True] // (L * E), L=L, E=E, N=ep, k=k, h=h, e=e,
-                       b=b, s=s, m=m, p=passes, R=sum(map(sum, received)), norm=1)
+                       b=b, s=s, m=m, p=passes, R=sum(map(sum, received)), S=sum(map(sum, rows_sent)), norm=1)
     held = {"params": f("4*(Ψ_d + L*Ψ_e*E/N)"), "grads": f("4*(Ψ_d + L*Ψ_e*E/N)"), "optim": f("8*(Ψ_d + L*Ψ_e*E/N)" if args.optimizer == "adamw" else  # Muon: one moment of its matrices
                    "4*(Ψ_dm + L*Ψ_em*E/N) + 8*(Ψ_d - Ψ_dm + L*(Ψ_e - Ψ_em)*E/N)")}
-    # all-to-all inputs: the L·m·k·b·s routed rows out and the experts' outputs back (R of
-    # them), in forward and again in backward (and the forward once more with --recompute),
-    # + the counts (8E per layer and micro-batch, forward and recompute)
-    all_to_all = f("p*e*h*(L*m*k*b*s + R) + (p - 1)*8*E*L*m")
-    # the dense gradients, the loss and the expert counts (1 + L·E), over all ranks; the
-    # experts' gradients over the dp ranks that hold the same experts; the experts' share of
-    # the norm over the EP group
-    sent = {"all_to_all_single[ep]": all_to_all, "all_reduce": f("4*Ψ_d + 4*(1 + L*E)"),
+    # all-to-all inputs: the S routed rows out (L·m·k·b·s less those dropped) and the experts'
+    # outputs back (R of them), in forward and again in backward (and the forward once more
+    # with --recompute), + the counts (8E per layer and micro-batch, forward and recompute)
+    all_to_all = f("p*e*h*(S + R) + (p - 1)*8*E*L*m")
+    # the dense gradients, the loss, the expert counts and the dropped tokens (2 + L·E), over all
+    # ranks; the experts' gradients over the dp ranks that hold the same experts; the experts'
+    # share of the norm over the EP group
+    sent = {"all_to_all_single[ep]": all_to_all, "all_reduce": f("4*Ψ_d + 4*(2 + L*E)"),
             "all_reduce[expert_dp]": f("4*L*Ψ_e*E/N" if world_size > ep else "0"),
             "all_reduce[ep]": f("4*norm" if args.grad_clip > 0 else "0")}
     # Muon's matrices on this rank: the dense ones, and those of its E/N experts of every layer (alike)
@@ -412,24 +425,22 @@ def activations(args, config, b, dtype, rows):
                    head=ends["head"])
 
 
-def expert_metrics(cost, load):
-    """The metrics' extra keys: this step's comm_bytes_theory and activation_bytes_theory (the
-    formulas on its routing counts), tokens per expert (the global batch, summed over layers) and the imbalance
-    (max/mean of the tokens per expert, in the worst layer)."""
+def expert_metrics(cost):
+    """The metrics' extra keys besides common.routing_metrics': this step's comm_bytes_theory and
+    activation_bytes_theory (the formulas on its routing counts)."""
     return {"comm_bytes_theory": {op: value for op, (_, value) in cost["sent"].items()},
-            "activation_bytes_theory": cost["activations"][1],
-            "expert_tokens": [int(n) for n in load.sum(dim=0).tolist()],
-            "expert_imbalance": (load.max(dim=1).values / load.mean(dim=1)).max().item()}
+            "activation_bytes_theory": cost["activations"][1]}
 
 
 def checkpoint_pieces(model, optimizer, writes_experts, env):
-    """Every parameter and its AdamW moments under 01's names: the replicated ones written by
-    rank 0, each expert by the rank of the first EP group that holds it (common.py's format:
+    """Every parameter and its AdamW moments under 01's names, and the routers' biases (--balance
+    bias): the replicated ones written by rank 0, each expert by the rank of the first EP group that holds it (common.py's format:
     01 with --n_expert, or 10 at another --ep, resumes it)."""
     from infra.checkpoint_format import param_pieces
     return [piece for name, p in model.named_parameters()
             for piece in param_pieces(name, p.shape, p, optimizer,
-                                      write=env.master or (writes_experts and is_expert(name)))]
+                                      write=env.master or (writes_experts and is_expert(name)))] + \
+        [piece for name, b in model.named_buffers() for piece in param_pieces(name, b.shape, b, write=env.master)]
 
 
 def layout_lines(args, config, world_size, accum_steps):

@@ -54,7 +54,11 @@ class GPTConfig:
     # mixture of experts (MoE below): E expert MLPs per block, each token sent to its top_k; 0 = dense
     n_expert: int = 0
     top_k: int = 2
-    aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per block
+    aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per block (--balance aux)
+    balance: str = "aux"  # aux: that loss; bias: DeepSeek-V3's bias on the routing scores; none
+    bias_update_rate: float = 1e-3  # --balance bias: gamma, the bias's step per optimizer step
+    capacity_factor: float = 0.0  # GShard's capacity per sequence: C·k·s/E rows per expert; 0 = dropless
+    shared_experts: int = 0  # DeepSeek-MoE's always-on experts per block, beside the k routed ones
 
 
 PRESETS = {
@@ -113,47 +117,155 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-def route(logits, top_k):
+def route(logits, top_k, bias=None, capacity_factor=0.0):
     """Top-k routing (Mixtral's): each token to its k most probable experts, weighted by those k
     probabilities renormalised. Returns weights (B·T, k); `order`, the stable permutation grouping the
-    B·T·k entries (i·k + j: token i's j-th choice) by expert; `counts` (E,); and Switch Transformer's
+    B·T·k entries (i·k + j: token i's j-th choice) by expert; `counts` (E,); Switch Transformer's
     balancing loss E·Σ_e f_e·P_e (f_e: share of assignments, no gradient; P_e: mean router probability)
-    per sequence, averaged (DeepSeek-V3's form): the same however the batch is split, as the oracle needs."""
+    per sequence, averaged (DeepSeek-V3's form): the same however the batch is split, as the oracle needs;
+    and `load` (E,), the entries each expert was chosen for.
+    `bias` (E,): DeepSeek-V3's auxiliary-loss-free balancing adds it to the scores to choose the experts
+    only; the weights stay the unbiased probabilities. `capacity_factor` C > 0: GShard's capacity, with
+    one sequence as the group: an expert takes at most ceil(C·k·T/E) of a sequence's entries, every
+    token's first choice before any second choice, then by position (GShard's order); the rest are
+    dropped (the residual carries those tokens). `order` then lists the kept entries grouped by expert
+    first and the dropped ones last, and `counts` counts the kept. The group is one sequence because a
+    sequence is what every layout holds whole: a token's fate depends on its own sequence only, never on
+    --micro_batch_size or the world size, so every layout drops what 01 drops."""
     probs = F.softmax(logits.float(), dim=-1)  # (B, T, E), in fp32 also under autocast
     B, T, E = probs.shape
-    top_p, experts = torch.topk(probs, top_k, dim=-1)
+    experts = torch.topk(probs if bias is None else probs + bias, top_k, dim=-1).indices  # the bias only chooses
+    top_p = probs.gather(-1, experts)
     weights = top_p / top_p.sum(dim=-1, keepdim=True)
     assigned = torch.zeros(B, E, device=probs.device).scatter_add_(  # f_e·k·T per sequence
         1, experts.view(B, -1), torch.ones(B, T * top_k, device=probs.device))
     aux = E * (assigned / (T * top_k) * probs.mean(dim=1)).sum(dim=1).mean()
     flat = experts.reshape(-1)
-    order, counts = torch.argsort(flat, stable=True), torch.bincount(flat, minlength=E)
-    return weights.view(B * T, top_k), order, counts, aux
+    load = torch.bincount(flat, minlength=E)
+    if not capacity_factor:  # dropless
+        return weights.view(B * T, top_k), torch.argsort(flat, stable=True), load, aux, load
+    # each entry's place in its expert's queue, in GShard's order: sort (sequence, expert) pairs stably
+    # in the order (sequence, choice j, position t); the place is the index less where the pair begins
+    key = (experts.transpose(1, 2) + E * torch.arange(B, device=flat.device).view(B, 1, 1)).reshape(-1)
+    sort = torch.argsort(key, stable=True)
+    per = torch.bincount(key, minlength=B * E)
+    place = torch.empty_like(sort).scatter_(0, sort, torch.arange(key.numel(), device=flat.device)
+                                            - (per.cumsum(0) - per)[key[sort]])
+    kept = place.view(B, top_k, T).transpose(1, 2).reshape(-1) < math.ceil(capacity_factor * top_k * T / E)
+    flat = torch.where(kept, flat, E)  # the dropped entries, as an expert E past the last: last in order
+    return weights.view(B * T, top_k), torch.argsort(flat, stable=True), torch.bincount(flat, minlength=E + 1)[:E], aux, load
 
 
 def combine(out, order, weights):
-    """Undo `route`'s grouping (row j of `out` is entry order[j]); each token's k outputs, weighted."""
+    """Undo `route`'s grouping (row j of `out` is entry order[j]; the entries past out's rows, dropped,
+    give zeros); each token's k outputs, weighted."""
     k = weights.size(1)
-    out = out[torch.argsort(order)].view(-1, k, out.size(-1))
+    out = out.new_zeros(weights.numel(), out.size(-1)).index_put((order[:out.size(0)],), out).view(-1, k, out.size(-1))
     return (out * weights.unsqueeze(-1)).sum(dim=1)
 
 
+class Router(nn.Linear):
+    """An MoE block's router: a Linear to E scores (no bias), then `route` with the block's options.
+    --balance bias keeps DeepSeek-V3's per-expert bias as a buffer: no gradient, moved after each
+    optimizer step by update_expert_bias, saved in the checkpoint. In training forwards it keeps the
+    entries per expert chosen (`load`, before any drop) and dropped, summed on the device (expert_load)."""
+
+    def __init__(self, config):
+        super().__init__(config.n_embd, config.n_expert, bias=False)
+        self.top_k, self.capacity_factor, self.rate = config.top_k, config.capacity_factor, config.bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(config.n_expert) if config.balance == "bias" else None)
+        self.load = self.dropped = None
+
+    def forward(self, x):
+        weights, order, counts, aux, load = route(super().forward(x), self.top_k, self.expert_bias,
+                                                  self.capacity_factor)
+        if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
+            dropped = load.sum() - counts.sum()
+            self.load, self.dropped = (load, dropped) if self.load is None else (self.load + load, self.dropped + dropped)
+        return weights, order, counts, aux
+
+
 class MoE(nn.Module):
-    """A mixture of experts for the MLP (Shazeer et al. 2017): E of nanoGPT's MLPs and a linear router
-    (no bias). Dropless (no capacity factor): an expert's batch varies by step. Returns (out, aux)."""
+    """A mixture of experts for the MLP (Shazeer et al. 2017): E of nanoGPT's MLPs and a Router;
+    with --shared_experts S, DeepSeek-MoE's S MLPs that every token passes through, added to its
+    routed output. Dropless by default: an expert's batch varies by step. Returns (out, aux)."""
 
     def __init__(self, config):
         super().__init__()
-        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.router = Router(config)
         self.experts = nn.ModuleList([MLP(config) for _ in range(config.n_expert)])
-        self.top_k = config.top_k
+        self.shared = nn.ModuleList([MLP(config) for _ in range(config.shared_experts)])
+        self.top_k, self.rows = config.top_k, []
 
     def forward(self, x):
         B, T, C = x.shape
-        weights, order, counts, aux = route(self.router(x), self.top_k)
-        rows = x.reshape(B * T, C)[order // self.top_k]  # the tokens, grouped by expert
-        out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, rows.split(counts.tolist()))])
-        return combine(out, order, weights).view(B, T, C), aux
+        weights, order, counts, aux = self.router(x)
+        sizes = counts.tolist()
+        if torch.is_grad_enabled() and self.router.capacity_factor:  # the rows the experts ran (expert_rows)
+            self.rows.append(sum(sizes))
+        rows = x.reshape(B * T, C)[order[:sum(sizes)] // self.top_k]  # the kept tokens, grouped by expert
+        out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, rows.split(sizes))])
+        return shared_plus(self.shared, combine(out, order, weights).view(B, T, C), x), aux
+
+
+def shared_plus(shared, y, x):
+    """y plus the shared experts' outputs on x (DeepSeek-MoE: the knowledge every token needs)."""
+    for expert in shared:
+        y = y + expert(x)
+    return y
+
+
+def expert_load(model):
+    """The routers' counts since the last call, and reset: ((L, E) entries per expert chosen, (L,)
+    entries dropped), on the device (none read on the host)."""
+    routers = [block.mlp.router for block in model.transformer.h]
+    load, dropped = torch.stack([r.load for r in routers]), torch.stack([r.dropped for r in routers])
+    for r in routers:
+        r.load = r.dropped = None
+    return load, dropped
+
+
+def expert_step(model, load=None, dropped=None):
+    """After the optimizer step: --balance bias's update of the routers' biases on this step's counts,
+    then the metrics' routing keys (a function: read on the host only when a step is logged). `load`
+    (L, E) and `dropped` (entries): the whole global batch's; by default the routers' own (expert_load),
+    which are the global batch's where one process trains on all of it (01)."""
+    if load is None:
+        load, dropped = expert_load(model)
+    update_expert_bias(model, load)
+    return lambda: routing_metrics(load, dropped)
+
+
+def routing_metrics(load, dropped):
+    """expert_tokens (entries per expert, summed over the layers), expert_imbalance (max/mean of the
+    entries per expert, in the worst layer) and dropped_fraction (of all entries, --capacity_factor)."""
+    load = load.float()
+    return {"expert_tokens": [int(n) for n in load.sum(dim=0).tolist()],
+            "expert_imbalance": (load.max(dim=1).values / load.mean(dim=1)).max().item(),
+            "dropped_fraction": (dropped.float().sum() / load.sum()).item()}
+
+
+def expert_rows(model):
+    """--capacity_factor: {"rows": the rows each block's experts ran, per micro-batch, since the last
+    call} (what 01's costs() needs for its activations on the step's drops), and reset; else {}."""
+    if not (model.config.n_expert and model.config.capacity_factor):
+        return {}
+    rows = [block.mlp.rows for block in model.transformer.h]
+    for block in model.transformer.h:
+        block.mlp.rows = []
+    return {"rows": rows}
+
+
+@torch.no_grad()
+def update_expert_bias(model, load):
+    """--balance bias, after the optimizer step (DeepSeek-V3, from Wang et al. 2024's loss-free
+    balancing): each router's bias moves by gamma·sign(mean load − load), up for the experts chosen
+    less often than the mean, down for the busier ones. `load` (L, E): the entries per expert of the
+    whole global batch, the same on every rank, so that every rank's biases stay equal. Otherwise nothing."""
+    for block, layer in zip(model.transformer.h, load):
+        router = block.mlp.router
+        if router.expert_bias is not None:
+            router.expert_bias += router.rate * torch.sign(layer.float().mean() - layer)
 
 
 class Block(nn.Module):
@@ -214,6 +326,8 @@ class GPT(nn.Module):
     def init_weights(self, seed):
         for name, p in self.named_parameters():  # the tied weight is visited once, as wte
             p.copy_(param_init(name, p.shape, self.config, seed))
+        for buffer in self.buffers():  # the routers' biases (--balance bias) start at zero
+            buffer.zero_()
         return self
 
     def num_params(self, non_embedding=True):
@@ -296,10 +410,12 @@ def preset_config(args):
     """The --model preset with the per-dimension overrides (--n_layer ... --bias) applied."""
     cfg = {"n_expert": 0, **PRESETS[args.model]}
     cfg.update({key: getattr(args, key) for key in cfg if getattr(args, key, None) is not None})
-    if cfg["n_expert"]:  # --top_k and --aux_loss_coef shape only a mixture of experts
-        for key in ("top_k", "aux_loss_coef"):
+    if cfg["n_expert"]:  # --top_k, --aux_loss_coef and the routing options shape only a mixture of experts
+        for key in ("top_k", "balance", "bias_update_rate", "capacity_factor", "shared_experts", "aux_loss_coef"):
             value = getattr(args, key, None)
             cfg[key] = value if value is not None else cfg.get(key, getattr(GPTConfig, key))
+        if getattr(args, "aux_loss_coef", None) is None and cfg["balance"] != "aux":
+            cfg["aux_loss_coef"] = 0.0  # the loss is --balance aux's (bias: DeepSeek-V3's small one if asked)
     return cfg
 
 
@@ -328,10 +444,12 @@ def param_shapes(config):
         block = f"transformer.h.{i}"
         shapes.update({**layer(f"{block}.ln_1", h), **layer(f"{block}.attn.c_attn", 3 * h, h),
                        **layer(f"{block}.attn.c_proj", h, h), **layer(f"{block}.ln_2", h)})
-        if config.n_expert:  # the router (no bias), then the experts
+        if config.n_expert:  # the router (no bias), then the experts, then the shared experts
             shapes[f"{block}.mlp.router.weight"] = (config.n_expert, h)
             for j in range(config.n_expert):
                 shapes.update(mlp(f"{block}.mlp.experts.{j}"))
+            for j in range(config.shared_experts):
+                shapes.update(mlp(f"{block}.mlp.shared.{j}"))
         else:
             shapes.update(mlp(f"{block}.mlp"))
     shapes.update(layer("transformer.ln_f", h))
@@ -704,7 +822,16 @@ def make_parser(doc, experts=False):
     g.add_argument("--n_expert", type=int, help="mixture of experts: E expert MLPs per block, 0 = dense "
                    "(preset's choice by default; only 01_single_gpu.py and 10_expert_parallel.py have experts)")
     g.add_argument("--top_k", type=int, help="experts per token (default 2)")
-    g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss coefficient per block (default 0.01)")
+    g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss coefficient per block (default 0.01 "
+                   "with --balance aux, else 0; with bias, DeepSeek-V3's sequence-wise loss used 1e-4)")
+    g.add_argument("--balance", choices=["aux", "bias", "none"], help="load balancing: aux, Switch's loss "
+                   "(default); bias, DeepSeek-V3's per-expert bias on the routing scores, no loss; none")
+    g.add_argument("--bias_update_rate", type=float, help="--balance bias: the bias's step per optimizer "
+                   "step, gamma·sign(mean load - load) (default 1e-3, DeepSeek-V3's)")
+    g.add_argument("--capacity_factor", type=float, help="GShard's capacity: an expert takes at most "
+                   "ceil(C·k·s/E) entries of each sequence, the rest dropped; 0 = dropless (default)")
+    g.add_argument("--shared_experts", type=int, help="DeepSeek-MoE's shared experts: S MLPs per block every "
+                   "token passes through, beside its k routed ones (default 0)")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data", default="shakespeare_char",
                    help="shakespeare_char (data/tinyshakespeare.txt beside common.py), synthetic, or a directory "
@@ -801,15 +928,28 @@ def parse_args(parser, argv=None):
           "experts; 01_single_gpu.py and 10_expert_parallel.py have")
     check(cfg["n_expert"] or (args.top_k is None and args.aux_loss_coef is None),
           "--top_k and --aux_loss_coef belong to a mixture of experts: pass --n_expert E")
+    routing = [f"--{key}" for key in ("balance", "bias_update_rate", "capacity_factor", "shared_experts")
+               if getattr(args, key, None) is not None]
+    check(cfg["n_expert"] or not routing, f"{' and '.join(routing)}: routing options of a mixture of experts: "
+          "pass --n_expert E")
     if cfg["n_expert"]:
         given = "" if args.top_k is not None else " (the default: pass --top_k)"
         check(1 <= cfg["top_k"] <= cfg["n_expert"], f"--top_k must be in [1, n_expert = "
               f"{cfg['n_expert']}], got {cfg['top_k']}{given}")
         check(cfg.get("aux_loss_coef", 0) >= 0, f"--aux_loss_coef must not be negative, got {cfg['aux_loss_coef']}")
+        check(cfg["balance"] != "none" or args.aux_loss_coef is None, "--aux_loss_coef with --balance none: "
+              "none trains without balancing (--balance aux is the loss)")
+        check(cfg["balance"] == "bias" or args.bias_update_rate is None, "--bias_update_rate is the step of "
+              f"--balance bias's bias, and this run has --balance {cfg['balance']}")
+        check(cfg["bias_update_rate"] >= 0, f"--bias_update_rate must not be negative, got {cfg['bias_update_rate']}")
+        check(cfg["capacity_factor"] >= 0, f"--capacity_factor must not be negative, got {cfg['capacity_factor']} "
+              "(0 = dropless)")
+        check(cfg["shared_experts"] >= 0, f"--shared_experts must not be negative, got {cfg['shared_experts']}")
     check(cfg["n_embd"] <= MAX_WIDTH, f"--n_embd {cfg['n_embd']} is more than {MAX_WIDTH:,} (GPT-3 175B has "
           "12,288): a typo?")
-    mlps = cfg["n_layer"] * max(1, cfg["n_expert"])
+    mlps = cfg["n_layer"] * max(1, cfg["n_expert"] + cfg.get("shared_experts", 0))
     check(mlps <= MAX_MLPS, f"--n_layer {cfg['n_layer']}" + (f" x --n_expert {cfg['n_expert']}" if cfg["n_expert"] else "")
+          + (f" (+ {cfg['shared_experts']} shared)" if cfg.get("shared_experts") else "")
           + f" = {mlps:,} MLPs, more than the {MAX_MLPS:,} these scripts build (Switch-C, the largest published "
           "mixture of experts, has 30,720; GPT-3 175B 96 layers): a typo?")
     check(args.global_batch_size <= MAX_BATCH, f"--global_batch_size {args.global_batch_size} is more than "

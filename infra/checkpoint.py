@@ -348,7 +348,9 @@ def load_model_file(path, config):
           f"--export and nanoGPT write; it holds a {type(obj).__name__}"
           + (f" with keys {sorted(obj)[:6]}" if isinstance(obj, dict) else "") + ")")
     architecture = lambda cfg: {**{k: cfg.get(k) for k in ("n_layer", "n_head", "n_embd", "block_size", "bias",  # noqa: E731
-                                                          "vocab_size")}, "n_expert": cfg.get("n_expert", 0)}
+                                                          "vocab_size")}, "n_expert": cfg.get("n_expert", 0),
+                                **({"shared_experts": cfg.get("shared_experts", 0),  # the tensors a MoE holds
+                                    "routers' biases": cfg.get("balance") == "bias"} if cfg.get("n_expert") else {})}
     check(architecture(obj["model_args"]) == architecture(asdict(config)), f"--init_from {path} holds another "
           f"model: {architecture(obj['model_args'])}, this run builds {architecture(asdict(config))}")
     state = {k.removeprefix("_orig_mod."): v for k, v in obj["model"].items()}  # nanoGPT's compiled names

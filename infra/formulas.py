@@ -242,6 +242,10 @@ def activation_terms(config, b, s, dtype, device_type, tp=1, sp=False, param_dty
         terms["mlp"] = term("9*e*R*h + e*k*b*s*h + 4*b*s*(E + 2*k + 1) + 4*b*E", k=k, E=E, R=R)
         if dropout:  # each expert's output dropout, instead of the MLP's
             terms["dropout masks"] = term("d*b*s*h + d*R*h", R=R)
+        if config.shared_experts:  # S MLPs on every token: GELU's and c_proj's inputs 8e·bsh, and under
+            # autocast the input's own cast c = e (in fp32 the input is the router's, counted above)
+            terms["shared experts"] = term("S*(8*e + c)*b*s*h" + (" + S*d*b*s*h" if dropout else ""),
+                                           S=config.shared_experts, c=0 if e == 4 else e)
     return {"layer": plus(*terms.values()),
             "block_input": term(f"r*b*s*h{sp_T}"),
             "embedding": term(f"{'d' if gpu else 'r'}*b*s*h{sp_T}" if dropout else "0"),
