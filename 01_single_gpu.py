@@ -112,10 +112,8 @@ def main():
                     _, loss = train_model(x[rows], y[rows])
                 (loss if tree else loss / accum_steps).backward()  # accumulate the mean over the global batch
                 loss_sum += loss.detach().float()
-                if tree:  # --bitwise: this micro-batch's gradients kept apart, to be summed in one fixed tree
-                    tree.take(micro, loss)
-        if tree:
-            loss_sum = bitwise_total(model, tree, accum_steps)  # the tree's sums (common.TreeSum)
+                if tree: tree.take(micro, loss)  # --bitwise: this micro-batch's gradients kept apart for one fixed tree
+        loss_sum = bitwise_total(model, tree, accum_steps) if tree else loss_sum  # --bitwise: the tree's sums
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:  # (--bitwise: each parameter's norm in turn, as a sharded layout takes it)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip,

@@ -216,8 +216,7 @@ def main():
                     _, loss = model(x[rows], y[rows])
                 (loss if tree else loss / accum_steps).backward()  # accumulate the mean over this rank's rows
                 loss_sum += loss.detach().float()
-                if tree:  # --bitwise: this micro-batch's gradients kept apart, to be summed in one fixed tree
-                    tree.take(micro, loss)
+                if tree: tree.take(micro, loss)  # --bitwise: this micro-batch's gradients kept apart for one fixed tree
         if tree:  # --bitwise: every replica's tree, then one fixed tree over the replicas (below)
             loss_sum = bitwise_reduce(tree, buckets.buffers, dp_group, accum_steps)
         else:
