@@ -165,10 +165,23 @@ def costs(args, config, world_size, dtype):
     # scratch (AdamW's moments are made at the first step, Muon's momentum at once)
     t = transient_terms(config, b, config.block_size, dtype, activation_device_type(args), args.optimizer)
     muon = args.optimizer == "muon"
-    cost["peak"] = phase_peaks(cost, t)
+    cost["peak"] = phase_peaks(cost, t, **bitwise_peaks(args, psi, b, t))
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * muon, show="init", params=cost["held"]["params"],
                               init=t["init"], Ψ_m=hidden_matrix_params(config) * muon)
     return cost
+
+
+def bitwise_peaks(args, psi, b, t):
+    """--bitwise's tensors in costs()'s peak: through the step the tree's partial sums (common.TreeSum),
+    one gradient copy per 1-bit of the micro-batches taken so far, floor(log2 n) at most; after it,
+    bitwise_total's sum beside .grad, where the optimizer's update would otherwise be the most."""
+    from infra.formulas import formula
+    n = args.global_batch_size // b
+    if not getattr(args, "bitwise", False) or n < 2:
+        return {}
+    sums = {"tree": formula("k*4*Ψ", show="k", k=n.bit_length() - 1, Ψ=psi)}
+    return {"forward": sums, "backward": sums,
+            "optimizer": {"update": formula("max(update, 4*Ψ)", update=t["update"], Ψ=psi)}}
 
 
 def bitwise_total(model, tree, n):
