@@ -113,10 +113,8 @@ def main():
                     _, loss = train_model(x[rows], y[rows])
                 (loss if tree else loss / accum_steps).backward()  # accumulate the mean over the global batch
                 loss_sum += loss.detach().float()
-                if tree:  # --bitwise: this micro-batch's gradients kept apart, to be summed in one fixed tree
-                    tree.take(micro, loss)
-        if tree:
-            loss_sum = bitwise_total(model, tree, accum_steps)  # the tree's sums (common.TreeSum)
+                if tree: tree.take(micro, loss)  # --bitwise: this micro-batch's gradients kept apart for one fixed tree
+        loss_sum = bitwise_total(model, tree, accum_steps) if tree else loss_sum  # --bitwise: the tree's sums
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:  # (--bitwise: each parameter's norm in turn, as a sharded layout takes it)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip,
@@ -171,7 +169,7 @@ def costs(args, config, world_size, dtype, rows=None):
     # scratch (AdamW's moments are made at the first step, Muon's momentum at once)
     t = transient_terms(config, b, config.block_size, dtype, activation_device_type(args), args.optimizer)
     muon = args.optimizer == "muon"
-    cost["peak"] = phase_peaks(cost, t)
+    cost["peak"] = phase_peaks(cost, t, **bitwise_peaks(args, psi, b, t))
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * muon, show="init", params=cost["held"]["params"],
                               init=t["init"], Ψ_m=hidden_matrix_params(config) * muon)
     return cost
@@ -189,6 +187,19 @@ def routed_activations(args, config, b, dtype, rows):
     ends = terms(rows[0])
     return formula(" + ".join(layers) + " + embedding + head", **layers, embedding=ends["embedding"],
                    head=ends["head"])
+
+
+def bitwise_peaks(args, psi, b, t):
+    """--bitwise's tensors in costs()'s peak: through the step the tree's partial sums (common.TreeSum),
+    one gradient copy per 1-bit of the micro-batches taken so far, floor(log2 n) at most; after it,
+    bitwise_total's sum beside .grad, where the optimizer's update would otherwise be the most."""
+    from infra.formulas import formula
+    n = args.global_batch_size // b
+    if not getattr(args, "bitwise", False) or n < 2:
+        return {}
+    sums = {"tree": formula("k*4*Ψ", show="k", k=n.bit_length() - 1, Ψ=psi)}
+    return {"forward": sums, "backward": sums,
+            "optimizer": {"update": formula("max(update, 4*Ψ)", update=t["update"], Ψ=psi)}}
 
 
 def bitwise_total(model, tree, n):

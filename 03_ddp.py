@@ -216,8 +216,7 @@ def main():
                     _, loss = model(x[rows], y[rows])
                 (loss if tree else loss / accum_steps).backward()  # accumulate the mean over this rank's rows
                 loss_sum += loss.detach().float()
-                if tree:  # --bitwise: this micro-batch's gradients kept apart, to be summed in one fixed tree
-                    tree.take(micro, loss)
+                if tree: tree.take(micro, loss)  # --bitwise: this micro-batch's gradients kept apart for one fixed tree
         if tree:  # --bitwise: every replica's tree, then one fixed tree over the replicas (below)
             loss_sum = bitwise_reduce(tree, buckets.buffers, dp_group, accum_steps)
         else:
@@ -326,11 +325,25 @@ def costs(args, config, world_size, dtype, rank=0):
     # param_init's scratch, then the buckets, made whole before the first step
     t = transient_terms(config, b, config.block_size, dtype, activation_device_type(args), args.optimizer)
     muon = args.optimizer == "muon"
-    cost["peak"] = phase_peaks(cost, t)
+    cost["peak"] = phase_peaks(cost, t, **bitwise_peaks(args, psi, b, world_size, t))
     cost["startup"] = formula("params + max(init, grads)" + " + 4*Ψ_m" * muon, show="init", init=t["init"],
                               params=cost["held"]["params"], grads=cost["held"]["grads"],
                               Ψ_m=hidden_matrix_params(config) * muon)
     return cost
+
+
+def bitwise_peaks(args, psi, b, world_size, t):
+    """--bitwise's tensors in costs()'s peak: through the step the tree's partial sums of this replica's
+    micro-batches (common.TreeSum), floor(log2 k) gradient copies at most; after it, bitwise_reduce's
+    flat sums and the all_to_all's pieces, two copies, where the optimizer's update would otherwise
+    be the most."""
+    from infra.formulas import formula
+    k = args.global_batch_size // (b * world_size)
+    if not getattr(args, "bitwise", False):
+        return {}
+    sums = {"tree": formula("k*4*Ψ", show="k", k=k.bit_length() - 1, Ψ=psi)}
+    return {"forward": sums, "backward": sums,
+            "optimizer": {"update": formula("max(update, 2*4*Ψ)", update=t["update"], Ψ=psi)}}
 
 
 def bitwise_reduce(tree, buffers, group, n):

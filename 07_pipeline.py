@@ -59,7 +59,7 @@ from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
 from common import (autocast, Block, check, Data, fail, is_hidden_matrix, lr_at, make_optimizer, make_parser,
-                    model_config, param_init, to_device)
+                    model_config, param_init, param_shapes, to_device, TreeSum)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -120,10 +120,10 @@ class Pipeline:
     on the device's own timeline, to measure the bubble (08_3d.py measures none). `vee`: the
     chunks sit in a V (chunk_stage), so the rank passes some messages to itself, in memory."""
 
-    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False, tree=None):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.deferred, self.timed, self.vee = deferred, timed, vee
+        self.deferred, self.timed, self.vee, self.tree = deferred, timed, vee, tree  # tree: --bitwise (StageTree)
         self.to_self = {}  # messages to this rank itself: one stage, or the V's turn
 
     def post(self, exchange, sends):
@@ -208,6 +208,7 @@ class Pipeline:
                 received.update(arriving)
         whole = (start, self.mark())
         spans = self.spans
+        loss_sum = self.tree.finish() if self.tree and train else loss_sum  # --bitwise: the tree's sums, into .grad
         return loss_sum, self.peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
 
     def forward(self, x, i, c, target, train, m):
@@ -216,7 +217,7 @@ class Pipeline:
         with torch.set_grad_enabled(train):  # in run()'s autocast region
             out = self.chunks[c](x, target)
         if train:
-            self.saved[(i, c)] = (x, out / m if target is not None else out)
+            self.saved[(i, c)] = (x, out / m if target is not None and not self.tree else out)  # (--bitwise: /m once)
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
         return out
@@ -230,6 +231,7 @@ class Pipeline:
                 out.backward()
             else:
                 backward_from_freed(out, dy)
+        if self.tree: self.tree.take(i, c, "B" if self.deferred is None else "I", out)  # --bitwise: apart, for the tree
         if self.deferred is not None:  # zero bubble: the split Linears left their W nodes in `deferred`
             self.weights[(i, c)] = self.deferred[:]
             self.deferred.clear()
@@ -243,6 +245,7 @@ class Pipeline:
         """W: dW = dyᵀ·x of every Linear of chunk c for micro-batch i, into .grad; frees x and dy."""
         with torch.autocast(self.env.device.type, enabled=False):
             torch.autograd.backward(self.weights.pop((i, c)))
+        if self.tree: self.tree.take(i, c, "W")  # --bitwise: the Linears' weight gradients, apart, for the tree
         self.in_flight -= 1
 
     def timed_span(self, work, *args):
@@ -491,8 +494,6 @@ def build_chunks(config, p, v, rank, seed=None, recompute=False, vee=False):
 # ---------------------------------------------------------------------------------------
 
 def check_layout(args, config, p):
-    check(not getattr(args, "bitwise", False), "--bitwise is not implemented in 07_pipeline.py yet (a stage would sum its "
-          "micro-batches' gradients in the tree's order; 03, 04, 05 have it)")
     v, vee = chunks_per_rank(args)
     chunks = f" x {v} chunks per rank ({args.schedule})" if vee else f" x virtual_stages {v}" if v > 1 else ""
     check(config.n_layer >= p * v, f"n_layer {config.n_layer} is fewer than pp {p}{chunks}: "
@@ -526,15 +527,18 @@ def share_loss(loss_sum, group, m, last=None):
     return loss_sum / m
 
 
-def clip_grad_norm(chunks, max_norm, group):
+def clip_grad_norm(chunks, max_norm, group, tree=None):
     """Scale the gradients so that the global norm over every stage of the pipeline `group`,
     the tied embedding counted once (on the first stage), is at most max_norm."""
     head_copy = chunks[-1].is_last and not chunks[0].is_first  # the last stage's copy of wte
-    squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
-                  if not (head_copy and n.endswith("lm_head.weight")))
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)  # every stage's squared gradient norm
-    total_norm = squares.sqrt()
+    if tree:  # --bitwise: from each parameter's norm, whole, in 01's order, as clip_grad_norm_ takes it
+        total_norm = tree.norm(head_copy, group)
+    else:
+        squares = sum(t.grad.float().pow(2).sum() for n, t in chunks.named_parameters()
+                      if not (head_copy and n.endswith("lm_head.weight")))
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)  # every stage's squared gradient norm
+        total_norm = squares.sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for t in chunks.parameters():
         t.grad.mul_(coef)
@@ -607,7 +611,7 @@ def main():
     optimizer = make_optimizer(chunks.named_parameters(), args, env)  # AdamW, or Muon + AdamW
     act_shape = (args.micro_batch_size, config.block_size, config.n_embd)
     pipeline = Pipeline(chunks, env, dist.group.WORLD, v, act_shape, deferred,  # the pipeline: every rank
-                        timed=args.measure_bubble, vee=vee)
+                        timed=args.measure_bubble, vee=vee, tree=stage_tree(args, chunks, m, run.groups))
     rounds = every[env.rank]  # this rank's rounds of ("F" | "B" | "I" | "W", micro-batch, chunk)
     posts = exchanges_for_nccl(every, p, v, m, vee)[env.rank]  # exchanges(), ordered for NCCL in a V
     run.begin(config, optimizer, costs, layout={"strategy": "pipeline", "pp": p, "virtual_stages": v},
@@ -624,10 +628,10 @@ def main():
         with run.meter:
             loss_sum, in_flight, busy = pipeline.run(rounds, xs, ys, m, posts=posts)  # busy: computing
         loss = share_loss(loss_sum, pipeline.group, m, stage_rank(p, p * v - 1, vee))
-        if p > 1 and first != last:  # (in a V, one rank holds both: the head is wte itself)
+        if p > 1 and first != last and not args.bitwise:  # (in a V, one rank holds both; --bitwise: StageTree)
             for weight in tied:  # keep the two copies of wte equal: sum their gradients
                 dist.all_reduce(weight.grad, group=run.groups)  # the embedding group
-        norm = clip_grad_norm(chunks, args.grad_clip, pipeline.group) if args.grad_clip > 0 else None
+        norm = clip_grad_norm(chunks, args.grad_clip, pipeline.group, pipeline.tree) if args.grad_clip > 0 else None
         run.check(loss, (t.grad for t in chunks.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         if step == run.start_step and run.cost:  # next to the ledger
@@ -726,6 +730,92 @@ def split_backward(chunks):
                 if type(child) is nn.Linear:
                     setattr(module, name, SplitLinear(child, deferred))
     return deferred
+
+
+# ---------------------------------------------------------------------------------------
+# --bitwise: a stage sums its micro-batches' gradients in 01's tree, not as they come
+# ---------------------------------------------------------------------------------------
+
+def stage_tree(args, chunks, m, tied_group):
+    """--bitwise's StageTree for this rank's chunks (None without --bitwise); the tied embedding is
+    kept apart where its two copies sit on two stages (first and last, not in a V)."""
+    if not getattr(args, "bitwise", False):
+        return None
+    first, last = chunks[0].is_first, chunks[-1].is_last
+    tied = (chunks[0].wte.weight if first else chunks[-1].lm_head.weight) if first != last else None
+    return StageTree(chunks, m, tied, tied_group)
+
+
+class StageTree:
+    """--bitwise: this stage's gradients summed in one fixed binary tree over the step's m
+    micro-batches (common.TreeSum), the tree 01 --bitwise sums its micro-batches in, whatever
+    order the schedule runs their backwards in. After each backward (B; zero bubble's I, then
+    its W) the gradients it produced are moved out of .grad into micro-batch i's leaf, with the
+    last chunk's loss; a leaf joins the tree once every chunk of the rank has given its part.
+    Every backward is of the micro-batch's own mean loss; the tree's sum is divided once, by m.
+
+    The tied embedding: 01's one backward adds the head's and the lookup's gradients of a
+    micro-batch (a + b, the same bits in either order), and the tree sums those. In a V, or on
+    one stage, the rank holds both and adds them so. Where the copies sit on two stages, each
+    keeps its m per-micro-batch gradients and one all-reduce over the embedding group adds
+    them pairwise (m·V·h, where the plain path sends V·h); both ends then form the same tree."""
+
+    def __init__(self, chunks, m, tied, tied_group):
+        self.chunks, self.m, self.tied, self.group = chunks, m, tied, tied_group
+        split = {id(t) for module in chunks.modules() if isinstance(module, SplitLinear) for t in module.parameters()}
+        self.parts = [{"B": list(chunk.parameters()), "I": [t for t in chunk.parameters() if id(t) not in split],
+                       "W": [t for t in chunk.parameters() if id(t) in split]} for chunk in chunks]
+        self.params = [t for t in chunks.parameters() if t is not tied]  # a leaf's tensors, in this order
+        self.has_loss = chunks[-1].is_last
+        self.expected = sum(len(part["B"]) for part in self.parts) - (tied is not None) + self.has_loss
+        self.pending, self.tied_leaves, self.tree = {}, {}, TreeSum(m)
+
+    def take(self, i, c, part, out=None):
+        """Micro-batch i's gradients of chunk c that backward's `part` (B, I or W) produced, moved
+        out of .grad; `out`: the chunk's output, on the last chunk the loss."""
+        leaf = self.pending.setdefault(i, {})
+        for t in self.parts[c][part]:
+            g, t.grad = t.grad, None
+            if t is self.tied:
+                self.tied_leaves[i] = g
+            else:  # in a V the tied embedding comes twice, head then lookup: added, as 01's backward adds them
+                leaf[id(t)] = leaf[id(t)].add_(g) if id(t) in leaf else g
+                leaf["parts"] = leaf.get("parts", 0) + 1
+        if part != "W" and self.chunks[c].is_last:
+            leaf["loss"] = out.detach().float().reshape(1)
+            leaf["parts"] = leaf.get("parts", 0) + 1
+        if leaf.get("parts") == self.expected:
+            del self.pending[i]
+            self.tree.add(i, [leaf[id(t)] for t in self.params] + ([leaf["loss"]] if self.has_loss else []))
+
+    def finish(self):
+        """The tree's sums divided by m into .grad (the tied embedding's pairs first added over the
+        embedding group, then summed in the same tree); returns the losses' sum (0 off the last stage)."""
+        total, self.tree = self.tree.total, TreeSum(self.m)
+        for t, g in zip(self.params, total):
+            t.grad = g.div_(self.m)
+        if self.tied is not None:
+            leaves = torch.stack([self.tied_leaves.pop(i) for i in range(self.m)])
+            dist.all_reduce(leaves, group=self.group)  # lookup + head of every micro-batch, on both ends
+            tree = TreeSum(self.m)
+            for i in range(self.m):
+                tree.add(i, [leaves[i]])
+            self.tied.grad = tree.total[0].div(self.m)  # (a new tensor: the m leaves are freed)
+        return total[-1][0] if self.has_loss else torch.zeros((), device=self.params[0].device)
+
+    def norm(self, head_copy, group):
+        """The global gradient norm as 01's clip_grad_norm_ takes it: each parameter's norm, whole,
+        at its place in 01's order (0 elsewhere; the last stage's copy of wte not counted), summed
+        over the pipeline `group` (x + 0 = x: no rounding), then the norm of those."""
+        names = list(param_shapes(self.chunks[0].config))
+        norms = torch.zeros(len(names), device=self.params[0].device)
+        for chunk in self.chunks:
+            for name, t in chunk.named_parameters():
+                if not (head_copy and name == "lm_head.weight"):
+                    norms[names.index(chunk.full_name(name))] = torch.linalg.vector_norm(t.grad)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(norms, group=group)  # every parameter's norm, from the stage that holds it
+        return torch.linalg.vector_norm(norms)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1122,6 +1212,7 @@ def costs(args, config, world_size, dtype, rank=0):
     from infra.formulas import formula, newton_schulz_flops
     p, m = world_size, args.global_batch_size // args.micro_batch_size
     every, v, vee, split = run_schedule(args, p, m)
+    bitwise = getattr(args, "bitwise", False)
     chunks = meta_chunks(config, p, v, rank, vee)
     psi = sum(t.numel() for t in chunks.parameters())
     psi_m = sum(t.numel() for name, t in chunks.named_parameters() if is_hidden_matrix(name, t.shape))
@@ -1136,9 +1227,13 @@ def costs(args, config, world_size, dtype, rank=0):
     sent = {"send": formula("n*4*b*s*h", show="n", n=sends, b=b, s=s, h=h),
             "recv": formula("n*4*b*s*h", show="n", n=recvs, b=b, s=s, h=h),
             "broadcast": formula("4*loss", loss=1),
-            # the tied wte's gradient, on the embedding group of the first and the last stage
-            "all_reduce[embedding]": formula("4*V*h" if p > 1 and first != last else "0", V=config.vocab_size, h=h),
-            "all_reduce": formula("4*norm" if args.grad_clip > 0 and p > 1 else "0", norm=1)}  # every stage's
+            # the tied wte's gradient, on the embedding group of the first and the last stage (--bitwise:
+            # each micro-batch's, for the pairs StageTree adds before its tree)
+            "all_reduce[embedding]": formula(("4*m*V*h" if bitwise else "4*V*h") if p > 1 and first != last else "0",
+                                             m=m, V=config.vocab_size, h=h),
+            # every stage's squared norm (--bitwise: each of 01's parameters' norm, StageTree.norm)
+            "all_reduce": formula("4*norm" if args.grad_clip > 0 and p > 1 else "0",
+                                  norm=len(param_shapes(config)) if bitwise else 1)}
     held = {"params": formula("4*Ψ_stage", Ψ_stage=psi), "grads": formula("4*Ψ_stage", Ψ_stage=psi),
             "optim": formula("8*Ψ_stage", Ψ_stage=psi) if args.optimizer == "adamw" else
             formula("4*Ψ_m + 8*(Ψ_stage - Ψ_m)", Ψ_stage=psi, Ψ_m=psi_m)}  # Muon: one moment of its matrices

@@ -437,8 +437,6 @@ def main():
     args = run.args
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
-    check(not args.bitwise, "--bitwise is not implemented in 08_3d.py (tp > 1 and cp > 1 change one micro-batch's "
-          "arithmetic; dp x pp could hold it, as 03, 04, 05 do)")
     check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
           + (f" x cp {C}" if C > 1 else "") + f" = {T * P * C}")
     D = world // (T * P * C)  # CP ranks split the same sequences: the batch is shared by D
@@ -450,7 +448,7 @@ def main():
     mesh = run.groups
     config = model_config(args, Data.vocab_size_of(args.data))
     data = Data(args.data, args.seed, config.block_size)
-    check_layout(config, T, P, args.sequence_parallel, C, args.cp_impl)
+    check_layout(config, T, P, args.sequence_parallel, C, args.cp_impl, args.bitwise)
     run.log(describe_mesh(mesh, world))
     torch.manual_seed(args.seed + 1000 * mesh.reduce_rank + mesh.pp_rank)  # the stage's TP group's
     rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention dropout)
@@ -687,7 +685,11 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
     return _STAGE_SIZES[key]
 
 
-def check_layout(config, T, P, sp=False, C=1, impl="ring"):
+def check_layout(config, T, P, sp=False, C=1, impl="ring", bitwise=False):
+    # --bitwise: even at tp 1 the stage is 06's layers, whose vocabulary-parallel cross-entropy (max, exp
+    # and sum by hand) rounds otherwise than 01's F.cross_entropy (docs/numerics.md); 07 has the pipeline's
+    check(not bitwise, "--bitwise is not implemented in 08_3d.py: its stage is 06's tensor-parallel layers even at "
+          "tp 1, whose cross-entropy rounds otherwise than 01's; 07_pipeline.py has --bitwise for the pipeline")
     check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
           "each TP rank must own whole attention heads")
     check(not sp or config.block_size % T == 0, f"--sequence_parallel needs block_size "
@@ -804,7 +806,7 @@ def plan(args, world, T, P, m):
     from infra.formulas import format_bytes
     from infra.dry_run import planned_dtype
     config = model_config(args, Data.vocab_size_of(args.data))
-    check_layout(config, T, P, args.sequence_parallel, args.cp, args.cp_impl)
+    check_layout(config, T, P, args.sequence_parallel, args.cp, args.cp_impl, getattr(args, "bitwise", False))
     dtype = planned_dtype(args)
     mesh = Mesh(0, world, T, P, args.cp)
     per_stage = [costs(args, config, world, dtype, mesh.rank_of(0, s, 0)) for s in range(P)]
@@ -1495,10 +1497,10 @@ class Pipeline:
     on the device's own timeline, to measure the bubble (08_3d.py measures none). `vee`: the
     chunks sit in a V (chunk_stage), so the rank passes some messages to itself, in memory."""
 
-    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False):
+    def __init__(self, chunks, env, group, v, act_shape, deferred=None, timed=True, vee=False, tree=None):
         self.chunks, self.env, self.group, self.v, self.act_shape = chunks, env, group, v, act_shape
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.deferred, self.timed, self.vee = deferred, timed, vee
+        self.deferred, self.timed, self.vee, self.tree = deferred, timed, vee, tree  # tree: --bitwise (StageTree)
         self.to_self = {}  # messages to this rank itself: one stage, or the V's turn
 
     def post(self, exchange, sends):
@@ -1583,6 +1585,7 @@ class Pipeline:
                 received.update(arriving)
         whole = (start, self.mark())
         spans = self.spans
+        loss_sum = self.tree.finish() if self.tree and train else loss_sum  # --bitwise: the tree's sums, into .grad
         return loss_sum, self.peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
 
     def forward(self, x, i, c, target, train, m):
@@ -1591,7 +1594,7 @@ class Pipeline:
         with torch.set_grad_enabled(train):  # in run()'s autocast region
             out = self.chunks[c](x, target)
         if train:
-            self.saved[(i, c)] = (x, out / m if target is not None else out)
+            self.saved[(i, c)] = (x, out / m if target is not None and not self.tree else out)  # (--bitwise: /m once)
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
         return out
@@ -1605,6 +1608,7 @@ class Pipeline:
                 out.backward()
             else:
                 backward_from_freed(out, dy)
+        if self.tree: self.tree.take(i, c, "B" if self.deferred is None else "I", out)  # --bitwise: apart, for the tree
         if self.deferred is not None:  # zero bubble: the split Linears left their W nodes in `deferred`
             self.weights[(i, c)] = self.deferred[:]
             self.deferred.clear()
@@ -1618,6 +1622,7 @@ class Pipeline:
         """W: dW = dyᵀ·x of every Linear of chunk c for micro-batch i, into .grad; frees x and dy."""
         with torch.autocast(self.env.device.type, enabled=False):
             torch.autograd.backward(self.weights.pop((i, c)))
+        if self.tree: self.tree.take(i, c, "W")  # --bitwise: the Linears' weight gradients, apart, for the tree
         self.in_flight -= 1
 
     def timed_span(self, work, *args):

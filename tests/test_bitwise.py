@@ -1,8 +1,9 @@
 """--bitwise: the layouts that do not change one micro-batch's arithmetic (data parallel, ZeRO
-1/2/3 with and without --offload, HSDP, every pipeline schedule, 08's dp x pp) end a few steps
-with parameters, AdamW's moments (the checkpoint at --out_dir, every tensor whole) and every
-logged loss torch.equal to 01 --bitwise, in float32 and in bfloat16 autocast, clipping active.
-Launches are few and tiny: each layout runs once per dtype, against one 01 run per dtype."""
+1/2/3 with and without --offload, HSDP, every pipeline schedule) end a few steps with
+parameters, AdamW's moments (the checkpoint at --out_dir, every tensor whole) and every logged
+loss torch.equal to 01 --bitwise, in float32 and in bfloat16 autocast, clipping active; so do
+Muon's (its momentum) and a run resumed from another script's checkpoint. Launches are few
+and tiny: each layout runs once per dtype, against one 01 run per dtype (and one with Muon)."""
 
 import pytest
 import torch
@@ -53,7 +54,12 @@ CASES = [  # (script, ranks, flags)
     ("04_zero.py", 2, ["--stage", "3"]),
     ("04_zero.py", 2, ["--stage", "2", "--offload"]),
     ("05_fsdp.py", 4, ["--replicate", "2"]),
-]
+    # 07: every stage's micro-batches in 01's tree (StageTree), W passes and the tied embedding included
+    ("07_pipeline.py", 2, ["--schedule", "1f1b"]),
+    ("07_pipeline.py", 2, ["--schedule", "interleaved"]),  # two chunks per rank
+    ("07_pipeline.py", 2, ["--schedule", "zb"]),  # ZB-H1: W apart from I, out of order
+    ("07_pipeline.py", 2, ["--schedule", "zbv"]),  # a V: the head and the lookup on one rank
+]  # (gpipe at 4 ranks and dualpipev at 2 were run once by hand, fp32 and bf16: equal too)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -63,10 +69,36 @@ def test_bitwise_equals_single_gpu(reference, tmp_path, dtype, script, ranks, fl
     assert_bitwise(reference[dtype], run, tmp_path, f"{script} x{ranks} {' '.join(flags)} {dtype}")
 
 
+MUON = ["--optimizer", "muon"]
+
+
+def test_bitwise_with_muon(tmp_path):
+    """Muon's Newton-Schulz on whole matrices, one owner's update broadcast (03) or on a stage (07):
+    the same bits as 01 --bitwise --optimizer muon, its momentum included (fp32)."""
+    ref_dir = tmp_path / "01"
+    ref = launch("01_single_gpu.py", BASE + MUON + ["--sample_tokens", "0", "--out_dir", ref_dir]).ok()
+    for script, ranks in (("03_ddp.py", 2), ("07_pipeline.py", 2)):
+        out = tmp_path / script
+        run = launch(script, BASE + MUON + ["--out_dir", out], nprocs=ranks).ok()
+        assert_bitwise((ref.losses, saved(ref_dir)), run, out, f"{script} x{ranks} muon")
+
+
+def test_bitwise_resumed_from_another_script(reference, tmp_path):
+    """03 writes step 2's checkpoint, 07 resumes it for steps 3-4: the losses and the end state
+    equal 01 --bitwise's uninterrupted run (fp32)."""
+    first = BASE + ["--lr_decay_iters", str(STEPS), "--out_dir", tmp_path]
+    launch("03_ddp.py", first + ["--max_iters", "2", "--ckpt_interval", "2"], nprocs=2).ok()
+    run = launch("07_pipeline.py", first + ["--resume"], nprocs=2).ok()
+    losses, tensors = reference["float32"]
+    assert run.steps[0]["step"] == 2, run.steps[0]
+    assert_bitwise((losses[2:], tensors), run, tmp_path, "03 -> 07 resumed")
+
+
 @pytest.mark.parametrize("script, ranks, flags, message", [
     ("03_ddp.py", 2, ["--global_batch_size", "12"], "--bitwise needs a power of two of micro-batches per"),
     ("06_tensor_parallel.py", 1, [], "tensor parallelism splits each matmul's inner dimension"),
     ("09_context_parallel.py", 1, [], "context parallelism splits attention over the sequence"),
+    ("08_3d.py", 1, [], "its stage is 06's tensor-parallel layers even at tp 1"),
     ("05_fsdp.py", 1, ["--reduce_dtype", "bfloat16"], "--bitwise reduces in fp32"),
 ])
 def test_refused_where_it_cannot_hold(script, ranks, flags, message):

@@ -37,9 +37,9 @@ FLAGS = TINY + ["--n_layer", "2", "--max_iters", "2", "--micro_batch_size", "2"]
 MOE = ["--n_expert", "4", "--top_k", "2"]
 
 CASES = [  # (script, ranks, flags, dtype): two layouts of each script, one fp32, one bf16
-    ("01_single_gpu.py", 1, ["--sample_tokens", "0"], "float32"),
+    ("01_single_gpu.py", 1, ["--bitwise", "--sample_tokens", "0"], "float32"),  # the tree's partial sums
     ("01_single_gpu.py", 1, ["--sample_tokens", "0", "--micro_batch_size", "4"], "bfloat16"),
-    ("03_ddp.py", 2, [], "float32"),
+    ("03_ddp.py", 2, ["--bitwise"], "float32"),  # the tree's partial sums and bitwise_reduce's copies
     ("03_ddp.py", 4, ["--micro_batch_size", "1"], "bfloat16"),
     ("04_zero.py", 2, ["--stage", "2"], "float32"),
     ("04_zero.py", 2, ["--stage", "3"], "bfloat16"),
