@@ -70,11 +70,7 @@ def evaluate(model, data, args, env, accum_steps):
 def main():
     run = Run(add_flags(make_parser(__doc__, experts=True)), __file__)  # --n_expert: 10's reference
     args = run.args
-    check(run.world_size == 1, f"01_single_gpu.py runs as one process, not {run.world_size}: "
-          "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
-    check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
-    check(not (getattr(args, "resume", False) and args.init_from), "--resume and --init_from both say where the "
-          "weights come from: pass one (--resume continues a run; --init_from starts a new one from saved weights)")
+    check_args(args, run.world_size)  # one process; --sample_tokens; --resume or --init_from, not both
     env, accum_steps = run.start(costs, dp_size=1)  # the process up; --micro_batch_size auto: what fits
     run.dry_run(costs, lambda config: [f"layout: one device, {accum_steps} micro-batch(es) of "
                                        f"{args.micro_batch_size}"])  # --dry_run: the plan, then exit
@@ -139,6 +135,15 @@ def sample(model, data, args, env):
     with autocast(env):
         tokens = model.eval().generate(start, args.sample_tokens, top_k=200, generator=generator)
     return data.decode(tokens[0].tolist())
+
+
+def check_args(args, world_size):
+    """The refusals of 01's own flags, each one line (common.check: exit 2)."""
+    check(world_size == 1, f"01_single_gpu.py runs as one process, not {world_size}: "
+          "use plain `python 01_single_gpu.py` (the other scripts are the parallel ones)")
+    check(args.sample_tokens >= 0, f"--sample_tokens must not be negative, got {args.sample_tokens}")
+    check(not (getattr(args, "resume", False) and args.init_from), "--resume and --init_from both say where the "
+          "weights come from: pass one (--resume continues a run; --init_from starts a new one from saved weights)")
 
 
 # Not the training loop: what the device holds and sends (costs(), the ledger's theory), checkpoint pieces.
