@@ -27,7 +27,7 @@ def reference():
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ring_and_ulysses_attention_equal_sdpa(ranks):
     run = launch("tests/cp_units.py", nprocs=ranks, metrics=False, out_dir=False, timeout=120).ok()
-    assert f"match SDPA at C = {ranks}" in run.stdout and "fused and explicit" in run.stdout
+    assert f"match SDPA at C = {ranks}" in run.stdout and "fused and explicit blocks, whole and in chunks" in run.stdout
 
 
 def expected_sent(impl, cp, ranks, micro, block_size, n_embd, n_layer, n_params, e=4):
