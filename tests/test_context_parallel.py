@@ -80,6 +80,14 @@ def test_losses_equal_single_gpu(reference, impl, cp, ranks, micro, long):
     assert "ledger (rank 0)" in run.stdout
 
 
+def test_the_explicit_ring_block_in_chunks_trains_as_01(reference):
+    """G3: with every ring block explicit (as on XPU) and taken 5 queries at a time (a rank's
+    128 tokens over 4 heads, micro-batch 4: 4·4·128·5 scores), 09 at cp 2 has 01's losses."""
+    flags = BASE + LONG + ["--cp", 2, "--cp_impl", "ring", "--micro_batch_size", 4]
+    run = launch("tests/explicit_ring.py", [4 * 4 * 128 * 5] + flags, nprocs=2).ok()
+    assert_losses_match(reference["long"], run, what="ring cp 2, explicit blocks in chunks")
+
+
 def test_bfloat16_ledger_and_cost_function():
     """In bf16 K, V, q and the output travel in 2 bytes, dK/dV in fp32: the ledger equals
     costs() for both implementations."""
