@@ -562,6 +562,11 @@ def costs(args, config, world_size, dtype, rank=0):
         forward["scatter"] = formula("2*e*b*s*h + e*b*s*h/T", show="e", **sizes)
         backward["gradients"] = formula(("max(4*b*s*V/T, 4*e*b*s*h/T)" if ends[1] else "4*e*b*s*h/T")
                                         + " + 2*e*b*s*h + 2*4*b*s*h + 4*b*s*h/T", show="e", **sizes)
+    if C > 1 and args.cp_impl == "ring" and fused_kernel(activation_device_type(args), dtype, h // config.n_head) == "explicit":
+        # 09's explicit ring block (its fp32 scores, a chunk of c queries at a time) on this TP rank's heads
+        c = min(x["s"], query_chunk(x["b"], config.n_head // T, x["s"]))
+        for phase, expr in zip((forward, backward), explicit_block_terms("(a/T)", "(h/T)", c < x["s"], x["e"])):
+            phase["scores"] = cost(expr, x, c=c)
     rank_cost["peak"] = phase_peaks(rank_cost, t, forward=forward, backward=backward, optimizer=flat)
     rank_cost["startup"] = formula("params + init", show="init", params=held["params"], init=t["init"])
     return rank_cost
@@ -1678,7 +1683,7 @@ def token_positions(s, C, cp_rank, impl):
 # ---- end restated ----
 
 
-# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, fused_kernel, sdpa_accepts, block_forward, block_backward, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, fused_kernel, sdpa_accepts, block_forward, block_backward, EXPLICIT_SCORES, query_chunk, explicit_in_chunks, explicit_backward_in_chunks, explicit_block_terms, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
 # ring attention
 
 class Ring:
@@ -1733,8 +1738,8 @@ def fused_kernel(device_type, dtype, head_dim):
     picks one (which calling the kernels directly skips): on CPU, flash attention for CPU; on
     CUDA, flash (fp16/bf16, a head dim that is a multiple of 8 and at most 256) or else the
     memory-efficient kernel (a multiple of 8; unverified on a GPU); any other head dim
-    (`--n_embd 100 --n_head 4`: 25) or device, the explicit fp32 block, exact, at the price
-    of one block's fp32 scores, (s/2C)² per head, while it runs."""
+    (`--n_embd 100 --n_head 4`: 25) or device (XPU), the explicit fp32 block, exact, at the
+    price of its fp32 scores, a chunk of queries at a time (query_chunk), while it runs."""
     if device_type == "cpu":
         return "flash_cpu"
     if device_type == "cuda" and head_dim % 8 == 0:
@@ -1773,7 +1778,7 @@ def block_forward(q, k, v, causal):
         # ROCm's (AOTriton) does not: the backward gets L at the length this forward returned
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
         return out, lse[..., :q.size(2)], (kernel, seed, offset, lse.size(-1))
-    return (*explicit_block_forward(q, k, v, causal), (kernel,))
+    return (*explicit_in_chunks(q, k, v, causal), (kernel,))
 
 
 def block_backward(dout, q, k, v, out, lse, causal, forward):
@@ -1792,31 +1797,96 @@ def block_backward(dout, q, k, v, out, lse, causal, forward):
         lse = F.pad(lse, (0, length - q.size(2)))
         return aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
-    return explicit_block_backward(dout, q, k, v, out, lse, causal)
+    return explicit_backward_in_chunks(dout, q, k, v, out, lse, causal)
 
 
-def scores(q, k, causal):
-    """S = q kᵀ/√d for one block in fp32, the upper triangle -inf on a causal block."""
+EXPLICIT_SCORES = 2**26  # fp32 scores an explicit block holds at a time, at most: 256 MiB (512 in backward)
+
+
+def query_chunk(b, heads, keys):
+    """How many of a block's queries the explicit block takes at a time: as many as keep their
+    fp32 scores, b·heads·chunk·keys, within EXPLICIT_SCORES (at least one query)."""
+    return max(1, EXPLICIT_SCORES // (b * heads * keys))
+
+
+def explicit_in_chunks(q, k, v, causal):
+    """explicit_block_forward over chunks of the queries (query_chunk), so that the fp32 scores
+    held at a time are bounded, not the whole block's b·heads·M·N (GBs at a long context, cp 2);
+    each query's row is its own softmax, so the result is the whole block's."""
+    k, v = k.float(), v.float()  # once for every chunk (fp32 already: themselves)
+    chunk = query_chunk(*k.shape[:3])
+    if chunk >= q.size(2):
+        return explicit_block_forward(q, k, v, causal)
+    out, lse = torch.empty(q.shape, device=q.device), torch.empty(q.shape[:3], device=q.device)  # fp32
+    for first in range(0, q.size(2), chunk):
+        rows = slice(first, first + chunk)
+        out[:, :, rows], lse[:, :, rows] = explicit_block_forward(q[:, :, rows], k, v, causal, first)
+    return out, lse
+
+
+def explicit_backward_in_chunks(dout, q, k, v, out, lse, causal):
+    """explicit_block_backward over the same chunks of the queries: each chunk's dQ rows are
+    its own, its shares of dK and dV are summed over the chunks (fp32)."""
+    k, v = k.float(), v.float()
+    chunk = query_chunk(*k.shape[:3])
+    if chunk >= q.size(2):
+        return explicit_block_backward(dout, q, k, v, out, lse, causal)
+    dq, dk, dv = torch.empty(q.shape, device=q.device), torch.zeros(k.shape, device=k.device), torch.zeros_like(v)
+    for first in range(0, q.size(2), chunk):
+        rows = slice(first, first + chunk)
+        dq[:, :, rows], dk_c, dv_c = explicit_block_backward(dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows],
+                                                             lse[:, :, rows], causal, first)
+        dk += dk_c
+        dv += dv_c
+        del dk_c, dv_c  # before the next chunk's scores
+    return dq, dk, dv
+
+
+def explicit_block_terms(heads, width, chunked, e):
+    """What the explicit block holds while it runs, at its largest (a rank's own block: s queries
+    over s keys; the others have half of either), as (forward, backward) expressions in b, s and
+    c, the queries of a chunk (query_chunk), for `heads` heads of `width` in all ("a", "h"; a TP
+    rank's "(a/T)", "(h/T)"). Forward: a chunk's fp32 scores and the larger of the causal mask
+    (one byte a score, per query and key) or the chunk's output rows and L; with several chunks
+    the block's fp32 output and L they fill. Backward: a chunk's P and dS, its dQ rows and L's,
+    the block's fp32 dQ, dK and dV (and with several chunks each chunk's shares of dK and dV
+    before they are added). bf16: the fp32 K and V, and in backward q's and dO's rows."""
+    a, h = heads, width
+    if chunked:
+        forward = f"4*b*s*{h} + 4*b*{a}*s + 4*b*{a}*c*s + max(2*c*s, 4*b*c*{h} + 4*b*{a}*c)"
+        backward = f"8*b*{a}*c*s + 4*b*c*{h} + 4*b*{a}*c + 20*b*s*{h}"
+    else:
+        forward = f"4*b*{a}*s*s + max(2*s*s, 4*b*s*{h} + 4*b*{a}*s)"
+        backward = f"8*b*{a}*s*s + 12*b*s*{h} + 4*b*{a}*s"
+    if e == 2:
+        forward += f" + 8*b*s*{h}"
+        backward += f" + 8*b*s*{h} + 8*b*{'c' if chunked else 's'}*{h}"
+    return forward, backward
+
+
+def scores(q, k, causal, first=0):
+    """S = q kᵀ/√d for one block in fp32, the upper triangle -inf on a causal block (`first`:
+    the block's index of q's first query, where q is a chunk of the block's queries)."""
     s = (q.float() / math.sqrt(q.size(-1))) @ k.float().transpose(-2, -1)
     if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + first), float("-inf"))
     return s
 
 
-def explicit_block_forward(q, k, v, causal):
+def explicit_block_forward(q, k, v, causal, first=0):
     """The readable reference (and the fallback where no fused kernel applies), in fp32:
     L_b = logsumexp(S), O_b = exp(S - L_b) V."""
-    s = scores(q, k, causal)
+    s = scores(q, k, causal, first)
     lse = torch.logsumexp(s, dim=-1)
     return s.sub_(lse.unsqueeze(-1)).exp_() @ v.float(), lse  # softmax(S) V, S overwritten by P
 
 
-def explicit_block_backward(dout, q, k, v, out, lse, causal):
+def explicit_block_backward(dout, q, k, v, out, lse, causal, first=0):
     """FlashAttention-2's backward of one block in fp32, with the final O and L:
     P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)),
     dQ = dS K/√d, dK = dSᵀ Q/√d."""
     q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
-    p = scores(q, k, causal).sub_(lse.unsqueeze(-1)).exp_()
+    p = scores(q, k, causal, first).sub_(lse.unsqueeze(-1)).exp_()
     delta = (dout * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
     ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
     scale = 1.0 / math.sqrt(q.size(-1))

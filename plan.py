@@ -114,9 +114,10 @@ MACHINES = {
     # ranks), 768 GiB HBM per node = 64 GiB per tile, GPUs "connected all-to-all with Intel
     # Xe Link", 8 Slingshot-11 NICs per node (8 x 25 GB/s for 12 tiles). Peak bf16 per tile:
     # infra.metrics.PEAK_FLOPS. The Xe Link figure a ring achieves between GPUs is the least certain
-    # number here (tiles of one GPU talk faster over MDFI): 30 GB/s, measure it
+    # number here (tiles of one GPU talk faster over MDFI): 30 GB/s, measure it. Its device kind is xpu:
+    # the scripts price what their kernels do there (09's ring runs the explicit block, its scores counted)
     "aurora": dict(gpus_per_node=12, gpu_mem_gb=GPU_MEMORY_GB["aurora"], peak_tflops=PEAK_FLOPS["MAX 1550"][0] / 1e12,
-                   intra_gbps=30.0, inter_gbps=8 * 25.0 / 12),
+                   intra_gbps=30.0, inter_gbps=8 * 25.0 / 12, device="xpu"),
     # OLCF Frontier user guide, "Node architecture": 4 MI250X = 8 GCDs per node, 64 GB HBM
     # per GCD, Infinity Fabric between GCDs 50+50 GB/s (200+200 between the two GCDs of one
     # MI250X; a ring over 8 runs over the 50 GB/s links), 4 Slingshot-11 NICs (4 x 25 GB/s
@@ -687,6 +688,8 @@ def parse(argv=None):
                 "micro_batch_size", "n_expert", "top_k", "data", "dtype", "device", "optimizer"):
         if getattr(args, key) is not None:
             args.model_flags += [f"--{key}", str(getattr(args, key))]
+    if args.device is None and machine.get("device"):  # a machine's own device kind (Aurora: xpu), not CUDA's
+        args.model_flags += ["--device", machine["device"]]
     if args.bias is not None:
         args.model_flags.append("--bias" if args.bias else "--no-bias")
     if args.recompute:

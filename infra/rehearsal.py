@@ -29,7 +29,7 @@ from infra.metrics import finite_or_null, spans
 from infra.stop import Guard
 from infra.start import opened_problem, output_problem
 from infra.dry_run import planned_dtype
-from infra.replay import posts_json, recording_every_group, replay, replay_verdict, symmetric_posts
+from infra.replay import groups_line, posts_json, recording_every_group, replay, replay_verdict, symmetric_posts
 
 
 # `--rehearse RANKS --world_size N` runs the script's own main() once per named rank, in this
@@ -209,6 +209,7 @@ def drive(run, costs, dp_size, aim, multiple, roles, main):
              *(f"  stand-in: {s}" for s in STAND_INS)]
     if run.chose:
         lines.append(f"  {run.chose}")
+    lines.append(groups_line(state.made[ranks[0]], ranks[0]))
     differ = []
     for rank in ranks:
         result = state.results[rank]

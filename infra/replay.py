@@ -60,6 +60,33 @@ def recording_every_group(made):
         dist.new_group = new_group
 
 
+# What one new_group costs at start-up where the backend is NCCL (or RCCL) and device_id is bound
+# (common.setup binds it): torch splits every group's communicator from the world's with
+# ncclCommSplit, and every rank of the world calls it, members or not (a non-member's split has
+# no colour). Each split is one bootstrap all-gather over the world, a ring of N - 1 socket hops
+# (NCCL's bootstrapAllGather); a member then initialises the new communicator (topology,
+# channels). Assumed, to be measured on a first allocation (docs/design.md's checklist): a hop
+# of BOOT_HOP_S (a TCP round trip on the management network), and INIT_S per member's
+# communicator, the 0.15 s of a 2-rank ncclCommSplit in NCCL's own "Init timings" line
+# (NVIDIA/nccl#1605, 2025, nearly all of it topology detection).
+BOOT_HOP_S, INIT_S = 50e-6, 0.15
+
+
+def groups_line(made, rank):
+    """One line of the rehearsal: the process groups the layout makes (`made`: this rank's
+    list, the world first), how many `rank` is a member of, and what making them costs at
+    start-up under the model above; with one torch.distributed.split_group per mesh axis instead,
+    each family of disjoint groups would be one split (the saving is the rest of the all-gathers)."""
+    world, groups = len(made[0][1]), made[1:]
+    mine = sum(rank in ranks for _, ranks, _ in groups)
+    families = len({desc for _, _, desc in groups})
+    seconds = len(groups) * (world - 1) * BOOT_HOP_S + mine * INIT_S
+    return (f"process groups: {len(groups):,} new_group calls on every rank ({families} kind(s); rank {rank} is in "
+            f"{mine}); under device_id on NCCL each is an ncclCommSplit of the {world:,}-rank world: about "
+            f"{seconds:.1f} s of start-up at {BOOT_HOP_S * 1e6:g} us a bootstrap hop and {INIT_S:g} s a member's "
+            "communicator (assumed, unmeasured)")
+
+
 def mesh_rotations(made, world_size, roles):
     """The rotations of the mesh the groups in `made` describe that keep `roles` apart: a list of
     (permutation of the ranks, {group name: its image's name}, "family by k")."""

@@ -1,7 +1,7 @@
 """Run under N ranks by test_context_parallel.py: 09's ring attention (zigzag layout, C = N),
-with the fused CPU kernel's blocks and with the explicit fp32 fallback's, and Ulysses
-attention equal F.scaled_dot_product_attention(is_causal=True) on the whole sequence, in the
-output and in dq, dk and dv, on every rank's tokens. Exits non-zero on any mismatch (an
+with the fused CPU kernel's blocks and with the explicit fp32 fallback's (whole, and a few
+queries at a time), and Ulysses attention equal F.scaled_dot_product_attention(is_causal=True)
+on the whole sequence, in the output and in dq, dk and dv, on every rank's tokens. Exits non-zero on any mismatch (an
 assertion ends the job)."""
 
 import argparse
@@ -32,10 +32,13 @@ def main():
     F.scaled_dot_product_attention(*full, is_causal=True).backward(dout)
     expected_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    fused = cp_module.fused_kernel
+    fused, whole = cp_module.fused_kernel, cp_module.EXPLICIT_SCORES
     explicit = lambda device_type, dtype, head_dim: "explicit"  # the fallback, where no fused kernel applies
-    for impl, kernel, label in (("ring", fused, "fused"), ("ring", explicit, "explicit"), ("ulysses", fused, "fused")):
+    for impl, kernel, label, scores in (("ring", fused, "fused", whole), ("ring", explicit, "explicit", whole),
+                                        ("ring", explicit, "explicit in chunks", b * H * (s // C) * 3),
+                                        ("ulysses", fused, "fused", whole)):
         cp_module.fused_kernel = kernel  # the ring's blocks
+        cp_module.EXPLICIT_SCORES = scores  # in chunks: 3 queries at a time on a rank's own block
         cp = cp_module.ContextParallel(group, ranks, r, impl)
         pos = cp_module.token_positions(s, C, r, impl)
         mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
@@ -44,9 +47,9 @@ def main():
         close(f"{impl} {label} out", out, expected_out[:, :, pos])
         for name, local, reference in zip(("dq", "dk", "dv"), mine, full):
             close(f"{impl} {label} {name}", local.grad, reference.grad[:, :, pos])
-    cp_module.fused_kernel = fused
+    cp_module.fused_kernel, cp_module.EXPLICIT_SCORES = fused, whole
     if r == 0:
-        print(f"ring (fused and explicit blocks) and ulysses attention match SDPA at C = {C}: "
+        print(f"ring (fused and explicit blocks, whole and in chunks) and ulysses attention match SDPA at C = {C}: "
               "out, dq, dk, dv")
     teardown(env)
 

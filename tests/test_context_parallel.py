@@ -27,7 +27,7 @@ def reference():
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ring_and_ulysses_attention_equal_sdpa(ranks):
     run = launch("tests/cp_units.py", nprocs=ranks, metrics=False, out_dir=False, timeout=120).ok()
-    assert f"match SDPA at C = {ranks}" in run.stdout and "fused and explicit" in run.stdout
+    assert f"match SDPA at C = {ranks}" in run.stdout and "fused and explicit blocks, whole and in chunks" in run.stdout
 
 
 def expected_sent(impl, cp, ranks, micro, block_size, n_embd, n_layer, n_params, e=4):
@@ -78,6 +78,14 @@ def test_losses_equal_single_gpu(reference, impl, cp, ranks, micro, long):
         assert step["state_bytes"] == ref.steps[0]["state_bytes"]  # a full replica
         assert step["activation_bytes"] == step["activation_bytes_theory"] > 0  # the meter = costs()
     assert "ledger (rank 0)" in run.stdout
+
+
+def test_the_explicit_ring_block_in_chunks_trains_as_01(reference):
+    """G3: with every ring block explicit (as on XPU) and taken 5 queries at a time (a rank's
+    128 tokens over 4 heads, micro-batch 4: 4·4·128·5 scores), 09 at cp 2 has 01's losses."""
+    flags = BASE + LONG + ["--cp", 2, "--cp_impl", "ring", "--micro_batch_size", 4]
+    run = launch("tests/explicit_ring.py", [4 * 4 * 128 * 5] + flags, nprocs=2).ok()
+    assert_losses_match(reference["long"], run, what="ring cp 2, explicit blocks in chunks")
 
 
 def test_bfloat16_ledger_and_cost_function():

@@ -141,6 +141,9 @@ def test_roles_extended_by_symmetry_replay_as_every_rank_rehearsed(tmp_path):
         run, _ = rehearse(tmp_path, "08_3d.py", flags, ranks=ranks, world_size=8,
                           env={"GPTPAR_REHEARSAL_POSTS": str(posts)})
         orders[ranks] = (json.loads(posts.read_text()), run.stdout.splitlines()[-1])
+        # G5: every rank makes dp 4 + pp 4 + tp 4 groups, 4 embedding ones (the ends of each pipeline), the
+        # model's 2 and the guard's; rank 0 is in one of each kind
+        assert "process groups: 19 new_group calls on every rank (6 kind(s); rank 0 is in 6)" in run.stdout, run.stdout
     (roles, verdict), (every, verdict_all) = orders["roles"], orders["all"]
     assert roles["rehearsed"] == [0, 2, 7] and every["rehearsed"] == list(range(8))
     assert verdict == verdict_all and verdict.startswith("replay under NCCL's rules: no deadlock"), verdict
