@@ -29,7 +29,7 @@ from infra.metrics import finite_or_null, spans
 from infra.stop import Guard
 from infra.start import opened_problem, output_problem
 from infra.dry_run import planned_dtype
-from infra.replay import groups_line, posts_json, recording_every_group, replay, replay_verdict, symmetric_posts
+from infra.replay import groups_line, pair_bytes, posts_json, recording_every_group, replay, replay_verdict, symmetric_posts
 
 
 # `--rehearse RANKS --world_size N` runs the script's own main() once per named rank, in this
@@ -313,9 +313,7 @@ def forked(state, rest, main, workers, children):
         os.close(fd)
         sys.stdout.flush()
         sys.stderr.flush()
-        # Ctrl-C held back across the fork: a handler run inside fork's own callbacks (logging's
-        # _releaseLock) raises where Python only prints "Exception ignored", and the child is not yet
-        # in `children` for the clean-up to end. Unblocked, the held signal raises below, in plain code.
+        # Ctrl-C held until the child is in `children` (raised in fork's callbacks, it is only printed)
         signals = {signal.SIGINT, signal.SIGTERM}
         signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         pid = os.fork()
@@ -605,20 +603,6 @@ def _symmetric(op, bound, group_size):
 
 
 RECORDED = {"installed": False, "write": None}
-
-
-def pair_bytes(op, bound, group_size):
-    """An all-to-all's bytes to and from each member of its group, in group order."""
-    if op == "all_to_all":
-        return ([t.numel() * t.element_size() for t in bound["input_tensor_list"]],
-                [t.numel() * t.element_size() for t in bound["output_tensor_list"]])
-
-    def split(tensor, sizes):
-        row = tensor[0].numel() * tensor.element_size() if tensor.dim() else tensor.element_size()
-        if sizes is None:
-            return [tensor.numel() * tensor.element_size() // group_size] * group_size
-        return [int(n) * row for n in sizes]
-    return split(bound["input"], bound.get("input_split_sizes")), split(bound["output"], bound.get("output_split_sizes"))
 
 
 def record_posts(write, interned=None):

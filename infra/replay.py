@@ -553,3 +553,17 @@ def replay_verdict(result, posts):
                 f"{result.completed[rank]}: {op} on group {entry.get('desc', entry['group'])} "
                 f"({entry.get('where', 'where unknown')}); {len(result.blocked)} rank(s) blocked")
     return f"replay under NCCL's rules: mismatch: {result.mismatches[0]}"
+
+
+def pair_bytes(op, bound, group_size):
+    """An all-to-all's bytes to and from each member of its group, in group order."""
+    if op == "all_to_all":
+        return ([t.numel() * t.element_size() for t in bound["input_tensor_list"]],
+                [t.numel() * t.element_size() for t in bound["output_tensor_list"]])
+
+    def split(tensor, sizes):
+        row = tensor[0].numel() * tensor.element_size() if tensor.dim() else tensor.element_size()
+        if sizes is None:
+            return [tensor.numel() * tensor.element_size() // group_size] * group_size
+        return [int(n) * row for n in sizes]
+    return split(bound["input"], bound.get("input_split_sizes")), split(bound["output"], bound.get("output_split_sizes"))
