@@ -81,6 +81,15 @@ PRESETS[DEFAULT_MODEL] = dict(n_layer=12, n_head=24, n_embd=384, block_size=256,
 # its mixture of experts, 10_expert_parallel.py's default: 8 per block, 2 per token (8 divides --ep)
 DEFAULT_MOE_MODEL = DEFAULT_MODEL + "-moe"
 PRESETS[DEFAULT_MOE_MODEL] = dict(PRESETS[DEFAULT_MODEL], n_expert=8, top_k=2)
+# two mixtures of experts people train, in this model's terms (for --dry_run, the fit check and plan.py; docs/
+# strategies.md says what differs): Mixtral 8x7B (Jiang et al. 2024) and DeepSeek-V3 (2024). Here every MLP and
+# expert is GPT-2's, GELU and 4h wide (Mixtral's SwiGLU experts are 3 x 3.5h², V3's 3 x 2048·h: its experts are
+# 14x smaller than these), attention is plain multi-head (no GQA, no MLA), every block has experts (V3's first
+# three are dense; no shared expert), positions are learned
+PRESETS["mixtral-8x7b"] = dict(n_layer=32, n_head=32, n_embd=4096, block_size=4096, dropout=0.0, bias=False,
+                               n_expert=8, top_k=2)
+PRESETS["deepseek-v3"] = dict(n_layer=61, n_head=128, n_embd=7168, block_size=4096, dropout=0.0, bias=False,
+                              n_expert=256, top_k=8)
 
 
 class CausalSelfAttention(nn.Module):
