@@ -60,6 +60,7 @@ formula: docs/strategies.md, section "08_3d.py".
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -767,12 +768,15 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
     """(parameters TP_PLAN splits, all parameters, vocabulary rows, the full shapes of its
     hidden matrices, the elements autocast copies for one forward) of a TP rank of stage
     pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
-    plan.py price many micro-batches of one layout."""
+    plan.py price many micro-batches of one layout. With experts, all E of every block (and its
+    router's E rows), the Stage built with one (DeepSeek-V3's 61 x 256 would take half a minute)."""
     key = (repr(config), T, P, pp_rank, sp)
     if key not in _STAGE_SIZES:
         mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only
+        first_layer, n_layers = stage_layers(config.n_layer, P)[pp_rank]
         with torch.device("meta"):
-            stage = Stage(config, mesh, *stage_layers(config.n_layer, P)[pp_rank], None)
+            stage = Stage(replace(config, n_expert=min(config.n_expert, 1)), mesh, first_layer, n_layers, None)
+        others = n_layers * max(config.n_expert - 1, 0) * (expert_sizes(config) + config.n_embd)
         split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None)
         matrices = [shard_boxes(name, p.shape, 0, T, 0)[0] for name, p in stage.named_parameters()
                     if is_hidden_matrix(name, p.shape)]  # Muon's, whole
@@ -783,7 +787,8 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
         casts = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None
                     and p.dim() == 2 and (stage.is_last or not name.endswith("wte.weight"))
                     and not (sp and tp_split(name)[0] in ("column", "vocab")))
-        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local, matrices, casts
+        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()) + others, stage.vocab_local, matrices, \
+            casts
     return _STAGE_SIZES[key]
 
 
@@ -841,8 +846,9 @@ def held_bytes(replicas):
     gradients and momentum too)."""
     from infra.ledger import state_bytes
     held = state_bytes(replicas.params, replicas.optimizer)
-    if isinstance(getattr(replicas, "dense", replicas), ZeRO1):  # (ExpertReplicas: around DataParallel or ZeRO1)
-        held["grads"] += replicas.grad_shard.untyped_storage().nbytes()
+    dense = getattr(replicas, "dense", replicas)  # ExpertReplicas: around DataParallel or ZeRO1
+    if isinstance(dense, ZeRO1):
+        held["grads"] += dense.grad_shard.untyped_storage().nbytes()
     return held
 
 
