@@ -79,14 +79,14 @@ def test_big_mixtures_dry_run_priced_and_fit_checked(flags, fit):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--ep", 3, "--world_size", 4], "--ep 3 does not divide the 4 data-parallel x context-parallel ranks"),
-    (["--ep", 4, "--n_expert", 6, "--world_size", 4], "--n_expert 6 is not divisible by --ep 4"),
-    (["--ep", 2, "--n_expert", 0, "--world_size", 4], "--ep 2 places experts: pass --n_expert E"),
-    (["--ep", 2, "--cp", 2, "--world_size", 4], "--n_expert with --cp > 1 is not implemented"),
-    (["--ep", 2, "--optimizer", "muon", "--world_size", 2], "--n_expert with --optimizer muon is not implemented"),
+    (MOE + ["--ep", 3, "--world_size", 4], "--ep 3 does not divide the 4 data-parallel x context-parallel ranks"),
+    (MOE + ["--ep", 4, "--n_expert", 6, "--world_size", 4], "--n_expert 6 is not divisible by --ep 4"),
+    (["--ep", 2, "--world_size", 4], "--ep 2 places experts: pass --n_expert E"),
+    (MOE + ["--ep", 2, "--cp", 2, "--world_size", 4], "--n_expert with --cp > 1 is not implemented"),
+    (MOE + ["--ep", 2, "--optimizer", "muon", "--world_size", 2], "--n_expert with --optimizer muon is not implemented"),
 ])
 def test_refusals_are_one_line(flags, message):
-    p = dry("08_3d.py", *TINY, *MOE, "--micro_batch_size", 1, *flags)
+    p = dry("08_3d.py", *TINY, "--micro_batch_size", 1, *flags)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
 
