@@ -568,8 +568,9 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
     sends = P > 1 and not ends[1]
     forward = {"boundary": formula("out + dy", out=out, dy=dy)} if sends else {}
     backward = {"boundary": formula("dy", dy=dy)} if sends else {}
-    if E:  # 10's: a layer's routed rows, packed for the dispatch all-to-all
-        forward["dispatch"] = formula("e*k*b*s*h", show="e", e=x["e"], k=config.top_k, b=x["b"], s=x["s"], h=h)
+    if E:  # 10's: a layer's routed rows, packed for the dispatch all-to-all (with CP, the CP group's)
+        forward["dispatch"] = formula("e*k*b*s*C*h", show="e", e=x["e"], k=config.top_k, b=x["b"], s=x["s"], C=C,
+                                      h=h)
     if args.sequence_parallel:  # SP's own (06's AllGatherSequenceLinear and ReduceScatterSequence, restated):
         # forward peaks in a row-parallel Linear's reduce-scatter: its partial sum and the sum's
         # rank-major copy, e·bsh each (the whole sequence), and the shard returned, e·bsh/T;
@@ -653,16 +654,22 @@ def expert_vectors(config):
 
 def expert_costs(args, config, x, received):
     """The experts' lines (docs/strategies.md's 08 section; 10's formulas on this stage's L
-    layers, on the b·s tokens of a micro-batch every TP rank routes): the dispatch and combine
-    all-to-alls of the k·b·s routed rows and of the R rows received back, forward and again in
-    backward (and in --recompute's forward), + the E counts; the experts' gradients summed over
-    expert_dp (D·C/N ranks); the experts' squared norm over the EP group."""
+    layers, on the b·s tokens of a micro-batch every TP rank routes, b·s·C with CP, whose
+    tokens are gathered): the dispatch and combine all-to-alls of the k·b·s routed rows and of
+    the R rows received back, forward and again in backward (and in --recompute's forward), +
+    the E counts; the experts' gradients summed over expert_dp (D·C/N ranks); the experts'
+    squared norm over the EP group; with CP the all-gather of the CP group's tokens (fp32) and
+    the reduce-scatter of their gradients, per layer and micro-batch."""
     from infra.formulas import formula
-    L, m, k, b, s = x["L"], x["m"], config.top_k, x["b"], x["s"]
-    R = sum(map(sum, received)) if received is not None else L * m * k * b * s
+    L, m, k, b, s, C = x["L"], x["m"], config.top_k, x["b"], x["s"], x["C"]
+    R = sum(map(sum, received)) if received is not None else L * m * k * b * s * C
     p = 3 if args.recompute else 2  # forward, backward (and the forward again)
-    sent = {"all_to_all_single[ep]": formula("p*e*h*(L*m*k*b*s + R) + (p - 1)*8*E*L*m", show="e m p R",
+    tokens = "b*s*C" if C > 1 else "b*s"
+    sent = {"all_to_all_single[ep]": formula(f"p*e*h*(L*m*k*{tokens} + R) + (p - 1)*8*E*L*m", show="e m p R",
                                              **{**x, "p": p, "k": k, "R": R})}
+    if C > 1:
+        sent["all_gather_into_tensor[cp]"] = cost(("2*" if args.recompute else "") + "m*L*4*b*s*C*h", x)
+        sent["reduce_scatter_tensor[cp]"] = cost("m*L*4*b*s*C*h", x)
     if x["D"] * x["C"] > x["N"]:
         sent["all_reduce[expert_dp]"] = cost("4*Ψ_x", x)
     if args.grad_clip > 0 and x["N"] > 1:
@@ -727,8 +734,10 @@ def activation_costs(args, config, dtype, x, in_flight, first, last, received=No
             # the row-parallel bias is added after g, promoting the output to fp32: CPU's
             # dropout masks (in their input's dtype) are then fp32 (the attention's only, with experts)
             terms["layer"] = plus(terms["layer"], cost(f"{1 if x['E'] else 2}*(4 - e)*b*s*h{sp_T}", x))
-        if x["E"] and sp:  # the router keeps the gathered sequence, not a column-parallel Linear's shard
-            terms["layer"] = plus(terms["layer"], cost("e*b*s*h - e*b*s*h/T", x))
+        if x["E"] and (sp or C > 1):  # the router keeps the gathered sequence, not a column-parallel Linear's
+            # shard (SP); with CP, every token of the sequences: the MoE's terms of the other (C - 1)·b·s
+            terms["layer"] = plus(terms["layer"], cost(f"e*b*s*C*h - e*b*s*h{sp_T}", x), cost(
+                "(C - 1)*(e*k*b*s*h + 4*b*s*(E + 2*k + 1))", x, k=config.top_k) if C > 1 else None)
         terms["head"] = cost(f"(4*b*s*h + 8*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s", x)
         return terms
     if not x["E"] or received is None:
@@ -2172,8 +2181,6 @@ def check_experts(args, E, world):
     check(replicas % N == 0, f"--ep {N} does not divide the {replicas} data-parallel x context-parallel ranks "
           "of each (pp, tp) place, out of which the expert-parallel groups are carved")
     check(E % N == 0, f"--n_expert {E} is not divisible by --ep {N}: every rank holds E/ep whole experts")
-    check(C == 1, "--n_expert with --cp > 1 is not implemented in 08_3d.py: the balancing loss is per "
-          "sequence, and a CP rank holds s/C of its tokens (their expert counts would need a sum over CP)")
     check(args.optimizer == "adamw", "--n_expert with --optimizer muon is not implemented in 08_3d.py (10 has "
           "it: each expert matrix's owner among the ranks holding it, ReplicatedMuon over expert_dp)")
 
@@ -2206,9 +2213,10 @@ class MeshMoE(ExpertParallelMoE):
     combine on the mesh's EP group. Replicated over TP, as a LayerNorm is: every TP rank routes
     the same tokens through its own EP group (with SP the sequence gathered first, and this
     rank's shard of the output kept), so outputs and gradients are 01's; expert TP (the experts
-    split over tp) is not done. The block's balancing loss enters backward where the block's
-    output does (Megatron-core's MoEAuxLossAutoScaler): a pipeline's every stage adds its own
-    blocks' terms, as 01's loss sums every block's."""
+    split over tp) is not done. With CP the CP group's tokens are gathered too: the balancing
+    loss is per sequence, and so sees every token of it. The block's balancing loss enters
+    backward where the block's output does (Megatron-core's MoEAuxLossAutoScaler): a
+    pipeline's every stage adds its own blocks' terms, as 01's loss sums every block's."""
 
     def __init__(self, config, mesh, sp):
         with torch.device("meta"):
@@ -2221,22 +2229,24 @@ class MeshMoE(ExpertParallelMoE):
         self.aux_grad, self.aux = None, []  # with_experts: d loss / d aux; the training forwards' aux
 
     def forward(self, x):
-        mesh = self.mesh
-        if self.sp:  # the whole sequence on every TP rank (backward: the TP ranks' gradients summed)
-            x = GatherSequence.apply(x, mesh.tp_group)
+        mesh = self.mesh  # the sequence's shards: SP's over TP, then CP's (backward: the gradients summed)
+        parts = [(mesh.tp_group, mesh.tp_size, mesh.tp_rank)] * self.sp + \
+            [(mesh.cp_group, mesh.cp_size, mesh.cp_rank)] * (mesh.cp_size > 1)
+        for group, _, _ in parts:  # every token of the micro-batch's sequences on every rank
+            x = GatherSequence.apply(x, group)
         y, aux = super().forward(x)
         if self.training and torch.is_grad_enabled():  # a training forward (with --recompute: in backward)
             self.aux.append(aux.detach())
         y = BalancingLoss.apply(y, aux, self.aux_grad)
-        if self.sp:  # this TP rank's sequence shard of the output
-            n = y.size(1) // mesh.tp_size
-            y = y[:, mesh.tp_rank * n:(mesh.tp_rank + 1) * n]
+        for _, size, index in reversed(parts):  # this rank's tokens of the output: its CP part, its SP shard
+            n = y.size(1) // size
+            y = y[:, index * n:(index + 1) * n]
         return y
 
 
 class GatherSequence(torch.autograd.Function):
-    """[b, s/T, h] -> [b, s, h] (06's all_gather_sequence); backward the sum of every TP rank's
-    gradient, this rank's shard kept (reduce_scatter_sequence)."""
+    """[b, s/T, h] -> [b, s, h] (06's all_gather_sequence, over TP or CP); backward the sum of
+    every rank's gradient, this rank's shard kept (reduce_scatter_sequence)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -2350,7 +2360,7 @@ def routing(stage):
     blocks = [block.mlp for block in stage.h]
     received = [mlp.received for mlp in blocks]
     for mlp in blocks:
-        mlp.received, mlp.load = [], None
+        mlp.received, mlp.load, mlp.sent = [], None, []  # (sent: 10's record of the rows sent, where it keeps one)
     return {"received": received}
 
 

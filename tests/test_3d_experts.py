@@ -27,11 +27,13 @@ def assert_ledger(run):
         assert row["comm_bytes"]["all_to_all_single[ep]"] > 0
 
 
-# (ranks, flags): tp2 x ep2 (dp 2, the experts replicated over TP), pp2 x ep2 with a second EP
-# group (dp 4: the experts' gradients over expert_dp) and ZeRO-1, and tp2 x pp2 x ep2 at 8
+# (ranks, flags): tp2 x ep2 (dp 2, the experts replicated over TP), cp2 x ep2 (dp 2: the EP group is
+# the CP pair, whose tokens every rank gathers; a second one, so the experts' gradients over
+# expert_dp), pp2 x ep2 with a second EP group (dp 4) and ZeRO-1, and tp2 x pp2 x ep2 at 8
 # ranks with sequence parallelism
 CASES = [
     (4, ["--tp", 2, "--ep", 2, "--micro_batch_size", 2]),
+    (4, ["--cp", 2, "--ep", 2, "--micro_batch_size", 2]),
     (8, ["--pp", 2, "--ep", 2, "--micro_batch_size", 1, "--zero1"]),
     (8, ["--tp", 2, "--pp", 2, "--ep", 2, "--micro_batch_size", 2, "--sequence_parallel"]),
 ]
@@ -82,7 +84,6 @@ def test_big_mixtures_dry_run_priced_and_fit_checked(flags, fit):
     (MOE + ["--ep", 3, "--world_size", 4], "--ep 3 does not divide the 4 data-parallel x context-parallel ranks"),
     (MOE + ["--ep", 4, "--n_expert", 6, "--world_size", 4], "--n_expert 6 is not divisible by --ep 4"),
     (["--ep", 2, "--world_size", 4], "--ep 2 places experts: pass --n_expert E"),
-    (MOE + ["--ep", 2, "--cp", 2, "--world_size", 4], "--n_expert with --cp > 1 is not implemented"),
     (MOE + ["--ep", 2, "--optimizer", "muon", "--world_size", 2], "--n_expert with --optimizer muon is not implemented"),
 ])
 def test_refusals_are_one_line(flags, message):
