@@ -29,13 +29,13 @@ def assert_ledger(run):
 
 # (ranks, flags): tp2 x ep2 (dp 2, the experts replicated over TP), cp2 x ep2 (dp 2: the EP group is
 # the CP pair, whose tokens every rank gathers; a second one, so the experts' gradients over
-# expert_dp), pp2 x ep2 with a second EP group (dp 4) and ZeRO-1, and tp2 x pp2 x ep2 at 8
-# ranks with sequence parallelism
+# expert_dp), pp2 x ep2 (dp 2, four micro-batches: every stage's balancing loss), and tp2 x pp2
+# x ep2 at 8 ranks with sequence parallelism and ZeRO-1
 CASES = [
     (4, ["--tp", 2, "--ep", 2, "--micro_batch_size", 2]),
     (4, ["--cp", 2, "--ep", 2, "--micro_batch_size", 2]),
-    (8, ["--pp", 2, "--ep", 2, "--micro_batch_size", 1, "--zero1"]),
-    (8, ["--tp", 2, "--pp", 2, "--ep", 2, "--micro_batch_size", 2, "--sequence_parallel"]),
+    (4, ["--pp", 2, "--ep", 2, "--micro_batch_size", 1]),
+    (8, ["--tp", 2, "--pp", 2, "--ep", 2, "--micro_batch_size", 2, "--sequence_parallel", "--zero1"]),
 ]
 
 
