@@ -711,7 +711,7 @@ def make_parser(doc, experts=False):
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases in Linear and LayerNorm (preset's choice by default)")
     g.add_argument("--n_expert", type=int, help="mixture of experts: E expert MLPs per block, 0 = dense "
-                   "(preset's choice by default; only 01_single_gpu.py and 10_expert_parallel.py have experts)")
+                   "(preset's choice by default; 01_single_gpu.py, 08_3d.py and 10_expert_parallel.py have experts)")
     g.add_argument("--top_k", type=int, help="experts per token (default 2)")
     g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss coefficient per block (default 0.01)")
     g = p.add_argument_group("data and batch")
@@ -807,7 +807,7 @@ def parse_args(parser, argv=None):
     script = os.path.basename(sys.argv[0]) or "this script"
     check(not cfg["n_expert"] or getattr(parser, "experts", False), f"--n_expert {cfg['n_expert']}"
           f"{' (--model ' + args.model + ')' if args.n_expert is None else ''}: {script} has no mixture of "
-          "experts; 01_single_gpu.py and 10_expert_parallel.py have")
+          "experts; 01_single_gpu.py, 08_3d.py (--ep) and 10_expert_parallel.py have")
     check(cfg["n_expert"] or (args.top_k is None and args.aux_loss_coef is None),
           "--top_k and --aux_loss_coef belong to a mixture of experts: pass --n_expert E")
     if cfg["n_expert"]:
