@@ -672,7 +672,7 @@ def expert_costs(args, config, x, received):
         sent["reduce_scatter_tensor[cp]"] = cost("m*L*4*b*s*C*h", x)
     if x["D"] * x["C"] > x["N"]:
         sent["all_reduce[expert_dp]"] = cost("4*Ψ_x", x)
-    if args.grad_clip > 0 and x["N"] > 1:
+    if args.grad_clip > 0 and x["N"] > 1 and not args.zero1:  # (ZeRO1's norm: over the world already)
         sent["all_reduce[ep]"] = cost("4*norm", x)
     return sent
 
@@ -2320,15 +2320,14 @@ class ExpertReplicas:
         return self.dense.grad_tensors() + [p.grad for p in self.experts]
 
     def squared_norm(self):
-        """The dense Σ g², and the experts' summed over the EP group (every expert once); where
-        the norm's sum runs over the world (ZeRO1), the experts' added by DP x CP rank 0's group only."""
+        """The dense Σ g², and the experts' once each: where the norm's sum runs over one
+        replica (DataParallel's model group), summed over the EP group first; where it runs over
+        the world (ZeRO1), counted by the first EP group only (DP x CP ranks 0..ep-1)."""
         squares = torch.zeros((), device=self.experts[0].device)
-        for p in self.counted:
+        for p in self.counted if self.norm_group is not None or self.mesh.reduce_rank < self.mesh.ep_size else []:
             squares += p.grad.float().pow(2).sum()
-        if dist.get_world_size(self.mesh.ep_group) > 1:
+        if self.norm_group is not None and dist.get_world_size(self.mesh.ep_group) > 1:
             dist.all_reduce(squares, group=self.mesh.ep_group)  # the squares of every expert of these layers
-        if self.norm_group is None and self.mesh.reduce_rank >= self.mesh.ep_size:
-            squares.zero_()
         return self.dense.squared_norm() + squares
 
     def step(self):
