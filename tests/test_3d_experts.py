@@ -65,8 +65,8 @@ def test_plan_ranks_08_with_experts_next_to_10_on_their_groups():
 
 
 @pytest.mark.parametrize("flags, fit", [
-    (["--model", "mixtral-8x7b", "--tp", 4, "--pp", 8, "--ep", 8, "--world_size", 256, "--gpu_mem_gb", 80], "fit: fits"),
-    (["--model", "deepseek-v3", "--tp", 8, "--pp", 16, "--ep", 8, "--world_size", 1024, "--gpu_mem_gb", 141], "fit: "),
+    (["--model", "mixtral-8x7b", "--tp", 4, "--pp", 8, "--ep", 4, "--world_size", 256, "--gpu_mem_gb", 80], "fit: fits"),
+    (["--model", "deepseek-v3", "--tp", 8, "--pp", 16, "--ep", 4, "--world_size", 1024, "--gpu_mem_gb", 141], "fit: "),
 ], ids=["mixtral-8x7b", "deepseek-v3"])
 def test_big_mixtures_dry_run_priced_and_fit_checked(flags, fit):
     """The two presets (common.py says what they approximate) dry-run with ZeRO-1 and SP: the
