@@ -2183,6 +2183,10 @@ def check_experts(args, E, world):
     check(E % N == 0, f"--n_expert {E} is not divisible by --ep {N}: every rank holds E/ep whole experts")
     check(args.optimizer == "adamw", "--n_expert with --optimizer muon is not implemented in 08_3d.py (10 has "
           "it: each expert matrix's owner among the ranks holding it, ReplicatedMuon over expert_dp)")
+    options = [flag for flag, default in (("balance", "aux"), ("capacity_factor", 0), ("shared_experts", 0))
+               if getattr(args, flag, default) not in (default, None)]  # common.py's routing options, where it has them
+    check(not options, f"--{', --'.join(options)} with --n_expert: not implemented in 08_3d.py yet (01 and 10 have "
+          "them; 08 routes as 10 did before them, and its costs() does not price them)")
 
 
 def expert_groups(mesh, args):
