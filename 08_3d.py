@@ -29,16 +29,16 @@ How the axes compose (Mesh, Stage, DataParallel and ZeRO1, main's step):
   * across replicas, the gradients averaged over the D·C ranks of DP x CP (they hold the same
     weights): one all-reduce (DataParallel), or reduce-scatter, an update of this rank's share
     of the optimizer state and an all-gather (--zero1: ZeRO1, 04_zero.py's stage 1); the two
-    have one interface, so the step is the same for both.
-Three things only the composition has: the tied embedding (the first stage's wte shard and the
-last stage's head shard are two copies, kept equal by all-reducing their gradients between the
-two ranks); the clipping norm (every parameter counted once: a TP-replicated one on one TP
-rank, the tied copy once, summed over the stages); the data (a replica reads its slice of the
-global batch, a CP rank its tokens of it, and only the first stage the inputs and the last the
-targets).
+    have one interface, so the step is the same for both;
+  * with --n_expert E --ep N, 10's experts as every MLP, E/N per rank, on EP groups of DP x CP ranks.
+Three things only the composition has: the tied embedding (the first stage's wte shard and the last
+stage's head shard are two copies, kept equal by all-reducing their gradients between the two
+ranks); the clipping norm (every parameter counted once: a TP-replicated one on one TP rank, the
+tied copy once, summed over the stages); the data (a replica reads its slice of the global batch, a
+CP rank its tokens of it, and only the first stage the inputs and the last the targets).
 
-This file does not import the others: 08's own code comes first, and the pieces of 06, 07 and
-09 it needs follow at the end, restated word for word, with the same names and the same code,
+This file does not import the others: 08's own code comes first, and the pieces of 06, 07, 09
+and 10 it needs follow at the end, restated word for word, with the same names and the same code,
 each fenced as restated from its source (tests/test_restated.py checks every fence).
 
 Run:
@@ -48,16 +48,19 @@ Run:
     mpiexec -n 8 python 08_3d.py --tp 2 --pp 2 --cp 2 --sequence_parallel --model tiny
 
 One rank holds: 16 bytes x (its stage's TP-split parameters / T + its TP-replicated ones), the
-optimizer state / (D·C) with --zero1; 1F1B's micro-batches in flight of its stage's activations.
+optimizer state / (D·C) with --zero1; 1F1B's micro-batches in flight of its stage's activations;
+with experts E/N of each layer's, whole (16 bytes each), replicated over TP.
 One rank sends, per micro-batch: in every layer TP's four all-reduces of b·s·h (SP: all-gathers
-and reduce-scatters) and CP's K/V hops or all-to-alls; across each stage boundary its b·s·h
-activation and the gradient back; per step its gradients over DP x CP. The derivations, the SP
-and CP pictures and every formula: docs/strategies.md, section "08_3d.py".
+and reduce-scatters), CP's K/V hops or all-to-alls, the experts' dispatch and combine; across
+each stage boundary its b·s·h activation and the gradient back; per step its gradients over
+DP x CP (the experts' over expert_dp). The derivations, the SP and CP pictures and every
+formula: docs/strategies.md, section "08_3d.py".
 """
 
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -65,9 +68,9 @@ import torch.nn as nn
 from torch.autograd.variable import Variable
 from torch.nn import functional as F
 
-from common import (autocast, check, Data, device_rng_state, is_decayed, is_hidden_matrix, lr_at, make_adamw,
-                    make_parser, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init, recomputed,
-                    set_device_rng_state, to_device)
+from common import (autocast, check, combine, Data, device_rng_state, is_decayed, is_hidden_matrix, lr_at,
+                    make_adamw, make_parser, model_config, MoE, Muon, muon_apply, muon_momentum, orthogonalize,
+                    param_init, preset_config, recomputed, route, set_device_rng_state, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -162,6 +165,7 @@ class Stage(nn.Module):
             block.recompute = recompute
             if cp is not None:  # 06's attention, its heads attending across the CP group (below)
                 block.attn = ContextParallelAttention(config, tp_size, sp, rng, group, cp)
+            block.mlp = MeshMoE(config, mesh, sp) if config.n_expert else block.mlp  # 10's experts (below)
         if self.is_last:
             self.ln_f = nn.LayerNorm(h, bias=config.bias)
             # the tied head: the embedding itself, or (on another stage) a copy of its shard
@@ -234,7 +238,7 @@ class DataParallel:
     held_bytes() and checkpoint_pieces(), beyond the lesson)."""
 
     def __init__(self, stage, mesh, args, env):
-        self.stage, self.mesh, self.params = stage, mesh, list(stage.parameters())
+        self.stage, self.mesh, self.params = stage, mesh, dense_parameters(stage)  # the experts: ExpertReplicas'
         self.optimizer = make_adamw(self.params, args, env.device.type) if args.optimizer == "adamw" else \
             ShardedMuon(stage, args, env, mesh.tp_group, replicas=mesh.dp_group)  # Muon: 06's, each matrix once
         self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: every gradient once
@@ -259,7 +263,7 @@ class DataParallel:
         """Σ g² over this rank's gradients that count (counted_once), before norm_group's sum."""
         squares = torch.zeros((), device=self.params[0].device)
         for name, p in self.stage.named_parameters():
-            if counted_once(self.stage, name):
+            if counted_once(self.stage, name) and not is_expert(name):
                 squares += p.grad.float().pow(2).sum()
         return squares
 
@@ -281,9 +285,9 @@ class ZeRO1:
     for 06's ShardedMuon on the TP group (docs/strategies.md's 08 section says why)."""
 
     def __init__(self, stage, mesh, args, env):
-        self.stage, self.mesh, self.params, device = stage, mesh, list(stage.parameters()), env.device
+        self.stage, self.mesh, self.params, device = stage, mesh, dense_parameters(stage), env.device
         self.muon = args.optimizer == "muon"
-        named = list(stage.named_parameters())
+        named = [(name, p) for name, p in stage.named_parameters() if not is_expert(name)]  # ExpertReplicas: those
         matrices = [(name, p) for name, p in named if self.muon and is_hidden_matrix(name, p.shape)]
         named = [(name, p) for name, p in named if not (self.muon and is_hidden_matrix(name, p.shape))]
         D = mesh.reduce_size  # the DP group: D x C ranks with CP, which hold the same weights
@@ -414,6 +418,7 @@ def add_flags(parser):
                    help="context-parallel ranks that split every sequence (between TP and PP in the mesh)")
     g.add_argument("--cp_impl", default="ring", choices=["ring", "ulysses"],
                    help="ring attention (zigzag, K/V around the ring) or Ulysses (all-to-all over heads)")
+    g.add_argument("--ep", type=int, default=1, help="with --n_expert: expert-parallel ranks (out of DP x CP)")
     return parser
 
 
@@ -433,7 +438,7 @@ def evaluate(stage, pipeline, mesh, data, args, env, m):
 
 
 def main():
-    run = Run(add_flags(make_parser(__doc__)), __file__)
+    run = Run(add_flags(make_parser(__doc__, experts=True)), __file__)
     args = run.args
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
     check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
@@ -443,7 +448,7 @@ def main():
     # m micro-batches per replica; auto: the largest that fits every stage, about 2·pp of them to fill a
     # pipeline; the mesh's groups first, so that the fit check's room holds their communicators
     env, m = run.start(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)],
-                       groups=lambda env: Mesh(env.rank, world, T, P, C).make_groups())
+                       groups=lambda env: expert_groups(Mesh(env.rank, world, T, P, C).make_groups(), args))
     run.dry_run(costs, lambda config: plan(args, world, T, P, m))  # the mesh and every stage's bytes
     mesh = run.groups
     config = model_config(args, Data.vocab_size_of(args.data))
@@ -459,13 +464,13 @@ def main():
     stage = stage.init_weights(args.seed).to(env.device)
     ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's copies: wte, head
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
-    replicas = (ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env)  # same calls
+    replicas = with_experts((ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env), stage, args, m)  # same
     act_shape = (args.micro_batch_size, config.block_size // C // (T if stage.sp else 1), config.n_embd)
     pipeline = Pipeline([stage], env, mesh.pp_group, 1, act_shape, timed=False)  # 07's, on this pipeline
     rounds = schedule_rounds("1f1b", P, mesh.pp_rank, m)  # ("F" | "B", micro-batch, chunk 0)
     extra_rng = run.begin(config, replicas.optimizer, costs, describe=describe(args, stage, m),
                           layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1,
-                                  "sequence_parallel": args.sequence_parallel,
+                                  "sequence_parallel": args.sequence_parallel, **({"ep": args.ep} if config.n_expert else {}),
                                   **({"cp": C, "cp_impl": args.cp_impl} if C > 1 else {})},
                           pieces=lambda: checkpoint_pieces(replicas), held=lambda: held_bytes(replicas),
                           evaluate=lambda: evaluate(stage, pipeline, mesh, data, args, env, m),
@@ -479,7 +484,7 @@ def main():
         xs, ys = replica_micro_batches(data, "train", step, stage, mesh, args, env, m)  # first, last stage
         with run.meter:
             loss_sum, _, _ = pipeline.run(rounds, xs, ys, m)  # 1F1B; TP (and CP) in the stage
-        loss = global_mean(loss_sum, mesh, m)
+        loss = global_mean(loss_sum + balancing_loss(stage), mesh, m)  # with experts, each stage's blocks' aux
         if tied is not None:  # the two copies of the wte shard stay equal: sum their gradients
             dist.all_reduce(tied.grad, group=mesh.embedding_group)
         if stage.sp:  # the replicated parameters saw only this rank's sequence shard
@@ -488,7 +493,7 @@ def main():
         norm = clip_grad_norm(replicas, args.grad_clip) if args.grad_clip > 0 else None  # the global norm
         run.check(loss, replicas.grad_tensors(), norm)  # non-finite? asked to stop?
         replicas.step()  # AdamW (ZeRO-1: on this DP rank's shard, then the parameters all-gathered)
-        run.end_step(loss)  # ledger, metrics, checkpoint, stop
+        run.end_step(loss, **routing(stage))  # ledger, metrics, checkpoint, stop (with experts: on the routing)
         replicas.zero_grad()
     run.finish()
 
@@ -496,25 +501,32 @@ def main():
 # ---- Beyond the lesson ----
 # costs() and its pieces (the ledger's theory, the dry run, the fit check and plan.py), the
 # bytes held and the checkpoint pieces, the mesh and the stage as the log and the dry run print
-# them; then the pieces of 06, 07 and 09 restated word for word.
+# them; then the pieces of 06, 07, 09 and 10 restated word for word, and the experts in the mesh.
 
-def costs(args, config, world_size, dtype, rank=0):
+def costs(args, config, world_size, dtype, rank=0, received=None):
     """The cost per rank of docs/strategies.md's 08 section, for `rank`, axis by axis. In every
     formula L is the layers of this rank's stage, s the tokens of a sequence on this CP rank
     (s/C), e the bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's
-    parameters and Ψ_r the TP-replicated ones among them."""
+    parameters and Ψ_r the TP-replicated ones among them, Ψ_x its experts' (E/N of each layer's).
+    `received`: with experts, the rows this rank's experts received in this step, per layer
+    per micro-batch (routing()); without it, balanced routing: k·b·s each."""
     from infra.formulas import newton_schulz_flops, plus
-    T, P, C = args.tp, args.pp, args.cp
+    T, P, C, N = args.tp, args.pp, args.cp, getattr(args, "ep", 1)
+    check_experts(args, config.n_expert, world_size)  # first: the formulas divide by ep
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]
     split, n_local, vocab_local, matrices, casts = stage_sizes(config, T, P, mesh.pp_rank, args.sequence_parallel)
+    E, experts = config.n_expert, expert_sizes(config)  # every expert of the stage is in stage_sizes' count:
+    n_local += n_layers * (E // max(N, 1) - E) * experts  # this rank keeps E/N of each layer's
+    casts += n_layers * (E // max(N, 1) * (experts - expert_vectors(config)) + E * config.n_embd)  # its and the router's
     owners = muon_owners(matrices, T) if args.optimizer == "muon" else []  # Muon: the stage's, whole
     x = dict(T=T, P=P, C=C, D=D, L=n_layers, m=args.global_batch_size // (args.micro_batch_size * D),
              b=args.micro_batch_size, s=config.block_size // C, h=config.n_embd, a=config.n_head,
              V=vocab_local * T, e=dtype.itemsize, Ψ_rank=n_local, Ψ_r=n_local - split, loss=1, norm=1,
              Ψ_m=sum(map(math.prod, matrices)),
-             Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank))
+             Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank),
+             E=E, N=N, Ψ_x=n_layers * E // max(N, 1) * experts)
     ends = (mesh.pp_rank == 0, mesh.pp_rank == P - 1)  # first, last stage
     mine = [shape for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank]  # this TP rank's, whole
     held, sent = dp_costs(args, x)
@@ -522,15 +534,18 @@ def costs(args, config, world_size, dtype, rank=0):
     sent.update(pp_costs(args, x, *ends))
     for op, f in cp_costs(args, x).items():  # the ring's K/V share send/recv with the pipeline
         sent[op] = plus(sent.get(op), f)
+    if E:
+        sent.update(expert_costs(args, config, x, received))
     layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}{f', cp {mesh.cp_rank}' if C > 1 else ''}, tp {mesh.tp_rank}: "
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
-              "replicated")
+              "replicated" + (f" (of them {x['Ψ_x']:,} in {E // N} of {E} experts per layer)" if E else ""))
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
                  # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, each in one of
                  # the D·C replicas (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
                  "muon_flops": newton_schulz_flops([shape for shape, own in zip(mine, muon_owners(mine, D * C))
                                                     if own == mesh.reduce_rank]),
-                 "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends)}
+                 "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends,
+                                                 received=received)}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks on this rank's shards and s
     # tokens), with 07's boundaries (its boundary_terms: a stage with a next one holds its
     # output until the send completes and the gradient received with it, fp32 b·s·h each,
@@ -544,13 +559,16 @@ def costs(args, config, world_size, dtype, rank=0):
                         update=max([4 * h * h // T] + [vocab_local * h] * any(ends)),
                         matrix=max(((math.prod(m), min(m)) for m in matrices), default=(0, 0)))
     # (DataParallel's all-reduce takes a flat copy of the gradients, freed before the update)
-    flat = None if args.zero1 else {"update": formula("max(4*Ψ_rank, update)", show="update", Ψ_rank=n_local,
-                                                      update=t["update"])}
+    flat = None if args.zero1 else {"update": formula("max(4*Ψ_rank, update)", show="update",
+                                                      Ψ_rank=n_local - x["Ψ_x"], update=t["update"])}
     sp = "/T" * args.sequence_parallel  # with SP a boundary tensor is the TP rank's s/T positions
     out, dy = (formula("4*b*s*h" + sp, b=x["b"], s=x["s"], h=h, T=T) for _ in "xy")
     sends = P > 1 and not ends[1]
     forward = {"boundary": formula("out + dy", out=out, dy=dy)} if sends else {}
     backward = {"boundary": formula("dy", dy=dy)} if sends else {}
+    if E:  # 10's: a layer's routed rows, packed for the dispatch all-to-all (with CP, the CP group's)
+        forward["dispatch"] = formula("e*k*b*s*C*h", show="e", e=x["e"], k=config.top_k, b=x["b"], s=x["s"], C=C,
+                                      h=h)
     if args.sequence_parallel:  # SP's own (06's AllGatherSequenceLinear and ReduceScatterSequence, restated):
         # forward peaks in a row-parallel Linear's reduce-scatter: its partial sum and the sum's
         # rank-major copy, e·bsh each (the whole sequence), and the shard returned, e·bsh/T;
@@ -585,17 +603,20 @@ def dp_costs(args, x):
     all-reduced (ZeRO1, and the section's "Muon with ZeRO-1")."""
     muon = args.optimizer == "muon"
     if args.zero1:
-        flat = "(Ψ_rank - Ψ_m/T)" if muon else "Ψ_rank"  # the flat buffer: AdamW's parameters
+        flat = "(Ψ_rank - Ψ_m/T)" if muon else "(Ψ_rank - Ψ_x)" if x["Ψ_x"] else "Ψ_rank"  # AdamW's flat buffer
         pad, own = f"D*C*ceil({flat}/(D*C))", " + 4*Ψ_m/T" if muon else ""  # padded to D·C; Muon's matrices
-        held = {"params": cost(f"4*{pad}{own}", x), "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}", x),
-                "optim": cost(f"8*ceil({flat}/(D*C)){own}", x)}
+        whole = " + 4*Ψ_x" if x["Ψ_x"] else ""  # the experts whole, their moments too (ExpertReplicas)
+        held = {"params": cost(f"4*{pad}{own}{whole}", x),
+                "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}{whole}", x),
+                "optim": cost(f"8*ceil({flat}/(D*C)){own}{whole.replace('4', '8')}", x)}
         loss = "4*loss" if x["D"] * x["C"] > 1 else "0"  # the logged loss's mean over the replicas, if any
         sent = {"all_reduce[dp]": cost(f"{loss}{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
                 "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)}
     else:
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
                 "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
-        sent = {"all_reduce[dp]": cost("4*loss + 4*Ψ_rank" if x["D"] * x["C"] > 1 else "0", x)}  # none alone
+        dense = "4*loss + 4*(Ψ_rank - Ψ_x)" if x["Ψ_x"] else "4*loss + 4*Ψ_rank"  # the experts: over expert_dp
+        sent = {"all_reduce[dp]": cost(dense if x["D"] * x["C"] > 1 else "0", x)}  # none alone
     if muon and x["T"] > 1:  # 06's Muon on each TP group: this rank's update shards to their owners, its own back
         sent["all_to_all_single[tp]"] = cost("e*(Ψ_m/T + Ψ_o)", x)
     if muon and x["D"] * x["C"] > 1:  # its own matrices, each orthogonalised by one replica, broadcast to the others
@@ -611,6 +632,8 @@ def tp_costs(args, x, first, last):
     again = " + m*L*2*e*b*s*h" if args.recompute else ""
     if x["T"] == 1 and not args.sequence_parallel:  # a one-rank TP group posts nothing
         return {}
+    if x["E"]:
+        return expert_tp_costs(args, x, first, last)
     if not args.sequence_parallel:
         return {"all_reduce[tp]": cost("m*(L*(2*e + 2*4)*b*s*h" + " + 4*b*s*h" * first
                                        + " + 4*b*s*h + 3*4*b*s" * last + ")" + again, x)}
@@ -618,6 +641,57 @@ def tp_costs(args, x, first, last):
                                                + ")*b*s*h" + again, x),
             "reduce_scatter_tensor[tp]": cost("m*(L*(2*e + 2*4)" + " + 4" * first + " + 4" * last
                                               + ")*b*s*h" + again, x),
+            "all_reduce[tp]": cost("m*3*4*b*s + 4*Ψ_r" if last else "4*Ψ_r", x)}
+
+
+def expert_sizes(config):
+    """One expert's parameters (an MLP of common.py: c_fc and c_proj, 8h² and the biases)."""
+    h = config.n_embd
+    return 8 * h * h + expert_vectors(config)
+
+
+def expert_vectors(config):
+    """One expert's biases: c_fc's 4h and c_proj's h (none without --bias)."""
+    return 5 * config.n_embd if config.bias else 0
+
+
+def expert_costs(args, config, x, received):
+    """The experts' lines (docs/strategies.md's 08 section; 10's formulas on this stage's L
+    layers, on the b·s tokens of a micro-batch every TP rank routes, b·s·C with CP, whose
+    tokens are gathered): the dispatch and combine all-to-alls of the k·b·s routed rows and of
+    the R rows received back, forward and again in backward (and in --recompute's forward), +
+    the E counts; the experts' gradients summed over expert_dp (D·C/N ranks); the experts'
+    squared norm over the EP group; with CP the all-gather of the CP group's tokens (fp32) and
+    the reduce-scatter of their gradients, per layer and micro-batch."""
+    from infra.formulas import formula
+    L, m, k, b, s, C = x["L"], x["m"], config.top_k, x["b"], x["s"], x["C"]
+    R = sum(map(sum, received)) if received is not None else L * m * k * b * s * C
+    p = 3 if args.recompute else 2  # forward, backward (and the forward again)
+    tokens = "b*s*C" if C > 1 else "b*s"
+    sent = {"all_to_all_single[ep]": formula(f"p*e*h*(L*m*k*{tokens} + R) + (p - 1)*8*E*L*m", show="e m p R",
+                                             **{**x, "p": p, "k": k, "R": R})}
+    if C > 1:
+        sent["all_gather_into_tensor[cp]"] = cost(("2*" if args.recompute else "") + "m*L*4*b*s*C*h", x)
+        sent["reduce_scatter_tensor[cp]"] = cost("m*L*4*b*s*C*h", x)
+    if x["D"] * x["C"] > x["N"]:
+        sent["all_reduce[expert_dp]"] = cost("4*Ψ_x", x)
+    if args.grad_clip > 0 and x["N"] > 1 and not args.zero1:  # (ZeRO1's norm: over the world already)
+        sent["all_reduce[ep]"] = cost("4*norm", x)
+    return sent
+
+
+def expert_tp_costs(args, x, first, last):
+    """tp_costs with experts, which are replicated over TP: per layer only the attention's f and g
+    (06's), and with SP the routed sequence's all-gather (4bsh, fp32: the LayerNorm's output)
+    and its gradient's reduce-scatter instead of the MLP's column- and row-parallel Linears'."""
+    if not args.sequence_parallel:
+        return {"all_reduce[tp]": cost("m*(L*(e + 4)*b*s*h" + " + 4*b*s*h" * first
+                                       + " + 4*b*s*h + 3*4*b*s" * last + ")"
+                                       + (" + m*L*e*b*s*h" if args.recompute else ""), x)}
+    return {"all_gather_into_tensor[tp]": cost("m*(L*(3*e + 4)" + " + 4" * first + " + 2*e" * last + ")*b*s*h"
+                                               + (" + m*L*(e + 4)*b*s*h" if args.recompute else ""), x),
+            "reduce_scatter_tensor[tp]": cost("m*(L*(e + 2*4)" + " + 4" * first + " + 4" * last + ")*b*s*h"
+                                              + (" + m*L*e*b*s*h" if args.recompute else ""), x),
             "all_reduce[tp]": cost("m*3*4*b*s + 4*Ψ_r" if last else "4*Ψ_r", x)}
 
 
@@ -641,10 +715,11 @@ def cp_costs(args, x):
     return {"all_to_all_single[cp]": cost(f"m*L*{12 if args.recompute else 8}*e*b*s*h/T", x)}
 
 
-def activation_costs(args, config, dtype, x, in_flight, first, last):
+def activation_costs(args, config, dtype, x, in_flight, first, last, received=None):
     """The activations line (docs/strategies.md's 08 section): infra.formulas.activation_terms with 06's vocabulary-parallel
     ends (the embedding's out-of-slice mask, b·s bool; the head's input, this rank's fp32
-    softmax of V/T and the target mask) and, with CP, 09's attention; `in_flight` of them."""
+    softmax of V/T and the target mask) and, with CP, 09's attention; `in_flight` of them.
+    With experts and this step's `received` rows (per layer per micro-batch): expert_activations."""
     from infra.formulas import activation_device_type, activation_terms, activations_of_layers, plus, sdpa_logsumexp
     T, C, sp, device_type = x["T"], x["C"], args.sequence_parallel, activation_device_type(args)
     sp_T, attention = "/T" if sp else "", None
@@ -653,14 +728,49 @@ def activation_costs(args, config, dtype, x, in_flight, first, last):
     elif C > 1:
         lse = sdpa_logsumexp("(a/(T*C))", "(C*s)", dtype, device_type)
         attention = cost(f"(3*e*b*s*h + e*b*s*h + e*b*s*h)/T + {lse}", x)
-    terms = activation_terms(config, x["b"], x["s"], dtype, device_type, tp=T, sp=sp, attention=attention)
-    terms["embedding"] = plus(terms["embedding"], cost("b*s", x))
-    if config.dropout > 0 and config.bias and device_type not in ("cuda", "xpu"):
-        # the row-parallel bias is added after g, promoting the output to fp32: CPU's
-        # dropout masks (in their input's dtype) are then fp32
-        terms["layer"] = plus(terms["layer"], cost(f"2*(4 - e)*b*s*h{sp_T}", x))
-    terms["head"] = cost(f"(4*b*s*h + 8*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s", x)
-    return activations_of_layers(terms, x["L"], args.recompute, first, last, in_flight)
+
+    def layer_terms(rows=None):  # `rows`: those a layer's experts received (None: k·b·s)
+        terms = activation_terms(config, x["b"], x["s"], dtype, device_type, tp=T, sp=sp, attention=attention,
+                                 expert_rows=rows)
+        terms["embedding"] = plus(terms["embedding"], cost("b*s", x))
+        if config.dropout > 0 and config.bias and device_type not in ("cuda", "xpu"):
+            # the row-parallel bias is added after g, promoting the output to fp32: CPU's
+            # dropout masks (in their input's dtype) are then fp32 (the attention's only, with experts)
+            terms["layer"] = plus(terms["layer"], cost(f"{1 if x['E'] else 2}*(4 - e)*b*s*h{sp_T}", x))
+        if x["E"] and (sp or C > 1):  # the router keeps the gathered sequence, not a column-parallel Linear's
+            # shard (SP); with CP, every token of the sequences: the MoE's terms of the other (C - 1)·b·s
+            terms["layer"] = plus(terms["layer"], cost(f"e*b*s*C*h - e*b*s*h{sp_T}", x), cost(
+                "(C - 1)*(e*k*b*s*h + 4*b*s*(E + 2*k + 1))", x, k=config.top_k) if C > 1 else None)
+        terms["head"] = cost(f"(4*b*s*h + 8*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s", x)
+        return terms
+    if not x["E"] or received is None:
+        return activations_of_layers(layer_terms(), x["L"], args.recompute, first, last, in_flight)
+    return expert_activations(args, layer_terms, received, in_flight, first, last)
+
+
+def expert_activations(args, layer_terms, received, k, first, last):
+    """The activations with this step's routing: layer l of micro-batch i holds its term on the
+    R_li rows its experts received. 1F1B keeps k consecutive micro-batches in flight (after
+    F(j): j-k+1 ... j), so the peak is the heaviest such window; with --recompute the others
+    keep their block inputs, and the oldest's backward holds the inputs below layer l and l's
+    internals (the heaviest l, i)."""
+    from infra.formulas import formula
+    ends, L, m = layer_terms(), len(received), len(received[0])
+    layers = {(l, i): layer_terms(rows)["layer"] for l, per_micro in enumerate(received)
+              for i, rows in enumerate(per_micro)}
+    named = {"embedding": ends["embedding"], "head": ends["head"], "input": ends["block_input"]}
+    emb, head = "embedding + " * first, " + head" * last
+    if args.recompute:
+        options = [formula(f"(k - 1)*({emb}L*input{head}) + {emb}max(L*input{head}, l*input + layer)",
+                           show="k L l", k=k, L=L, l=l, layer=layer, **named) for (l, i), layer in layers.items()]
+    else:
+        options = []
+        for j in range(k - 1, m):
+            window = range(j - k + 1, j + 1)
+            terms = {f"layer_{l}_{i}": layers[(l, i)] for i in window for l in range(L)}
+            expr = " + ".join(f"{emb}{' + '.join(f'layer_{l}_{i}' for l in range(L))}{head}" for i in window)
+            options.append(formula(expr, **terms, **named))
+    return max(options, key=lambda a: a[1])
 
 
 _STAGE_SIZES = {}
@@ -670,12 +780,15 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
     """(parameters TP_PLAN splits, all parameters, vocabulary rows, the full shapes of its
     hidden matrices, the elements autocast copies for one forward) of a TP rank of stage
     pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
-    plan.py price many micro-batches of one layout."""
+    plan.py price many micro-batches of one layout. With experts, all E of every block (and its
+    router's E rows), the Stage built with one (DeepSeek-V3's 61 x 256 would take half a minute)."""
     key = (repr(config), T, P, pp_rank, sp)
     if key not in _STAGE_SIZES:
         mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only
+        first_layer, n_layers = stage_layers(config.n_layer, P)[pp_rank]
         with torch.device("meta"):
-            stage = Stage(config, mesh, *stage_layers(config.n_layer, P)[pp_rank], None)
+            stage = Stage(replace(config, n_expert=min(config.n_expert, 1)), mesh, first_layer, n_layers, None)
+        others = n_layers * max(config.n_expert - 1, 0) * (expert_sizes(config) + config.n_embd)
         split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None)
         matrices = [shard_boxes(name, p.shape, 0, T, 0)[0] for name, p in stage.named_parameters()
                     if is_hidden_matrix(name, p.shape)]  # Muon's, whole
@@ -686,7 +799,8 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
         casts = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None
                     and p.dim() == 2 and (stage.is_last or not name.endswith("wte.weight"))
                     and not (sp and tp_split(name)[0] in ("column", "vocab")))
-        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()), stage.vocab_local, matrices, casts
+        _STAGE_SIZES[key] = split, sum(p.numel() for p in stage.parameters()) + others, stage.vocab_local, matrices, \
+            casts
     return _STAGE_SIZES[key]
 
 
@@ -748,8 +862,9 @@ def held_bytes(replicas):
     gradients and momentum too)."""
     from infra.ledger import state_bytes
     held = state_bytes(replicas.params, replicas.optimizer)
-    if isinstance(replicas, ZeRO1):
-        held["grads"] += replicas.grad_shard.untyped_storage().nbytes()
+    dense = getattr(replicas, "dense", replicas)  # ExpertReplicas: around DataParallel or ZeRO1
+    if isinstance(dense, ZeRO1):
+        held["grads"] += dense.grad_shard.untyped_storage().nbytes()
     return held
 
 
@@ -761,7 +876,13 @@ def checkpoint_pieces(replicas):
     TP piece of the parameter (elements [s, e) of it, a box of 01's tensor), it is the elements
     [x - s, y - s) of the box."""
     from infra.checkpoint_format import param_pieces
-    stage, named, write = replicas.stage, list(replicas.stage.named_parameters()), replicas.mesh.reduce_rank == 0
+    stage, write = replicas.stage, replicas.mesh.reduce_rank == 0
+    named = [(name, p) for name, p in stage.named_parameters() if not is_expert(name)]
+    if isinstance(replicas, ExpertReplicas):  # the experts written by the first EP group (DP x CP ranks 0..ep-1)
+        experts = [(name, p) for name, p in stage.named_parameters() if is_expert(name)]
+        return checkpoint_pieces(replicas.dense) + [
+            piece for name, p in experts for piece in tp_pieces(stage, name, p, replicas.optimizer,
+                                                                write=replicas.mesh.reduce_rank < replicas.mesh.ep_size)]
     if isinstance(replicas, DataParallel):
         return [piece for name, p in named for piece in tp_pieces(stage, name, p, replicas.optimizer, write=write)]
     muon = {name for name, p in named if replicas.muon and is_hidden_matrix(name, p.shape)}
@@ -847,7 +968,7 @@ def context_parallel(args, config):
 
 
 # =======================================================================================
-# Restated, word for word, from 06_tensor_parallel.py, 07_pipeline.py and 09_context_parallel.py:
+# Restated, word for word, from 06_tensor_parallel.py, 07_pipeline.py, 09_context_parallel.py and 10:
 # the same names and the same code (tests/test_restated.py checks every block against its source)
 # =======================================================================================
 
@@ -2037,6 +2158,288 @@ class ContextParallel:
             return RingAttention.apply(q, k, v, self.ring)
         return ulysses_attention(q, k, v, self.group, self.C)
 # ---- end restated ----
+
+
+
+# ---- restated from 10_expert_parallel.py: AllToAll, ExpertParallelMoE, is_expert (word for word; tests/test_restated.py checks it) ----
+# 10's dispatch and combine, on the mesh's EP group
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes, differentiable: forward sends in_splits[r] rows to
+    rank r of the group and receives out_splits[r] from it; backward sends every gradient
+    row back to where its row came from (the same exchange, splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), x.size(1))
+        # rows to the ranks that own their experts (dispatch), or back to their tokens (combine)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), grad.size(1))
+        # the gradient of every row back to the rank that sent it
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """common.MoE with only this rank's experts (a ModuleDict under their global numbers, so
+    that their parameters keep 01's names: transformer.h.0.mlp.experts.3.c_fc.weight) and the
+    dispatch / combine all-to-alls over the EP group. Records, for the ledger and the metrics,
+    the rows it received and this rank's tokens per expert (training forwards only)."""
+
+    def __init__(self, moe, local, group):
+        super().__init__()
+        self.router, self.top_k, self.n_expert, self.group = moe.router, moe.top_k, len(moe.experts), group
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in local})
+        self.received, self.load = [], None  # load: on the device, summed there (no host read)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        N, local = dist.get_world_size(self.group), len(self.experts)
+        weights, order, counts, aux = route(self.router(x), self.top_k)  # 01's routing, this rank's rows
+        rows = x.reshape(B * T, C)[order // self.top_k]  # permuted: grouped by expert, so by rank
+        if torch.is_autocast_enabled(x.device.type):  # the experts' Linears would cast them anyway
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))
+        # exchange counts: rank r gets, from every rank of the group, its counts for r's experts
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # E int64 counts
+        # the one host read of the layer: all_to_all_single takes its split sizes as lists, and
+        # the receiver must know them to allocate its inbox (Megatron's dispatcher reads them
+        # too); what this rank sends comes back with it, in the same read
+        received, send = torch.stack([received.view(N, local), counts.view(N, local)]).tolist()
+        send, recv = [sum(row) for row in send], [sum(row) for row in received]  # [source][local expert]
+        inbox = AllToAll.apply(rows, recv, send, self.group)  # dispatch
+        # The dispatch delivers the rows source-major: from each source rank s, its rows for
+        # each of this rank's experts j in turn. Each expert runs once on all of its rows, so
+        # the [s][j] grid of pieces is transposed to [j][s], the experts run, and their outputs
+        # are transposed back, source-major, for the combine (2 sources, experts e0 e1 here):
+        #
+        #   inbox, by source   [ s0>e0 | s0>e1 | s1>e0 | s1>e1 ]
+        #   by expert          e0: [ s0>e0 | s1>e0 ]   e1: [ s0>e1 | s1>e1 ]    -> e0(...), e1(...)
+        #   back, by source    [ e0(s0) | e1(s0) | e0(s1) | e1(s1) ]    -> combine: to s0, to s1
+        by_source = [chunk.split(sizes) for chunk, sizes in zip(inbox.split(recv), received)]  # [s][j]
+        by_expert = list(zip(*by_source))  # [j][s]: the transpose
+        outs = [expert(torch.cat(pieces)) for expert, pieces in zip(self.experts.values(), by_expert)]
+        outs_by_expert = [out.split([len(p) for p in pieces]) for out, pieces in zip(outs, by_expert)]  # [j][s]
+        back = torch.cat([piece for row in zip(*outs_by_expert) for piece in row])  # [s][j] again, flat
+        out = AllToAll.apply(back, send, recv, self.group)  # combine: to the tokens' ranks
+        if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
+            self.received.append(sum(recv))  # one entry per micro-batch
+            self.load = counts if self.load is None else self.load + counts  # kept on the device
+        return combine(out, order, weights).view(B, T, C), aux
+
+
+def is_expert(name):
+    return ".experts." in name
+# ---- end restated ----
+
+
+# ---------------------------------------------------------------------------------------
+# Experts in the mesh (--n_expert E --ep N): 10's dispatch and combine on EP groups carved out
+# of each DP x CP group, as Megatron-core folds expert parallelism into data parallelism
+# ---------------------------------------------------------------------------------------
+
+def check_experts(args, E, world):
+    """--ep divides each (pp, tp) place's D·C ranks of DP x CP and the E experts; what 08 does not
+    do with experts is refused in one line, with the reason."""
+    N, T, P, C = getattr(args, "ep", 1), args.tp, args.pp, args.cp
+    check(N >= 1, f"--ep must be positive, got {N}")
+    check(E > 0 or N == 1, f"--ep {N} places experts: pass --n_expert E (or a mixture-of-experts --model)")
+    if not E:
+        return
+    replicas = world // (T * P * C) * C  # the DP x CP ranks at one (pp, tp) place
+    check(replicas % N == 0, f"--ep {N} does not divide the {replicas} data-parallel x context-parallel ranks "
+          "of each (pp, tp) place, out of which the expert-parallel groups are carved")
+    check(E % N == 0, f"--n_expert {E} is not divisible by --ep {N}: every rank holds E/ep whole experts")
+    check(args.optimizer == "adamw", "--n_expert with --optimizer muon is not implemented in 08_3d.py (10 has "
+          "it: each expert matrix's owner among the ranks holding it, ReplicatedMuon over expert_dp)")
+    options = [flag for flag, default in (("balance", "aux"), ("capacity_factor", 0), ("shared_experts", 0))
+               if getattr(args, flag, default) not in (default, None)]  # common.py's routing options, where it has them
+    check(not options, f"--{', --'.join(options)} with --n_expert: not implemented in 08_3d.py yet (01 and 10 have "
+          "them; 08 routes as 10 did before them, and its costs() does not price them)")
+
+
+def expert_groups(mesh, args):
+    """With experts, the mesh's expert groups: each DP x CP group (the ranks at one (pp, tp)
+    place, which hold the same weights) cut into EP groups of --ep consecutive ranks, which hold
+    every expert once between them ("ep": the dispatch and combine all-to-alls), and the ranks
+    at the same place of their EP groups, which hold the same experts ("expert_dp": their
+    gradients' sum). Every rank creates every group, in the same order."""
+    E = preset_config(args)["n_expert"]
+    check_experts(args, E, dist.get_world_size())  # on every rank, before any group is made
+    mesh.ep_size = N = args.ep
+    mesh.ep_rank = mesh.reduce_rank % N  # consecutive DP x CP ranks: its place in its EP group
+    if not E:
+        return mesh
+    for kind, attribute in (("ep", "ep_group"), ("expert_dp", "expert_dp_group")):
+        for ranks in mesh.groups_over("dp", "cp"):  # in DP x CP rank order: reduce_rank
+            parts = [ranks[i:i + N] for i in range(0, len(ranks), N)] if kind == "ep" else \
+                [ranks[j::N] for j in range(N)]
+            for members in parts:
+                group = dist.new_group(members, group_desc=kind)  # the name the ledger counts it under
+                if mesh.rank in members:
+                    setattr(mesh, attribute, group)
+    return mesh
+
+
+class MeshMoE(ExpertParallelMoE):
+    """10's ExpertParallelMoE as a stage's MLP: this rank's E/ep experts, the dispatch and
+    combine on the mesh's EP group. Replicated over TP, as a LayerNorm is: every TP rank routes
+    the same tokens through its own EP group (with SP the sequence gathered first, and this
+    rank's shard of the output kept), so outputs and gradients are 01's; expert TP (the experts
+    split over tp) is not done. With CP the CP group's tokens are gathered too: the balancing
+    loss is per sequence, and so sees every token of it. The block's balancing loss enters
+    backward where the block's output does (Megatron-core's MoEAuxLossAutoScaler): a
+    pipeline's every stage adds its own blocks' terms, as 01's loss sums every block's."""
+
+    def __init__(self, config, mesh, sp):
+        with torch.device("meta"):
+            moe = MoE(config)  # shapes only: this rank keeps its experts and the router
+        N, place = getattr(mesh, "ep_size", 1), getattr(mesh, "ep_rank", 0)  # (costs()' Mesh: all the experts)
+        super().__init__(moe, range(place * config.n_expert // N, (place + 1) * config.n_expert // N),
+                         getattr(mesh, "ep_group", None))
+        self.to_empty(device=torch.empty(0).device)  # where the stage is built (meta for costs())
+        self.mesh, self.sp, self.aux_coef = mesh, sp, config.aux_loss_coef
+        self.aux_grad, self.aux = None, []  # with_experts: d loss / d aux; the training forwards' aux
+
+    def forward(self, x):
+        mesh = self.mesh  # the sequence's shards: SP's over TP, then CP's (backward: the gradients summed)
+        parts = [(mesh.tp_group, mesh.tp_size, mesh.tp_rank)] * self.sp + \
+            [(mesh.cp_group, mesh.cp_size, mesh.cp_rank)] * (mesh.cp_size > 1)
+        for group, _, _ in parts:  # every token of the micro-batch's sequences on every rank
+            x = GatherSequence.apply(x, group)
+        y, aux = super().forward(x)
+        if self.training and torch.is_grad_enabled():  # a training forward (with --recompute: in backward)
+            self.aux.append(aux.detach())
+        y = BalancingLoss.apply(y, aux, self.aux_grad)
+        for _, size, index in reversed(parts):  # this rank's tokens of the output: its CP part, its SP shard
+            n = y.size(1) // size
+            y = y[:, index * n:(index + 1) * n]
+        return y
+
+
+class GatherSequence(torch.autograd.Function):
+    """[b, s/T, h] -> [b, s, h] (06's all_gather_sequence, over TP or CP); backward the sum of
+    every rank's gradient, this rank's shard kept (reduce_scatter_sequence)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad.contiguous(), ctx.group), None
+
+
+class BalancingLoss(torch.autograd.Function):
+    """Identity on a block's output; when the output's gradient arrives, the balancing loss's
+    starts too: d loss / d aux = aux_loss_coef / m (/T with SP, whose TP ranks' sums add up)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, grad):
+        ctx.grad = grad
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, torch.full((), ctx.grad, device=grad_y.device), None
+
+
+def dense_parameters(stage):
+    """The stage's parameters but the experts' (DataParallel's and ZeRO1's: every replica's)."""
+    return [p for name, p in stage.named_parameters() if not is_expert(name)]
+
+
+def with_experts(replicas, stage, args, m):
+    """`replicas` itself for a dense model; with experts, ExpertReplicas around it, and each
+    block's balancing-loss gradient set: the loss is the mean over m micro-batches."""
+    if not stage.config.n_expert:
+        return replicas
+    for block in stage.h:
+        block.mlp.aux_grad = stage.config.aux_loss_coef / m / (stage.mesh.tp_size if stage.sp else 1)
+    return ExpertReplicas(replicas, stage, args)
+
+
+class ExpertReplicas:
+    """DataParallel's interface for a stage with experts: `dense` (DataParallel or ZeRO1) for
+    every parameter but the experts', and beside it the experts, whole with their AdamW state
+    (not sharded by --zero1), in the same optimizer: their gradients already hold the tokens of
+    their EP group (the all-to-alls brought them back), so they are summed over expert_dp, the
+    ranks holding the same experts, and divided by D·C, as the dense ones; in the norm each
+    expert counts once, summed over the EP group."""
+
+    def __init__(self, dense, stage, args):
+        self.dense, self.stage, self.mesh = dense, stage, stage.mesh
+        named = [(name, p) for name, p in stage.named_parameters() if is_expert(name)]
+        self.experts = [p for _, p in named]
+        self.counted = [p for name, p in named if counted_once(stage, name)]
+        self.params, self.optimizer, self.norm_group = dense.params + self.experts, dense.optimizer, dense.norm_group
+        for decayed, weight_decay in ((True, args.weight_decay), (False, 0.0)):
+            self.optimizer.add_param_group({"params": [p for p in self.experts if is_decayed(p.shape) == decayed],
+                                            "weight_decay": weight_decay})
+
+    def reduce_gradients(self):
+        self.dense.reduce_gradients()
+        grads = [p.grad for p in self.experts]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.mesh.reduce_size)
+        if dist.get_world_size(self.mesh.expert_dp_group) > 1:  # a one-rank group posts nothing
+            dist.all_reduce(flat, group=self.mesh.expert_dp_group)  # the sum over the ranks holding these experts
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def grad_tensors(self):
+        return self.dense.grad_tensors() + [p.grad for p in self.experts]
+
+    def squared_norm(self):
+        """The dense Σ g², and the experts' once each: where the norm's sum runs over one
+        replica (DataParallel's model group), summed over the EP group first; where it runs over
+        the world (ZeRO1), counted by the first EP group only (DP x CP ranks 0..ep-1)."""
+        squares = torch.zeros((), device=self.experts[0].device)
+        for p in self.counted if self.norm_group is not None or self.mesh.reduce_rank < self.mesh.ep_size else []:
+            squares += p.grad.float().pow(2).sum()
+        if self.norm_group is not None and dist.get_world_size(self.mesh.ep_group) > 1:
+            dist.all_reduce(squares, group=self.mesh.ep_group)  # the squares of every expert of these layers
+        return self.dense.squared_norm() + squares
+
+    def step(self):
+        self.dense.step()  # the experts' AdamW groups step with the dense ones
+
+    def zero_grad(self):
+        self.dense.zero_grad()
+        for p in self.experts:
+            p.grad = None
+
+
+def balancing_loss(stage):
+    """aux_loss_coef x the balancing losses of this stage's blocks over the step's
+    micro-batches (0 without experts), for the logged loss; and reset."""
+    if not stage.config.n_expert:
+        return 0.0
+    blocks = [block.mlp for block in stage.h]
+    total = stage.config.aux_loss_coef * torch.stack([a for mlp in blocks for a in mlp.aux]).sum()
+    for mlp in blocks:
+        mlp.aux = []
+    return total
+
+
+def routing(stage):
+    """What this step's costs() depend on with experts: the rows this rank's experts received,
+    per layer per micro-batch ({} without experts); and reset."""
+    if not stage.config.n_expert:
+        return {}
+    blocks = [block.mlp for block in stage.h]
+    received = [mlp.received for mlp in blocks]
+    for mlp in blocks:
+        mlp.received, mlp.load, mlp.sent = [], None, []  # (sent: 10's record of the rows sent, where it keeps one)
+    return {"received": received}
 
 
 if __name__ == "__main__":

@@ -85,6 +85,15 @@ PRESETS[DEFAULT_MODEL] = dict(n_layer=12, n_head=24, n_embd=384, block_size=256,
 # its mixture of experts, 10_expert_parallel.py's default: 8 per block, 2 per token (8 divides --ep)
 DEFAULT_MOE_MODEL = DEFAULT_MODEL + "-moe"
 PRESETS[DEFAULT_MOE_MODEL] = dict(PRESETS[DEFAULT_MODEL], n_expert=8, top_k=2)
+# two mixtures of experts people train, in this model's terms (for --dry_run, the fit check and plan.py; docs/
+# strategies.md says what differs): Mixtral 8x7B (Jiang et al. 2024) and DeepSeek-V3 (2024). Here every MLP and
+# expert is GPT-2's, GELU and 4h wide (Mixtral's SwiGLU experts are 3 x 3.5h², V3's 3 x 2048·h: its experts are
+# 14x smaller than these), attention is plain multi-head (no GQA, no MLA), every block has experts (V3's first
+# three are dense; no shared expert), positions are learned
+PRESETS["mixtral-8x7b"] = dict(n_layer=32, n_head=32, n_embd=4096, block_size=4096, dropout=0.0, bias=False,
+                               n_expert=8, top_k=2)
+PRESETS["deepseek-v3"] = dict(n_layer=61, n_head=128, n_embd=7168, block_size=4096, dropout=0.0, bias=False,
+                              n_expert=256, top_k=8)
 
 
 class CausalSelfAttention(nn.Module):
@@ -820,7 +829,7 @@ def make_parser(doc, experts=False):
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases in Linear and LayerNorm (preset's choice by default)")
     g.add_argument("--n_expert", type=int, help="mixture of experts: E expert MLPs per block, 0 = dense "
-                   "(preset's choice by default; only 01_single_gpu.py and 10_expert_parallel.py have experts)")
+                   "(preset's choice by default; 01_single_gpu.py, 08_3d.py and 10_expert_parallel.py have experts)")
     g.add_argument("--top_k", type=int, help="experts per token (default 2)")
     g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss coefficient per block (default 0.01 "
                    "with --balance aux, else 0; with bias, DeepSeek-V3's sequence-wise loss used 1e-4)")
@@ -925,7 +934,7 @@ def parse_args(parser, argv=None):
     script = os.path.basename(sys.argv[0]) or "this script"
     check(not cfg["n_expert"] or getattr(parser, "experts", False), f"--n_expert {cfg['n_expert']}"
           f"{' (--model ' + args.model + ')' if args.n_expert is None else ''}: {script} has no mixture of "
-          "experts; 01_single_gpu.py and 10_expert_parallel.py have")
+          "experts; 01_single_gpu.py, 08_3d.py (--ep) and 10_expert_parallel.py have")
     check(cfg["n_expert"] or (args.top_k is None and args.aux_loss_coef is None),
           "--top_k and --aux_loss_coef belong to a mixture of experts: pass --n_expert E")
     routing = [f"--{key}" for key in ("balance", "bias_update_rate", "capacity_factor", "shared_experts")

@@ -226,12 +226,22 @@ def divisors(n):
 def candidates(n, gpus_per_node, n_layer, n_expert=0):
     """(script, strategy flags, label) for every strategy and layout on n GPUs. The scripts
     validate the rest (heads divisible by tp, batch divisible by dp, ...). A mixture of
-    experts runs in 01 and 10 only."""
+    experts runs in 01, 10 and 08 (--ep)."""
     if n == 1:
         yield "01_single_gpu.py", [], "single GPU"
     if n_expert:
         for ep in divisors(math.gcd(n, n_expert)):
             yield "10_expert_parallel.py", ["--ep", str(ep)], f"EP ep {ep} dp {n // ep}"
+        # 08 with experts: EP groups carved out of DP, with ZeRO-1, with and without SP
+        for tp in divisors(n):
+            for pp in divisors(n // tp):
+                if tp <= gpus_per_node and pp <= n_layer and tp * pp > 1:
+                    for ep in divisors(math.gcd(n // (tp * pp), n_expert))[1:]:
+                        for sp in (False, True) if tp > 1 else (False,):  # SP: the experts' gradients over TP too
+                            yield ("08_3d.py", ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--zero1"]
+                                   + (["--sequence_parallel"] if sp else []),
+                                   f"3D+EP dp {n // (tp * pp)} pp {pp} tp {tp} ep {ep}" + (" + SP" if sp else "")
+                                   + " + ZeRO-1")
         return
     yield "03_ddp.py", [], "DDP"
     for stage in (1, 2, 3):
@@ -348,6 +358,10 @@ def group_of(name, op, args, n, gpus_per_node):
             return D * C, ranks_per_node([d * P * C * T + c * T for d in range(D) for c in range(C)], G)
         if group == "model":  # a replica's stages and TP ranks at one CP rank
             return T * P, ranks_per_node([p * C * T + t for p in range(P) for t in range(T)], G)
+        if group in ("ep", "expert_dp"):  # experts: N consecutive DP x CP ranks, or those N apart
+            D, N = n // (T * P * C), args.ep
+            places = range(N) if group == "ep" else range(0, D * C, N)
+            return len(places), ranks_per_node([r // C * P * C * T + r % C * T for r in places], G)
         size, stride = {"tp": (T, 1), "cp": (C, T), "pp": (P, C * T),
                         "embedding": (2, (P - 1) * C * T)}.get(group, (n, 1))
     elif name.startswith("09"):

@@ -1,4 +1,4 @@
-"""08_3d.py restates the pieces of 06, 07 and 09 it needs word for word: every block fenced
+"""08_3d.py restates the pieces of 06, 07, 09 and 10 it needs word for word: every block fenced
 
     # ---- restated from <source>: <name>, <name>, ... (word for word; tests/test_restated.py checks it) ----
     ...
@@ -56,13 +56,15 @@ def fenced_blocks(path):
 BLOCKS = fenced_blocks(os.path.join(ROOT, "08_3d.py"))
 
 
-def test_08_restates_06_07_and_09():
+def test_08_restates_06_07_09_and_10():
     sources = {source for source, _, _ in BLOCKS}
-    assert sources == {"06_tensor_parallel.py", "07_pipeline.py", "09_context_parallel.py"}, sources
+    assert sources == {"06_tensor_parallel.py", "07_pipeline.py", "09_context_parallel.py",
+                       "10_expert_parallel.py"}, sources
     names = [n for _, header, _ in BLOCKS for n in header]
     assert len(names) == len(set(names)), "a piece restated twice"
     for needed in ("TP_PLAN", "shard_boxes", "TPBlock", "ShardedRNG", "Pipeline", "schedule_rounds",
-                   "exchanges", "chunk_layers", "RingAttention", "ulysses_attention", "ContextParallel"):
+                   "exchanges", "chunk_layers", "RingAttention", "ulysses_attention", "ContextParallel",
+                   "AllToAll", "ExpertParallelMoE"):
         assert needed in names, needed
 
 
