@@ -70,7 +70,7 @@ from torch.nn import functional as F
 
 from common import (autocast, check, combine, Data, device_rng_state, is_decayed, is_hidden_matrix, lr_at,
                     make_adamw, make_parser, model_config, MoE, Muon, muon_apply, muon_momentum, orthogonalize,
-                    param_init, preset_config, recomputed, route, set_device_rng_state, to_device)
+                    param_init, preset_config, recomputed, set_device_rng_state, shared_plus, to_device)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
@@ -2189,19 +2189,21 @@ class AllToAll(torch.autograd.Function):
 class ExpertParallelMoE(nn.Module):
     """common.MoE with only this rank's experts (a ModuleDict under their global numbers, so
     that their parameters keep 01's names: transformer.h.0.mlp.experts.3.c_fc.weight) and the
-    dispatch / combine all-to-alls over the EP group. Records, for the ledger and the metrics,
-    the rows it received and this rank's tokens per expert (training forwards only)."""
+    dispatch / combine all-to-alls over the EP group; its router (which counts the tokens per
+    expert) and shared experts are replicated. Records, for the ledger, the rows it sent and
+    received (training forwards only)."""
 
     def __init__(self, moe, local, group):
         super().__init__()
         self.router, self.top_k, self.n_expert, self.group = moe.router, moe.top_k, len(moe.experts), group
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in local})
-        self.received, self.load = [], None  # load: on the device, summed there (no host read)
+        self.shared = moe.shared  # --shared_experts: every token's, replicated like the dense MLP
+        self.received, self.sent = [], []
 
     def forward(self, x):
         B, T, C = x.shape
         N, local = dist.get_world_size(self.group), len(self.experts)
-        weights, order, counts, aux = route(self.router(x), self.top_k)  # 01's routing, this rank's rows
+        weights, order, counts, aux = self.router(x)  # 01's routing (common.Router), this rank's rows
         rows = x.reshape(B * T, C)[order // self.top_k]  # permuted: grouped by expert, so by rank
         if torch.is_autocast_enabled(x.device.type):  # the experts' Linears would cast them anyway
             rows = rows.to(torch.get_autocast_dtype(x.device.type))
@@ -2213,7 +2215,7 @@ class ExpertParallelMoE(nn.Module):
         # too); what this rank sends comes back with it, in the same read
         received, send = torch.stack([received.view(N, local), counts.view(N, local)]).tolist()
         send, recv = [sum(row) for row in send], [sum(row) for row in received]  # [source][local expert]
-        inbox = AllToAll.apply(rows, recv, send, self.group)  # dispatch
+        inbox = AllToAll.apply(rows[:sum(send)], recv, send, self.group)  # dispatch (dropped rows: last, stay)
         # The dispatch delivers the rows source-major: from each source rank s, its rows for
         # each of this rank's experts j in turn. Each expert runs once on all of its rows, so
         # the [s][j] grid of pieces is transposed to [j][s], the experts run, and their outputs
@@ -2230,8 +2232,8 @@ class ExpertParallelMoE(nn.Module):
         out = AllToAll.apply(back, send, recv, self.group)  # combine: to the tokens' ranks
         if torch.is_grad_enabled():  # a training forward (with --recompute: the one in backward)
             self.received.append(sum(recv))  # one entry per micro-batch
-            self.load = counts if self.load is None else self.load + counts  # kept on the device
-        return combine(out, order, weights).view(B, T, C), aux
+            self.sent.append(sum(send))
+        return shared_plus(self.shared, combine(out, order, weights).view(B, T, C), x), aux
 
 
 def is_expert(name):
@@ -2438,7 +2440,8 @@ def routing(stage):
     blocks = [block.mlp for block in stage.h]
     received = [mlp.received for mlp in blocks]
     for mlp in blocks:
-        mlp.received, mlp.load, mlp.sent = [], None, []  # (sent: 10's record of the rows sent, where it keeps one)
+        mlp.received, mlp.sent = [], []
+        mlp.router.load = mlp.router.dropped = None  # (the router's counts, which --balance bias would read)
     return {"received": received}
 
 
