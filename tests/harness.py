@@ -3,8 +3,8 @@
 How ranks start (`launch(..., launcher=...)`):
   * launcher=None (the default): through tests/forkserver.py, a server started once per
     pytest process, each pytest-xdist worker its own (at the first launch; restarted if it
-    dies; stopped at exit) that has imported torch, torch._dynamo, numpy and common.py once and forks every rank from
-    there, with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    dies; stopped at exit) that has imported torch, torch._dynamo, numpy and common.py once
+    and forks every rank from there, with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT) for N > 1 and none for N = 1 (a plain `python script`). A rank
     thus starts in milliseconds instead of the ~2 s each fresh interpreter spends importing
     torch on two cores; the job ends, and reports its status, as under mpiexec or torchrun
