@@ -12,7 +12,8 @@ process that holds the pipe, is gone).
 
 Request: {"script", "args", "nprocs", "world" (export torchrun's variables), "env", "cwd",
 "timeout" (seconds), "stdout", "stderr" (files the ranks append to), and optionally "grace"
-(seconds, GRACE_S by default)}.
+(seconds, GRACE_S by default) and "port" (the job's MASTER_PORT; a free one picked by the
+kernel otherwise)}.
 Reply: {"returncode": int or "timeout", "statuses": [rank exit statuses], "pgid": int} or
 {"error": "..."}.
 
@@ -261,7 +262,7 @@ def supervise(conn, job, base_path, loaded):
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     n, world = int(job["nprocs"]), bool(job["world"])
-    port = free_port() if world else None
+    port = (job.get("port") or free_port()) if world else None
     start = time.monotonic()
     deadline = start + float(job["timeout"])
     grace = float(job.get("grace", GRACE_S))

@@ -2,9 +2,9 @@
 
 How ranks start (`launch(..., launcher=...)`):
   * launcher=None (the default): through tests/forkserver.py, a server started once per
-    pytest session (at the first launch; restarted if it dies; stopped at exit) that has
-    imported torch, torch._dynamo, numpy and common.py once and forks every rank from
-    there, with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    pytest process, each pytest-xdist worker its own (at the first launch; restarted if it
+    dies; stopped at exit) that has imported torch, torch._dynamo, numpy and common.py once
+    and forks every rank from there, with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT) for N > 1 and none for N = 1 (a plain `python script`). A rank
     thus starts in milliseconds instead of the ~2 s each fresh interpreter spends importing
     torch on two cores; the job ends, and reports its status, as under mpiexec or torchrun
@@ -243,6 +243,8 @@ def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None, grace
         open(path, "w").close()
     job = dict(script=script, args=args, nprocs=nprocs, world=nprocs > 1, env=env, cwd=cwd,
                timeout=timeout, stdout=out, stderr=err)
+    if nprocs > 1 and (port := worker_port()):
+        job["port"] = port
     if grace is not None:
         job["grace"] = grace
     data = b""
@@ -269,6 +271,29 @@ def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None, grace
             texts.append(f.read())
         os.remove(path)
     return reply["returncode"], texts[0], texts[1]
+
+
+def worker_port(_next=[0]):
+    """Under pytest-xdist (`-n 2`), the MASTER_PORT of this worker's next multi-rank job; None
+    without it (the kernel's free port, picked by the job's supervisor). A port the kernel calls
+    free stays free only until someone takes it: with two workers' jobs starting at once, one
+    job's store could find its port just handed to the other job's gloo connections. So each
+    worker takes ports in turn from its own block of 1,000 below the kernel's ephemeral range
+    (32768 and up on Linux), skipping any that does not bind now."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return None
+    base = 20000 + 1000 * (int(worker[2:]) % 12)
+    for _ in range(1000):
+        port = base + _next[0] % 1000
+        _next[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    return None
 
 
 FORK_SERVER = ForkServer()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common import INFRA_FLAGS, _free_port
-from harness import LAUNCHER_ENV, ROOT, default_launcher, launch
+from harness import LAUNCHER_ENV, ROOT, default_launcher, launch, worker_port
 
 FLAGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--data", "synthetic", "--eval_interval", "0",
          "--log_interval", "1", "--global_batch_size", "8", "--max_iters", "4", "--lr", "3e-3",
@@ -106,8 +106,8 @@ def test_a_copy_without_data_says_so_in_one_line(tmp_path):
     script = "06_tensor_parallel.py"
     copy(tmp_path, script)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) + LAUNCHER_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(worker_port() or _free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     ranks = [subprocess.Popen([sys.executable, script, "--device", "cpu"], cwd=tmp_path, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]

@@ -157,7 +157,7 @@ def test_readme_links_every_docs_page():
 def test_the_readme_keeps_the_test_command_that_ci_runs():
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    command = "python -m pytest -q tests"
+    command = "python -m pytest -q -n 2 --dist loadfile tests"
     assert command in ci and command in readme
 
 
