@@ -54,13 +54,13 @@ no cap). The derivations, the imbalance and the activation terms: docs/strategie
 import math
 from functools import partial
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from common import (autocast, check, combine, Data, GPT, is_hidden_matrix, lr_at, make_optimizer, make_parser,
                     model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, route, to_device)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 def add_flags(parser):
