@@ -126,8 +126,10 @@ def diverged(args, step, env, tensors):
             return None
         if not bool(torch.isfinite(t).all()):
             return "holds non-finite values"
-        largest = t.abs().amax().item()
-        if key.startswith("model/") and largest > WEIGHT_LIMIT:
+        if not key.startswith("model/"):
+            return None
+        largest = max(abs(float(v)) for v in torch.aminmax(t))  # one pass, no copy of the piece
+        if largest > WEIGHT_LIMIT:
             return f"holds weights as large as {largest:.1e} (beyond {WEIGHT_LIMIT:.1e}: their products overflow)"
         return None
     bad = next(((key, why) for key, t in tensors.items() if (why := problem(key, t))), None)
