@@ -60,7 +60,10 @@ def quiet_start_up():
         rank = next((os.environ[v] for v in ("RANK", "PMI_RANK", "PALS_RANKID", "OMPI_COMM_WORLD_RANK",
                                              "SLURM_PROCID") if os.environ.get(v)), "0")
         if rank == "0":
-            print("error: interrupted (SIGINT) during start-up: nothing was started", file=sys.stderr, flush=True)
+            try:  # straight to the descriptor: the signal may have come in the middle of a print
+                os.write(2, b"error: interrupted (SIGINT) during start-up: nothing was started\n")
+            except OSError:
+                pass
         try:  # the out_dir lock, if the start-up checks took it (infra.start may be half imported)
             sys.modules["infra.start"].release_out_dir()
         except Exception:  # noqa: BLE001 (nothing to release)
