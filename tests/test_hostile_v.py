@@ -1,7 +1,9 @@
 """Hostile cases of the Reliability V round (issue 59) on 07's tables, plan.py --measured and
---json, an lr that overflows float32, Ctrl-C while waiting for another host's lock, and a
-frozen peer in 10's all-to-all: each ends in one `error:` line naming the cause (exit 2 on
-every rank, 130 on Ctrl-C), or in the right result."""
+--json, an lr that overflows float32 and an update that overflows the weights (its checkpoint
+refused), Ctrl-C while waiting for another host's lock and during the start-up imports (a
+frozen peer in 10's all-to-all: tests/test_frozen.py): each ends in one `error:` line naming
+the cause (exit 2 on every rank, 3 for the overflowed weights, 130 on Ctrl-C), or in the right
+result."""
 
 import json
 import math
