@@ -28,12 +28,12 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
     autocast, plus the head's 4bsV log-softmax; --recompute keeps only each block's input
 """
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 
 from common import (autocast, build_model, check, count_params, Data, expert_rows, expert_step, hidden_matrix_params,
                     hidden_matrix_shapes, lr_at, make_optimizer, make_parser, model_block_size, model_config,
                     to_device, TreeGrads)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 def add_flags(parser):

@@ -36,13 +36,13 @@ The costs and why buckets overlap: docs/strategies.md, section "03_ddp.py: data 
 import math
 from functools import partial
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 
 from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
                     lr_at, make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply,
                     muon_momentum, orthogonalize, to_device, TreeGrads, tree_all_reduce)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 def add_flags(parser):

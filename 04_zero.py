@@ -52,6 +52,7 @@ The start-up on the meta device, the one-in-flight rule, mixed precision, --offl
 
 import math
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -59,7 +60,6 @@ from torch import nn
 from common import (autocast, check, Data, GPT, is_decayed, is_hidden_matrix, lr_at, make_adamw,
                     make_parser, model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize,
                     param_init, param_shapes, to_device, to_host, TreeGrads, TreeSum, tree_all_reduce)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 class Unit:

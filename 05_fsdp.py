@@ -39,6 +39,7 @@ the formulas: docs/strategies.md, section "05_fsdp.py: FSDP".
 
 import math
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -46,7 +47,6 @@ import torch.nn as nn
 from common import (autocast, check, Data, GPT, is_hidden_matrix, lr_at, make_adamw, make_parser,
                     model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init, param_shapes, to_device,
                     to_host, TreeGrads, TreeSum, tree_all_reduce, tree_reduce_scatter)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 class Unit:

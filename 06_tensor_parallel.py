@@ -42,6 +42,7 @@ details the vocabulary-parallel loss, sequence parallelism's backward and the dr
 import math
 from contextlib import contextmanager
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -50,7 +51,6 @@ from torch.nn import functional as F
 from common import (autocast, check, Data, device_rng_state, is_hidden_matrix, lr_at, make_adamw, make_parser,
                     model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, param_init,
                     recomputed, set_device_rng_state, to_device)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 # ---------------------------------------------------------------------------------------

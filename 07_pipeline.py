@@ -52,6 +52,7 @@ import os
 import re
 import time
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -60,7 +61,6 @@ from torch.nn import functional as F
 
 from common import (autocast, Block, check, Data, fail, is_hidden_matrix, lr_at, make_optimizer, make_parser,
                     model_config, param_init, param_shapes, to_device, TreeSum)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 # ---------------------------------------------------------------------------------------

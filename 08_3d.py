@@ -62,6 +62,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -71,7 +72,6 @@ from torch.nn import functional as F
 from common import (autocast, check, combine, Data, device_rng_state, is_decayed, is_hidden_matrix, lr_at,
                     make_adamw, make_parser, model_config, MoE, Muon, muon_apply, muon_momentum, orthogonalize,
                     param_init, preset_config, recomputed, set_device_rng_state, shared_plus, to_device)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 # ---------------------------------------------------------------------------------------

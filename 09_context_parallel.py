@@ -59,6 +59,7 @@ and the activation terms: docs/strategies.md, section "09_context_parallel.py".
 import math
 from functools import partial
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
@@ -66,7 +67,6 @@ from torch.nn import functional as F
 from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
                     lr_at, make_optimizer, make_parser, model_config, Muon, muon_apply, muon_momentum, orthogonalize,
                     recomputed, to_device)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 # ----------------------------------------------------------------------------------------

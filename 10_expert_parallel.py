@@ -56,6 +56,7 @@ docs/strategies.md, section "10_expert_parallel.py".
 import math
 from functools import partial
 
+from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -63,7 +64,6 @@ import torch.nn as nn
 from common import (autocast, check, combine, Data, expert_load, expert_step, GPT, is_hidden_matrix, lr_at,
                     make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply, muon_momentum,
                     orthogonalize, shared_plus, to_device)
-from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 
 
 def add_flags(parser):

@@ -36,6 +36,42 @@ Layers, top first:
     formulas            formula(): one expression, the text and the number; the model's terms
     cli                 the infrastructure's flags and their checks
 
-docs/design.md draws the same picture."""
+docs/design.md draws the same picture.
 
-from infra.run import Run  # noqa: F401  (the scripts' one line: `from infra import Run`)
+A script imports this package before torch: a Ctrl-C while torch and the rest are imported,
+or before the run's own handlers take over (the rehearsal's, the start-up checks', the guard's),
+is one line and exit 130, not KeyboardInterrupt's traceback (quiet_start_up, first here)."""
+
+
+def quiet_start_up():
+    """Ctrl-C (SIGINT) during a numbered script's start-up: one line from rank 0 (by the
+    launcher's variables; nothing is up yet to ask), the out_dir lock released if it was
+    taken, exit 130 on every rank at once. Only where the script is the program (its
+    __main__), never in a process that imports the package (a test, a notebook), and only
+    over Python's own handler."""
+    import os
+    import signal
+    import sys
+    program = os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "")
+    if not program[:2].isdigit() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+
+    def interrupted(signum, frame):
+        rank = next((os.environ[v] for v in ("RANK", "PMI_RANK", "PALS_RANKID", "OMPI_COMM_WORLD_RANK",
+                                             "SLURM_PROCID") if os.environ.get(v)), "0")
+        if rank == "0":
+            try:  # straight to the descriptor: the signal may have come in the middle of a print
+                os.write(2, b"error: interrupted (SIGINT) during start-up: nothing was started\n")
+            except OSError:
+                pass
+        try:  # the out_dir lock, if the start-up checks took it (infra.start may be half imported)
+            sys.modules["infra.start"].release_out_dir()
+        except Exception:  # noqa: BLE001 (nothing to release)
+            pass
+        os._exit(130)  # at once: no rank waits in a collective for one that is leaving
+    signal.signal(signal.SIGINT, interrupted)
+
+
+quiet_start_up()
+
+from infra.run import Run  # noqa: E402, F401  (the scripts' one line: `from infra import Run`)

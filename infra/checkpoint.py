@@ -20,7 +20,7 @@ from infra.formulas import format_bytes
 from infra.hf import HFError, export_hf, import_hf
 from infra.checkpoint_format import (CHECKPOINT_FORMAT, Checkpoint, CheckpointError, atomic_save, checkpoint_root,
                                      clean_checkpoints, latest_checkpoint, load_tensors, tensor_checksum)
-from infra.start import agree
+from infra.start import Diverged, agree
 
 
 def _agreed(env, action):
@@ -40,17 +40,10 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
     RNG states to rank<r>.pt, atomically; then, once every rank has succeeded, rank 0 writes
     metadata.json (the commit) and only then removes the previous set. With --export, the
     final checkpoint is also written consolidated into one file. Returns nothing; a failed
-    write on any rank is one line and exit 2 on every rank, the previous set intact."""
-    directory, previous = [None], None
-    if env.master:
-        previous = latest_checkpoint(args.out_dir)  # the set this one replaces: resumed, or written last
-        clean_checkpoints(args.out_dir, keep=previous, committed=False)
-        directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}"), 1
-        while os.path.exists(directory[0]):  # a committed set of the same step stays until this one is
-            directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}.{n}"), n + 1
-    if dist.is_initialized() and env.world_size > 1:
-        dist.broadcast_object_list(directory, src=0)  # rank 0's choice of directory, to every rank
-    directory = directory[0]
+    write on any rank is one line and exit 2 on every rank, the previous set intact. Weights or
+    optimizer state that the last update left non-finite (finite gradients, too large an --lr:
+    the guard saw nothing) are never written over the last good set: one line, and every rank
+    exits 3 (NONFINITE_EXIT) before any rank writes a byte."""
     tensors, described, count = {}, [], {}
     for piece in pieces:
         if piece.write:
@@ -61,19 +54,25 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
                                   key=key, box=piece.box, **({"flat": list(piece.flat)} if piece.flat else {})))
     tensors.update({f"rng/{k}": v for k, v in rng_state(env).items()})
     tensors.update({f"extra_rng/{k}": v for k, v in (extra_rng or {}).items()})
+    agree(env, diverged(args, step, env, tensors))  # never replace the last good checkpoint with a diverged one
+    directory, previous = [None], None
+    if env.master:
+        previous = latest_checkpoint(args.out_dir)  # the set this one replaces: resumed, or written last
+        clean_checkpoints(args.out_dir, keep=previous, committed=False)
+        directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}"), 1
+        while os.path.exists(directory[0]):  # a committed set of the same step stays until this one is
+            directory[0], n = os.path.join(checkpoint_root(args.out_dir), f"step_{step}.{n}"), n + 1
+    if dist.is_initialized() and env.world_size > 1:
+        dist.broadcast_object_list(directory, src=0)  # rank 0's choice of directory, to every rank
+    directory = directory[0]
     checksums = {key: tensor_checksum(t) for key, t in tensors.items()}  # verified when read
     problem, written, t0 = None, 0, time.perf_counter()
-    bad = next((key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
-    if bad is not None:  # never replace the last good checkpoint with a diverged one
-        problem = (f"not writing the checkpoint of step {step}: {bad.split('#')[0]} holds non-finite values "
-                   f"on rank {env.rank}; the last good checkpoint, {latest_checkpoint(args.out_dir)}, is kept")
-    else:
-        try:
-            path = os.path.join(directory, f"rank{env.rank}.pt")
-            atomic_save(tensors, path)
-            written = os.path.getsize(path)
-        except OSError as e:
-            problem = f"cannot write checkpoint {directory}/rank{env.rank}.pt: {e}"
+    try:
+        path = os.path.join(directory, f"rank{env.rank}.pt")
+        atomic_save(tensors, path)
+        written = os.path.getsize(path)
+    except OSError as e:
+        problem = f"cannot write checkpoint {directory}/rank{env.rank}.pt: {e}"
     everyone = [(problem, described, written, checksums)]
     if dist.is_initialized() and env.world_size > 1:
         everyone = [None] * env.world_size
@@ -110,6 +109,36 @@ def save_checkpoint(args, step, env, pieces, run, optimizer, extra_rng=None):
              f"{format_bytes(max(sizes))} per rank, {format_bytes(sum(sizes))} in all, {time.perf_counter() - t0:.2f} s")
     if (getattr(args, "export", None) or getattr(args, "export_hf", None)) and step == args.max_iters:
         export_agreed(args, env, step)
+
+
+# The largest weight whose product with another of its size stays finite in float32 (and in
+# bfloat16, whose range is float32's): a model holding a larger one can no longer compute its
+# logits (01 --lr 1e36 leaves every weight near 1e34, finite, and every logit infinite).
+WEIGHT_LIMIT = math.sqrt(torch.finfo(torch.float32).max)  # about 1.8e19
+
+
+def diverged(args, step, env, tensors):
+    """This rank's verdict on the checkpoint of `step` before it is written: a Diverged problem
+    naming the first tensor that holds a non-finite value, or a weight beyond WEIGHT_LIMIT (an
+    update that overflowed the model without a non-finite gradient), or None."""
+    def problem(key, t):
+        if not t.is_floating_point() or t.numel() == 0:
+            return None
+        if not bool(torch.isfinite(t).all()):
+            return "holds non-finite values"
+        if not key.startswith("model/"):
+            return None
+        largest = max(abs(float(v)) for v in torch.aminmax(t))  # one pass, no copy of the piece
+        if largest > WEIGHT_LIMIT:
+            return f"holds weights as large as {largest:.1e} (beyond {WEIGHT_LIMIT:.1e}: their products overflow)"
+        return None
+    bad = next(((key, why) for key, t in tensors.items() if (why := problem(key, t))), None)
+    if bad is None:
+        return None
+    kept = latest_checkpoint(args.out_dir)
+    return Diverged(f"not writing the checkpoint of step {step}: {bad[0].split('#')[0]} {bad[1]} on rank {env.rank} "
+                    "after the last update (too large an --lr?); "
+                    + (f"the last good checkpoint, {kept}, is kept" if kept else "there is no earlier one"))
 
 
 def export_agreed(args, env, step):

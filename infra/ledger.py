@@ -60,22 +60,27 @@ class CommLedger:
     def position(self, op, group):
         """This call's place in the rank's sequence of collectives: (op, group, its number
         on that group, step, phase). Ranks that disagree on it are the usual cause of a hang."""
-        if group is None or group is dist.group.WORLD:  # named or implied, the same group
-            name = "world"
-        else:
-            name = self.group_name(group)
-            if name is None:
-                try:
-                    name = "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
-                except Exception:
-                    name = "a subgroup"
+        name, phase = self.where_group(group), self.where_phase()
         self.posted[name] = self.posted.get(name, 0) + 1
         self.label = f"{op}[{name}] #{self.posted[name]}"  # what a --profile trace calls it
-        phase = self.phase
-        if phase == "step":  # inside autograd's backward, or the forward
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         self.leave_trail(name, group, phase)
         return f"{op} #{self.posted[name]} on group {name}, step {self.step}, {phase}"
+
+    def where_group(self, group):
+        if group is None or group is dist.group.WORLD:  # named or implied, the same group
+            return "world"
+        name = self.group_name(group)
+        if name is None:
+            try:
+                name = "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+            except Exception:
+                name = "a subgroup"
+        return name
+
+    def where_phase(self):
+        if self.phase == "step":  # inside autograd's backward, or the forward
+            return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return self.phase
 
     def report(self, where, error):
         """Once per rank: the collective it was in when one failed or timed out."""
@@ -173,6 +178,9 @@ class CommLedger:
         for op, argument in self.COUNTED.items():
             if hasattr(dist, op):
                 setattr(dist, op, self._wrap(op, getattr(dist, op), argument))
+        for op in self.NAMED:
+            if hasattr(dist, op):
+                setattr(dist, op, self._named(op, getattr(dist, op)))
         class P2POp(dist.P2POp):
             """P2POp checks that its op *is* torch's isend/irecv: hand it the unwrapped ones."""
 
@@ -197,6 +205,24 @@ class CommLedger:
                 self.report(where, e)
                 raise
         dist.batch_isend_irecv = batch_isend_irecv
+
+    # collectives of Python objects, and the barrier: nothing to count (a pickle's size is
+    # not the call's), and not numbered (the numbers stay those of the tensor collectives), but
+    # a rank that waits in one for a frozen peer (the metrics' gather of every logged step) names it
+    NAMED = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "barrier")
+
+    def _named(self, op, fn):
+        signature = inspect.signature(fn)
+
+        @wraps(fn)
+        def named(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+                self.report(f"{op} on group {self.where_group(group)}, step {self.step}, {self.where_phase()}", e)
+                raise
+        return named
 
     def _wrap(self, op, fn, argument):
         signature = inspect.signature(fn)

@@ -26,12 +26,22 @@ from infra.checkpoint_format import clean_checkpoints, latest_checkpoint, unfini
 class Interrupted(str):
     """A problem that is a Ctrl-C (SIGINT) during start-up: agreed like any other, but every
     rank exits with 130, the shell's status for a job its user interrupted."""
+    status = 130
+
+
+NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite loss, gradient or weight
+
+
+class Diverged(str):
+    """A problem that is a model gone non-finite (a checkpoint that would hold such weights):
+    agreed like any other, but every rank exits with NONFINITE_EXIT, as the guard's stop does."""
+    status = NONFINITE_EXIT
 
 
 def agree(env, problem):
     """Every rank passes the problem it found (a one-line string) or None; if any rank found
     one, the first in rank order is printed once as `error: ...` and every rank exits with
-    status 2 (130 for an Interrupted one). A problem only some ranks can see (a file missing
+    status 2 (130 for an Interrupted one, 3 for a Diverged one). A problem only some ranks can see (a file missing
     on one node, a slice of the data) thus ends the whole job within seconds instead of
     hanging the others."""
     if env.world_size > 1 and dist.is_initialized():
@@ -45,7 +55,7 @@ def agree(env, problem):
     if problem:
         if env.master:
             say(f"error: {problem}", sys.stderr)
-        leave(env, 130 if isinstance(problem, Interrupted) else 2)
+        leave(env, getattr(problem, "status", 2))
 
 
 def leave(env, status):

@@ -13,14 +13,11 @@ import torch.distributed as dist
 
 from common import log, say
 from infra.checkpoint_format import latest_checkpoint
-from infra.start import STOP_SIGNALS, agree, leave
+from infra.start import NONFINITE_EXIT, STOP_SIGNALS, agree, leave
 from infra.metrics import WRITE_FAILURES
 
 
 STARTED = time.monotonic()  # --time_limit counts from here (the job's walltime runs since about then)
-
-
-NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite loss or gradient
 
 
 class HostSyncs:
@@ -111,8 +108,10 @@ class Guard:
         is non-finite exactly when a gradient is) and is already the same number on every rank
         (the script all-reduced its pieces to clip), so every rank reads the same answer and
         no message is needed. Then one `error:` line naming the step, and every rank exits
-        with NONFINITE_EXIT before the optimizer step, so no non-finite weights exist and no
-        checkpoint of them is written; the last good checkpoint is untouched. Without clipping
+        with NONFINITE_EXIT before the optimizer step; the last good checkpoint is untouched.
+        An update that overflows by itself (finite gradients, too large an --lr) is seen by
+        the next step's loss, or by the checkpoint, which refuses to write non-finite weights
+        (infra.checkpoint, the same status). Without clipping
         (--grad_clip 0) there is no global norm: the flags below then carry this rank's
         verdict and are waited for at once, before the update.
     (2) Has any rank been asked to stop (a SIGTERM / SIGUSR1, or --time_limit near: elapsed

@@ -2,7 +2,8 @@
 --timeout, in the scripts whose collectives run on sub-groups: 05's all-gather on the shard
 group, 09's ring of send/recv on the cp group, 10's all-to-all on the expert group. (torch
 gives a group made by dist.new_group its own default timeout, 30 minutes on gloo, unless
-common.setup hands it --timeout.) The other rank names the collective it was in and exits;
+common.setup hands it --timeout.) The other rank names the collective it was in and exits,
+whether a tensor's or an object's (10 frozen inside the metrics' gather of a logged step);
 the frozen one is killed by the test, as mpiexec or srun would kill it once a rank failed."""
 
 import os
@@ -49,14 +50,21 @@ def frozen_run(script, flags, tmp_path, step=1):
     return done["run"], waited
 
 
-@pytest.mark.parametrize("script, flags, where", [
-    ("05_fsdp.py", [], "all_gather_into_tensor #"),
-    ("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"], "batch_isend_irecv of 4 #"),
-    ("10_expert_parallel.py", ["--n_expert", "2", "--top_k", "1", "--ep", "2"], "all_to_all_single #"),
+MOE = ["--n_expert", "2", "--top_k", "1", "--ep", "2"]
+
+
+@pytest.mark.parametrize("script, flags, step, where", [
+    ("05_fsdp.py", [], 1, "all_gather_into_tensor #"),
+    ("09_context_parallel.py", ["--cp", "2", "--cp_impl", "ring"], 1, "batch_isend_irecv of 4 #"),
+    ("10_expert_parallel.py", MOE, 1, "all_to_all_single #"),
+    # X55: frozen between two steps' all-to-alls, inside the metrics' gather of a logged step
+    # (an all_gather_object, which the ledger did not wrap): the job ended, but without the line
+    ("10_expert_parallel.py", MOE, "1:gather", "all_gather_object on group world, step 1, optimizer"),
 ])
-def test_a_frozen_peer_ends_the_job_within_the_timeout(tmp_path, script, flags, where):
-    run, waited = frozen_run(script, flags, tmp_path)
+def test_a_frozen_peer_ends_the_job_within_the_timeout(tmp_path, script, flags, step, where):
+    run, waited = frozen_run(script, flags, tmp_path, step)
     assert run.returncode not in (0, "timeout"), run.stderr[-3000:]
     assert waited < TIMEOUT + 15, f"rank 0 waited {waited:.0f} s for its frozen peer (--timeout {TIMEOUT})"
     said = [line for line in run.stderr.splitlines() if line.startswith("rank 0 was in ")]
-    assert len(said) == 1 and where in said[0] and ", step 2, " in said[0], run.stderr[-3000:]
+    assert len(said) == 1 and where in said[0], run.stderr[-3000:]
+    assert step != 1 or ", step 2, " in said[0], said

@@ -1,13 +1,16 @@
 """Hostile cases of the Reliability V round (issue 59) on 07's tables, plan.py --measured and
---json, an lr that overflows float32, Ctrl-C while waiting for another host's lock, and a
-frozen peer in 10's all-to-all: each ends in one `error:` line naming the cause (exit 2 on
-every rank, 130 on Ctrl-C), or in the right result."""
+--json, an lr that overflows float32 and an update that overflows the weights (its checkpoint
+refused), Ctrl-C while waiting for another host's lock and during the start-up imports (a
+frozen peer in 10's all-to-all: tests/test_frozen.py): each ends in one `error:` line naming
+the cause (exit 2 on every rank, 3 for the overflowed weights, 130 on Ctrl-C), or in the right
+result."""
 
 import json
 import math
 import os
 import signal
 import subprocess
+import sys
 import time
 import types
 
@@ -111,6 +114,55 @@ def test_weights_left_non_finite_by_the_last_step_are_one_line_not_a_sampling_tr
     assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert run.error_lines == ["error: the model's logits are not finite after its last step (too large an --lr?): "
                                "no sample"], run.stderr[-2000:]
+
+
+def test_a_checkpoint_of_weights_the_last_update_overflowed_is_refused_and_the_good_one_kept(tmp_path):
+    """--lr 1e36 at one step: the step's loss and gradient are finite, so the guard lets the
+    update through, and it leaves the weights near 1e34 or more (finite, but no logit is). The final
+    checkpoint of such weights was committed over the last good one; now every rank refuses it
+    before writing a byte (infra.checkpoint's shared save path): one line, exit 3, the good
+    set untouched. 01 alone, and 03 at 2 ranks (another run's set: --overwrite)."""
+    out = tmp_path / "out"
+    launch("01_single_gpu.py", [*TINY, "--max_iters", "1", "--ckpt_interval", "1", "--out_dir", out]).ok()
+    good = out / "ckpt" / "step_1"
+    before = {f: (good / f).read_bytes() for f in sorted(os.listdir(good))}
+    for script, nprocs in (("01_single_gpu.py", 1), ("03_ddp.py", 2)):
+        run = launch(script, [*TINY, "--max_iters", "1", "--lr", "1e36", "--ckpt_interval", "1", "--overwrite",
+                              "--out_dir", out], nprocs=nprocs)
+        refused(run, "not writing the checkpoint of step 1: model/transformer.", status=3)
+        assert "(too large an --lr?); the last good checkpoint, " in run.error_lines[0], run.error_lines
+        assert f"{good}, is kept" in run.error_lines[0] and "(beyond 1.8e+19: their products overflow)" in \
+            run.error_lines[0], run.error_lines
+        assert sorted(os.listdir(out / "ckpt")) == ["step_1"], os.listdir(out / "ckpt")
+        assert {f: (good / f).read_bytes() for f in sorted(os.listdir(good))} == before
+
+
+INTERRUPT_AT_IMPORT = """
+import os, runpy, signal, sys
+module, script = sys.argv[1], sys.argv[2]
+class CtrlC:  # a Ctrl-C just as `module` starts to be imported
+    def find_spec(self, name, path=None, target=None):
+        if name == module:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts it (a background shell ignores it)
+sys.meta_path.insert(0, CtrlC())
+sys.argv, sys.path[0] = sys.argv[2:], os.path.dirname(script)
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_ctrl_c_during_the_start_up_imports_is_one_line_and_130():
+    """Ctrl-C in the seconds a rehearsal (or any run of a numbered script) spends importing
+    torch, before its own handlers are up, was KeyboardInterrupt's traceback: the script now
+    imports infra first, whose handler makes it one line and 130. The signal is sent as
+    torch's import begins (a meta-path hook), so the run never gets further."""
+    p = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, "torch", os.path.join(ROOT, "03_ddp.py"),
+                        *TINY, "--rehearse", "roles", "--world_size", "8"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": ROOT}, stdin=subprocess.DEVNULL)
+    assert p.returncode == 130 and p.stderr == "error: interrupted (SIGINT) during start-up: nothing was started\n", \
+        (p.returncode, p.stderr[-2000:])
+    assert p.stdout == ""
 
 
 def test_ctrl_c_while_waiting_for_another_hosts_lock_is_one_line_and_130(tmp_path):

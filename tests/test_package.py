@@ -88,3 +88,7 @@ def test_every_script_has_one_top_level_run_line():
             assert top == [], f"{script}: {top}"
             continue
         assert top == ["from infra import Run"], f"{script}: its top-level ties to infra are {top}"
+        # before torch: a Ctrl-C while torch is imported is infra's one line, not a traceback (infra/__init__.py)
+        line = {ast.unparse(node): node.lineno for node in reversed(tree.body)
+                if isinstance(node, (ast.Import, ast.ImportFrom))}
+        assert line["from infra import Run"] < line["import torch"], f"{script}: import infra before torch"
