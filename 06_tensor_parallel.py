@@ -417,7 +417,8 @@ def clip_grad_norm(model, max_norm, group):
             sharded += square
         else:
             replicated += square
-    dist.all_reduce(sharded, group=group)  # the sum over the group's shards (not over replicas)
+    if dist.get_world_size(group) > 1:  # a one-rank group posts nothing
+        dist.all_reduce(sharded, group=group)  # the sum over the group's shards (not over replicas)
     total_norm = (sharded + replicated).sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in model.parameters():
@@ -631,9 +632,9 @@ def costs(args, config, world_size, dtype, rank=0):
         # all-reduce: the loss statistics (3·4bs), the replicated parameters' gradients, the norm
         sent = {"all_gather_into_tensor": f("m*(L*(2*2*e + 2*e) + 2*e + 4)*b*s*h"),
                 "reduce_scatter_tensor": f("m*(L*(2*e + 2*4) + 2*4)*b*s*h"),
-                "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm")}
+                "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm" if T > 1 else "4*Ψ_r")}  # alone: the loss's none
     else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head (none alone)
-        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm" if T > 1 else "4*norm")}
+        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm")} if T > 1 else {}
     if matrices and T > 1:  # Muon: this rank's update shards to their owners, its own matrices' shards back
         sent["all_to_all_single"] = f("e*(Ψ_m/T + Ψ_o)")
     if args.recompute and (sp or T > 1):  # backward runs each block's forward again, its g (e) twice too

@@ -327,6 +327,9 @@ class ZeRO1:
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):
+        if self.mesh.reduce_size == 1:  # one replica, no CP: the shard is the whole buffer, nothing to post
+            self.grad_shard.copy_(self.flat_grad)
+            return
         self.flat_grad.div_(self.mesh.reduce_size)
         # sum the replicas' gradients; DP rank d receives shard d
         dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=self.mesh.dp_group)
@@ -350,6 +353,8 @@ class ZeRO1:
 
     def step(self):
         self.optimizer.step()  # AdamW on the shard (with Muon: ShardedMuon on the matrices first)
+        if self.mesh.reduce_size == 1:  # one replica: its shard, updated in place, is the whole buffer
+            return
         # every DP rank's updated shard -> the whole parameter buffer on every DP rank
         mine = self.flat[self.lo:self.hi].clone()
         dist.all_gather_into_tensor(self.flat, mine, group=self.mesh.dp_group)
@@ -586,9 +591,8 @@ def dp_costs(args, x):
         pad, own = f"D*C*ceil({flat}/(D*C))", " + 4*Ψ_m/T" if muon else ""  # padded to D·C; Muon's matrices
         held = {"params": cost(f"4*{pad}{own}", x), "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}", x),
                 "optim": cost(f"8*ceil({flat}/(D*C)){own}", x)}
-        loss = "4*loss" if x["D"] * x["C"] > 1 else "0"  # the logged loss's mean over the replicas, if any
-        sent = {"all_reduce[dp]": cost(f"{loss}{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
-                "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)}
+        sent = {"all_reduce[dp]": cost(f"4*loss{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
+                "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)} if x["D"] * x["C"] > 1 else {}  # none alone
     else:
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
                 "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}

@@ -385,6 +385,8 @@ def all_reduce_grads(params, group):
     """Every rank's gradient is its tokens' share of the global mean: summing over `group`,
     here the whole world (CP peers hold other tokens, DP peers other sequences), gives the
     full gradient."""
+    if dist.get_world_size(group) == 1:  # one rank holds every token: its gradients are the mean already
+        return
     for p in params:
         dist.all_reduce(p.grad, group=group)  # sum over every rank holding these weights
 
@@ -415,7 +417,8 @@ def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp, gro
                 with autocast(env):
                     total += loss_sum(model, x[rows], y[rows], positions.to(env.device), cp).float()
         total /= args.eval_iters * args.global_batch_size * model.config.block_size
-        dist.all_reduce(total, group=group)  # every rank's share of the global mean
+        if dist.get_world_size(group) > 1:  # one rank alone posts nothing
+            dist.all_reduce(total, group=group)  # every rank's share of the global mean
         losses[split] = total.item()
     model.train()
     return losses
@@ -467,7 +470,8 @@ def main():
                 loss.backward()  # this rank's tokens' share of the global mean
                 loss_total += loss.detach().float()
         all_reduce_grads(model.parameters(), world)  # gradients are now the global mean, on every rank
-        dist.all_reduce(loss_total, group=world)  # the global batch's mean loss, for logging
+        if env.world_size > 1:  # one rank alone posts nothing
+            dist.all_reduce(loss_total, group=world)  # the global batch's mean loss, for logging
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -573,7 +577,7 @@ def costs(args, config, world_size, dtype, rank=0):
 
     def f(expr):
         return formula(expr, show="m e", Ψ=n_params, Ψ_m=psi_m, L=L, m=m, C=C, b=micro, s=s, h=h, a=a, e=e, loss=1)
-    sent = {"all_reduce": f("4*Ψ + 4*loss")}
+    sent = {"all_reduce": f("4*Ψ + 4*loss")} if world_size > 1 else {}  # one rank alone posts nothing
     if psi_m and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every rank
         sent["broadcast"] = f("e*Ψ_m")
     # the recomputed forward sends its K/V (ring) or its 4 all-to-alls again
