@@ -407,8 +407,7 @@ class TPGPT(nn.Module):
 
 
 def clip_grad_norm(model, max_norm, group):
-    """Global norm: the squares of the parameters TP_PLAN splits summed across the TP
-    `group`, the replicated ones counted once (every rank of the group holds the same copy)."""
+    """Global norm: the squares of what TP_PLAN splits summed over the TP `group`, the replicated ones once."""
     device = next(model.parameters()).device
     sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     for name, p in model.named_parameters():
