@@ -1843,8 +1843,7 @@ class RingAttention(torch.autograd.Function):
         b, heads, t, d = q.shape
         with torch.autocast(q.device.type, enabled=False):
             # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
-            out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
-            lse = torch.full((b, heads, t), float("-inf"), device=q.device)
+            out = torch.empty(b, t, heads, d, device=q.device).transpose(1, 2)
             kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
             ctx.forwards = []  # each block's kernel state for its backward (RNG, lengths)
             for step in range(ring.size):
@@ -1853,7 +1852,11 @@ class RingAttention(torch.autograd.Function):
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
                 o, l, kernel_state = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
                 ctx.forwards.append(kernel_state)
-                merge(part(out, qh), part(lse, qh), o, l)
+                if step == 0:  # our own block, every query: O and L are its own (merging into 0 and -inf
+                    out.copy_(o)  # gives the same numbers, at the price of a pass over O)
+                    lse = l.float().contiguous()  # [b, heads, t] in memory too: the merges' exp vectorised alike
+                else:
+                    merge(part(out, qh), part(lse, qh), o, l)
                 if step < ring.size - 1:
                     kv = ring.wait(pending)
             out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
@@ -1866,7 +1869,6 @@ class RingAttention(torch.autograd.Function):
         ring = ctx.ring
         with torch.autocast(q.device.type, enabled=False):
             dout = dout.to(q.dtype)
-            dq = torch.zeros(q.shape, device=q.device)  # fp32 accumulators
             kv, arriving = (k, v), None
             for step in range(ring.size):
                 if step < ring.size - 1:  # K/V go around again, as in forward
@@ -1875,10 +1877,13 @@ class RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
                                                   part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
                                                   causal, ctx.forwards[step])
-                part(dq, qh).add_(dq_b)
-                dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
-                part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
-                part(dv, kh).add_(dv_b)
+                if step == 0:  # our own block, every query and key: the fp32 accumulators start from it
+                    dq, dk, dv = (g.float().contiguous() for g in (dq_b, dk_b, dv_b))
+                else:
+                    part(dq, qh).add_(dq_b)
+                    dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+                    part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
+                    part(dv, kh).add_(dv_b)
                 if arriving is not None:  # the shares of the ranks this K/V block visited before us
                     dk_in, dv_in = ring.wait(arriving)
                     dk += dk_in
