@@ -6,7 +6,8 @@ through one expert MLP, the dense model's MLP, plus the router's h·E). Rerun wi
     python tests/benchmarks/bench_moe.py                           # CPU: 4 experts, top-1
     python tests/benchmarks/bench_moe.py --ep 2 4 8 --device cuda --model gpt2 --n_expert 8 ...
 
-Step time is the median over the steps after --skip, the best of --repeats interleaved runs.
+Step time is the median over the steps after --skip, the best of --repeats interleaved runs; the
+last column, the busiest EP rank's share of the routed tokens (the rank the others wait for).
 Memory is each rank's peak resident set (ru_maxrss, so it includes the ~0.3 GB of the torch
 runtime) on CPU, torch's max_memory_allocated on GPUs."""
 
