@@ -72,7 +72,8 @@ def test_bad_input_gives_one_line(flags, message):
 
 def test_buckets_are_launched_during_backward_and_not_on_accumulation_steps():
     """In-process, one-rank gloo group: when backward reaches the token embedding (the last
-    gradient produced) the later layers' buckets must already be in flight."""
+    gradient produced) the later layers' buckets must already be launched (counted at the
+    launch: a replica alone posts no all-reduce), in index order."""
     import importlib
     import torch
     import torch.distributed as dist
@@ -82,8 +83,9 @@ def test_buckets_are_launched_during_backward_and_not_on_accumulation_steps():
     try:
         model = build_model(GPTConfig(vocab_size=65, **PRESETS["tiny"]), 0, "cpu")
         buckets = ddp.GradientBuckets(model.parameters(), 50_000, dist.group.WORLD, overlap=True)
-        in_flight_at_embedding = []
-        model.transformer.wte.weight.register_hook(lambda g: in_flight_at_embedding.append(len(buckets.handles)))
+        in_flight_at_embedding, launched, launch = [], [], buckets._launch
+        buckets._launch = lambda index: (launched.append(index), launch(index))
+        model.transformer.wte.weight.register_hook(lambda g: in_flight_at_embedding.append(len(launched)))
         x = torch.randint(0, 65, (2, 16))
         for sync in (False, True):
             buckets.sync = sync
@@ -91,6 +93,7 @@ def test_buckets_are_launched_during_backward_and_not_on_accumulation_steps():
         assert in_flight_at_embedding[0] == 0  # accumulation step: nothing sent
         assert 0 < in_flight_at_embedding[1] < len(buckets.buffers)  # overlapped with backward
         buckets.finish()
+        assert launched == list(range(len(buckets.buffers)))  # every bucket once, in index order
         assert len(buckets.handles) == 0 and buckets.next_to_launch == 0  # reset for the next step
     finally:
         dist.destroy_process_group()
