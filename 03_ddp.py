@@ -117,6 +117,8 @@ class GradientBuckets:
             self.next_to_launch += 1
 
     def _launch(self, index):
+        if self.world_size == 1:  # a replica alone: its gradients are the mean already, nothing to post
+            return
         buffer = self.buffers[index]
         buffer.div_(self.world_size)  # sum of g/N = the mean (gloo has no AVG)
         # all-reduce (sum) this bucket's gradients across every data-parallel rank,
@@ -130,7 +132,7 @@ class GradientBuckets:
                   "a gradient never arrived (a parameter unused in forward?)")
             for handle in self.handles:
                 handle.wait()
-        else:
+        elif self.world_size > 1:
             for p in self.params:  # the naive version: one blocking all-reduce per gradient
                 p.grad.div_(self.world_size)
                 dist.all_reduce(p.grad, group=self.group)  # sum of every replica's g/N
@@ -145,8 +147,9 @@ def mean_over_replicas(value, group):
     """The mean of every replica's `value`, in place, on every replica of `group`: each
     replica's value is the mean over its own equal share of the batch, so their mean is the
     global batch's."""
-    value /= dist.get_world_size(group)  # sum of value/N = the mean (gloo has no AVG)
-    dist.all_reduce(value, group=group)  # one float from every replica, the sum to all
+    if dist.get_world_size(group) > 1:  # a replica alone posts nothing
+        value /= dist.get_world_size(group)  # sum of value/N = the mean (gloo has no AVG)
+        dist.all_reduce(value, group=group)  # one float from every replica, the sum to all
     return value
 
 
@@ -295,7 +298,7 @@ def muon_owners(shapes, group_size):
 def costs(args, config, world_size, dtype, rank=0):
     """The docstring's two lines as formulas, in bytes per rank (Ψ parameters, N ranks): a full fp32
     replica (autocast leaves the stored weights, and so the gradients, in fp32), and one
-    all-reduce of every gradient per step plus the logged loss, whatever N. Muon adds its
+    all-reduce of every gradient per step plus the logged loss, whatever N > 1 (none alone). Muon adds its
     owners' broadcasts, every matrix's update once in the Newton-Schulz dtype (e·Ψ_m, none
     alone), and Newton-Schulz on the matrices this rank owns."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
@@ -310,7 +313,8 @@ def costs(args, config, world_size, dtype, rank=0):
                      # AdamW's two moments; Muon keeps one (its momentum) for the Ψ_m matrix entries
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
-            "sent": {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)} if not args.bitwise else
+            "sent": {} if world_size == 1 and not args.bitwise else  # a replica alone posts nothing
+            {"all_reduce": formula("4*Ψ + 4*loss", Ψ=psi, loss=1)} if not args.bitwise else
             # --bitwise: the gradients and the loss, padded to N, to their owners and back (bitwise_reduce)
             {op: formula("4*(Ψ + loss + pad)", Ψ=psi, loss=1, pad=-(psi + 1) % world_size)
              for op in ("all_to_all_single", "all_gather_into_tensor")},

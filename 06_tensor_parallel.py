@@ -407,8 +407,7 @@ class TPGPT(nn.Module):
 
 
 def clip_grad_norm(model, max_norm, group):
-    """Global norm: the squares of the parameters TP_PLAN splits summed across the TP
-    `group`, the replicated ones counted once (every rank of the group holds the same copy)."""
+    """Global norm: the squares of what TP_PLAN splits summed over the TP `group`, the replicated ones once."""
     device = next(model.parameters()).device
     sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     for name, p in model.named_parameters():
@@ -417,7 +416,8 @@ def clip_grad_norm(model, max_norm, group):
             sharded += square
         else:
             replicated += square
-    dist.all_reduce(sharded, group=group)  # the sum over the group's shards (not over replicas)
+    if dist.get_world_size(group) > 1:  # a one-rank group posts nothing
+        dist.all_reduce(sharded, group=group)  # the sum over the group's shards (not over replicas)
     total_norm = (sharded + replicated).sqrt()
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in model.parameters():
@@ -631,9 +631,9 @@ def costs(args, config, world_size, dtype, rank=0):
         # all-reduce: the loss statistics (3·4bs), the replicated parameters' gradients, the norm
         sent = {"all_gather_into_tensor": f("m*(L*(2*2*e + 2*e) + 2*e + 4)*b*s*h"),
                 "reduce_scatter_tensor": f("m*(L*(2*e + 2*4) + 2*4)*b*s*h"),
-                "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm")}
+                "all_reduce": f("m*3*4*b*s + 4*Ψ_r + 4*norm" if T > 1 else "4*Ψ_r")}  # alone: the loss's none
     else:  # per layer g's forward (e) and f's backward (fp32), twice; the embedding, the head (none alone)
-        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm" if T > 1 else "4*norm")}
+        sent = {"all_reduce": f("m*((L*(2*e + 2*4) + 2*4)*b*s*h + 3*4*b*s) + 4*norm")} if T > 1 else {}
     if matrices and T > 1:  # Muon: this rank's update shards to their owners, its own matrices' shards back
         sent["all_to_all_single"] = f("e*(Ψ_m/T + Ψ_o)")
     if args.recompute and (sp or T > 1):  # backward runs each block's forward again, its g (e) twice too

@@ -523,7 +523,8 @@ def share_loss(loss_sum, group, m, last=None):
     """The mean loss over the micro-batches, on every stage of the pipeline `group`; `last`:
     the stage that holds the last chunk (in a V the first, 0)."""
     last = dist.get_world_size(group) - 1 if last is None else last
-    dist.broadcast(loss_sum, group=group, group_src=last)  # the last stage's loss, to every stage for logging
+    if dist.get_world_size(group) > 1:  # a one-stage pipeline posts nothing
+        dist.broadcast(loss_sum, group=group, group_src=last)  # the last stage's loss, to every stage for logging
     return loss_sum / m
 
 
@@ -1226,7 +1227,7 @@ def costs(args, config, world_size, dtype, rank=0):
     b, s, h = args.micro_batch_size, config.block_size, config.n_embd
     sent = {"send": formula("n*4*b*s*h", show="n", n=sends, b=b, s=s, h=h),
             "recv": formula("n*4*b*s*h", show="n", n=recvs, b=b, s=s, h=h),
-            "broadcast": formula("4*loss", loss=1),
+            "broadcast": formula("4*loss" if p > 1 else "0", loss=1),  # the logged loss (none in one stage)
             # the tied wte's gradient, on the embedding group of the first and the last stage (--bitwise:
             # each micro-batch's, for the pairs StageTree adds before its tree)
             "all_reduce[embedding]": formula(("4*m*V*h" if bitwise else "4*V*h") if p > 1 and first != last else "0",

@@ -331,6 +331,9 @@ class ZeRO1:
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):
+        if self.mesh.reduce_size == 1:  # one replica, no CP: the shard is the whole buffer, nothing to post
+            self.grad_shard.copy_(self.flat_grad)
+            return
         self.flat_grad.div_(self.mesh.reduce_size)
         # sum the replicas' gradients; DP rank d receives shard d
         dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=self.mesh.dp_group)
@@ -354,6 +357,8 @@ class ZeRO1:
 
     def step(self):
         self.optimizer.step()  # AdamW on the shard (with Muon: ShardedMuon on the matrices first)
+        if self.mesh.reduce_size == 1:  # one replica: its shard, updated in place, is the whole buffer
+            return
         # every DP rank's updated shard -> the whole parameter buffer on every DP rank
         mine = self.flat[self.lo:self.hi].clone()
         dist.all_gather_into_tensor(self.flat, mine, group=self.mesh.dp_group)
@@ -609,9 +614,8 @@ def dp_costs(args, x):
         held = {"params": cost(f"4*{pad}{own}{whole}", x),
                 "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}{whole}", x),
                 "optim": cost(f"8*ceil({flat}/(D*C)){own}{whole.replace('4', '8')}", x)}
-        loss = "4*loss" if x["D"] * x["C"] > 1 else "0"  # the logged loss's mean over the replicas, if any
-        sent = {"all_reduce[dp]": cost(f"{loss}{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
-                "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)}
+        sent = {"all_reduce[dp]": cost(f"4*loss{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
+                "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)} if x["D"] * x["C"] > 1 else {}  # none alone
     else:
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
                 "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
@@ -2035,8 +2039,7 @@ class RingAttention(torch.autograd.Function):
         b, heads, t, d = q.shape
         with torch.autocast(q.device.type, enabled=False):
             # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
-            out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
-            lse = torch.full((b, heads, t), float("-inf"), device=q.device)
+            out = torch.empty(b, t, heads, d, device=q.device).transpose(1, 2)
             kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
             ctx.forwards = []  # each block's kernel state for its backward (RNG, lengths)
             for step in range(ring.size):
@@ -2045,7 +2048,11 @@ class RingAttention(torch.autograd.Function):
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
                 o, l, kernel_state = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
                 ctx.forwards.append(kernel_state)
-                merge(part(out, qh), part(lse, qh), o, l)
+                if step == 0:  # our own block, every query: O and L are its own (merging into 0 and -inf
+                    out.copy_(o)  # gives the same numbers, at the price of a pass over O)
+                    lse = l.float().contiguous()  # [b, heads, t] in memory too: the merges' exp vectorised alike
+                else:
+                    merge(part(out, qh), part(lse, qh), o, l)
                 if step < ring.size - 1:
                     kv = ring.wait(pending)
             out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
@@ -2058,7 +2065,6 @@ class RingAttention(torch.autograd.Function):
         ring = ctx.ring
         with torch.autocast(q.device.type, enabled=False):
             dout = dout.to(q.dtype)
-            dq = torch.zeros(q.shape, device=q.device)  # fp32 accumulators
             kv, arriving = (k, v), None
             for step in range(ring.size):
                 if step < ring.size - 1:  # K/V go around again, as in forward
@@ -2067,10 +2073,13 @@ class RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
                                                   part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
                                                   causal, ctx.forwards[step])
-                part(dq, qh).add_(dq_b)
-                dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
-                part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
-                part(dv, kh).add_(dv_b)
+                if step == 0:  # our own block, every query and key: the fp32 accumulators start from it
+                    dq, dk, dv = (g.float().contiguous() for g in (dq_b, dk_b, dv_b))
+                else:
+                    part(dq, qh).add_(dq_b)
+                    dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+                    part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
+                    part(dv, kh).add_(dv_b)
                 if arriving is not None:  # the shares of the ranks this K/V block visited before us
                     dk_in, dv_in = ring.wait(arriving)
                     dk += dk_in

@@ -216,8 +216,7 @@ class RingAttention(torch.autograd.Function):
         b, heads, t, d = q.shape
         with torch.autocast(q.device.type, enabled=False):
             # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
-            out = torch.zeros(b, t, heads, d, device=q.device).transpose(1, 2)
-            lse = torch.full((b, heads, t), float("-inf"), device=q.device)
+            out = torch.empty(b, t, heads, d, device=q.device).transpose(1, 2)
             kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
             ctx.forwards = []  # each block's kernel state for its backward (RNG, lengths)
             for step in range(ring.size):
@@ -226,7 +225,11 @@ class RingAttention(torch.autograd.Function):
                 qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
                 o, l, kernel_state = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
                 ctx.forwards.append(kernel_state)
-                merge(part(out, qh), part(lse, qh), o, l)
+                if step == 0:  # our own block, every query: O and L are its own (merging into 0 and -inf
+                    out.copy_(o)  # gives the same numbers, at the price of a pass over O)
+                    lse = l.float().contiguous()  # [b, heads, t] in memory too: the merges' exp vectorised alike
+                else:
+                    merge(part(out, qh), part(lse, qh), o, l)
                 if step < ring.size - 1:
                     kv = ring.wait(pending)
             out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
@@ -239,7 +242,6 @@ class RingAttention(torch.autograd.Function):
         ring = ctx.ring
         with torch.autocast(q.device.type, enabled=False):
             dout = dout.to(q.dtype)
-            dq = torch.zeros(q.shape, device=q.device)  # fp32 accumulators
             kv, arriving = (k, v), None
             for step in range(ring.size):
                 if step < ring.size - 1:  # K/V go around again, as in forward
@@ -248,10 +250,13 @@ class RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
                                                   part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
                                                   causal, ctx.forwards[step])
-                part(dq, qh).add_(dq_b)
-                dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
-                part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
-                part(dv, kh).add_(dv_b)
+                if step == 0:  # our own block, every query and key: the fp32 accumulators start from it
+                    dq, dk, dv = (g.float().contiguous() for g in (dq_b, dk_b, dv_b))
+                else:
+                    part(dq, qh).add_(dq_b)
+                    dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+                    part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
+                    part(dv, kh).add_(dv_b)
                 if arriving is not None:  # the shares of the ranks this K/V block visited before us
                     dk_in, dv_in = ring.wait(arriving)
                     dk += dk_in
@@ -385,9 +390,17 @@ def make_groups(world_size, C, rank):
 def all_reduce_grads(params, group):
     """Every rank's gradient is its tokens' share of the global mean: summing over `group`,
     here the whole world (CP peers hold other tokens, DP peers other sequences), gives the
-    full gradient."""
-    for p in params:
-        dist.all_reduce(p.grad, group=group)  # sum over every rank holding these weights
+    full gradient. One all-reduce of them all, flattened: one per parameter pays a collective's
+    fixed cost some 12·L times (at cp 2, 66 ms of a 1.8 s step: docs/measured.md)."""
+    if dist.get_world_size(group) == 1:  # one rank holds every token: its gradients are the mean already
+        return
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # sum over every rank holding these weights
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def add_flags(parser):
@@ -416,7 +429,8 @@ def evaluate(model, data, args, env, accum_steps, dp_rank, D, positions, cp, gro
                 with autocast(env):
                     total += loss_sum(model, x[rows], y[rows], positions.to(env.device), cp).float()
         total /= args.eval_iters * args.global_batch_size * model.config.block_size
-        dist.all_reduce(total, group=group)  # every rank's share of the global mean
+        if dist.get_world_size(group) > 1:  # one rank alone posts nothing
+            dist.all_reduce(total, group=group)  # every rank's share of the global mean
         losses[split] = total.item()
     model.train()
     return losses
@@ -468,7 +482,8 @@ def main():
                 loss.backward()  # this rank's tokens' share of the global mean
                 loss_total += loss.detach().float()
         all_reduce_grads(model.parameters(), world)  # gradients are now the global mean, on every rank
-        dist.all_reduce(loss_total, group=world)  # the global batch's mean loss, for logging
+        if env.world_size > 1:  # one rank alone posts nothing
+            dist.all_reduce(loss_total, group=world)  # the global batch's mean loss, for logging
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -638,7 +653,7 @@ def costs(args, config, world_size, dtype, rank=0):
 
     def f(expr):
         return formula(expr, show="m e", Ψ=n_params, Ψ_m=psi_m, L=L, m=m, C=C, b=micro, s=s, h=h, a=a, e=e, loss=1)
-    sent = {"all_reduce": f("4*Ψ + 4*loss")}
+    sent = {"all_reduce": f("4*Ψ + 4*loss")} if world_size > 1 else {}  # one rank alone posts nothing
     if psi_m and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every rank
         sent["broadcast"] = f("e*Ψ_m")
     # the recomputed forward sends its K/V (ring) or its 4 all-to-alls again
@@ -676,7 +691,10 @@ def costs(args, config, world_size, dtype, rank=0):
         c = min(s, query_chunk(micro, a, s))
         for phase, expr in zip((forward, backward), explicit_block_terms("a", "h", c < s, e)):
             phase["scores"] = formula(expr, show="m e", b=micro, s=s, h=h, a=a, c=c)
-    cost["peak"] = phase_peaks(cost, t, forward=forward, backward=backward)
+    cost["peak"] = phase_peaks(cost, t, forward=forward, backward=backward,
+                               # the gradients flattened for their all-reduce, before the optimizer's own
+                               optimizer={"update": formula("max(4*Ψ, update)", show="update", Ψ=n_params,
+                                                            update=t["update"])} if world_size > 1 else None)
     momentum = " + 4*Ψ_m" if args.optimizer == "muon" else ""  # Muon's, made with the optimizer
     cost["startup"] = formula("params + init" + momentum, show="init", params=cost["held"]["params"],
                               init=t["init"], Ψ_m=psi_m)

@@ -31,12 +31,13 @@ def test_losses_equal_single_gpu(reference, ranks, micro, overlap, clip, bucket_
     flags += (["--micro_batch_size", micro] if micro else []) + ([] if overlap else ["--no_overlap"])
     run = launch("03_ddp.py", flags, nprocs=ranks).ok()
     assert_losses_match(reference[clip], run, what=f"ddp x{ranks} micro={micro} overlap={overlap} {clip}")
-    # the ledger: one all-reduce of every gradient (4Ψ bytes) and of the loss, a full replica
+    # the ledger: one all-reduce of every gradient (4Ψ bytes) and of the loss, a full replica;
+    # a replica alone posts nothing
     n_params = reference[clip].steps[0]["state_bytes"]["params"] // 4
     for step in run.steps:
-        assert step["comm_bytes"] == {"all_reduce": 4 * n_params + 4}
+        assert step["comm_bytes"] == ({"all_reduce": 4 * n_params + 4} if ranks > 1 else {})
         assert step["state_bytes"] == reference[clip].steps[0]["state_bytes"]
-    assert "ledger (rank 0)" in run.stdout and "4Ψ + 4·loss" in run.stdout
+    assert "ledger (rank 0)" in run.stdout and ("4Ψ + 4·loss" in run.stdout) == (ranks > 1)
 
 
 def test_eval_losses_are_the_global_mean(reference):
@@ -71,7 +72,8 @@ def test_bad_input_gives_one_line(flags, message):
 
 def test_buckets_are_launched_during_backward_and_not_on_accumulation_steps():
     """In-process, one-rank gloo group: when backward reaches the token embedding (the last
-    gradient produced) the later layers' buckets must already be in flight."""
+    gradient produced) the later layers' buckets must already be launched (counted at the
+    launch: a replica alone posts no all-reduce), in index order."""
     import importlib
     import torch
     import torch.distributed as dist
@@ -81,8 +83,9 @@ def test_buckets_are_launched_during_backward_and_not_on_accumulation_steps():
     try:
         model = build_model(GPTConfig(vocab_size=65, **PRESETS["tiny"]), 0, "cpu")
         buckets = ddp.GradientBuckets(model.parameters(), 50_000, dist.group.WORLD, overlap=True)
-        in_flight_at_embedding = []
-        model.transformer.wte.weight.register_hook(lambda g: in_flight_at_embedding.append(len(buckets.handles)))
+        in_flight_at_embedding, launched, launch = [], [], buckets._launch
+        buckets._launch = lambda index: (launched.append(index), launch(index))
+        model.transformer.wte.weight.register_hook(lambda g: in_flight_at_embedding.append(len(launched)))
         x = torch.randint(0, 65, (2, 16))
         for sync in (False, True):
             buckets.sync = sync
@@ -90,6 +93,7 @@ def test_buckets_are_launched_during_backward_and_not_on_accumulation_steps():
         assert in_flight_at_embedding[0] == 0  # accumulation step: nothing sent
         assert 0 < in_flight_at_embedding[1] < len(buckets.buffers)  # overlapped with backward
         buckets.finish()
+        assert launched == list(range(len(buckets.buffers)))  # every bucket once, in index order
         assert len(buckets.handles) == 0 and buckets.next_to_launch == 0  # reset for the next step
     finally:
         dist.destroy_process_group()

@@ -188,3 +188,21 @@ def test_the_world_named_is_still_called_world():
         assert ledger.position("all_reduce", other).startswith("all_reduce #1 on group ranks 0,")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("06_tensor_parallel.py", []),  # the norm's all-reduce, on a one-rank TP group
+    ("07_pipeline.py", []),  # the logged loss's broadcast, in a one-stage pipeline
+    ("08_3d.py", ["--zero1"]),  # ZeRO-1's reduce-scatter and all-gather, Muon's all-reduce, at D·C = 1
+    ("09_context_parallel.py", []),  # the gradients' and the loss's all-reduces, one rank holding every token
+])
+def test_a_one_rank_group_posts_nothing(script, flags):
+    """A script at one rank posts no collective of its step (03's alone: test_muon.py's
+    test_replicas_broadcast_each_matrix_from_its_owner), and costs() prices none: a collective
+    on a one-rank group moves nothing, yet a copy into a bigger program would keep paying its
+    launch and its buffer copies. The ledger's line per operation is empty on both sides."""
+    from harness import TINY
+    run = launch(script, TINY + flags + ["--max_iters", "1", "--optimizer", "muon"]).ok()
+    row = run.steps[-1]
+    assert not any(row["comm_bytes"].values()) and not any(row["comm_bytes_theory"].values()), row
+    assert "ledger mismatch" not in run.stdout + run.stderr

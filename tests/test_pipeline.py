@@ -126,7 +126,7 @@ def test_losses_and_ledger(reference, ranks, kind, v, micro, model):
         assert step["comm_bytes"]["send"] == sends * bsh == step["comm_bytes"]["recv"]
         assert step["comm_bytes"]["all_reduce[embedding]"] == 65 * 64 * 4  # tied wte gradient, its own group
         assert step["comm_bytes"]["all_reduce"] == 4  # the norm, over every stage
-    assert step["comm_bytes"]["broadcast"] == 4
+    assert step["comm_bytes"].get("broadcast", 0) == (4 if ranks > 1 else 0)  # the logged loss (none in one stage)
     live = top = 0
     for k, _, _ in order:  # held from F to B, or with zero bubble from F to W
         live += 1 if k == "F" else -1 if k == ("W" if kind == "zb" else "B") else 0

@@ -55,6 +55,8 @@ def main():
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=2, help="runs of each, interleaved; best median kept")
     p.add_argument("--before", help="another 09_context_parallel.py (a file), run too, interleaved")
+    p.add_argument("--before_impl", nargs="+", default=["ring", "ulysses"], choices=["ring", "ulysses"],
+                   help="which of --before's attentions to run (the other's code unchanged: fewer runs)")
     a, model_flags = p.parse_known_args()
     model_flags = model_flags or ["--model", "tiny", "--n_layer", "4", "--n_embd", "128", "--n_head", "4",
                                   "--block_size", "2048", "--global_batch_size", "8",
@@ -66,7 +68,7 @@ def main():
                 for n in a.ranks for impl in ("ring", "ulysses")]
     if a.before:
         configs += [(f"{impl} cp {n} before", n, [os.path.abspath(a.before), "--cp", n, "--cp_impl", impl])
-                    for n in a.ranks for impl in ("ring", "ulysses")]
+                    for n in a.ranks for impl in a.before_impl]
     runs, ms, mem = interleaved(configs, flags, a.repeats, a.skip)
     single = runs["01 (1 rank)"][0]
     ms0, mem0 = ms["01 (1 rank)"], mem["01 (1 rank)"]

@@ -6,12 +6,14 @@ through one expert MLP, the dense model's MLP, plus the router's h·E). Rerun wi
     python tests/benchmarks/bench_moe.py                           # CPU: 4 experts, top-1
     python tests/benchmarks/bench_moe.py --ep 2 4 8 --device cuda --model gpt2 --n_expert 8 ...
 
-Step time is the median over the steps after --skip, the best of --repeats interleaved runs.
+Step time is the median over the steps after --skip, the best of --repeats interleaved runs; the
+last column, the busiest EP rank's share of the routed tokens (the rank the others wait for).
 Memory is each rank's peak resident set (ru_maxrss, so it includes the ~0.3 GB of the torch
 runtime) on CPU, torch's max_memory_allocated on GPUs."""
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,11 +47,27 @@ def main():
     single = runs["01 moe"][0]
     ms0, mem0 = ms["01 moe"], mem["01 moe"]
     print(f"expert parallel vs 01_single_gpu.py, best of {a.repeats}: {' '.join(map(str, model_flags + moe))}")
-    print(f"{'run':>22} {'ms/step':>9} {'ratio':>6} {'peak MiB/rank':>14} {'ratio':>6} {'same losses':>12}")
-    for name, _, _ in configs:
+    print(f"{'run':>22} {'ms/step':>9} {'ratio':>6} {'peak MiB/rank':>14} {'ratio':>6} {'same losses':>12} "
+          f"{'busiest EP rank':>16}")
+    for name, ranks, _ in configs:
         same = max(abs(x - y) / y for x, y in zip(runs[name][0].losses, single.losses)) < 1e-4
         print(f"{name:>22} {ms[name]:>9.0f} {ms[name] / ms0:>6.2f} {mem[name] / 2**20:>14.0f} "
-              f"{mem[name] / mem0:>6.2f} {str(same) if name.startswith('10') else '':>12}", flush=True)
+              f"{mem[name] / mem0:>6.2f} {str(same) if name.startswith('10') else '':>12} "
+              f"{busiest_share(runs[name][0], ranks, a.skip) if name.startswith('10') else '':>16}", flush=True)
+    print("busiest EP rank: the median over the timed steps of the largest share of the routed tokens that one "
+          "rank's experts receive (ideal 1/ep; it waits for no one, the others wait for it at every all-to-all)")
+
+
+def busiest_share(run, ep, skip):
+    """The median over the steps after `skip` of max over EP ranks of its experts' share of the step's
+    routed tokens (expert_tokens, summed over the layers; rank r holds experts [r·E/ep, (r+1)·E/ep))."""
+    shares = []
+    for row in run.steps[skip:]:
+        tokens = row["expert_tokens"]
+        per = len(tokens) // ep
+        shares.append(max(sum(tokens[r * per:(r + 1) * per]) for r in range(ep)) / sum(tokens))
+    return f"{statistics.median(shares):.3f}"
+
 
 
 if __name__ == "__main__":
