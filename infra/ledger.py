@@ -377,8 +377,8 @@ def print_ledger(env, held, comm, cost, activations=None, calls=None):
     stated = cost.get("calls", {})
     for op in sorted(set(comm) | set(cost["sent"])):
         formula, value = cost["sent"].get(op, ("0", 0))
-        count = f"; {calls.get(op, 0)} call(s) | {stated[op][0]} = {stated[op][1]}" if calls is not None and op in stated \
-            else ""
+        count = f"; {calls.get(op, 0)} call(s) | {stated[op][0]} = {stated[op][1]}" \
+            if calls is not None and op in stated else ""
         lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step"
                      + count)
     if not comm and not cost["sent"]:
