@@ -83,7 +83,7 @@ def priced(script, flags, n, rate, alpha, beta, cores):
                                 "--dtype", "float32", "--peak_tflops", str(rate * share / 1e12),
                                 "--link_gbps", str(beta), "--efficiency", "1"])
     machine.update(alpha_intra=alpha, alpha_inter=alpha)
-    strategy = [f for f in flags if f not in flags_of(flags)]
+    strategy = [f for i, f in enumerate(flags) if f not in MODEL_FLAGS and (i == 0 or flags[i - 1] not in MODEL_FLAGS)]
     c, reason = plan.score(script, strategy, script, args, machine)
     if c is None:
         raise SystemExit(f"plan.py refuses {script} {' '.join(flags)} at {n} ranks: {reason}")
@@ -121,6 +121,8 @@ def main():
     a.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
     a.add_argument("--target", type=float, default=25.0, help="per cent: a larger error names its missing term")
     a.add_argument("--smoke", action="store_true", help="2 layouts at 2 ranks, the tiny model, 3 steps")
+    a.add_argument("--only", nargs="+", default=None, help="the layouts whose label starts so (\"08\", \"04 ZeRO-1\"), "
+                   "as RANKS:LABEL (\"4:03\") or LABEL at every --ranks")
     a = a.parse_args()
     model = SMOKE_MODEL if a.smoke else MODEL
     if a.smoke:
@@ -137,6 +139,9 @@ def main():
     errors = []
     for n in a.ranks:
         for label, script, strategy, extra in layouts(n)[:2 if a.smoke else None]:
+            if a.only and not any(label.startswith(o.split(":")[-1]) and (":" not in o or o.split(":")[0] == str(n))
+                                  for o in a.only):
+                continue
             if a.smoke and script == "03_ddp.py":
                 script, strategy, label = "07_pipeline.py", ["--schedule", "1f1b"], "07 1F1B"
             one = measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip)  # interleaved: 01, then the layout
