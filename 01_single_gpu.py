@@ -164,7 +164,7 @@ def costs(args, config, world_size, dtype, rows=None):
                      # AdamW's two moments; Muon keeps one (its momentum) for the Ψ_m matrix entries
                      "optim": formula("8*Ψ", Ψ=psi) if args.optimizer == "adamw" else
                      formula("4*Ψ_m + 8*(Ψ - Ψ_m)", Ψ=psi, Ψ_m=hidden_matrix_params(config))},
-            "sent": {},
+            "sent": {}, "calls": {},
             # Muon: Newton-Schulz on every matrix (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(hidden_matrix_shapes(config) if args.optimizer == "muon" else []),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute) if rows is None else

@@ -56,6 +56,20 @@ def add_flags(parser):
 FIRST_BUCKET_BYTES = 2**20
 
 
+def bucket_groups(items, sizes, bucket_bytes):
+    """`items` (the parameters, last layer first) in buckets of about `bucket_bytes` by their
+    `sizes` in bytes; like DDP, the first bucket is small (1 MiB), so the first all-reduce
+    starts early. (costs() counts the buckets, one all-reduce each, from the same split.)"""
+    groups, current, size = [], [], 0
+    for item, nbytes in zip(items, sizes):
+        current.append(item)
+        size += nbytes
+        if size >= (min(bucket_bytes, FIRST_BUCKET_BYTES) if not groups else bucket_bytes):
+            groups.append(current)
+            current, size = [], 0
+    return groups + [current] if current else groups
+
+
 class GradientBuckets:
     """DDP's reducer. Parameters are grouped, in reverse order, into buckets of about
     `bucket_bytes`; each bucket is one flat tensor and every parameter's .grad is a view
@@ -78,16 +92,8 @@ class GradientBuckets:
         self.group, self.world_size = group, dist.get_world_size(group)
         self.overlap, self.sync = overlap, False
         params = [p for p in params if p.requires_grad]
-        groups, current, size = [], [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            # like DDP, the first bucket is small (1 MiB) so the first all-reduce starts early
-            if size >= (min(bucket_bytes, FIRST_BUCKET_BYTES) if not groups else bucket_bytes):
-                groups.append(current)
-                current, size = [], 0
-        if current:
-            groups.append(current)
+        groups = bucket_groups(list(reversed(params)), [p.numel() * p.element_size() for p in reversed(params)],
+                               bucket_bytes)
         self.buffers, self.bucket_of, self.sizes = [], {}, []
         for index, group in enumerate(groups):
             buffer = torch.zeros(sum(p.numel() for p in group), dtype=params[0].dtype,
@@ -303,6 +309,7 @@ def costs(args, config, world_size, dtype, rank=0):
     alone), and Newton-Schulz on the matrices this rank owns."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
                                 newton_schulz_flops, phase_peaks, transient_terms)
+    from common import param_shapes
     psi, _ = count_params(config)
     shapes = hidden_matrix_shapes(config) if args.optimizer == "muon" else []  # Muon's matrices, whole
     # activations: each replica runs 01's model on its micro-batch: 01's count, unchanged
@@ -322,8 +329,15 @@ def costs(args, config, world_size, dtype, rank=0):
             "muon_flops": newton_schulz_flops([shape for shape, owner in zip(shapes, muon_owners(shapes, world_size))
                                                if owner == rank]),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
+    # the calls a step posts, each paying the network's latency once: a bucket's all-reduce (or, with
+    # --no_overlap, a gradient's) and the loss's; --bitwise's one tree; Muon's broadcast per matrix
+    sizes = [4 * math.prod(shape) for shape in reversed(param_shapes(config).values())]
+    grads = len(sizes) if args.no_overlap else len(bucket_groups(sizes, sizes, args.bucket_mb * 2**20))
+    cost["calls"] = {"all_reduce": formula("buckets + loss", buckets=grads, loss=1)} if not args.bitwise else \
+        {op: formula("1") for op in cost["sent"]}
     if shapes and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every replica
         cost["sent"]["broadcast"] = formula("e*Ψ_m", show="e", e=dtype.itemsize, Ψ_m=hidden_matrix_params(config))
+        cost["calls"]["broadcast"] = formula("matrices", matrices=len(shapes))
     # every live tensor at its most, by phase (infra.formulas.phase_peaks: 01's; the gradients live in
     # their buckets, and the all-reduce works in place), and at start-up: the weights with
     # param_init's scratch, then the buckets, made whole before the first step

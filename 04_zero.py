@@ -729,7 +729,7 @@ def costs(args, config, world_size, dtype, rank=0):
     elements are Muon's (one fp32 moment, not two), and it sends its pieces of them to their
     owners and receives back, in the compute dtype, the Ψ_o elements of the matrices it owns."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
-                                newton_schulz_flops, phase_peaks, transient_terms)
+                                newton_schulz_flops, phase_peaks, plus, transient_terms)
     n, stage = world_size, args.stage
     shards = [math.ceil(numel / n) for numel in unit_numels(config)]
     psi, root = sum(shards) * n, shards[0] * n
@@ -767,11 +767,24 @@ def costs(args, config, world_size, dtype, rank=0):
                 "all_gather_into_tensor": f("4*Ψ + 4*N + " + ("e*Ψ" if stage < 3 else "e*(root + m*2*blocks)"))}
     if matrices:  # Muon: this rank's pieces to their owners, its own matrices' pieces back
         sent["all_to_all_single"] = f("e*(Ψ_mr + Ψ_o)")
+    # the calls a step posts, each paying the network's latency once: one per unit (U: the root
+    # and a unit per block) and collective; stage 3 gathers the blocks in forward and backward of
+    # every micro-batch; --bitwise a unit's tree each and the loss's; Muon's two all-to-alls
+    U, c = len(shards), formula  # noqa: E731
+    gathers = "U" if stage < 3 else "1 + m*2*(U - 1)"
+    calls = {"all_reduce": c("loss + norm" if clipping else "loss", loss=1, norm=1),
+             "reduce_scatter_tensor": c("U" if stage == 1 else "m*U", show="m", U=U, m=m),
+             "all_gather_into_tensor": c(gathers, show="m", U=U, m=m)}
+    if args.bitwise:
+        calls = {"all_to_all_single": c("U + loss", U=U, loss=1),
+                 "all_gather_into_tensor": c(f"U + loss + {gathers}", show="m", U=U, m=m, loss=1)}
+    if matrices:
+        calls["all_to_all_single"] = plus(calls.get("all_to_all_single"), c("2"))
     # activations: each rank runs 01's model on its micro-batch; partitioning the model
     # states leaves them as they are (01's count per micro-batch)
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                              param_dtype=torch.float32 if args.bitwise else dtype)  # the working parameters
-    cost = {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent,
+    cost = {"layout": f"ZeRO stage {stage} over {n} ranks", "held": held, "sent": sent, "calls": calls,
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}
     if stage == 3:  # the working parameters at the peak: the root, gathered all step, and the block being
         cost["gathered"] = f("e*(root + block)")  # run (its backward releases it before the next is gathered)

@@ -710,13 +710,28 @@ def costs(args, config, world_size, dtype, rank=0):
     if matrices:  # Muon: this rank's rows to their owners, its own matrices' rows back
         sent["all_to_all_single[shard]"] = f("e*(Ψ_mr + Ψ_o)")
     sent = {k: v for k, v in sent.items() if v[1]}
+    # the calls a step posts, each paying the network's latency once: a unit's (U: the root and a
+    # unit per block) gather, reduce-scatter and replica all-reduce, the blocks gathered in forward
+    # and backward of every micro-batch (once per step without resharding); --bitwise's trees
+    def c(expr):
+        return formula(expr, show="m", U=1 + config.n_layer, m=m, loss=1, norm=1)
+    gathers = "1 + m*2*(U - 1)" if reshard else "U"
+    calls = {"all_gather_into_tensor[shard]": c(gathers), "reduce_scatter_tensor[shard]": c("m*U"),
+             "all_reduce[shard]": c("norm"), "all_reduce": c("loss"), "all_reduce[replicate]": c("m*U")}
+    if args.bitwise:
+        calls = {"all_gather_into_tensor[shard]": c(f"{gathers} + U"), "all_to_all_single[shard]": c("U"),
+                 "all_to_all_single": c("loss"), "all_gather_into_tensor": c("loss"),
+                 "all_to_all_single[replicate]": c("U"), "all_gather_into_tensor[replicate]": c("U")}
+    if matrices:  # Muon's two all-to-alls
+        calls["all_to_all_single[shard]"] = plus(calls.get("all_to_all_single[shard]"), c("2"))
+    calls = {k: v for k, v in calls.items() if k in sent}
     gathered = f("e*(root + k*block)")
     # activations: each rank runs 01's model on its micro-batch; sharding the model states
     # leaves them as they are, but the residual stream is in the compute dtype
     terms = activation_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                              param_dtype=torch.float32 if args.bitwise else dtype)  # the gathered units
     cost = {"layout": f"FSDP over {S} ranks" + (f" x {R} replicas" if R > 1 else ""),
-            "held": held, "sent": sent, "gathered": gathered, "muon": matrices,
+            "held": held, "sent": sent, "calls": calls, "gathered": gathered, "muon": matrices,
             # Muon: Newton-Schulz on the matrices this rank owns in its shard group, whole (every replica's too)
             "muon_flops": newton_schulz_flops([s for (_, s), owner in zip(matrices, owners) if owner == r]),
             "activations": activations_of_layers(terms, config.n_layer, args.recompute)}

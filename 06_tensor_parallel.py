@@ -639,6 +639,20 @@ def costs(args, config, world_size, dtype, rank=0):
     if args.recompute and (sp or T > 1):  # backward runs each block's forward again, its g (e) twice too
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor") if sp else ("all_reduce",):
             sent[op] = plus(sent[op], f("m*L*2*e*b*s*h"))
+    # the calls a step posts, each paying the network's latency once: per micro-batch and layer
+    # f and g twice each (SP: the all-gathers again in backward), the ends' and the loss's
+    # statistics (3); once per step the norm, SP's replicated gradients, Muon's two all-to-alls
+    if sp:
+        calls = {"all_gather_into_tensor": f("m*(6*L + 3)"), "reduce_scatter_tensor": f("m*(4*L + 2)"),
+                 "all_reduce": f("m*3 + 1 + norm")}
+    else:
+        calls = {"all_reduce": f("m*(4*L + 5) + norm" if T > 1 else "norm")}
+    if args.recompute and (sp or T > 1):  # g again in each block's second forward
+        for op in ("all_gather_into_tensor", "reduce_scatter_tensor") if sp else ("all_reduce",):
+            calls[op] = plus(calls[op], f("m*2*L"))
+    if "all_to_all_single" in sent:
+        calls["all_to_all_single"] = f("2")
+    calls = {op: value for op, value in calls.items() if op in sent and value[1]}
     # activations: Megatron's split (infra.formulas.activation_terms with tp, sp), plus the
     # vocabulary-parallel ends: the embedding's out-of-slice mask (bool, b·s) and a head
     # that keeps its input (the whole sequence, its shard with SP), this rank's fp32 softmax
@@ -653,7 +667,7 @@ def costs(args, config, world_size, dtype, rank=0):
         terms["layer"] = plus(terms["layer"], f(f"2*(4 - e)*b*s*h{sp_T}"))
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     cost = {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),
-            "held": held, "sent": sent, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
+            "held": held, "sent": sent, "calls": calls, "params_per_rank": (n_sharded, n_replicated), "muon": matrices,
             # Muon: Newton-Schulz on the matrices this rank owns, put together whole (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([shape for shape, owner in zip(matrices, owners) if owner == rank]),
             "activations": activations_of_layers(terms, L, args.recompute)}

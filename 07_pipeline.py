@@ -1235,6 +1235,10 @@ def costs(args, config, world_size, dtype, rank=0):
             # every stage's squared norm (--bitwise: each of 01's parameters' norm, StageTree.norm)
             "all_reduce": formula("4*norm" if args.grad_clip > 0 and p > 1 else "0",
                                   norm=len(param_shapes(config)) if bitwise else 1)}
+    # the calls a step posts, each paying the network's latency once: a send or receive per boundary
+    # crossed (each op of a batch), the loss's broadcast, the tied wte's and the norm's all-reduces
+    calls = {"send": formula("n", show="n", n=sends), "recv": formula("n", show="n", n=recvs),
+             "broadcast": formula("1"), "all_reduce[embedding]": formula("1"), "all_reduce": formula("1")}
     held = {"params": formula("4*Ψ_stage", Ψ_stage=psi), "grads": formula("4*Ψ_stage", Ψ_stage=psi),
             "optim": formula("8*Ψ_stage", Ψ_stage=psi) if args.optimizer == "adamw" else
             formula("4*Ψ_m + 8*(Ψ_stage - Ψ_m)", Ψ_stage=psi, Ψ_m=psi_m)}  # Muon: one moment of its matrices
@@ -1244,6 +1248,7 @@ def costs(args, config, world_size, dtype, rank=0):
     cost = {"layout": f"stage {rank} of {p}" + (f", chunks {[chunk_stage(p, rank, c, vee) for c in range(v)]}"
                                                 if v > 1 else ""),
             "held": held, "sent": {k: val for k, val in sent.items() if val[1]},
+            "calls": {k: val for k, val in calls.items() if sent[k][1]},
             # Muon: Newton-Schulz on this stage's matrices (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([t.shape for name, t in chunks.named_parameters()
                                               if args.optimizer == "muon" and is_hidden_matrix(name, t.shape)]),

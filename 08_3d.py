@@ -545,6 +545,7 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated" + (f" (of them {x['Ψ_x']:,} in {E // N} of {E} experts per layer)" if E else ""))
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
+                 **({} if owners or E else {"calls": call_costs(args, x, sent, *ends)}),  # (Muon, experts: unstated)
                  # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, each in one of
                  # the D·C replicas (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
                  "muon_flops": newton_schulz_flops([shape for shape, own in zip(mine, muon_owners(mine, D * C))
@@ -598,7 +599,7 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
 def cost(expr, x, **more):
     """One of 08's formulas at this rank's symbols; m and e printed by value."""
     from infra.formulas import formula
-    return formula(expr, show="m e n", **x, **more)
+    return formula(expr, show="m e n p", **x, **more)
 
 
 def dp_costs(args, x):
@@ -717,6 +718,31 @@ def cp_costs(args, x):
         ring = cost(f"m*L*({6 if args.recompute else 4}*(C - 1)*e*b*s*h/T + 8*C*b*s*h/T)", x)
         return {"send": ring, "recv": ring}
     return {"all_to_all_single[cp]": cost(f"m*L*{12 if args.recompute else 8}*e*b*s*h/T", x)}
+
+
+def call_costs(args, x, sent, first, last):
+    """The calls a step posts on each key of `sent`, each paying the network's latency once:
+    per micro-batch and layer 06's f and g twice each (SP: the all-gathers again in backward; g
+    again with --recompute), the ends' and the loss's statistics; the pipeline's sends and
+    receives per boundary, the CP ring's K and V per hop (dK, dV's C hops in backward) or
+    Ulysses' four all-to-alls per pass; once per step the DP buffer's, the norm's, the loss's."""
+    from infra.formulas import plus
+    p, again = 3 if args.recompute else 2, " + m*2*L" if args.recompute else ""
+    calls = {"all_reduce[dp]": cost("2" if not args.zero1 else "1", x), "reduce_scatter_tensor[dp]": cost("1", x),
+             "all_gather_into_tensor[dp]": cost("1", x), "all_reduce": cost("1", x),
+             "all_reduce[model]": cost("1", x), "all_reduce[pp]": cost("1", x), "all_reduce[embedding]": cost("1", x),
+             "send": cost("m*n", x, n=2 - first - last) if x["P"] > 1 else None,
+             "all_to_all_single[cp]": cost("m*L*p*4", x, p=p)}
+    if not args.sequence_parallel:
+        calls["all_reduce[tp]"] = cost(f"m*(4*L{' + 1' * first}{' + 4' * last}){again}", x)
+    else:
+        calls.update({"all_gather_into_tensor[tp]": cost(f"m*(6*L{' + 1' * first}{' + 2' * last}){again}", x),
+                      "reduce_scatter_tensor[tp]": cost(f"m*(4*L{' + 1' * first}{' + 1' * last}){again}", x),
+                      "all_reduce[tp]": cost("m*3 + 1" if last else "1", x)})
+    if x["C"] > 1 and args.cp_impl == "ring":
+        calls["send"] = plus(calls["send"], cost("m*L*(p*2*(C - 1) + 2*C)", x, p=p))
+    calls["recv"] = calls["send"]
+    return {op: calls[op] for op in sent if sent[op][1]}
 
 
 def activation_costs(args, config, dtype, x, in_flight, first, last, received=None):

@@ -641,6 +641,7 @@ def costs(args, config, world_size, dtype, rank=0):
     replaced by what this script's attention saves."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
                                 newton_schulz_flops, phase_peaks, sdpa_logsumexp, transient_terms)
+    from common import param_shapes
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices
@@ -661,6 +662,17 @@ def costs(args, config, world_size, dtype, rank=0):
         sent["send"] = sent["recv"] = f(f"m*L*({6 if args.recompute else 4}*(C - 1)*e*b*s*h + 8*C*b*s*h)")
     elif C > 1:  # q, k, v to heads and the output back, forward and backward
         sent["all_to_all_single[cp]"] = f(f"m*L*{12 if args.recompute else 8}*e*b*s*h")
+    # the calls a step posts, each paying the network's latency once: a gradient's all-reduce each
+    # and the loss's; per layer and micro-batch the ring's K and V sends each hop (forward, and in
+    # backward with dK, dV's C hops), or Ulysses' four all-to-alls each pass; Muon's per matrix
+    passes = 3 if args.recompute else 2
+    calls = {"all_reduce": formula("params + loss", params=len(param_shapes(config)), loss=1)}
+    if "broadcast" in sent:
+        calls["broadcast"] = formula("matrices", matrices=len(shapes))
+    if "send" in sent:
+        calls["send"] = calls["recv"] = formula("m*L*(p*2*(C - 1) + 2*C)", show="m p", m=m, L=L, p=passes, C=C)
+    if "all_to_all_single[cp]" in sent:
+        calls["all_to_all_single[cp]"] = formula("m*L*p*4", show="m p", m=m, L=L, p=passes)
     # activations of one micro-batch of b sequences of s = block_size/C tokens, a = H heads
     if C == 1:  # plain SDPA without dropout: q, k, v (c_attn's output), its output = c_proj's input, logsumexp
         attention = f(f"4*e*b*s*h + {sdpa_logsumexp('a', 's', dtype, device_type)}")
@@ -678,7 +690,7 @@ def costs(args, config, world_size, dtype, rank=0):
             # (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops([shape for shape, owner in zip(shapes, muon_owners(shapes, world_size))
                                                if owner == rank]),
-            "sent": sent, "activations": activations_of_layers(terms, L, args.recompute)}
+            "sent": sent, "calls": calls, "activations": activations_of_layers(terms, L, args.recompute)}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks: 01's on s tokens), with the
     # ring's working set: in forward the fp32 O being merged, a block's output and the next
     # K/V arriving; in backward the fp32 dQ, this hop's dK, dV and the pair arriving with

@@ -381,10 +381,18 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
         sent["broadcast"] = f("e*Ψ_dm")
     if experts and dp > 1:  # and the experts' among the ranks that hold the same experts
         sent["broadcast[expert_dp]"] = f("e*L*Ψ_em*E/N")
+    # the calls a step posts, each paying the network's latency once: per layer and micro-batch the
+    # rows out and back in each pass and the counts in each forward; the dense gradients' flat
+    # all-reduce and the logged statistics'; the experts' flat all-reduce; the norm; Muon's per matrix
+    calls = {"all_to_all_single[ep]": f("L*m*(2*p + p - 1)"), "all_reduce": f("2"),
+             "all_reduce[expert_dp]": f("1"), "all_reduce[ep]": f("1"),
+             "broadcast": formula("matrices", matrices=len(dense)),
+             "broadcast[expert_dp]": formula("matrices", matrices=len(experts))}
     owned = [shape for shape, owner in zip(dense, muon_owners(dense, world_size)) if owner == rank] + \
         [shape for shape, owner in zip(experts, muon_owners(experts, dp)) if owner == rank // ep]
     cost = {"layout": f"expert parallel over {ep} ranks x {world_size // ep} data-parallel",
             "held": held, "sent": {op: value for op, value in sent.items() if value[1]},
+            "calls": {op: value for op, value in calls.items() if sent.get(op, (0, 0))[1]},
             # Muon: Newton-Schulz on the matrices this rank owns, dense and of its experts
             # (infra.formulas.newton_schulz_flops)
             "muon_flops": newton_schulz_flops(owned),

@@ -54,9 +54,10 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              the rest cross the links inside. With experts, --imbalance F (1:
                              balanced; or a run's --metrics, its expert_imbalance) gives the
                              busiest rank F x the rows, in its all-to-all and its experts'
-                             FLOPs. The costs give bytes per step, not call counts, so alpha is
-                             paid once per operation and step (a lower bound on latency;
-                             bandwidth dominates at these sizes)
+                             FLOPs. Alpha is paid per call: costs() states the calls a step
+                             posts of every operation (a bucket's, a unit's, a layer's per
+                             micro-batch; the ledger checks them as it checks the bytes), so
+                             ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one
                  the slowest rank's time is the step time; MFU = model FLOPs (PaLM's count, attention
                  non-causal, as the scripts' MFU) / (time x N x peak)
     recommendation  the ALCF rules ("Deciding on a parallelism strategy"): fits on one GPU ->
@@ -302,6 +303,12 @@ def rank_costs(name, args, config, n, dtype, rank):
     return with_guard(module.costs(args, config, n, dtype), n)
 
 
+def op_calls(cost):
+    """{op: the calls a step posts} from costs()' "calls" (the ledger checks them); an op it
+    does not count (08 with Muon) is priced as one call."""
+    return {op: value for op, (_, value) in cost.get("calls", {}).items()}
+
+
 GUARD_OP = "all_reduce[guard]"  # its bytes are counted; no time: the flags travel while the next step runs (Guard)
 
 
@@ -376,10 +383,11 @@ def group_of(name, op, args, n, gpus_per_node):
     return size, ranks_per_node([i * stride for i in range(size)], G)
 
 
-def comm_seconds(op, nbytes, g, per_node, machine):
-    """Alpha-beta time of one step's `nbytes` of `op` on a ring of g ranks: inside a node
-    (per_node None) over the GPU links; across nodes over per_node GPUs' share of the node's
-    NICs (k x inter_gbps, at most the node's NICs, and no faster than the links inside)."""
+def comm_seconds(op, nbytes, g, per_node, machine, calls=1):
+    """Alpha-beta time of one step's `nbytes` of `op`, posted in `calls` calls (costs()' count:
+    each call pays its latency), on a ring of g ranks: inside a node (per_node None) over the
+    GPU links; across nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at
+    most the node's NICs, and no faster than the links inside)."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
@@ -389,7 +397,7 @@ def comm_seconds(op, nbytes, g, per_node, machine):
     beta = 1e9 * gbps
     alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
     if base == "send":
-        return alpha + nbytes / beta
+        return calls * alpha + nbytes / beta
     kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
             "all_to_all_single": "all_to_all"}.get(base, base)
     steps = 2 * (g - 1) if kind == "all_reduce" else g - 1
@@ -398,9 +406,9 @@ def comm_seconds(op, nbytes, g, per_node, machine):
         # share of the node's NICs (all k GPUs of the node send at once), the k - 1 others' rows
         # over the links inside, at the same time
         k = min(int(per_node), g)
-        return steps * alpha + max(nbytes * (g - k) / g / (1e9 * machine["inter_gbps"]),
+        return calls * steps * alpha + max(nbytes * (g - k) / g / (1e9 * machine["inter_gbps"]),
                                    nbytes * (k - 1) / g / (1e9 * machine["intra_gbps"]))
-    return steps * alpha + script("02_collectives.py").bus_factor(kind, g) * nbytes / beta
+    return calls * steps * alpha + script("02_collectives.py").bus_factor(kind, g) * nbytes / beta
 
 
 def flops_as_run(config, n_params):
@@ -488,8 +496,9 @@ def score(name, flags, label, plan_args, machine):
         comm = {op: value for op, (_, value) in cost["sent"].items()}
         # the busiest expert-parallel rank receives (and sends back) imbalance x the balanced rows
         comm.update({op: value * plan_args.imbalance for op, value in comm.items() if op == "all_to_all_single[ep]"})
-        comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine) for op, b in comm.items()
-                     if op != GUARD_OP)
+        calls = op_calls(cost)
+        comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine, calls.get(op, 1))
+                     for op, b in comm.items() if op != GUARD_OP)
         ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s,
                           muon_flops=cost["muon_flops"][1] if "muon_flops" in cost else 0,
                           need=fit_need(cost, planned_device_type(args))))
@@ -889,7 +898,8 @@ def per_link(c, plan_args, machine):
             g, across = group_of(c["script"], op, args, n, G)
             kind = "inter" if across else "intra"
             split[kind][0] += nbytes if g > 1 and op.split("[")[0] != "recv" else 0
-            split[kind][1] += comm_seconds(op, nbytes, g, across, machine) if op != GUARD_OP else 0.0
+            split[kind][1] += comm_seconds(op, nbytes, g, across, machine, op_calls(cost).get(op, 1)) \
+                if op != GUARD_OP else 0.0
         if worst is None or sum(s for _, s in split.values()) > sum(s for _, s in worst.values()):
             worst = split
     return {kind: tuple(v) for kind, v in worst.items()}

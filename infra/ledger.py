@@ -32,7 +32,9 @@ class CommLedger:
     `dist.all_reduce` literally). The count is the message size in nccl-tests' convention:
     the tensor for all_reduce / broadcast / reduce / send / recv, the *input* for
     reduce_scatter and all_to_all, the *output* for all_gather; not the wire traffic of the
-    algorithm (a ring all-reduce puts 2(N-1)/N of it on every link)."""
+    algorithm (a ring all-reduce puts 2(N-1)/N of it on every link). Beside the bytes, the
+    calls of each key (a batch_isend_irecv: one per send or receive in it): every call pays
+    the network's latency once, whatever its size, so a plan prices latency per call."""
 
     # op: the argument whose size is counted (a tensor, or a list of tensors)
     COUNTED = {
@@ -51,7 +53,7 @@ class CommLedger:
                         "output_tensor_list", "input_tensor_list", "gather_list", "scatter_list"}
 
     def __init__(self):
-        self.bytes, self.installed, self.group_names, self.counting = {}, False, {}, True
+        self.bytes, self.calls, self.installed, self.group_names, self.counting = {}, {}, False, {}, True
         self.device = None  # the run's device: every tensor handed to a collective must be on it
         # where this rank is, for the line a failed or timed-out collective prints: the step
         # and phase (Run sets them), and how many collectives it has posted on each group
@@ -156,6 +158,7 @@ class CommLedger:
     def add(self, op, nbytes):
         op = {"isend": "send", "irecv": "recv"}.get(op, op)  # p2p: by direction
         self.bytes[op] = self.bytes.get(op, 0) + nbytes
+        self.calls[op] = self.calls.get(op, 0) + 1
 
     def on_device(self, op, tensors):
         """NCCL and XCCL take only tensors on the rank's own device (gloo takes any CPU or
@@ -257,10 +260,11 @@ class CommLedger:
         with torch.profiler.record_function(self.label):
             return fn(*args, **kwargs)
 
-    def take(self):
-        """The bytes counted since the last take (one optimizer step's worth)."""
-        counted, self.bytes = self.bytes, {}
-        return counted
+    def take(self, calls=False):
+        """The bytes counted since the last take (one optimizer step's worth); with calls,
+        (bytes, calls) by key."""
+        counted, called, self.bytes, self.calls = self.bytes, self.calls, {}, {}
+        return (counted, called) if calls else counted
 
 
 def flight_recorder_prefix():
@@ -383,10 +387,11 @@ def state_bytes(params, optimizer):
             "optim": tensor_bytes(optimizer_state_tensors(optimizer))}
 
 
-def print_ledger(env, held, comm, cost, activations=None):
+def print_ledger(env, held, comm, cost, activations=None, calls=None):
     """Once, after the first step: what this rank holds and sends, measured next to the
     strategy's formula (`cost` is the script's costs(): each value is (formula, bytes));
-    `activations`: the ActivationMeter's peak over the step."""
+    `activations`: the ActivationMeter's peak over the step; `calls`: the step's calls by
+    key, next to costs()' "calls" (each a formula of the calls a step posts)."""
     lines = [f"ledger (rank {env.rank}): measured | theory"]
     for kind in cost["held"]:  # params, grads, optim (and with --offload their host parts)
         formula, value = cost["held"][kind]
@@ -395,9 +400,13 @@ def print_ledger(env, held, comm, cost, activations=None):
         formula, value = cost["activations"]
         measured = format_bytes(activations) if activations is not None else "-"
         lines.append(f"  held {'activations (peak)':<24} {measured:>11} | {formula} = {format_bytes(value)}")
+    stated = cost.get("calls", {})
     for op in sorted(set(comm) | set(cost["sent"])):
         formula, value = cost["sent"].get(op, ("0", 0))
-        lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step")
+        count = f"; {calls.get(op, 0)} call(s) | {stated[op][0]} = {stated[op][1]}" \
+            if calls is not None and op in stated else ""
+        lines.append(f"  sent {op:<24} {format_bytes(comm.get(op, 0)):>11} | {formula} = {format_bytes(value)} per step"
+                     + count)
     if not comm and not cost["sent"]:
         lines.append("  communication: none")
     log(env, "\n".join(lines))
@@ -412,9 +421,28 @@ def print_ledger(env, held, comm, cost, activations=None):
               for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
     if differ:
         say(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", sys.stderr)
+    differ = calls_differ(calls, cost) if calls is not None else []
+    if differ:  # a line of its own, after the bytes' (the bug zoo names a bug by the first)
+        say(f"ledger mismatch on rank {env.rank}: {'; '.join(differ)}", sys.stderr)
+
+
+def calls_differ(calls, cost):
+    """Where a step's measured calls by key differ from costs()' "calls" (each a formula;
+    a costs() without them is not checked), as "calls OP n, formula m"."""
+    if "calls" not in cost:
+        return []
+    stated = {op: value for op, (_, value) in cost["calls"].items()}
+    keys = sorted(set(stated) | set(calls))
+    return [f"calls {op} {calls.get(op, 0)}, formula {stated.get(op, 0)}"
+            for op in keys if calls.get(op, 0) != stated.get(op, 0)]
 
 
 def theory_bytes(cost):
     """The byte values of a costs() result, keyed as the metrics' measured columns."""
     return ({kind: value for kind, (_, value) in cost["held"].items()},
             {op: value for op, (_, value) in cost["sent"].items()})
+
+
+def theory_calls(cost):
+    """costs()' calls per step by key (the metrics' comm_calls_theory), or None where it states none."""
+    return {op: value for op, (_, value) in cost["calls"].items()} if "calls" in cost else None

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from common import log, model_block_size
-from infra.ledger import LEDGER, theory_bytes
+from infra.ledger import LEDGER, theory_bytes, theory_calls
 from infra.activations import peak_memory
 from infra.fit import peak_numbers
 from infra.start import agree
@@ -67,11 +67,12 @@ class Metrics:
     def theory(self, cost):
         """The theory columns, from the script's costs() for this rank."""
         self.state_theory, self.comm_theory = theory_bytes(cost)
+        self.calls_theory = theory_calls(cost)
         # None where a cost gives no activation formula (every training script now gives one)
         self.activation_theory = cost["activations"][1] if "activations" in cost else None
         self.live_theory = peak_numbers(cost)
 
-    def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None, live=None):
+    def step(self, step, loss, lr, dt, state, comm, extra=None, activations=None, live=None, calls=None):
         """Log one optimizer step; `dt` in seconds; `state`, `comm`, `activations` (the
         ActivationMeter's peak) and `live` (its peaks of every live tensor by phase) from
         this rank."""
@@ -86,6 +87,8 @@ class Metrics:
                    state_bytes_theory=self.state_theory, comm_bytes_theory=self.comm_theory,
                    activation_bytes=activations, activation_bytes_theory=self.activation_theory,
                    micro_batch_size=self.micro_batch_size)
+        if calls is not None:  # the calls per key, next to costs()' (None where it states none)
+            row["comm_calls"], row["comm_calls_theory"] = calls, self.calls_theory
         if live is not None:  # every live tensor's bytes by phase, where counted (GPTPAR_COUNT_LIVE=1, GPUs)
             row["live_bytes"], row["live_bytes_theory"] = live, self.live_theory
             if os.environ.get("GPTPAR_COUNT_LIVE") == "1":  # a test's count: every rank's, one gather

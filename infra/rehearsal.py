@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from common import Data, Env, check, check_batch, fail
 from infra.formulas import format_bytes
-from infra.ledger import LEDGER
+from infra.ledger import LEDGER, calls_differ
 from infra.activations import ActivationMeter
 from infra.metrics import finite_or_null, spans
 from infra.stop import Guard
@@ -370,6 +370,7 @@ def rehearsal_lines(rank, result):
         theory["held activations"] = cost["activations"][1]
     problems = [f"rank {rank} {key} {measured.get(key, 0)} B, formula {theory.get(key, 0)} B"
                 for key in sorted(set(measured) | set(theory)) if measured.get(key, 0) != theory.get(key, 0)]
+    problems += [f"rank {rank} {line}" for line in calls_differ(row["comm_calls"], cost)]
     first, steady = result["rows"][0]["comm_bytes"], sent
     if first != steady:
         problems.append(f"rank {rank} sends differently in step 0 ({first}) and step 1 ({steady})")
@@ -378,7 +379,8 @@ def rehearsal_lines(rank, result):
              "  holds " + ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items())
              + f"; activations (peak) {format_bytes(row['activation_bytes'])}"
              + (f" | costs() {format_bytes(theory['held activations'])}" if "held activations" in theory else ""),
-             "  sends per step " + (", ".join(f"{op} {format_bytes(v)}" for op, v in sorted(sent.items())) or "nothing"),
+             "  sends per step " + (", ".join(f"{op} {format_bytes(v)} in {row['comm_calls'].get(op, 0)} call(s)"
+                                              for op, v in sorted(sent.items())) or "nothing"),
              f"  checkpoint: {pieces} piece(s), {format_bytes(nbytes)} written by this rank",
              "  = costs()" if not problems else "  differs from costs(): " + "; ".join(p.split(" ", 2)[2]
                                                                                for p in problems)]

@@ -16,7 +16,7 @@ from common import (Data, Launch, check_batch, count_params, detect_launcher, lo
                     progress, setup, synchronize, teardown)
 from infra.cli import parse_args
 from infra.formulas import flops_per_token, format_bytes
-from infra.ledger import LEDGER, _nbytes, print_ledger, state_bytes, theory_bytes
+from infra.ledger import LEDGER, _nbytes, print_ledger, state_bytes, theory_bytes, theory_calls
 from infra.activations import ActivationMeter, reset_peak_memory
 from infra.profiling import Profiler
 from infra.fit import (GPU_USABLE, after_step_problem, allowance_text, fit_base, fit_fixes, fit_need, fit_problem,
@@ -266,7 +266,7 @@ class Run(common.Run):
         args, env, step = self.args, self.env, self.step
         if self.profiler:  # the step's range ends with its optimizer step; after the last, the traces
             self.profiler.end_step(step)
-        comm = LEDGER.take()
+        comm, calls = LEDGER.take(calls=True)
         syncs = self.syncs.stop() if self.syncs else None  # the step's own, before the logging's
         logged = self.logged(step)
         # costs() that depend on the step (10's routing) are evaluated only where they are read
@@ -276,7 +276,7 @@ class Run(common.Run):
             self.metrics.theory(self.cost)
         live = self.meter.live_peaks(env)  # every live tensor's bytes at their most, by phase (or None)
         if step == self.start_step:
-            print_ledger(env, self.held(), comm, self.cost, self.meter.peak)
+            print_ledger(env, self.held(), comm, self.cost, self.meter.peak, calls)
             self.fit_after_step()
         if logged:
             norm, self.grad_norm = self.grad_norm, None
@@ -292,7 +292,7 @@ class Run(common.Run):
             if syncs is not None:
                 extra = {**(extra or {}), "host_syncs": syncs}
             self.metrics.step(step, loss, self.optimizer.param_groups[0]["lr"], time.perf_counter() - self.t0,
-                              self.held(), comm, extra, activations=self.meter.peak, live=live)
+                              self.held(), comm, extra, activations=self.meter.peak, live=live, calls=calls)
         if self.stopping or args.ckpt_interval and ((step + 1) % args.ckpt_interval == 0 or step + 1 == args.max_iters):
             self.save(step + 1)
         if self.stopping:
@@ -411,7 +411,7 @@ class RehearsedRun(Run):
         return losses
 
     def end_step(self, loss, extra=None, **step_costs):
-        comm = LEDGER.take()
+        comm, calls = LEDGER.take(calls=True)
         if step_costs:
             self.cost = self.costs_of(**step_costs)
         extra = extra() if callable(extra) else extra
@@ -420,6 +420,7 @@ class RehearsedRun(Run):
         row = dict(step=self.step, loss=float(loss.item()), lr=self.optimizer.param_groups[0]["lr"], dt_ms=None,
                    tokens_per_s=None, mfu=None, mem_peak_bytes=None, mem_host_bytes=host_bytes(held),
                    state_bytes=held, comm_bytes=comm, state_bytes_theory=state_theory, comm_bytes_theory=comm_theory,
+                   comm_calls=calls, comm_calls_theory=theory_calls(self.cost),
                    activation_bytes=self.meter.peak,
                    activation_bytes_theory=self.cost["activations"][1] if "activations" in self.cost else None,
                    micro_batch_size=args.micro_batch_size, **{f"dt_ms_{k}": None for k in

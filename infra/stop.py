@@ -97,7 +97,8 @@ def with_guard(cost, world_size):
     and what plan.py prices, to the byte what a run measures."""
     if world_size <= 1:
         return cost
-    return {**cost, "sent": {**cost["sent"], "all_reduce[guard]": ("3 flags x 4 B", GUARD_BYTES)}}
+    calls = {"calls": {**cost["calls"], "all_reduce[guard]": ("1", 1)}} if "calls" in cost else {}
+    return {**cost, "sent": {**cost["sent"], "all_reduce[guard]": ("3 flags x 4 B", GUARD_BYTES)}, **calls}
 
 
 class Guard:

@@ -92,7 +92,7 @@ def assert_sp_ledger(run, P, T, m, recompute=False):
     h, L, bsh, bs = 64, 4 // P, 6 * 64 * 64, 6 * 64
     for row in run.steps:
         assert row["state_bytes"] == row["state_bytes_theory"]
-        assert row["comm_bytes"] == row["comm_bytes_theory"]
+        assert row["comm_bytes"] == row["comm_bytes_theory"] and row["comm_calls"] == row["comm_calls_theory"]
         assert row["activation_bytes"] == row["activation_bytes_theory"] > 0
     comm, last = run.steps[0]["comm_bytes"], P == 1
     again = 2 * 4 * L * bsh * m if recompute else 0  # the recomputed forward's f and g
@@ -150,6 +150,7 @@ def test_context_parallel_matches_01(reference, ranks, flags):
     assert "ledger mismatch" not in run.stderr, run.stderr[-2000:]
     for row in run.steps:
         assert row["state_bytes"] == row["state_bytes_theory"] and row["comm_bytes"] == row["comm_bytes_theory"]
+        assert row["comm_calls"] == row["comm_calls_theory"]  # and every call, each paying its latency
         assert row["activation_bytes"] == row["activation_bytes_theory"] > 0
     comm, m, L, A = run.steps[0]["comm_bytes"], 24 // (D * 6), 4 // P, 6 * 32 * 64 // T * 4
     boundary = m * 4 * 6 * 32 * 64 // (T if sp else 1) if P > 1 else 0

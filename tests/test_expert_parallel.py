@@ -44,6 +44,7 @@ def test_losses_equal_single_gpu(reference, ranks, ep, micro, extra):
         # collective under its group's name: the EP group's, and with a second replica of the
         # experts the expert_dp group's
         assert step["comm_bytes"] == step["comm_bytes_theory"], step["step"]
+        assert step["comm_calls"] == step["comm_calls_theory"], step["step"]
         assert {"all_to_all_single[ep]", "all_reduce"} <= set(step["comm_bytes"])
         assert ("all_reduce[expert_dp]" in step["comm_bytes"]) == (ranks > ep), step["comm_bytes"]
         assert step["activation_bytes"] == step["activation_bytes_theory"], step["step"]
@@ -119,7 +120,7 @@ def test_activations_and_bf16_ledger_equal_their_formulas(script, dtype, extra):
     run = launch(script, BASE + ["--max_iters", "2", "--dtype", dtype] + extra).ok()
     for step in run.steps:
         assert step["activation_bytes"] == step["activation_bytes_theory"]
-        assert step["comm_bytes"] == step["comm_bytes_theory"]
+        assert step["comm_bytes"] == step["comm_bytes_theory"] and step["comm_calls"] == step["comm_calls_theory"]
 
 
 def test_eval_losses_are_01s():

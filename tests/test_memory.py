@@ -59,6 +59,7 @@ def test_recompute_matches_01_and_activations_exact(reference, script, ranks, fl
     assert_activations_exact(run, f"{script} x{ranks} {flags} --recompute")
     for row in run.steps:  # the recomputed forward's collectives (06, 08's TP, 09) are in the formula
         assert row["comm_bytes"] == row["comm_bytes_theory"], f"{script} {flags} --recompute"
+        assert row["comm_calls"] == row["comm_calls_theory"], f"{script} {flags} --recompute"
     # recompute keeps block inputs only: far less than the reference's full activations
     assert run.steps[0]["activation_bytes"] < reference.steps[0]["activation_bytes"]
 
@@ -127,5 +128,5 @@ def test_offload_matches_01_and_the_ledger_splits_device_and_host(reference, scr
         assert held["optim"] == 0 and held["optim (host)"] > 0 and held["grads (host)"] > 0, held
         # what the host holds, which mem_peak_bytes (the device's) leaves out: costs()'s host kinds
         assert row["mem_host_bytes"] == sum(v for kind, v in row["state_bytes_theory"].items() if "(host)" in kind)
-        assert row["comm_bytes"] == row["comm_bytes_theory"]
+        assert row["comm_bytes"] == row["comm_bytes_theory"] and row["comm_calls"] == row["comm_calls_theory"]
     assert_activations_exact(run, f"{script} {flags} --offload")

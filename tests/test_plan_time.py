@@ -120,3 +120,58 @@ def test_a_3d_choice_without_tp_does_not_say_tp():
     candidate = dict(script="08_3d.py", flags=["--tp", "1", "--pp", "4"], fits=True, step_time_s=1.0)
     _, why = plan.recommend([candidate], 16)
     assert "TP inside a node" not in why and "no TP" in why
+
+
+def test_latency_is_paid_per_call():
+    """ZeRO-1 of gpt2-xl on 256 Polaris GPUs posts 101 collectives a step (costs()' calls, which
+    the ledger checks: a reduce-scatter and an all-gather per unit of 49, the loss's and the
+    norm's all-reduces, the guard's flags), and each pays its ring's 255 steps of latency:
+    260 ms a step besides the guard's (which travel while the next step runs), not the 10 ms
+    of one latency per operation."""
+    args, machine = plan.parse(["--model", "gpt2-xl", "--gpus", "256", "--machine", "polaris",
+                                "--global_batch_size", "256"])
+    a, config, _ = plan.dry_run("04_zero.py", [*args.model_flags, "--stage", "1"], 256, 4, machine["gpu_mem_gb"])
+    cost = plan.rank_costs("04_zero.py", a, config, 256, plan.planned_dtype(a), 0)
+    calls = plan.op_calls(cost)
+    assert calls == {"reduce_scatter_tensor": 49, "all_gather_into_tensor": 49, "all_reduce": 2,
+                     "all_reduce[guard]": 1}
+
+    def latency(per_call):
+        return sum(plan.comm_seconds(op, 1e-9, *plan.group_of("04_zero.py", op, a, 256, 4), machine,
+                                     calls[op] if per_call else 1) for op in calls if op != plan.GUARD_OP)
+    assert math.isclose(latency(True), (49 * 255 * 2 + 2 * 510) * machine["alpha_inter"], rel_tol=1e-6)
+    assert latency(True) > 0.25 > 0.011 > latency(False)
+
+
+def test_the_ledger_counts_calls_and_checks_them_against_costs():
+    """Every call of a key is counted (a batch's sends and receives one each), and a count that
+    differs from costs()' calls is named, as a byte count that differs is; a costs() that
+    states no calls is not checked."""
+    from infra.ledger import CommLedger, calls_differ
+    from infra.stop import with_guard
+    ledger = CommLedger()
+    for op, nbytes in (("all_reduce", 8), ("all_reduce", 4), ("isend", 16), ("irecv", 16)):
+        ledger.add(op, nbytes)
+    assert ledger.take(calls=True) == ({"all_reduce": 12, "send": 16, "recv": 16},
+                                       {"all_reduce": 2, "send": 1, "recv": 1})
+    assert ledger.take(calls=True) == ({}, {})
+    cost = with_guard({"sent": {"all_reduce": ("4Ψ", 12)}, "calls": {"all_reduce": ("buckets + loss", 2)}}, 2)
+    assert calls_differ({"all_reduce": 2, "all_reduce[guard]": 1}, cost) == []
+    assert calls_differ({"all_reduce": 3, "all_reduce[guard]": 1}, cost) == ["calls all_reduce 3, formula 2"]
+    assert calls_differ({"all_reduce": 3}, {"sent": {"all_reduce": ("4Ψ", 12)}}) == []
+
+
+@pytest.mark.parametrize("script, flags, ranks, expected", [
+    ("03_ddp.py", ["--bucket_mb", "0.1"], 2, {"all_reduce": 8}),
+    ("05_fsdp.py", ["--replicate", "2", "--global_batch_size", "24", "--micro_batch_size", "2"], 4,
+     {"all_gather_into_tensor[shard]": 25, "reduce_scatter_tensor[shard]": 15, "all_reduce[replicate]": 15,
+      "all_reduce[shard]": 1, "all_reduce": 1}),
+    ("06_tensor_parallel.py", ["--sequence_parallel"], 4,
+     {"all_gather_into_tensor": 27, "reduce_scatter_tensor": 18, "all_reduce": 5})])
+def test_costs_count_the_calls_a_run_posts(script, flags, ranks, expected):
+    """costs()' calls at a tiny layout, as the rehearsal counted them: 03's buckets (the first
+    1 MiB, then --bucket_mb each, from the buckets' own split), 05's units per micro-batch
+    (the root once, each block in forward and backward), 06's f and g per layer."""
+    a, config, _ = plan.dry_run(script, ["--model", "tiny", *flags], ranks, ranks)
+    cost = plan.script(script).costs(a, config, ranks, plan.planned_dtype(a))
+    assert {op: n for op, (_, n) in cost["calls"].items()} == expected

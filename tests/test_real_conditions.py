@@ -41,6 +41,7 @@ def assert_ledger_exact(run, what):
     for row in run.steps:
         assert row["state_bytes"] == row["state_bytes_theory"], f"{what}: held {row['state_bytes']} vs {row['state_bytes_theory']}"
         assert row["comm_bytes"] == row["comm_bytes_theory"], f"{what}: sent {row['comm_bytes']} vs {row['comm_bytes_theory']}"
+        assert row["comm_calls"] == row["comm_calls_theory"], f"{what}: calls {row['comm_calls']} vs {row['comm_calls_theory']}"
         assert row["activation_bytes"] == row["activation_bytes_theory"] > 0, \
             f"{what}: activations {row['activation_bytes']} vs {row['activation_bytes_theory']}"
 
@@ -89,6 +90,7 @@ def test_bare_commands_really_run(script, ranks):
     run = launch(script, ["--device", "cpu", "--max_iters", "1", "--eval_interval", "0", "--block_size", "32",
                           "--log_interval", "1"], nprocs=ranks, timeout=600).ok()
     assert len(run.steps) == 1 and run.steps[0]["comm_bytes"] == run.steps[0]["comm_bytes_theory"]
+    assert run.steps[0]["comm_calls"] == run.steps[0]["comm_calls_theory"]
 
 
 @pytest.mark.parametrize("script, flags", [

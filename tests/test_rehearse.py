@@ -120,6 +120,7 @@ def test_every_script_rehearses_equal_to_its_costs_at_two_layouts(tmp_path, scri
     for rank, row in rows.items():
         assert row["state_bytes"] == row["state_bytes_theory"], (rank, real)
         assert row["comm_bytes"] == row["comm_bytes_theory"], (rank, real)
+        assert row["comm_calls"] == row["comm_calls_theory"], (rank, real)
         assert row["activation_bytes"] == row["activation_bytes_theory"] > 0, (rank, real)
     last = run.stdout.splitlines()[-1]
     assert last.startswith("replay under NCCL's rules: no deadlock"), run.stdout[-3000:]
@@ -243,7 +244,7 @@ def rehearsed(tmp_path, script, flags, ranks, world_size):
     assert EQUAL in out and out.splitlines()[-1].startswith(NO_DEADLOCK), out[-4000:]
     for rank, row in rows.items():
         assert row["state_bytes"] == row["state_bytes_theory"], rank
-        assert row["comm_bytes"] == row["comm_bytes_theory"], rank
+        assert row["comm_bytes"] == row["comm_bytes_theory"] and row["comm_calls"] == row["comm_calls_theory"], rank
         assert row["activation_bytes"] == row["activation_bytes_theory"] > 0, rank
     return out, rows
 

@@ -11,7 +11,7 @@ SCRIPT = "01_single_gpu.py"
 KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu", "mem_peak_bytes", "mem_host_bytes",  # docs/design.md
         "state_bytes", "comm_bytes", "state_bytes_theory", "comm_bytes_theory", "activation_bytes",
         "activation_bytes_theory", "micro_batch_size", "dt_ms_min", "dt_ms_max", "dt_ms_mean", "dt_ms_max_rank",
-        "dt_ms_max_host", "grad_norm"}
+        "dt_ms_max_host", "grad_norm", "comm_calls", "comm_calls_theory"}
 # (mem_peak_bytes_min/max/mean/max_rank/max_host join them on a GPU, where mem_peak_bytes is known)
 
 
