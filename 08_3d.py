@@ -518,6 +518,8 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
     from infra.formulas import newton_schulz_flops, plus
     T, P, C, N = args.tp, args.pp, args.cp, getattr(args, "ep", 1)
     check_experts(args, config.n_expert, world_size)  # first: the formulas divide by ep
+    # the layout first too: the fit check (Run.start) prices a layout before main() checks it
+    check_layout(config, T, P, args.sequence_parallel, C, args.cp_impl, getattr(args, "bitwise", False))
     D = world_size // (T * P * C)
     mesh = Mesh(rank, world_size, T, P, C)  # coordinates only, no groups
     first_layer, n_layers = stage_layers(config.n_layer, P)[mesh.pp_rank]

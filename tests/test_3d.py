@@ -224,6 +224,9 @@ def test_resume_and_export(reference, tmp_path):
 @pytest.mark.parametrize("ranks, flags, message", [
     (6, ["--tp", "4"], "world size 6 is not divisible by tp 4 x pp 1 = 4"),
     (8, ["--tp", "8"], "n_head 4 is not divisible by tp 8"),
+    # the fit check prices a layout before main() checks it: costs() checks first (was a formula's ValueError)
+    (24, ["--model", "gpt2-xl", "--block_size", "8192", "--tp", "3", "--machine", "aurora"],
+     "n_head 25 is not divisible by tp 3"),
     (8, ["--pp", "8"], "n_layer 4 is fewer than pp 8"),
     (8, ["--tp", "4", "--sequence_parallel", "--block_size", "62"],
      "--sequence_parallel needs block_size 62 divisible by tp 4"),
