@@ -335,6 +335,7 @@ def costs(args, config, world_size, dtype, rank=0):
     grads = len(sizes) if args.no_overlap else len(bucket_groups(sizes, sizes, args.bucket_mb * 2**20))
     cost["calls"] = {"all_reduce": formula("buckets + loss", buckets=grads, loss=1)} if not args.bitwise else \
         {op: formula("1") for op in cost["sent"]}
+    cost["calls"] = {op: n for op, n in cost["calls"].items() if op in cost["sent"]}  # (none alone)
     if shapes and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every replica
         cost["sent"]["broadcast"] = formula("e*Ψ_m", show="e", e=dtype.itemsize, Ψ_m=hidden_matrix_params(config))
         cost["calls"]["broadcast"] = formula("matrices", matrices=len(shapes))

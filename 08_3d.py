@@ -53,14 +53,12 @@ with experts E/N of each layer's, whole (16 bytes each), replicated over TP.
 One rank sends, per micro-batch: in every layer TP's four all-reduces of b·s·h (SP: all-gathers
 and reduce-scatters), CP's K/V hops or all-to-alls, the experts' dispatch and combine; across
 each stage boundary its b·s·h activation and the gradient back; per step its gradients over
-DP x CP (the experts' over expert_dp). The derivations, the SP and CP pictures and every
-formula: docs/strategies.md, section "08_3d.py".
+DP x CP (the experts' over expert_dp). Derivations, pictures, formulas: docs/strategies.md, "08_3d.py".
 """
 
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
@@ -332,8 +330,7 @@ class ZeRO1:
 
     def reduce_gradients(self):
         if self.mesh.reduce_size == 1:  # one replica, no CP: the shard is the whole buffer, nothing to post
-            self.grad_shard.copy_(self.flat_grad)
-            return
+            return self.grad_shard.copy_(self.flat_grad)
         self.flat_grad.div_(self.mesh.reduce_size)
         # sum the replicas' gradients; DP rank d receives shard d
         dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=self.mesh.dp_group)
@@ -814,6 +811,7 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
     pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
     plan.py price many micro-batches of one layout. With experts, all E of every block (and its
     router's E rows), the Stage built with one (DeepSeek-V3's 61 x 256 would take half a minute)."""
+    from dataclasses import replace
     key = (repr(config), T, P, pp_rank, sp)
     if key not in _STAGE_SIZES:
         mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only

@@ -641,7 +641,6 @@ def costs(args, config, world_size, dtype, rank=0):
     replaced by what this script's attention saves."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
                                 newton_schulz_flops, phase_peaks, sdpa_logsumexp, transient_terms)
-    from common import param_shapes
     C, D = check_layout(args, config, world_size)
     n_params, _ = count_params(config)  # from the meta device: nothing allocated
     psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices
@@ -662,11 +661,11 @@ def costs(args, config, world_size, dtype, rank=0):
         sent["send"] = sent["recv"] = f(f"m*L*({6 if args.recompute else 4}*(C - 1)*e*b*s*h + 8*C*b*s*h)")
     elif C > 1:  # q, k, v to heads and the output back, forward and backward
         sent["all_to_all_single[cp]"] = f(f"m*L*{12 if args.recompute else 8}*e*b*s*h")
-    # the calls a step posts, each paying the network's latency once: a gradient's all-reduce each
+    # the calls a step posts, each paying the network's latency once: the flattened gradients' all-reduce
     # and the loss's; per layer and micro-batch the ring's K and V sends each hop (forward, and in
     # backward with dK, dV's C hops), or Ulysses' four all-to-alls each pass; Muon's per matrix
     passes = 3 if args.recompute else 2
-    calls = {"all_reduce": formula("params + loss", params=len(param_shapes(config)), loss=1)}
+    calls = {"all_reduce": formula("grads + loss", grads=1, loss=1)} if "all_reduce" in sent else {}
     if "broadcast" in sent:
         calls["broadcast"] = formula("matrices", matrices=len(shapes))
     if "send" in sent:

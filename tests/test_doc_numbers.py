@@ -469,9 +469,9 @@ def peak_terms(plan_flags, strategy, data, rank=None):
         drop = lambda terms: {k: v for k, v in terms.items() if k != "boundary"} or None  # noqa: E731
         return original(cost, t, forward and drop(forward), backward and drop(backward), optimizer)
 
-    def in_flight(*args):  # (args, config, dtype, x, in_flight, first, last)
+    def in_flight(*args, **kwargs):  # (args, config, dtype, x, in_flight, first, last; received=)
         flights.append(args[4])
-        return activation_costs(*args)
+        return activation_costs(*args, **kwargs)
     costs = {}
     for name, patch in (("with", recording), ("without", without_boundary)):
         infra.formulas.phase_peaks, three.activation_costs = patch, in_flight

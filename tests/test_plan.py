@@ -255,5 +255,6 @@ def test_a_muon_plan_prices_each_layouts_matrix_traffic():
     # the owners split it, sharded or replicated: the same matrices to the same owners
     assert by_label["ZeRO-3"]["muon_s"] == pytest.approx(by_label["DDP"]["muon_s"])
     zero1 = by_label["3D dp 1 pp 1 tp 2 + ZeRO-1"]["comm_bytes_per_step"]
-    assert zero1["all_to_all_single[tp]"] > 0 and zero1["reduce_scatter_tensor[dp]"] > 0
+    # (at dp 1 the ZeRO-1 shard is the whole: no reduce-scatter or all-gather is posted, none priced)
+    assert zero1["all_to_all_single[tp]"] > 0 and "reduce_scatter_tensor[dp]" not in zero1
     assert not any("ZeRO-1" in r["label"] for r in result["refused"])
