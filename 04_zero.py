@@ -766,7 +766,8 @@ def costs(args, config, world_size, dtype, rank=0):
         sent = {"all_to_all_single": f("4*Ψ + 4*N"),
                 "all_gather_into_tensor": f("4*Ψ + 4*N + " + ("e*Ψ" if stage < 3 else "e*(root + m*2*blocks)"))}
     if matrices:  # Muon: this rank's pieces to their owners, its own matrices' pieces back
-        sent["all_to_all_single"] = plus(sent.get("all_to_all_single"), f("e*(Ψ_mr + Ψ_o)"))  # (--bitwise's too)
+        muon = f("e*(Ψ_mr + Ψ_o)")
+        sent["all_to_all_single"] = plus(sent["all_to_all_single"], muon) if args.bitwise else muon  # (--bitwise's too)
     # the calls a step posts, each paying the network's latency once: one per unit (U: the root
     # and a unit per block) and collective; stage 3 gathers the blocks in forward and backward of
     # every micro-batch; --bitwise a unit's tree each and the loss's; Muon's two all-to-alls

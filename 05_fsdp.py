@@ -708,7 +708,8 @@ def costs(args, config, world_size, dtype, rank=0):
             sent["all_to_all_single[replicate]"] = sent["all_gather_into_tensor[replicate]"] = \
                 formula("4*Ψ_R/S", Ψ_R=rep, S=S)
     if matrices:  # Muon: this rank's rows to their owners, its own matrices' rows back
-        sent["all_to_all_single[shard]"] = plus(sent.get("all_to_all_single[shard]"), f("e*(Ψ_mr + Ψ_o)"))  # (--bitwise's too)
+        muon = f("e*(Ψ_mr + Ψ_o)")
+        sent["all_to_all_single[shard]"] = plus(sent["all_to_all_single[shard]"], muon) if args.bitwise else muon  # (--bitwise's too)
     sent = {k: v for k, v in sent.items() if v[1]}
     # the calls a step posts, each paying the network's latency once: a unit's (U: the root and a
     # unit per block) gather, reduce-scatter and replica all-reduce, the blocks gathered in forward
