@@ -70,8 +70,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import (base_parser, check, detect_launcher, log, mpi_comm, say, setup, synchronize, teardown,
-                    xpu_backend)
+from common import base_parser, check, detect_launcher, log, mpi_comm, say, synchronize, teardown, xpu_backend
 
 
 MAX_BYTES = 16 * 2**30  # the largest message a sweep may ask for: more than one GPU holds
@@ -1016,6 +1015,7 @@ def doctor(args):
     facts = local_facts(os.environ, launch)
     if args.device == "auto" and not any(facts["accelerators"].values()) and xpu_backend() is None:
         args.device = "cpu"  # the environment check names the missing GPU; the rest runs on CPU
+    from infra.launch import setup  # common.setup hardened, as training starts: one line when a rank cannot join
     env = setup(args, launch)  # mpi4py's world not the launcher's: Slurm's or MASTER_ADDR's, as training
     if env.launch.kind != launch.kind:
         facts["rendezvous"] = env.launch.kind
@@ -1142,6 +1142,7 @@ def main():
     if args.doctor:
         doctor(args)
     launch = detect_launcher(os.environ)
+    from infra.launch import setup  # common.setup hardened: an exception on any rank ends the job
     env = setup(args, launch)
     log(env, f"{env.world_size} rank(s), backend {env.backend}, device {env.device}"
              + ("" if mpi_comm() else " (mpi4py side shown only under mpiexec)"))

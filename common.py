@@ -1075,13 +1075,6 @@ def tree_all_reduce(flat, group):
     return flat
 
 
-def grad_norm(grads):
-    """--bitwise's global gradient norm, as clip_grad_norm_ takes it: each parameter's norm, whole,
-    then the norm of those in nanoGPT's parameter order; every layout that holds (or gathers) whole
-    gradients gets these bits."""
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-
-
 def deterministic(device):
     """--bitwise: kernels that give the same bits on every run. On CPU one thread per rank: a reduction
     split over threads (LayerNorm's weight gradient, measured) sums in an order that depends on how
@@ -1231,17 +1224,15 @@ def torch_too_old(version):
 
 
 def setup(args, launch=None, distributed=True):
-    """The launcher, device, process group (one rank's for a lone process) and abort hook: an Env."""
+    """The launcher, device and process group (one rank's for a lone process): an Env. infra.launch's
+    setup is this one hardened (another job's store told apart, one line when a rank cannot join, and
+    an uncaught exception on any rank ends the job)."""
     problem = torch_too_old(torch.__version__)
     check(problem is None, problem)
     launch = launch or detect_launcher(os.environ)
     if launch.kind == "mpi":
         launch = _mpi_world(launch)
     device, backend = pick_device(args.device, launch.local_rank, launch.local_world_size)
-    # gloo takes CPU and CUDA tensors only, and MPS has no collective backend of its own
-    check(device.type != "mps" or launch.world_size == 1 or not distributed,
-          f"MPS has no collective backend ({launch.world_size} ranks asked): run 01_single_gpu.py on MPS, "
-          "or pass --device cpu")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if (
         device.type == "cuda" and torch.cuda.is_bf16_supported() or device.type == "xpu") else torch.float32
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -1250,22 +1241,24 @@ def setup(args, launch=None, distributed=True):
         deterministic(device)
     if device.type in ("cuda", "xpu"):  # before init_process_group, so NCCL / XCCL bind the right device
         torch.get_device_module(device).set_device(device)
+    env = Env(launch, device, backend, dtype)
     if distributed:
-        timeout = datetime.timedelta(seconds=args.timeout)
-        # a group made later by dist.new_group gets torch's default timeout (30 minutes on gloo),
-        # not the world's: make --timeout theirs too, so a frozen peer ends every group's wait
-        dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = timeout
-        where = _rendezvous(launch)
-        try:
-            joined = dict(store=_job_store(launch, where, timeout)) if launch.kind in ("slurm", "env") else \
-                dict(init_method=where)
-            # device_id: NCCL/XCCL make the world's communicator now, and split every sub-group's from it
-            dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
-                                    device_id=device if backend in ("nccl", "xccl") else None, **joined)
-        except Exception as e:  # a taken port, an unreachable rank 0, a rank that never came
-            _could_not_join(launch, where, args.timeout, e)
-    _install_abort_hook(launch)  # after init_process_group, whose own hook it wraps
-    return Env(launch, device, backend, dtype)
+        join(env, args.timeout, init_method=_rendezvous(launch))
+    return env
+
+
+def join(env, timeout_s, **where):
+    """init_process_group for env's rank at `where` (init_method=, or store=), --timeout for every group."""
+    # gloo takes CPU and CUDA tensors only, and MPS has no collective backend of its own
+    check(env.device.type != "mps" or env.world_size == 1, f"MPS has no collective backend ({env.world_size} "
+          "ranks asked): run 01_single_gpu.py on MPS, or pass --device cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # a group made later by dist.new_group gets torch's default timeout (30 minutes on gloo),
+    # not the world's: make --timeout theirs too, so a frozen peer ends every group's wait
+    dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = timeout
+    # device_id: NCCL/XCCL make the world's communicator now, and split every sub-group's from it
+    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            device_id=env.device if env.backend in ("nccl", "xccl") else None, **where)
 
 
 def _mpi_world(launch):
@@ -1318,66 +1311,10 @@ def _rendezvous(launch):
     return f"tcp://{addr}:{int(port or 0) or 20000 + int(e.get('SLURM_JOB_ID') or 0) % 20000}"
 
 
-def _job_store(launch, where, timeout):
-    """Rank 0's store, marked with the job's ids: another job's mark fails at once, not at --timeout."""
-    addr, port = where.removeprefix("tcp://").rsplit(":", 1)
-    store = dist.TCPStore(addr, int(port), launch.world_size, launch.rank == 0, timeout, wait_for_workers=False)
-    job = " ".join(f"{v}={os.environ[v]}" for v in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PBS_JOBID", "FLUX_JOB_ID")
-                   if os.environ.get(v)) or "no scheduler job"
-    if launch.rank == 0:
-        store.set("gptpar/job", job)
-    elif (theirs := store.get("gptpar/job").decode()) != job:
-        raise RuntimeError(f"that port is another job's ({theirs}; this is {job}): export MASTER_PORT=<a free port>")
-    return store
-
-
-def _could_not_join(launch, init_method, timeout, error):
-    """One line from the rank that failed to join, then the job ends (MPI_Abort, or the launcher)."""
-    text = " ".join(str(error).split())
-    where = init_method.removeprefix("tcp://") if init_method.startswith("tcp://") else \
-        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    if "another job's" in text:
-        cause = text
-    elif "address already in use" in text.lower() or "EADDRINUSE" in text:
-        cause = (f"port {where.rsplit(':', 1)[-1]} on {where.rsplit(':', 1)[0]} is already taken (another job "
-                 "on this node, or a stray listener): set MASTER_PORT to a free port")
-    elif "timeout" in text.lower() or "timed out" in text.lower():
-        cause = (f"rank 0's store at {where} did not answer, or not every one of the {launch.world_size} ranks "
-                 f"joined, within --timeout {timeout:g} s (check MASTER_ADDR, the rank count, and that no rank died)")
-    else:
-        cause = f"{type(error).__name__}: {text[:200]}"
-    print(f"error: rank {launch.rank} could not join the process group at {where}: {cause}", file=sys.stderr, flush=True)
-    if _MPI_COMM is not None:
-        time.sleep(1)  # MPI_Abort tears the job down at once: let mpiexec's proxy forward the line first
-        _MPI_COMM.Abort(2)
-    os._exit(2)
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _install_abort_hook(launch):
-    """An uncaught exception on any rank ends the job, not leaving the others blocked in a
-    collective: the traceback, then MPI_Abort under MPI, else exit (the launcher ends the rest)."""
-    if launch.world_size == 1:
-        return
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        message = (str(value).strip().splitlines() or [""])[0][:300]
-        sys.stderr.write(f"[rank {launch.rank}] uncaught {kind.__name__}: {message}; ending the job\n")
-        previous(kind, value, tb)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        time.sleep(1.0)  # let the launcher forward the traceback before the job is torn down
-        if _MPI_COMM is not None:
-            _MPI_COMM.Abort(1)
-        os._exit(1)
-
-    sys.excepthook = hook
 
 
 def teardown(env):

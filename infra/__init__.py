@@ -35,6 +35,7 @@ Layers, top first:
     data_check          --data scanned once per job before the run
     formulas            formula(): one expression, the text and the number; the model's terms
     cli                 the infrastructure's flags and their checks
+    launch              common.setup hardened: another job's store, one line when a rank cannot join, the abort hook
 
 docs/design.md draws the same picture.
 

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import common
 from common import (Data, Launch, check_batch, count_params, detect_launcher, log, micro_batch_sizes, model_config,
-                    progress, setup, synchronize, teardown)
+                    progress, synchronize, teardown)
+from infra.launch import setup
 from infra.cli import parse_args
 from infra.formulas import flops_per_token, format_bytes
 from infra.ledger import LEDGER, _nbytes, print_ledger, state_bytes, theory_bytes, theory_calls
@@ -58,7 +59,7 @@ class Run(common.Run):
         self.env, self.chose, self.fit_lines, self.syncs, self.grad_norm = None, None, [], None, None
 
     def start(self, costs, dp_size, aim=1, multiple=1, ranks=(0,), groups=None):
-        """The processes started (common.setup) with the ledger installed, the run's files
+        """The processes started (infra.launch.setup) with the ledger installed, the run's files
         checked and out_dir locked (agreed by every rank, before anything heavy), the
         script's process groups made (`groups(env)`, kept as run.groups) and the guard armed
         (SIGTERM / SIGUSR1 / --time_limit; its group too), every group warmed by one

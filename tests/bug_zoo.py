@@ -30,7 +30,7 @@ The checks (what each prints first when it fires):
                  script): inside TP's sharded heads the ranks' streams must differ, on the
                  replicated residual stream agree: "rank 0 and rank 1 drew attention dropout
                  #1 from the same stream"
-    crash        an exception that ends the job, its message shown (common's abort hook): an
+    crash        an exception that ends the job, its message shown (infra.launch's abort hook): an
                  error in backward, or 07's own replay of its schedule (simulate()) refusing it
 
 `perturb`: the run is made irregular the way real ranks are (tests/test_bug_zoo.py's

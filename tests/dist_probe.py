@@ -1,4 +1,4 @@
-"""A minimal program on common.setup, for the launcher tests: every rank reports what it
+"""A minimal program on infra.launch.setup (common.setup hardened), for the launcher tests: every rank reports what it
 detected, all-reduces its rank, and (with --raise_on_rank R) rank R raises while the others
 wait in a collective, to show that the job ends instead of hanging; (with --stall_on_rank R)
 rank R stalls past --timeout, to show that the others name the collective they were in."""
@@ -11,8 +11,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import make_parser, setup, teardown
+from common import make_parser, teardown
 from infra.cli import parse_args
+from infra.launch import setup
 from infra.ledger import LEDGER
 
 

@@ -213,7 +213,7 @@ def run_rank(job, rank, pgid, port, close_fds, base_path, loaded):
         try:
             if start is not None and value is not None:
                 value = value.with_traceback(start)  # what the default hook prints
-            sys.excepthook(kind, value, start or tb)  # common.py's abort hook may end the process here
+            sys.excepthook(kind, value, start or tb)  # infra.launch's abort hook may end the process here
         except BaseException:
             pass
         code = 1

@@ -20,8 +20,9 @@ PROBE = '''
 import datetime, glob, os, sys, time
 import torch
 import torch.distributed as dist
-from common import make_parser, setup
+from common import make_parser
 from infra.cli import parse_args
+from infra.launch import setup
 from infra.ledger import LEDGER, dump_flight_recorder, flight_recorder_prefix
 
 args = parse_args(make_parser("a stalled job"))
