@@ -1,14 +1,9 @@
 """What every script shares, and no strategy: the GPT model (nanoGPT's, dense or a mixture of
 experts), the optimizer and its schedule, the data, the shared command line, launch / device /
-process groups, and a plain `Run` doing only what a plain loop needs; infra's Run (infra/run.py) extends it.
-With `from common import Run` in place of `from infra import Run`, a script and this file alone
-train with 01's losses. The contract (flags, determinism, metrics schema) is docs/design.md's.
-
-Two rules make every strategy comparable with 01_single_gpu.py:
-  * the initial value of every parameter is a pure function of (seed, parameter name)
-    (`param_init`), so a strategy can build any shard of any parameter on its own;
-  * the global batch of optimizer step t is a pure function of (seed, split, t) and the
-    global batch size (`Data.batch`); a data-parallel rank takes a contiguous slice of it.
+process groups, and a plain `Run` doing only what a plain loop needs; infra's Run extends it.
+With `from common import Run`, a script and this file alone train with 01's losses, because a
+parameter's initial value is a pure function of (seed, name) (`param_init`) and step t's global
+batch one of (seed, split, t) (`Data.batch`). The contract is docs/design.md's.
 """
 
 import argparse
@@ -86,10 +81,7 @@ PRESETS[DEFAULT_MODEL] = dict(n_layer=12, n_head=24, n_embd=384, block_size=256,
 DEFAULT_MOE_MODEL = DEFAULT_MODEL + "-moe"
 PRESETS[DEFAULT_MOE_MODEL] = dict(PRESETS[DEFAULT_MODEL], n_expert=8, top_k=2)
 # two mixtures of experts people train, in this model's terms (for --dry_run, the fit check and plan.py; docs/
-# strategies.md says what differs): Mixtral 8x7B (Jiang et al. 2024) and DeepSeek-V3 (2024). Here every MLP and
-# expert is GPT-2's, GELU and 4h wide (Mixtral's SwiGLU experts are 3 x 3.5h², V3's 3 x 2048·h: its experts are
-# 14x smaller than these), attention is plain multi-head (no GQA, no MLA), every block has experts (V3's first
-# three are dense; no shared expert), positions are learned
+# strategies.md says what differs): Mixtral 8x7B (Jiang et al. 2024) and DeepSeek-V3 (2024)
 PRESETS["mixtral-8x7b"] = dict(n_layer=32, n_head=32, n_embd=4096, block_size=4096, dropout=0.0, bias=False,
                                n_expert=8, top_k=2)
 PRESETS["deepseek-v3"] = dict(n_layer=61, n_head=128, n_embd=7168, block_size=4096, dropout=0.0, bias=False,
@@ -828,29 +820,22 @@ def make_parser(doc, experts=False):
         g.add_argument(f"--{name}", type=kind)  # each overrides the preset's
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases in Linear and LayerNorm (preset's choice by default)")
-    g.add_argument("--n_expert", type=int, help="mixture of experts: E expert MLPs per block, 0 = dense "
-                   "(preset's choice by default; 01_single_gpu.py, 08_3d.py and 10_expert_parallel.py have experts)")
+    # a mixture of experts (01, 08 and 10 have one) and its routing: docs/strategies.md, "Routing options"
+    g.add_argument("--n_expert", type=int, help="E expert MLPs per block, 0 = dense (preset's choice by default)")
     g.add_argument("--top_k", type=int, help="experts per token (default 2)")
-    g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss coefficient per block (default 0.01 "
-                   "with --balance aux, else 0; with bias, DeepSeek-V3's sequence-wise loss used 1e-4)")
-    g.add_argument("--balance", choices=["aux", "bias", "none"], help="load balancing: aux, Switch's loss "
-                   "(default); bias, DeepSeek-V3's per-expert bias on the routing scores, no loss; none")
-    g.add_argument("--bias_update_rate", type=float, help="--balance bias: the bias's step per optimizer "
-                   "step, gamma·sign(mean load - load) (default 1e-3, DeepSeek-V3's)")
-    g.add_argument("--capacity_factor", type=float, help="GShard's capacity: an expert takes at most "
-                   "ceil(C·k·s/E) entries of each sequence, the rest dropped; 0 = dropless (default)")
-    g.add_argument("--shared_experts", type=int, help="DeepSeek-MoE's shared experts: S MLPs per block every "
-                   "token passes through, beside its k routed ones (default 0)")
+    g.add_argument("--aux_loss_coef", type=float, help="load-balancing loss per block (0.01 with --balance aux)")
+    g.add_argument("--balance", choices=["aux", "bias", "none"], help="Switch's loss (default), DeepSeek-V3's bias")
+    g.add_argument("--bias_update_rate", type=float, help="--balance bias: its step per optimizer step (1e-3)")
+    g.add_argument("--capacity_factor", type=float, help="GShard's capacity per sequence; 0 = dropless (default)")
+    g.add_argument("--shared_experts", type=int, help="DeepSeek-MoE's always-on experts per block (default 0)")
     g = p.add_argument_group("data and batch")
-    g.add_argument("--data", default="shakespeare_char",
-                   help="shakespeare_char (data/tinyshakespeare.txt beside common.py), synthetic, or a directory "
-                        "with nanoGPT train.bin/val.bin")
+    g.add_argument("--data", default="shakespeare_char", help="shakespeare_char (data/ beside common.py), "
+                   "synthetic, or a directory with nanoGPT's train.bin/val.bin")
     # 48 divides every data-parallel size of one or two nodes: 1, 2, 3, 4, 6, 8, 12, 16, 24
     g.add_argument("--global_batch_size", type=int, default=48, help="sequences per optimizer step, all ranks")
     g.add_argument("--micro_batch_size", type=micro_batch_size_arg, default="auto",
-                   help="sequences per forward per data-parallel rank: a number, or auto: the largest that "
-                        "divides the rank's share of the global batch (with infra: and fits its memory; "
-                        "pipelines: at least 2 micro-batches per stage where one fits)")
+                   help="sequences per forward per data-parallel rank, or auto: the largest that divides the "
+                        "rank's share (with infra: that fits its memory)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_iters", type=int, default=5000)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -869,8 +854,8 @@ def make_parser(doc, experts=False):
     g = p.add_argument_group("checkpoints")
     g.add_argument("--out_dir", default="out")
     g.add_argument("--ckpt_interval", type=int, default=0, help="0: no checkpoints")
-    g.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint (with infra: "
-                   "the newest, written by any script at any layout; else this script's, at its layout)")
+    g.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint (this layout's; "
+                   "with infra: any script's at any layout)")
     g.add_argument("--overwrite", action="store_true",
                    help="a new run may replace the checkpoint of another run in --out_dir (refused without it)")
     g = p.add_argument_group("system")
@@ -878,13 +863,10 @@ def make_parser(doc, experts=False):
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on GPUs that support it, float32 elsewhere (float16 is refused)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
-    g.add_argument("--recompute", action="store_true",
-                   help="activation recomputation: keep only each transformer block's input for backward "
-                        "and run the block's forward again there (Chen et al. 2016)")
-    g.add_argument("--bitwise", action="store_true",
-                   help="sum the gradients in one fixed binary tree over the global batch's micro-batches, with "
-                        "deterministic kernels (one thread per rank on CPU): data-parallel, ZeRO, FSDP and "
-                        "pipeline layouts then equal 01 --bitwise bit for bit (docs/numerics.md)")
+    g.add_argument("--recompute", action="store_true", help="activation recomputation (Chen et al. 2016): keep "
+                   "only each block's input for backward, and run its forward again there")
+    g.add_argument("--bitwise", action="store_true", help="gradients summed in one fixed tree over the micro-"
+                   "batches, deterministic kernels: DP, ZeRO, FSDP, PP equal 01 --bitwise (docs/numerics.md)")
     return p
 
 
@@ -1002,12 +984,9 @@ def fail(message, everyone=False):
 
 class TreeSum:
     """--bitwise: leaves 0..n-1 (each a list of tensors, e.g. one micro-batch's gradients) summed as
-    one binary tree over their indices, whatever order they arrive in. Node (level, i) is the sum
-    of leaves [i·2^level, (i+1)·2^level); the tree is padded to a power of two and a node whose
-    right half is wholly absent passes its left half up unchanged (6 leaves: ((0+1)+(2+3))+(4+5)).
-    a + b rounds to the same bits as b + a; only the grouping changes a float sum, and it is fixed
-    here. A rank holding leaves [r·k, (r+1)·k), k a power of two, sums exactly the subtree it owns;
-    the sums of p such ranks, in rank order, then form the tree's upper levels (TreeSum(p))."""
+    one binary tree over their indices, whatever order they arrive in: only the grouping changes a
+    float sum, and it is fixed here (docs/numerics.md, "The tree"). Node (level, i) is the sum of
+    leaves [i·2^level, (i+1)·2^level); a node with no right half passes its left half up."""
 
     def __init__(self, n):
         self.n, self.levels, self.nodes, self.total = n, max(0, (n - 1).bit_length()), {}, None
@@ -1016,9 +995,7 @@ class TreeSum:
         """Leaf `index` in (its tensors are summed into in place); the sum, once every leaf is in."""
         level, i, node = 0, index, list(leaf)
         while level < self.levels:
-            if i % 2 == 0 and (i + 1) << level >= self.n:  # no right half: pass the left one up
-                pass
-            else:
+            if i % 2 or (i + 1) << level < self.n:  # else no right half: the left one passes up
                 other = self.nodes.pop((level, i ^ 1), None)
                 if other is None:  # the sibling is still to come: wait for it
                     self.nodes[(level, i)] = node
@@ -1031,12 +1008,9 @@ class TreeSum:
 
 
 class TreeGrads:
-    """--bitwise's gradient accumulation: after each micro-batch's backward, `take` moves its gradients
-    (`grads()`, the tensors backward accumulates into) and its loss into a TreeSum of this rank's
-    `n` micro-batches and zeroes them for the next, so that they are summed in the tree's order
-    rather than as they come; `total()` is the subtree's sums, gradients then the loss. The
-    backward must be of the micro-batch's own mean loss, unscaled: the sum is divided once, by the
-    global batch's micro-batch count, in every layout alike."""
+    """--bitwise's gradient accumulation: after each micro-batch's backward (of its own mean loss,
+    unscaled), `take` moves its gradients (`grads()`) and loss into a TreeSum of this rank's `n`
+    micro-batches and zeroes them; `total()` is the subtree's sums, gradients then the loss."""
 
     def __init__(self, grads, n):
         self.grads, self.n, self.tree = grads, n, TreeSum(n)
@@ -1054,10 +1028,8 @@ class TreeGrads:
 
 
 def tree_reduce_scatter(flat, group):
-    """--bitwise's reduce-scatter: the sum over `group`'s ranks of `flat` (its numel a multiple of
-    the group's size p), this rank r's shard [r·c, (r+1)·c) returned. all_to_all sends shard j of
-    every rank to rank j, (p-1)/p of `flat`, as a ring reduce-scatter does; the owner adds the p
-    pieces in one fixed tree of rank order (TreeSum(p)), where a ring's order depends on r."""
+    """--bitwise's reduce-scatter: this rank's shard of the sum over `group` of `flat`, its p pieces
+    added in one fixed tree of rank order (TreeSum(p)), where a ring's order depends on the rank."""
     p = dist.get_world_size(group)
     pieces = torch.empty_like(flat)
     dist.all_to_all_single(pieces, flat, group=group)  # piece j of every rank to rank j
@@ -1076,9 +1048,8 @@ def tree_all_reduce(flat, group):
 
 
 def deterministic(device):
-    """--bitwise: kernels that give the same bits on every run. On CPU one thread per rank: a reduction
-    split over threads (LayerNorm's weight gradient, measured) sums in an order that depends on how
-    many there are, and a rank of 8 gets fewer than 01 alone. CUDA's cuBLAS needs its fixed workspace."""
+    """--bitwise: kernels that give the same bits on every run; one thread per rank on CPU, where a
+    reduction split over threads sums in an order that depends on how many (docs/numerics.md)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     if device.type == "cpu":
