@@ -297,3 +297,24 @@ def test_device_id_goes_to_init_process_group_on_accelerators(monkeypatch, devic
     common.setup(argparse.Namespace(device="auto", dtype="float32", timeout=7.0))
     assert calls["backend"] == backend and calls["device_id"] == (torch.device(device_id) if device_id else None)
     assert dist.distributed_c10d.default_pg_timeout == datetime.timedelta(seconds=7)
+
+
+def test_a_plain_setup_under_srun_joins_at_the_address_slurm_gives(monkeypatch):
+    """common.setup alone, a copied script's launch (infra.launch's marked store is not there):
+    srun's variables and the job script's MASTER_ADDR/PORT are the rendezvous, joined as
+    init_method, and every later group gets --timeout."""
+    import argparse
+    import datetime
+    import common
+    import torch.distributed as dist
+    launcher_environ(monkeypatch, {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1", "SLURM_NNODES": "1",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common._free_port())})
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # setup leaves this process's threads alone
+    monkeypatch.setattr(dist.distributed_c10d, "default_pg_timeout", dist.distributed_c10d.default_pg_timeout)
+    monkeypatch.setattr(dist.distributed_c10d, "default_pg_nccl_timeout", dist.distributed_c10d.default_pg_nccl_timeout)
+    env = common.setup(argparse.Namespace(device="cpu", dtype="float32", timeout=9.0))
+    try:
+        assert env.launch == Launch("slurm", 0, 0, 1, 1) and dist.get_world_size(dist.group.WORLD) == 1
+        assert dist.distributed_c10d.default_pg_timeout == datetime.timedelta(seconds=9)
+    finally:
+        dist.destroy_process_group()
