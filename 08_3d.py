@@ -1834,7 +1834,7 @@ def token_positions(s, C, cp_rank, impl):
 # ---- end restated ----
 
 
-# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, fused_kernel, sdpa_accepts, block_forward, block_backward, EXPLICIT_SCORES, query_chunk, explicit_in_chunks, explicit_backward_in_chunks, explicit_block_terms, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
+# ---- restated from 09_context_parallel.py: Ring, ring_block, part, aten, fused_kernel, sdpa_accepts, kernel_blocks, block_forward, block_backward, EXPLICIT_SCORES, query_chunk, explicit_in_chunks, explicit_backward_in_chunks, explicit_block_terms, scores, explicit_block_forward, explicit_block_backward, merge, RingAttention (word for word; tests/test_restated.py checks it) ----
 # ring attention
 
 class Ring:
@@ -1907,6 +1907,18 @@ def sdpa_accepts(kernel, q, k, v, causal):
         return True
     can_use = getattr(torch.backends.cuda, f"can_use_{kernel}_attention")
     return can_use(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False))
+
+
+def kernel_blocks(q_halves, kv_halves, causal):
+    """The kernel calls that compute one ring step's block: a rank's own, causal block as its two
+    chunks' triangles and the square between them (the late chunk's queries over the early
+    chunk's keys), any other block whole. A kernel skips the mask's empty part only in whole
+    tiles (CPU's flash attention: splits of 512 keys, so a causal block of up to 512 tokens costs
+    its full square); the triangles leave out the quarter above the diagonal. The late chunk's
+    two blocks merge as two ring steps' do."""
+    if not causal:
+        return [(q_halves, kv_halves, False)]
+    return [((0,), (0,), True), ((1,), (0,), False), ((1,), (1,), True)]
 
 
 def block_forward(q, k, v, causal):
@@ -2066,19 +2078,20 @@ class RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
             out = torch.empty(b, t, heads, d, device=q.device).transpose(1, 2)
+            lse = torch.empty(b, heads, t, device=q.device)  # fp32 L
             kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
-            ctx.forwards = []  # each block's kernel state for its backward (RNG, lengths)
+            ctx.forwards = []  # each kernel call's state for its backward (RNG, lengths)
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
                     pending = ring.pass_on(kv, tag=0)
-                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
-                o, l, kernel_state = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
-                ctx.forwards.append(kernel_state)
-                if step == 0:  # our own block, every query: O and L are its own (merging into 0 and -inf
-                    out.copy_(o)  # gives the same numbers, at the price of a pass over O)
-                    lse = l.float().contiguous()  # [b, heads, t] in memory too: the merges' exp vectorised alike
-                else:
-                    merge(part(out, qh), part(lse, qh), o, l)
+                for qh, kh, causal in kernel_blocks(*ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)):
+                    o, l, kernel_state = block_forward(part(q, qh), part(kv[0], kh), part(kv[1], kh), causal)
+                    ctx.forwards.append(kernel_state)
+                    if step == 0 and kh == (0,):  # a query chunk's first block (all see our chunk 0): O and L
+                        part(out, qh).copy_(o)  # are its own (merging into 0 and -inf gives the same numbers,
+                        part(lse, qh).copy_(l)  # at the price of a pass over O)
+                    else:
+                        merge(part(out, qh), part(lse, qh), o, l)
                 if step < ring.size - 1:
                     kv = ring.wait(pending)
             out = out.to(q.dtype)  # fp32: out itself; bf16: its cast, c_proj's input either way
@@ -2091,21 +2104,26 @@ class RingAttention(torch.autograd.Function):
         ring = ctx.ring
         with torch.autocast(q.device.type, enabled=False):
             dout = dout.to(q.dtype)
-            kv, arriving = (k, v), None
+            kv, arriving, forwards = (k, v), None, iter(ctx.forwards)
+            dq, dk, dv = (torch.empty(t.shape, device=t.device) for t in (q, k, v))  # fp32, filled by step 0
             for step in range(ring.size):
                 if step < ring.size - 1:  # K/V go around again, as in forward
                     pending = ring.pass_on(kv, tag=0)
-                qh, kh, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)
-                dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
-                                                  part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
-                                                  causal, ctx.forwards[step])
-                if step == 0:  # our own block, every query and key: the fp32 accumulators start from it
-                    dq, dk, dv = (g.float().contiguous() for g in (dq_b, dk_b, dv_b))
-                else:
-                    part(dq, qh).add_(dq_b)
+                if step > 0:  # our share for kv_rank's K/V
                     dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
-                    part(dk, kh).add_(dk_b)  # our share for kv_rank's K/V
-                    part(dv, kh).add_(dv_b)
+                for qh, kh, causal in kernel_blocks(*ring_block(ring.rank, (ring.rank - step) % ring.size, ring.size)):
+                    dq_b, dk_b, dv_b = block_backward(part(dout, qh), part(q, qh), part(kv[0], kh),
+                                                      part(kv[1], kh), part(out, qh), part(lse, qh).contiguous(),
+                                                      causal, next(forwards))
+                    # our own blocks start the fp32 accumulators: a query chunk's first block is the one
+                    # over our chunk 0, a key chunk's its triangle; every other block adds to them
+                    for grad, halves, block, first in ((dq, qh, dq_b, step == 0 and kh == (0,)),
+                                                       (dk, kh, dk_b, step == 0 and causal),
+                                                       (dv, kh, dv_b, step == 0 and causal)):
+                        if first:
+                            part(grad, halves).copy_(block)
+                        else:
+                            part(grad, halves).add_(block)
                 if arriving is not None:  # the shares of the ranks this K/V block visited before us
                     dk_in, dv_in = ring.wait(arriving)
                     dk += dk_in

@@ -108,24 +108,27 @@ def test_bfloat16_ledger_and_cost_function():
 
 def test_zigzag_balances_causal_work_and_covers_every_pair():
     """Over the C ring steps every rank computes the same number of score entries (a step's
-    one block: a causal block counts half), and every (query chunk, key chunk) pair at or
-    below the diagonal is computed exactly once (a causal block's pairs above it are masked)."""
+    kernel calls: a causal one counts half), and every (query chunk, key chunk) pair at or
+    below the diagonal is computed exactly once (a causal call's pairs above it are masked);
+    a causal call is one chunk's own triangle, so no call computes a masked square."""
     for C in (1, 2, 3, 4, 8):
         work, seen = [], []
         for r in range(C):
             entries = 0
             for step in range(C):
                 j = (r - step) % C
-                qhs, khs, causal = cp_module.ring_block(r, j, C)
+                q_halves, kv_halves, causal = cp_module.ring_block(r, j, C)
                 assert causal == (j == r)
-                entries += len(qhs) * len(khs) * (0.5 if causal else 1.0)
-                for qh in qhs:
-                    for kh in khs:
-                        q_chunk = cp_module.zigzag_chunks(r, C)[qh]
-                        kv_chunk = cp_module.zigzag_chunks(j, C)[kh]
-                        assert causal or kv_chunk < q_chunk  # a block without the mask: all visible
-                        if kv_chunk <= q_chunk:
-                            seen.append((q_chunk, kv_chunk))
+                for qhs, khs, causal in cp_module.kernel_blocks(q_halves, kv_halves, causal):
+                    assert not causal or (j == r and qhs == khs and len(qhs) == 1)
+                    entries += len(qhs) * len(khs) * (0.5 if causal else 1.0)
+                    for qh in qhs:
+                        for kh in khs:
+                            q_chunk = cp_module.zigzag_chunks(r, C)[qh]
+                            kv_chunk = cp_module.zigzag_chunks(j, C)[kh]
+                            assert causal or kv_chunk < q_chunk  # a call without the mask: all visible
+                            if kv_chunk <= q_chunk:
+                                seen.append((q_chunk, kv_chunk))
             work.append(entries)
         assert work == [2 * C] * C, (C, work)  # 2 (s/2C)² blocks per step
         assert sorted(seen) == sorted((q, k) for q in range(2 * C) for k in range(q + 1))

@@ -31,8 +31,10 @@ def main():
     model_flags = model_flags or ["--model", "tiny", "--n_layer", "4", "--n_embd", "256", "--n_head", "4",
                                   "--block_size", "256", "--global_batch_size", "16"]
     moe = [] if "--n_expert" in model_flags else ["--n_expert", "4", "--top_k", "1"]
-    dense_flags = [f for i, f in enumerate(model_flags) if f not in ("--n_expert", "--top_k")
-                   and (i == 0 or model_flags[i - 1] not in ("--n_expert", "--top_k"))]
+    routing = ("--n_expert", "--top_k", "--balance", "--bias_update_rate", "--capacity_factor", "--shared_experts",
+               "--aux_loss_coef")  # the mixture's own flags: the dense model takes none of them
+    dense_flags = [f for i, f in enumerate(model_flags) if f not in routing
+                   and (i == 0 or model_flags[i - 1] not in routing)]
     flags = ["--device", a.device, "--max_iters", a.iters, "--log_interval", "1", "--eval_interval", "0",
              "--warmup_iters", "2"] + (["--dtype", "float32"] if a.device == "cpu" else [])
     global_batch = int(model_flags[max(i for i, f in enumerate(model_flags) if f == "--global_batch_size") + 1])
