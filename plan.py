@@ -26,23 +26,23 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  cpu and no GPU memory given, within this host's available memory shared by
                  --gpus_per_node ranks. The scripts choose their micro-batch against the
                  same room (--micro_batch_size auto)
-    step time    compute + muon + communication, nothing overlapped (an upper bound: DDP's buckets
-                 and FSDP's prefetch hide part of it):
+    step time    one step simulated as its ranks run it, one role per distinct rank (every stage
+                 of a pipeline), every collective an event with its dependencies (simulate_step):
                    compute = the FLOPs as the kernels run them (flops_as_run: nanoGPT's count less
                              the half of attention's s² that causal kernels skip; with
                              --recompute one more forward of the blocks, not of the head) /
                              (N x peak x --efficiency); a pipeline (07, 08 with pp > 1) is
-                             simulated as its ranks run it (07's step_length over the rounds of
-                             the schedule each rank executes), every F, B, I and W taking its own
-                             stage's time (the last L mod p stages hold one more layer, the last
-                             the head): the slowest stage sets the pace, and the bubble comes
+                             simulated as its ranks run it (07's rank_finishes over the rounds
+                             of the schedule each rank executes), every F, B, I and W taking its
+                             own stage's time (the last L mod p stages hold one more layer, the
+                             last the head): the slowest stage sets the pace, and the bubble comes
                              out of the schedule
                    muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
                              priced (costs()'s muon_flops: the matrices it orthogonalises, each
                              5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
-                             the last backward, outside any bubble
-                   comm    = per operation, an alpha-beta model over its group of g ranks: a
-                             ring collective steps x alpha + busfactor(g) x bytes / beta,
+                             the rank's last backward
+                   comm    = each operation per call, an alpha-beta model over its group of g
+                             ranks: a ring collective steps x alpha + busfactor(g) x bytes / beta,
                              busfactor from 02_collectives.py (all-reduce 2(g-1)/g,
                              all-gather / reduce-scatter (g-1)/g, send 1); beta is the link
                              bandwidth inside a node; across nodes, a group with k ranks on a
@@ -58,8 +58,22 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              posts of every operation (a bucket's, a unit's, a layer's per
                              micro-batch; the ledger checks them as it checks the bytes), so
                              ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one
-                 the slowest rank's time is the step time; MFU = model FLOPs (PaLM's count, attention
-                 non-causal, as the scripts' MFU) / (time x N x peak)
+                   where   = each collective where its script posts it (phase_of): inside a
+                             forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
+                             all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a
+                             pipeline's messages between stages, each alpha + bytes / beta over
+                             the link it crosses, so a stage waits for its input's arrival (and
+                             for its own sends, as 07 completes each exchange); the gradient
+                             buckets 03, 04 and 05 post asynchronously, placed after the
+                             backward they wait on, one by one during the last micro-batch's
+                             backward (equal buckets at equal spacing: an approximation), on the
+                             communicator's one stream; 08's replica reductions when the rank's
+                             own stage is done (a later stage's hide in the earlier stages'
+                             cool-down); the rest (norm, loss, tied embedding, ZeRO's gathers of
+                             the updated parameters) after the slowest rank, which they wait for
+                 the slowest rank's finish is the step time (compute_s: the step with free
+                 communication; comm_s: what communication adds to it); MFU = model FLOPs
+                 (PaLM's count, attention non-causal, as the scripts' MFU) / (time x N x peak)
     recommendation  the ALCF rules ("Deciding on a parallelism strategy"): fits on one GPU ->
                  DDP; otherwise sharded data parallelism (ZeRO / FSDP, HSDP across nodes) or,
                  when layers are too big or there are many GPUs, 3D: TP inside a node (fast
