@@ -1504,32 +1504,33 @@ def simulate(orders, p, v, vee=False, overlap=None, cost=None, transfer=None):
     while any(position[r] < len(orders[r]) for r in range(p)):
         progressed = False
         for r in range(p):
-            if position[r] == len(orders[r]):
-                continue
-            op = orders[r][position[r]]
-            group = [op, *overlap[r].get(op, ())]  # one op, or a forward and the backward it overlaps
-            assert orders[r][position[r]:position[r] + len(group)] == group, "an overlapped pair out of order"
-            keys = [("B" if kind == "I" else kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
-            wanted = [(n, chunk_stage(p, r, member[2], vee)) for member in group for n in needs(r, *member)
-                      if n not in keys]
-            if any(n not in done for n, _ in wanted):
-                continue
-            start = max([clock[r]] + [arrival(r, n, g) for n, g in wanted]
-                        + [sending[r]] * any(kind != "W" for kind, _, _ in group))
-            backward = [member for member in group if member[0] != "F"]
-            starts[r] += [(start, member) for member in group if member[0] == "F"]
-            offset = 0.0
-            for member in backward:  # a backward and the Ws riding with it, one after the other
-                starts[r].append((start + offset, member))
-                offset += cost(r, member[0], member[2])
-            clock[r] = start + max(sum(cost(r, kind, c) for kind, _, c in group if kind == "F"), offset)
-            done.update((key, clock[r]) for key in keys)
-            for kind, _, g in keys:  # what this rank sends on: an output forward, an input gradient back
-                to = g + 1 if kind == "F" else g - 1 if kind == "B" else -1
-                if transfer and 0 <= to <= last_chunk and stage_rank(p, to, vee) != r:
-                    sending[r] = max(sending[r], clock[r] + transfer(g, to))
-            position[r] += len(group)
-            progressed = True
+            # as far as this rank can go: each start depends only on what it waits for, not on
+            # the order in which the ranks are visited
+            while position[r] < len(orders[r]):
+                op = orders[r][position[r]]
+                group = [op, *overlap[r].get(op, ())]  # one op, or a forward and the backward it overlaps
+                assert orders[r][position[r]:position[r] + len(group)] == group, "an overlapped pair out of order"
+                keys = [("B" if kind == "I" else kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
+                wanted = [(n, chunk_stage(p, r, member[2], vee)) for member in group for n in needs(r, *member)
+                          if n not in keys]
+                if any(n not in done for n, _ in wanted):
+                    break
+                start = max([clock[r]] + [arrival(r, n, g) for n, g in wanted]
+                            + [sending[r]] * any(kind != "W" for kind, _, _ in group))
+                backward = [member for member in group if member[0] != "F"]
+                starts[r] += [(start, member) for member in group if member[0] == "F"]
+                offset = 0.0
+                for member in backward:  # a backward and the Ws riding with it, one after the other
+                    starts[r].append((start + offset, member))
+                    offset += cost(r, member[0], member[2])
+                clock[r] = start + max(sum(cost(r, kind, c) for kind, _, c in group if kind == "F"), offset)
+                done.update((key, clock[r]) for key in keys)
+                for kind, _, g in keys:  # what this rank sends on: an output forward, an input gradient back
+                    to = g + 1 if kind == "F" else g - 1 if kind == "B" else -1
+                    if transfer and 0 <= to <= last_chunk and stage_rank(p, to, vee) != r:
+                        sending[r] = max(sending[r], clock[r] + transfer(g, to))
+                position[r] += len(group)
+                progressed = True
         assert progressed, "the schedule deadlocks"
     for row in starts:
         row.sort(key=lambda entry: entry[0])

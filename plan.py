@@ -504,9 +504,9 @@ def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transf
         b = 2 * f + (blocks[g] if recompute else 0)
         return f if kind == "F" else b if kind == "B" else b / 2
     transfer = (lambda g, to: transfers[min(g, to)]) if transfers else None  # noqa: E731
-    if 3 * m * v <= SIMULATED_OPS or m <= 6 * p:
+    if 3 * m * v <= SIMULATED_OPS or m <= 5 * p:  # (two runs of 2p and 3p micro-batches cost as much)
         return tuple(pipeline.rank_finishes(run, p, m, cost, transfer))
-    m1 = p * max(4, SIMULATED_OPS // (3 * v * p * p))
+    m1 = p * max(2, SIMULATED_OPS // (3 * v * p * p))  # the steady state from the second p micro-batches on
     m1 += (m - m1) % p  # m1 and m2 as m modulo p (interleaved runs in rounds of p micro-batches)
     first, second = (pipeline.rank_finishes(run, p, k, cost, transfer) for k in (m1, m1 + p))
     return tuple(b + (m - m1 - p) / p * (b - a) for a, b in zip(first, second))
