@@ -1,7 +1,9 @@
 """plan.py's step time as the ranks run it (issue: the time model): a pipeline simulated from
-the schedule each rank executes with each stage's own layers, an all-to-all across nodes by the
-NIC rule, a multi-node --bench read per GPU, causal attention counted as it runs, and --imbalance.
-Pure functions and single dry runs: no launch."""
+the schedule each rank executes with each stage's own layers, its messages between stages on
+the critical path, DP buckets overlapped with the last backward, each stage's reductions when
+it is done, an all-to-all across nodes by the NIC rule, a multi-node --bench read per GPU,
+causal attention counted as it runs, and --imbalance. Pure functions and single dry runs: no
+launch."""
 
 import argparse
 import json
