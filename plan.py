@@ -26,23 +26,23 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  cpu and no GPU memory given, within this host's available memory shared by
                  --gpus_per_node ranks. The scripts choose their micro-batch against the
                  same room (--micro_batch_size auto)
-    step time    compute + muon + communication, nothing overlapped (an upper bound: DDP's buckets
-                 and FSDP's prefetch hide part of it):
+    step time    one step simulated as its ranks run it, one role per distinct rank (every stage
+                 of a pipeline), every collective an event with its dependencies (simulate_step):
                    compute = the FLOPs as the kernels run them (flops_as_run: nanoGPT's count less
                              the half of attention's s² that causal kernels skip; with
                              --recompute one more forward of the blocks, not of the head) /
                              (N x peak x --efficiency); a pipeline (07, 08 with pp > 1) is
-                             simulated as its ranks run it (07's step_length over the rounds of
-                             the schedule each rank executes), every F, B, I and W taking its own
-                             stage's time (the last L mod p stages hold one more layer, the last
-                             the head): the slowest stage sets the pace, and the bubble comes
+                             simulated as its ranks run it (07's rank_finishes over the rounds
+                             of the schedule each rank executes), every F, B, I and W taking its
+                             own stage's time (the last L mod p stages hold one more layer, the
+                             last the head): the slowest stage sets the pace, and the bubble comes
                              out of the schedule
                    muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
                              priced (costs()'s muon_flops: the matrices it orthogonalises, each
                              5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
-                             the last backward, outside any bubble
-                   comm    = per operation, an alpha-beta model over its group of g ranks: a
-                             ring collective steps x alpha + busfactor(g) x bytes / beta,
+                             the rank's last backward
+                   comm    = each operation per call, an alpha-beta model over its group of g
+                             ranks: a ring collective steps x alpha + busfactor(g) x bytes / beta,
                              busfactor from 02_collectives.py (all-reduce 2(g-1)/g,
                              all-gather / reduce-scatter (g-1)/g, send 1); beta is the link
                              bandwidth inside a node; across nodes, a group with k ranks on a
@@ -58,8 +58,22 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              posts of every operation (a bucket's, a unit's, a layer's per
                              micro-batch; the ledger checks them as it checks the bytes), so
                              ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one
-                 the slowest rank's time is the step time; MFU = model FLOPs (PaLM's count, attention
-                 non-causal, as the scripts' MFU) / (time x N x peak)
+                   where   = each collective where its script posts it (phase_of): inside a
+                             forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
+                             all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a
+                             pipeline's messages between stages, each alpha + bytes / beta over
+                             the link it crosses, so a stage waits for its input's arrival (and
+                             for its own sends, as 07 completes each exchange); the gradient
+                             buckets 03, 04 and 05 post asynchronously, placed after the
+                             backward they wait on, one by one during the last micro-batch's
+                             backward (equal buckets at equal spacing: an approximation), on the
+                             communicator's one stream; 08's replica reductions when the rank's
+                             own stage is done (a later stage's hide in the earlier stages'
+                             cool-down); the rest (norm, loss, tied embedding, ZeRO's gathers of
+                             the updated parameters) after the slowest rank, which they wait for
+                 the slowest rank's finish is the step time (compute_s: the step with free
+                 communication; comm_s: what communication adds to it); MFU = model FLOPs
+                 (PaLM's count, attention non-causal, as the scripts' MFU) / (time x N x peak)
     recommendation  the ALCF rules ("Deciding on a parallelism strategy"): fits on one GPU ->
                  DDP; otherwise sharded data parallelism (ZeRO / FSDP, HSDP across nodes) or,
                  when layers are too big or there are many GPUs, 3D: TP inside a node (fast
@@ -287,11 +301,18 @@ def ranks_to_price(name, args, config, n):
     if name.startswith("07"):
         return list(range(n))
     if name.startswith("08"):
-        # stages cost the same when they hold as many layers and neither end of the pipeline
-        layers = script(name).stage_layers(config.n_layer, args.pp)
-        kinds = {(s == 0, s == args.pp - 1, layers[s][1]): s for s in reversed(range(args.pp))}
-        return sorted(s * args.cp * args.tp for s in kinds.values())
+        return sorted(set(stage_roles(name, args, config)))
     return [0]
+
+
+def stage_roles(name, args, config):
+    """For each stage of 08's pipeline, the rank priced for it: stages cost the same when they
+    hold as many layers and neither end of the pipeline, and the first of each kind stands for
+    the others (rank s·cp·tp, replica 0)."""
+    layers = script(name).stage_layers(config.n_layer, args.pp)
+    kind = lambda s: (s == 0, s == args.pp - 1, layers[s][1])  # noqa: E731
+    first = {kind(s): s for s in reversed(range(args.pp))}
+    return [first[kind(s)] * args.cp * args.tp for s in range(args.pp)]
 
 
 def rank_costs(name, args, config, n, dtype, rank):
@@ -310,6 +331,45 @@ def op_calls(cost):
 
 
 GUARD_OP = "all_reduce[guard]"  # its bytes are counted; no time: the flags travel while the next step runs (Guard)
+
+
+def phase_of(name, op, args):
+    """Where a collective falls in the step, as the script posts it: "inside" a forward or
+    backward, which waits for it (06's and 08's f and g, CP's ring and all-to-alls, EP's
+    all-to-alls, FSDP's and ZeRO-3's gather of a unit before it runs: its prefetch is not
+    counted), "overlapped" with the backward (the gradient buckets 03, 04 and 05 post
+    asynchronously as backward reaches them), "p2p" (a pipeline's activations forward and
+    gradients back, between stages), "replica" (08: once the rank's own stage is done, over its
+    replicas, which run the same stage: the data-parallel reductions, ZeRO-1's gather) or
+    "after" (once every rank is done: the loss, the norm, the tied embedding, ZeRO-1/2's gather
+    of the updated parameters, 09's and 10's reductions, Muon's exchanges)."""
+    base = op.split("[")[0]
+    group = op[op.index("[") + 1:-1] if "[" in op else "world"
+    sp = getattr(args, "sequence_parallel", False)
+    if name.startswith("03"):
+        return "overlapped" if base == "all_reduce" else "after"
+    if name.startswith("04"):
+        if base == "all_gather_into_tensor" and args.stage == 3:
+            return "inside"
+        return "overlapped" if base == "reduce_scatter_tensor" else "after"
+    if name.startswith("05"):
+        return {"all_gather_into_tensor": "inside", "reduce_scatter_tensor": "overlapped"}.get(base, "after") \
+            if group == "shard" else "after"
+    if name.startswith("06"):
+        return "after" if sp and base == "all_reduce" else "inside"  # SP: its all-reduce sums gradients only
+    if name.startswith("07"):
+        return "p2p" if base in ("send", "recv") else "after"
+    if name.startswith("08"):
+        if base in ("send", "recv"):
+            return "p2p"  # the pipeline's, and with --cp the ring's (split in stage_comm)
+        if group in ("dp", "expert_dp"):
+            return "replica"
+        if group in ("tp", "cp", "ep") and not (base == "all_reduce" and (group != "tp" or sp)):
+            return "inside"  # (an all_reduce over cp or ep, and over tp with SP, sums gradients or norms)
+        return "replica" if group == "tp" else "after"
+    if name.startswith(("09", "10")):
+        return "inside" if base in ("send", "recv", "all_to_all_single") else "after"
+    return "after"
 
 
 # ----------------------------------------------------------------------------------------
@@ -426,12 +486,13 @@ SIMULATED_OPS = 8192  # a pipeline's step is simulated whole up to this many ope
 
 
 @functools.lru_cache(maxsize=None)
-def pipeline_length(schedule, virtual_stages, p, m, forward, recompute):
-    """07's step_length of `schedule` on p stages and m micro-batches, each global chunk g
+def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transfers=None):
+    """07's rank_finishes of `schedule` on p stages and m micro-batches, each global chunk g
     taking forward[g] to run forward, twice that backward (+ one more forward of its blocks
-    with --recompute; a split backward's I and W half each). Past SIMULATED_OPS the step is
+    with --recompute; a split backward's I and W half each), and each message between chunks
+    g and g + 1 on two ranks transfers[g] (none: free). Past SIMULATED_OPS the step is
     simulated at two micro-batch counts p apart and extended linearly: in the steady state
-    each further p micro-batches add the same time (the slowest stage's)."""
+    each further p micro-batches add the same time to every rank (the slowest stage's)."""
     pipeline = script("07_pipeline.py")
     run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=virtual_stages)
     v, vee = pipeline.chunks_per_rank(run)
@@ -442,46 +503,220 @@ def pipeline_length(schedule, virtual_stages, p, m, forward, recompute):
         f = blocks[g] + head[g]
         b = 2 * f + (blocks[g] if recompute else 0)
         return f if kind == "F" else b if kind == "B" else b / 2
-    if 3 * m * v <= SIMULATED_OPS or m <= 6 * p:
-        return pipeline.step_length(run, p, m, cost)
-    m1 = p * max(4, SIMULATED_OPS // (3 * v * p * p))
+    transfer = (lambda g, to: transfers[min(g, to)]) if transfers else None  # noqa: E731
+    if 3 * m * v <= SIMULATED_OPS or m <= 5 * p:  # (two runs of 2p and 3p micro-batches cost as much)
+        return tuple(pipeline.rank_finishes(run, p, m, cost, transfer))
+    m1 = p * max(2, SIMULATED_OPS // (3 * v * p * p))  # the steady state from the second p micro-batches on
     m1 += (m - m1) % p  # m1 and m2 as m modulo p (interleaved runs in rounds of p micro-batches)
-    first, second = pipeline.step_length(run, p, m1, cost), pipeline.step_length(run, p, m1 + p, cost)
-    return second + (m - m1 - p) / p * (second - first)
+    first, second = (pipeline.rank_finishes(run, p, k, cost, transfer) for k in (m1, m1 + p))
+    return tuple(b + (m - m1 - p) / p * (b - a) for a, b in zip(first, second))
+
+
+def pipeline_length(schedule, virtual_stages, p, m, forward, recompute, transfers=None):
+    """The pipeline's step (pipeline_finishes): the slowest rank's finish."""
+    return max(pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transfers))
+
+
+def pipeline_shape(name, args, n):
+    """(schedule, v, p, m, the ranks splitting a stage's work) of a pipeline: 07's schedule on
+    n stages; 08's 1F1B over pp, a stage's work split over tp x cp, its micro-batches per replica."""
+    if name.startswith("07"):
+        v, _ = script("07_pipeline.py").chunks_per_rank(args)
+        return args.schedule, v, n, args.global_batch_size // args.micro_batch_size, 1
+    m = args.global_batch_size // (args.micro_batch_size * (n // (args.tp * args.pp * args.cp)))
+    return "1f1b", 1, args.pp, m, args.tp * args.cp
+
+
+def is_pipeline(name, args):
+    return name.startswith("07") or (name.startswith("08") and args.pp > 1)
+
+
+def chunk_forwards(name, args, config, n, rate):
+    """Each global chunk's forward seconds of one micro-batch, (its blocks, the head): the
+    FLOPs as they run (flops_as_run) of the chunk's own layers (07's chunk_layers: the last
+    L mod p hold one more), the head on the last, at `rate` FLOP/s per GPU."""
+    per_token, head = flops_as_run(config, count_params_once(config)[1])
+    schedule, v, p, m, split = pipeline_shape(name, args, n)
+    micro = args.micro_batch_size * config.block_size / (split * rate)  # seconds per FLOP-per-token
+    layers = script("07_pipeline.py").chunk_layers(config.n_layer, p * v)
+    return tuple((count * per_token / config.n_layer / 3 * micro, (g == p * v - 1) * head / 3 * micro)
+                 for g, (_, count) in enumerate(layers))
 
 
 def compute_seconds(name, args, config, n, rate):
     """(compute seconds of the step, its bubble): the global batch's FLOPs as they run
     (flops_as_run) at `rate` FLOP/s per GPU. A pipeline (07; 08 with pp > 1) is simulated as
-    its ranks run it (pipeline_length): each stage's own layers (the last L mod p stages
-    hold one more, the last the head), so the slowest stage sets the pace and the bubble
-    comes out of the schedule; the bubble is the stages' mean idle share."""
+    its ranks run it (pipeline_length), communication free: each stage's own layers (the
+    last L mod p stages hold one more, the last the head), so the slowest stage sets the pace
+    and the bubble comes out of the schedule; the bubble is the stages' mean idle share."""
     per_token, head = flops_as_run(config, count_params_once(config)[1])
     recompute = bool(getattr(args, "recompute", False))  # one more forward of the blocks, not of the head
     run_per_token = per_token * (4 / 3 if recompute else 1) + head
-    if not (name.startswith("07") or (name.startswith("08") and args.pp > 1)):
+    if not is_pipeline(name, args):
         return run_per_token * args.global_batch_size * config.block_size / (n * rate), 0.0
-    pipeline = script("07_pipeline.py")
-    if name.startswith("07"):
-        p, split, schedule = n, 1, args.schedule
-        m = args.global_batch_size // args.micro_batch_size
-    else:  # 08: 1F1B over pp, a stage's work split over tp x cp, its micro-batches per replica
-        p, split, schedule = args.pp, args.tp * args.cp, "1f1b"
-        m = args.global_batch_size // (args.micro_batch_size * (n // (args.tp * args.pp * args.cp)))
-    v, _ = pipeline.chunks_per_rank(argparse.Namespace(schedule=schedule, schedule_csv=None,
-                                                       virtual_stages=getattr(args, "virtual_stages", 1)))
-    micro = args.micro_batch_size * config.block_size / (split * rate)  # seconds per FLOP-per-token
-    layers = pipeline.chunk_layers(config.n_layer, p * v)
-    forward = tuple((count * per_token / config.n_layer / 3 * micro, (g == p * v - 1) * head / 3 * micro)
-                    for g, (_, count) in enumerate(layers))
-    length = pipeline_length(schedule, v, p, m, forward, recompute)
+    schedule, v, p, m, split = pipeline_shape(name, args, n)
+    length = pipeline_length(schedule, v, p, m, chunk_forwards(name, args, config, n, rate), recompute)
     busy = run_per_token * m * args.micro_batch_size * config.block_size / (p * split * rate)
     return length, 1 - busy / length
 
 
-def score(name, flags, label, plan_args, machine):
+def link_of(ranks, gpus_per_node):
+    """ranks_per_node's answer for a message between two ranks: None inside a node, 1 across."""
+    return ranks_per_node(ranks, gpus_per_node) and 1
+
+
+def stage_comm(name, args, config, n, machine, cost, comm, rank):
+    """{phase: [seconds, calls]} of one rank's step (phase_of), each operation priced per call
+    over its own group's links (comm_seconds), and the bytes of one pipeline message. A
+    pipeline's sends are its messages between stages, priced per boundary by the simulation;
+    08 with --cp shares send/recv with its ring, inside the stage: the pipeline's part is what
+    the same layout sends with Ulysses (whose all-to-alls leave send/recv to the pipeline), the
+    rest the ring's."""
+    G, calls = machine["gpus_per_node"], op_calls(cost)
+    phases = {phase: [0.0, 0] for phase in ("inside", "overlapped", "replica", "after")}
+    message = 0
+    for op, nbytes in comm.items():
+        if op == GUARD_OP or op.split("[")[0] == "recv":  # a receive is its sender's send
+            continue
+        phase, k = phase_of(name, op, args), calls.get(op, 1)
+        if phase == "p2p":
+            if name.startswith("07"):
+                message = nbytes / k
+                continue
+            s = rank // (args.cp * args.tp) % args.pp
+            posted = (args.global_batch_size // (args.micro_batch_size * (n // (args.tp * args.pp * args.cp)))
+                      * ((s < args.pp - 1) + (s > 0)))  # 1F1B: a forward out and a gradient back per micro-batch
+            piped = nbytes
+            if args.cp > 1:
+                ulysses = argparse.Namespace(**{**vars(args), "cp_impl": "ulysses"})
+                try:
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        piped = script(name).costs(ulysses, config, n, planned_dtype(args), rank)["sent"][op][1]
+                except (SystemExit, ValueError, KeyError):  # Ulysses refused (heads): split by the calls
+                    piped = nbytes * posted / max(k, posted)
+            message = piped / posted if posted else 0
+            if nbytes > piped:  # the ring's K/V, inside the stage, between neighbours tp ranks apart
+                ring = comm_seconds(op, nbytes - piped, 2, link_of([0, args.tp * (args.cp - 1)], G), machine,
+                                    max(1, k - posted))
+                phases["inside"][0] += ring
+                phases["inside"][1] += max(1, k - posted)
+            continue
+        phases[phase][0] += comm_seconds(op, nbytes, *group_of(name, op, args, n, G), machine, k)
+        phases[phase][1] += k
+    return phases, message
+
+
+def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, lanes=None):
+    """The step as its ranks run it, every collective an event with its dependencies: the step
+    time, and with `lanes` (a dict) each role's boxes, {role: [(start, seconds, kind, what)]},
+    kind compute, p2p or collective, to draw (plot.py --plan).
+
+    Without a pipeline, one role: its compute, lengthened by the collectives inside its
+    forwards and backwards; the gradient buckets overlapped with backward posted one by one as
+    the last micro-batch's backward reaches them (equal buckets at equal spacing: an
+    approximation of where the hooks fire; a script that reduces every micro-batch is priced as
+    if all its buckets came in the last), each waiting for the one before on the
+    communicator's one stream; then what follows the backward. With a pipeline, 07's
+    schedule replayed (pipeline_finishes) with each stage's operations lengthened by the
+    collectives inside them and each message between stages α + bytes/β over the link it
+    crosses, so a stage waits for its input's arrival; each stage's replica reductions start
+    when it is done, and what every rank takes part in (the norm, the tied embedding) waits
+    for the slowest. The step is the slowest rank's finish."""
+    G, recompute = machine["gpus_per_node"], bool(getattr(args, "recompute", False))
+    muon = {rank: r["muon_flops"] / rate for rank, r in roles.items()}
+    after = max(r["phases"]["after"][0] for r in roles.values())
+    if not is_pipeline(name, args):
+        (rank, role), = roles.items()
+        phases = role["phases"]
+        compute, _ = compute_seconds(name, args, config, n, rate)
+        busy = compute + imbalance_s + phases["inside"][0]
+        m = max(1, args.global_batch_size // (args.micro_batch_size * replicas(name, args, n)))
+        window = busy * (2 + recompute) / (3 + recompute) / m  # the last micro-batch's backward
+        seconds, calls = phases["overlapped"]
+        buckets, clock = [], busy - window
+        for i in range(calls):  # bucket i ready once backward has reached it; one stream: in order
+            clock = max(clock, busy - window + (i + 1) * window / calls) + seconds / calls
+            buckets.append(clock)
+        done = max([busy] + buckets[-1:])
+        step = done + phases["replica"][0] + muon[rank] + after
+        if lanes is not None:
+            f = busy / m / (3 + recompute) * (1 + recompute)  # a micro-batch's forward (+ its recompute in B)
+            boxes = [(i * busy / m, f, "compute", f"F{i}") for i in range(m)] + \
+                    [(i * busy / m + f, busy / m - f, "compute", f"B{i}") for i in range(m)]
+            boxes += [(b - seconds / calls, seconds / calls, "collective", "bucket") for b in buckets]
+            tail = done
+            for what, t in (("replica", phases["replica"][0]), ("Muon", muon[rank]), ("after", after)):
+                if t:
+                    boxes.append((tail, t, "collective", what))
+                    tail += t
+            lanes[f"rank {rank}"] = boxes
+        return step
+    schedule, v, p, m, split = pipeline_shape(name, args, n)
+    forward = chunk_forwards(name, args, config, n, rate)
+    owner = list(range(p)) if name.startswith("07") else stage_roles(name, args, config)
+    rank_of = (lambda s: s) if name.startswith("07") else (lambda s: s * args.cp * args.tp)  # noqa: E731
+    pipeline = script("07_pipeline.py")
+    vee = chunks_per_rank_vee(schedule)
+    stage_of = [pipeline.stage_rank(p, g, vee) for g in range(p * v)]
+    # a stage's operations lengthened by the collectives inside them, in proportion to their FLOPs
+    work = [0.0] * p
+    for g, (blocks, head) in enumerate(forward):
+        work[stage_of[g]] += m * ((3 + recompute) * blocks + 3 * head)
+    stretch = [1 + roles[owner[s]]["phases"]["inside"][0] / work[s] if work[s] else 1 for s in range(p)]
+    forward = tuple((b * stretch[stage_of[g]], h * stretch[stage_of[g]]) for g, (b, h) in enumerate(forward))
+    transfers = tuple(comm_seconds("send", roles[owner[stage_of[g]]]["message"], 2,
+                                   link_of([rank_of(stage_of[g]), rank_of(stage_of[g + 1])], G), machine)
+                      for g in range(p * v - 1))
+    finishes = pipeline_finishes(schedule, v, p, m, forward, recompute, transfers)
+    ends = [finishes[s] + roles[owner[s]]["phases"]["replica"][0] + muon[owner[s]] for s in range(p)]
+    step = max(ends) + after + imbalance_s
+    if lanes is not None:
+        blocks, head = zip(*forward)
+        cost = lambda r, kind, c: (lambda g: (lambda f: f if kind == "F" else (2 * f + recompute * blocks[g]) * (  # noqa: E731
+            1 if kind == "B" else 0.5))(blocks[g] + head[g]))(pipeline.chunk_stage(p, r, c, vee))
+        run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=v)
+        every, _, _, split_bw = pipeline.run_schedule(run, p, m)
+        orders = [[a for actions in rounds for a in pipeline.unit_actions(actions, split_bw)] for rounds in every]
+        transfer = (lambda g, to: transfers[min(g, to)]) if transfers else None  # noqa: E731
+        starts = pipeline.simulate(orders, p, v, vee, None, cost, transfer)
+        for s in range(p):
+            boxes = [(t, cost(s, kind, c), "compute", f"{kind}{i}") for t, (kind, i, c) in starts[s]]
+            for t, (kind, i, c) in starts[s]:
+                g = pipeline.chunk_stage(p, s, c, vee)
+                to = g + 1 if kind == "F" else g - 1 if kind in "BI" else -1
+                if 0 <= to < p * v and stage_of[to] != s:
+                    boxes.append((t + cost(s, kind, c), transfers[min(g, to)], "p2p", "send"))
+            tail = finishes[s]
+            for what, t in (("replica", roles[owner[s]]["phases"]["replica"][0]), ("Muon", muon[owner[s]])):
+                if t:
+                    boxes.append((tail, t, "collective", what))
+                    tail += t
+            if after:
+                boxes.append((max(ends), after, "collective", "after"))
+            lanes[f"stage {s}"] = boxes
+    return step
+
+
+def replicas(name, args, n):
+    """The data-parallel ranks among n, which split the global batch (06: none; 08: n / (tp·pp·cp))."""
+    if name.startswith("06"):
+        return 1
+    if name.startswith("08"):
+        return n // (args.tp * args.pp * args.cp)
+    if name.startswith("09"):
+        return n // (args.cp or n)
+    return n
+
+
+def chunks_per_rank_vee(schedule):
+    """Whether `schedule`'s chunks sit in a V (07's V_SHAPED)."""
+    return schedule in script("07_pipeline.py").V_SHAPED
+
+
+def score(name, flags, label, plan_args, machine, lanes=None):
     """One candidate, validated and priced by the script and timed by the model of the
-    docstring: (candidate, None), or (None, the script's reason) when it refuses the layout."""
+    docstring: (candidate, None), or (None, the script's reason) when it refuses the layout.
+    `lanes`: a dict, filled with each role's timeline (simulate_step)."""
     n, G = plan_args.gpus, machine["gpus_per_node"]
     argv = [*plan_args.model_flags, *flags]
     result = dry_run(name, argv, n, G, machine.get("gpu_mem_gb"))
@@ -499,28 +734,32 @@ def score(name, flags, label, plan_args, machine):
         calls = op_calls(cost)
         comm_s = sum(comm_seconds(op, b, *group_of(name, op, args, n, G), machine, calls.get(op, 1))
                      for op, b in comm.items() if op != GUARD_OP)
+        phases, message = stage_comm(name, args, config, n, machine, cost, comm, rank)
         ranks.append(dict(rank=rank, layout=cost["layout"], held=per_gpu_bytes(cost), comm=comm, comm_s=comm_s,
+                          phases=phases, message=message,
                           muon_flops=cost["muon_flops"][1] if "muon_flops" in cost else 0,
                           need=fit_need(cost, planned_device_type(args))))
     fullest = max(ranks, key=lambda r: (r["need"], r["held"]["total"], r["comm_s"]))
-    slowest_comm_s = max(r["comm_s"] for r in ranks)
     # compute: what the kernels run (causal attention), a pipeline as its stages run it; the
     # MFU's model FLOPs are nanoGPT's count (PaLM's convention, as the scripts' MFU)
     model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
     peak = machine["peak_tflops"] * 1e12
-    compute_s, f = compute_seconds(name, args, config, n, peak * plan_args.efficiency)
+    rate = peak * plan_args.efficiency
+    compute_s, f = compute_seconds(name, args, config, n, rate)
+    extra = 0.0
     if config.n_expert and plan_args.imbalance > 1:  # the busiest rank's experts run imbalance x their share of rows
         expert_flops = 6 * config.n_layer * config.top_k * expert_params(config) * args.global_batch_size * config.block_size
-        compute_s += (plan_args.imbalance - 1) * expert_flops / (n * peak * plan_args.efficiency)
-    muon_s = max(r["muon_flops"] for r in ranks) / (peak * plan_args.efficiency)  # Newton-Schulz, the busiest rank's
-    step_s = compute_s + muon_s + slowest_comm_s
+        extra = (plan_args.imbalance - 1) * expert_flops / (n * rate)
+    muon_s = max(r["muon_flops"] for r in ranks) / rate  # Newton-Schulz, the busiest rank's
+    step_s = simulate_step(name, args, config, n, machine, rate, {r["rank"]: r for r in ranks}, extra, lanes)
+    compute_s += extra
     if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
         argv += ["--micro_batch_size", str(args.micro_batch_size)]
     return dict(script=name, flags=argv, label=label, layout=fullest["layout"],
                 command=launch_command(name, argv, n, G),
                 per_gpu_bytes=fullest["held"], activations_counted=fullest["held"]["activations"] is not None,
                 comm_bytes_per_step=fullest["comm"], priced_rank=fullest["rank"],
-                compute_s=compute_s, muon_s=muon_s, comm_s=slowest_comm_s, bubble=f,
+                compute_s=compute_s, muon_s=muon_s, comm_s=step_s - compute_s - muon_s, bubble=f,
                 step_time_s=step_s, mfu=model_flops / (step_s * n * peak),
                 experts=bool(config.n_expert), need_bytes=fullest["need"], need_device=planned_device_type(args), room_bytes=planned_room(args),
                 fits=fullest["need"] <= planned_room(args)), None

@@ -6,6 +6,7 @@
     python plot.py --schedule 1f1b --pp 4 --micro_batches 8          # 07_pipeline.py's timeline
     python plot.py --schedule interleaved --pp 4 --micro_batches 8 --virtual_stages 2
     python plot.py --hangs logs/fr-JOBID           # a stalled job's Flight Recorder dumps, as text
+    python plot.py --plan "--model gpt2 --gpus 8 --machine polaris" --layout "07_pipeline.py --schedule 1f1b"
 
 A metrics file (docs/design.md's JSONL, any training script) gives six panels: loss and val
 loss against step; tokens/s; the step time over ranks (min, mean, max: a straggler shows as a
@@ -23,12 +24,20 @@ micro-batch (and chunk), the bubble drawn and in theory in the title. DualPipeV'
 pairs share a slot as two half-height bars (the forward on top), max(F, B) long; the title
 adds the bubble with each pair run in order, F + B, as 07 runs it.
 
+--plan draws plan.py's simulated step of one layout (--layout: a script and its strategy flags;
+without it, the plan's recommendation), one row per distinct rank (every stage of a pipeline):
+compute boxes (F, B, I, W as above; outside a pipeline, a micro-batch's forward and backward),
+and under them the collectives that rank waits for or overlaps (the gradient buckets, what
+follows the backward) and a pipeline's messages between stages, each as long as plan.py
+prices it. For a pipeline the title gives the share idle beside 07's unit-cost bubble, the
+picture --schedule draws of the same schedule.
+
 --hangs reads the Flight Recorder dumps a stalled job left (jobs/*.sh set them up) and prints
 one line per rank: the operation it waits in, its group, and the step and phase it was posted
 at (docs/failures.md, "Hangs on GPUs").
 
 The kind is read from the files (every file must be of one kind). Without -o the picture is
-written next to the (first) file, with .png for its extension, or to schedule_<...>.png
+written next to the (first) file, with .png for its extension, or to schedule_<...>.png or plan.png
 (-o may name a .svg or .pdf instead).
 Bad input (a missing file, one that is neither metrics nor --bench JSONL, flags out of
 range, matplotlib not installed) is one line `error: ...` and exit status 2. docs/observability.md
@@ -386,6 +395,96 @@ def plot_schedule(plt, kind, p, m, v):
 
 
 # ----------------------------------------------------------------------------------------
+# plan.py's simulated step of a layout, one row per role
+# ----------------------------------------------------------------------------------------
+
+LANE_COLOURS = {"p2p": "#55a868", "collective": "#937860"}
+
+
+def planned_step(plan_flags, layout):
+    """plan.py's candidate for `layout` ("SCRIPT FLAGS"; None: the plan's recommendation) under
+    `plan_flags`, and its roles' boxes (plan.simulate_step): (candidate, lanes, pipeline shape
+    or None). plan.py's own refusals are one line here too."""
+    import contextlib
+    import io
+    import shlex
+    sys.path.insert(0, HERE)
+    import plan
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args, machine = plan.parse(shlex.split(plan_flags))
+            if layout:
+                name, *flags = shlex.split(layout)
+                if not re.fullmatch(r"(0[13-9]|10)_\w+\.py", name) or not os.path.isfile(os.path.join(HERE, name)):
+                    raise Refused(f"--layout {layout[:80]!r}: name a training script first (01, 03 ... 10)")
+            else:
+                choice = plan.plan(args, machine)[3]
+                if choice is None:
+                    raise Refused("--plan: nothing fits, so there is no recommendation to draw (--layout names one)")
+                name, flags = choice["script"], choice["flags"][len(args.model_flags):]
+            candidate, reason = plan.score(name, flags, name, args, machine)
+            if candidate is None:
+                raise Refused(f"--layout {name}: {reason}")
+            dry = plan.dry_run(name, [*args.model_flags, *flags], args.gpus, machine["gpus_per_node"],
+                               machine.get("gpu_mem_gb"))
+            shape = plan.pipeline_shape(name, dry[0], args.gpus) if plan.is_pipeline(name, dry[0]) else None
+            boxes = (shape[2] * shape[3] * shape[1] * 3) if shape else 0
+            if boxes > MAX_OPS:
+                raise Refused(f"{shape[2]} stages x {shape[3]} micro-batches is too many boxes to draw "
+                              f"(at most {MAX_OPS:,})")
+            lanes = {}
+            plan.score(name, flags, name, args, machine, lanes)
+    except SystemExit:
+        raise Refused(err.getvalue().strip().splitlines()[-1].removeprefix("error: ") if err.getvalue().strip()
+                      else "--plan: plan.py refused these flags") from None
+    return candidate, lanes, shape, " ".join([name, *candidate["flags"][len(args.model_flags):]])
+
+
+def plot_plan(plt, plan_flags, layout):
+    """One row per role of plan.py's simulated step: compute on top, the messages and
+    collectives under it, every box as long as the simulation priced it."""
+    c, lanes, shape, strategy = planned_step(plan_flags, layout)
+    rows = list(lanes)
+    end = max(start + length for boxes in lanes.values() for start, length, _, _ in boxes)
+    fig, ax = plt.subplots(figsize=(14, 1.5 + 0.45 * min(len(rows), 40)))
+    busy = 0.0
+    for r, role in enumerate(rows):
+        for start, length, kind, what in lanes[role]:
+            if kind == "compute":
+                busy += length
+                ax.broken_barh([(start, length)], (r - 0.4, 0.5), facecolors=COLOURS.get(what[0], "grey"),
+                               edgecolor="white", linewidth=0.3)
+            else:
+                ax.broken_barh([(start, length)], (r + 0.15, 0.25), facecolors=LANE_COLOURS[kind],
+                               edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("seconds (plan.py's simulated step: each box as long as it prices it)")
+    names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+    kinds = sorted({what[0] for boxes in lanes.values() for _, _, kind, what in boxes if kind == "compute"},
+                   key="FBIW".index)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds]
+    labels = [names[k] for k in kinds]
+    for kind, text in (("p2p", "message between stages"), ("collective", "collective")):
+        if any(k == kind for boxes in lanes.values() for _, _, k, _ in boxes):
+            handles.append(plt.Rectangle((0, 0), 1, 1, color=LANE_COLOURS[kind]))
+            labels.append(text)
+    ax.legend(handles, labels, loc="upper left", fontsize=8, bbox_to_anchor=(1.005, 1))
+    title = f"plan.py {plan_flags}: {strategy}\nstep {c['step_time_s'] * 1e3:.4g} ms simulated"
+    if shape:
+        schedule, v, p, m, _ = shape
+        unit = pipeline_module().bubble_theory(schedule, p, m, v)
+        title += (f"; idle {1 - busy / (len(rows) * c['step_time_s']):.3f} of the stages' time, against 07's "
+                  f"unit-cost {unit:.3f} (plot.py --schedule {schedule} --pp {p} --micro_batches {m})")
+    ax.set_title(title, loc="left", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------
 
@@ -718,15 +817,23 @@ def parse(argv):
     g.add_argument("--pp", type=int, default=4, help="pipeline stages")
     g.add_argument("--micro_batches", type=int, default=8)
     g.add_argument("--virtual_stages", type=int, default=2, help="chunks per stage (interleaved)")
+    g = p.add_argument_group("plan.py's simulated step of a layout (instead of files)")
+    g.add_argument("--plan", metavar="PLAN_FLAGS", default=None,
+                   help='plan.py\'s flags, quoted: "--model gpt2 --gpus 8 --machine polaris"')
+    g.add_argument("--layout", metavar="SCRIPT_FLAGS", default=None,
+                   help='the layout to draw, quoted: "07_pipeline.py --schedule 1f1b" (default: the recommendation)')
     p.add_argument("--hangs", metavar="DIR", default=None,
                    help="a stalled job's Flight Recorder dumps (TORCH_FR_DUMP_TEMP_FILE's folder): one line per rank")
     args = p.parse_args(argv)
     if args.hangs is not None:
-        if args.files or args.schedule:
+        if args.files or args.schedule or args.plan:
             raise Refused("--hangs reads a folder of dumps: give it alone")
         return args
-    if bool(args.files) == bool(args.schedule):
-        raise Refused("give metrics files or --schedule (07_pipeline.py's timeline), one of the two")
+    if args.layout is not None and args.plan is None:
+        raise Refused("--layout names a layout of a plan: give --plan too")
+    if bool(args.files) + bool(args.schedule) + (args.plan is not None) != 1:
+        raise Refused("give metrics files, --schedule (07_pipeline.py's timeline) or --plan (plan.py's "
+                      "simulated step), one of the three")
     if args.peak_gbps is not None and not (math.isfinite(args.peak_gbps) and args.peak_gbps > 0):
         raise Refused(f"--peak_gbps must be a positive number, got {args.peak_gbps}")
     if not 10 <= args.dpi <= 1000:
@@ -749,7 +856,7 @@ def parse(argv):
                           f"boxes to draw (at most {MAX_OPS // passes:,} per pass)")
         args.virtual_stages = v
     if args.out is None:
-        args.out = (os.path.splitext(args.files[0])[0] + ".png" if args.files else
+        args.out = (os.path.splitext(args.files[0])[0] + ".png" if args.files else "plan.png" if args.plan else
                     f"schedule_{args.schedule}_p{args.pp}_m{args.micro_batches}"
                     + (f"_v{args.virtual_stages}" if args.virtual_stages > 1 else "") + ".png")
     if os.path.splitext(args.out)[1].lower() not in FORMATS:
@@ -779,13 +886,15 @@ def main(argv=None):
         matplotlib.use("Agg")  # files only, no display needed
         import matplotlib.pyplot as plt
         try:
-            if args.schedule:
+            if args.plan is not None:
+                fig = plot_plan(plt, args.plan, args.layout)
+            elif args.schedule:
                 fig = plot_schedule(plt, args.schedule, args.pp, args.micro_batches, args.virtual_stages)
             elif kinds == {"bench"}:
                 fig = plot_bench(plt, args.files, all_rows, args.peak_gbps)
             else:
                 fig = plot_metrics(plt, args.files, [clean(rows) for rows in all_rows])
-            if not args.schedule:
+            if not (args.schedule or args.plan):
                 fig.tight_layout()
         except (ArithmeticError, TypeError, ValueError) as e:  # values no real run writes
             raise Refused(f"{', '.join(args.files)}: cannot draw these rows ({e})") from None

@@ -82,6 +82,8 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
                                             "~{step:.1f} s, {mfu:.0f}% MFU", "the bubble of 7/71 = {bubble:.0f}% included"]),
     (F13, "08_3d.py", "--tp 1 --pp 4 --cp 4 --cp_impl ulysses --zero1" + MB1,
      ["{total:.1f} GB per GCD ({act:.1f} GB of activations), ~{step:.1f} s, {mfu:.0f}% MFU", "bubble is 3/131 = {bubble:.1f}%"]),
+    (F13, "08_3d.py", "--tp 1 --pp 8 --cp 4 --cp_impl ulysses --zero1" + MB1,
+     ["2 replicas, {total:.1f} GB per GCD\n({act:.1f} GB of activations), ~{step:.1f} s, {mfu:.0f}% MFU"]),
     (F13, "08_3d.py", "--tp 1 --pp 8 --cp 8 --cp_impl ulysses --zero1" + MB1,
      ["dp 1 x pp 8 x cp 8, the leanest ({total:.1f} GB per GCD, bubble 7/519 = {bubble:.1f}%), takes ~{step:.1f} s"]),
     (F13, "08_3d.py", "--tp 1 --pp 8 --zero1" + MB1, ["({total:.1f} GB with `--zero1`)"]),
@@ -101,6 +103,9 @@ WORKED = [  # (plan flags, script, strategy flags, phrases: str.format over the 
      ["cp 4 at pp 32, {total:.1f} GB, ~{step:.1f} s"]),
     (P175 + " --recompute", "08_3d.py", "--tp 4 --pp 16 --zero1" + MB1,
      ["{total:.0f} GB per GPU ({act:.0f} GB of activations), ~{step:.1f} s per step, {mfu:.0f}% MFU, need {need:.1f} GB"]),
+    ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py",
+     "--tp 4 --pp 32 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
+     ["dp 2 x pp 32 x cp 4 (ring) x tp 4 + SP + ZeRO-1,\n{total:.1f} GB, ~{step:.2f} s"]),
     ("--model gpt3-175b --gpus 1024 --machine polaris", "08_3d.py",
      "--tp 4 --pp 64 --cp 4 --cp_impl ring --zero1 --sequence_parallel" + MB1,
      ["dp 1 x pp 64 x cp 4 (ring) x tp 4 + SP + ZeRO-1, {total:.1f} GB,\n~{step:.2f} s, {mfu:.0f}% MFU"]),
@@ -211,7 +216,7 @@ def plan_figures(flags):
     fastest = min(fitting, key=lambda c: c["step_time_s"])
     return dict(valid=len(scored), fit=len(fitting), refused=len(refused), rec_kind=choice["label"].split()[0],
                 fastest_micro=fastest["flags"][fastest["flags"].index("--micro_batch_size") + 1],
-                fastest_total=gb(fastest), fastest_step=fastest["step_time_s"],
+                fastest_total=gb(fastest), fastest_step=fastest["step_time_s"], fastest_label=fastest["label"],
                 faster=100 * (1 - fastest["step_time_s"] / choice["step_time_s"]),
                 which="all of them 4D" if kinds == ["4D"] else "of them " + ", ".join(kinds),
                 only="only 4D layouts fit" if kinds == ["4D"] else ", ".join(kinds) + " fit",
@@ -234,8 +239,8 @@ WHOLE = [  # (plan flags, phrases: str.format over plan_figures, compared with t
     (P175, ["--global_batch_size 1536`, {valid} valid layouts, {fit} fit, {which}) recommends {command} {rec}, ",
             "The 3D layout that needs the least, {nearest3d}, is that one"], 23),
     (XL, ["the peak) recommends {rec_label}, `{command}`",
-          "at micro-batch {fastest_micro} ({fastest_total:.1f} GB, ~{fastest_step:.3f} s), {faster:.0f}% faster than "
-          "{rec_label} and not recommended"], 3),
+          "The fastest estimate is the recommendation itself, {fastest_label} at micro-batch {fastest_micro} "
+          "({fastest_total:.1f} GB, ~{fastest_step:.3f} s)"], 3),
     (F13, ["recommends {rec_kind}, `{command}`: the pipeline"], 8),
     (L128, ["CP is the answer either way: {rec} + `--recompute`, {rec_total:.1f} GB, ~{rec_step:.1f} s per step"], 4),
 ]

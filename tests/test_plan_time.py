@@ -1,7 +1,9 @@
 """plan.py's step time as the ranks run it (issue: the time model): a pipeline simulated from
-the schedule each rank executes with each stage's own layers, an all-to-all across nodes by the
-NIC rule, a multi-node --bench read per GPU, causal attention counted as it runs, and --imbalance.
-Pure functions and single dry runs: no launch."""
+the schedule each rank executes with each stage's own layers, its messages between stages on
+the critical path, DP buckets overlapped with the last backward, each stage's reductions when
+it is done, an all-to-all across nodes by the NIC rule, a multi-node --bench read per GPU,
+causal attention counted as it runs, and --imbalance. Pure functions and single dry runs: no
+launch."""
 
 import argparse
 import json
@@ -20,12 +22,17 @@ def forward_times(layers, head=0.0):
     return tuple((float(n), head * (g == len(layers) - 1)) for g, n in enumerate(layers))
 
 
+def simulated_length(*shape):
+    """plan.pipeline_length of this shape, simulated now (not from plan.py's memory)."""
+    return max(plan.pipeline_finishes.__wrapped__(*shape))
+
+
 def test_the_slowest_stage_sets_a_pipelines_pace():
     """1F1B on stages of 1, 1, 2, 2 layers (F 1 unit a layer, B 2): the simulation gives the
     pipeline's fill and drain through every stage, then m - 1 micro-batches at the slowest
     stage's F + B, not the even split's (p - 1)/(m + p - 1) of the mean stage."""
     m = 8
-    length = plan.pipeline_length.__wrapped__("1f1b", 1, 4, m, forward_times([1, 1, 2, 2]), False)
+    length = simulated_length("1f1b", 1, 4, m, forward_times([1, 1, 2, 2]), False)
     assert length == (m - 1) * 3 * 2 + 3 * (1 + 1 + 2 + 2)
     even = 3 * 1.5 * (m + 4 - 1)  # the mean stage's time with the formula's bubble
     assert length > even
@@ -37,9 +44,9 @@ def test_a_long_pipeline_is_extended_exactly(monkeypatch, schedule, v, p, m):
     """Past SIMULATED_OPS the step is simulated at two micro-batch counts and extended: the
     same length as the whole simulation, for every schedule, on uneven stages with a head."""
     forward = forward_times([n for _, n in PIPELINE.chunk_layers(37, p * v)], head=0.7)
-    whole = plan.pipeline_length.__wrapped__(schedule, v, p, m, forward, True)
+    whole = simulated_length(schedule, v, p, m, forward, True)
     monkeypatch.setattr(plan, "SIMULATED_OPS", 100)
-    assert math.isclose(plan.pipeline_length.__wrapped__(schedule, v, p, m, forward, True), whole, rel_tol=1e-12)
+    assert math.isclose(simulated_length(schedule, v, p, m, forward, True), whole, rel_tol=1e-12)
 
 
 def test_causal_attention_is_counted_as_it_runs():
@@ -100,10 +107,11 @@ def test_imbalance_slows_the_busiest_expert_rank():
     assert steps[1]["compute_s"] > steps[0]["compute_s"] and steps[1]["comm_s"] > steps[0]["comm_s"]
 
 
-def test_uneven_stages_move_gpt2_xl_on_256_gpus():
+def test_uneven_stages_set_the_pace_of_gpt2_xl_on_256_gpus():
     """gpt2-xl (48 layers) on 256 Polaris GPUs, one sequence a GPU: over 32 stages, 16 hold 2
-    layers and 16 hold 1, and the 2-layer stages set the pace, so dp 16 x pp 16 (3 layers each)
-    is faster than dp 8 x pp 32, which the even-split formula preferred."""
+    layers and 16 hold 1, and the 2-layer stages set the pace (more idle than the even split's
+    bubble); between dp 16 x pp 16 and dp 8 x pp 32 the plan takes the one the simulated step
+    prices faster, whichever that is."""
     args, machine = plan.parse(["--model", "gpt2-xl", "--gpus", "256", "--machine", "polaris",
                                 "--global_batch_size", "256"])
     priced = {}
@@ -111,9 +119,76 @@ def test_uneven_stages_move_gpt2_xl_on_256_gpus():
         c, reason = plan.score("08_3d.py", ["--tp", "1", "--pp", pp, "--micro_batch_size", "1"], "3D", args, machine)
         assert c is not None, reason
         priced[pp] = c
-    assert priced["16"]["step_time_s"] < priced["32"]["step_time_s"]
+    choice, _ = plan.recommend(list(priced.values()), 256)
+    assert choice is min(priced.values(), key=lambda c: c["step_time_s"])
     m = 256 // 8
     assert priced["32"]["bubble"] > 31 / (m + 31)  # more idle than the even split's bubble
+
+
+def test_a_message_between_stages_is_on_the_critical_path():
+    """Two stages, one micro-batch, F 1 and B 2 a stage, each message t: the forward's output
+    reaches stage 1 at 1 + t, its gradient comes back at 4 + 2t, and stage 0's backward ends
+    at 6 + 2t; the stage waits for its own sends too (07 completes an exchange, sends
+    included, before the next round), so a second micro-batch's forward starts at 1 + t."""
+    for t in (0.0, 0.25, 3.0):
+        assert simulated_length("1f1b", 1, 2, 1, forward_times([1, 1]), False, (t,)) == 6 + 2 * t
+    run = argparse.Namespace(schedule="1f1b", schedule_csv=None, virtual_stages=1)
+    starts = PIPELINE.simulate([PIPELINE.schedule("1f1b", 2, r, 2) for r in range(2)], 2, 1, cost=lambda r, k, c: 1.0,
+                               transfer=lambda g, to: 0.5)
+    assert starts[0][1] == (1.5, ("F", 1, 0))
+    assert PIPELINE.step_length(run, 2, 2, lambda r, k, c: 1.0) < PIPELINE.step_length(
+        run, 2, 2, lambda r, k, c: 1.0, lambda g, to: 0.5)
+
+
+def roles_of(inside=0.0, overlapped=(0.0, 0), replica=0.0, after=0.0):
+    return {0: dict(muon_flops=0, message=0, phases=dict(inside=[inside, 1], overlapped=list(overlapped),
+                                                          replica=[replica, 1], after=[after, 1]))}
+
+
+@pytest.mark.parametrize("seconds", [0.001, 0.01, 1.0])
+def test_gradient_buckets_overlap_the_last_backward(seconds):
+    """03's buckets, posted as backward reaches them during the last micro-batch's backward and
+    run one after another on the communicator's stream: what shows past the backward is the
+    last bucket alone while they keep up (seconds/calls), else what the backward cannot hide
+    (seconds - window + window/calls); the collectives inside a pass lengthen it, and what
+    follows the backward is added whole."""
+    args, machine = plan.parse(["--model", "gpt2", "--gpus", "8", "--machine", "polaris", "--global_batch_size", "16"])
+    a, config, _ = plan.dry_run("03_ddp.py", [*args.model_flags, "--micro_batch_size", "1"], 8, 4)
+    rate = 1e14
+    compute, _ = plan.compute_seconds("03_ddp.py", a, config, 8, rate)
+    calls, m = 4, 2  # 16 sequences over 8 ranks at micro-batch 1
+    step = plan.simulate_step("03_ddp.py", a, config, 8, machine, rate,
+                              roles_of(inside=0.002, overlapped=(seconds, calls), after=0.003))
+    busy = compute + 0.002
+    window = busy * 2 / 3 / m
+    assert math.isclose(step, busy + max(seconds / calls, seconds - window + window / calls) + 0.003, rel_tol=1e-12)
+
+
+def test_each_stage_reduces_its_gradients_when_it_is_done():
+    """08 at pp 4 on 14 layers (3, 3, 4, 4 a stage): the last stage finishes first under 1F1B,
+    so its data-parallel reduction, the largest, runs while the first stages drain; the step is
+    each stage's finish plus its own reduction at the slowest, not the latest finish plus the
+    largest reduction; a tp of one rank posts nothing."""
+    args, machine = plan.parse(["--model", "gpt2", "--n_layer", "14", "--gpus", "32", "--machine", "polaris",
+                                "--global_batch_size", "64"])
+    a, config, _ = plan.dry_run("08_3d.py", [*args.model_flags, "--tp", "1", "--pp", "4", "--micro_batch_size", "1"],
+                                32, 4)
+    rate = 1e14
+    roles = {}
+    for rank in plan.ranks_to_price("08_3d.py", a, config, 32):
+        cost = plan.rank_costs("08_3d.py", a, config, 32, plan.planned_dtype(a), rank)
+        comm = {op: v for op, (_, v) in cost["sent"].items()}
+        assert not any(op.endswith("[tp]") for op in comm)
+        phases, message = plan.stage_comm("08_3d.py", a, config, 32, machine, cost, comm, rank)
+        roles[rank] = dict(phases=phases, message=message, muon_flops=0)
+    lanes = {}
+    step = plan.simulate_step("08_3d.py", a, config, 32, machine, rate, roles, lanes=lanes)
+    finish = {role: max(s + t for s, t, kind, _ in boxes if kind != "collective") for role, boxes in lanes.items()}
+    replica = {f"stage {s}": roles[r]["phases"]["replica"][0] for s, r in enumerate(plan.stage_roles("08_3d.py", a, config))}
+    after = max(r["phases"]["after"][0] for r in roles.values())
+    assert math.isclose(step, max(finish[s] + replica[s] for s in finish) + after, rel_tol=1e-9)
+    assert step < max(finish.values()) + max(replica.values()) + after
+    assert finish["stage 3"] < finish["stage 0"]
 
 
 def test_a_3d_choice_without_tp_does_not_say_tp():

@@ -89,6 +89,20 @@ def test_schedule_png(tmp_path, capsys, schedule, flags):
     assert_png(out)
 
 
+PLAN = "--model tiny --n_layer 4 --gpus 4 --gpus_per_node 2 --gpu_mem_gb 8 --peak_tflops 10 --link_gbps 100 --inter_gbps 5"
+
+
+@pytest.mark.parametrize("layout", ["07_pipeline.py --schedule zb --global_batch_size 8", "03_ddp.py"])
+def test_plan_png(tmp_path, capsys, layout):
+    """plan.py's simulated step of a layout, one row per role: a pipeline across two nodes (its
+    messages drawn), and DDP's buckets under its backward."""
+    needs_matplotlib()
+    out = tmp_path / "plan.png"
+    status, _, stderr = run_plot(["--plan", PLAN, "--layout", layout, "-o", out], capsys)
+    assert status == 0, stderr
+    assert_png(out)
+
+
 def bad(tmp_path):
     not_json = tmp_path / "notes.txt"
     not_json.write_text("step 1: loss 4.2\n")
@@ -110,8 +124,8 @@ def bad(tmp_path):
         ([empty], "neither"),
         ([binary], "not"),
         ([metrics, bench], "different kinds"),
-        ([metrics, "--schedule", "1f1b"], "one of the two"),
-        ([], "one of the two"),
+        ([metrics, "--schedule", "1f1b"], "one of the three"),
+        ([], "one of the three"),
         (["--schedule", "interleaved", "--pp", "4", "--micro_batches", "6"], "multiple of --pp 4"),
         (["--schedule", "1f1b", "--pp", "0"], "--pp must be positive"),
         (["--schedule", "dualpipev", "--pp", "4", "--micro_batches", "4"], "dualpipev needs at least 2·pp = 8"),
@@ -121,6 +135,11 @@ def bad(tmp_path):
         ([metrics, "-o", tmp_path / "nowhere" / "x.png"], "does not exist"),
         ([metrics, "-o", tmp_path / "x.xyz"], "name a .png, .svg, .pdf file"),
         (["/dev/zero"], "not a regular file"),
+        (["--layout", "03_ddp.py"], "give --plan too"),
+        (["--plan", PLAN, "--schedule", "1f1b"], "one of the three"),
+        (["--plan", PLAN.replace("--gpus 4", "--gpus 0")], "--gpus must be in"),
+        (["--plan", PLAN, "--layout", "02_collectives.py"], "name a training script"),
+        (["--plan", PLAN, "--layout", "07_pipeline.py --schedule interleaved --virtual_stages 3"], "07_pipeline.py: "),
     ]
 
 
