@@ -147,10 +147,10 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        partial = F.linear(x, self.weight)
-        reduce = ReduceScatterSequence if self.sequence_parallel else ReduceFromTP  # g
-        y = reduce.apply(partial, self.group)
-        return y + self.bias if self.bias is not None else y
+        alone = dist.get_world_size(self.group) == 1  # g is then nothing: the bias inside, as nn.Linear adds it
+        partial = F.linear(x, self.weight, self.bias if alone else None)  # (so under autocast, 01's bits)
+        y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(partial, self.group)  # g
+        return y + self.bias if self.bias is not None and not alone else y
 
 
 def parallel_linear(name, in_features, out_features, bias, tp_size, group, sequence_parallel):
