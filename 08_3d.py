@@ -1088,7 +1088,7 @@ class BitwiseReplicas:
         flat = torch.cat([g.reshape(-1) for g in grads] + loss)
         flat = F.pad(flat, (0, -flat.numel() % D))  # a multiple of D elements
         if D > 1:  # a one-rank group posts nothing
-            tree_all_reduce(flat, self.mesh.dp_group)  # the replicas' sums: all_to_all, a tree in DP rank order, all_gather
+            tree_all_reduce(flat, self.mesh.dp_group)  # the replicas' sums, in one tree of DP rank order
         offset = 0
         for p in self.others + [self.tied] * (self.tied is not None):
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)).div_(self.m * D)

@@ -421,7 +421,8 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
     # the calls a step posts, each paying the network's latency once: per layer and micro-batch the
     # rows out and back in each pass and the counts in each forward; the dense gradients' flat
     # all-reduce and the logged statistics'; the experts' flat all-reduce; the norm; Muon's per matrix
-    calls = {"all_to_all_single[ep]": f("L*m*(2*p + p - 1)"), "all_reduce": f("1" if getattr(args, "bitwise", False) else "2"),
+    bitwise = getattr(args, "bitwise", False)  # (then the statistics' all-reduce only: bitwise_reduce's tree)
+    calls = {"all_to_all_single[ep]": f("L*m*(2*p + p - 1)"), "all_reduce": f("1" if bitwise else "2"),
              "all_reduce[expert_dp]": f("1"), "all_reduce[ep]": f("1"), "all_to_all_single": f("1"),
              "all_gather_into_tensor": f("1"),
              "broadcast": formula("matrices", matrices=len(dense)),

@@ -96,12 +96,13 @@ MUON = ["--optimizer", "muon"]
 def test_bitwise_with_muon(tmp_path):
     """Muon's Newton-Schulz on whole matrices, one owner's update broadcast (03), on a stage (07), or
     the matrices' pieces moved to their owners (04 stage 1, 05, whose costs() once priced Muon's
-    all-to-all in place of --bitwise's): the same bits as 01 --bitwise --optimizer muon, its momentum
-    included (fp32), and no ledger mismatch."""
+    all-to-all in place of --bitwise's), or whole beside ZeRO1's flat buffer, in the replicas' tree (08
+    at dp 2 x pp 2 --zero1): the same bits as 01 --bitwise --optimizer muon, its momentum included
+    (fp32), and no ledger mismatch."""
     ref_dir = tmp_path / "01"
     ref = launch("01_single_gpu.py", BASE + MUON + ["--sample_tokens", "0", "--out_dir", ref_dir]).ok()
     for script, ranks, flags in (("03_ddp.py", 2, []), ("07_pipeline.py", 2, []), ("04_zero.py", 2, ["--stage", "1"]),
-                                 ("05_fsdp.py", 2, [])):
+                                 ("05_fsdp.py", 2, []), ("08_3d.py", 4, ["--pp", "2", "--zero1"])):
         out = tmp_path / script
         run = launch(script, BASE + MUON + flags + ["--out_dir", out], nprocs=ranks).ok()
         assert_bitwise((ref.losses, saved(ref_dir)), run, out, f"{script} x{ranks} muon")
