@@ -785,8 +785,8 @@ def activation_costs(args, config, dtype, x, in_flight, first, last, received=No
         terms = activation_terms(config, x["b"], x["s"], dtype, device_type, tp=T, sp=sp, attention=attention,
                                  expert_rows=rows)
         terms["embedding"] = plus(terms["embedding"], cost("b*s", x))
-        if config.dropout > 0 and config.bias and device_type not in ("cuda", "xpu"):
-            # the row-parallel bias is added after g, promoting the output to fp32: CPU's
+        if config.dropout > 0 and config.bias and device_type not in ("cuda", "xpu") and T > 1:
+            # the row-parallel bias is added after g (one TP rank: inside F.linear), promoting the output to fp32: CPU's
             # dropout masks (in their input's dtype) are then fp32 (the attention's only, with experts)
             terms["layer"] = plus(terms["layer"], cost(f"{1 if x['E'] else 2}*(4 - e)*b*s*h{sp_T}", x))
         if x["E"] and (sp or C > 1):  # the router keeps the gathered sequence, not a column-parallel Linear's
