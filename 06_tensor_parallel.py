@@ -147,10 +147,10 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        partial = F.linear(x, self.weight)
-        reduce = ReduceScatterSequence if self.sequence_parallel else ReduceFromTP  # g
-        y = reduce.apply(partial, self.group)
-        return y + self.bias if self.bias is not None else y
+        alone = dist.get_world_size(self.group) == 1  # g is then nothing: the bias inside, as nn.Linear adds it
+        partial = F.linear(x, self.weight, self.bias if alone else None)  # (so under autocast, 01's bits)
+        y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(partial, self.group)  # g
+        return y + self.bias if self.bias is not None and not alone else y
 
 
 def parallel_linear(name, in_features, out_features, bias, tp_size, group, sequence_parallel):
@@ -661,9 +661,9 @@ def costs(args, config, world_size, dtype, rank=0):
     sp_T = "/T" if sp else ""
     terms = activation_terms(config, b, s, dtype, activation_device_type(args), tp=T, sp=sp)
     terms["embedding"] = plus(terms["embedding"], f("b*s"))
-    if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu"):
+    if config.dropout > 0 and config.bias and activation_device_type(args) not in ("cuda", "xpu") and T > 1:
         # the row-parallel bias is added after g, promoting the output to fp32: CPU's
-        # dropout masks (in their input's dtype) are then fp32
+        # dropout masks (in their input's dtype) are then fp32 (one rank adds it inside F.linear)
         terms["layer"] = plus(terms["layer"], f(f"2*(4 - e)*b*s*h{sp_T}"))
     terms["head"] = f(f"(4*b*s*h + 2*4*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s")
     cost = {"layout": f"tensor parallel over {T} ranks" + (" with sequence parallelism" if sp else ""),

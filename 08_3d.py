@@ -209,9 +209,9 @@ class Stage(nn.Module):
                 logits = AllGatherSequenceLinear.apply(x, self.lm_head.weight, None, group)
             else:
                 logits = F.linear(CopyToTP.apply(x, group), self.lm_head.weight)
-            logits, targets = logits.view(-1, logits.size(-1)), targets.view(-1)
-            return VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start,
-                                                   self.config.vocab_size, group)
+            logits, targets = logits.view(-1, logits.size(-1)), targets.view(-1)  # one TP rank: 01's loss, its bits
+            return F.cross_entropy(logits, targets) if T == 1 else \
+                VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start, self.config.vocab_size, group)
         return x
 
 
@@ -372,7 +372,7 @@ def clip_grad_norm(replicas, max_norm):
     squares = replicas.squared_norm()
     if dist.get_world_size(replicas.norm_group) > 1:  # a one-rank group posts nothing
         dist.all_reduce(squares, group=replicas.norm_group)  # over the ranks of distinct gradients
-    total_norm = squares.sqrt()
+    total_norm = squares.sqrt() if squares.dim() == 0 else torch.linalg.vector_norm(squares)  # (--bitwise: norms)
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in replicas.grad_tensors():
         g.mul_(coef)
@@ -443,10 +443,7 @@ def main():
     run = Run(add_flags(make_parser(__doc__, experts=True)), __file__)
     args = run.args
     world, T, P, C = run.world_size, args.tp, args.pp, args.cp
-    check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
-    check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
-          + (f" x cp {C}" if C > 1 else "") + f" = {T * P * C}")
-    D = world // (T * P * C)  # CP ranks split the same sequences: the batch is shared by D
+    D = check_mesh(world, T, P, C)  # world / (T·P·C); CP ranks split the same sequences: the batch is shared by D
     # m micro-batches per replica; auto: the largest that fits every stage, about 2·pp of them to fill a
     # pipeline; the mesh's groups first, so that the fit check's room holds their communicators
     env, m = run.start(costs, dp_size=D, aim=2 * P if P > 1 else 1, ranks=[s * C * T for s in range(P)],
@@ -467,8 +464,10 @@ def main():
     ends = P > 1 and (stage.is_first or stage.is_last)  # the tied embedding's copies: wte, head
     tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
     replicas = with_experts((ZeRO1 if args.zero1 else DataParallel)(stage, mesh, args, env), stage, args, m)  # same
+    replicas = BitwiseReplicas(replicas, stage, m) if args.bitwise else replicas  # --bitwise: 01's tree (below)
     act_shape = (args.micro_batch_size, config.block_size // C // (T if stage.sp else 1), config.n_embd)
-    pipeline = Pipeline([stage], env, mesh.pp_group, 1, act_shape, timed=False)  # 07's, on this pipeline
+    pipeline = Pipeline([stage], env, mesh.pp_group, 1, act_shape, timed=False,  # 07's, on this pipeline
+                        tree=replicas if args.bitwise else None)  # (--bitwise: the tree its backwards fill)
     rounds = schedule_rounds("1f1b", P, mesh.pp_rank, m)  # ("F" | "B", micro-batch, chunk 0)
     extra_rng = run.begin(config, replicas.optimizer, costs, describe=describe(args, stage, m),
                           layout={"strategy": "3d", "dp": D, "pp": P, "tp": T, "zero1": args.zero1,
@@ -487,7 +486,7 @@ def main():
         with run.meter:
             loss_sum, _, _ = pipeline.run(rounds, xs, ys, m)  # 1F1B; TP (and CP) in the stage
         loss = global_mean(loss_sum + balancing_loss(stage), mesh, m)  # with experts, each stage's blocks' aux
-        if tied is not None:  # the two copies of the wte shard stay equal: sum their gradients
+        if tied is not None and not args.bitwise:  # the two copies of the wte shard stay equal: sum their gradients
             dist.all_reduce(tied.grad, group=mesh.embedding_group)
         if stage.sp:  # the replicated parameters saw only this rank's sequence shard
             all_reduce_sequence_parallel_grads(stage, mesh.tp_group)
@@ -512,6 +511,7 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
     parameters and Ψ_r the TP-replicated ones among them, Ψ_x its experts' (E/N of each layer's).
     `received`: with experts, the rows this rank's experts received in this step, per layer
     per micro-batch (routing()); without it, balanced routing: k·b·s each."""
+    from common import param_shapes
     from infra.formulas import newton_schulz_flops, plus
     T, P, C, N = args.tp, args.pp, args.cp, getattr(args, "ep", 1)
     check_experts(args, config.n_expert, world_size)  # first: the formulas divide by ep
@@ -527,7 +527,8 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
     owners = muon_owners(matrices, T) if args.optimizer == "muon" else []  # Muon: the stage's, whole
     x = dict(T=T, P=P, C=C, D=D, L=n_layers, m=args.global_batch_size // (args.micro_batch_size * D),
              b=args.micro_batch_size, s=config.block_size // C, h=config.n_embd, a=config.n_head,
-             V=vocab_local * T, e=dtype.itemsize, Ψ_rank=n_local, Ψ_r=n_local - split, loss=1, norm=1,
+             V=vocab_local * T, e=dtype.itemsize, Ψ_rank=n_local, Ψ_r=n_local - split, loss=1,
+             norm=len(param_shapes(config)) if getattr(args, "bitwise", False) else 1,  # --bitwise: 01's norms
              Ψ_m=sum(map(math.prod, matrices)),
              Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank),
              E=E, N=N, Ψ_x=n_layers * E // max(N, 1) * experts)
@@ -607,6 +608,8 @@ def dp_costs(args, x):
     outside the flat buffer: whole on every DP rank (weights, gradients, momentum),
     all-reduced (ZeRO1, and the section's "Muon with ZeRO-1")."""
     muon = args.optimizer == "muon"
+    if getattr(args, "bitwise", False):  # (tp 1, cp 1) the replicas' tree instead of the sum (BitwiseReplicas)
+        return bitwise_costs(args, x)
     if args.zero1:
         flat = "(Ψ_rank - Ψ_m/T)" if muon else "(Ψ_rank - Ψ_x)" if x["Ψ_x"] else "Ψ_rank"  # AdamW's flat buffer
         pad, own = f"D*C*ceil({flat}/(D*C))", " + 4*Ψ_m/T" if muon else ""  # padded to D·C; Muon's matrices
@@ -627,6 +630,24 @@ def dp_costs(args, x):
         sent["broadcast[dp]"] = cost("e*Ψ_o", x)
     if args.grad_clip > 0 and x["T"] * x["P"] * (x["D"] * x["C"] if args.zero1 else 1) > 1:
         sent["all_reduce" if args.zero1 else "all_reduce[model]"] = cost("4*norm", x)  # the squared norm's sum
+    return held, sent
+
+
+def bitwise_costs(args, x):
+    """dp_costs under --bitwise (tp 1, cp 1; BitwiseReplicas): the state held as without it; over DP
+    the gradients and the loss, padded to D, to their owners and back (common.tree_all_reduce: a
+    ring all-reduce's bytes), instead of the all-reduce (ZeRO1: the reduce-scatter, and Muon's
+    matrices' all-reduce); the logged loss's all-reduce as ever; the norm's sum one float per
+    parameter of 01 (norm = their count)."""
+    from infra.formulas import plus
+    plain = dict(vars(args), bitwise=False)
+    held, sent = dp_costs(type(args)(**plain), x)
+    if x["D"] > 1:
+        tree = cost("4*(Ψ_rank + loss + pad)", x, pad=-(x["Ψ_rank"] + 1) % x["D"])
+        sent["all_reduce[dp]"] = cost("4*loss", x)
+        sent.pop("reduce_scatter_tensor[dp]", None)
+        sent["all_to_all_single[dp]"] = tree
+        sent["all_gather_into_tensor[dp]"] = plus(sent.get("all_gather_into_tensor[dp]"), tree)  # (ZeRO1: and its own)
     return held, sent
 
 
@@ -704,8 +725,8 @@ def pp_costs(args, x, first, last):
     sent = {"all_reduce[pp]": cost("4*loss", x)} if x["P"] > 1 else {}  # none in a one-stage pipeline
     if x["P"] > 1:
         sent["send"] = sent["recv"] = cost("m*n*4*b*s*h" + "/T" * args.sequence_parallel, x, n=2 - first - last)
-        if first or last:
-            sent["all_reduce[embedding]"] = cost("4*V/T*h", x)
+        if first or last:  # (--bitwise: every micro-batch's, added pairwise before the tree)
+            sent["all_reduce[embedding]"] = cost("4*m*V/T*h" if getattr(args, "bitwise", False) else "4*V/T*h", x)
     return sent
 
 
@@ -727,8 +748,10 @@ def call_costs(args, x, sent, first, last):
     Ulysses' four all-to-alls per pass; once per step the DP buffer's, the norm's, the loss's."""
     from infra.formulas import plus
     p, again = 3 if args.recompute else 2, " + m*2*L" if args.recompute else ""
-    calls = {"all_reduce[dp]": cost("2" if not args.zero1 else "1", x), "reduce_scatter_tensor[dp]": cost("1", x),
-             "all_gather_into_tensor[dp]": cost("1", x), "all_reduce": cost("1", x),
+    bitwise = getattr(args, "bitwise", False)  # the tree's all_to_all and all_gather (BitwiseReplicas)
+    calls = {"all_reduce[dp]": cost("2" if not (args.zero1 or bitwise) else "1", x),
+             "reduce_scatter_tensor[dp]": cost("1", x), "all_to_all_single[dp]": cost("1", x),
+             "all_gather_into_tensor[dp]": cost("2" if args.zero1 and bitwise else "1", x), "all_reduce": cost("1", x),
              "all_reduce[model]": cost("1", x), "all_reduce[pp]": cost("1", x), "all_reduce[embedding]": cost("1", x),
              "send": cost("m*n", x, n=2 - first - last) if x["P"] > 1 else None,
              "all_to_all_single[cp]": cost("m*L*p*4", x, p=p)}
@@ -762,15 +785,16 @@ def activation_costs(args, config, dtype, x, in_flight, first, last, received=No
         terms = activation_terms(config, x["b"], x["s"], dtype, device_type, tp=T, sp=sp, attention=attention,
                                  expert_rows=rows)
         terms["embedding"] = plus(terms["embedding"], cost("b*s", x))
-        if config.dropout > 0 and config.bias and device_type not in ("cuda", "xpu"):
-            # the row-parallel bias is added after g, promoting the output to fp32: CPU's
+        if config.dropout > 0 and config.bias and device_type not in ("cuda", "xpu") and T > 1:
+            # the row-parallel bias is added after g (one TP rank: inside F.linear), promoting the output to fp32: CPU's
             # dropout masks (in their input's dtype) are then fp32 (the attention's only, with experts)
             terms["layer"] = plus(terms["layer"], cost(f"{1 if x['E'] else 2}*(4 - e)*b*s*h{sp_T}", x))
         if x["E"] and (sp or C > 1):  # the router keeps the gathered sequence, not a column-parallel Linear's
             # shard (SP); with CP, every token of the sequences: the MoE's terms of the other (C - 1)·b·s
             terms["layer"] = plus(terms["layer"], cost(f"e*b*s*C*h - e*b*s*h{sp_T}", x), cost(
                 "(C - 1)*(e*k*b*s*h + 4*b*s*(E + 2*k + 1))", x, k=config.top_k) if C > 1 else None)
-        terms["head"] = cost(f"(4*b*s*h + 8*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s", x)
+        if T > 1:  # (one TP rank takes 01's F.cross_entropy, and activation_terms' head is its)
+            terms["head"] = cost(f"(4*b*s*h + 8*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s", x)
         return terms
     if not x["E"] or received is None:
         return activations_of_layers(layer_terms(), x["L"], args.recompute, first, last, in_flight)
@@ -834,11 +858,22 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
     return _STAGE_SIZES[key]
 
 
+def check_mesh(world, T, P, C):
+    """The data-parallel size D = world / (T·P·C), once the mesh's sizes are seen to fit the world."""
+    check(T >= 1 and P >= 1 and C >= 1, f"--tp, --pp and --cp must be positive, got {T}, {P} and {C}")
+    check(world % (T * P * C) == 0, f"world size {world} is not divisible by tp {T} x pp {P}"
+          + (f" x cp {C}" if C > 1 else "") + f" = {T * P * C}")
+    return world // (T * P * C)
+
+
 def check_layout(config, T, P, sp=False, C=1, impl="ring", bitwise=False):
-    # --bitwise: even at tp 1 the stage is 06's layers, whose vocabulary-parallel cross-entropy (max, exp
-    # and sum by hand) rounds otherwise than 01's F.cross_entropy (docs/numerics.md); 07 has the pipeline's
-    check(not bitwise, "--bitwise is not implemented in 08_3d.py: its stage is 06's tensor-parallel layers even at "
-          "tp 1, whose cross-entropy rounds otherwise than 01's; 07_pipeline.py has --bitwise for the pipeline")
+    # --bitwise: at tp 1 and cp 1 a stage computes a micro-batch as 01 does (the loss is F.cross_entropy,
+    # a row-parallel bias is added inside F.linear); TP and CP split its sums (docs/numerics.md)
+    check(not bitwise or (T == 1 and C == 1 and not sp), "--bitwise holds in 08_3d.py at --tp 1 --cp 1 (dp x pp, "
+          "--zero1) only: tensor and context parallelism split one micro-batch's sums (the gradient oracle, "
+          "--check_gradients, bounds them instead)")
+    check(not bitwise or not config.n_expert, "--bitwise is not implemented in 08_3d.py with --n_expert: "
+          "10_expert_parallel.py has it at --ep 1")
     check(config.n_head % T == 0, f"n_head {config.n_head} is not divisible by tp {T}: "
           "each TP rank must own whole attention heads")
     check(not sp or config.block_size % T == 0, f"--sequence_parallel needs block_size "
@@ -906,6 +941,8 @@ def checkpoint_pieces(replicas):
     TP piece of the parameter (elements [s, e) of it, a box of 01's tensor), it is the elements
     [x - s, y - s) of the box."""
     from infra.checkpoint_format import param_pieces
+    if isinstance(replicas, BitwiseReplicas):  # --bitwise: around DataParallel or ZeRO1
+        return checkpoint_pieces(replicas.dense)
     stage, write = replicas.stage, replicas.mesh.reduce_rank == 0
     named = [(name, p) for name, p in stage.named_parameters() if not is_expert(name)]
     if isinstance(replicas, ExpertReplicas):  # the experts written by the first EP group (DP x CP ranks 0..ep-1)
@@ -995,6 +1032,97 @@ def context_parallel(args, config):
     return (f", context parallelism ({args.cp_impl}) over {args.cp} ranks, {config.block_size // args.cp} of "
             f"{config.block_size} tokens per sequence each"
             + ("; no dropout on the attention probabilities (as in 09)" if config.dropout > 0 else ""))
+
+
+# ---------------------------------------------------------------------------------------
+# --bitwise at tp 1 and cp 1: 07's StageTree on every stage, then 03's tree over the replicas
+# ---------------------------------------------------------------------------------------
+
+class BitwiseReplicas:
+    """--bitwise (tp 1, cp 1: dp x pp, --zero1 or not): DataParallel's interface around `dense`
+    (DataParallel or ZeRO1), and the tree 07's Pipeline fills (take, finish), so that every
+    gradient is summed in the one binary tree over the global batch's micro-batches that 01
+    --bitwise sums in (common.TreeSum; docs/numerics.md). On a stage, as 07's StageTree: after
+    micro-batch i's backward its gradients are copied out of .grad (zeroed for the next, so that
+    ZeRO1's views of its flat buffer stay) into leaf i of this replica's TreeSum(m), the last
+    stage adding its loss; where the tied embedding's two copies sit on two stages, their m
+    per-micro-batch gradients are added pairwise over the embedding group first, as 01's one
+    backward adds the head's and the lookup's. Then, as 03's bitwise_reduce, the replicas' sums
+    (each replica's m micro-batches are one subtree: m a power of two) by common.tree_all_reduce
+    over DP, divided once by the global batch's D·m into .grad (ZeRO1 then takes its shard). The
+    clipping norm is 01's: each parameter's norm, whole, then the norm of those."""
+
+    def __init__(self, dense, stage, m):
+        from common import TreeSum
+        self.dense, self.stage, self.mesh, self.m = dense, stage, stage.mesh, m
+        self.params, self.optimizer, self.norm_group = dense.params, dense.optimizer, dense.norm_group
+        ends = self.mesh.pp_size > 1 and (stage.is_first or stage.is_last)  # the tied copies, on two stages
+        self.tied = (stage.wte if stage.is_first else stage.lm_head).weight if ends else None
+        self.others = [p for p in stage.parameters() if p is not self.tied]  # a leaf's tensors, in this order
+        self.tree, self.tied_leaves = TreeSum(m), {}
+
+    def take(self, i, c, part, out):
+        """Micro-batch i's gradients (its B: 1F1B, one chunk per stage), copied out of .grad, which
+        is zeroed for the next micro-batch; `out`: on the last stage the micro-batch's loss."""
+        leaf = [p.grad.clone() for p in self.others] + [out.detach().float().reshape(1)] * self.stage.is_last
+        if self.tied is not None:
+            self.tied_leaves[i] = self.tied.grad.clone()
+        for p in self.stage.parameters():
+            p.grad.zero_()
+        self.tree.add(i, leaf)
+
+    def finish(self):
+        """The global tree's sums, divided by D·m, into .grad; returns the losses' sum on DP rank 0
+        of the last stage and 0 elsewhere, which global_mean's sums over PP and DP keep (x + 0 = x)."""
+        from common import TreeSum, tree_all_reduce
+        total, self.tree = self.tree.total, TreeSum(self.m)
+        grads, loss = total[:len(self.others)], total[len(self.others):] or [torch.zeros(1, device=total[0].device)]
+        if self.tied is not None:
+            leaves = torch.stack([self.tied_leaves.pop(i) for i in range(self.m)])
+            dist.all_reduce(leaves, group=self.mesh.embedding_group)  # lookup + head of each micro-batch, both ends
+            tree = TreeSum(self.m)
+            for i in range(self.m):
+                tree.add(i, [leaves[i]])
+            grads.append(tree.total[0])
+        D = self.mesh.reduce_size
+        flat = torch.cat([g.reshape(-1) for g in grads] + loss)
+        flat = F.pad(flat, (0, -flat.numel() % D))  # a multiple of D elements
+        if D > 1:  # a one-rank group posts nothing
+            tree_all_reduce(flat, self.mesh.dp_group)  # the replicas' sums, in one tree of DP rank order
+        offset = 0
+        for p in self.others + [self.tied] * (self.tied is not None):
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)).div_(self.m * D)
+            offset += p.numel()
+        return flat[offset].clone() if self.mesh.reduce_rank == 0 else torch.zeros((), device=flat.device)
+
+    def reduce_gradients(self):
+        """Done by finish(), in the tree; ZeRO1 takes its shard of the reduced buffer."""
+        if isinstance(self.dense, ZeRO1):
+            self.dense.grad_shard.copy_(self.dense.flat_grad[self.dense.lo:self.dense.hi])
+
+    def grad_tensors(self):
+        return self.dense.grad_tensors()
+
+    def squared_norm(self):
+        """Not Σ g² but each parameter's norm, whole, at its place in 01's order (0 where another
+        rank counts it: counted_once, and with ZeRO1, whose norm group is the world, DP rank 0),
+        which clip_grad_norm sums over norm_group (x + 0 = x) and takes the norm of, as 01's
+        clip_grad_norm_ does."""
+        from common import param_shapes
+        names = list(param_shapes(self.stage.config))
+        norms = torch.zeros(len(names), device=self.params[0].device)
+        if self.norm_group is None and self.mesh.reduce_rank > 0:
+            return norms
+        for name, p in self.stage.named_parameters():
+            if counted_once(self.stage, name):
+                norms[names.index(self.stage.full_name(name))] = torch.linalg.vector_norm(p.grad)
+        return norms
+
+    def step(self):
+        self.dense.step()
+
+    def zero_grad(self):
+        self.dense.zero_grad()
 
 
 # =======================================================================================
@@ -1305,10 +1433,10 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        partial = F.linear(x, self.weight)
-        reduce = ReduceScatterSequence if self.sequence_parallel else ReduceFromTP  # g
-        y = reduce.apply(partial, self.group)
-        return y + self.bias if self.bias is not None else y
+        alone = dist.get_world_size(self.group) == 1  # g is then nothing: the bias inside, as nn.Linear adds it
+        partial = F.linear(x, self.weight, self.bias if alone else None)  # (so under autocast, 01's bits)
+        y = (ReduceScatterSequence if self.sequence_parallel else ReduceFromTP).apply(partial, self.group)  # g
+        return y + self.bias if self.bias is not None and not alone else y
 
 
 def parallel_linear(name, in_features, out_features, bias, tp_size, group, sequence_parallel):

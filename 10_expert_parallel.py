@@ -61,9 +61,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (autocast, check, combine, Data, expert_load, expert_step, GPT, is_hidden_matrix, lr_at,
-                    make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply, muon_momentum,
-                    orthogonalize, shared_plus, to_device)
+from common import (autocast, check, combine, Data, expert_load, expert_step, GPT, grad_norm, is_hidden_matrix,
+                    lr_at, make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply,
+                    muon_momentum, orthogonalize, shared_plus, to_device, TreeGrads, tree_all_reduce)
 
 
 def add_flags(parser):
@@ -78,13 +78,16 @@ def add_flags(parser):
 def check_layout(args, config, world_size):
     """--ep: divides the world and the experts; returns it."""
     E = config.n_expert
-    check(not getattr(args, "bitwise", False), "--bitwise is not implemented in 10_expert_parallel.py (its expert-data-parallel "
-          "replicas could hold it; 03, 04, 05 have it for the dense model)")
     check(E > 0, "10_expert_parallel.py needs a mixture of experts: --n_expert E > 0 (or --model baby-moe)")
     check(args.ep is None or args.ep > 0, f"--ep must be positive, got {args.ep}")
     ep = args.ep or math.gcd(E, world_size)
     check(world_size % ep == 0, f"--ep {ep} does not divide the world size {world_size}")
     check(E % ep == 0, f"--n_expert {E} is not divisible by --ep {ep}: every rank holds E/ep whole experts")
+    # --bitwise: at ep 1 every rank is a replica computing its micro-batches as 01 does; at ep N an
+    # expert's matmuls take the rows of N ranks' micro-batches at once, summing their gradients inside
+    check(not getattr(args, "bitwise", False) or ep == 1, f"--bitwise holds in 10_expert_parallel.py at --ep 1 only "
+          f"(every rank all the experts, a data-parallel replica): at --ep {ep} an expert's matmul takes the rows of "
+          f"{ep} ranks' micro-batches at once, where 01 takes one micro-batch's")
     return ep
 
 
@@ -223,15 +226,21 @@ def reduce_gradients(model, world_size, data_group, dp_group, dp_size):
             offset += g.numel()
 
 
-def clip_grad_norm(model, max_norm, ep_group):
+def clip_grad_norm(model, max_norm, ep_group, tree=None):
     """Global norm: the replicated gradients counted once, the experts' summed over the EP
     group (which holds every expert once)."""
+    if tree:  # --bitwise (ep 1: every gradient here, whole): 01's, each parameter's norm, then theirs
+        return clip_with(model, max_norm, grad_norm([p.grad for p in model.parameters()]))
     device = next(model.parameters()).device
     squares = {True: torch.zeros((), device=device), False: torch.zeros((), device=device)}
     for name, p in model.named_parameters():
         squares[is_expert(name)] += p.grad.float().pow(2).sum()
     dist.all_reduce(squares[True], group=ep_group)  # every expert's squares, once
-    total = (squares[True] + squares[False]).sqrt()
+    return clip_with(model, max_norm, (squares[True] + squares[False]).sqrt())
+
+
+def clip_with(model, max_norm, total):
+    """Scale every gradient so that their norm, `total`, is at most max_norm."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in model.parameters():
         p.grad.mul_(coef)
@@ -276,6 +285,7 @@ def main():
     data_group = dist.group.WORLD  # every rank trains on its own slice of the batch: ep x dp ranks
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
     optimizer = replicated_optimizer(model, args, env, data_group, dp_group)  # AdamW, or Muon + AdamW
+    tree = TreeGrads(lambda: [p.grad for p in model.parameters()], accum_steps) if args.bitwise else None
     run.begin(config, optimizer, costs, layout={"strategy": "expert parallel", "ep": ep},
               pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
               evaluate=lambda: evaluate(model, data, args, env, accum_steps, data_group),
@@ -295,9 +305,13 @@ def main():
                 rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)
                 with autocast(env):
                     _, loss = model(x[rows], y[rows])  # dispatch and combine all-to-alls in every block
-                (loss / accum_steps).backward()  # their backward all-to-alls: the gradients' rows home
+                (loss if tree else loss / accum_steps).backward()  # backward all-to-alls: the gradients' rows home
                 loss_sum += loss.detach().float()
-        reduce_gradients(model, env.world_size, data_group, dp_group, dp)  # replicated: all; experts: same experts
+                if tree: tree.take(micro, loss)  # --bitwise: this micro-batch's gradients kept apart for one fixed tree
+        if tree:  # --bitwise (ep 1): every replica's tree, then one fixed tree over the world (below)
+            loss_sum = bitwise_reduce(model, tree, data_group, accum_steps)
+        else:
+            reduce_gradients(model, env.world_size, data_group, dp_group, dp)  # replicated: all; experts: same experts
         received, sent, load, dropped = take_routing(model)
         stats = torch.cat([(loss_sum / (accum_steps * env.world_size)).view(1), load.float().view(-1),
                            dropped.float().sum().view(1)])
@@ -305,7 +319,7 @@ def main():
         dist.all_reduce(stats, group=data_group)
         norm = None  # the global gradient norm, where clipping takes it (the guard reads it too)
         if args.grad_clip > 0:
-            norm = clip_grad_norm(model, args.grad_clip, ep_group)  # the norm over every expert once
+            norm = clip_grad_norm(model, args.grad_clip, ep_group, tree)  # the norm over every expert once
         run.check(stats[0], (p.grad for p in model.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
         routing = expert_step(model, stats[1:-1].view(config.n_layer, -1), stats[-1])  # --balance bias: the biases
@@ -319,6 +333,23 @@ def main():
 # Muon divided among the replicas (03's ReplicatedMuon), costs() (the ledger's theory, the dry run,
 # the fit check and plan.py) and its activations, the metrics' expert keys, the checkpoint pieces
 # and the dry run's layout lines.
+
+def bitwise_reduce(model, tree, group, n):
+    """--bitwise (ep 1): this replica's tree of its n micro-batches (every gradient, then the loss)
+    summed over the replicas by common.tree_all_reduce, the tree's upper levels in one fixed order,
+    and divided once by the global batch's micro-batch count, as 01 --bitwise divides (03's
+    bitwise_reduce). Returns the losses' sum on the group's rank 0 and 0 elsewhere, so that the
+    statistics' all-reduce adds it to zeros only (x + 0 = x) after the loop divides it."""
+    p = dist.get_world_size(group)
+    flat = torch.cat([t.reshape(-1) for t in tree.total()])  # the gradients' sums, then the loss's
+    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % p))  # a multiple of p elements
+    tree_all_reduce(flat, group)
+    offset = 0
+    for param in model.parameters():
+        param.grad.copy_(flat[offset:offset + param.numel()].view_as(param)).div_(n * p)
+        offset += param.numel()
+    return flat[offset].clone() if dist.get_rank(group) == 0 else torch.zeros((), device=flat.device)
+
 
 def replicated_optimizer(model, args, env, data_group, dp_group):
     """common.make_optimizer's AdamW, or its Muon as 03's ReplicatedMuon twice: each replicated
@@ -373,6 +404,12 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
     sent = {"all_to_all_single[ep]": all_to_all, "all_reduce": f("4*Ψ_d + 4*(2 + L*E)"),
             "all_reduce[expert_dp]": f("4*L*Ψ_e*E/N" if world_size > ep else "0"),
             "all_reduce[ep]": f("4*norm" if args.grad_clip > 0 else "0")}
+    if getattr(args, "bitwise", False):  # (ep 1) every gradient and the loss, padded to the world, to their
+        # owners and back (bitwise_reduce: a ring all-reduce's bytes); the statistics' all-reduce as ever; no norm's
+        tree = formula("4*(Ψ_d + L*Ψ_e*E + loss + pad)", Ψ_d=psi_d, Ψ_e=psi_e // (L * E), L=L, E=E, loss=1,
+                       pad=-(psi_d + psi_e + 1) % world_size)
+        sent.update({"all_reduce": f("4*(2 + L*E)"), "all_reduce[expert_dp]": f("0"), "all_reduce[ep]": f("0"),
+                     "all_to_all_single": tree, "all_gather_into_tensor": tree})
     # Muon's matrices on this rank: the dense ones, and those of its E/N experts of every layer (alike)
     dense, experts = ([p.shape for name, p in model.named_parameters() if args.optimizer == "muon"
                        and is_hidden_matrix(name, p.shape) and is_expert(name) == expert] for expert in (False, True))
@@ -384,8 +421,10 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
     # the calls a step posts, each paying the network's latency once: per layer and micro-batch the
     # rows out and back in each pass and the counts in each forward; the dense gradients' flat
     # all-reduce and the logged statistics'; the experts' flat all-reduce; the norm; Muon's per matrix
-    calls = {"all_to_all_single[ep]": f("L*m*(2*p + p - 1)"), "all_reduce": f("2"),
-             "all_reduce[expert_dp]": f("1"), "all_reduce[ep]": f("1"),
+    bitwise = getattr(args, "bitwise", False)  # (then the statistics' all-reduce only: bitwise_reduce's tree)
+    calls = {"all_to_all_single[ep]": f("L*m*(2*p + p - 1)"), "all_reduce": f("1" if bitwise else "2"),
+             "all_reduce[expert_dp]": f("1"), "all_reduce[ep]": f("1"), "all_to_all_single": f("1"),
+             "all_gather_into_tensor": f("1"),
              "broadcast": formula("matrices", matrices=len(dense)),
              "broadcast[expert_dp]": formula("matrices", matrices=len(experts))}
     owned = [shape for shape, owner in zip(dense, muon_owners(dense, world_size)) if owner == rank] + \

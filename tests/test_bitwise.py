@@ -69,18 +69,40 @@ def test_bitwise_equals_single_gpu(reference, tmp_path, dtype, script, ranks, fl
     assert_bitwise(reference[dtype], run, tmp_path, f"{script} x{ranks} {' '.join(flags)} {dtype}")
 
 
+@pytest.mark.parametrize("dtype, flags", [("float32", []), ("bfloat16", ["--zero1"])])
+def test_bitwise_3d_at_tp1(reference, tmp_path, dtype, flags):
+    """08 at dp 2 x pp 2 (tp 1, cp 1): each stage's micro-batches in 01's tree (as 07's StageTree),
+    the tied embedding's pairs over the embedding group, the replicas' sums in one tree over DP,
+    01's norm; plain data parallelism in fp32, --zero1 in bf16 (two launches cover both)."""
+    run = launch("08_3d.py", BASE + ["--pp", "2", "--dtype", dtype, "--out_dir", tmp_path] + flags, nprocs=4).ok()
+    assert_bitwise(reference[dtype], run, tmp_path, f"08_3d.py dp 2 x pp 2 {' '.join(flags)} {dtype}")
+
+
+EXPERTS = ["--n_expert", "4", "--top_k", "2"]
+
+
+def test_bitwise_experts_at_ep1(tmp_path):
+    """10 at --ep 1 x 2 replicas (every rank all the experts): each replica's micro-batches routed and
+    computed as 01's, the tree over the world, 01's norm: the same bits as 01 --bitwise --n_expert (fp32)."""
+    ref_dir, out = tmp_path / "01", tmp_path / "10"
+    ref = launch("01_single_gpu.py", BASE + EXPERTS + ["--sample_tokens", "0", "--out_dir", ref_dir]).ok()
+    run = launch("10_expert_parallel.py", BASE + EXPERTS + ["--ep", "1", "--out_dir", out], nprocs=2).ok()
+    assert_bitwise((ref.losses, saved(ref_dir)), run, out, "10_expert_parallel.py ep 1 x dp 2")
+
+
 MUON = ["--optimizer", "muon"]
 
 
 def test_bitwise_with_muon(tmp_path):
     """Muon's Newton-Schulz on whole matrices, one owner's update broadcast (03), on a stage (07), or
     the matrices' pieces moved to their owners (04 stage 1, 05, whose costs() once priced Muon's
-    all-to-all in place of --bitwise's): the same bits as 01 --bitwise --optimizer muon, its momentum
-    included (fp32), and no ledger mismatch."""
+    all-to-all in place of --bitwise's), or whole beside ZeRO1's flat buffer, in the replicas' tree (08
+    at dp 2 x pp 2 --zero1): the same bits as 01 --bitwise --optimizer muon, its momentum included
+    (fp32), and no ledger mismatch."""
     ref_dir = tmp_path / "01"
     ref = launch("01_single_gpu.py", BASE + MUON + ["--sample_tokens", "0", "--out_dir", ref_dir]).ok()
     for script, ranks, flags in (("03_ddp.py", 2, []), ("07_pipeline.py", 2, []), ("04_zero.py", 2, ["--stage", "1"]),
-                                 ("05_fsdp.py", 2, [])):
+                                 ("05_fsdp.py", 2, []), ("08_3d.py", 4, ["--pp", "2", "--zero1"])):
         out = tmp_path / script
         run = launch(script, BASE + MUON + flags + ["--out_dir", out], nprocs=ranks).ok()
         assert_bitwise((ref.losses, saved(ref_dir)), run, out, f"{script} x{ranks} muon")
@@ -101,8 +123,10 @@ def test_bitwise_resumed_from_another_script(reference, tmp_path):
     ("03_ddp.py", 2, ["--global_batch_size", "12"], "--bitwise needs a power of two of micro-batches per"),
     ("06_tensor_parallel.py", 1, [], "tensor parallelism splits each matmul's inner dimension"),
     ("09_context_parallel.py", 1, [], "context parallelism splits attention over the sequence"),
-    ("08_3d.py", 1, [], "its stage is 06's tensor-parallel layers even at tp 1"),
+    ("08_3d.py", 1, ["--sequence_parallel"], "--bitwise holds in 08_3d.py at --tp 1 --cp 1"),
     ("05_fsdp.py", 1, ["--reduce_dtype", "bfloat16"], "--bitwise reduces in fp32"),
+    ("08_3d.py", 1, EXPERTS, "--bitwise is not implemented in 08_3d.py with --n_expert"),
+    ("10_expert_parallel.py", 2, EXPERTS + ["--ep", "2"], "--bitwise holds in 10_expert_parallel.py at --ep 1 only"),
 ])
 def test_refused_where_it_cannot_hold(script, ranks, flags, message):
     run = launch(script, BASE + flags, nprocs=ranks, timeout=60)
