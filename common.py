@@ -1047,6 +1047,12 @@ def tree_all_reduce(flat, group):
     return flat
 
 
+def grad_norm(grads):
+    """--bitwise's global gradient norm as clip_grad_norm_ takes it (each parameter's norm, then the
+    norm of those in nanoGPT's order): every layout that holds whole gradients gets 01's bits."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
 def deterministic(device):
     """--bitwise: kernels that give the same bits on every run; one thread per rank on CPU, where a
     reduction split over threads sums in an order that depends on how many (docs/numerics.md)."""
