@@ -91,15 +91,11 @@ def run_copy(tmp_path, script, ranks, args, ok=True, real=False):
     return done
 
 
-# the suite copies 01, 03, 06 and 08 (the plain loop, data parallelism, a model split by hand, the
-# 3D mesh); the others' copies, the same mechanism, run in the big tier (tests/conftest.py); 03's
-# through a real launcher
-IN_THE_SUITE = ("01_single_gpu.py", "03_ddp.py", "06_tensor_parallel.py", "08_3d.py")
+# every copy forked (a second or two each) but 03's, through a real launcher as a user starts it
 REAL_LAUNCHER = "03_ddp.py"
 
 
-@pytest.mark.parametrize("script,ranks,flags", [pytest.param(*c, id=c[0], marks=[] if c[0] in IN_THE_SUITE else
-                                                             [pytest.mark.big]) for c in CASES])
+@pytest.mark.parametrize("script,ranks,flags", CASES, ids=[c[0] for c in CASES])
 def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, ranks, flags):
     copy(tmp_path, script)
     done = run_copy(tmp_path, script, ranks, FLAGS + flags, real=script == REAL_LAUNCHER)
@@ -135,7 +131,6 @@ def test_a_copy_without_data_says_so_in_one_line(tmp_path):
                                                                                         str(with_infra))], dry.stderr
 
 
-@pytest.mark.big  # 35 s: a copy's plain checkpoint and resume (the suite's copies train; resume is infra's elsewhere)
 @pytest.mark.parametrize("script,ranks,flags", [("07_pipeline.py", 2, [])], ids=["07_pipeline.py"])
 def test_a_copy_checkpoints_and_resumes_with_the_same_losses(tmp_path, script, ranks, flags):
     """nanoGPT's --out_dir, --ckpt_interval and --resume in the copy: one file per rank, read back
