@@ -23,11 +23,11 @@ BIG = ("big: a rehearsal of a big mesh, a whole plan, or a slow repeat of a chec
 # Refresh from a full run's `--durations=0`; the order changes only the schedule, never a result.
 FILE_SECONDS = {
     "test_bitwise.py": 143, "test_rehearse.py": 134, "test_real_conditions.py": 126, "test_3d.py": 103,
-    "test_jobs.py": 89, "test_zero.py": 86, "test_memory.py": 85, "test_failures.py": 80, "test_muon.py": 77,
+    "test_jobs.py": 89, "test_zero.py": 86, "test_memory.py": 85, "test_failures.py": 35, "test_muon.py": 77,
     "test_launch.py": 75, "test_pipeline.py": 70, "test_expert_parallel.py": 62, "test_peaks.py": 59,
     "test_grad_oracle.py": 59, "test_bug_zoo.py": 57, "test_doc_numbers.py": 56, "test_plan.py": 52,
     "test_hostile.py": 48, "test_reliability.py": 46, "test_context_parallel.py": 40, "test_tensor_parallel.py": 34,
-    "test_vschedules.py": 33, "test_hostile_iv.py": 30, "test_fsdp.py": 29, "test_copy.py": 40,
+    "test_vschedules.py": 33, "test_hostile_iv.py": 30, "test_fsdp.py": 29, "test_copy.py": 48,
     "test_restated.py": 26, "test_host_syncs.py": 25, "test_ddp.py": 25, "test_checkpoints.py": 25,
     "test_routing.py": 22, "test_rehearse_hostile.py": 20, "test_3d_experts.py": 18, "test_single_gpu.py": 18,
     "test_formulas.py": 17, "test_fake_host.py": 17, "test_frozen.py": 16, "test_forkserver.py": 16,
