@@ -12,8 +12,11 @@ process that holds the pipe, is gone).
 
 Request: {"script", "args", "nprocs", "world" (export torchrun's variables), "env", "cwd",
 "timeout" (seconds), "stdout", "stderr" (files the ranks append to), and optionally "grace"
-(seconds, GRACE_S by default) and "port" (the job's MASTER_PORT; a free one picked by the
-kernel otherwise)}.
+(seconds, GRACE_S by default), "port" (the job's MASTER_PORT; a free one picked by the
+kernel otherwise), "isolated" (a copied script run as in an empty directory: the
+repository's modules dropped from sys.modules and its directories off sys.path, so that
+only what lies beside the script can be imported) and "announce" (a first reply line,
+{"pids": [rank pids], "pgid": int}, once every rank is forked: a test that signals ranks)}.
 Reply: {"returncode": int or "timeout", "statuses": [rank exit statuses], "pgid": int} or
 {"error": "..."}.
 
@@ -179,7 +182,11 @@ def run_rank(job, rank, pgid, port, close_fds, base_path, loaded):
         import importlib
         importlib.invalidate_caches()
         now = repo_modules()
-        if any(now.get(name) != stamp for name, stamp in loaded.items()):  # edited since the server started
+        if job.get("isolated"):  # a copied script: nothing of this repository importable, as in an empty directory
+            sys.path[:] = [p for p in sys.path if p != os.path.dirname(script)
+                           and os.path.abspath(p or ".") not in (ROOT, os.path.join(ROOT, "tests"))]
+            sys.path.insert(0, os.path.dirname(script))
+        if job.get("isolated") or any(now.get(name) != stamp for name, stamp in loaded.items()):  # or edited since
             for name in loaded:
                 sys.modules.pop(name, None)
         import time
@@ -278,6 +285,8 @@ def supervise(conn, job, base_path, loaded):
             pass
         pgid = pgid or pid
         pids.append(pid)
+    if job.get("announce"):  # a job the client signals while it runs: its ranks' pids first
+        conn.sendall((json.dumps({"pids": pids, "pgid": pgid}) + "\n").encode())
 
     def signal_job(sig):
         try:

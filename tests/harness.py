@@ -77,6 +77,7 @@ class Run:
     stderr: str
     seconds: float
     metrics: list = field(default_factory=list)
+    statuses: list = None  # each rank's exit status, where the fork server ran the job
 
     @property
     def losses(self):
@@ -115,12 +116,15 @@ def command(script, nprocs, launcher):
 
 
 def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, env=None, cwd=None,
-           out_dir=True, grace=None):
+           out_dir=True, grace=None, isolated=False):
     """Run `script` with `nprocs` ranks and return a Run (metrics read from --metrics); a
     temporary --metrics file and --out_dir are added unless given (or turned off). launcher:
     None (GPTPAR_TEST_LAUNCHER, else the fork server), "fork", "mpiexec" or "torchrun".
     grace: under the fork server, how long the other ranks may go on once one has failed
-    (tests/forkserver.py's GRACE_S unless given)."""
+    (tests/forkserver.py's GRACE_S unless given). isolated: a script copied out of the
+    repository (tests/test_copy.py), forked with none of the repository's modules imported or
+    importable (no PYTHONPATH, the repository off sys.path), as in an empty directory; the
+    returned Run's `statuses` are then each rank's own exit status."""
     tmp = tempfile.mkdtemp(prefix="gptpar-")
     args = list(map(str, args))
     metrics_path = os.path.join(tmp, "metrics.jsonl")
@@ -130,13 +134,17 @@ def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, 
         args += ["--out_dir", os.path.join(tmp, "out")]
     run_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     run_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    if isolated:
+        del run_env["PYTHONPATH"]
     run_env.update(env or {})
     how = launcher or chosen_launcher()
     t0 = time.time()
+    statuses = None
     if how == "fork":
         path = script if os.path.isabs(script) else os.path.join(ROOT, script)
         cmd = ["forkserver", "-n", str(nprocs), sys.executable, path] + args
-        code, out, err = FORK_SERVER.run(path, args, nprocs, run_env, cwd or tmp, timeout, tmp, grace)
+        code, out, err, statuses = FORK_SERVER.run(path, args, nprocs, run_env, cwd or tmp, timeout, tmp, grace,
+                                                   isolated=isolated)
     else:
         cmd = command(script, nprocs, launcher) + args  # launcher None: GPTPAR_TEST_LAUNCHER's
         try:
@@ -146,6 +154,7 @@ def launch(script, args=(), nprocs=1, launcher=None, timeout=300, metrics=True, 
         except subprocess.TimeoutExpired as e:
             code, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
     run = Run(cmd, code, out, err, time.time() - t0)
+    run.statuses = statuses
     path = args[args.index("--metrics") + 1] if "--metrics" in args else None
     if path and os.path.isfile(path):  # not a device (--metrics /dev/full reads zeros forever)
         ours = os.path.basename(script)[:2].isdigit()  # a numbered script (not torch's baselines)
@@ -228,49 +237,107 @@ class ForkServer:
                     raise
                 self.stop()
 
-    def run(self, script, args, nprocs, env, cwd, timeout, tmp, grace=None):
-        """Run one job; (returncode or "timeout", stdout, stderr)."""
-        return fork_job(self.connect(), script, args, nprocs, env, cwd, timeout, tmp, self.log, grace)
+    def run(self, script, args, nprocs, env, cwd, timeout, tmp, grace=None, isolated=False):
+        """Run one job; (returncode or "timeout", stdout, stderr, each rank's status or None)."""
+        return fork_job(self.connect(), script, args, nprocs, env, cwd, timeout, tmp, self.log, grace,
+                        isolated=isolated, statuses=True)
 
 
-def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None, grace=None):
+def fork_job(conn, script, args, nprocs, env, cwd, timeout, tmp, log=None, grace=None, isolated=False,
+             statuses=False):
     """One job through a fork server connection `conn` (which it closes): (returncode or
-    "timeout", stdout, stderr), the ranks' output kept in files under `tmp` meanwhile.
-    ForkServer.run's, and that of a stand-in launcher that hands its command to the session's
-    server (tests/test_jobs.py, whose python lines would each import torch afresh)."""
-    out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-    for path in (out, err):
-        open(path, "w").close()
-    job = dict(script=script, args=args, nprocs=nprocs, world=nprocs > 1, env=env, cwd=cwd,
-               timeout=timeout, stdout=out, stderr=err)
-    if nprocs > 1 and (port := worker_port()):
-        job["port"] = port
-    if grace is not None:
-        job["grace"] = grace
-    data = b""
-    try:
-        conn.sendall((json.dumps(job) + "\n").encode())
-        conn.settimeout(timeout + 60)  # the supervisor ends the job at `timeout` already
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(1 << 16)
+    "timeout", stdout, stderr), and each rank's exit status (None on a timeout) with
+    statuses=True, the ranks' output kept in files under `tmp` meanwhile. ForkServer.run's,
+    and that of a stand-in launcher that hands its command to the session's server
+    (tests/test_jobs.py, whose python lines would each import torch afresh)."""
+    job = BackgroundJob(conn, script, args, nprocs, env, cwd, timeout, tmp, log, grace, isolated)
+    out, err = job.communicate()
+    return (job.returncode, out, err, job.statuses) if statuses else (job.returncode, out, err)
+
+
+class BackgroundJob:
+    """A job on the fork server that the caller may signal while it runs (`start()`): `pids`
+    ({rank: pid}) once every rank is forked, `communicate()` for its output once it has ended
+    (returncode and statuses then set), `kill()` ends it (closing the connection makes the
+    job's supervisor kill its process group). Also fork_job's one job, not announced."""
+
+    def __init__(self, conn, script, args, nprocs, env, cwd, timeout, tmp, log=None, grace=None, isolated=False,
+                 announce=False):
+        self.conn, self.log, self.timeout = conn, log, timeout
+        self.out, self.err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (self.out, self.err):
+            open(path, "w").close()
+        job = dict(script=script, args=args, nprocs=nprocs, world=nprocs > 1, env=env, cwd=cwd,
+                   timeout=timeout, stdout=self.out, stderr=self.err)
+        if nprocs > 1 and (port := worker_port()):
+            job["port"] = port
+        if grace is not None:
+            job["grace"] = grace
+        if isolated:
+            job["isolated"] = True
+        if announce:
+            job["announce"] = True
+        self.returncode = self.statuses = self.pids = None
+        self.data = b""
+        try:
+            conn.sendall((json.dumps(job) + "\n").encode())
+            if announce:
+                conn.settimeout(60)
+                reply = self.reply()
+                self.pids = dict(enumerate(reply["pids"]))
+        except BaseException:
+            conn.close()
+            raise
+
+    def reply(self):
+        """The supervisor's next line."""
+        while b"\n" not in self.data:
+            chunk = self.conn.recv(1 << 16)
             if not chunk:
-                break
-            data += chunk
-    except socket.timeout:  # closing the connection makes the supervisor kill the job
-        data = b'{"returncode": "timeout"}\n'
-    finally:
-        conn.close()
-    if not data:
-        raise RuntimeError("the job's supervisor ended without a reply\n" + (open(log).read()[-3000:] if log else ""))
-    reply = json.loads(data)
-    if "error" in reply:
-        raise RuntimeError(f"fork server: {reply['error']}")
-    texts = []
-    for path in (out, err):
-        with open(path, errors="replace") as f:
-            texts.append(f.read())
-        os.remove(path)
-    return reply["returncode"], texts[0], texts[1]
+                raise RuntimeError("the job's supervisor ended without a reply\n"
+                                   + (open(self.log).read()[-3000:] if self.log else ""))
+            self.data += chunk
+        line, self.data = self.data.split(b"\n", 1)
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"fork server: {reply['error']}")
+        return reply
+
+    def communicate(self, timeout=None):
+        """Wait for the job's end; (stdout, stderr)."""
+        try:
+            self.conn.settimeout((timeout or self.timeout) + 60)  # the supervisor ends the job at its timeout
+            reply = self.reply()
+            self.returncode, self.statuses = reply["returncode"], reply.get("statuses")
+        except socket.timeout:  # closing the connection makes the supervisor kill the job
+            self.returncode = "timeout"
+        finally:
+            self.conn.close()
+        texts = []
+        for path in (self.out, self.err):
+            with open(path, errors="replace") as f:
+                texts.append(f.read())
+            os.remove(path)
+        return texts[0], texts[1]
+
+    def poll(self):
+        return self.returncode
+
+    def kill(self):
+        self.conn.close()
+
+
+def start(script, args=(), nprocs=1, env=None, cwd=None, timeout=300):
+    """`script` on `nprocs` ranks forked from the fork server, returned while it runs (a
+    BackgroundJob: its ranks' pids for a test to signal), with the job's environment as
+    launch() gives it and no --metrics or --out_dir added."""
+    tmp = tempfile.mkdtemp(prefix="gptpar-")
+    run_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    run_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    run_env.update(env or {})
+    path = script if os.path.isabs(script) else os.path.join(ROOT, script)
+    return BackgroundJob(FORK_SERVER.connect(), path, list(map(str, args)), nprocs, run_env, str(cwd or tmp), timeout, tmp,
+                         FORK_SERVER.log, announce=True)
 
 
 def worker_port(_next=[0]):

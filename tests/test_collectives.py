@@ -1,5 +1,6 @@
-"""02_collectives.py: every collective correct at 2, 3 and 4 ranks (and through mpi4py under
-mpiexec), the hand-written ring equal to dist.all_reduce, the bench output well formed."""
+"""02_collectives.py: every collective correct at 2, 3 and 4 ranks (at 4 through a real launcher,
+and there through mpi4py too under mpiexec), the hand-written ring equal to dist.all_reduce, the
+bench output well formed."""
 
 import pytest
 
@@ -12,15 +13,17 @@ OPS = ["all_reduce (sum)", "reduce (sum to rank 0)", "broadcast (from rank 0)", 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_every_collective_is_correct(ranks):
-    # a real launcher: under mpiexec, 02 checks every collective against mpi4py's as well
-    run = launch("02_collectives.py", ["--device", "cpu"], nprocs=ranks, launcher=default_launcher(),
+    # at 4 ranks a real launcher: under mpiexec, 02 checks every collective against mpi4py's as
+    # well (2 and 3 ranks forked: the same checks without each rank importing torch afresh)
+    real = ranks == 4
+    run = launch("02_collectives.py", ["--device", "cpu"], nprocs=ranks, launcher=default_launcher() if real else None,
                  metrics=False, out_dir=False, timeout=120).ok()
     out = run.stdout
     assert "all collectives correct" in out and "WRONG" not in out and "DIFFERS" not in out
     for op in OPS:
         assert op in out, op
     assert out.count("  ok") == len(OPS)
-    if default_launcher() == "mpiexec":  # the mpi4py side ran next to every data-moving op
+    if real and default_launcher() == "mpiexec":  # the mpi4py side ran next to every data-moving op
         assert out.count("mpi4py agrees") == len(OPS) - 2  # all but barrier and the ring
     # the picture of all_reduce from the docstring, N = 3
     if ranks == 3:

@@ -1,8 +1,11 @@
 """Copy one script and it runs (issue "Copy one script"): every training script, copied with
 common.py alone into an empty directory and its one tie to the run infrastructure replaced
 (`from infra import Run` -> `from common import Run`), launches at its usual small layout
-through a real launcher, in fresh interpreters that cannot import infra/, and trains with
-01's per-step losses (the plain Run logs each step's loss: `step N: loss X, ...`). The copy is
+where infra/ cannot be imported, and trains with 01's per-step losses. 03's copy goes through
+a real launcher in fresh interpreters, as a user starts it; the others are forked from the
+fork server with the repository's modules dropped and its directories off sys.path
+(harness.launch's isolated=True), which imports only what lies beside the copy, as a fresh
+interpreter in that directory would, without each rank importing torch again (the plain Run logs each step's loss: `step N: loss X, ...`). The copy is
 a complete program (issue "The lesson first", item 5): without data/ its default flags say so in
 one line; it writes a checkpoint per rank at --ckpt_interval and resumes from it with the
 uninterrupted run's losses; a flag of the run infrastructure is refused in one line."""
@@ -17,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from common import INFRA_FLAGS, _free_port
-from harness import LAUNCHER_ENV, ROOT, default_launcher, launch, worker_port
+from common import INFRA_FLAGS
+from harness import ROOT, default_launcher, launch
 
 FLAGS = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--data", "synthetic", "--eval_interval", "0",
          "--log_interval", "1", "--global_batch_size", "8", "--max_iters", "4", "--lr", "3e-3",
@@ -65,8 +68,15 @@ def copy(tmp_path, script):
     assert sorted(os.listdir(tmp_path)) == sorted([script, "common.py"])
 
 
-def run_copy(tmp_path, script, ranks, args, ok=True):
-    """The copy in tmp_path launched as a user would (python, mpiexec or torchrun), where infra cannot be imported."""
+def run_copy(tmp_path, script, ranks, args, ok=True, real=False):
+    """The copy in tmp_path, where infra cannot be imported: forked as `python script` (one rank)
+    or with torchrun's variables, isolated from the repository; real=True: launched as a user
+    would, with python, mpiexec or torchrun, in fresh interpreters."""
+    if not real:
+        done = launch(str(tmp_path / script), args, nprocs=ranks, cwd=str(tmp_path), metrics=False, out_dir=False,
+                      isolated=True)
+        assert not ok or done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if ranks == 1:
@@ -81,16 +91,14 @@ def run_copy(tmp_path, script, ranks, args, ok=True):
     return done
 
 
-# the suite copies 01, 03, 06 and 08 (the plain loop, data parallelism, a model split by hand, the
-# 3D mesh); the others' copies, the same mechanism, run in the big tier (tests/conftest.py)
-IN_THE_SUITE = ("01_single_gpu.py", "03_ddp.py", "06_tensor_parallel.py", "08_3d.py")
+# every copy forked (a second or two each) but 03's, through a real launcher as a user starts it
+REAL_LAUNCHER = "03_ddp.py"
 
 
-@pytest.mark.parametrize("script,ranks,flags", [pytest.param(*c, id=c[0], marks=[] if c[0] in IN_THE_SUITE else
-                                                             [pytest.mark.big]) for c in CASES])
+@pytest.mark.parametrize("script,ranks,flags", CASES, ids=[c[0] for c in CASES])
 def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, ranks, flags):
     copy(tmp_path, script)
-    done = run_copy(tmp_path, script, ranks, FLAGS + flags)
+    done = run_copy(tmp_path, script, ranks, FLAGS + flags, real=script == REAL_LAUNCHER)
     assert not (tmp_path / "out").exists(), "the plain copy wrote a checkpoint directory"
     losses = plain_losses(done.stdout)
     expected = references["moe" if "--n_expert" in flags else "dense"]
@@ -100,20 +108,14 @@ def test_a_copied_script_trains_with_common_alone(tmp_path, references, script, 
 
 
 def test_a_copy_without_data_says_so_in_one_line(tmp_path):
-    """The copy as issue 56 found it: 06 and common.py, no data/, default flags. Each rank, started
-    by hand with torchrun's variables (so that its own exit status is seen), exits 2; rank 0 says
-    in one line what is missing and how to go on; no traceback. With infra beside it: the same line."""
+    """The copy as issue 56 found it: 06 and common.py, no data/, default flags, on 2 ranks: each
+    rank (its own exit status seen) exits 2; rank 0 says in one line what is missing and how to go
+    on; no traceback. With infra beside it: the same line."""
     script = "06_tensor_parallel.py"
     copy(tmp_path, script)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) + LAUNCHER_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(worker_port() or _free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, script, "--device", "cpu"], cwd=tmp_path, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    done = [(p.wait(timeout=300), *p.communicate()) for p in ranks]
-    assert [code for code, _, _ in done] == [2, 2], done
-    errors = "".join(err for _, _, err in done)
+    run = run_copy(tmp_path, script, 2, ["--device", "cpu"], ok=False)
+    assert run.statuses == [2, 2], (run.statuses, run.stderr[-3000:])
+    errors = run.stderr
     assert "Traceback" not in errors, errors
     lines = [line for line in errors.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --data shakespeare_char reads "), errors
@@ -129,7 +131,6 @@ def test_a_copy_without_data_says_so_in_one_line(tmp_path):
                                                                                         str(with_infra))], dry.stderr
 
 
-@pytest.mark.big  # 35 s: a copy's plain checkpoint and resume (the suite's copies train; resume is infra's elsewhere)
 @pytest.mark.parametrize("script,ranks,flags", [("07_pipeline.py", 2, [])], ids=["07_pipeline.py"])
 def test_a_copy_checkpoints_and_resumes_with_the_same_losses(tmp_path, script, ranks, flags):
     """nanoGPT's --out_dir, --ckpt_interval and --resume in the copy: one file per rank, read back
@@ -155,6 +156,18 @@ def test_a_copy_checkpoints_and_resumes_with_the_same_losses(tmp_path, script, r
     assert len(errors) == 1 and "another layout" in errors[0] and "infra" in errors[0], other.stderr
 
 
+def test_where_the_copies_run_infra_cannot_be_imported(tmp_path):
+    """What makes the forked copies' proof: beside common.py alone, the script with its tie kept
+    (`from infra import Run`) fails at that import, and common is the copy's own file."""
+    script = "03_ddp.py"
+    shutil.copy(os.path.join(ROOT, script), tmp_path)
+    shutil.copy(os.path.join(ROOT, "common.py"), tmp_path)
+    kept = run_copy(tmp_path, script, 1, ["--help"], ok=False)
+    assert kept.returncode == 1 and "ModuleNotFoundError: No module named 'infra'" in kept.stderr, kept.stderr[-2000:]
+    (tmp_path / "which.py").write_text("import common\nprint(common.__file__)\n")
+    assert run_copy(tmp_path, "which.py", 1, []).stdout == f"{tmp_path / 'common.py'}\n"
+
+
 def usage_flags(text):
     """The flags argparse's usage line lists (--help), in order."""
     return re.findall(r"\[(--\w+)", text.split("\n\n")[0])
@@ -173,9 +186,7 @@ def test_an_infra_flag_in_a_copy_is_refused_in_one_line(tmp_path):
                                                 "and import Run from it"], done.stderr
     typo = run_copy(tmp_path, script, 1, ["--maxiters", "3"], ok=False)  # not infra's: argparse's own line
     assert typo.returncode == 2 and "unrecognized arguments: --maxiters 3" in typo.stderr, typo.stderr
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    repo = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=120).stdout
+    repo = launch(script, ["--help"], metrics=False, out_dir=False, cwd=str(tmp_path)).ok().stdout
     plain = run_copy(tmp_path, script, 1, ["--help"]).stdout
     dropped = [flag for flag in usage_flags(repo) if flag not in usage_flags(plain)]
     assert sorted(dropped) == sorted(f"--{name}" for name in INFRA_FLAGS), (dropped, INFRA_FLAGS)

@@ -18,9 +18,9 @@ import pytest
 import infra.metrics
 import infra.start
 import infra.stop
-from harness import TINY, launch
+from harness import TINY, launch, start
 from test_real_conditions import dry
-from test_reliability import background_job, rank_pids, wait_for_rows
+from test_reliability import wait_for_rows
 
 QUICK = 60  # seconds: every refusal below ends the job well within this
 
@@ -219,9 +219,9 @@ def test_metrics_rows_are_strict_json():
 
 def test_second_job_refused_then_sigterm_checkpoints_and_resume_takes_a_stale_lock(tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "a.jsonl"
-    marker = f"--out_dir={out}"
+    out_flag = f"--out_dir={out}"
     flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000"]
-    job = background_job("03_ddp.py", 2, None, flags + ["--metrics", metrics, marker], tmp_path)
+    job = start("03_ddp.py", flags + ["--metrics", metrics, out_flag], nprocs=2, cwd=tmp_path)
     try:
         wait_for_rows(metrics, 3)
         # a second job on the same out_dir: refused in one line, the first one untouched
@@ -229,8 +229,7 @@ def test_second_job_refused_then_sigterm_checkpoints_and_resume_takes_a_stale_lo
         refused(second, f"--out_dir {out} is in use by another job (host {socket.gethostname()}")
         # SIGTERM to rank 1 only (as a scheduler's signal to one node): every rank finishes the
         # step, a checkpoint is written, every rank exits 0
-        pids = rank_pids(marker)
-        assert 1 in pids, f"rank 1 not found among {pids}"
+        pids = job.pids
         os.kill(pids[1], signal.SIGTERM)
         signalled = time.time()
         time.sleep(0.05)  # the scheduler's and the launcher's copy of the same signal: one request
@@ -260,14 +259,12 @@ def signalled_job(script, tmp_path, deliver):
     (pids: {rank: pid}) the signals; returns (stdout, stderr, out_dir) once it has ended,
     after asserting that every rank exited 0 with a committed checkpoint and no lock left."""
     out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
-    marker = f"--out_dir={out}"
-    flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, marker]
-    job = background_job(script, 2, None, flags, tmp_path)
+    out_flag = f"--out_dir={out}"
+    flags = TINY + ["--max_iters", "100000", "--lr_decay_iters", "100000", "--metrics", metrics, out_flag]
+    job = start(script, flags, nprocs=2, cwd=tmp_path)
     try:
         wait_for_rows(metrics, 2)
-        pids = rank_pids(marker)
-        assert sorted(pids) == [0, 1], f"ranks found: {pids}"
-        deliver(pids)
+        deliver(job.pids)
         stdout, stderr = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
