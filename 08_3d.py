@@ -238,7 +238,7 @@ class DataParallel:
     def __init__(self, stage, mesh, args, env):
         self.stage, self.mesh, self.params = stage, mesh, dense_parameters(stage)  # the experts: ExpertReplicas'
         self.optimizer = make_adamw(self.params, args, env.device.type) if args.optimizer == "adamw" else \
-            ShardedMuon(stage, args, env, mesh.tp_group, replicas=mesh.dp_group)  # Muon: 06's, each matrix once
+            ShardedMuon(DenseStage(stage), args, env, mesh.tp_group, replicas=mesh.dp_group)  # Muon: 06's, each once
         self.norm_group = mesh.mp_group  # one replica's stages and TP ranks: every gradient once
 
     def reduce_gradients(self):
@@ -325,7 +325,7 @@ class ZeRO1:
             offset += p.numel()
         self.matrices_counted = [p for name, p in matrices if counted_once(stage, name)]
         if self.muon:  # 06's, on this replica's TP group, with AdamW on the flat shard inside
-            self.optimizer = ShardedMuon(stage, args, env, mesh.tp_group, rest=self.optimizer, replicas=mesh.dp_group)
+            self.optimizer = ShardedMuon(DenseStage(stage), args, env, mesh.tp_group, rest=self.optimizer, replicas=mesh.dp_group)
         self.norm_group = None  # the whole world: DP shards x stages x TP pieces
 
     def reduce_gradients(self):
@@ -504,13 +504,14 @@ def main():
 # bytes held and the checkpoint pieces, the mesh and the stage as the log and the dry run print
 # them; then the pieces of 06, 07, 09 and 10 restated word for word, and the experts in the mesh.
 
-def costs(args, config, world_size, dtype, rank=0, received=None):
+def costs(args, config, world_size, dtype, rank=0, received=None, sent=None):
     """The cost per rank of docs/strategies.md's 08 section, for `rank`, axis by axis. In every
     formula L is the layers of this rank's stage, s the tokens of a sequence on this CP rank
     (s/C), e the bytes of the compute dtype, m the micro-batches per step, Ψ_rank this rank's
     parameters and Ψ_r the TP-replicated ones among them, Ψ_x its experts' (E/N of each layer's).
-    `received`: with experts, the rows this rank's experts received in this step, per layer
-    per micro-batch (routing()); without it, balanced routing: k·b·s each."""
+    `received`, `sent`: with experts, the rows this rank's experts received and the rows it sent in
+    this step, per layer per micro-batch (routing()); without them, balanced routing: k·b·s·C each,
+    and with --capacity_factor the most the capacity lets in (10's bound, on the C·s tokens routed)."""
     from common import param_shapes
     from infra.formulas import newton_schulz_flops, plus
     T, P, C, N = args.tp, args.pp, args.cp, getattr(args, "ep", 1)
@@ -523,7 +524,8 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
     split, n_local, vocab_local, matrices, casts = stage_sizes(config, T, P, mesh.pp_rank, args.sequence_parallel)
     E, experts = config.n_expert, expert_sizes(config)  # every expert of the stage is in stage_sizes' count:
     n_local += n_layers * (E // max(N, 1) - E) * experts  # this rank keeps E/N of each layer's
-    casts += n_layers * (E // max(N, 1) * (experts - expert_vectors(config)) + E * config.n_embd)  # its and the router's
+    S = config.shared_experts if E else 0  # --shared_experts: replicated, in stage_sizes' count already
+    casts += n_layers * ((E // max(N, 1) + S) * (experts - expert_vectors(config)) + E * config.n_embd)  # and router's
     owners = muon_owners(matrices, T) if args.optimizer == "muon" else []  # Muon: the stage's, whole
     x = dict(T=T, P=P, C=C, D=D, L=n_layers, m=args.global_batch_size // (args.micro_batch_size * D),
              b=args.micro_batch_size, s=config.block_size // C, h=config.n_embd, a=config.n_head,
@@ -531,25 +533,34 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
              norm=len(param_shapes(config)) if getattr(args, "bitwise", False) else 1,  # --bitwise: 01's norms
              Ψ_m=sum(map(math.prod, matrices)),
              Ψ_o=sum(math.prod(shape) for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank),
-             E=E, N=N, Ψ_x=n_layers * E // max(N, 1) * experts)
+             E=E, N=N, Ψ_x=n_layers * E // max(N, 1) * experts,
+             Ψ_xm=n_layers * E // max(N, 1) * (experts - expert_vectors(config)) * (args.optimizer == "muon"))
+    if E and received is None and config.capacity_factor:  # the capacity's bound: at most R rows a layer
+        capacity = math.ceil(config.capacity_factor * config.top_k * config.block_size / E)  # per sequence
+        received = [[min(x["b"] * E * capacity, N * config.top_k * x["b"] * config.block_size)] * x["m"]] * n_layers
     ends = (mesh.pp_rank == 0, mesh.pp_rank == P - 1)  # first, last stage
     mine = [shape for shape, owner in zip(matrices, owners) if owner == mesh.tp_rank]  # this TP rank's, whole
-    held, sent = dp_costs(args, x)
+    h, G = config.n_embd, D * C // N  # G: the ranks holding the same experts (expert_dp)
+    whole = [(4 * h, h), (h, 4 * h)] * (n_layers * E // N) if x["Ψ_xm"] else []  # Muon's: its experts' matrices
+    rows_sent, (held, sent) = sent, dp_costs(args, x)
     sent.update(tp_costs(args, x, *ends))
     sent.update(pp_costs(args, x, *ends))
     for op, f in cp_costs(args, x).items():  # the ring's K/V share send/recv with the pipeline
         sent[op] = plus(sent.get(op), f)
-    if E:
-        sent.update(expert_costs(args, config, x, received))
+    for op, f in (expert_costs(args, config, x, received, rows_sent) if E else {}).items():
+        sent[op] = plus(sent.get(op), f)  # (the routing counts' all-reduce over the world: beside ZeRO1's norm)
     layout = (f"dp {mesh.dp_rank}, pp {mesh.pp_rank}{f', cp {mesh.cp_rank}' if C > 1 else ''}, tp {mesh.tp_rank}: "
               f"layers {first_layer}-{first_layer + n_layers - 1}, Ψ_rank {split:,} split + {n_local - split:,} "
               "replicated" + (f" (of them {x['Ψ_x']:,} in {E // N} of {E} experts per layer)" if E else ""))
     rank_cost = {"layout": layout, "held": held, "sent": {k: v for k, v in sent.items() if v[1]},
-                 **({} if owners or E else {"calls": call_costs(args, x, sent, *ends)}),  # (Muon, experts: unstated)
+                 "calls": call_costs(args, x, sent, *ends, broadcasts=(len(mine), len(whole))),
                  # Muon: Newton-Schulz on the stage's matrices this TP rank owns, whole, each in one of
-                 # the D·C replicas (--zero1 too: docs/strategies.md's 08 section); infra.formulas.newton_schulz_flops
+                 # the D·C replicas (--zero1 too: docs/strategies.md's 08 section), and on its experts' it owns
+                 # among the G ranks holding them (10's); infra.formulas.newton_schulz_flops
                  "muon_flops": newton_schulz_flops([shape for shape, own in zip(mine, muon_owners(mine, D * C))
-                                                    if own == mesh.reduce_rank]),
+                                                    if own == mesh.reduce_rank] +
+                                                   [shape for shape, own in zip(whole, muon_owners(whole, G))
+                                                    if own == mesh.reduce_rank // N]),
                  "activations": activation_costs(args, config, dtype, x, min(P - mesh.pp_rank, x["m"]), *ends,
                                                  received=received)}
     # every live tensor at its most, by phase (infra.formulas.phase_peaks on this rank's shards and s
@@ -559,7 +570,6 @@ def costs(args, config, world_size, dtype, rank=0, received=None):
     # AdamW's largest tensor: the vocabulary slice at the ends, else c_fc's 4h²/T. Start-up:
     # the shards, each parameter drawn whole by param_init
     from infra.formulas import activation_device_type, formula, phase_peaks, transient_terms
-    h = config.n_embd
     t = transient_terms(config, x["b"], x["s"], dtype, activation_device_type(args), args.optimizer, tp=T,
                         last=ends[1], kept=False, casts=casts,  # one copy a step: autocast's cache
                         update=max([4 * h * h // T] + [vocab_local * h] * any(ends)),
@@ -611,17 +621,20 @@ def dp_costs(args, x):
     if getattr(args, "bitwise", False):  # (tp 1, cp 1) the replicas' tree instead of the sum (BitwiseReplicas)
         return bitwise_costs(args, x)
     if args.zero1:
-        flat = "(Ψ_rank - Ψ_m/T)" if muon else "(Ψ_rank - Ψ_x)" if x["Ψ_x"] else "Ψ_rank"  # AdamW's flat buffer
+        flat = "Ψ_rank" + " - Ψ_m/T" * muon + " - Ψ_x" * bool(x["Ψ_x"])  # AdamW's flat buffer
+        flat = f"({flat})" if muon or x["Ψ_x"] else flat
         pad, own = f"D*C*ceil({flat}/(D*C))", " + 4*Ψ_m/T" if muon else ""  # padded to D·C; Muon's matrices
         whole = " + 4*Ψ_x" if x["Ψ_x"] else ""  # the experts whole, their moments too (ExpertReplicas)
+        moments = " + 4*Ψ_xm + 8*(Ψ_x - Ψ_xm)" if x["Ψ_xm"] else whole.replace("4", "8")  # Muon's: one
         held = {"params": cost(f"4*{pad}{own}{whole}", x),
                 "grads": cost(f"4*({pad} + ceil({flat}/(D*C))){own}{whole}", x),
-                "optim": cost(f"8*ceil({flat}/(D*C)){own}{whole.replace('4', '8')}", x)}
+                "optim": cost(f"8*ceil({flat}/(D*C)){own}{moments}", x)}
         sent = {"all_reduce[dp]": cost(f"4*loss{own}", x), "reduce_scatter_tensor[dp]": cost(f"4*{pad}", x),
                 "all_gather_into_tensor[dp]": cost(f"4*{pad}", x)} if x["D"] * x["C"] > 1 else {}  # none alone
     else:
         held = {"params": cost("4*Ψ_rank", x), "grads": cost("4*Ψ_rank", x),
-                "optim": cost("4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
+                "optim": cost("4*(Ψ_m/T + Ψ_xm) + 8*(Ψ_rank - Ψ_m/T - Ψ_xm)" if x["Ψ_xm"] else
+                              "4*Ψ_m/T + 8*(Ψ_rank - Ψ_m/T)" if muon else "8*Ψ_rank", x)}
         dense = "4*loss + 4*(Ψ_rank - Ψ_x)" if x["Ψ_x"] else "4*loss + 4*Ψ_rank"  # the experts: over expert_dp
         sent = {"all_reduce[dp]": cost(dense if x["D"] * x["C"] > 1 else "0", x)}  # none alone
     if muon and x["T"] > 1:  # 06's Muon on each TP group: this rank's update shards to their owners, its own back
@@ -680,26 +693,34 @@ def expert_vectors(config):
     return 5 * config.n_embd if config.bias else 0
 
 
-def expert_costs(args, config, x, received):
+def expert_costs(args, config, x, received, rows_sent=None):
     """The experts' lines (docs/strategies.md's 08 section; 10's formulas on this stage's L
     layers, on the b·s tokens of a micro-batch every TP rank routes, b·s·C with CP, whose
-    tokens are gathered): the dispatch and combine all-to-alls of the k·b·s routed rows and of
-    the R rows received back, forward and again in backward (and in --recompute's forward), +
-    the E counts; the experts' gradients summed over expert_dp (D·C/N ranks); the experts'
-    squared norm over the EP group; with CP the all-gather of the CP group's tokens (fp32) and
-    the reduce-scatter of their gradients, per layer and micro-batch."""
+    tokens are gathered): the dispatch and combine all-to-alls of the k·b·s routed rows (S, the
+    rows sent, where --capacity_factor drops some) and of the R rows received back, forward and
+    again in backward (and in --recompute's forward), + the E counts; the experts' gradients
+    summed over expert_dp (D·C/N ranks), and with Muon each expert matrix broadcast by its owner
+    among them (10's ReplicatedMuon); the experts' squared norm over the EP group; with CP the
+    all-gather of the CP group's tokens (fp32) and the reduce-scatter of their gradients, per
+    layer and micro-batch; once per step every layer's entries per expert and dropped, int64,
+    summed over the world (routing(): --balance bias and the metrics)."""
     from infra.formulas import formula
     L, m, k, b, s, C = x["L"], x["m"], config.top_k, x["b"], x["s"], x["C"]
     R = sum(map(sum, received)) if received is not None else L * m * k * b * s * C
     p = 3 if args.recompute else 2  # forward, backward (and the forward again)
     tokens = "b*s*C" if C > 1 else "b*s"
-    sent = {"all_to_all_single[ep]": formula(f"p*e*h*(L*m*k*{tokens} + R) + (p - 1)*8*E*L*m", show="e m p R",
-                                             **{**x, "p": p, "k": k, "R": R})}
+    S = f"L*m*k*{tokens}" if rows_sent is None else "S"  # the routed rows, or those this step sent
+    sent = {"all_to_all_single[ep]": formula(f"p*e*h*({S} + R) + (p - 1)*8*E*L*m", show="e m p R S",
+                                             **{**x, "p": p, "k": k, "R": R, "S": sum(map(sum, rows_sent or []))}),
+            "all_reduce": formula("8*n_layer*(E + 1)" if x["T"] * x["P"] * x["D"] * x["C"] > 1 else "0",
+                                  show="n_layer", n_layer=config.n_layer, E=x["E"])}
     if C > 1:
         sent["all_gather_into_tensor[cp]"] = cost(("2*" if args.recompute else "") + "m*L*4*b*s*C*h", x)
         sent["reduce_scatter_tensor[cp]"] = cost("m*L*4*b*s*C*h", x)
     if x["D"] * x["C"] > x["N"]:
         sent["all_reduce[expert_dp]"] = cost("4*Ψ_x", x)
+        if x["Ψ_xm"]:
+            sent["broadcast[expert_dp]"] = cost("e*Ψ_xm", x)
     if args.grad_clip > 0 and x["N"] > 1 and not args.zero1:  # (ZeRO1's norm: over the world already)
         sent["all_reduce[ep]"] = cost("4*norm", x)
     return sent
@@ -740,26 +761,43 @@ def cp_costs(args, x):
     return {"all_to_all_single[cp]": cost(f"m*L*{12 if args.recompute else 8}*e*b*s*h/T", x)}
 
 
-def call_costs(args, x, sent, first, last):
+def call_costs(args, x, sent, first, last, broadcasts=(0, 0)):
     """The calls a step posts on each key of `sent`, each paying the network's latency once:
     per micro-batch and layer 06's f and g twice each (SP: the all-gathers again in backward; g
-    again with --recompute), the ends' and the loss's statistics; the pipeline's sends and
-    receives per boundary, the CP ring's K and V per hop (dK, dV's C hops in backward) or
-    Ulysses' four all-to-alls per pass; once per step the DP buffer's, the norm's, the loss's."""
+    again with --recompute; with experts the attention's only, and with SP the routed sequence's
+    gather and its gradient's scatter), the ends' and the loss's statistics; the pipeline's sends
+    and receives per boundary, the CP ring's K and V per hop (dK, dV's C hops in backward) or
+    Ulysses' four all-to-alls per pass; once per step the DP buffer's, the norm's, the loss's (with
+    Muon and ZeRO1 its matrices' too). Muon: its two all-to-alls over TP, one broadcast per matrix
+    it owns (`broadcasts`: the dense ones over DP, the experts' over expert_dp). Experts, per
+    layer and micro-batch: the rows out and back in each pass, the counts in each forward (and
+    with CP the tokens' all-gather in each forward, their gradients' reduce-scatter); once per
+    step the expert_dp all-reduce, the EP group's norm, the routing counts' over the world."""
     from infra.formulas import plus
-    p, again = 3 if args.recompute else 2, " + m*2*L" if args.recompute else ""
-    bitwise = getattr(args, "bitwise", False)  # the tree's all_to_all and all_gather (BitwiseReplicas)
-    calls = {"all_reduce[dp]": cost("2" if not (args.zero1 or bitwise) else "1", x),
+    p, E = 3 if args.recompute else 2, bool(x["E"])
+    muon, bitwise = args.optimizer == "muon", getattr(args, "bitwise", False)  # bitwise: BitwiseReplicas' tree
+    calls = {"all_reduce[dp]": cost("2" if (not args.zero1 or muon) and not bitwise else "1", x),
              "reduce_scatter_tensor[dp]": cost("1", x), "all_to_all_single[dp]": cost("1", x),
-             "all_gather_into_tensor[dp]": cost("2" if args.zero1 and bitwise else "1", x), "all_reduce": cost("1", x),
+             "all_gather_into_tensor[dp]": cost("2" if args.zero1 and bitwise else "1", x),
+             "all_reduce": cost("n", x, n=(args.zero1 and args.grad_clip > 0) + E),  # ZeRO1's norm, the counts
              "all_reduce[model]": cost("1", x), "all_reduce[pp]": cost("1", x), "all_reduce[embedding]": cost("1", x),
              "send": cost("m*n", x, n=2 - first - last) if x["P"] > 1 else None,
-             "all_to_all_single[cp]": cost("m*L*p*4", x, p=p)}
+             "all_to_all_single[cp]": cost("m*L*p*4", x, p=p), "all_to_all_single[tp]": cost("2", x),
+             "broadcast[dp]": cost("n", x, n=broadcasts[0]), "broadcast[expert_dp]": cost("n", x, n=broadcasts[1]),
+             "all_to_all_single[ep]": cost("L*m*(2*p + p - 1)", x, p=p),
+             "all_gather_into_tensor[cp]": cost("m*L*(p - 1)", x, p=p), "reduce_scatter_tensor[cp]": cost("m*L", x),
+             "all_reduce[expert_dp]": cost("1", x), "all_reduce[ep]": cost("1", x)}
+    # per layer: f and g (and the gathers, scatters) of the attention and the MLP, or with experts the
+    # attention's and the routed sequence's; --recompute's forward again
+    (f_g, again), (gathers, again_g), (scatters, again_s) = ((2, 1), (4, 2), (3, 1)) if E else ((4, 2), (6, 2), (4, 2))
     if not args.sequence_parallel:
-        calls["all_reduce[tp]"] = cost(f"m*(4*L{' + 1' * first}{' + 4' * last}){again}", x)
+        calls["all_reduce[tp]"] = cost(f"m*({f_g}*L{' + 1' * first}{' + 4' * last})"
+                                       + f" + m*{again}*L" * args.recompute, x)
     else:
-        calls.update({"all_gather_into_tensor[tp]": cost(f"m*(6*L{' + 1' * first}{' + 2' * last}){again}", x),
-                      "reduce_scatter_tensor[tp]": cost(f"m*(4*L{' + 1' * first}{' + 1' * last}){again}", x),
+        calls.update({"all_gather_into_tensor[tp]": cost(f"m*({gathers}*L{' + 1' * first}{' + 2' * last})"
+                                                         + f" + m*{again_g}*L" * args.recompute, x),
+                      "reduce_scatter_tensor[tp]": cost(f"m*({scatters}*L{' + 1' * first}{' + 1' * last})"
+                                                        + f" + m*{again_s}*L" * args.recompute, x),
                       "all_reduce[tp]": cost("m*3 + 1" if last else "1", x)})
     if x["C"] > 1 and args.cp_impl == "ring":
         calls["send"] = plus(calls["send"], cost("m*L*(p*2*(C - 1) + 2*C)", x, p=p))
@@ -772,7 +810,8 @@ def activation_costs(args, config, dtype, x, in_flight, first, last, received=No
     ends (the embedding's out-of-slice mask, b·s bool; the head's input, this rank's fp32
     softmax of V/T and the target mask) and, with CP, 09's attention; `in_flight` of them.
     With experts and this step's `received` rows (per layer per micro-batch): expert_activations."""
-    from infra.formulas import activation_device_type, activation_terms, activations_of_layers, plus, sdpa_logsumexp
+    from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula, plus,
+                                sdpa_logsumexp)
     T, C, sp, device_type = x["T"], x["C"], args.sequence_parallel, activation_device_type(args)
     sp_T, attention = "/T" if sp else "", None
     if C > 1 and args.cp_impl == "ring":
@@ -793,6 +832,12 @@ def activation_costs(args, config, dtype, x, in_flight, first, last, received=No
             # shard (SP); with CP, every token of the sequences: the MoE's terms of the other (C - 1)·b·s
             terms["layer"] = plus(terms["layer"], cost(f"e*b*s*C*h - e*b*s*h{sp_T}", x), cost(
                 "(C - 1)*(e*k*b*s*h + 4*b*s*(E + 2*k + 1))", x, k=config.top_k) if C > 1 else None)
+        if x["E"] and C > 1 and config.shared_experts:  # the shared experts run on those too (activation_terms'
+            # S·(8e + c)·bsh, c: autocast's cast of their input; d: their output dropout's mask)
+            gpu, e = device_type in ("cuda", "xpu"), x["e"]
+            terms["layer"] = plus(terms["layer"], formula(
+                "(C - 1)*S*(8*e + c + d)*b*s*h", show="e c d", **x, S=config.shared_experts, c=0 if e == 4 else e,
+                d=(1 if gpu else e) if config.dropout > 0 else 0))
         if T > 1:  # (one TP rank takes 01's F.cross_entropy, and activation_terms' head is its)
             terms["head"] = cost(f"(4*b*s*h + 8*b*s + e*b*s*h){sp_T} + 4*b*s*V/T + b*s", x)
         return terms
@@ -845,7 +890,7 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
         others = n_layers * max(config.n_expert - 1, 0) * (expert_sizes(config) + config.n_embd)
         split = sum(p.numel() for name, p in stage.named_parameters() if tp_split(name) is not None)
         matrices = [shard_boxes(name, p.shape, 0, T, 0)[0] for name, p in stage.named_parameters()
-                    if is_hidden_matrix(name, p.shape)]  # Muon's, whole
+                    if is_hidden_matrix(name, p.shape) and not is_expert(name)]  # ShardedMuon's, whole
         # the weights autocast's cache holds, cast once per step (07's Pipeline.run) and saved for
         # backward: the split matmul weights (the replicated ones are LayerNorms' and wpe); wte as the
         # head only (the first stage's lookup reads it in fp32); with SP not the column-parallel ones
@@ -949,7 +994,8 @@ def checkpoint_pieces(replicas):
         experts = [(name, p) for name, p in stage.named_parameters() if is_expert(name)]
         return checkpoint_pieces(replicas.dense) + [
             piece for name, p in experts for piece in tp_pieces(stage, name, p, replicas.optimizer,
-                                                                write=replicas.mesh.reduce_rank < replicas.mesh.ep_size)]
+                                                                write=replicas.mesh.reduce_rank < replicas.mesh.ep_size)] + [
+            piece for name, b in stage.named_buffers() for piece in tp_pieces(stage, name, b, None, write=write)]  # biases
     if isinstance(replicas, DataParallel):
         return [piece for name, p in named for piece in tp_pieces(stage, name, p, replicas.optimizer, write=write)]
     muon = {name for name, p in named if replicas.muon and is_hidden_matrix(name, p.shape)}
@@ -2422,6 +2468,51 @@ def is_expert(name):
 # ---- end restated ----
 
 
+# ---- restated from 10_expert_parallel.py: ReplicatedMuon (word for word; tests/test_restated.py checks it) ----
+# Muon for the experts' matrices, replicated over expert_dp (10's, itself 03's)
+class ReplicatedMuon(Muon):
+    """Muon on replicas. After the all-reduce every replica of `group` holds the same mean
+    gradient, so Newton-Schulz, Muon's costly part, need run only once per matrix: each matrix
+    has one owner among the replicas (muon_owners, 04's balanced assignment), which
+    orthogonalises the matrix's update and broadcasts it to the others; every replica then
+    applies it. The work per replica falls as 1/N instead of staying whole on each.
+
+    The momentum stays replicated: element-wise and cheap, every replica keeps all of it, so
+    the replicas stay equal and any one of them checkpoints it whole, as AdamW's moments.
+
+    One broadcast per matrix from its owner, not one all-gather: the owners' shares are whole
+    matrices of unequal sizes, and an all-gather pads every replica's part to the busiest's
+    (N·max ≥ Ψ_m elements, and N times the largest matrix once replicas outnumber matrices),
+    while the broadcasts move Ψ_m exactly. They are posted asynchronously, so an owner's
+    update travels while the replicas go on to their next matrix. The update lands in the
+    matrix's gradient, spent by then, read in the Newton-Schulz dtype: no buffer is added."""
+
+    def __init__(self, matrices, adamw, args, ns_dtype, group):
+        super().__init__(matrices, adamw, args, ns_dtype)
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.owners = muon_owners([p.shape for p in self.param_groups[0]["params"]], self.size)
+
+    @torch.no_grad()
+    def step(self):
+        group, handles, received = self.param_groups[0], [], []
+        for p, owner in zip(group["params"], self.owners):
+            update = muon_momentum(p.grad, self.state[p]["momentum_buffer"])  # every replica: the momentum
+            orthogonal = p.grad.view(-1).view(self.ns_dtype)[:p.numel()].view(p.shape)  # the gradient's memory
+            if owner == self.rank:
+                orthogonal.copy_(orthogonalize(update, self.ns_dtype))
+            if self.size > 1:  # a replica alone posts nothing
+                # the owner's orthogonalised update (the matrix, in the NS dtype) to every replica
+                handles.append(dist.broadcast(orthogonal, group=self.group, group_src=owner, async_op=True))
+            received.append(orthogonal)
+        for handle in handles:
+            handle.wait()
+        for p, orthogonal in zip(group["params"], received):
+            muon_apply(p, orthogonal, group["lr"], group["weight_decay"], p.shape)
+        self.adamw.step()
+
+# ---- end restated ----
+
+
 # ---------------------------------------------------------------------------------------
 # Experts in the mesh (--n_expert E --ep N): 10's dispatch and combine on EP groups carved out
 # of each DP x CP group, as Megatron-core folds expert parallelism into data parallelism
@@ -2439,12 +2530,9 @@ def check_experts(args, E, world):
     check(replicas % N == 0, f"--ep {N} does not divide the {replicas} data-parallel x context-parallel ranks "
           "of each (pp, tp) place, out of which the expert-parallel groups are carved")
     check(E % N == 0, f"--n_expert {E} is not divisible by --ep {N}: every rank holds E/ep whole experts")
-    check(args.optimizer == "adamw", "--n_expert with --optimizer muon is not implemented in 08_3d.py (10 has "
-          "it: each expert matrix's owner among the ranks holding it, ReplicatedMuon over expert_dp)")
-    options = [flag for flag, default in (("balance", "aux"), ("capacity_factor", 0), ("shared_experts", 0))
-               if getattr(args, flag, default) not in (default, None)]  # common.py's routing options, where it has them
-    check(not options, f"--{', --'.join(options)} with --n_expert: not implemented in 08_3d.py yet (01 and 10 have "
-          "them; 08 routes as 10 did before them, and its costs() does not price them)")
+    check(not (args.optimizer == "muon" and T > 1 and getattr(args, "shared_experts", None)),
+          "--shared_experts with --optimizer muon at --tp > 1 is not implemented in 08_3d.py: ShardedMuon moves "
+          "and prices every matrix as TP-split, and the shared experts are replicated over TP (use --tp 1)")
 
 
 def expert_groups(mesh, args):
@@ -2487,8 +2575,11 @@ class MeshMoE(ExpertParallelMoE):
         super().__init__(moe, range(place * config.n_expert // N, (place + 1) * config.n_expert // N),
                          getattr(mesh, "ep_group", None))
         self.to_empty(device=torch.empty(0).device)  # where the stage is built (meta for costs())
+        for buffer in self.buffers():  # --balance bias: the router's bias starts at zero, as 01's
+            buffer.zero_()
         self.mesh, self.sp, self.aux_coef = mesh, sp, config.aux_loss_coef
         self.aux_grad, self.aux = None, []  # with_experts: d loss / d aux; the training forwards' aux
+        self.in_order = None  # with_experts: (sort, back), where the gathered tokens are not in position order
 
     def forward(self, x):
         mesh = self.mesh  # the sequence's shards: SP's over TP, then CP's (backward: the gradients summed)
@@ -2496,7 +2587,11 @@ class MeshMoE(ExpertParallelMoE):
             [(mesh.cp_group, mesh.cp_size, mesh.cp_rank)] * (mesh.cp_size > 1)
         for group, _, _ in parts:  # every token of the micro-batch's sequences on every rank
             x = GatherSequence.apply(x, group)
+        if self.in_order is not None:  # --capacity_factor drops by position (GShard's order): route them so
+            x = x[:, self.in_order[0]]
         y, aux = super().forward(x)
+        if self.in_order is not None:  # and back to the order held
+            y = y[:, self.in_order[1]]
         if self.training and torch.is_grad_enabled():  # a training forward (with --recompute: in backward)
             self.aux.append(aux.detach())
         y = BalancingLoss.apply(y, aux, self.aux_grad)
@@ -2534,6 +2629,17 @@ class BalancingLoss(torch.autograd.Function):
         return grad_y, torch.full((), ctx.grad, device=grad_y.device), None
 
 
+class DenseStage:
+    """The stage as 06's ShardedMuon reads it (model.named_parameters()): its parameters but the experts',
+    whose matrices ExpertReplicas gives to 10's ReplicatedMuon over expert_dp (a dense stage: all)."""
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def named_parameters(self):
+        return [(name, p) for name, p in self.stage.named_parameters() if not is_expert(name)]
+
+
 def dense_parameters(stage):
     """The stage's parameters but the experts' (DataParallel's and ZeRO1's: every replica's)."""
     return [p for name, p in stage.named_parameters() if not is_expert(name)]
@@ -2541,11 +2647,18 @@ def dense_parameters(stage):
 
 def with_experts(replicas, stage, args, m):
     """`replicas` itself for a dense model; with experts, ExpertReplicas around it, and each
-    block's balancing-loss gradient set: the loss is the mean over m micro-batches."""
+    block's balancing-loss gradient set: the loss is the mean over m micro-batches. With CP and
+    --capacity_factor, the permutation that puts the CP ranks' gathered tokens (ring: zigzag
+    chunks) in position order, and back, since the capacity keeps a sequence's first tokens."""
     if not stage.config.n_expert:
         return replicas
+    config, C = stage.config, stage.mesh.cp_size
+    held = torch.cat([token_positions(config.block_size, C, r, args.cp_impl) for r in range(C)])  # as gathered
+    sort = torch.argsort(held).to(next(stage.parameters()).device)
     for block in stage.h:
-        block.mlp.aux_grad = stage.config.aux_loss_coef / m / (stage.mesh.tp_size if stage.sp else 1)
+        block.mlp.aux_grad = config.aux_loss_coef / m / (stage.mesh.tp_size if stage.sp else 1)
+        if config.capacity_factor and not torch.equal(held, held.sort().values):
+            block.mlp.in_order = sort, torch.argsort(sort)
     return ExpertReplicas(replicas, stage, args)
 
 
@@ -2563,9 +2676,18 @@ class ExpertReplicas:
         self.experts = [p for _, p in named]
         self.counted = [p for name, p in named if counted_once(stage, name)]
         self.params, self.optimizer, self.norm_group = dense.params + self.experts, dense.optimizer, dense.norm_group
+        muon = args.optimizer == "muon"
+        matrices = [p for name, p in named if muon and is_hidden_matrix(name, p.shape)]  # Muon's: whole experts'
+        adamw, taken = getattr(self.optimizer, "adamw", self.optimizer), {id(p) for p in matrices}  # Muon's AdamW
         for decayed, weight_decay in ((True, args.weight_decay), (False, 0.0)):
-            self.optimizer.add_param_group({"params": [p for p in self.experts if is_decayed(p.shape) == decayed],
-                                            "weight_decay": weight_decay})
+            adamw.add_param_group({"params": [p for p in self.experts if is_decayed(p.shape) == decayed
+                                              and id(p) not in taken], "weight_decay": weight_decay})
+            if adamw is not self.optimizer:  # Muon holds AdamW's groups as its own: the loop's lr reaches it
+                self.optimizer.param_groups.append(adamw.param_groups[-1])
+        if muon:  # 10's Muon for the experts: each matrix's owner among the ranks holding it (expert_dp); it
+            # steps the dense Muon after its own, and the dense replicas step it (ZeRO1: then the all-gather)
+            self.optimizer = dense.optimizer = ReplicatedMuon(matrices, self.optimizer, args, self.optimizer.ns_dtype,
+                                                              self.mesh.expert_dp_group)
 
     def reduce_gradients(self):
         self.dense.reduce_gradients()
@@ -2593,7 +2715,7 @@ class ExpertReplicas:
         return self.dense.squared_norm() + squares
 
     def step(self):
-        self.dense.step()  # the experts' AdamW groups step with the dense ones
+        self.dense.step()  # the experts' AdamW groups step with the dense ones (Muon: dense.optimizer, the experts')
 
     def zero_grad(self):
         self.dense.zero_grad()
@@ -2614,16 +2736,30 @@ def balancing_loss(stage):
 
 
 def routing(stage):
-    """What this step's costs() depend on with experts: the rows this rank's experts received,
-    per layer per micro-batch ({} without experts); and reset."""
-    if not stage.config.n_expert:
+    """After the optimizer step, with experts (nothing without): the global batch's entries per expert
+    and dropped of every layer, summed over the world (the TP x CP ranks of a (dp, pp) place route the
+    same gathered tokens: T·C copies of its counts); --balance bias moves this stage's routers' biases
+    on their layers' (common.update_expert_bias, as 01 and 10 do); the metrics' routing keys
+    (common.routing_metrics); and what this step's costs() depend on: the rows this rank's experts
+    received and the rows it sent, per layer per micro-batch. The routers' counts are reset."""
+    from types import SimpleNamespace
+    from common import routing_metrics, update_expert_bias
+    config, mesh, blocks = stage.config, stage.mesh, [block.mlp for block in stage.h]
+    if not config.n_expert:
         return {}
-    blocks = [block.mlp for block in stage.h]
-    received = [mlp.received for mlp in blocks]
+    counts = torch.zeros(config.n_layer, config.n_expert + 1, dtype=torch.int64, device=blocks[0].router.load.device)
+    mine = slice(stage.first_layer, stage.first_layer + len(blocks))  # this stage's layers' rows
+    counts[mine] = torch.stack([torch.cat([mlp.router.load, mlp.router.dropped.view(1)]) for mlp in blocks])
+    if dist.get_world_size() > 1:  # (L, E + 1) int64: the global batch's, T·C times over
+        dist.all_reduce(counts, group=dist.group.WORLD)
+    counts = counts.div_(mesh.tp_size * mesh.cp_size, rounding_mode="floor")  # exact: integers, T·C copies
+    load, dropped = counts[:, :-1], counts[:, -1]
+    update_expert_bias(SimpleNamespace(transformer=SimpleNamespace(h=stage.h)), load[mine])  # (the blocks it reads)
+    received, sent = [mlp.received for mlp in blocks], [mlp.sent for mlp in blocks]
     for mlp in blocks:
         mlp.received, mlp.sent = [], []
-        mlp.router.load = mlp.router.dropped = None  # (the router's counts, which --balance bias would read)
-    return {"received": received}
+        mlp.router.load = mlp.router.dropped = None
+    return {"received": received, "sent": sent, "extra": lambda: routing_metrics(load, dropped)}
 
 
 if __name__ == "__main__":

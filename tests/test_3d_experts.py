@@ -1,9 +1,13 @@
 """08_3d.py with experts (--n_expert E --top_k K --ep N): the experts of every block over EP
 groups carved out of each DP x CP group, attention keeping its TP (and SP) and the pipeline
-its stages. Each launch checks two things at once: the losses equal 01_single_gpu.py's with
-the same experts (the oracle), and the ledger equals costs() on every rank (each rank checks
-its own: the all-to-alls on this step's routing, the experts' expert_dp all-reduce). Then the
-dry runs of the big presets and the one-line refusals."""
+its stages, with common.py's routing options (--balance, --capacity_factor, --shared_experts)
+and Muon. Each launch checks at once: the losses, the tokens per expert and the drops equal
+01_single_gpu.py's with the same experts and options (the oracle), and the ledger equals
+costs() on every rank, bytes and calls (each rank checks its own: the all-to-alls on this
+step's routing, the experts' expert_dp all-reduce). A checkpoint resumed with the routers'
+biases; the options priced by costs() alone; the dry runs of the big presets; the refusals."""
+
+import importlib
 
 import pytest
 
@@ -12,11 +16,17 @@ from test_rehearse import rehearse
 
 MOE = ["--n_expert", "4", "--top_k", "2"]
 BASE = TINY + MOE + ["--global_batch_size", "8", "--max_iters", "3", "--grad_clip", "0.05"]
+BIAS = ["--balance", "bias", "--bias_update_rate", "0.05"]  # a step large enough to move a tiny run's choices
+CAPACITY, SHARED, MUON = ["--capacity_factor", "1.0"], ["--shared_experts", "1"], ["--optimizer", "muon"]
+REFERENCES = {}
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return launch("01_single_gpu.py", BASE + ["--sample_tokens", "0"]).ok()
+def reference(options):
+    """01 with the same experts and options (one launch per set of options, kept for the module)."""
+    key = tuple(map(str, options))
+    if key not in REFERENCES:
+        REFERENCES[key] = launch("01_single_gpu.py", BASE + list(options) + ["--sample_tokens", "0"]).ok()
+    return REFERENCES[key]
 
 
 def assert_ledger(run):
@@ -24,26 +34,59 @@ def assert_ledger(run):
     for row in run.steps:  # rank 0's, on every logged step's own routing
         assert row["state_bytes"] == row["state_bytes_theory"]
         assert row["comm_bytes"] == row["comm_bytes_theory"], row["step"]
+        assert row["comm_calls"] == row["comm_calls_theory"], row["step"]
         assert row["comm_bytes"]["all_to_all_single[ep]"] > 0
 
 
-# (ranks, flags): tp2 x ep2 (dp 2, the experts replicated over TP), cp2 x ep2 (dp 2: the EP group is
-# the CP pair, whose tokens every rank gathers; a second one, so the experts' gradients over
-# expert_dp), pp2 x ep2 (dp 2, four micro-batches: every stage's balancing loss), and tp2 x pp2
-# x ep2 at 8 ranks with sequence parallelism and ZeRO-1
+def assert_routing_is_01s(single, run):
+    """The metrics' routing keys (08 sums every layer's counts over the world) equal 01's."""
+    for mine, one in zip(run.steps, single.steps):
+        assert mine["expert_tokens"] == one["expert_tokens"] and mine["expert_imbalance"] == one["expert_imbalance"]
+        assert mine["dropped_fraction"] == pytest.approx(one["dropped_fraction"], abs=1e-12)
+
+
+# (ranks, flags, options): tp2 x ep2 (dp 2, the experts and the shared expert replicated over TP) with
+# every routing option at once (the issue's check); cp2 x ep2 (dp 2: the EP group is the CP pair, whose
+# tokens every rank gathers, so the capacity's sequence is whole; a second one, so the experts'
+# gradients over expert_dp and their Muon's broadcasts there) with the capacity alone and Muon; pp2 x
+# ep2 (dp 2, four micro-batches: every stage's balancing loss) with --balance aux; and tp2 x pp2 x ep2
+# at 8 ranks with sequence parallelism and ZeRO-1, the shared expert alone. --balance bias alone:
+# test_resumes_with_the_routers_biases.
 CASES = [
-    (4, ["--tp", 2, "--ep", 2, "--micro_batch_size", 2]),
-    (4, ["--cp", 2, "--ep", 2, "--micro_batch_size", 2]),
-    (4, ["--pp", 2, "--ep", 2, "--micro_batch_size", 1]),
-    (8, ["--tp", 2, "--pp", 2, "--ep", 2, "--micro_batch_size", 2, "--sequence_parallel", "--zero1"]),
+    (4, ["--tp", 2, "--ep", 2, "--micro_batch_size", 2], BIAS + CAPACITY + SHARED),
+    (4, ["--cp", 2, "--ep", 2, "--micro_batch_size", 2], CAPACITY + MUON),
+    (4, ["--pp", 2, "--ep", 2, "--micro_batch_size", 1], []),
+    (8, ["--tp", 2, "--pp", 2, "--ep", 2, "--micro_batch_size", 2, "--sequence_parallel", "--zero1"], SHARED),
 ]
 
 
-@pytest.mark.parametrize("ranks, flags", CASES, ids=lambda x: " ".join(map(str, x)) if isinstance(x, list) else str(x))
-def test_losses_equal_01_and_ledger_equals_costs(reference, ranks, flags):
-    run = launch("08_3d.py", BASE + flags, nprocs=ranks, timeout=400).ok()
-    assert_losses_match(reference, run, what=f"08 {flags}")
+@pytest.mark.parametrize("ranks, flags, options", CASES,
+                         ids=lambda x: " ".join(map(str, x)) if isinstance(x, list) else str(x))
+def test_losses_equal_01_and_ledger_equals_costs(ranks, flags, options):
+    single = reference(options)
+    run = launch("08_3d.py", BASE + flags + options, nprocs=ranks, timeout=400).ok()
+    assert_losses_match(single, run, what=f"08 {flags} {options}")
     assert_ledger(run)
+    assert_routing_is_01s(single, run)
+    if "--capacity_factor" in options:  # the capacity acts: some tokens dropped, as 01 drops them
+        assert all(row["dropped_fraction"] > 0 for row in run.steps)
+
+
+def test_resumes_with_the_routers_biases(tmp_path):
+    """--balance bias alone, at pp2 x ep2 (every stage moves its own layers' biases on the world's
+    counts): two steps, a checkpoint, the third resumed from it equal to 01's three steps; the biases
+    must come back from the checkpoint (step 2 routes with them)."""
+    single = reference(BIAS)
+    flags = BASE + BIAS + ["--pp", 2, "--ep", 2, "--micro_batch_size", 1, "--lr_decay_iters", 3,
+                           "--out_dir", tmp_path]
+    first = launch("08_3d.py", flags + ["--max_iters", 2, "--ckpt_interval", 2], nprocs=4, timeout=400).ok()
+    second = launch("08_3d.py", flags + ["--resume"], nprocs=4, timeout=400).ok()
+    assert "resum" in second.stdout + second.stderr
+
+    class Chain:
+        losses = first.losses + second.losses
+    assert_losses_match(single, Chain, what="08 pp2 x ep2 --balance bias, resumed at step 2")
+    assert_ledger(first)
 
 
 def test_plan_ranks_08_with_experts_next_to_10_on_their_groups():
@@ -80,11 +123,49 @@ def test_big_mixtures_dry_run_priced_and_fit_checked(flags, fit):
     assert "all_to_all_single[ep]" in p.stdout and "all_reduce[expert_dp]" in p.stdout
 
 
+def costs_of(*flags, received=None, sent=None):
+    """Rank 0's costs() of 08 at tp2 x ep2 on 4 ranks (dp 2), m = 2 micro-batches of 2, without a launch."""
+    import torch
+
+    from common import Data, model_config
+    m = importlib.import_module("08_3d")
+    args = m.add_flags(m.make_parser(m.__doc__, experts=True)).parse_args(
+        [str(f) for f in [*TINY, *MOE, "--tp", 2, "--ep", 2, "--micro_batch_size", 2, *flags]])
+    config = model_config(args, Data.vocab_size_of(args.data))
+    return config, m.costs(args, config, 4, torch.float32, received=received, sent=sent)
+
+
+def test_costs_price_each_routing_option_alone():
+    """Each option alone, in costs() (what the launches above prove against the ledger, stated here
+    where a launch cannot vary it): --shared_experts S adds S MLPs per layer, replicated (Ψ_rank, not
+    Ψ_x: the dense all-reduce carries them); --capacity_factor bounds the dry run's rows received by
+    the capacity, b·E·⌈C·k·s/E⌉ a layer (at most N·k·b·s) and prices a step on the rows it sent and
+    received; --balance bias holds no parameter more (its bias is a buffer); every one of them sums
+    the routing counts over the world, 8·n_layer·(E + 1) bytes in one call."""
+    config, plain = costs_of()
+    h, L, m = config.n_embd, config.n_layer, 2
+    _, shared = costs_of("--shared_experts", 2)
+    assert shared["held"]["params"][1] - plain["held"]["params"][1] == 4 * 2 * L * (8 * h * h + 5 * h)
+    assert shared["sent"]["all_reduce[dp]"][1] - plain["sent"]["all_reduce[dp]"][1] == 4 * 2 * L * (8 * h * h + 5 * h)
+    assert shared["layout"].split("(of them")[1] == plain["layout"].split("(of them")[1]  # Ψ_x: the routed alone
+    rows = plain["sent"]["all_to_all_single[ep]"][1] - 8 * 4 * L * m  # 2 passes x 4 bytes x h x (S + R)
+    assert rows == 2 * 4 * h * 2 * (L * m * 2 * 2 * 64)  # S = R = L·m·k·b·s: balanced
+    _, half = costs_of("--capacity_factor", "0.25")  # ⌈0.25·2·64/4⌉ = 8 rows a sequence per expert
+    assert half["sent"]["all_to_all_single[ep]"][1] - 8 * 4 * L * m == 2 * 4 * h * (L * m * 2 * 2 * 64 + L * m * 2 * 4 * 8)
+    _, step = costs_of("--capacity_factor", "0.25", received=[[50, 60]] * L, sent=[[70, 80]] * L)
+    assert step["sent"]["all_to_all_single[ep]"][1] - 8 * 4 * L * m == 2 * 4 * h * L * (50 + 60 + 70 + 80)
+    _, bias = costs_of("--balance", "bias")
+    assert bias["held"] == plain["held"]
+    for cost in (plain, shared, half, bias):
+        assert cost["sent"]["all_reduce"][1] == 8 * L * (4 + 1) and cost["calls"]["all_reduce"][1] == 1
+
+
 @pytest.mark.parametrize("flags, message", [
     (MOE + ["--ep", 3, "--world_size", 4], "--ep 3 does not divide the 4 data-parallel x context-parallel ranks"),
     (MOE + ["--ep", 4, "--n_expert", 6, "--world_size", 4], "--n_expert 6 is not divisible by --ep 4"),
     (["--ep", 2, "--world_size", 4], "--ep 2 places experts: pass --n_expert E"),
-    (MOE + ["--ep", 2, "--optimizer", "muon", "--world_size", 2], "--n_expert with --optimizer muon is not implemented"),
+    (MOE + ["--tp", 2, "--ep", 2, "--shared_experts", 1, "--optimizer", "muon", "--world_size", 4],
+     "--shared_experts with --optimizer muon at --tp > 1 is not implemented in 08_3d.py"),
 ])
 def test_refusals_are_one_line(flags, message):
     p = dry("08_3d.py", *TINY, "--micro_batch_size", 1, *flags)

@@ -94,8 +94,7 @@ def test_strategies_equal_01_with_muon(reference, script, ranks, flags, which):
     for row in run.steps:
         assert row["state_bytes"] == row["state_bytes_theory"], f"{script} {flags}"
         assert row["comm_bytes"] == row["comm_bytes_theory"], f"{script} {flags}"
-        if not script.startswith("08"):  # 08 with Muon states no calls (plan.py prices its ops as one call each)
-            assert row["comm_calls"] == row["comm_calls_theory"], f"{script} {flags}"
+        assert row["comm_calls"] == row["comm_calls_theory"], f"{script} {flags}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
