@@ -281,9 +281,10 @@ def test_a_slowed_rank_is_named_the_straggler_and_the_sweep_is_fitted(tmp_path):
 # node) the plan puts tensor parallelism inside the nodes; a node link measured at 0.2 GB/s
 # must move it to a layout that sends less inside a node
 PLAN = ["--model", "gpt2", "--block_size", "256", "--global_batch_size", "8", "--gpus", "4", "--gpus_per_node", "2",
-        "--gpu_mem_gb", "1.2", "--peak_tflops", "100", "--link_gbps", "100", "--inter_gbps", "2"]
+        "--gpu_mem_gb", "1.2", "--peak_tflops", "100", "--link_gbps", "400", "--inter_gbps", "2"]
 # (a slow datasheet network between the nodes, so that the datasheet's choice keeps its heavy traffic inside
-# a node: TP there; the measured file then slows the inside link, and the plan moves off it)
+# a node: CP's all-to-alls there, under the simulated step; the measured file then slows the inside link,
+# and the plan moves off it)
 
 
 def test_a_slow_link_in_the_measured_file_moves_the_recommendation_off_it(tmp_path):
