@@ -450,15 +450,16 @@ def group_of(name, op, args, n, gpus_per_node):
     return size, ranks_per_node([i * stride for i in range(size)], G)
 
 
-def comm_seconds(op, nbytes, g, per_node, machine, calls=1):
+def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None):
     """Alpha-beta time of one step's `nbytes` of `op`, posted in `calls` calls (costs()' count:
     each call pays its latency), on a ring of g ranks: inside a node (per_node None) over the
     GPU links; across nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at
-    most the node's NICs, and no faster than the links inside)."""
+    most the node's NICs, and no faster than the links inside). Each post pays the fixed cost
+    per call (call_s; posts: as many as calls, unless several sends ride one batch_isend_irecv)."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    fixed = calls * machine.get("call_s", 0.0)  # each call's cost beyond alpha (the fixed costs under MACHINES)
+    fixed = (calls if posts is None else posts) * machine.get("call_s", 0.0)  # (the fixed costs under MACHINES)
     across = bool(per_node)  # None (or False: the old "inside a node") inside; k, or True for one rank per node
     gbps = machine["intra_gbps"] if not across else min(machine["intra_gbps"], min(int(per_node), machine["gpus_per_node"])
                                                         * machine["inter_gbps"])
@@ -611,11 +612,13 @@ def stage_comm(name, args, config, n, machine, cost, comm, rank):
             message = piped / posted if posted else 0
             if nbytes > piped:  # the ring's K/V, inside the stage, between neighbours tp ranks apart
                 ring = comm_seconds(op, nbytes - piped, 2, link_of([0, args.tp * (args.cp - 1)], G), machine,
-                                    max(1, k - posted))
+                                    max(1, k - posted), posts=max(1, k - posted) / 2)  # K and V: one batch
                 phases["inside"][0] += ring
                 phases["inside"][1] += max(1, k - posted)
             continue
-        phases[phase][0] += comm_seconds(op, nbytes, *group_of(name, op, args, n, G), machine, k)
+        batched = name.startswith("09") and op.split("[")[0] == "send"  # the ring's K and V (dK, dV): one batch
+        phases[phase][0] += comm_seconds(op, nbytes, *group_of(name, op, args, n, G), machine, k,
+                                         posts=k / 2 if batched else None)
         phases[phase][1] += k
     return phases, message
 
