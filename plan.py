@@ -36,7 +36,8 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              of the schedule each rank executes), every F, B, I and W taking its
                              own stage's time (the last L mod p stages hold one more layer, the
                              last the head): the slowest stage sets the pace, and the bubble comes
-                             out of the schedule
+                             out of the schedule; + --op_overhead_us for each layer of each
+                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES)
                    muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
                              priced (costs()'s muon_flops: the matrices it orthogonalises, each
                              5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
@@ -57,7 +58,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              FLOPs. Alpha is paid per call: costs() states the calls a step
                              posts of every operation (a bucket's, a unit's, a layer's per
                              micro-batch; the ledger checks them as it checks the bytes), so
-                             ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one
+                             ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one;
+                             and --call_overhead_us per call (0 on the datasheet machines; a
+                             batch of sends pays it once)
                    where   = each collective where its script posts it (phase_of): inside a
                              forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
                              all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a

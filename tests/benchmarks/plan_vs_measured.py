@@ -2,21 +2,25 @@
 and 4 ranks, each as the ratio to 01's step (ratios survive a noisy, shared machine where
 absolute times do not). Rerun with
 
-    python tests/benchmarks/plan_vs_measured.py                 # 2 and 4 ranks, 10 layouts each
-    python tests/benchmarks/plan_vs_measured.py --ranks 2 --iters 6
-    python tests/benchmarks/plan_vs_measured.py --smoke         # 2 layouts at 2 ranks, a few seconds
+    nice -n -10 python tests/benchmarks/plan_vs_measured.py     # 2 and 4 ranks, 10 layouts each
+    python tests/benchmarks/plan_vs_measured.py --ranks 2 --only 06 "4:08"
+    python tests/benchmarks/plan_vs_measured.py --smoke         # 2 layouts at 2 ranks, the tiny model
 
-It calibrates once on this machine: the rate of 01's step (the FLOPs plan.py counts for it,
-over its measured median step: one matmul rate, overheads included) and alpha and beta from
-`02_collectives.py --doctor --json` on 2 ranks (gloo over this host's shared memory). Then
-for each layout it measures 01 and the layout one after the other (interleaved: a load that
-comes and goes on the machine falls on both), and prices both with plan.score at the
-calibrated rate and links: predicted = plan(layout) / plan(01), measured = step(layout) /
-step(01), the step being the slowest rank's (dt_ms_max), the median after --skip steps. On
-a host with fewer cores than ranks the ranks share the cores, so each rank is priced at
-cores/ranks of the rate (the "cores" term). It prints a Markdown table and a last line
-`max |error| X% over N layouts`; a layout off by more than --target says which term plan.py
-leaves out, as far as the numbers tell."""
+(`nice -n -10`, as root: the other work on a shared host then takes less of the cores while it
+runs.) It calibrates once, on programs that are none of the layouts it prices: alpha and beta
+from `02_collectives.py --doctor --json` on 2 ranks; the matmul rate and plan.py's fixed cost
+per layer and micro-batch (--op_overhead_us) from 01 at the model's micro-batches and at one
+micro-batch of the same tokens (the fixed cost is what the extra micro-batches add). Then for
+each layout, one after the other (interleaved: a load that comes and goes falls on all of
+them): 01's step (the rate now), the host beside it (beside(): how much slower each of n
+copies of 01 computes at once, the cores term; and what an all-reduce costs inside a loop of
+compute on n ranks at two sizes, call_cost.py, which gives plan.py's fixed cost per call,
+--call_overhead_us, and the bandwidth a step sees), the layout, and the host again (the
+quieter of the two). Both are priced with plan.score with these figures: predicted =
+plan(layout) / plan(01), measured = step(layout) / step(01), a step being the fastest of the
+slowest rank's steps after --skip (dt_ms_max: a shared host's load only adds time). It prints
+a Markdown table and a last line `max |error| X% over N layouts`; a layout off by more than
+--target says which term plan.py leaves out, as far as the numbers tell."""
 
 import argparse
 import json
@@ -215,7 +219,7 @@ def main():
     a.add_argument("--iters", type=int, default=8)
     a.add_argument("--skip", type=int, default=3, help="warm-up steps left out")
     a.add_argument("--target", type=float, default=25.0, help="per cent: a larger error names its missing term")
-    a.add_argument("--smoke", action="store_true", help="2 layouts at 2 ranks, the tiny model, 3 steps")
+    a.add_argument("--smoke", action="store_true", help="2 layouts at 2 ranks, a 2-layer tiny model, 3 steps")
     a.add_argument("--only", nargs="+", default=None, help="the layouts whose label starts so (\"08\", \"04 ZeRO-1\"), "
                    "as RANKS:LABEL (\"4:03\") or LABEL at every --ranks")
     a = a.parse_args()
