@@ -36,7 +36,8 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              of the schedule each rank executes), every F, B, I and W taking its
                              own stage's time (the last L mod p stages hold one more layer, the
                              last the head): the slowest stage sets the pace, and the bubble comes
-                             out of the schedule
+                             out of the schedule; + --op_overhead_us for each layer of each
+                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES)
                    muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
                              priced (costs()'s muon_flops: the matrices it orthogonalises, each
                              5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
@@ -57,7 +58,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              FLOPs. Alpha is paid per call: costs() states the calls a step
                              posts of every operation (a bucket's, a unit's, a layer's per
                              micro-batch; the ledger checks them as it checks the bytes), so
-                             ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one
+                             ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one;
+                             and --call_overhead_us per call (0 on the datasheet machines; a
+                             batch of sends pays it once)
                    where   = each collective where its script posts it (phase_of): inside a
                              forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
                              all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a
@@ -147,6 +150,13 @@ MACHINES = {
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 10e-6  # seconds per ring step (NCCL/RCCL-like latencies)
 for _machine in MACHINES.values():
     _machine.update(alpha_intra=ALPHA_INTRA, alpha_inter=ALPHA_INTER)
+# Two fixed costs a host pays whatever the bytes and FLOPs, both 0 on the datasheet machines
+# (no GPU measurement grounds another figure; a GPU's launch is microseconds): call_s, the
+# seconds one collective or send costs beyond its alpha (the Python wrapper, the autograd
+# function around it, the ranks meeting); op_s, the seconds one layer's forward and backward
+# of one micro-batch cost beyond its FLOPs (Python, autograd, each small kernel's launch).
+# --call_overhead_us and --op_overhead_us set them; tests/benchmarks/plan_vs_measured.py
+# measures both on its host (docs/planning.md, "Predicted against measured").
 MAX_GPUS = 10**7  # more ranks than any machine has: a typo, refused in one line
 MAX_SIZE = 10**7  # likewise for a model or batch dimension
 EFFICIENCY = 0.5  # fraction of peak FLOP/s the matrix multiplies reach (Megatron-LM reports ~0.5)
@@ -443,21 +453,23 @@ def group_of(name, op, args, n, gpus_per_node):
     return size, ranks_per_node([i * stride for i in range(size)], G)
 
 
-def comm_seconds(op, nbytes, g, per_node, machine, calls=1):
+def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None):
     """Alpha-beta time of one step's `nbytes` of `op`, posted in `calls` calls (costs()' count:
     each call pays its latency), on a ring of g ranks: inside a node (per_node None) over the
     GPU links; across nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at
-    most the node's NICs, and no faster than the links inside)."""
+    most the node's NICs, and no faster than the links inside). Each post pays the fixed cost
+    per call (call_s; posts: as many as calls, unless several sends ride one batch_isend_irecv)."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
+    fixed = (calls if posts is None else posts) * machine.get("call_s", 0.0)  # (the fixed costs under MACHINES)
     across = bool(per_node)  # None (or False: the old "inside a node") inside; k, or True for one rank per node
     gbps = machine["intra_gbps"] if not across else min(machine["intra_gbps"], min(int(per_node), machine["gpus_per_node"])
                                                         * machine["inter_gbps"])
     beta = 1e9 * gbps
     alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
     if base == "send":
-        return calls * alpha + nbytes / beta
+        return fixed + calls * alpha + nbytes / beta
     kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
             "all_to_all_single": "all_to_all"}.get(base, base)
     steps = 2 * (g - 1) if kind == "all_reduce" else g - 1
@@ -466,9 +478,9 @@ def comm_seconds(op, nbytes, g, per_node, machine, calls=1):
         # share of the node's NICs (all k GPUs of the node send at once), the k - 1 others' rows
         # over the links inside, at the same time
         k = min(int(per_node), g)
-        return calls * steps * alpha + max(nbytes * (g - k) / g / (1e9 * machine["inter_gbps"]),
-                                   nbytes * (k - 1) / g / (1e9 * machine["intra_gbps"]))
-    return calls * steps * alpha + script("02_collectives.py").bus_factor(kind, g) * nbytes / beta
+        return fixed + calls * steps * alpha + max(nbytes * (g - k) / g / (1e9 * machine["inter_gbps"]),
+                                           nbytes * (k - 1) / g / (1e9 * machine["intra_gbps"]))
+    return fixed + calls * steps * alpha + script("02_collectives.py").bus_factor(kind, g) * nbytes / beta
 
 
 def flops_as_run(config, n_params):
@@ -531,32 +543,38 @@ def is_pipeline(name, args):
     return name.startswith("07") or (name.startswith("08") and args.pp > 1)
 
 
-def chunk_forwards(name, args, config, n, rate):
+def chunk_forwards(name, args, config, n, rate, op_s=0.0):
     """Each global chunk's forward seconds of one micro-batch, (its blocks, the head): the
     FLOPs as they run (flops_as_run) of the chunk's own layers (07's chunk_layers: the last
-    L mod p hold one more), the head on the last, at `rate` FLOP/s per GPU."""
+    L mod p hold one more), the head on the last, at `rate` FLOP/s per GPU; and a third of
+    op_s per layer (the fixed costs under MACHINES; the backward, twice the forward, takes
+    the other two thirds)."""
     per_token, head = flops_as_run(config, count_params_once(config)[1])
     schedule, v, p, m, split = pipeline_shape(name, args, n)
     micro = args.micro_batch_size * config.block_size / (split * rate)  # seconds per FLOP-per-token
     layers = script("07_pipeline.py").chunk_layers(config.n_layer, p * v)
-    return tuple((count * per_token / config.n_layer / 3 * micro, (g == p * v - 1) * head / 3 * micro)
+    return tuple((count * (per_token / config.n_layer * micro + op_s) / 3, (g == p * v - 1) * head / 3 * micro)
                  for g, (_, count) in enumerate(layers))
 
 
-def compute_seconds(name, args, config, n, rate):
+def compute_seconds(name, args, config, n, rate, op_s=0.0):
     """(compute seconds of the step, its bubble): the global batch's FLOPs as they run
-    (flops_as_run) at `rate` FLOP/s per GPU. A pipeline (07; 08 with pp > 1) is simulated as
+    (flops_as_run) at `rate` FLOP/s per GPU, and op_s (the fixed costs under MACHINES) for each layer a rank runs
+    in each of its micro-batches: every layer of every micro-batch of its replica's share,
+    however thin TP or CP slices the layer. A pipeline (07; 08 with pp > 1) is simulated as
     its ranks run it (pipeline_length), communication free: each stage's own layers (the
     last L mod p stages hold one more, the last the head), so the slowest stage sets the pace
     and the bubble comes out of the schedule; the bubble is the stages' mean idle share."""
     per_token, head = flops_as_run(config, count_params_once(config)[1])
     recompute = bool(getattr(args, "recompute", False))  # one more forward of the blocks, not of the head
     run_per_token = per_token * (4 / 3 if recompute else 1) + head
+    fixed = op_s * (1 + recompute / 3) * config.n_layer  # one micro-batch's fixed cost, all its layers
     if not is_pipeline(name, args):
-        return run_per_token * args.global_batch_size * config.block_size / (n * rate), 0.0
+        m = max(1, args.global_batch_size // (args.micro_batch_size * replicas(name, args, n)))
+        return run_per_token * args.global_batch_size * config.block_size / (n * rate) + m * fixed, 0.0
     schedule, v, p, m, split = pipeline_shape(name, args, n)
-    length = pipeline_length(schedule, v, p, m, chunk_forwards(name, args, config, n, rate), recompute)
-    busy = run_per_token * m * args.micro_batch_size * config.block_size / (p * split * rate)
+    length = pipeline_length(schedule, v, p, m, chunk_forwards(name, args, config, n, rate, op_s), recompute)
+    busy = run_per_token * m * args.micro_batch_size * config.block_size / (p * split * rate) + m * fixed / p
     return length, 1 - busy / length
 
 
@@ -597,11 +615,13 @@ def stage_comm(name, args, config, n, machine, cost, comm, rank):
             message = piped / posted if posted else 0
             if nbytes > piped:  # the ring's K/V, inside the stage, between neighbours tp ranks apart
                 ring = comm_seconds(op, nbytes - piped, 2, link_of([0, args.tp * (args.cp - 1)], G), machine,
-                                    max(1, k - posted))
+                                    max(1, k - posted), posts=max(1, k - posted) / 2)  # K and V: one batch
                 phases["inside"][0] += ring
                 phases["inside"][1] += max(1, k - posted)
             continue
-        phases[phase][0] += comm_seconds(op, nbytes, *group_of(name, op, args, n, G), machine, k)
+        batched = name.startswith("09") and op.split("[")[0] == "send"  # the ring's K and V (dK, dV): one batch
+        phases[phase][0] += comm_seconds(op, nbytes, *group_of(name, op, args, n, G), machine, k,
+                                         posts=k / 2 if batched else None)
         phases[phase][1] += k
     return phases, message
 
@@ -628,7 +648,7 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
     if not is_pipeline(name, args):
         (rank, role), = roles.items()
         phases = role["phases"]
-        compute, _ = compute_seconds(name, args, config, n, rate)
+        compute, _ = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0))
         busy = compute + imbalance_s + phases["inside"][0]
         m = max(1, args.global_batch_size // (args.micro_batch_size * replicas(name, args, n)))
         window = busy * (2 + recompute) / (3 + recompute) / m  # the last micro-batch's backward
@@ -652,7 +672,7 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
             lanes[f"rank {rank}"] = boxes
         return step
     schedule, v, p, m, split = pipeline_shape(name, args, n)
-    forward = chunk_forwards(name, args, config, n, rate)
+    forward = chunk_forwards(name, args, config, n, rate, machine.get("op_s", 0.0))
     owner = list(range(p)) if name.startswith("07") else stage_roles(name, args, config)
     rank_of = (lambda s: s) if name.startswith("07") else (lambda s: s * args.cp * args.tp)  # noqa: E731
     pipeline = script("07_pipeline.py")
@@ -745,7 +765,7 @@ def score(name, flags, label, plan_args, machine, lanes=None):
     model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
     peak = machine["peak_tflops"] * 1e12
     rate = peak * plan_args.efficiency
-    compute_s, f = compute_seconds(name, args, config, n, rate)
+    compute_s, f = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0))
     extra = 0.0
     if config.n_expert and plan_args.imbalance > 1:  # the busiest rank's experts run imbalance x their share of rows
         expert_flops = 6 * config.n_layer * config.top_k * expert_params(config) * args.global_batch_size * config.block_size
@@ -883,6 +903,12 @@ def parse(argv=None):
                         "across nodes, replace the datasheet's; the plan says where the ranking changed and why")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
+    g.add_argument("--call_overhead_us", type=float, default=0.0,
+                   help="microseconds each collective or send costs beyond its alpha (the wrapper, the ranks meeting): "
+                        "0 on a GPU machine; tests/benchmarks/plan_vs_measured.py measures it on a CPU host")
+    g.add_argument("--op_overhead_us", type=float, default=0.0,
+                   help="microseconds one layer's forward and backward of one micro-batch cost beyond their FLOPs "
+                        "(Python, kernel launches), on every rank that runs the layer however thin TP or CP slices it")
     g.add_argument("--imbalance", default="1",
                    help="mixture of experts: the busiest expert-parallel rank's rows over the balanced share (its "
                         "all-to-all bytes and expert FLOPs), a number >= 1, or a run's --metrics file, whose "
@@ -908,6 +934,10 @@ def parse(argv=None):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
             error(f"--{flag} must be a positive number, got {value}")
+    for flag in ("call_overhead_us", "op_overhead_us"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and 0 <= value <= 1e9):
+            error(f"--{flag} must be a number of microseconds in 0..1e9, got {value}")
     if args.top < 0:
         error(f"--top must not be negative, got {args.top}")
     for flag in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size"):
@@ -919,6 +949,7 @@ def parse(argv=None):
     by_hand = dict(gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb, peak_tflops=args.peak_tflops,
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
     machine.update({k: v for k, v in by_hand.items() if v is not None})
+    machine.update(call_s=args.call_overhead_us * 1e-6, op_s=args.op_overhead_us * 1e-6)
     for path in args.bench:
         rows = read_bench(path, error)
         rows = [r for r in rows if isinstance(r, dict) and r.get("op") == "all_reduce"]

@@ -2,26 +2,30 @@
 and 4 ranks, each as the ratio to 01's step (ratios survive a noisy, shared machine where
 absolute times do not). Rerun with
 
-    python tests/benchmarks/plan_vs_measured.py                 # 2 and 4 ranks, 10 layouts each
-    python tests/benchmarks/plan_vs_measured.py --ranks 2 --iters 6
-    python tests/benchmarks/plan_vs_measured.py --smoke         # 2 layouts at 2 ranks, a few seconds
+    nice -n -10 python tests/benchmarks/plan_vs_measured.py     # 2 and 4 ranks, 10 layouts each
+    python tests/benchmarks/plan_vs_measured.py --ranks 2 --only 06 "4:08"
+    python tests/benchmarks/plan_vs_measured.py --smoke         # 2 layouts at 2 ranks, the tiny model
 
-It calibrates once on this machine: the rate of 01's step (the FLOPs plan.py counts for it,
-over its measured median step: one matmul rate, overheads included) and alpha and beta from
-`02_collectives.py --doctor --json` on 2 ranks (gloo over this host's shared memory). Then
-for each layout it measures 01 and the layout one after the other (interleaved: a load that
-comes and goes on the machine falls on both), and prices both with plan.score at the
-calibrated rate and links: predicted = plan(layout) / plan(01), measured = step(layout) /
-step(01), the step being the slowest rank's (dt_ms_max), the median after --skip steps. On
-a host with fewer cores than ranks the ranks share the cores, so each rank is priced at
-cores/ranks of the rate (the "cores" term). It prints a Markdown table and a last line
-`max |error| X% over N layouts`; a layout off by more than --target says which term plan.py
-leaves out, as far as the numbers tell."""
+(`nice -n -10`, as root: the other work on a shared host then takes less of the cores while it
+runs.) It calibrates once, on programs that are none of the layouts it prices: alpha and beta
+from `02_collectives.py --doctor --json` on 2 ranks; the matmul rate and plan.py's fixed cost
+per layer and micro-batch (--op_overhead_us) from 01 at the model's micro-batches and at one
+micro-batch of the same tokens (the fixed cost is what the extra micro-batches add). Then for
+each layout, one after the other (interleaved: a load that comes and goes falls on all of
+them): 01's step (the rate now), the host beside it (beside(): how much slower each of n
+copies of 01 computes at once, the cores term; and what an all-reduce costs inside a loop of
+compute on n ranks at two sizes, call_cost.py, which gives plan.py's fixed cost per call,
+--call_overhead_us, and the bandwidth a step sees), the layout, and the host again (the
+quieter of the two). Both are priced with plan.score with these figures: predicted =
+plan(layout) / plan(01), measured = step(layout) / step(01), a step being the fastest of the
+slowest rank's steps after --skip (dt_ms_max: a shared host's load only adds time). It prints
+a Markdown table and a last line `max |error| X% over N layouts`; a layout off by more than
+--target says which term plan.py leaves out, as far as the numbers tell."""
 
 import argparse
 import json
 import os
-import statistics
+import shutil
 import sys
 import tempfile
 
@@ -29,13 +33,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the harness
 sys.path.insert(0, ROOT)  # the scripts, plan.py
-from harness import launch  # noqa: E402
+sys.path.insert(0, HERE)  # call_cost
+from harness import launch, start  # noqa: E402
 
 import plan  # noqa: E402
+import call_cost  # noqa: E402
 
 MODEL = ["--model", "tiny", "--n_layer", "8", "--n_embd", "128", "--block_size", "64", "--dropout", "0",
          "--global_batch_size", "16", "--micro_batch_size", "2"]
-SMOKE_MODEL = ["--model", "tiny", "--dropout", "0", "--global_batch_size", "8", "--micro_batch_size", "2"]
+SMOKE_MODEL = ["--model", "tiny", "--n_layer", "2", "--n_embd", "64", "--block_size", "32", "--dropout", "0",
+               "--global_batch_size", "8", "--micro_batch_size", "2"]
 MOE = ["--n_expert", "4", "--top_k", "2"]
 
 
@@ -54,13 +61,71 @@ def layouts(n):
             ("10 EP", "10_expert_parallel.py", [], MOE)]
 
 
+def step_of(rows, skip):
+    """The step of a run: the fastest of the slowest rank's steps after `skip` (as timeit takes
+    the best of its repeats: on a shared host the load only ever adds time, so the fastest
+    step is the one nearest what a machine of its own would take)."""
+    rows = rows[skip:] or rows[-1:]
+    return min((row.get("dt_ms_max") or row["dt_ms"]) for row in rows) / 1e3
+
+
 def measure(script, flags, n, iters, skip):
-    """The median over the steps after `skip` of the slowest rank's step, in seconds."""
-    run = launch(script, [*flags, "--device", "cpu", "--dtype", "float32", "--max_iters", str(iters),
-                          "--warmup_iters", "1", "--log_interval", "1", "--eval_interval", "0"],
-                 nprocs=n, timeout=900).ok()
-    rows = run.steps[skip:] or run.steps[-1:]
-    return statistics.median((row.get("dt_ms_max") or row["dt_ms"]) for row in rows) / 1e3
+    """A run of `script` on n ranks: its step (step_of), in seconds."""
+    run = launch(script, [*flags, *RUN, "--max_iters", str(iters)], nprocs=n, timeout=900).ok()
+    return step_of(run.steps, skip)
+
+
+RUN = ["--device", "cpu", "--dtype", "float32", "--warmup_iters", "1", "--log_interval", "1", "--eval_interval", "0"]
+
+
+def together(model, n, iters, skip):
+    """The step of 01 with a 1/n share of the global batch, run n times at once (no
+    communication): the slowest copy's (step_of; its first and last steps may run alone)."""
+    share = [*model, "--global_batch_size", str(int(model[model.index("--global_batch_size") + 1]) // n)]
+    tmp = tempfile.mkdtemp(prefix="gptpar-together-")
+    jobs, paths = [], []
+    for i in range(n):
+        paths.append(os.path.join(tmp, f"{i}.jsonl"))
+        jobs.append(start("01_single_gpu.py", [*share, *RUN, "--max_iters", str(iters), "--metrics", paths[-1],
+                                               "--out_dir", os.path.join(tmp, str(i))], timeout=900))
+    for job in jobs:
+        out, err = job.communicate()
+        if job.returncode != 0:
+            raise SystemExit(f"01 (one of {n} at once) failed:\n{err[-2000:]}")
+    steps = []
+    for path in paths:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        steps.append(step_of([r for r in rows if "loss" in r][:-1], skip))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return max(steps)
+
+
+def beside(model, n, one, iters, skip, calls, rounds):
+    """The host as it is while a layout of n ranks runs, measured right before it as 01 is:
+    slow, how much slower a rank computes when n compute at once (together(), over 01's step
+    `one` / n: the cores term, n ranks on this host's cores beside the other work on it); and
+    the seconds one all-reduce costs inside a loop of compute on n ranks (call_cost.py:
+    latency, bytes, wrapper, the ranks meeting) at two sizes, a micro-batch's activations of
+    one layer (the message of TP's f and g, of a pipeline's send, of CP's blocks) and 16 times
+    that (about a block's parameters, ZeRO-3's and FSDP's gathers)."""
+    config = {k: int(model[model.index(k) + 1]) for k in ("--micro_batch_size", "--block_size", "--n_embd")}
+    small = 4 * config["--micro_batch_size"] * config["--block_size"] * config["--n_embd"]
+    if n == 1:
+        return dict(slow=1.0, bytes=(small, 16 * small), call=(0.0, 0.0))
+    slow = max(1.0, together(model, n, iters, skip) / (one / n))
+    timed = call_cost.measure(n, calls, rounds, (small, 16 * small), matmuls=4)
+    return dict(slow=slow, bytes=tuple(timed["bytes"]), call=tuple(timed["seconds_per_call"]))
+
+
+def links_now(host, now, n):
+    """(fixed seconds per call beyond alpha, beta GB/s) that make plan.py's all-reduce,
+    2(g-1) alpha + call_s + 2(g-1)/g x bytes / beta with the doctor's alpha, take what
+    beside()'s two sizes took (the bandwidth from their difference; the doctor's beta where
+    the larger was not the slower)."""
+    (s, l), (t_s, t_l) = now["bytes"], now["call"]
+    factor = 2 * (n - 1) / n
+    beta = factor * (l - s) / (t_l - t_s) / 1e9 if t_l > t_s else host["beta"]
+    return max(0.0, t_s - 2 * (n - 1) * host["alpha"] - factor * s / (beta * 1e9)), beta
 
 
 def links():
@@ -75,19 +140,53 @@ def links():
     return fit["alpha_s"], fit["beta_GBps"]
 
 
-def priced(script, flags, n, rate, alpha, beta, cores):
-    """plan.py's candidate for `script` at n ranks on this host: each rank at min(1, cores/n)
-    of the calibrated rate, the doctor's links."""
-    share = min(1.0, cores / n)
+def priced(script, flags, n, host, now=None):
+    """plan.py's candidate for `script` at n ranks on this host: calibrate()'s rate, fixed cost
+    per layer and links; with `now` (beside()'s), each rank at 1/slow of the rate and slow x
+    the fixed cost per layer (n ranks share the cores), and the fixed cost per call and the
+    bandwidth of links_now()."""
+    slow, (call_s, beta) = (now["slow"], links_now(host, now, n)) if now and n > 1 else (1.0, (0.0, host["beta"]))
     args, machine = plan.parse([*flags_of(flags), "--gpus", str(n), "--gpus_per_node", str(n), "--device", "cpu",
-                                "--dtype", "float32", "--peak_tflops", str(rate * share / 1e12),
-                                "--link_gbps", str(beta), "--efficiency", "1"])
-    machine.update(alpha_intra=alpha, alpha_inter=alpha)
+                                "--dtype", "float32", "--peak_tflops", str(host["rate"] / slow / 1e12),
+                                "--link_gbps", str(beta), "--efficiency", "1",
+                                "--op_overhead_us", str(host["op_s"] * slow * 1e6),
+                                "--call_overhead_us", str(call_s * 1e6)])
+    machine.update(alpha_intra=host["alpha"], alpha_inter=host["alpha"])
     strategy = [f for i, f in enumerate(flags) if f not in MODEL_FLAGS and (i == 0 or flags[i - 1] not in MODEL_FLAGS)]
     c, reason = plan.score(script, strategy, script, args, machine)
     if c is None:
         raise SystemExit(f"plan.py refuses {script} {' '.join(flags)} at {n} ranks: {reason}")
+    c["call_s"], c["beta"] = call_s, beta
     return c
+
+
+def calibrate(model, iters, skip):
+    """This host's figures, measured once on programs that are none of the layouts priced:
+    alpha and beta (02's doctor, 2 ranks); the matmul rate and the fixed cost per layer and
+    micro-batch, from 01 at the model's micro-batches and at one micro-batch of the whole
+    batch, the same tokens (t = FLOPs / rate + m x L x op_s: two unknowns; each the fastest of
+    two runs, alternating)."""
+    alpha, beta = links()
+    batch = int(model[model.index("--global_batch_size") + 1])
+    m = batch // int(model[model.index("--micro_batch_size") + 1])
+    layers = int(model[model.index("--n_layer") + 1])
+    whole = [*model, "--micro_batch_size", str(batch)]  # (argparse: the last one counts)
+    t_m, t_1 = float("inf"), float("inf")
+    for _ in range(2):
+        t_m = min(t_m, measure("01_single_gpu.py", model, 1, iters, skip))
+        t_1 = min(t_1, measure("01_single_gpu.py", whole, 1, iters, skip))
+    op_s = max(0.0, (t_m - t_1) / ((m - 1) * layers)) if m > 1 else 0.0
+    free = dict(rate=1.0, op_s=0.0, alpha=alpha, beta=beta)
+    flops = priced("01_single_gpu.py", whole, 1, free)["step_time_s"]  # at 1 FLOP/s: the FLOPs as they run
+    return dict(rate=flops / (t_1 - layers * op_s), op_s=op_s, alpha=alpha, beta=beta, t_m=t_m, t_1=t_1, m=m,
+                layers=layers)
+
+
+def at_rate_of(host, one, flags):
+    """calibrate()'s figures with the rate that 01's step `one` (with `flags`), measured beside
+    a layout, says the host runs at now, its fixed cost per layer as calibrated."""
+    flops = priced("01_single_gpu.py", flags, 1, dict(host, rate=1.0, op_s=0.0))["step_time_s"]
+    return dict(host, rate=flops / max(1e-9, one - host["m"] * host["layers"] * host["op_s"]))
 
 
 MODEL_FLAGS = {"--model", "--n_layer", "--n_embd", "--block_size", "--dropout", "--global_batch_size",
@@ -106,36 +205,35 @@ def flags_of(flags):
 def missing_term(pred, meas, c):
     """What plan.py leaves out, as far as a layout's numbers tell."""
     if meas > pred:
-        if c["comm_s"] < 0.1 * c["step_time_s"]:
-            return "slower than its FLOPs: the fixed cost per micro-batch and per call (Python, kernel and gloo launches)"
-        return "slower than priced: gloo's achieved bandwidth under load below the doctor's fit"
+        if c["comm_s"] < 0.2 * c["step_time_s"]:
+            return "slower than its FLOPs, cores and calls priced: the host's load moved between the measurements beside it"
+        return "more per call than the calibration loop's all-reduces: gloo under the layout's own pattern of calls"
     if c["bubble"] > 0.05:
         return "faster than priced: ranks waiting in the bubble give their core to another rank"
-    return "faster than priced: communication overlapped with compute (priced unhidden)"
+    return "faster than priced: communication overlapped with compute (priced unhidden), or a quieter host"
 
 
 def main():
     a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     a.add_argument("--iters", type=int, default=8)
-    a.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
+    a.add_argument("--skip", type=int, default=3, help="warm-up steps left out")
     a.add_argument("--target", type=float, default=25.0, help="per cent: a larger error names its missing term")
-    a.add_argument("--smoke", action="store_true", help="2 layouts at 2 ranks, the tiny model, 3 steps")
+    a.add_argument("--smoke", action="store_true", help="2 layouts at 2 ranks, a 2-layer tiny model, 3 steps")
     a.add_argument("--only", nargs="+", default=None, help="the layouts whose label starts so (\"08\", \"04 ZeRO-1\"), "
                    "as RANKS:LABEL (\"4:03\") or LABEL at every --ranks")
     a = a.parse_args()
     model = SMOKE_MODEL if a.smoke else MODEL
+    calls, rounds = 100, 3
     if a.smoke:
-        a.ranks, a.iters, a.skip = [2], 3, 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    alpha, beta = links()
-    base = measure("01_single_gpu.py", model, 1, a.iters, a.skip)
-    flops = priced("01_single_gpu.py", model, 1, 1.0, alpha, beta, cores)["step_time_s"]  # at 1 FLOP/s
-    rate = flops / base
-    print(f"calibration: 01's step {base * 1e3:.0f} ms = {rate / 1e9:.2f} GFLOP/s (one rank); gloo alpha "
-          f"{alpha * 1e6:.0f} us, beta {beta:.2f} GB/s (02 --doctor, 2 ranks); {cores} core(s)\n")
-    print("| layout | ranks | predicted / 01 | measured / 01 | error | plan: compute + comm (bubble) | missing term |")
-    print("|---|---|---|---|---|---|---|")
+        a.ranks, a.iters, a.skip, calls, rounds = [2], 3, 1, 10, 1
+    host = calibrate(model, a.iters, a.skip)
+    print(f"calibration: 01's step {host['t_m'] * 1e3:.0f} ms in {host['m']} micro-batches, {host['t_1'] * 1e3:.0f} ms "
+          f"in one: {host['rate'] / 1e9:.2f} GFLOP/s and {host['op_s'] * 1e6:.0f} us per layer and micro-batch "
+          f"(one rank); gloo alpha {host['alpha'] * 1e6:.0f} us, beta {host['beta']:.2f} GB/s (02 --doctor, 2 ranks)\n")
+    print("| layout | ranks | predicted / 01 | measured / 01 | error | host beside it: slow, call, beta | "
+          "plan: compute + comm (bubble) | missing term |")
+    print("|---|---|---|---|---|---|---|---|")
     errors = []
     for n in a.ranks:
         for label, script, strategy, extra in layouts(n)[:2 if a.smoke else None]:
@@ -144,15 +242,21 @@ def main():
                 continue
             if a.smoke and script == "03_ddp.py":
                 script, strategy, label = "07_pipeline.py", ["--schedule", "1f1b"], "07 1F1B"
-            one = measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip)  # interleaved: 01, then the layout
+            # interleaved: 01, the host's cores and calls, then the layout
+            one = measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip)
+            now = beside(model, n, one, a.iters, a.skip, calls, rounds)
             step = measure(script, model + extra + strategy, n, a.iters, a.skip)
-            c1 = priced("01_single_gpu.py", model + extra, 1, rate, alpha, beta, cores)
-            c = priced(script, model + extra + strategy, n, rate, alpha, beta, cores)
+            again = beside(model, n, one, a.iters, a.skip, calls, rounds)  # and right after it: the quieter of the two
+            now = dict(now, slow=min(now["slow"], again["slow"]), call=tuple(map(min, now["call"], again["call"])))
+            rated = at_rate_of(host, one, model + extra)
+            c1 = priced("01_single_gpu.py", model + extra, 1, rated)
+            c = priced(script, model + extra + strategy, n, rated, now)
             pred, meas = c["step_time_s"] / c1["step_time_s"], step / one
             error = 100 * (pred / meas - 1)
             errors.append(abs(error))
             term = missing_term(pred, meas, c) if abs(error) > a.target else ""
             print(f"| {label} | {n} | {pred:.2f} | {meas:.2f} ({step * 1e3:.0f} / {one * 1e3:.0f} ms) | {error:+.0f}% | "
+                  f"{now['slow']:.2f}x, {c['call_s'] * 1e3:.2f} ms, {c['beta']:.2f} GB/s | "
                   f"{c['compute_s'] * 1e3:.0f} + {c['comm_s'] * 1e3:.0f} ms ({100 * c['bubble']:.0f}%) | {term} |",
                   flush=True)
     print(f"\nmax |error| {max(errors):.0f}% over {len(errors)} layouts")

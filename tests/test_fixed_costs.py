@@ -1,0 +1,93 @@
+"""plan.py's two fixed costs (--call_overhead_us, --op_overhead_us): 0 on every datasheet
+machine, each landing where a rank pays it (a call on each call, a batch of sends once; a
+layer's fixed cost on every micro-batch a rank runs through it, however thin TP slices it,
+and on a pipeline's F and B), and the pricing path of tests/benchmarks/plan_vs_measured.py
+(its --smoke mode's, with made-up host figures: no launch, no timing). Pure functions and
+single dry runs."""
+
+import importlib.util
+import os
+
+import pytest
+
+import plan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = ["--model", "tiny", "--n_layer", "4", "--n_embd", "64", "--block_size", "32", "--dropout", "0",
+         "--global_batch_size", "8", "--micro_batch_size", "2", "--device", "cpu", "--dtype", "float32"]
+BY_HAND = ["--gpus_per_node", "2", "--peak_tflops", "0.01", "--link_gbps", "1", "--efficiency", "1"]
+
+
+def benchmark():
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", os.path.join(HERE, "benchmarks",
+                                                                                   "plan_vs_measured.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_fixed_costs_are_zero_on_every_datasheet_machine():
+    for name in plan.MACHINES:
+        _, machine = plan.parse(["--model", "gpt2", "--gpus", "8", "--machine", name])
+        assert machine["call_s"] == machine["op_s"] == 0.0
+    _, machine = plan.parse([*MODEL, "--gpus", "2", *BY_HAND, "--call_overhead_us", "250", "--op_overhead_us", "40"])
+    assert machine["call_s"] == pytest.approx(250e-6) and machine["op_s"] == pytest.approx(40e-6)
+
+
+@pytest.mark.parametrize("flag", ["--call_overhead_us", "--op_overhead_us"])
+def test_a_negative_or_infinite_fixed_cost_is_refused_in_one_line(flag, capsys):
+    for value in ("-1", "inf"):
+        with pytest.raises(SystemExit) as e:
+            plan.parse([*MODEL, "--gpus", "2", *BY_HAND, flag, value])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: {flag} must be a number of microseconds in 0..1e9, got {float(value)}"]
+
+
+def test_each_call_pays_the_fixed_cost_and_a_batch_of_sends_pays_it_once():
+    machine = dict(intra_gbps=1.0, inter_gbps=1.0, gpus_per_node=4, alpha_intra=1e-4, alpha_inter=1e-4)
+    fixed = dict(machine, call_s=1e-3)
+    for op in ("all_reduce", "all_gather_into_tensor", "send"):
+        assert plan.comm_seconds(op, 1e6, 4, None, fixed, 10) - plan.comm_seconds(op, 1e6, 4, None, machine, 10) \
+            == pytest.approx(10e-3)
+    assert plan.comm_seconds("send", 1e6, 2, None, fixed, 10, posts=5) - \
+        plan.comm_seconds("send", 1e6, 2, None, machine, 10) == pytest.approx(5e-3)
+    assert plan.comm_seconds("all_reduce", 1e6, 1, None, fixed, 10) == 0.0  # a one-rank group posts nothing
+
+
+def test_a_layers_fixed_cost_lands_on_every_micro_batch_a_rank_runs_through_it():
+    """DDP's rank runs its share of the micro-batches through every layer; TP's rank runs every
+    micro-batch through every layer (its halves of the matrices launch as many kernels); a
+    pipeline's stage runs every micro-batch through its own layers, a third on F, two on B."""
+    op_s = 1e-3
+    for script, flags, micro_batches in (("03_ddp.py", [], 2), ("06_tensor_parallel.py", [], 4)):
+        args, config, _ = plan.dry_run(script, [*MODEL, *flags], 2, 2)
+        bare, _ = plan.compute_seconds(script, args, config, 2, 1e10)
+        fixed, _ = plan.compute_seconds(script, args, config, 2, 1e10, op_s)
+        assert fixed - bare == pytest.approx(micro_batches * config.n_layer * op_s)
+    args, config, _ = plan.dry_run("07_pipeline.py", [*MODEL, "--schedule", "gpipe"], 2, 2)
+    bare = plan.chunk_forwards("07_pipeline.py", args, config, 2, 1e10)
+    fixed = plan.chunk_forwards("07_pipeline.py", args, config, 2, 1e10, op_s)
+    assert [f[0] - b[0] for f, b in zip(fixed, bare)] == pytest.approx([2 * op_s / 3, 2 * op_s / 3])
+    _, bubble = plan.compute_seconds("07_pipeline.py", args, config, 2, 1e10, op_s)
+    assert 0 < bubble < 1
+
+
+def test_the_benchmarks_pricing_path():
+    """plan_vs_measured's pricing, as its --smoke mode runs it, from made-up host figures:
+    links_now recovers the fixed cost per call and the bandwidth that made the two timed sizes,
+    and the smoke's layouts and 01 are priced with them (the layouts slower than 01's share)."""
+    pvm = benchmark()
+    host = dict(rate=5e9, op_s=300e-6, alpha=200e-6, beta=1.0, m=4, layers=2)
+    call_s, beta, n = 400e-6, 0.5, 2
+    sizes = (16384, 16 * 16384)
+    call = tuple(2 * (n - 1) * host["alpha"] + call_s + 2 * (n - 1) / n * b / (beta * 1e9) for b in sizes)
+    now = dict(slow=1.5, bytes=sizes, call=call)
+    assert pvm.links_now(host, now, n) == pytest.approx((call_s, beta))
+    rated = pvm.at_rate_of(host, 0.05, pvm.SMOKE_MODEL)
+    one = pvm.priced("01_single_gpu.py", pvm.SMOKE_MODEL, 1, rated)
+    assert one["step_time_s"] == pytest.approx(0.05)  # the rate is the one 01's step says
+    for label, script, strategy, extra in pvm.layouts(n)[:2]:
+        c = pvm.priced(script, pvm.SMOKE_MODEL + extra + strategy, n, rated, now)
+        assert c["call_s"] == pytest.approx(call_s) and c["beta"] == pytest.approx(beta)
+        assert one["step_time_s"] / n < c["step_time_s"] < 10 * one["step_time_s"], label
