@@ -127,7 +127,7 @@ def test_offload_resumes_bit_exact(tmp_path, stage):
     assert first.losses + second.losses == whole.losses
 
 
-BF16 = BASE + NO_CLIP + ["--dtype", "bfloat16", "--max_iters", "8", "--micro_batch_size", "4"]  # 3 micro-batches
+BF16 = BASE + NO_CLIP + ["--dtype", "bfloat16", "--max_iters", "5", "--micro_batch_size", "4"]  # 3 micro-batches
 
 
 @pytest.fixture(scope="module")
