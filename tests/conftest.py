@@ -15,16 +15,17 @@ BIG = ("big: a rehearsal of a big mesh, a whole plan, or a slow repeat of a chec
 
 
 # Seconds each file takes under `-n 2 --dist loadfile` (the sum of its tests' --durations=0 on a
-# 2-core host, 2026-11-29, after this stop's changes to test_failures, test_copy and test_collectives);
+# 2-core host, 2026-11-29, after this stop's changes to test_failures, test_copy and test_collectives;
+# the files the fourth stop made cheaper scaled by their measured CPU, until a full run's refresh);
 # a file not listed counts as a few seconds. The two workers take whole files, the next file when
 # they run low: handed out heaviest first, the files left at the end are the small ones, and the
 # workers finish together instead of one waiting on a long file taken last. (pytest-xdist itself
 # orders files by their number of tests; a parametrised file of dry runs is not a long one.)
 # Refresh from a full run's `--durations=0`; the order changes only the schedule, never a result.
 FILE_SECONDS = {
-    "test_bitwise.py": 143, "test_rehearse.py": 134, "test_real_conditions.py": 126, "test_3d.py": 103,
-    "test_jobs.py": 89, "test_zero.py": 86, "test_memory.py": 85, "test_failures.py": 35, "test_muon.py": 77,
-    "test_launch.py": 75, "test_pipeline.py": 70, "test_expert_parallel.py": 62, "test_peaks.py": 59,
+    "test_bitwise.py": 93, "test_rehearse.py": 134, "test_real_conditions.py": 105, "test_3d.py": 97,
+    "test_jobs.py": 76, "test_zero.py": 82, "test_memory.py": 72, "test_failures.py": 35, "test_muon.py": 66,
+    "test_launch.py": 41, "test_pipeline.py": 64, "test_expert_parallel.py": 59, "test_peaks.py": 59,
     "test_grad_oracle.py": 59, "test_bug_zoo.py": 57, "test_doc_numbers.py": 56, "test_plan.py": 52,
     "test_hostile.py": 48, "test_reliability.py": 46, "test_context_parallel.py": 40, "test_tensor_parallel.py": 34,
     "test_vschedules.py": 33, "test_hostile_iv.py": 30, "test_fsdp.py": 29, "test_copy.py": 48,

@@ -206,11 +206,11 @@ def test_context_parallel_dry_run_and_same_layout_resume(tmp_path):
 def test_resume_and_export(reference, tmp_path):
     # pp 2 x tp 2 with ZeRO-1's flat buffer (over dp 1): both dropout streams, the shared and
     # the rank's own, must come back for every TP rank of every stage
-    flags = BASE + ["--tp", "2", "--pp", "2", "--micro_batch_size", "6", "--zero1", "--max_iters", "6",
-                    "--lr_decay_iters", "6", "--dropout", "0.1", "--eval_interval", "6"]
+    flags = BASE + ["--tp", "2", "--pp", "2", "--micro_batch_size", "6", "--zero1", "--max_iters", "4",
+                    "--lr_decay_iters", "4", "--dropout", "0.1", "--eval_interval", "4"]
     whole = launch("08_3d.py", flags + ["--out_dir", tmp_path / "w", "--export", tmp_path / "full.pt",
-                                        "--ckpt_interval", "6"], nprocs=4, timeout=400).ok()
-    first = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "3", "--ckpt_interval", "3"],
+                                        "--ckpt_interval", "4"], nprocs=4, timeout=400).ok()
+    first = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2", "--ckpt_interval", "2"],
                    nprocs=4, timeout=400).ok()
     second = launch("08_3d.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=4, timeout=400).ok()
     assert first.losses + second.losses == whole.losses  # bit for bit, dropout streams included

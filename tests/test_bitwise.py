@@ -12,9 +12,10 @@ from harness import TINY, launch
 
 from infra.checkpoint_format import Checkpoint, latest_checkpoint
 
-STEPS = 4
-# 8 micro-batches of 2 per step: a power of two on every rank at 1, 2, 4 and 8 data-parallel ranks
-BASE = TINY + ["--global_batch_size", "16", "--micro_batch_size", "2", "--max_iters", str(STEPS),
+STEPS = 2  # the second step's gradients come from parameters the first step updated: two steps show it all
+# 8 micro-batches of 1 per step: a power of two on every rank at 1, 2, 4 and 8 data-parallel ranks (the
+# trees over micro-batches and ranks are what --bitwise fixes; one sequence each keeps them cheap)
+BASE = TINY + ["--global_batch_size", "8", "--micro_batch_size", "1", "--max_iters", str(STEPS),
                "--grad_clip", "0.05", "--bitwise", "--ckpt_interval", str(STEPS)]
 DTYPES = ("float32", "bfloat16")
 
@@ -109,14 +110,14 @@ def test_bitwise_with_muon(tmp_path):
 
 
 def test_bitwise_resumed_from_another_script(reference, tmp_path):
-    """03 writes step 2's checkpoint, 07 resumes it for steps 3-4: the losses and the end state
+    """03 writes step 1's checkpoint, 07 resumes it for step 2: the losses and the end state
     equal 01 --bitwise's uninterrupted run (fp32)."""
     first = BASE + ["--lr_decay_iters", str(STEPS), "--out_dir", tmp_path]
-    launch("03_ddp.py", first + ["--max_iters", "2", "--ckpt_interval", "2"], nprocs=2).ok()
+    launch("03_ddp.py", first + ["--max_iters", "1", "--ckpt_interval", "1"], nprocs=2).ok()
     run = launch("07_pipeline.py", first + ["--resume"], nprocs=2).ok()
     losses, tensors = reference["float32"]
-    assert run.steps[0]["step"] == 2, run.steps[0]
-    assert_bitwise((losses[2:], tensors), run, tmp_path, "03 -> 07 resumed")
+    assert run.steps[0]["step"] == 1, run.steps[0]
+    assert_bitwise((losses[1:], tensors), run, tmp_path, "03 -> 07 resumed")
 
 
 @pytest.mark.parametrize("script, ranks, flags, message", [

@@ -74,10 +74,10 @@ def test_checkpoints_move_between_01_and_10_at_another_ep(reference, tmp_path):
 
 
 def test_resume_is_bit_exact(tmp_path):
-    flags = BASE + ["--ep", "2", "--max_iters", "6", "--lr_decay_iters", "6", "--dropout", "0.1"]
+    flags = BASE + ["--ep", "2", "--max_iters", "4", "--lr_decay_iters", "4", "--dropout", "0.1"]
     whole = launch("10_expert_parallel.py", flags + ["--out_dir", tmp_path / "whole"], nprocs=2).ok()
-    first = launch("10_expert_parallel.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "3",
-                                                     "--ckpt_interval", "3"], nprocs=2).ok()
+    first = launch("10_expert_parallel.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2",
+                                                     "--ckpt_interval", "2"], nprocs=2).ok()
     second = launch("10_expert_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses
 

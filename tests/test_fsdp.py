@@ -59,10 +59,10 @@ def test_mixed_precision_reduces_in_the_chosen_dtype():
 
 
 def test_resume_is_bit_exact_and_export_loads_in_01(tmp_path):
-    flags = BASE + ["--max_iters", "8", "--lr_decay_iters", "8", "--dropout", "0.1", "--eval_interval", "8"]
+    flags = BASE + ["--max_iters", "4", "--lr_decay_iters", "4", "--dropout", "0.1", "--eval_interval", "4"]
     whole = launch("05_fsdp.py", flags + ["--out_dir", tmp_path / "w", "--export", tmp_path / "full.pt",
-                                          "--ckpt_interval", "8"], nprocs=2).ok()
-    first = launch("05_fsdp.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4", "--ckpt_interval", "4"],
+                                          "--ckpt_interval", "4"], nprocs=2).ok()
+    first = launch("05_fsdp.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2", "--ckpt_interval", "2"],
                    nprocs=2).ok()
     second = launch("05_fsdp.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses

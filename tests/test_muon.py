@@ -103,8 +103,8 @@ def test_sharded_muon_moves_whole_matrices_as_its_formula_says(script, extra, dt
     """At 3 ranks (06: c_attn's Q, K and V blocks each split in three; 04: matrices that
     straddle flat shard boundaries): one all-to-all of every rank's update pieces to the
     matrices' owners and one back, in the Newton-Schulz dtype, as costs() says on every rank
-    (a mismatch on any rank fails the run's ledger line)."""
-    flags = BASE + ["--dtype", dtype, "--n_head", "6", "--n_embd", "96", "--global_batch_size", "12"]
+    (a mismatch on any rank fails the run's ledger line). Two steps: the second is a steady one."""
+    flags = BASE + ["--dtype", dtype, "--n_head", "6", "--n_embd", "96", "--global_batch_size", "12", "--max_iters", "2"]
     run = launch(script, flags + extra, nprocs=3).ok()
     row = run.steps[-1]
     assert row["comm_bytes"]["all_to_all_single"] == row["comm_bytes_theory"]["all_to_all_single"] > 0

@@ -138,11 +138,11 @@ def test_losses_and_ledger(reference, ranks, kind, v, micro, model):
 
 
 def test_resume_is_bit_exact(tmp_path):
-    flags = BASE + ["--schedule", "1f1b", "--micro_batch_size", "6", "--max_iters", "8", "--lr_decay_iters", "8",
+    flags = BASE + ["--schedule", "1f1b", "--micro_batch_size", "6", "--max_iters", "4", "--lr_decay_iters", "4",
                     "--dropout", "0.1", "--eval_interval", "0"]
     whole = launch("07_pipeline.py", flags + ["--out_dir", tmp_path / "w"], nprocs=2).ok()
-    first = launch("07_pipeline.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4",
-                                              "--ckpt_interval", "4"], nprocs=2).ok()
+    first = launch("07_pipeline.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2",
+                                              "--ckpt_interval", "2"], nprocs=2).ok()
     second = launch("07_pipeline.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses
 

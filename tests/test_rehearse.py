@@ -74,7 +74,7 @@ def test_a_rehearsed_rank_holds_and_sends_what_a_real_run_measures(tmp_path, scr
 # the shared flags of test_real_conditions.py (BABY) and test_memory.py (SHORT)
 BABY = ["--model", "baby", "--n_layer", "5", "--n_embd", "48", "--block_size", "32", "--dropout", "0",
         "--global_batch_size", "12", "--grad_clip", "0.05"]
-SHORT = ["--max_iters", "3"]
+SHORT = ["--max_iters", "2"]
 REAL_LEDGER = "test_real_conditions.py::test_default_shape_matches_01_and_the_ledger_is_exact"
 RECOMPUTE = "test_memory.py::test_recompute_matches_01_and_activations_exact"
 LAYOUTS = [  # (script, world size, flags, the real run at this layout whose ledger equals costs())

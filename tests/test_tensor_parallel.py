@@ -86,10 +86,10 @@ def test_losses_and_ledger(reference, ranks, model, sp, micro):
 
 
 def test_resume_is_bit_exact(tmp_path):
-    flags = BASE + ["--max_iters", "8", "--lr_decay_iters", "8", "--dropout", "0.1", "--sequence_parallel"]
+    flags = BASE + ["--max_iters", "4", "--lr_decay_iters", "4", "--dropout", "0.1", "--sequence_parallel"]
     whole = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "w"], nprocs=2).ok()
-    first = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4",
-                                                     "--ckpt_interval", "4"], nprocs=2).ok()
+    first = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2",
+                                                     "--ckpt_interval", "2"], nprocs=2).ok()
     second = launch("06_tensor_parallel.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses  # both dropout streams resume too
     # (resuming at another layout, resharded, with the losses checked: test_checkpoints.py)

@@ -95,16 +95,16 @@ def test_stage_3_starts_and_trains_where_the_whole_model_does_not_fit(reference,
 
 @pytest.mark.parametrize("stage", [2])  # stages 3 and 1 resume in tests/test_checkpoints.py (chain B)
 def test_resume_is_bit_exact_and_export_loads_in_01(tmp_path, stage):
-    flags = BASE + CLIP + ["--stage", stage, "--max_iters", "8", "--lr_decay_iters", "8", "--dropout", "0.1",
-                           "--eval_interval", "8", "--eval_iters", "2"]
+    flags = BASE + CLIP + ["--stage", stage, "--max_iters", "4", "--lr_decay_iters", "4", "--dropout", "0.1",
+                           "--eval_interval", "4", "--eval_iters", "2"]
     whole = launch("04_zero.py", flags + ["--out_dir", tmp_path / "w", "--export", tmp_path / "full.pt",
-                                          "--ckpt_interval", "8"], nprocs=2).ok()
-    first = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "4", "--ckpt_interval", "2"],
+                                          "--ckpt_interval", "4"], nprocs=2).ok()
+    first = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--max_iters", "2", "--ckpt_interval", "1"],
                    nprocs=2).ok()
     second = launch("04_zero.py", flags + ["--out_dir", tmp_path / "a", "--resume"], nprocs=2).ok()
     assert first.losses + second.losses == whole.losses  # bit for bit, dropout included
-    assert os.listdir(tmp_path / "a" / "ckpt") == ["step_4"]  # step 2's set removed once step 4's was committed
-    assert sorted(os.listdir(tmp_path / "a" / "ckpt" / "step_4")) == ["metadata.json"] + [f"rank{r}.pt" for r in range(2)]
+    assert os.listdir(tmp_path / "a" / "ckpt") == ["step_2"]  # step 1's set removed once step 2's was committed
+    assert sorted(os.listdir(tmp_path / "a" / "ckpt" / "step_2")) == ["metadata.json"] + [f"rank{r}.pt" for r in range(2)]
     # the consolidated export evaluates in 01 exactly as in the run that wrote it
     ev = launch("01_single_gpu.py", TINY + ["--global_batch_size", "24", "--eval_only", "--eval_iters", "2",
                                             "--eval_interval", "8", "--sample_tokens", "0",
@@ -127,7 +127,7 @@ def test_offload_resumes_bit_exact(tmp_path, stage):
     assert first.losses + second.losses == whole.losses
 
 
-BF16 = BASE + NO_CLIP + ["--dtype", "bfloat16", "--max_iters", "8", "--micro_batch_size", "4"]  # 3 micro-batches
+BF16 = BASE + NO_CLIP + ["--dtype", "bfloat16", "--max_iters", "5", "--micro_batch_size", "4"]  # 3 micro-batches
 
 
 @pytest.fixture(scope="module")
