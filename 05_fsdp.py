@@ -757,21 +757,24 @@ def costs(args, config, world_size, dtype, rank=0):
 
 
 def bitwise_peaks(args, f, layer, R, m):
-    """--bitwise's tensors in costs()'s peak, ({tree}, unit), or None without it (or one micro-batch):
-    through the forwards and backwards BitwiseTrees' partial sums of every unit's packed gradient
-    (common.TreeSum over this rank's m micro-batches), one copy of 4Ψ per 1-bit of the micro-batches
-    taken so far, floor(log2 m) at most (as 01's), less the gradient shards (4Ψ/S), which are made only
-    when the last micro-batch's reductions land. Once a unit's last backward is over (its saved
-    tensors gone) it holds, instead of the plain path's packed copy, that copy and the reduction's:
-    the all_to_all's pieces (4·block), the whole mean gradient gathered for the norms (4·block), the
-    shard added in (4·block/S); with replicas the pieces are freed once their shard, padded to R
-    (4·block/S), is all-reduced over them."""
+    """--bitwise's tensors in costs()'s peak, ({tree}, unit), or None without it (or one micro-batch).
+    Through the forwards and backwards, BitwiseTrees' partial sums of every unit's packed gradient
+    (common.TreeSum over this rank's m micro-batches): one copy of 4Ψ per 1-bit of the micro-batches
+    taken so far, k = floor(log2 m) at most (as 01's), less the gradient shards (4Ψ/S), made only when
+    the last micro-batch's reductions land. That last backward holds P = popcount(m - 1) copies, and
+    once its first unit (a block) is over, its saved tensors gone, that unit's P copies are one sum
+    beside the new packed gradient (2 - P more), and the reduction's buffers: the all_to_all's pieces
+    (4·block), the whole mean gradient gathered for the norms (4·block), the shard added in
+    (4·block/S); with replicas the pieces are freed once their shard, padded to R (4·block/S), is
+    all-reduced over them. The plain path's packed copy is the unit term this replaces."""
     from infra.formulas import formula
     if not args.bitwise or m < 2:
         return None
-    tree = {"tree": formula("k*4*Ψ - 4*Ψ/S", show="k", k=m.bit_length() - 1, Ψ=f("Ψ"), S=f("S"))}
-    copies = "2*4*block + 2*4*block/S" if R > 1 else "3*4*block + 4*block/S"
-    return tree, formula(f"max(0, {copies} - layer)", block=f("block"), S=f("S"), layer=layer)
+    k, P = m.bit_length() - 1, bin(m - 1).count("1")
+    tree = {"tree": formula("k*4*Ψ - 4*Ψ/S", show="k", k=k, Ψ=f("Ψ"), S=f("S"))}
+    reduction = "4*block + 2*4*block/S" if R > 1 else "2*4*block + 4*block/S"
+    return tree, formula(f"max(0, (P - k)*4*Ψ + (2 - P)*4*block + {reduction} - layer)", show="k P", k=k, P=P,
+                         Ψ=f("Ψ"), block=f("block"), S=f("S"), layer=layer)
 
 
 def log_gathered(run, fsdp):
