@@ -797,11 +797,13 @@ def costs(args, config, world_size, dtype, rank=0):
     # first); AdamW works on the shards' pieces, one per parameter (at most ⌈unit/N⌉ elements)
     t = transient_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
                         args.optimizer, update=min(max(map(math.prod, param_shapes(config).values())), max(shards)),
-                        casts=0)  # the working parameters are stored in the compute dtype: nothing to cast
+                        casts=None if args.bitwise else 0)  # stored in the compute dtype: nothing to cast
+    # (--bitwise stores them in fp32, so autocast casts them as 01's weights)
     # (a unit's buffers come when its block's backward is over and its saved tensors are gone)
     unit = formula("max(0, (e + 4)*max(root, block) - layer)", show="e", e=e, root=root, layer=terms["layer"],
                    block=max(shards[1:], default=0) * n) if stage > 1 else None
-    cost["peak"] = phase_peaks(cost, t, backward={"unit": unit})
+    tree = bitwise_peaks(args, psi, m)
+    cost["peak"] = phase_peaks(cost, t, forward=tree, backward={"unit": unit, **tree})
     # start-up builds only what this rank keeps, unit by unit: its shards (the fp32 master,
     # a buffer of its own unless it is the fp32 working copy), the gradients' buffers, and
     # stage 1-2's working copy; stage 3 binds the parameters' views over one whole unit's
@@ -811,6 +813,17 @@ def costs(args, config, world_size, dtype, rank=0):
                               show="init e", params=held["params"], grads=held["grads"], master=master,
                               init=t["init"], e=e, unit=max(root, max(shards[1:], default=0) * n))
     return cost
+
+
+def bitwise_peaks(args, psi, m):
+    """--bitwise's tensors in costs()'s peak: through the forwards and backwards, BitwiseTrees' partial
+    sums of every unit's flat gradient (common.TreeSum over this rank's m micro-batches), one copy of
+    4Ψ per 1-bit of the micro-batches taken so far, floor(log2 m) at most (as 01's); the reduced
+    gradient goes into the shard ZeRO keeps anyway, so the optimizer's phase holds nothing more."""
+    from infra.formulas import formula
+    if not args.bitwise or m < 2:
+        return {}
+    return {"tree": formula("k*4*Ψ", show="k", k=m.bit_length() - 1, Ψ=psi)}
 
 
 def describe(zero, args, accum_steps):

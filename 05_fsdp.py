@@ -479,7 +479,7 @@ class OffloadedFSDP(FSDP):
         self.landing.append((unit, self.copies.down(out, unit.shards[0])))
 
     def after_backward(self):
-        self.finish_reductions()
+        super().after_backward()  # the last reduce-scatter in (--bitwise: the next micro-batch's leaf)
         if self.landing:
             self.copies.wait()
             for unit, out in self.landing:
@@ -743,15 +743,38 @@ def costs(args, config, world_size, dtype, rank=0):
     # what backward holds (its gradients replace saved tensors backward has freed; when gloo
     # completes the reduce-scatter moves the peak by up to 4%). AdamW: each parameter's shard
     t = transient_terms(config, args.micro_batch_size, config.block_size, dtype, activation_device_type(args),
-                        args.optimizer, update=max(padded.values()) // S, casts=0)  # gathered in the compute dtype
-    forward = {"gathered": f("e*(root + block)")} if reshard else None
+                        args.optimizer, update=max(padded.values()) // S,  # gathered in the compute dtype:
+                        casts=None if args.bitwise else 0)  # nothing to cast (--bitwise: fp32, cast as 01's)
+    forward = {"gathered": f("e*(root + block)")} if reshard else {}
     unit = formula("rb*block", show="rb", rb=rb, block=max(per_block))
-    cost["peak"] = phase_peaks(cost, t, forward=forward, backward={"unit": unit})
+    tree, unit = bitwise_peaks(args, f, terms["layer"], R, m) or ({}, unit)
+    cost["peak"] = phase_peaks(cost, t, forward={**forward, **tree}, backward={"unit": unit, **tree})
     # start-up: the shards alone (the model is built on the meta device), each parameter drawn
     # whole by param_init before its rows are kept; Muon's momentum is made with it
     cost["startup"] = formula("params + init" + " + 4*Ψ_m/S" * bool(matrices), show="init", params=plus(
         *(v for k, v in held.items() if k.startswith("params"))), init=t["init"], Ψ_m=f("Ψ_m")[1], S=S)
     return cost
+
+
+def bitwise_peaks(args, f, layer, R, m):
+    """--bitwise's tensors in costs()'s peak, ({tree}, unit), or None without it (or one micro-batch).
+    Through the forwards and backwards, BitwiseTrees' partial sums of every unit's packed gradient
+    (common.TreeSum over this rank's m micro-batches): one copy of 4Ψ per 1-bit of the micro-batches
+    taken so far, k = floor(log2 m) at most (as 01's), less the gradient shards (4Ψ/S), made only when
+    the last micro-batch's reductions land. That last backward holds P = popcount(m - 1) copies, and
+    once its first unit (a block) is over, its saved tensors gone, that unit's P copies are one sum
+    beside the new packed gradient (2 - P more), and the reduction's buffers: the all_to_all's pieces
+    (4·block), the whole mean gradient gathered for the norms (4·block), the shard added in
+    (4·block/S); with replicas the pieces are freed once their shard, padded to R (4·block/S), is
+    all-reduced over them. The plain path's packed copy is the unit term this replaces."""
+    from infra.formulas import formula
+    if not args.bitwise or m < 2:
+        return None
+    k, P = m.bit_length() - 1, bin(m - 1).count("1")
+    tree = {"tree": formula("k*4*Ψ - 4*Ψ/S", show="k", k=k, Ψ=f("Ψ"), S=f("S"))}
+    reduction = "4*block + 2*4*block/S" if R > 1 else "2*4*block + 4*block/S"
+    return tree, formula(f"max(0, (P - k)*4*Ψ + (2 - P)*4*block + {reduction} - layer)", show="k P", k=k, P=P,
+                         Ψ=f("Ψ"), block=f("block"), S=f("S"), layer=layer)
 
 
 def log_gathered(run, fsdp):

@@ -1265,7 +1265,10 @@ def costs(args, config, world_size, dtype, rank=0):
     forward, backward = boundary_terms(b, s, h, sends=p > 1 and any(not chunk.is_last for chunk in chunks))
     casts = {"casts": casts_peak(units, dtype, {chunk_stage(p, rank, c, vee): chunk_casts(chunk, split)
                                                 for c, chunk in enumerate(chunks)}, p, rank, vee)}
-    cost["peak"] = phase_peaks(cost, t, forward={**casts, **(forward or {})}, backward={**casts, **(backward or {})})
+    tree = bitwise_peaks(args, config, dtype, units, p, v, rank, vee, split, chunks, m,  # --bitwise: StageTree's
+                         held=formula("params + optim", params=held["params"], optim=held["optim"]))
+    cost["peak"] = phase_peaks(cost, t, forward={**casts, **(forward or {}), **tree[0]},
+                               backward={**casts, **(backward or {}), **tree[1]})
     cost["startup"] = formula("params + init" + " + 4*Ψ_m" * (args.optimizer == "muon"), show="init",
                               params=held["params"], init=t["init"], Ψ_m=psi_m)
     return cost
@@ -1376,7 +1379,18 @@ def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=Fal
     and dy of its Linears (zero_bubble_phases). The formula is the sum at the peak: m
     chunks in flight for GPipe, p - rank for 1F1B, the interleaved warm-up's count. `order`:
     unit_actions(), a split schedule's whole backward as its I and W."""
-    from infra.formulas import activation_device_type, activation_phases, activation_terms, formula
+    from infra.formulas import formula
+    peak, values = {}, {}
+    for _, held, values in activation_walk(args, config, dtype, order, p, v, rank, vee, split):
+        if sum(n * values[k] for k, n in held.items()) > sum(n * values[k] for k, n in peak.items()):
+            peak = {k: n for k, n in held.items() if n and values[k]}
+    return formula(" + ".join(f"{n}*{k}" if n > 1 else k for k, n in sorted(peak.items())) or "0", **values)
+
+
+def activation_walk(args, config, dtype, order, p, v, rank, vee=False, split=False):
+    """activation_peak's walk: for each action of `order`, (action, what is held then {term: count},
+    {term: bytes}), F's after it, B's (I's) while it runs, W's after it."""
+    from infra.formulas import activation_device_type, activation_phases, activation_terms
     b = args.micro_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))
     e = torch.tensor([], dtype=dtype).element_size()
@@ -1385,7 +1399,7 @@ def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=Fal
     # bool on GPUs, the compute dtype on CPU, as common's activation_terms counts it
     gpu = activation_device_type(args) in ("cuda", "xpu")
     mask = (e_bsh // e if gpu else e_bsh) if config.dropout > 0 else 0
-    layout, now, peak, values = chunk_layers(config.n_layer, p * v), {}, {}, {}
+    layout, now, values = chunk_layers(config.n_layer, p * v), {}, {}
     for kind, i, c in order:
         g = chunk_stage(p, rank, c, vee)
         chunk = (terms, layout[g][1], args.recompute, g == 0, g == p * v - 1)
@@ -1395,12 +1409,61 @@ def activation_peak(args, config, dtype, order, p, v, rank, vee=False, split=Fal
             (values[f"kept_{g}"], values[f"during_{g}"]), values[f"W_{g}"] = activation_phases(*chunk), 0
         held = f"{'W' if kind == 'W' else 'kept'}_{g}"  # F keeps the chunk's tensors, B (I) and W free them
         now[held] = now.get(held, 0) + (1 if kind == "F" else -1)
-        held = {**now, f"during_{g}": 1} if kind in "BI" else now
-        if sum(n * values[k] for k, n in held.items()) > sum(n * values[k] for k, n in peak.items()):
-            peak = {k: n for k, n in held.items() if n and values[k]}
+        yield (kind, i, c), ({**now, f"during_{g}": 1} if kind in "BI" else dict(now)), values
         if kind in "BI":  # until its W, the chunk keeps what W needs
             now[f"W_{g}"] = now.get(f"W_{g}", 0) + 1
-    return formula(" + ".join(f"{n}*{k}" if n > 1 else k for k, n in sorted(peak.items())) or "0", **values)
+
+
+def bitwise_peaks(args, config, dtype, order, p, v, rank, vee, split, chunks, m, held):
+    """--bitwise's forward and backward terms for phase_peaks, from one walk of the stage's actions
+    (activation_walk's, with StageTree's state beside it); {} without --bitwise. A backward's
+    gradients are moved out of .grad into its micro-batch's leaf (4Ψ_stage, the tied embedding apart),
+    so `held` is the parameters and optimizer state alone; a leaf whose every chunk and part (I and
+    W) is in joins the tree, which holds one copy per maximal finished subtree (common.TreeSum: c
+    copies, popcount of the leaves in, in order); a leaf still missing a part holds the parts taken
+    (Ψ_pend elements); the ends of a split tied embedding keep each micro-batch's gradient (j·4Vh)
+    to the step's end. Each phase's peak is the action where activations and these together are the
+    most, not the activations' own peak: on a first stage the most copies come late, with fewer
+    micro-batches in flight. A B (I) runs while the state is as before its gradients are taken."""
+    from infra.formulas import formula
+    if not getattr(args, "bitwise", False):
+        return {}, {}
+    first, last = chunks[0].is_first, chunks[-1].is_last
+    tied = (chunks[0].wte.weight if first else chunks[-1].lm_head.weight) if first != last else None
+    linears = {id(t) for chunk in chunks for block in chunk.h for module in block.modules()
+               if type(module) is nn.Linear for t in module.parameters()}  # split_backward's W part
+    part = [{"B": sum(t.numel() for t in chunk.parameters() if t is not tied),
+             "I": sum(t.numel() for t in chunk.parameters() if t is not tied and id(t) not in linears),
+             "W": sum(t.numel() for t in chunk.parameters() if id(t) in linears)} for chunk in chunks]
+    holds_tied = [tied is not None and any(t is tied for t in chunk.parameters()) for chunk in chunks]
+    leaf, parts = sum(q["B"] for q in part), len(chunks) * (2 if split else 1)
+    pending, tree, tied_n, peaks = {}, TreeSum(m), 0, {}
+
+    def state():  # (the tree's copies, the parts' elements pending, the tied embedding's leaves)
+        return len(tree.nodes) + (tree.total is not None), sum(n for n, _ in pending.values()), tied_n
+    for (kind, i, c), now, values in activation_walk(args, config, dtype, order, p, v, rank, vee, split):
+        if kind in "BIW":  # this part's gradients, taken (B, I: the state while it runs is the one before)
+            before = state()
+            pending[i] = (pending.get(i, (0, 0))[0] + part[c][kind], pending.get(i, (0, 0))[1] + 1)
+            tied_n += kind != "W" and holds_tied[c]
+            if pending[i][1] == parts:
+                del pending[i]
+                tree.add(i, [torch.zeros(())])  # common.TreeSum's own bookkeeping: which nodes it holds
+        now_state = before if kind in "BI" else state()
+        n_copies, pend, j = now_state
+        bytes_now = sum(n * values[k] for k, n in now.items()) + \
+            4 * (n_copies * (leaf + last) + pend + j * config.vocab_size * config.n_embd)
+        phase = "forward" if kind == "F" else "backward"
+        if bytes_now > peaks.get(phase, (-1,))[0]:
+            peaks[phase] = (bytes_now, {k: n for k, n in now.items() if n and values[k]}, dict(values), now_state)
+    terms = {}
+    for phase, (_, now, values, (n_copies, pend, j)) in peaks.items():
+        activations = formula(" + ".join(f"{n}*{k}" if n > 1 else k for k, n in sorted(now.items())) or "0", **values)
+        kept = ["c*4*Ψ_leaf"] * bool(n_copies) + ["4*Ψ_pend"] * bool(pend) + ["j*4*V*h"] * bool(j)  # (those held)
+        tree = formula(" + ".join(kept) or "0", show="c j", c=n_copies, j=j, Ψ_leaf=leaf + last, Ψ_pend=pend,
+                       V=config.vocab_size, h=config.n_embd)
+        terms[phase] = {"held": held, "activations": activations, "tree": tree}
+    return terms.get("forward", {}), terms.get("backward", {})
 
 
 def zero_bubble_phases(terms, n_layers, recompute, first, last, e_bsh, mask):

@@ -24,7 +24,11 @@ Accumulation (m >= 2 micro-batches) in every case: the forward of a step's later
 holds the gradients the earlier ones made, which is the peak costs() states (a step of one
 micro-batch runs its forward with no gradients: less than stated; so does a pipeline stage
 whose forwards all come before its first backward, m <= p - r under 1F1B, hence m > p in
-07's and 08's cases)."""
+07's and 08's cases).
+
+--bitwise (docs/numerics.md): the fp32 cases of 01, 03, 04, 05 and 07 run it, so that its own terms
+are measured beside the plain path's (each script's bitwise_peaks: the tree's partial sums; 05's last
+unit's reduction; 07's StageTree walked along the stage's schedule, zero bubble's W apart)."""
 
 import pytest
 
@@ -41,13 +45,13 @@ CASES = [  # (script, ranks, flags, dtype): two layouts of each script, one fp32
     ("01_single_gpu.py", 1, ["--sample_tokens", "0", "--micro_batch_size", "4"], "bfloat16"),
     ("03_ddp.py", 2, ["--bitwise"], "float32"),  # the tree's partial sums and bitwise_reduce's copies
     ("03_ddp.py", 4, ["--micro_batch_size", "1"], "bfloat16"),
-    ("04_zero.py", 2, ["--stage", "2"], "float32"),
+    ("04_zero.py", 2, ["--stage", "2", "--bitwise", "--micro_batch_size", "1"], "float32"),  # 2 of 4Ψ: m = 4
     ("04_zero.py", 2, ["--stage", "3"], "bfloat16"),
-    ("05_fsdp.py", 2, [], "float32"),
+    ("05_fsdp.py", 2, ["--bitwise", "--micro_batch_size", "1"], "float32"),  # the tree, the last unit's copies
     ("05_fsdp.py", 4, ["--replicate", "2", "--micro_batch_size", "1"], "bfloat16"),
     ("06_tensor_parallel.py", 2, [], "float32"),
     ("06_tensor_parallel.py", 2, ["--sequence_parallel"], "bfloat16"),
-    ("07_pipeline.py", 2, [], "float32"),  # stages 0 and 1
+    ("07_pipeline.py", 2, ["--bitwise", "--schedule", "zb"], "float32"),  # stages 0 and 1: StageTree's walk
     ("07_pipeline.py", 3, ["--n_layer", "3"], "bfloat16"),  # first, middle, last; m = 4 > p
     ("08_3d.py", 4, ["--tp", "2", "--pp", "2"], "float32"),  # two stages of two TP ranks
     ("08_3d.py", 4, ["--cp", "2", "--tp", "2"], "bfloat16"),
