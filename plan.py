@@ -78,7 +78,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  DDP; otherwise sharded data parallelism (ZeRO / FSDP, HSDP across nodes) or,
                  when layers are too big or there are many GPUs, 3D: TP inside a node (fast
                  links), PP across nodes, DP outermost, + ZeRO-1; between the two, the faster
-                 estimate. The fastest candidate overall is shown too.
+                 estimate. A mixture of experts: expert parallelism (10: E/ep experts a rank,
+                 the dense layers replicated) or 3D with EP (08 --ep), the faster estimate.
+                 The fastest candidate overall is shown too.
 
 Run:
 
@@ -794,6 +796,10 @@ def recommend(scored, n):
     if sharded and (not three_d or fastest(sharded)["step_time_s"] <= fastest(three_d)["step_time_s"]):
         return fastest(sharded), ("a replica does not fit, sharded data parallelism does: ZeRO/FSDP "
                                   "(HSDP keeps the parameter gathers inside a node)")
+    experts = [c for c in fits if c["script"] == "10_expert_parallel.py"]  # (a mixture of experts: 10 or 08 --ep)
+    if experts and (not three_d or fastest(experts)["step_time_s"] <= fastest(three_d)["step_time_s"]):
+        return fastest(experts), ("a mixture of experts: expert parallelism, each rank holding its share of every "
+                                  "layer's experts and the dense layers replicated, faster than 3D with EP")
     if three_d:
         best = fastest(three_d)
         tp = best["flags"][best["flags"].index("--tp") + 1] if "--tp" in best["flags"] else "1"
