@@ -507,11 +507,22 @@ def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transf
         return f if kind == "F" else b if kind == "B" else b / 2
     transfer = (lambda g, to: transfers[min(g, to)]) if transfers else None  # noqa: E731
     if 3 * m * v <= SIMULATED_OPS or m <= 5 * p:  # (two runs of 2p and 3p micro-batches cost as much)
-        return tuple(pipeline.rank_finishes(run, p, m, cost, transfer))
+        return tuple(pipeline.rank_finishes(run, p, m, cost, transfer, pipeline_events(schedule, virtual_stages, p, m)))
     m1 = p * max(2, SIMULATED_OPS // (3 * v * p * p))  # the steady state from the second p micro-batches on
     m1 += (m - m1) % p  # m1 and m2 as m modulo p (interleaved runs in rounds of p micro-batches)
-    first, second = (pipeline.rank_finishes(run, p, k, cost, transfer) for k in (m1, m1 + p))
+    first, second = (pipeline.rank_finishes(run, p, k, cost, transfer, pipeline_events(schedule, virtual_stages, p, k))
+                     for k in (m1, m1 + p))
     return tuple(b + (m - m1 - p) / p * (b - a) for a, b in zip(first, second))
+
+
+@functools.lru_cache(maxsize=8)
+def pipeline_events(schedule, virtual_stages, p, m):
+    """07's rank_events of `schedule` on p stages and m micro-batches: which operation waits
+    for which, the same at every cost, so a layout's step with free communication and with its
+    messages, and its neighbours' (--zero1, SP, the other micro-batch), replay it once. The
+    last few shapes only: a long pipeline's events take tens of MB."""
+    run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=virtual_stages)
+    return script("07_pipeline.py").rank_events(run, p, m)
 
 
 def pipeline_length(schedule, virtual_stages, p, m, forward, recompute, transfers=None):
