@@ -1473,13 +1473,14 @@ def overlaps(rounds_by_rank, vee):
 def replay(orders, p, v, vee=False, overlap=None):
     """The executed orders as the pipeline's dependencies let them run: every rank's groups of
     operations (one op, or a forward and the backward it overlaps: overlaps()), each after the
-    ops it needs, as events (rank, group, the keys of what it computes, what it waits for:
-    [(key, the chunk it feeds, whether it comes from another rank)], what it sends on to other
-    ranks: [(chunk, to)]). Which op waits for which is the schedule's alone, not its costs':
-    simulate() times the events, and plan.py times one schedule at many costs."""
+    ops it needs, as events (rank, the group's forwards, its backwards (B, I, W), what it waits
+    for: [(the event that made it, that event's chunk, the chunk it feeds, whether it comes from
+    another rank)], whether it waits for the rank's sends (all but a lone W), what it sends on
+    to other ranks: [(chunk, to)]). Which op waits for which is the schedule's alone, not its
+    costs': simulate() times the events, and plan.py times one schedule at many costs."""
     last_chunk = p * v - 1
     overlap = overlap or [{}] * p
-    done, position, events = set(), [0] * p, []
+    made, position, events = {}, [0] * p, []  # made: {an op's key: the event that ran it}
     ready, waiting = list(range(p)), {}  # the ranks that may go on; {an op not yet done: the ranks stopped for it}
 
     def needs(r, kind, i, c):
@@ -1496,20 +1497,22 @@ def replay(orders, p, v, vee=False, overlap=None):
         while position[r] < len(orders[r]):
             op = orders[r][position[r]]
             group = [op, *overlap[r].get(op, ())]  # one op, or a forward and the backward it overlaps
-            assert orders[r][position[r]:position[r] + len(group)] == group, "an overlapped pair out of order"
+            assert len(group) == 1 or orders[r][position[r]:position[r] + len(group)] == group, \
+                "an overlapped pair out of order"
             keys = [("B" if kind == "I" else kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
             wanted = [(n, chunk_stage(p, r, member[2], vee)) for member in group for n in needs(r, *member)
                       if n not in keys]
-            missing = next((n for n, _ in wanted if n not in done), None)
+            missing = next((n for n, _ in wanted if n not in made), None)
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 break
             sends = tuple((g, to) for kind, _, g in keys for to in [g + 1 if kind == "F" else g - 1 if kind == "B" else -1]
                           if 0 <= to <= last_chunk and stage_rank(p, to, vee) != r)  # an output forward, a gradient back
-            events.append((r, tuple(group), tuple(keys), tuple((n, g, stage_rank(p, n[2], vee) != r) for n, g in wanted),
-                           sends))  # (tuples: a long pipeline's events are many, and the collector skips tuples)
+            events.append((r, tuple(op for op in group if op[0] == "F"), tuple(op for op in group if op[0] != "F"),
+                           tuple((made[n], n[2], g, stage_rank(p, n[2], vee) != r) for n, g in wanted),
+                           any(kind != "W" for kind, _, _ in group), sends))  # (tuples: the collector skips them)
             for key in keys:
-                done.add(key)
+                made[key] = len(events) - 1
                 ready += waiting.pop(key, [])  # the ranks that were stopped for it go on
             position[r] += len(group)
     assert all(position[r] == len(orders[r]) for r in range(p)), "the schedule deadlocks"
@@ -1538,24 +1541,27 @@ def simulate(orders, p, v, vee=False, overlap=None, cost=None, transfer=None, ev
     return starts
 
 
-def run_events(events, p, cost, transfer=None):
+def run_events(events, p, cost, transfer=None, record=True):
     """replay()'s events timed (simulate): per rank the (start, op) of each operation in the
-    order it ran, when the rank's last operation ended, and when its last send arrived."""
-    done, clock, sending, starts = {}, [0.0] * p, [0.0] * p, [[] for _ in range(p)]
-    for r, group, keys, wanted, sends in events:
-        start = max([clock[r]] + [done[n] + (transfer(n[2], g) if transfer and elsewhere else 0.0)
-                                  for n, g, elsewhere in wanted]  # when what it waits for has arrived
-                    + [sending[r]] * any(kind != "W" for kind, _, _ in group))
-        backward = [member for member in group if member[0] != "F"]
-        starts[r] += [(start, member) for member in group if member[0] == "F"]
+    order it ran (if `record`), when the rank's last operation ended, and when its last send
+    arrived."""
+    done, clock, sending, starts = [0.0] * len(events), [0.0] * p, [0.0] * p, [[] for _ in range(p)]
+    for e, (r, forwards, backwards, wanted, waits, sends) in enumerate(events):
+        start = clock[r]
+        for j, g, to, elsewhere in wanted:  # once what it waits for has arrived
+            start = max(start, done[j] + transfer(g, to) if transfer and elsewhere else done[j])
+        if waits:  # and its own sends (07 completes each exchange before the next round)
+            start = max(start, sending[r])
+        if record:
+            starts[r] += [(start, op) for op in forwards]
         offset = 0.0
-        for member in backward:  # a backward and the Ws riding with it, one after the other
-            starts[r].append((start + offset, member))
-            offset += cost(r, member[0], member[2])
-        clock[r] = start + max(sum(cost(r, kind, c) for kind, _, c in group if kind == "F"), offset)
-        done.update((key, clock[r]) for key in keys)
+        for op in backwards:  # a backward and the Ws riding with it, one after the other
+            if record:
+                starts[r].append((start + offset, op))
+            offset += cost(r, op[0], op[2])
+        clock[r] = done[e] = end = start + max(sum(cost(r, kind, c) for kind, _, c in forwards), offset)
         for g, to in sends if transfer else ():
-            sending[r] = max(sending[r], clock[r] + transfer(g, to))
+            sending[r] = max(sending[r], end + transfer(g, to))
     return starts, clock, sending
 
 
@@ -1574,7 +1580,7 @@ def rank_finishes(args, p, m, cost, transfer=None, events=None):
     operation's end, or its last send's arrival. plan.py's time, rank by rank; `events`:
     rank_events(args, p, m), when one schedule is timed at many costs."""
     events, v, vee = events or rank_events(args, p, m)
-    _, ends, arrived = run_events(events, p, cost, transfer)  # (one op at a time: the last one ends last)
+    _, ends, arrived = run_events(events, p, cost, transfer, record=False)  # (one op at a time: the last ends last)
     return [max(end, last) for end, last in zip(ends, arrived)]
 
 

@@ -94,6 +94,7 @@ Run:
 import argparse
 import contextlib
 import functools
+import gc
 import glob
 import importlib.util
 import io
@@ -500,11 +501,13 @@ def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transf
     v, vee = pipeline.chunks_per_rank(run)
     blocks, head = zip(*forward)
 
-    def cost(r, kind, c):
+    def seconds(r, kind, c):
         g = pipeline.chunk_stage(p, r, c, vee)
         f = blocks[g] + head[g]
         b = 2 * f + (blocks[g] if recompute else 0)
         return f if kind == "F" else b if kind == "B" else b / 2
+    table = {(r, kind, c): seconds(r, kind, c) for r in range(p) for kind in "FBIW" for c in range(v)}
+    cost = lambda r, kind, c: table[r, kind, c]  # noqa: E731 (each op's, worked out once)
     transfer = (lambda g, to: transfers[min(g, to)]) if transfers else None  # noqa: E731
     if 3 * m * v <= SIMULATED_OPS or m <= 5 * p:  # (two runs of 2p and 3p micro-batches cost as much)
         return tuple(pipeline.rank_finishes(run, p, m, cost, transfer, pipeline_events(schedule, virtual_stages, p, m)))
@@ -515,14 +518,30 @@ def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transf
     return tuple(b + (m - m1 - p) / p * (b - a) for a, b in zip(first, second))
 
 
-@functools.lru_cache(maxsize=8)
 def pipeline_events(schedule, virtual_stages, p, m):
     """07's rank_events of `schedule` on p stages and m micro-batches: which operation waits
     for which, the same at every cost, so a layout's step with free communication and with its
-    messages, and its neighbours' (--zero1, SP, the other micro-batch), replay it once. The
-    last few shapes only: a long pipeline's events take tens of MB."""
-    run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=virtual_stages)
-    return script("07_pipeline.py").rank_events(run, p, m)
+    messages, and its neighbours' (--zero1, SP, the other micro-batch, other layouts of the
+    same pipeline), replay it once. Kept while they hold at most EVENTS_KEPT events in all
+    (the oldest dropped first: 200k events take ~100 MB). They are made with the garbage
+    collector paused: hundreds of thousands of small tuples and no cycle, and each full
+    collection they would set off walks every object torch has made (it halves the time)."""
+    key = (schedule, virtual_stages, p, m)
+    if key not in _EVENTS:
+        run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=virtual_stages)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            _EVENTS[key] = script("07_pipeline.py").rank_events(run, p, m)
+        finally:
+            if collecting:
+                gc.enable()
+        while sum(len(events) for events, _, _ in _EVENTS.values()) > EVENTS_KEPT and len(_EVENTS) > 1:
+            del _EVENTS[next(iter(_EVENTS))]
+    return _EVENTS[key]
+
+
+_EVENTS, EVENTS_KEPT = {}, 400_000
 
 
 def pipeline_length(schedule, virtual_stages, p, m, forward, recompute, transfers=None):
