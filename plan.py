@@ -829,7 +829,8 @@ def recommend(scored, n):
     experts = [c for c in fits if c["script"] == "10_expert_parallel.py"]  # (a mixture of experts: 10 or 08 --ep)
     if experts and (not three_d or fastest(experts)["step_time_s"] <= fastest(three_d)["step_time_s"]):
         return fastest(experts), ("a mixture of experts: expert parallelism, each rank holding its share of every "
-                                  "layer's experts and the dense layers replicated, faster than 3D with EP")
+                                  "layer's experts and the dense layers replicated"
+                                  + (", faster than 3D with EP" if three_d else ""))
     if three_d:
         best = fastest(three_d)
         tp = best["flags"][best["flags"].index("--tp") + 1] if "--tp" in best["flags"] else "1"
