@@ -210,9 +210,11 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     if gpu_mem_gb:  # the room its --micro_batch_size auto chooses against
         argv += ["--gpu_mem_gb", str(gpu_mem_gb)]
     # the scripts print their plan through infra.dry_run's dry_run (as infra.run names it for
-    # Run.dry_run, or in their own plan printing, which imports it): catch it in both places
-    saved_argv, saved = sys.argv, (infra.run.dry_run, getattr(module, "dry_run", None))
-    sys.argv, infra.run.dry_run = argv, capture
+    # Run.dry_run, or in their own plan printing, which imports it): catch it in both places.
+    # The fit line's advice for a layout that does not fit (infra.fit.fit_fixes: costs() again
+    # at other micro-batches and with --recompute) is text the plan never reads: not asked for
+    saved_argv, saved = sys.argv, (infra.run.dry_run, getattr(module, "dry_run", None), infra.run.fit_fixes)
+    sys.argv, infra.run.dry_run, infra.run.fit_fixes = argv, capture, lambda *_, **__: "(plan.py: not asked)"
     if saved[1] is not None:
         module.dry_run = capture
     err = io.StringIO()
@@ -224,7 +226,7 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     except SystemExit:
         return err.getvalue().strip().removeprefix("error: ") or "refused"
     finally:
-        sys.argv, infra.run.dry_run = saved_argv, saved[0]
+        sys.argv, infra.run.dry_run, infra.run.fit_fixes = saved_argv, saved[0], saved[2]
         if saved[1] is not None:
             module.dry_run = saved[1]
     return "the dry run did not reach its cost function"
