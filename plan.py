@@ -97,6 +97,7 @@ import functools
 import gc
 import glob
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -170,8 +171,33 @@ def script(name):
         spec.loader.exec_module(module)
         if hasattr(module, "count_params"):
             module.count_params = count_params_once  # the same model is counted for every candidate
+        if hasattr(module, "costs"):
+            module.costs = costs_once(module.costs)
         _MODULES[name] = module
     return _MODULES[name]
+
+
+def costs_once(costs):
+    """A script's costs(), remembered per flags, model, world, dtype and rank: its fit check
+    (every stage, at each micro-batch it tries), its dry run's lines (08: every stage again)
+    and the plan's pricing ask for the same rank's costs again and again. A call with a run's
+    own routing (10's and 08's `received`, `sent`) is not remembered. The answer is shared:
+    nobody changes a costs() dict (with_guard makes a new one)."""
+    signature, answers = inspect.signature(costs), {}
+
+    @functools.wraps(costs)
+    def remembered(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        if any(given.get(routing) is not None for routing in ("rows", "received", "sent")):
+            return costs(*args, **kwargs)
+        key = (repr(sorted(vars(given["args"]).items())), repr(given["config"]), given["world_size"], given["dtype"],
+               given.get("rank"))
+        if key not in answers:
+            answers[key] = costs(*args, **kwargs)
+        return answers[key]
+    return remembered
 
 
 _COUNTS = {}
