@@ -195,9 +195,14 @@ def costs_once(costs):
         key = (repr(sorted(vars(given["args"]).items())), repr(given["config"]), given["world_size"], given["dtype"],
                given.get("rank"))
         if key not in answers:
+            if len(answers) >= COSTS_KEPT:  # (a session of many plans: start again, as infra.formulas does)
+                answers.clear()
             answers[key] = costs(*args, **kwargs)
         return answers[key]
     return remembered
+
+
+COSTS_KEPT = 20_000  # costs() answers remembered per script (a 1,024-GPU plan asks for a few thousand)
 
 
 _COUNTS = {}
