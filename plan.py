@@ -172,17 +172,18 @@ def script(name):
         if hasattr(module, "count_params"):
             module.count_params = count_params_once  # the same model is counted for every candidate
         if hasattr(module, "costs"):
-            module.costs = costs_once(module.costs)
+            _REMEMBERED[name] = costs_once(module.costs)  # what its dry runs ask (dry_run)
         _MODULES[name] = module
     return _MODULES[name]
 
 
 def costs_once(costs):
-    """A script's costs(), remembered per flags, model, world, dtype and rank: its fit check
-    (every stage, at each micro-batch it tries), its dry run's lines (08: every stage again)
-    and the plan's pricing ask for the same rank's costs again and again. A call with a run's
-    own routing (10's and 08's `received`, `sent`) is not remembered. The answer is shared:
-    nobody changes a costs() dict (with_guard makes a new one)."""
+    """A script's costs(), remembered per flags, model, world, dtype and rank, for its dry runs
+    (dry_run): its fit check (every stage, at each micro-batch it tries) and its dry run's
+    lines (08: every stage again) ask for the same rank's costs again and again, and so do the
+    plan's other candidates at the same micro-batch. A call with a run's own routing (10's and
+    08's `received`, `sent`) is not remembered. The answer is shared: nobody changes a costs()
+    dict (with_guard makes a new one)."""
     signature, answers = inspect.signature(costs), {}
 
     @functools.wraps(costs)
@@ -205,7 +206,7 @@ def costs_once(costs):
 COSTS_KEPT = 20_000  # costs() answers remembered per script (a 1,024-GPU plan asks for a few thousand)
 
 
-_COUNTS = {}
+_COUNTS, _REMEMBERED = {}, {}
 
 
 def count_params_once(config):
@@ -244,10 +245,14 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     # Run.dry_run, or in their own plan printing, which imports it): catch it in both places.
     # The fit line's advice for a layout that does not fit (infra.fit.fit_fixes: costs() again
     # at other micro-batches and with --recompute) is text the plan never reads: not asked for
-    saved_argv, saved = sys.argv, (infra.run.dry_run, getattr(module, "dry_run", None), infra.run.fit_fixes)
+    # (and the script's costs() remembered while it runs: costs_once)
+    saved_argv, saved = sys.argv, (infra.run.dry_run, getattr(module, "dry_run", None), infra.run.fit_fixes,
+                                   getattr(module, "costs", None))
     sys.argv, infra.run.dry_run, infra.run.fit_fixes = argv, capture, lambda *_, **__: "(plan.py: not asked)"
     if saved[1] is not None:
         module.dry_run = capture
+    if name in _REMEMBERED:
+        module.costs = _REMEMBERED[name]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -260,6 +265,8 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
         sys.argv, infra.run.dry_run, infra.run.fit_fixes = saved_argv, saved[0], saved[2]
         if saved[1] is not None:
             module.dry_run = saved[1]
+        if name in _REMEMBERED:
+            module.costs = saved[3]
     return "the dry run did not reach its cost function"
 
 
