@@ -1533,7 +1533,56 @@ def overlaps(rounds_by_rank, vee):
              and actions[1][0] in "BI" and actions[0][1:] != actions[1][1:]} for rounds in rounds_by_rank]
 
 
-def simulate(orders, p, v, vee=False, overlap=None, cost=None, transfer=None):
+def replay(orders, p, v, vee=False, overlap=None):
+    """The executed orders as the pipeline's dependencies let them run: every rank's groups of
+    operations (one op, or a forward and the backward it overlaps: overlaps()), each after the
+    ops it needs, as events (rank, the group's forwards, its backwards (B, I, W), what it waits
+    for: [(the event that made it, that event's chunk, the chunk it feeds, whether it comes from
+    another rank)], whether it waits for the rank's sends (all but a lone W), what it sends on
+    to other ranks: [(chunk, to)]). Which op waits for which is the schedule's alone, not its
+    costs': simulate() times the events, and plan.py times one schedule at many costs."""
+    last_chunk = p * v - 1
+    overlap = overlap or [{}] * p
+    made, position, events = {}, [0] * p, []  # made: {an op's key: the event that ran it}
+    ready, waiting = list(range(p)), {}  # the ranks that may go on; {an op not yet done: the ranks stopped for it}
+
+    def needs(r, kind, i, c):
+        g = chunk_stage(p, r, c, vee)  # global chunk index
+        if kind == "F":
+            return [("F", i, g - 1)] if g > 0 else []
+        if kind == "W":  # the weight gradient needs only its own B (the same stage)
+            return [("B", i, g)]
+        return [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]  # B: the next chunk's input gradient
+    while ready:
+        r = ready.pop()
+        # as far as this rank can go, then on to another; a rank stopped for an op's result goes
+        # on when that op is done (the order in which the ranks go does not change any time)
+        while position[r] < len(orders[r]):
+            op = orders[r][position[r]]
+            group = [op, *overlap[r].get(op, ())]  # one op, or a forward and the backward it overlaps
+            assert len(group) == 1 or orders[r][position[r]:position[r] + len(group)] == group, \
+                "an overlapped pair out of order"
+            keys = [("B" if kind == "I" else kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
+            wanted = [(n, chunk_stage(p, r, member[2], vee)) for member in group for n in needs(r, *member)
+                      if n not in keys]
+            missing = next((n for n, _ in wanted if n not in made), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            sends = tuple((g, to) for kind, _, g in keys for to in [g + 1 if kind == "F" else g - 1 if kind == "B" else -1]
+                          if 0 <= to <= last_chunk and stage_rank(p, to, vee) != r)  # an output forward, a gradient back
+            events.append((r, tuple(op for op in group if op[0] == "F"), tuple(op for op in group if op[0] != "F"),
+                           tuple((made[n], n[2], g, stage_rank(p, n[2], vee) != r) for n, g in wanted),
+                           any(kind != "W" for kind, _, _ in group), sends))  # (tuples: the collector skips them)
+            for key in keys:
+                made[key] = len(events) - 1
+                ready += waiting.pop(key, [])  # the ranks that were stopped for it go on
+            position[r] += len(group)
+    assert all(position[r] == len(orders[r]) for r in range(p)), "the schedule deadlocks"
+    return events
+
+
+def simulate(orders, p, v, vee=False, overlap=None, cost=None, transfer=None, events=None):
     """Replay the executed orders with unit costs (a forward or backward of a whole stage
     takes 1, of one of v chunks 1/v; ZB's B and W one each) and the pipeline's
     dependencies: returns, per rank, the (start, op) of each operation. This is the
@@ -1546,78 +1595,56 @@ def simulate(orders, p, v, vee=False, overlap=None, cost=None, transfer=None):
     rank takes (plan.py: its latency and bytes over the link it crosses). The receiver
     starts once the message has arrived, and the sender's next operation waits for its
     sends too, as run() completes each exchange, sends included, before the next round;
-    only a zero-bubble W, which runs while the messages travel, does not wait."""
-    done, clock, starts, position = {}, [0.0] * p, [[] for _ in range(p)], [0] * p
-    cost = cost or (lambda _r, _kind, _c: 1.0 / v)
-    last_chunk = p * v - 1
-    overlap = overlap or [{}] * p
-    sending = [0.0] * p  # when each rank's sends in flight have arrived
-
-    def needs(r, kind, i, c):
-        g = chunk_stage(p, r, c, vee)  # global chunk index
-        if kind == "F":
-            return [("F", i, g - 1)] if g > 0 else []
-        if kind == "W":  # the weight gradient needs only its own B (the same stage)
-            return [("B", i, g)]
-        return [("B", i, g + 1)] if g < last_chunk else [("F", i, g)]  # B: the next chunk's input gradient
-
-    def arrival(r, key, g):  # when what `key` produced reaches the chunk g of rank r
-        elsewhere = transfer and stage_rank(p, key[2], vee) != r
-        return done[key] + (transfer(key[2], g) if elsewhere else 0.0)
-    while any(position[r] < len(orders[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            # as far as this rank can go: each start depends only on what it waits for, not on
-            # the order in which the ranks are visited
-            while position[r] < len(orders[r]):
-                op = orders[r][position[r]]
-                group = [op, *overlap[r].get(op, ())]  # one op, or a forward and the backward it overlaps
-                assert orders[r][position[r]:position[r] + len(group)] == group, "an overlapped pair out of order"
-                keys = [("B" if kind == "I" else kind, i, chunk_stage(p, r, c, vee)) for kind, i, c in group]
-                wanted = [(n, chunk_stage(p, r, member[2], vee)) for member in group for n in needs(r, *member)
-                          if n not in keys]
-                if any(n not in done for n, _ in wanted):
-                    break
-                start = max([clock[r]] + [arrival(r, n, g) for n, g in wanted]
-                            + [sending[r]] * any(kind != "W" for kind, _, _ in group))
-                backward = [member for member in group if member[0] != "F"]
-                starts[r] += [(start, member) for member in group if member[0] == "F"]
-                offset = 0.0
-                for member in backward:  # a backward and the Ws riding with it, one after the other
-                    starts[r].append((start + offset, member))
-                    offset += cost(r, member[0], member[2])
-                clock[r] = start + max(sum(cost(r, kind, c) for kind, _, c in group if kind == "F"), offset)
-                done.update((key, clock[r]) for key in keys)
-                for kind, _, g in keys:  # what this rank sends on: an output forward, an input gradient back
-                    to = g + 1 if kind == "F" else g - 1 if kind == "B" else -1
-                    if transfer and 0 <= to <= last_chunk and stage_rank(p, to, vee) != r:
-                        sending[r] = max(sending[r], clock[r] + transfer(g, to))
-                position[r] += len(group)
-                progressed = True
-        assert progressed, "the schedule deadlocks"
+    only a zero-bubble W, which runs while the messages travel, does not wait. `events`:
+    replay()'s of these orders, when the same orders are timed at many costs."""
+    starts, _, _ = run_events(events or replay(orders, p, v, vee, overlap), p, cost or (lambda _r, _kind, _c: 1.0 / v),
+                              transfer)
     for row in starts:
         row.sort(key=lambda entry: entry[0])
     return starts
 
 
-def rank_finishes(args, p, m, cost, transfer=None):
-    """When each rank finishes its step, every rank running its rounds (run_schedule) as 07
-    runs them, one operation after another (DualPipeV's pairs in order), each taking
-    cost(rank, kind, chunk) (kind F, B, or I and W in a split backward), each message between
-    ranks transfer(g, to) (simulate): the rank's last operation's end, or its last send's
-    arrival. plan.py's time, rank by rank."""
+def run_events(events, p, cost, transfer=None, record=True):
+    """replay()'s events timed (simulate): per rank the (start, op) of each operation in the
+    order it ran (if `record`), when the rank's last operation ended, and when its last send
+    arrived."""
+    done, clock, sending, starts = [0.0] * len(events), [0.0] * p, [0.0] * p, [[] for _ in range(p)]
+    for e, (r, forwards, backwards, wanted, waits, sends) in enumerate(events):
+        start = clock[r]
+        for j, g, to, elsewhere in wanted:  # once what it waits for has arrived
+            start = max(start, done[j] + transfer(g, to) if transfer and elsewhere else done[j])
+        if waits:  # and its own sends (07 completes each exchange before the next round)
+            start = max(start, sending[r])
+        if record:
+            starts[r] += [(start, op) for op in forwards]
+        offset = 0.0
+        for op in backwards:  # a backward and the Ws riding with it, one after the other
+            if record:
+                starts[r].append((start + offset, op))
+            offset += cost(r, op[0], op[2])
+        clock[r] = done[e] = end = start + max(sum(cost(r, kind, c) for kind, _, c in forwards), offset)
+        for g, to in sends if transfer else ():
+            sending[r] = max(sending[r], end + transfer(g, to))
+    return starts, clock, sending
+
+
+def rank_events(args, p, m):
+    """(the events, v, vee) of every rank running its rounds (run_schedule) as 07 runs them,
+    one operation after another (DualPipeV's pairs in order): replay()'s, for rank_finishes."""
     every, v, vee, split = run_schedule(args, p, m)
     orders = [[action for actions in rounds for action in unit_actions(actions, split)] for rounds in every]
-    starts = simulate(orders, p, v, vee, None, cost, transfer)
-    ends = [max(start + cost(r, kind, c) for start, (kind, _, c) in row) for r, row in enumerate(starts)]
-    if transfer:  # the first stage's last input gradient, or the last stage's last output, sent before it stops
-        for r, row in enumerate(starts):
-            for start, (kind, _, c) in row:
-                g = chunk_stage(p, r, c, vee)
-                to = g + 1 if kind == "F" else g - 1 if kind in "BI" else -1
-                if 0 <= to < p * v and stage_rank(p, to, vee) != r:
-                    ends[r] = max(ends[r], start + cost(r, kind, c) + transfer(g, to))
-    return ends
+    return replay(orders, p, v, vee), v, vee
+
+
+def rank_finishes(args, p, m, cost, transfer=None, events=None):
+    """When each rank finishes its step, every rank running its rounds as 07 runs them
+    (rank_events), each operation taking cost(rank, kind, chunk) (kind F, B, or I and W in a
+    split backward), each message between ranks transfer(g, to) (simulate): the rank's last
+    operation's end, or its last send's arrival. plan.py's time, rank by rank; `events`:
+    rank_events(args, p, m), when one schedule is timed at many costs."""
+    events, v, vee = events or rank_events(args, p, m)
+    _, ends, arrived = run_events(events, p, cost, transfer, record=False)  # (one op at a time: the last ends last)
+    return [max(end, last) for end, last in zip(ends, arrived)]
 
 
 def step_length(args, p, m, cost, transfer=None):

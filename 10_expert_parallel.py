@@ -63,7 +63,7 @@ import torch.nn as nn
 
 from common import (autocast, check, combine, Data, expert_load, expert_step, GPT, grad_norm, is_hidden_matrix,
                     lr_at, make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply,
-                    muon_momentum, orthogonalize, shared_plus, to_device, TreeGrads, tree_all_reduce)
+                    muon_momentum, orthogonalize, param_shapes, shared_plus, to_device, TreeGrads, tree_all_reduce)
 
 
 def add_flags(parser):
@@ -373,12 +373,11 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
                                 transient_terms)
     ep = check_layout(args, config, world_size)  # first: the formulas divide by E and by ep
     L, E, k, h, e = config.n_layer, config.n_expert, config.top_k, config.n_embd, dtype.itemsize
-    with torch.device("meta"):
-        model = GPT(config)  # shapes only
-    psi_e = sum(p.numel() for name, p in model.named_parameters() if is_expert(name))  # all L·E experts
-    psi_d = sum(p.numel() for name, p in model.named_parameters() if not is_expert(name))
-    muon = {expert: sum(p.numel() for name, p in model.named_parameters()  # Muon's matrices, if it runs
-                        if args.optimizer == "muon" and is_hidden_matrix(name, p.shape) and is_expert(name) == expert)
+    shapes = param_shapes(config)  # the model's, without making one (a meta GPT of 64 experts: 2 s)
+    psi_e = sum(math.prod(shape) for name, shape in shapes.items() if is_expert(name))  # all L·E experts
+    psi_d = sum(math.prod(shape) for name, shape in shapes.items() if not is_expert(name))
+    muon = {expert: sum(math.prod(shape) for name, shape in shapes.items()  # Muon's matrices, if it runs
+                        if args.optimizer == "muon" and is_hidden_matrix(name, shape) and is_expert(name) == expert)
             for expert in (False, True)}
     b = args.micro_batch_size or args.global_batch_size // world_size
     m, s = args.global_batch_size // (b * world_size), config.block_size
@@ -411,8 +410,8 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
         sent.update({"all_reduce": f("4*(2 + L*E)"), "all_reduce[expert_dp]": f("0"), "all_reduce[ep]": f("0"),
                      "all_to_all_single": tree, "all_gather_into_tensor": tree})
     # Muon's matrices on this rank: the dense ones, and those of its E/N experts of every layer (alike)
-    dense, experts = ([p.shape for name, p in model.named_parameters() if args.optimizer == "muon"
-                       and is_hidden_matrix(name, p.shape) and is_expert(name) == expert] for expert in (False, True))
+    dense, experts = ([shape for name, shape in shapes.items() if args.optimizer == "muon"
+                       and is_hidden_matrix(name, shape) and is_expert(name) == expert] for expert in (False, True))
     experts, dp = experts[:len(experts) // ep], world_size // ep  # this rank's, replicated over dp ranks
     if dense and world_size > 1:  # ReplicatedMuon: each owner's orthogonalised updates to every replica
         sent["broadcast"] = f("e*Ψ_dm")
@@ -442,7 +441,6 @@ def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):
     # reduce_gradients' flat copy of the dense
     # gradients, still named while the experts' is made, before AdamW's temporaries; at
     # start-up the weights (materialised from the meta device) and param_init's scratch
-    shapes = {name: p.shape for name, p in model.named_parameters()}
     casts = matmul_weights({k: v for k, v in shapes.items() if not is_expert(k)}) + \
         matmul_weights({k: v for k, v in shapes.items() if is_expert(k)}) // ep
     t = transient_terms(config, b, s, dtype, activation_device_type(args), args.optimizer, casts=casts)

@@ -81,7 +81,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                  DDP; otherwise sharded data parallelism (ZeRO / FSDP, HSDP across nodes) or,
                  when layers are too big or there are many GPUs, 3D: TP inside a node (fast
                  links), PP across nodes, DP outermost, + ZeRO-1; between the two, the faster
-                 estimate. The fastest candidate overall is shown too.
+                 estimate. A mixture of experts: expert parallelism (10: E/ep experts a rank,
+                 the dense layers replicated) or 3D with EP (08 --ep), the faster estimate.
+                 The fastest candidate overall is shown too.
 
 Run:
 
@@ -95,8 +97,10 @@ Run:
 import argparse
 import contextlib
 import functools
+import gc
 import glob
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -177,11 +181,42 @@ def script(name):
         spec.loader.exec_module(module)
         if hasattr(module, "count_params"):
             module.count_params = count_params_once  # the same model is counted for every candidate
+        if hasattr(module, "costs"):
+            _REMEMBERED[name] = costs_once(module.costs)  # what its dry runs ask (dry_run)
         _MODULES[name] = module
     return _MODULES[name]
 
 
-_COUNTS = {}
+def costs_once(costs):
+    """A script's costs(), remembered per flags, model, world, dtype and rank, for its dry runs
+    (dry_run): its fit check (every stage, at each micro-batch it tries) and its dry run's
+    lines (08: every stage again) ask for the same rank's costs again and again, and so do the
+    plan's other candidates at the same micro-batch. A call with a run's own routing (10's and
+    08's `received`, `sent`) is not remembered. The answer is shared: nobody changes a costs()
+    dict (with_guard makes a new one)."""
+    signature, answers = inspect.signature(costs), {}
+
+    @functools.wraps(costs)
+    def remembered(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        if any(given.get(routing) is not None for routing in ("rows", "received", "sent")):
+            return costs(*args, **kwargs)
+        key = (repr(sorted(vars(given["args"]).items())), repr(given["config"]), given["world_size"], given["dtype"],
+               given.get("rank"))
+        if key not in answers:
+            if len(answers) >= COSTS_KEPT:  # (a session of many plans: start again, as infra.formulas does)
+                answers.clear()
+            answers[key] = costs(*args, **kwargs)
+        return answers[key]
+    return remembered
+
+
+COSTS_KEPT = 20_000  # costs() answers remembered per script (a 1,024-GPU plan asks for a few thousand)
+
+
+_COUNTS, _REMEMBERED = {}, {}
 
 
 def count_params_once(config):
@@ -217,11 +252,17 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     if gpu_mem_gb:  # the room its --micro_batch_size auto chooses against
         argv += ["--gpu_mem_gb", str(gpu_mem_gb)]
     # the scripts print their plan through infra.dry_run's dry_run (as infra.run names it for
-    # Run.dry_run, or in their own plan printing, which imports it): catch it in both places
-    saved_argv, saved = sys.argv, (infra.run.dry_run, getattr(module, "dry_run", None))
-    sys.argv, infra.run.dry_run = argv, capture
+    # Run.dry_run, or in their own plan printing, which imports it): catch it in both places.
+    # The fit line's advice for a layout that does not fit (infra.fit.fit_fixes: costs() again
+    # at other micro-batches and with --recompute) is text the plan never reads: not asked for
+    # (and the script's costs() remembered while it runs: costs_once)
+    saved_argv, saved = sys.argv, (infra.run.dry_run, getattr(module, "dry_run", None), infra.run.fit_fixes,
+                                   getattr(module, "costs", None))
+    sys.argv, infra.run.dry_run, infra.run.fit_fixes = argv, capture, lambda *_, **__: "(plan.py: not asked)"
     if saved[1] is not None:
         module.dry_run = capture
+    if name in _REMEMBERED:
+        module.costs = _REMEMBERED[name]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -231,9 +272,11 @@ def dry_run(name, flags, gpus, gpus_per_node, gpu_mem_gb=None):
     except SystemExit:
         return err.getvalue().strip().removeprefix("error: ") or "refused"
     finally:
-        sys.argv, infra.run.dry_run = saved_argv, saved[0]
+        sys.argv, infra.run.dry_run, infra.run.fit_fixes = saved_argv, saved[0], saved[2]
         if saved[1] is not None:
             module.dry_run = saved[1]
+        if name in _REMEMBERED:
+            module.costs = saved[3]
     return "the dry run did not reach its cost function"
 
 
@@ -510,18 +553,47 @@ def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transf
     v, vee = pipeline.chunks_per_rank(run)
     blocks, head = zip(*forward)
 
-    def cost(r, kind, c):
+    def seconds(r, kind, c):
         g = pipeline.chunk_stage(p, r, c, vee)
         f = blocks[g] + head[g]
         b = 2 * f + (blocks[g] if recompute else 0)
         return f if kind == "F" else b if kind == "B" else b / 2
+    table = {(r, kind, c): seconds(r, kind, c) for r in range(p) for kind in "FBIW" for c in range(v)}
+    cost = lambda r, kind, c: table[r, kind, c]  # noqa: E731 (each op's, worked out once)
     transfer = (lambda g, to: transfers[min(g, to)]) if transfers else None  # noqa: E731
     if 3 * m * v <= SIMULATED_OPS or m <= 5 * p:  # (two runs of 2p and 3p micro-batches cost as much)
-        return tuple(pipeline.rank_finishes(run, p, m, cost, transfer))
+        return tuple(pipeline.rank_finishes(run, p, m, cost, transfer, pipeline_events(schedule, virtual_stages, p, m)))
     m1 = p * max(2, SIMULATED_OPS // (3 * v * p * p))  # the steady state from the second p micro-batches on
     m1 += (m - m1) % p  # m1 and m2 as m modulo p (interleaved runs in rounds of p micro-batches)
-    first, second = (pipeline.rank_finishes(run, p, k, cost, transfer) for k in (m1, m1 + p))
+    first, second = (pipeline.rank_finishes(run, p, k, cost, transfer, pipeline_events(schedule, virtual_stages, p, k))
+                     for k in (m1, m1 + p))
     return tuple(b + (m - m1 - p) / p * (b - a) for a, b in zip(first, second))
+
+
+def pipeline_events(schedule, virtual_stages, p, m):
+    """07's rank_events of `schedule` on p stages and m micro-batches: which operation waits
+    for which, the same at every cost, so a layout's step with free communication and with its
+    messages, and its neighbours' (--zero1, SP, the other micro-batch, other layouts of the
+    same pipeline), replay it once. Kept while they hold at most EVENTS_KEPT events in all
+    (the oldest dropped first: 200k events take ~100 MB). They are made with the garbage
+    collector paused: hundreds of thousands of small tuples and no cycle, and each full
+    collection they would set off walks every object torch has made (it halves the time)."""
+    key = (schedule, virtual_stages, p, m)
+    if key not in _EVENTS:
+        run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=virtual_stages)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            _EVENTS[key] = script("07_pipeline.py").rank_events(run, p, m)
+        finally:
+            if collecting:
+                gc.enable()
+        while sum(len(events) for events, _, _ in _EVENTS.values()) > EVENTS_KEPT and len(_EVENTS) > 1:
+            del _EVENTS[next(iter(_EVENTS))]
+    return _EVENTS[key]
+
+
+_EVENTS, EVENTS_KEPT = {}, 400_000
 
 
 def pipeline_length(schedule, virtual_stages, p, m, forward, recompute, transfers=None):
@@ -814,6 +886,11 @@ def recommend(scored, n):
     if sharded and (not three_d or fastest(sharded)["step_time_s"] <= fastest(three_d)["step_time_s"]):
         return fastest(sharded), ("a replica does not fit, sharded data parallelism does: ZeRO/FSDP "
                                   "(HSDP keeps the parameter gathers inside a node)")
+    experts = [c for c in fits if c["script"] == "10_expert_parallel.py"]  # (a mixture of experts: 10 or 08 --ep)
+    if experts and (not three_d or fastest(experts)["step_time_s"] <= fastest(three_d)["step_time_s"]):
+        return fastest(experts), ("a mixture of experts: expert parallelism, each rank holding its share of every "
+                                  "layer's experts and the dense layers replicated"
+                                  + (", faster than 3D with EP" if three_d else ""))
     if three_d:
         best = fastest(three_d)
         tp = best["flags"][best["flags"].index("--tp") + 1] if "--tp" in best["flags"] else "1"

@@ -2,10 +2,12 @@
 the schedule each rank executes with each stage's own layers, its messages between stages on
 the critical path, DP buckets overlapped with the last backward, each stage's reductions when
 it is done, an all-to-all across nodes by the NIC rule, a multi-node --bench read per GPU,
-causal attention counted as it runs, and --imbalance. Pure functions and single dry runs: no
-launch."""
+causal attention counted as it runs, and --imbalance; 64 experts on 32 Polaris GPUs, scored
+(and in the big tier planned whole): the recommendation the fastest, the all-to-alls by the NIC
+rule, the busiest rank's imbalance. Pure functions and single dry runs: no launch."""
 
 import argparse
+import collections
 import json
 import math
 
@@ -13,7 +15,8 @@ import pytest
 
 import plan
 from common import PRESETS, GPTConfig
-from infra.formulas import flops_per_token
+from infra.formulas import expert_params, flops_per_token
+from whole_plans import whole_plan
 
 PIPELINE = plan.script("07_pipeline.py")
 
@@ -91,20 +94,6 @@ def test_the_imbalance_is_read_from_a_runs_metrics(tmp_path, capsys):
         with pytest.raises(SystemExit):
             plan.parse(["--gpus", "8", "--machine", "polaris", "--imbalance", bad])
         assert capsys.readouterr().err.count("\n") == 1
-
-
-def test_imbalance_slows_the_busiest_expert_rank():
-    """64 experts on 32 Polaris GPUs: the busiest rank's all-to-all bytes and expert FLOPs grow."""
-    flags = ["--model", "gpt2", "--n_expert", "64", "--top_k", "2", "--gpus", "32", "--machine", "polaris",
-             "--global_batch_size", "64"]
-    steps = []
-    for f in ("1", "2"):
-        args, machine = plan.parse(flags + ["--imbalance", f])
-        c, reason = plan.score("10_expert_parallel.py", ["--ep", "32", "--micro_batch_size", "2"], "EP", args, machine)
-        assert c is not None, reason
-        steps.append(c)
-    assert steps[1]["comm_bytes_per_step"]["all_to_all_single[ep]"] == 2 * steps[0]["comm_bytes_per_step"]["all_to_all_single[ep]"]
-    assert steps[1]["compute_s"] > steps[0]["compute_s"] and steps[1]["comm_s"] > steps[0]["comm_s"]
 
 
 def test_uneven_stages_set_the_pace_of_gpt2_xl_on_256_gpus():
@@ -250,3 +239,93 @@ def test_costs_count_the_calls_a_run_posts(script, flags, ranks, expected):
     a, config, _ = plan.dry_run(script, ["--model", "tiny", *flags], ranks, ranks)
     cost = plan.script(script).costs(a, config, ranks, plan.planned_dtype(a))
     assert {op: n for op, (_, n) in cost["calls"].items()} == expected
+
+
+# ----------------------------------------------------------------------------------------
+# 64 experts on 32 Polaris GPUs (8 nodes of 4): the issue's EP 32 case
+# ----------------------------------------------------------------------------------------
+
+EP32 = "--model gpt2 --n_expert 64 --top_k 2 --gpus 32 --machine polaris --global_batch_size 64"
+EP32_LAYOUTS = [("10_expert_parallel.py", ["--ep", "32", "--micro_batch_size", "2"], "EP ep 32 dp 1"),
+                ("10_expert_parallel.py", ["--ep", "16", "--micro_batch_size", "2"], "EP ep 16 dp 2"),
+                ("08_3d.py", ["--tp", "1", "--pp", "4", "--ep", "8", "--zero1", "--micro_batch_size", "1"],
+                 "3D+EP dp 8 pp 4 tp 1 ep 8 + ZeRO-1")]
+A2A = "all_to_all_single[ep]"
+
+
+def by_the_nics(nbytes, calls, ranks, machine):
+    """An all-to-all over `ranks` as it runs across nodes: g ranks, at most k of them on one node
+    (from where the ranks sit); each rank's rows for the g - k ranks on other nodes leave through
+    its own share of its node's NICs, those for the k - 1 others cross the links inside at the
+    same time, and each call's g - 1 steps pay the latency across nodes."""
+    g = len(ranks)
+    k = max(collections.Counter(r // machine["gpus_per_node"] for r in ranks).values())
+    assert k < g  # the group crosses nodes
+    return calls * (g - 1) * machine["alpha_inter"] + max(nbytes * (g - k) / g / (1e9 * machine["inter_gbps"]),
+                                                          nbytes * (k - 1) / g / (1e9 * machine["intra_gbps"]))
+
+
+def check_expert_parallel(c, args, machine):
+    """10's step as priced: its compute, the all-to-alls inside the layers by the NIC rule (rank
+    0's EP group: 10's expert_groups, ep consecutive ranks), the other collectives after the
+    backward by the ring's rule; at --imbalance F, F x the all-to-all's rows and the experts'
+    FLOPs on the busiest rank."""
+    n, G = args.gpus, machine["gpus_per_node"]
+    a, config, _ = plan.dry_run(c["script"], c["flags"], n, G, machine["gpu_mem_gb"])
+    cost = plan.rank_costs(c["script"], a, config, n, plan.planned_dtype(a), 0)
+    calls = plan.op_calls(cost)
+    sent = c["comm_bytes_per_step"]
+    assert sent[A2A] == args.imbalance * cost["sent"][A2A][1]
+    a2a = by_the_nics(sent[A2A], calls[A2A], list(range(a.ep)), machine)
+    rest = sum(plan.comm_seconds(op, nbytes, *plan.group_of(c["script"], op, a, n, G), machine, calls.get(op, 1))
+               for op, nbytes in sent.items() if op not in (A2A, plan.GUARD_OP))
+    assert math.isclose(c["comm_s"], a2a + rest, rel_tol=1e-9)
+    rate = machine["peak_tflops"] * 1e12 * args.efficiency
+    per_token, head = plan.flops_as_run(config, plan.count_params_once(config)[1])
+    experts = 6 * config.n_layer * config.top_k * expert_params(config)  # the routed rows' FLOPs per token
+    tokens = a.global_batch_size * config.block_size
+    assert math.isclose(c["compute_s"], ((per_token + head) + (args.imbalance - 1) * experts) * tokens / (n * rate),
+                        rel_tol=1e-9)
+    assert c["muon_s"] == 0 and math.isclose(c["step_time_s"], c["compute_s"] + c["comm_s"], rel_tol=1e-12)
+    return a2a
+
+
+def test_64_experts_on_32_gpus_priced_by_the_nics_and_the_busiest_rank():
+    """EP 32 over 8 Polaris nodes and its neighbours, scored directly (the whole plan: the big
+    tier, below): the plan takes the fastest; EP 32's all-to-alls cross the NICs by the NIC
+    rule (at a ring's k x the per-GPU share they would take a quarter of the time); at
+    --imbalance 2 the busiest rank's all-to-all and experts take twice the rows."""
+    steps = {}
+    for imbalance in ("1", "2"):
+        args, machine = plan.parse(EP32.split() + ["--imbalance", imbalance])
+        scored = []
+        for name, flags, label in EP32_LAYOUTS:
+            c, reason = plan.score(name, flags, label, args, machine)
+            assert c is not None, reason
+            scored.append(c)
+        choice, why = plan.recommend(scored, args.gpus)
+        assert choice is min(scored, key=lambda c: c["step_time_s"]), (choice["label"], why)
+        ep32 = scored[0]
+        a2a = check_expert_parallel(ep32, args, machine)
+        ring = plan.comm_seconds("all_gather_into_tensor[ep]", ep32["comm_bytes_per_step"][A2A], 32, 4, machine)
+        assert a2a > 3 * ring  # not the ring's rule
+        steps[imbalance] = [c["step_time_s"] for c in scored]
+    assert all(busy > balanced for busy, balanced in zip(steps["2"], steps["1"]))
+
+
+@pytest.mark.big  # the whole plan, 100 layouts dry-run and priced (~7 s, twice)
+def test_64_experts_on_32_gpus_whole_plan():
+    """plan.py's whole plan of the issue's case: the recommendation is the fastest layout that
+    fits under the simulated step, at --imbalance 1 and 2; every EP 32 layout is priced by the
+    NIC rule; and the busiest rank's imbalance slows every layout."""
+    plans = {}
+    for imbalance in ("1", "2"):
+        args, machine = plan.parse(EP32.split() + ["--imbalance", imbalance])
+        _, scored, refused, choice, why = plans[imbalance] = whole_plan(EP32 + " --imbalance " + imbalance)
+        assert not refused and choice is min((c for c in scored if c["fits"]), key=lambda c: c["step_time_s"]), why
+        ep32 = [c for c in scored if c["script"] == "10_expert_parallel.py" and c["flags"][c["flags"].index("--ep") + 1] == "32"]
+        assert len(ep32) == 2
+        for c in ep32:
+            check_expert_parallel(c, args, machine)
+    slower = {(c["script"], tuple(c["flags"])): c["step_time_s"] for c in plans["2"][1]}
+    assert all(slower[(c["script"], tuple(c["flags"]))] > c["step_time_s"] for c in plans["1"][1])
