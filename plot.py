@@ -34,8 +34,9 @@ prices it. For a pipeline the title gives the share idle beside 07's unit-cost b
 picture --schedule draws of the same schedule. --measured METRICS adds, under the simulated
 rows, what each rank of a 07_pipeline.py --measure_bubble --metrics METRICS run of the same
 layout measured (its METRICS.timeline.rankR.json: every F, B, I and W of the last logged step,
-from the step's first mark): scaled so that both steps are as long (the title gives the factor,
-the measured step in ms and its idle share), so the shapes compare across machines.
+from the step's first mark): scaled so that the measured schedule ends with the simulated
+one's last pass (the title gives the factor, the measured schedule in ms and its idle share),
+so the shapes compare across machines.
 
 --hangs reads the Flight Recorder dumps a stalled job left (jobs/*.sh set them up) and prints
 one line per rank: the operation it waits in, its group, and the step and phase it was posted
@@ -477,7 +478,7 @@ def load_timelines(metrics):
 
 def measured_lanes(timelines, shape, scale):
     """The measured rows: rank r's ops, each box its measured span times `scale` (the simulated
-    step over the measured one, so both rows end together). Refused unless the run is the
+    schedule over the measured one, so both end together). Refused unless the run is the
     layout drawn: the same schedule, stages, micro-batches and chunks."""
     schedule, v, p, m, _ = shape
     ran = timelines[0]
@@ -495,15 +496,18 @@ def plot_plan(plt, plan_flags, layout, measured=None):
     """One row per role of plan.py's simulated step: compute on top, the messages and
     collectives under it, every box as long as the simulation priced it. `measured` (a
     --metrics file of 07 --measure_bubble): each rank's measured ops in rows under them, scaled
-    to the simulated step's length."""
+    so that the measured schedule ends with the simulated one's last pass (the step's
+    reductions after it are not in Pipeline.run's marks)."""
     c, lanes, shape, strategy = planned_step(plan_flags, layout)
     timelines = load_timelines(measured) if measured else None
     if timelines and not shape:
         raise Refused(f"--measured: {strategy} is not a pipeline; 07_pipeline.py's timelines compare with one")
     simulated = list(lanes)
-    if timelines:
+    if timelines:  # the measured schedule (Pipeline.run's marks) against the simulated one, to its last pass
         measured_s = max(t["step_s"] for t in timelines)
-        lanes = {**lanes, **measured_lanes(timelines, shape, c["step_time_s"] / measured_s)}
+        passes_s = max(start + length for boxes in lanes.values() for start, length, kind, _ in boxes
+                       if kind == "compute")
+        lanes = {**lanes, **measured_lanes(timelines, shape, passes_s / measured_s)}
     rows = list(lanes)
     end = max(start + length for boxes in lanes.values() for start, length, _, _ in boxes)
     fig, ax = plt.subplots(figsize=(14, 1.5 + 0.45 * min(len(rows), 40)))
@@ -522,7 +526,7 @@ def plot_plan(plt, plan_flags, layout, measured=None):
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel("seconds (plan.py's simulated step: each box as long as it prices it"
-                  + ("; the measured rows scaled to the same step length)" if timelines else ")"))
+                  + ("; the measured rows scaled to end with the simulated passes)" if timelines else ")"))
     names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
     kinds = sorted({what[0] for boxes in lanes.values() for _, _, kind, what in boxes if kind == "compute"},
                    key="FBIW".index)
@@ -542,8 +546,8 @@ def plot_plan(plt, plan_flags, layout, measured=None):
     if timelines:
         idle = 1 - sum(op["end"] - op["start"] for t in timelines for op in t["ops"]) / (p * measured_s)
         title += (f"\nmeasured ({measured}, step {timelines[0].get('step')}, on {timelines[0].get('device')}): "
-                  f"step {measured_s * 1e3:.4g} ms, idle {idle:.3f}; its rows scaled by "
-                  f"{c['step_time_s'] / measured_s:.3g} to the simulated step's length")
+                  f"schedule {measured_s * 1e3:.4g} ms, idle {idle:.3f}; its rows scaled by "
+                  f"{passes_s / measured_s:.3g}, to end with the simulated schedule's last pass")
         ax.axhline(len(simulated) - 0.5, color="black", linewidth=0.8)
     ax.set_title(title, loc="left", fontsize=9)
     fig.tight_layout()

@@ -77,7 +77,7 @@ def check_timelines(run, flags, p, m=4):
     assert run.steps[-1]["timeline"] == pipeline.timeline_path(metrics, 0)
     for rank in range(p):
         timeline = json.load(open(pipeline.timeline_path(metrics, rank)))
-        assert (timeline["rank"], timeline["world_size"], timeline["step"], timeline["micro_batches"]) == (rank, p, 2, m)
+        assert [timeline[key] for key in ("rank", "world_size", "step", "micro_batches")] == [rank, p, 2, m]
         ops = [(op["op"], op["micro_batch"], op["chunk"]) for op in timeline["ops"]]
         assert sorted(ops) == sorted(a for actions in every[rank] for a in actions), ops  # the schedule's, each once
         for kinds in ("F", "BI"):  # a forward and a backward of every micro-batch, W where I was split from it
