@@ -1737,7 +1737,7 @@ def write_timeline(args, env, step, rounds, pipeline):
     and end in seconds from the step's first mark (Pipeline.run's `whole`), written by every
     rank to timeline_path() (the last logged step's; plot.py --measured draws them under the
     simulated step). Read after the step, as busy_fraction is; returns the file's path."""
-    if not args.metrics:
+    if not getattr(args, "metrics", None):  # (common's plain Run has no --metrics)
         return None
     spans, (start, end) = pipeline.spans, pipeline.whole
     order = timed_order(rounds)
