@@ -48,6 +48,7 @@ Run:
 """
 
 import csv
+import json
 import os
 import re
 import time
@@ -206,7 +207,7 @@ class Pipeline:
                         self.timed_span(self.weight_gradient, i, c)
                 self.complete(requests, exchange, sends)
                 received.update(arriving)
-        whole = (start, self.mark())
+        self.whole = whole = (start, self.mark())  # kept with self.spans for --measure_bubble's timeline
         spans = self.spans
         loss_sum = self.tree.finish() if self.tree and train else loss_sum  # --bitwise: the tree's sums, into .grad
         return loss_sum, self.peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None
@@ -560,8 +561,8 @@ def add_flags(parser):
                    help="write the run's table (any schedule) to FILE in that format (rank 0; also with --dry_run)")
     g.add_argument("--measure_bubble", action="store_true",
                    help="time every forward and backward with device events to measure each stage's busy "
-                        "time, and so the bubble (metrics: busy_fraction); the events are read after the "
-                        "step, so nothing waits for the device inside it")
+                        "time, and so the bubble (metrics: busy_fraction; each rank's ops in METRICS.timeline.rankR"
+                        ".json, for plot.py --measured); the events are read after the step, so nothing waits in it")
     return parser
 
 
@@ -640,6 +641,7 @@ def main():
                     f"(theory {run.cost['in_flight']})")
         run.end_step(loss, lambda: {"activations_in_flight": in_flight, "bubble_drawn": bubble,  # read when logged
                                     "busy_fraction": busy() if busy else None,  # --measure_bubble's events
+                                    "timeline": busy and write_timeline(args, env, step, rounds, pipeline),  # each op
                                     "bubble_theory": bubble_theory(args.schedule, p, m, v)})  # ledger, metrics, ckpt
         optimizer.zero_grad(set_to_none=True)
     run.finish()
@@ -1716,6 +1718,50 @@ def log_timeline(run, args, p, m):
     text, bubble = timeline_text(args, p, m)
     run.log(text)
     return bubble
+
+
+def timed_order(rounds):
+    """The actions of `rounds` in the order Pipeline.run times them (one span each): in each
+    round its forwards and backwards as listed, then its W, which run while the round's
+    messages travel. A whole B of a split schedule is one span (its W runs inside it)."""
+    return [a for actions in rounds for a in sorted(actions, key=lambda a: a[0] == "W")]
+
+
+def timeline_path(metrics, rank):
+    """--measure_bubble's timeline of rank `rank`, next to the --metrics file."""
+    return f"{os.path.splitext(metrics)[0]}.timeline.rank{rank}.json"
+
+
+def write_timeline(args, env, step, rounds, pipeline):
+    """--measure_bubble with --metrics: this rank's ops of the logged step, each with its start
+    and end in seconds from the step's first mark (Pipeline.run's `whole`), written by every
+    rank to timeline_path() (the last logged step's; plot.py --measured draws them under the
+    simulated step). Read after the step, as busy_fraction is; returns the file's path."""
+    if not getattr(args, "metrics", None):  # (common's plain Run has no --metrics)
+        return None
+    spans, (start, end) = pipeline.spans, pipeline.whole
+    order = timed_order(rounds)
+    if len(spans) != len(order):
+        raise RuntimeError(f"--measure_bubble: {len(spans)} spans timed for {len(order)} actions")
+
+    def seconds(mark):  # from the step's first mark: host clock on CPU, device events elsewhere
+        return mark - start if isinstance(mark, float) else start.elapsed_time(mark) / 1e3
+    if not isinstance(end, float):
+        end.synchronize()  # the step's last event, so every earlier one has happened
+    row = {"rank": env.rank, "world_size": pipeline.p, "step": step, "schedule": args.schedule,
+           "micro_batches": sum(kind == "F" and c == 0 for kind, _, c in order), "virtual_stages": pipeline.v,
+           "device": env.device.type, "step_s": seconds(end),
+           "ops": [{"op": kind, "micro_batch": i, "chunk": c, "start": seconds(b), "end": seconds(e)}
+                   for (kind, i, c), (b, e) in zip(order, spans)]}
+    path = timeline_path(args.metrics, env.rank)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(row, f)
+        os.replace(path + ".tmp", path)
+    except OSError as e:  # a full disk: the guard stops the run before the next update, on every rank
+        from infra.metrics import WRITE_FAILURES
+        WRITE_FAILURES.append(f"--measure_bubble: cannot write {path}: {e.strerror or e}")
+    return path
 
 
 DRY_RUN_DRAWN = 16  # the dry run draws the timeline up to this many micro-batch chunks (the run's log always)

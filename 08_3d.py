@@ -1913,7 +1913,7 @@ class Pipeline:
                         self.timed_span(self.weight_gradient, i, c)
                 self.complete(requests, exchange, sends)
                 received.update(arriving)
-        whole = (start, self.mark())
+        self.whole = whole = (start, self.mark())  # kept with self.spans for --measure_bubble's timeline
         spans = self.spans
         loss_sum = self.tree.finish() if self.tree and train else loss_sum  # --bitwise: the tree's sums, into .grad
         return loss_sum, self.peak, (lambda: self.busy_fraction(spans, whole)) if self.timed else None

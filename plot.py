@@ -7,6 +7,7 @@
     python plot.py --schedule interleaved --pp 4 --micro_batches 8 --virtual_stages 2
     python plot.py --hangs logs/fr-JOBID           # a stalled job's Flight Recorder dumps, as text
     python plot.py --plan "--model gpt2 --gpus 8 --machine polaris" --layout "07_pipeline.py --schedule 1f1b"
+    python plot.py --plan "--model tiny --gpus 2 ..." --layout "07_pipeline.py ..." --measured run.jsonl
 
 A metrics file (docs/design.md's JSONL, any training script) gives six panels: loss and val
 loss against step; tokens/s; the step time over ranks (min, mean, max: a straggler shows as a
@@ -30,7 +31,12 @@ compute boxes (F, B, I, W as above; outside a pipeline, a micro-batch's forward 
 and under them the collectives that rank waits for or overlaps (the gradient buckets, what
 follows the backward) and a pipeline's messages between stages, each as long as plan.py
 prices it. For a pipeline the title gives the share idle beside 07's unit-cost bubble, the
-picture --schedule draws of the same schedule.
+picture --schedule draws of the same schedule. --measured METRICS adds, under the simulated
+rows, what each rank of a 07_pipeline.py --measure_bubble --metrics METRICS run of the same
+layout measured (its METRICS.timeline.rankR.json: every F, B, I and W of the last logged step,
+from the step's first mark): scaled so that the measured schedule ends with the simulated
+one's last pass (the title gives the factor, the measured schedule in ms and its idle share),
+so the shapes compare across machines.
 
 --hangs reads the Flight Recorder dumps a stalled job left (jobs/*.sh set them up) and prints
 one line per rank: the operation it waits in, its group, and the step and phase it was posted
@@ -441,10 +447,67 @@ def planned_step(plan_flags, layout):
     return candidate, lanes, shape, " ".join([name, *candidate["flags"][len(args.model_flags):]])
 
 
-def plot_plan(plt, plan_flags, layout):
+MAX_TIMELINE_BYTES = 2**28  # one rank's ops of one step: MAX_OPS of them is a few MB
+
+
+def load_timelines(metrics):
+    """07_pipeline.py --measure_bubble's timelines beside the --metrics file `metrics`, one per
+    rank (07's timeline_path), rank 0 first, until a rank has none: [{rank, step_s, ops...}]."""
+    path_of, found = pipeline_module().timeline_path, []
+    while os.path.isfile(path_of(metrics, len(found))):
+        path = path_of(metrics, len(found))
+        why = refusal(path, "a timeline", MAX_TIMELINE_BYTES)
+        if why:
+            raise Refused(why)
+        try:
+            with open(path, encoding="utf-8") as f:
+                row = json.load(f)
+        except (ValueError, RecursionError, OSError) as e:
+            raise Refused(f"--measured: {path} cannot be read as 07's timeline ({e})") from None
+        ops = row.get("ops") if isinstance(row, dict) else None
+        if not (isinstance(ops, list) and ops and number(row.get("step_s")) and row["step_s"] > 0 and all(
+                isinstance(op, dict) and op.get("op") in COLOURS and number(op.get("start")) and number(op.get("end"))
+                and 0 <= op["start"] <= op["end"] for op in ops) and len(ops) <= MAX_OPS):
+            raise Refused(f"--measured: {path} is not 07_pipeline.py's timeline (rank, step_s, ops with start <= end)")
+        found.append(row)
+    if not found:
+        raise Refused(f"--measured {metrics}: no timeline beside it ({path_of(metrics, 0)}): run 07_pipeline.py "
+                      "with --measure_bubble and --metrics")
+    return found
+
+
+def measured_lanes(timelines, shape, scale):
+    """The measured rows: rank r's ops, each box its measured span times `scale` (the simulated
+    schedule over the measured one, so both end together). Refused unless the run is the
+    layout drawn: the same schedule, stages, micro-batches and chunks."""
+    schedule, v, p, m, _ = shape
+    ran = timelines[0]
+    want = {"schedule": schedule, "world_size": p, "micro_batches": m, "virtual_stages": v}
+    got = {key: ran.get(key) for key in want}
+    if got != want or len(timelines) != p:
+        raise Refused(f"--measured: the run is {got} over {len(timelines)} rank timeline(s), the plan's layout "
+                      f"{want}: measure the layout drawn")
+    return {f"rank {t['rank']} measured": [(op["start"] * scale, (op["end"] - op["start"]) * scale, "compute",
+                                            f"{op['op']}{op.get('micro_batch', '')}") for op in t["ops"]]
+            for t in timelines}
+
+
+def plot_plan(plt, plan_flags, layout, measured=None):
     """One row per role of plan.py's simulated step: compute on top, the messages and
-    collectives under it, every box as long as the simulation priced it."""
+    collectives under it, every box as long as the simulation priced it. `measured` (a
+    --metrics file of 07 --measure_bubble): each rank's measured ops in rows under them, scaled
+    so that the measured schedule ends with the simulated one's last pass (the step's
+    reductions after it are not in Pipeline.run's marks)."""
     c, lanes, shape, strategy = planned_step(plan_flags, layout)
+    timelines = load_timelines(measured) if measured else None
+    if timelines and not shape:
+        raise Refused(f"--measured: {strategy} is not a pipeline; 07_pipeline.py's timelines compare with one")
+    simulated = list(lanes)
+    if timelines:  # the measured schedule (Pipeline.run's marks) against the simulated one, to its last pass
+        measured_s = max(t["step_s"] for t in timelines)
+        passes_s = max(start + length for boxes in lanes.values() for start, length, kind, _ in boxes
+                       if kind == "compute")
+        lanes = {**lanes, **measured_lanes(timelines, shape, passes_s / measured_s)}
     rows = list(lanes)
     end = max(start + length for boxes in lanes.values() for start, length, _, _ in boxes)
     fig, ax = plt.subplots(figsize=(14, 1.5 + 0.45 * min(len(rows), 40)))
@@ -452,7 +515,7 @@ def plot_plan(plt, plan_flags, layout):
     for r, role in enumerate(rows):
         for start, length, kind, what in lanes[role]:
             if kind == "compute":
-                busy += length
+                busy += length if role in simulated else 0
                 ax.broken_barh([(start, length)], (r - 0.4, 0.5), facecolors=COLOURS.get(what[0], "grey"),
                                edgecolor="white", linewidth=0.3)
             else:
@@ -462,7 +525,8 @@ def plot_plan(plt, plan_flags, layout):
     ax.set_yticklabels(rows)
     ax.invert_yaxis()
     ax.set_xlim(0, end)
-    ax.set_xlabel("seconds (plan.py's simulated step: each box as long as it prices it)")
+    ax.set_xlabel("seconds (plan.py's simulated step: each box as long as it prices it"
+                  + ("; the measured rows scaled to end with the simulated passes)" if timelines else ")"))
     names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
     kinds = sorted({what[0] for boxes in lanes.values() for _, _, kind, what in boxes if kind == "compute"},
                    key="FBIW".index)
@@ -477,8 +541,14 @@ def plot_plan(plt, plan_flags, layout):
     if shape:
         schedule, v, p, m, _ = shape
         unit = pipeline_module().bubble_theory(schedule, p, m, v)
-        title += (f"; idle {1 - busy / (len(rows) * c['step_time_s']):.3f} of the stages' time, against 07's "
+        title += (f"; idle {1 - busy / (len(simulated) * c['step_time_s']):.3f} of the stages' time, against 07's "
                   f"unit-cost {unit:.3f} (plot.py --schedule {schedule} --pp {p} --micro_batches {m})")
+    if timelines:
+        idle = 1 - sum(op["end"] - op["start"] for t in timelines for op in t["ops"]) / (p * measured_s)
+        title += (f"\nmeasured ({measured}, step {timelines[0].get('step')}, on {timelines[0].get('device')}): "
+                  f"schedule {measured_s * 1e3:.4g} ms, idle {idle:.3f}; its rows scaled by "
+                  f"{passes_s / measured_s:.3g}, to end with the simulated schedule's last pass")
+        ax.axhline(len(simulated) - 0.5, color="black", linewidth=0.8)
     ax.set_title(title, loc="left", fontsize=9)
     fig.tight_layout()
     return fig
@@ -820,6 +890,9 @@ def parse(argv):
     g = p.add_argument_group("plan.py's simulated step of a layout (instead of files)")
     g.add_argument("--plan", metavar="PLAN_FLAGS", default=None,
                    help='plan.py\'s flags, quoted: "--model gpt2 --gpus 8 --machine polaris"')
+    g.add_argument("--measured", metavar="METRICS", default=None,
+                   help="with --plan: the --metrics file of a 07_pipeline.py --measure_bubble run of the same "
+                        "layout; its ranks' measured ops drawn under the simulated ones, scaled to the same step")
     g.add_argument("--layout", metavar="SCRIPT_FLAGS", default=None,
                    help='the layout to draw, quoted: "07_pipeline.py --schedule 1f1b" (default: the recommendation)')
     p.add_argument("--hangs", metavar="DIR", default=None,
@@ -831,6 +904,8 @@ def parse(argv):
         return args
     if args.layout is not None and args.plan is None:
         raise Refused("--layout names a layout of a plan: give --plan too")
+    if args.measured is not None and args.plan is None:
+        raise Refused("--measured is drawn under a plan's simulated step: give --plan (and --layout) too")
     if bool(args.files) + bool(args.schedule) + (args.plan is not None) != 1:
         raise Refused("give metrics files, --schedule (07_pipeline.py's timeline) or --plan (plan.py's "
                       "simulated step), one of the three")
@@ -887,7 +962,7 @@ def main(argv=None):
         import matplotlib.pyplot as plt
         try:
             if args.plan is not None:
-                fig = plot_plan(plt, args.plan, args.layout)
+                fig = plot_plan(plt, args.plan, args.layout, args.measured)
             elif args.schedule:
                 fig = plot_schedule(plt, args.schedule, args.pp, args.micro_batches, args.virtual_stages)
             elif kinds == {"bench"}:

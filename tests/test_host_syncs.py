@@ -11,9 +11,15 @@ which the scripts use on GPUs, reads nothing back; its CPU path is exempt (infra
 The table is the contract: the guard reads its flags once per step (1), and a strategy may
 add only what it states here."""
 
+import argparse
+import importlib.util
+import json
+import os
+import runpy
+
 import pytest
 
-from harness import TINY, launch
+from harness import ROOT, TINY, launch
 
 GUARD = 1  # infra.stop.Guard: one read of the agreed flags, before the update
 
@@ -53,5 +59,41 @@ def test_host_syncs_per_step(script, ranks, flags, expected, why):
         busy = [row["busy_fraction"] for row in run.steps]
         if "--measure_bubble" in flags:
             assert all(0 < b <= 1 for b in busy), busy
+            check_timelines(run, flags, ranks)
         else:
             assert busy == [None] * 3, busy
+
+
+def check_timelines(run, flags, p, m=4):
+    """--measure_bubble's timeline (issue 61): every rank wrote the last logged step's ops beside
+    the metrics, every op of its schedule once, in the order it runs them (its rounds, a round's
+    W after its F and B), each span inside the step and after the one before; plot.py draws
+    them under plan.py's simulated step of the same layout (zb: the last case, F, B, I and W)."""
+    pipeline = importlib.import_module("07_pipeline")
+    schedule = flags[flags.index("--schedule") + 1] if "--schedule" in flags else "1f1b"
+    every, v, _, _ = pipeline.run_schedule(argparse.Namespace(schedule=schedule, schedule_csv=None,
+                                                              virtual_stages=1), p, m)
+    metrics = run.cmd[run.cmd.index("--metrics") + 1]
+    assert run.steps[-1]["timeline"] == pipeline.timeline_path(metrics, 0)
+    for rank in range(p):
+        timeline = json.load(open(pipeline.timeline_path(metrics, rank)))
+        assert [timeline[key] for key in ("rank", "world_size", "step", "micro_batches")] == [rank, p, 2, m]
+        ops = [(op["op"], op["micro_batch"], op["chunk"]) for op in timeline["ops"]]
+        assert sorted(ops) == sorted(a for actions in every[rank] for a in actions), ops  # the schedule's, each once
+        for kinds in ("F", "BI"):  # a forward and a backward of every micro-batch, W where I was split from it
+            assert sorted(i for k, i, _ in ops if k in kinds) == list(range(m)), ops
+        assert sorted(i for k, i, _ in ops if k == "W") == sorted(i for k, i, _ in ops if k == "I"), ops
+        assert ops == pipeline.timed_order(every[rank]), ops  # in the order run, a round's W last
+        ends = [0.0] + [op["end"] for op in timeline["ops"]]
+        assert all(end <= op["start"] <= op["end"] for end, op in zip(ends, timeline["ops"])), timeline["ops"]
+        assert ends[-1] <= timeline["step_s"], (ends[-1], timeline["step_s"])
+    if schedule != "zb" or importlib.util.find_spec("matplotlib") is None:
+        return
+    plan = "--model tiny --gpus 2 --gpus_per_node 2 --gpu_mem_gb 8 --peak_tflops 10 --link_gbps 100 --inter_gbps 5"
+    layout = f"07_pipeline.py --schedule zb --global_batch_size 8 --micro_batch_size {8 // m}"
+    plot = runpy.run_path(os.path.join(ROOT, "plot.py"))
+    out = os.path.join(os.path.dirname(metrics), "measured.png")
+    assert plot["main"](["--plan", plan, "--layout", layout, "--measured", metrics, "-o", out]) == 0
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    other = layout.replace("zb", "1f1b")  # another layout than the one measured: refused in one line
+    assert plot["main"](["--plan", plan, "--layout", other, "--measured", metrics, "-o", out]) == 2
