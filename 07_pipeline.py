@@ -636,9 +636,7 @@ def main():
         norm = clip_grad_norm(chunks, args.grad_clip, pipeline.group, pipeline.tree) if args.grad_clip > 0 else None
         run.check(loss, (t.grad for t in chunks.parameters()), norm)  # non-finite? asked to stop?
         optimizer.step()
-        if step == run.start_step and run.cost:  # next to the ledger
-            run.log(f"activations in flight on stage {env.rank}: at most {in_flight} micro-batch chunk(s) "
-                    f"(theory {run.cost['in_flight']})")
+        log_in_flight(run, step, env, in_flight)  # the first step, next to the ledger
         run.end_step(loss, lambda: {"activations_in_flight": in_flight, "bubble_drawn": bubble,  # read when logged
                                     "busy_fraction": busy() if busy else None,  # --measure_bubble's events
                                     "timeline": busy and write_timeline(args, env, step, rounds, pipeline),  # each op
@@ -1711,6 +1709,13 @@ def timeline_text(args, p, m):
         text += (f"; {in_order:.3f} with each pair run in order (F + B), as 07 runs it and --measure_bubble sees"
                  + (": ZB-V's (p-1)/(6m+p-1)" if args.schedule == "dualpipev" else ""))
     return text, bubble
+
+
+def log_in_flight(run, step, env, in_flight):
+    """The activations this stage held at once in the first step, beside costs()' count."""
+    if step == run.start_step and run.cost:
+        run.log(f"activations in flight on stage {env.rank}: at most {in_flight} micro-batch chunk(s) "
+                f"(theory {run.cost['in_flight']})")
 
 
 def log_timeline(run, args, p, m):
