@@ -6,6 +6,7 @@ the collectives' alphabet and has a shape of its own):
 
     module docstring         at most 60 lines, its quotes included
     the lesson               line 1 to the last line of main(): at most 500 lines (07: 650)
+    main()                   at most 60 lines, its def line included: the training loop
     the first collective     at most 150 lines below the imports, counted from the last line
                              of the last top-level import that comes before the first def or
                              class, to the first line that calls a collective (below)
@@ -33,6 +34,7 @@ BANNER = "# ---- Beyond the lesson ----"
 DOCSTRING_LINES = 60
 LESSON_LINES = {"07_pipeline.py": 650}  # the rest: 500
 DEFAULT_LESSON_LINES = 500
+MAIN_LINES = 60
 FIRST_COLLECTIVE_LINES = 150
 COLLECTIVES = {"all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
                "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all_single", "all_to_all",
@@ -145,6 +147,16 @@ def test_the_lesson_is_short(script):
     _, tree = parse(script)
     limit, end = LESSON_LINES.get(script, DEFAULT_LESSON_LINES), main_of(tree).end_lineno
     assert end <= limit, f"{script}: from the top to the end of main() is {end} lines, at most {limit}"
+
+
+@pytest.mark.parametrize("script", WITH_01)
+def test_main_is_short(script):
+    _, tree = parse(script)
+    main = main_of(tree)
+    lines = main.end_lineno - main.lineno + 1
+    assert lines <= MAIN_LINES, (
+        f"{script}: main() is {lines} lines, at most {MAIN_LINES}: the training loop with the run protocol at a "
+        "handful of points; what is not the strategy goes to a function below the banner")
 
 
 @pytest.mark.parametrize("script", TRAINING)
