@@ -132,13 +132,12 @@ class Unit:
             return
         fsdp, S = self.fsdp, self.fsdp.shard_size
         fsdp.finish_reductions()
-        packed = torch.zeros(S, self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)  # padding stays 0
+        packed = torch.zeros(S, self.numel, dtype=fsdp.reduce_dtype, device=fsdp.device)
         for p, shape, offset, numel, rows in zip(self.params, self.shapes, self.offsets, self.shard_numels, self.rows):
-            grad, part = p.grad.view(shape[0], -1), packed[:, offset:offset + numel].view(S, rows, -1)
-            whole, rest = divmod(shape[0], rows)  # ranks with all their rows, then the rows of the next
-            part[:whole] = grad[:whole * rows].view(whole, rows, -1)  # rank r's rows -> row r, cast once
-            if rest:  # the last rank with rows holds some padding
-                part[whole, :rest] = grad[whole * rows:]
+            grad = p.grad.to(fsdp.reduce_dtype).view(shape[0], -1)
+            padded = torch.zeros(S * rows, grad.shape[1], dtype=fsdp.reduce_dtype, device=fsdp.device)
+            padded[:shape[0]] = grad
+            packed[:, offset:offset + numel] = padded.view(S, numel)  # rank r's rows -> row r
             p.grad = None  # the full gradient is freed: only the shard will be kept
         if fsdp.bitwise:  # --bitwise: into the unit's tree, reduced in one fixed order once whole (below)
             fsdp.bitwise.add(self, packed)
