@@ -122,11 +122,12 @@ def route(logits, top_k, bias=None, capacity_factor=0.0):
     """Top-k routing (Mixtral's): each token to its k most probable experts, weighted by those k
     probabilities renormalised. Returns weights (B·T, k); `order`, the stable permutation grouping the
     B·T·k entries (i·k + j: token i's j-th choice) by expert; `counts` (E,); Switch Transformer's
-    balancing loss per sequence, averaged, so the same however the batch is split; and `load` (E,),
-    the entries each expert was chosen for. `bias`: DeepSeek-V3's, added to the scores to choose the
-    experts only. `capacity_factor` C > 0: GShard's capacity with one sequence as the group, so that
-    every layout drops what 01 drops (docs/strategies.md, "Routing options"); `order` then lists the
-    dropped entries last, and `counts` counts the kept."""
+    balancing loss E·Σ_e f_e·P_e (f_e: share of assignments, no gradient; P_e: mean router probability)
+    per sequence, averaged, so the same however the batch is split; and `load` (E,), the entries each
+    expert was chosen for. `bias`: DeepSeek-V3's, added to the scores to choose the experts only.
+    `capacity_factor` C > 0: GShard's capacity with one sequence as the group, so that every layout
+    drops what 01 drops (docs/strategies.md, "Routing options"); `order` then lists the dropped
+    entries last, and `counts` counts the kept."""
     probs = F.softmax(logits.float(), dim=-1)  # (B, T, E), in fp32 also under autocast
     B, T, E = probs.shape
     experts = torch.topk(probs if bias is None else probs + bias, top_k, dim=-1).indices  # the bias only chooses
