@@ -501,16 +501,6 @@ def is_hidden_matrix(name, shape):
     return len(shape) == 2 and re.search(r"(^|\.)h\.\d+\.", name) is not None and ".router." not in name
 
 
-def hidden_matrix_shapes(config):
-    """The full shapes of the matrices Muon updates (from the shapes alone)."""
-    return [shape for name, shape in param_shapes(config).items() if is_hidden_matrix(name, shape)]
-
-
-def hidden_matrix_params(config):
-    """Ψ_m, the parameters Muon updates (from the shapes alone)."""
-    return sum(math.prod(shape) for shape in hidden_matrix_shapes(config))
-
-
 def orthogonalize(g, dtype=torch.float32):
     """Newton-Schulz: about U·Vᵀ of g = U·S·Vᵀ, every singular value pushed towards 1 by NS_STEPS
     odd quintic steps X <- a·X + (b·A + c·A·A)·X, A = X·Xᵀ, from X = g/‖g‖ on its wide side
