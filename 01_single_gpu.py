@@ -31,9 +31,8 @@ Cost per device, Ψ = number of parameters (bytes; AdamW keeps two fp32 moments)
 from infra import Run  # the run infrastructure; `from common import Run` is the plain loop
 import torch
 
-from common import (autocast, build_model, check, count_params, Data, expert_rows, expert_step, hidden_matrix_params,
-                    hidden_matrix_shapes, lr_at, make_optimizer, make_parser, model_block_size, model_config,
-                    to_device, TreeGrads)
+from common import (autocast, build_model, check, count_params, Data, expert_rows, expert_step, lr_at,
+                    make_optimizer, make_parser, model_block_size, model_config, to_device, TreeGrads)
 
 
 def add_flags(parser):
@@ -155,7 +154,8 @@ def costs(args, config, world_size, dtype, rows=None):
     layers (infra.formulas.activation_terms counts them op by op; --recompute keeps block inputs);
     `rows` (--capacity_factor): the rows each layer's experts ran, per micro-batch, this step."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
-                                newton_schulz_flops, phase_peaks, transient_terms)
+                                hidden_matrix_params, hidden_matrix_shapes, newton_schulz_flops, phase_peaks,
+                                transient_terms)
     psi, _ = count_params(config)
     b = args.micro_batch_size or args.global_batch_size
     terms = activation_terms(config, b, config.block_size, dtype, activation_device_type(args))

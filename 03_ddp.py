@@ -40,9 +40,9 @@ from infra import Run  # the run infrastructure; `from common import Run` is the
 import torch
 import torch.distributed as dist
 
-from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
-                    lr_at, make_optimizer, make_parser, model_block_size, model_config, Muon, muon_apply,
-                    muon_momentum, orthogonalize, to_device, TreeGrads, tree_all_reduce)
+from common import (autocast, build_model, check, count_params, Data, lr_at, make_optimizer, make_parser,
+                    model_block_size, model_config, Muon, muon_apply, muon_momentum, orthogonalize, to_device,
+                    TreeGrads, tree_all_reduce)
 
 
 def add_flags(parser):
@@ -308,7 +308,8 @@ def costs(args, config, world_size, dtype, rank=0):
     owners' broadcasts, every matrix's update once in the Newton-Schulz dtype (e·Ψ_m, none
     alone), and Newton-Schulz on the matrices this rank owns."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
-                                newton_schulz_flops, phase_peaks, transient_terms)
+                                hidden_matrix_params, hidden_matrix_shapes, newton_schulz_flops, phase_peaks,
+                                transient_terms)
     from common import param_shapes
     psi, _ = count_params(config)
     shapes = hidden_matrix_shapes(config) if args.optimizer == "muon" else []  # Muon's matrices, whole

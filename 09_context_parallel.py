@@ -64,9 +64,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from common import (autocast, build_model, check, count_params, Data, hidden_matrix_params, hidden_matrix_shapes,
-                    lr_at, make_optimizer, make_parser, model_config, Muon, muon_apply, muon_momentum, orthogonalize,
-                    recomputed, to_device)
+from common import (autocast, build_model, check, count_params, Data, lr_at, make_optimizer, make_parser,
+                    model_config, Muon, muon_apply, muon_momentum, orthogonalize, recomputed, to_device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -658,9 +657,10 @@ def costs(args, config, world_size, dtype, rank=0):
     (the section's T). Activations: infra.formulas.activation_terms on them, with the attention term
     replaced by what this script's attention saves."""
     from infra.formulas import (activation_device_type, activation_terms, activations_of_layers, formula,
-                                newton_schulz_flops, phase_peaks, sdpa_logsumexp, transient_terms)
+                                hidden_matrix_params, hidden_matrix_shapes, newton_schulz_flops, phase_peaks,
+                                sdpa_logsumexp, transient_terms)
     C, D = check_layout(args, config, world_size)
-    n_params, _ = count_params(config)  # from the meta device: nothing allocated
+    n_params, _ = count_params(config)  # from the shapes alone: nothing allocated
     psi_m = hidden_matrix_params(config) if args.optimizer == "muon" else 0  # Muon's matrices
     shapes = hidden_matrix_shapes(config) if args.optimizer == "muon" else []  # their shapes, whole
     micro = args.micro_batch_size or args.global_batch_size // D

@@ -123,16 +123,11 @@ def route(logits, top_k, bias=None, capacity_factor=0.0):
     probabilities renormalised. Returns weights (B·T, k); `order`, the stable permutation grouping the
     B·T·k entries (i·k + j: token i's j-th choice) by expert; `counts` (E,); Switch Transformer's
     balancing loss E·Σ_e f_e·P_e (f_e: share of assignments, no gradient; P_e: mean router probability)
-    per sequence, averaged (DeepSeek-V3's form): the same however the batch is split, as the oracle needs;
-    and `load` (E,), the entries each expert was chosen for.
-    `bias` (E,): DeepSeek-V3's auxiliary-loss-free balancing adds it to the scores to choose the experts
-    only; the weights stay the unbiased probabilities. `capacity_factor` C > 0: GShard's capacity, with
-    one sequence as the group: an expert takes at most ceil(C·k·T/E) of a sequence's entries, every
-    token's first choice before any second choice, then by position (GShard's order); the rest are
-    dropped (the residual carries those tokens). `order` then lists the kept entries grouped by expert
-    first and the dropped ones last, and `counts` counts the kept. The group is one sequence because a
-    sequence is what every layout holds whole: a token's fate depends on its own sequence only, never on
-    --micro_batch_size or the world size, so every layout drops what 01 drops."""
+    per sequence, averaged, so the same however the batch is split; and `load` (E,), the entries each
+    expert was chosen for. `bias`: DeepSeek-V3's, added to the scores to choose the experts only.
+    `capacity_factor` C > 0: GShard's capacity with one sequence as the group, so that every layout
+    drops what 01 drops (docs/strategies.md, "Routing options"); `order` then lists the dropped
+    entries last, and `counts` counts the kept."""
     probs = F.softmax(logits.float(), dim=-1)  # (B, T, E), in fp32 also under autocast
     B, T, E = probs.shape
     experts = torch.topk(probs if bias is None else probs + bias, top_k, dim=-1).indices  # the bias only chooses
@@ -166,10 +161,9 @@ def combine(out, order, weights):
 
 
 class Router(nn.Linear):
-    """An MoE block's router: a Linear to E scores (no bias), then `route` with the block's options.
-    --balance bias keeps DeepSeek-V3's per-expert bias as a buffer: no gradient, moved after each
-    optimizer step by update_expert_bias, saved in the checkpoint. In training forwards it keeps the
-    entries per expert chosen (`load`, before any drop) and dropped, summed on the device (expert_load)."""
+    """An MoE block's router: a Linear to E scores (no bias), then `route`. --balance bias's per-expert
+    bias is a buffer (no gradient; update_expert_bias moves it; checkpointed). Training forwards sum
+    the entries chosen per expert and dropped on the device (expert_load)."""
 
     def __init__(self, config):
         super().__init__(config.n_embd, config.n_expert, bias=False)
@@ -227,10 +221,9 @@ def expert_load(model):
 
 
 def expert_step(model, load=None, dropped=None):
-    """After the optimizer step: --balance bias's update of the routers' biases on this step's counts,
-    then the metrics' routing keys (a function: read on the host only when a step is logged). `load`
-    (L, E) and `dropped` (entries): the whole global batch's; by default the routers' own (expert_load),
-    which are the global batch's where one process trains on all of it (01)."""
+    """After the optimizer step: --balance bias's update on the whole global batch's counts (by
+    default the routers' own, expert_load, which are that where one process trains on it all: 01),
+    then the metrics' routing keys as a function (read on the host only when a step is logged)."""
     if load is None:
         load, dropped = expert_load(model)
     update_expert_bias(model, load)
@@ -259,10 +252,9 @@ def expert_rows(model):
 
 @torch.no_grad()
 def update_expert_bias(model, load):
-    """--balance bias, after the optimizer step (DeepSeek-V3, from Wang et al. 2024's loss-free
-    balancing): each router's bias moves by gamma·sign(mean load − load), up for the experts chosen
-    less often than the mean, down for the busier ones. `load` (L, E): the entries per expert of the
-    whole global batch, the same on every rank, so that every rank's biases stay equal. Otherwise nothing."""
+    """--balance bias, after the optimizer step (DeepSeek-V3): each router's bias moves by
+    gamma·sign(mean load − load). `load` (L, E): the entries per expert of the whole global batch,
+    the same on every rank, so that every rank's biases stay equal. Otherwise nothing."""
     for block, layer in zip(model.transformer.h, load):
         router = block.mlp.router
         if router.expert_bias is not None:
@@ -507,16 +499,6 @@ MUON_MOMENTUM = 0.95
 def is_hidden_matrix(name, shape):
     """Muon's share: the blocks' 2-D weights (attention, MLP, experts), by name (01's or 07's chunks')."""
     return len(shape) == 2 and re.search(r"(^|\.)h\.\d+\.", name) is not None and ".router." not in name
-
-
-def hidden_matrix_shapes(config):
-    """The full shapes of the matrices Muon updates (from the shapes alone)."""
-    return [shape for name, shape in param_shapes(config).items() if is_hidden_matrix(name, shape)]
-
-
-def hidden_matrix_params(config):
-    """Ψ_m, the parameters Muon updates (from the shapes alone)."""
-    return sum(math.prod(shape) for shape in hidden_matrix_shapes(config))
 
 
 def orthogonalize(g, dtype=torch.float32):

@@ -348,16 +348,26 @@ def _transient_terms(config, b, s, dtype, device_type, optimizer, update, matrix
             "init": term("4*P_max", P_max=largest)}
 
 
+def hidden_matrix_shapes(config):
+    """The full shapes of the matrices Muon updates (from the shapes alone)."""
+    from common import is_hidden_matrix, param_shapes
+    return [shape for name, shape in param_shapes(config).items() if is_hidden_matrix(name, shape)]
+
+
+def hidden_matrix_params(config):
+    """Ψ_m, the parameters Muon updates (from the shapes alone)."""
+    return sum(math.prod(shape) for shape in hidden_matrix_shapes(config))
+
+
 def model_sizes(config):
     """(the largest parameter's elements, largest_matrix() of Muon's matrices, matmul_weights())
     of the whole model, from its shapes; remembered per config (plan.py asks for every rank
     of thousands of layouts)."""
-    from common import is_hidden_matrix, param_shapes
+    from common import param_shapes
     key = repr(config)
     if key not in _MODEL_SIZES:
         shapes = param_shapes(config)
-        _MODEL_SIZES[key] = (max(map(math.prod, shapes.values())),
-                             largest_matrix(s for name, s in shapes.items() if is_hidden_matrix(name, s)),
+        _MODEL_SIZES[key] = (max(map(math.prod, shapes.values())), largest_matrix(hidden_matrix_shapes(config)),
                              matmul_weights(shapes))
     return _MODEL_SIZES[key]
 

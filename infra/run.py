@@ -241,8 +241,7 @@ class Run(common.Run):
 
     def evaluate(self, step):
         LEDGER.step, LEDGER.phase = step, "evaluation"
-        losses = self._evaluate()
-        log(self.env, f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        losses = super().evaluate(step)  # the plain one's evaluation and line
         self.metrics.write({"step": step, "val_loss": losses["val"], "train_loss": losses["train"]})
         LEDGER.take()  # evaluation traffic is not a training step's
         return losses
