@@ -539,8 +539,9 @@ class HostCopies:
     of pinned tensors is not pinned) and copied to the device in `dtype`; the host does not
     wait, but the compute stream waits for the copy from the moment up() is called, so every
     kernel queued after it waits too: a copy up overlaps no compute (call it when its tensor
-    is needed, not ahead). On a CPU run (no streams) both are the plain copies; unverified on
-    GPUs (no GPU was lent)."""
+    is needed, not ahead). On a CPU run (no streams) both are the plain copies. On one GPU
+    they ran a few steps at one rank (docs/measured.md, "One GPU"); whether the copies overlap
+    the compute there is unmeasured."""
 
     def __init__(self, device):
         self.device = device

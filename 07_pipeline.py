@@ -651,7 +651,8 @@ def main():
 # What follows is not needed to read the strategy: zero bubble's split Linear (SplitLinear),
 # the V schedules' orders (ZB-V, DualPipeV, as torch writes them), the exchanges reordered
 # for NCCL in a V, a schedule's CSV import and export, costs() and the accounting, checkpoint
-# pieces, and the unit-cost replay that draws the schedule and its bubble.
+# pieces, the unit-cost replay that draws the schedule and its bubble, and --measure_bubble's
+# timeline files (write_timeline, which plot.py --measured reads).
 
 
 # ---------------------------------------------------------------------------------------

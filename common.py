@@ -1386,12 +1386,15 @@ class Run:
         self.optimizer, self._evaluate, self.extra_rng, self.start_step = optimizer, evaluate, extra_rng, 0
         self.layout = {**layout, "world_size": env.world_size}
         self.path = os.path.join(args.out_dir, f"plain_ckpt_rank{env.rank}.pt")
-        log(env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device "
-                 f"{env.device}, {str(env.dtype).replace('torch.', '')}, {describe}")
+        self.log_model(config, describe)
         if args.resume:
             return self.resume(after_resume)
         check(not args.ckpt_interval or args.overwrite or not os.path.exists(self.path), f"{self.path} holds "
               "another run's checkpoint: --resume it, or --overwrite it")
+
+    def log_model(self, config, describe):
+        log(self.env, f"model: {count_params(config)[1] / 1e6:.2f}M parameters (nanoGPT's count), device "
+                      f"{self.env.device}, {str(self.env.dtype).replace('torch.', '')}, {describe}")
 
     def checkpointed(self):
         """(tensors, states): what this rank's optimizer updates (a view into a buffer, ZeRO's flat shard,

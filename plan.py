@@ -8,10 +8,12 @@ checks and its --dry_run prints: this file restates no formula), and scores each
     candidates   01 (N = 1); 03 DDP; 04 ZeRO stages 1, 2, 3; 05 FSDP (--replicate 1) and HSDP
                  (--replicate R, every divisor R of N); 06 TP with and without sequence
                  parallelism (tp = N, inside one node); 07 PP with GPipe, 1F1B, interleaved
-                 1F1B and zero bubble, ZB-H1 (pp = N); 08 3D for every tp x pp dividing N
-                 (tp inside a node), with and without --zero1; 09 context parallelism (ring
-                 and Ulysses) when the file exists. Each with the scripts' default
-                 micro-batch and with micro-batch 1.
+                 1F1B, zero bubble (ZB-H1), ZB-V and DualPipeV (pp = N); 08 3D for every
+                 tp x pp dividing N (tp inside a node), with and without --zero1, and 4D with
+                 --cp 2, 4, 8; 09 context parallelism (ring and Ulysses) when the file
+                 exists. A mixture of experts: 01 (N = 1), 10 at every --ep dividing N and E,
+                 and 08 with --ep. Each with the scripts' default micro-batch and with
+                 micro-batch 1 (unless --micro_batch_size is given).
     valid        the script's own --dry_run accepts the flags for N ranks (the plan runs the
                  script's main() with --dry_run and takes the costs it computed; a refused
                  layout is listed with the script's one-line reason under --show_invalid)

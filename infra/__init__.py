@@ -33,7 +33,7 @@ Layers, top first:
     ledger              CommLedger (bytes by operation and group), the Flight Recorder trail
     fake_host           HostTensor (GPTPAR_FAKE_HOST=1): host memory told apart on a CPU
     data_check          --data scanned once per job before the run
-    formulas            formula(): one expression, the text and the number; the model's terms
+    formulas            formula(): one expression, the text and the number; the model's terms, Muon's matrices
     cli                 the infrastructure's flags and their checks
     launch              common.setup hardened: another job's store, one line when a rank cannot join, the abort hook
 

@@ -26,11 +26,12 @@ from infra.ledger import LEDGER
 # docs/memory.md): up to 670 MiB at dropout 0, and 1.1-1.5 GiB for the default model's bare
 # commands (dropout 0.2, 24-48 sequences); most of it is glibc's heap keeping freed memory.
 # FIT_SHARE of costs() + FIT_MIB covers every case measured. On GPUs, where the caching
-# allocator reuses freed blocks, the allowance is an estimate, unmeasured (no GPU was lent).
+# allocator reuses freed blocks, the allowance is an estimate: the one GPU lent so far checked
+# it once, on 01's default model at one rank (21% high; docs/measured.md, "One GPU").
 FIT_SHARE, FIT_MIB = 0.5, 768  # CPU
 
 
-FIT_SHARE_GPU, FIT_MIB_GPU = 0.25, 128  # CUDA, ROCm, XPU (unmeasured)
+FIT_SHARE_GPU, FIT_MIB_GPU = 0.25, 128  # CUDA, ROCm, XPU (an estimate: one run on one GPU)
 
 
 def fit_allowance(device_type):

@@ -1,9 +1,10 @@
 """Cost formulas: one expression gives both the text printed beside a number and the number
 (formula, plus), and the terms every script's costs() is built from: the training FLOPs per
-token (PaLM's 6N + 12LHQT) and Muon's Newton-Schulz FLOPs, the activations this model saves for
-backward (Korthikanti et al.'s count, op by op for common.py's model and PyTorch's kernels), the
-transients of a step's phases, the peaks by phase; and format_bytes, bytes as a reader reads
-them. Pure arithmetic on a config: no process group, no tensor of the run."""
+token (PaLM's 6N + 12LHQT), Muon's matrices (hidden_matrix_shapes) and their Newton-Schulz
+FLOPs, the activations this model saves for backward (Korthikanti et al.'s count, op by op for
+common.py's model and PyTorch's kernels), the transients of a step's phases, the peaks by phase;
+and format_bytes, bytes as a reader reads them. Pure arithmetic on a config: no process group,
+no tensor of the run."""
 
 import ast
 import math

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import common
 from common import (Data, Launch, check_batch, count_params, detect_launcher, log, micro_batch_sizes, model_config,
-                    progress, synchronize, teardown)
+                    synchronize, teardown)
 from infra.launch import setup
 from infra.cli import parse_args
 from infra.formulas import flops_per_token, format_bytes
@@ -203,10 +203,8 @@ class Run(common.Run):
                     export_agreed(args, env, self.start_step)
         self.oracle = GradientOracle(args, env, self.script, self.run_config, pieces()) \
             if args.check_gradients else None  # --check_gradients: REF read (or 01's measures) now
-        nano_params = count_params(config)[1]
-        log(env, f"model: {nano_params / 1e6:.2f}M parameters (nanoGPT's count), device {env.device}, "
-                 f"{str(env.dtype).replace('torch.', '')}, {describe}")
-        self.metrics = Metrics(args, env, flops_per_token(config, nano_params), self.cost,
+        self.log_model(config, describe)
+        self.metrics = Metrics(args, env, flops_per_token(config, count_params(config)[1]), self.cost,
                                config={"script": self.script, "preset": args.model, **self.run_config})
         setup_traffic = LEDGER.take()  # the set-up's traffic (weights broadcast, groups made) is not a step's
         if setup_traffic:
@@ -214,14 +212,10 @@ class Run(common.Run):
         return extra
 
     def steps(self):
-        """The optimizer steps, from the resumed one to --max_iters: evaluates at
-        --eval_interval (and after the last step), opens the ledger's window, starts the clock."""
-        args = self.args
-        for step in progress(self.env, self.start_step, args.max_iters):
-            if args.eval_interval and step % args.eval_interval == 0:
-                self.evaluate(step)
-            self.step = LEDGER.step = step
-            LEDGER.phase = "step"
+        """The plain one's steps (from the resumed one to --max_iters, evaluations at --eval_interval
+        and after the last step), each opening the ledger's window and restarting the clock."""
+        for step in super().steps():
+            LEDGER.step, LEDGER.phase = step, "step"
             # the meter's hooks cost ~1.6% of a step's CPU: they run on the steps whose figures
             # are read (the ledger's first, the logged ones), not on the others
             self.meter.measured = step == self.start_step or self.logged(step)
@@ -232,8 +226,6 @@ class Run(common.Run):
             if self.profiler:  # --profile: its window opens at its first step
                 self.profiler.begin_step(step)
             yield step
-        if args.eval_interval and args.max_iters > self.start_step:
-            self.evaluate(args.max_iters)
 
     def logged(self, step):
         """Whether `step` writes a metrics row: at --log_interval, and the last step."""
