@@ -43,7 +43,8 @@ intra-op thread pool exists when it forks; it checks that it holds exactly one t
 (threading and /proc/self/task) at start and before every fork, and refuses jobs otherwise.
 Repository modules imported here (common.py, the modules of infra/) are dropped from sys.modules
 in the rank, all of them, when any has changed on disk since, and the rank imports the files as
-they are now.
+they are now. The numbered scripts are compiled here once; a rank runs its script's compiled code
+unless the file has changed since (then it compiles it, as `python script` does).
 
 What fork cannot give: every rank of every job shares the server's string-hash seed
 (PYTHONHASHSEED is fixed at interpreter start), so ranks iterate a set of strings in the same
@@ -74,6 +75,11 @@ PRELOAD = [
 # therefore detaches these before its atexit handlers run; the finalizers the script itself
 # registered (a TemporaryDirectory's cleanup...) and every atexit handler still run.
 SERVER_FINALIZERS = []
+
+# The numbered scripts, compiled once here: `python script` (and runpy.run_path) compiles its
+# script's source before the first line runs, in every rank (08_3d.py 0.05 s, 07 0.03 s).
+# {path: (its file_stamp, code)}; a rank whose script was edited since compiles it afresh.
+SCRIPTS = {}
 
 GRACE_S = 10.0  # after a rank exits non-zero, the others may end on their own for this long
 KILL_S = 5.0  # then SIGTERM; SIGKILL this long after
@@ -114,6 +120,14 @@ def file_stamp(path):
     except OSError:
         return None
     return path, st.st_mtime_ns, st.st_size
+
+
+def compile_scripts():
+    import glob
+    for path in sorted(glob.glob(os.path.join(ROOT, "[0-9][0-9]_*.py"))):
+        stamp = file_stamp(path)  # before the read: an edit in between shows as a changed stamp
+        with open(path, "rb") as f:
+            SCRIPTS[path] = (stamp, compile(f.read(), path, "exec", dont_inherit=True))
 
 
 def edited(loaded):
@@ -230,7 +244,11 @@ def run_rank(job, rank, pgid, port, close_fds, base_path, loaded):
     interrupted = False
     try:
         import runpy
-        runpy.run_path(script, run_name="__main__")
+        cached = SCRIPTS.get(script)
+        if cached is not None and not job.get("isolated") and file_stamp(script) == cached[0]:
+            runpy._run_module_code(cached[1], None, "__main__", pkg_name="", script_name=script)  # as run_path would
+        else:
+            runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:
         code = exit_status(e)
@@ -411,14 +429,15 @@ def read_request(conn):
 
 
 def serve(path):
+    import gc
     import json
     import select
     import socket
-
-    import gc
     import weakref
+
     base_path = list(sys.path[1:])  # without this file's directory, which a rank replaces by its script's
     loaded = repo_modules()
+    compile_scripts()
     SERVER_FINALIZERS[:] = list(weakref.finalize._registry)
     # The server's ~285,000 objects into the collector's permanent generation: a rank's full
     # collection would otherwise walk them all, writing to each object's header, and so copy
