@@ -80,6 +80,36 @@ def test_one_process_is_a_plain_python_script(tmp_path):
     assert {k: v for k, v in r["env"].items() if v is not None} == {"OMP_NUM_THREADS": "1"}
 
 
+def test_a_rank_ends_as_the_interpreter_would_without_undoing_the_servers_imports(tmp_path):
+    """At its end a rank runs its script's atexit handlers, then the weakref finalizers its script
+    registered, as an interpreter does; the finalizers alive in the server before the fork
+    (torch.library's, which would deregister torch's every kernel, copying the server's pages
+    to do it) are detached first. The server's objects are frozen out of the rank's collections."""
+    text = textwrap.dedent("""
+        import atexit, gc, weakref
+        class Held:
+            pass
+        held = Held()
+        weakref.finalize(held, print, "the script's finalizer ran", flush=True)
+        atexit.register(lambda: print("alive at exit:", sum(f.alive for f in weakref.finalize._registry), flush=True))
+        print("frozen:", gc.get_freeze_count() > 100_000, "collected:", gc.collect() >= 0, flush=True)
+        """)
+    run = launch(script(tmp_path, text), nprocs=1, launcher="fork", metrics=False, out_dir=False, timeout=60).ok()
+    assert run.stdout.splitlines() == ["frozen: True collected: True", "alive at exit: 1", "the script's finalizer ran"]
+
+
+def test_a_rank_reimports_the_repositorys_modules_when_one_was_edited(tmp_path):
+    import forkserver
+    module = tmp_path / "module.py"
+    module.write_text("x = 1\n")
+    loaded = {"module": forkserver.file_stamp(str(module))}
+    assert not forkserver.edited(loaded)
+    module.write_text("x = 22\n")
+    assert forkserver.edited(loaded)
+    module.unlink()
+    assert forkserver.edited(loaded)
+
+
 def test_rendezvous_ledger_and_one_thread_per_rank():
     run = launch("tests/dist_probe.py", ["--device", "cpu"], nprocs=3, launcher="fork", metrics=False,
                  timeout=120).ok()
