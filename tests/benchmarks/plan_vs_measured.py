@@ -17,8 +17,8 @@ copies of 01 computes at once, the cores term; and what an all-reduce costs insi
 compute on n ranks at two sizes, call_cost.py, at each size of group the layout's calls
 meet (n ranks as n/g groups of g: a pipeline's pairs at 4 ranks), which gives plan.py's fixed
 cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees), the
-layout, then the host and 01 again (of each the quieter of the two). Both are priced with
-plan.score with these figures: predicted =
+layout, then the host, 01 and the layout again (of each the quieter of the two). Both are
+priced with plan.score with these figures: predicted =
 plan(layout) / plan(01), measured = step(layout) / step(01), a step being the fastest of the
 slowest rank's steps after --skip (dt_ms_max: a shared host's load only adds time). It prints
 a Markdown table and a last line `max |error| X% over N layouts`; a layout off by more than
@@ -227,21 +227,24 @@ def calls_text(call_s):
     return ", ".join(f"g {g}: {s * 1e3:.2f}" for g, s in call_s.items()) + " ms"
 
 
-# Terms found by timing a layout's phases on this host (docs/measured.md says how), which
-# plan.py does not price: named for the layout when it misses.
+# Terms found for a layout on this host (docs/measured.md says how), which plan.py does not
+# price: named for the layout ("label", or "ranks:label") when it misses.
 MEASURED_TERMS = {
     "04 ZeRO-1": "not priced, timed by phase on 2 ranks: stage 1's gradient hook adds each parameter's gradient into "
                  "the kept fp32 sum every micro-batch (16-37 ms a step); gloo's reduce-scatter runs as an all-reduce "
                  "of the whole buffer plus copies, part of it on the calling thread (1.9 ms per MB against the "
                  "all-reduce's 1.2 at 2 ranks, where plan.py prices half the all-reduce's)",
+    "4:09 ring": "the ring's exchanges are priced at a pair's cost per call, but each step of the ring waits on "
+                 "every rank of it (rank r on r-1, on r-2, ...): 4 ranks meet, as in the all-reduce's cost per "
+                 "call at 4 (inferred, not measured alone)",
 }
 
 
-def missing_term(pred, meas, c, label=""):
-    """What plan.py leaves out: a term measured for the layout (MEASURED_TERMS), else as far as
-    its numbers tell."""
-    if meas > pred and label in MEASURED_TERMS:
-        return MEASURED_TERMS[label]
+def missing_term(pred, meas, c, label="", n=0):
+    """What plan.py leaves out: a term found for the layout (MEASURED_TERMS, by "n:label" or
+    label), else as far as its numbers tell."""
+    if meas > pred and (label in MEASURED_TERMS or f"{n}:{label}" in MEASURED_TERMS):
+        return MEASURED_TERMS.get(f"{n}:{label}", MEASURED_TERMS.get(label))
     if meas > pred:
         if c["comm_s"] < 0.2 * c["step_time_s"]:
             return "slower than its FLOPs, cores and calls priced: the host's load moved between the measurements beside it"
@@ -280,14 +283,16 @@ def main():
                 continue
             if a.smoke and script == "03_ddp.py":
                 script, strategy, label = "07_pipeline.py", ["--schedule", "1f1b"], "07 1F1B"
-            # interleaved: 01, the host's cores and calls, the layout, then the host and 01 again:
-            # of each the quieter (the faster) of the two, as a shared host's load only adds time
+            # interleaved: 01, the host's cores and calls, the layout, then the host, 01 and the
+            # layout again: of each the quieter (the faster) of the two, as a shared host's load
+            # only adds time, and a burst of it can last a whole run
             groups = call_groups(script, model + extra + strategy, n)
             one = measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip)
             now = beside(model, n, a.iters, a.skip, calls, rounds, groups)
             step = measure(script, model + extra + strategy, n, a.iters, a.skip)
             again = beside(model, n, a.iters, a.skip, calls, rounds, groups)
             one = min(one, measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip))
+            step = min(step, measure(script, model + extra + strategy, n, a.iters, a.skip))
             now = dict(now, slow=max(1.0, min(now["together"], again["together"]) / (one / n)) if n > 1 else 1.0,
                        call={g: tuple(map(min, now["call"][g], again["call"][g])) for g in groups})
             rated = at_rate_of(host, one, model + extra)
@@ -296,7 +301,7 @@ def main():
             pred, meas = c["step_time_s"] / c1["step_time_s"], step / one
             error = 100 * (pred / meas - 1)
             errors.append(abs(error))
-            term = missing_term(pred, meas, c, label) if abs(error) > a.target else ""
+            term = missing_term(pred, meas, c, label, n) if abs(error) > a.target else ""
             print(f"| {label} | {n} | {pred:.2f} | {meas:.2f} ({step * 1e3:.0f} / {one * 1e3:.0f} ms) | {error:+.0f}% | "
                   f"{now['slow']:.2f}x, {calls_text(c['call_s'])}, {c['beta']:.2f} GB/s | "
                   f"{c['compute_s'] * 1e3:.0f} + {c['comm_s'] * 1e3:.0f} ms ({100 * c['bubble']:.0f}%) | {term} |",
