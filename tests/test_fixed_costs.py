@@ -129,3 +129,17 @@ def test_the_benchmarks_pricing_path():
     as_pairs = pvm.priced("07_pipeline.py", pipeline, 4, rated, now)["step_time_s"]
     as_world = pvm.priced("07_pipeline.py", pipeline, 4, rated, dict(now, call={4: now["call"][4]}))["step_time_s"]
     assert as_pairs < as_world
+
+
+@pytest.mark.parametrize("flags", [["--ranks", "4", "--group", "3"], ["--ranks", "4", "--group", "1"],
+                                   ["--ranks", "2", "--group", "4"]])
+def test_call_cost_refuses_a_group_that_does_not_divide_the_ranks_in_one_line(flags):
+    """call_cost.py --group G: n ranks as n/G groups of G, so G must be at least 2 and divide n
+    (checked before any rank starts)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "call_cost.py"), *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: --group must be at least 2 and divide --ranks {flags[1]}, got {flags[3]}"]
