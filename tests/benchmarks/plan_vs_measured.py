@@ -241,8 +241,8 @@ MEASURED_TERMS = {
                "ranks 1.9 and 1.4 ms per MB, the all-reduce 1.2, where the ring's would be half the all-reduce's); "
                "how much of this miss that is was not measured",
     "4:09 ring": "the ring's exchanges are priced at a pair's cost per call, but each step of the ring waits on "
-                 "every rank of it (rank r on r-1, on r-2, ...): 4 ranks meet, as in the all-reduce's cost per "
-                 "call at 4 (inferred, not measured alone)",
+                 "every rank of it (rank r on r-1, on r-2, ...), so more than a pair meets (priced at the 4-rank "
+                 "call it was +40..+62%; inferred, not measured alone)",
 }
 
 
