@@ -233,12 +233,14 @@ MEASURED_TERMS = {
     "04 ZeRO-1": "not priced, timed by phase on 2 ranks: stage 1's gradient hook adds each parameter's gradient into "
                  "the kept fp32 sum every micro-batch (16-37 ms a step); gloo's reduce-scatter runs as an all-reduce "
                  "of the whole buffer plus copies, part of it on the calling thread (1.9 ms per MB against the "
-                 "all-reduce's 1.2 at 2 ranks, where plan.py prices half the all-reduce's)",
+                 "all-reduce's 0.95-1.2 at 2 ranks, where plan.py prices half the all-reduce's: call_cost.py --op)",
     "04 ZeRO-3": "gloo's reduce-scatter and all-gather cost more per byte than plan.py's ring prices them (at 2 "
-                 "ranks 1.9 and 1.4 ms per MB, the all-reduce 1.2, where the ring's would be half the all-reduce's); "
+                 "ranks 1.9 and 1.2-1.4 ms per MB, the all-reduce 0.95-1.2, where the ring's would be half the "
+                 "all-reduce's: call_cost.py --op); "
                  "how much of this miss that is was not measured",
     "05 FSDP": "gloo's reduce-scatter and all-gather cost more per byte than plan.py's ring prices them (at 2 "
-               "ranks 1.9 and 1.4 ms per MB, the all-reduce 1.2, where the ring's would be half the all-reduce's); "
+               "ranks 1.9 and 1.2-1.4 ms per MB, the all-reduce 0.95-1.2, where the ring's would be half the "
+               "all-reduce's: call_cost.py --op); "
                "how much of this miss that is was not measured",
     "4:09 ring": "the ring's exchanges are priced at a pair's cost per call, but each step of the ring waits on "
                  "every rank of it (rank r on r-1, on r-2, ...), so more than a pair meets (priced at the 4-rank "
