@@ -62,7 +62,8 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              micro-batch; the ledger checks them as it checks the bytes), so
                              ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one;
                              and --call_overhead_us per call (0 on the datasheet machines; a
-                             batch of sends pays it once)
+                             batch of sends pays it once; by the size of the group that meets,
+                             when given as G:US pairs)
                    where   = each collective where its script posts it (phase_of): inside a
                              forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
                              all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a
@@ -159,8 +160,9 @@ for _machine in MACHINES.values():
 # Two fixed costs a host pays whatever the bytes and FLOPs, both 0 on the datasheet machines
 # (no GPU measurement grounds another figure; a GPU's launch is microseconds): call_s, the
 # seconds one collective or send costs beyond its alpha (the Python wrapper, the autograd
-# function around it, the ranks meeting); op_s, the seconds one layer's forward and backward
-# of one micro-batch cost beyond its FLOPs (Python, autograd, each small kernel's launch).
+# function around it, the ranks meeting; one figure, or one by group size: call_seconds);
+# op_s, the seconds one layer's forward and backward of one micro-batch cost beyond its FLOPs
+# (Python, autograd, each small kernel's launch).
 # --call_overhead_us and --op_overhead_us set them; tests/benchmarks/plan_vs_measured.py
 # measures both on its host (docs/planning.md, "Predicted against measured").
 MAX_GPUS = 10**7  # more ranks than any machine has: a typo, refused in one line
@@ -498,6 +500,46 @@ def group_of(name, op, args, n, gpus_per_node):
     return size, ranks_per_node([i * stride for i in range(size)], G)
 
 
+def call_seconds(machine, g):
+    """The fixed cost of one call in a group of g ranks (the fixed costs under MACHINES):
+    machine["call_s"] is one figure for every group, or ((g, seconds), ...) measured at a few
+    group sizes, sorted: linear in g between two of them, and held at the nearest beyond them
+    (on a CPU host the ranks that must meet, and the cores they share, set it)."""
+    call = machine.get("call_s", 0.0)
+    if not isinstance(call, tuple):
+        return call
+    if g <= call[0][0]:
+        return call[0][1]
+    for (a, s_a), (b, s_b) in zip(call, call[1:]):
+        if g <= b:
+            return s_a + (s_b - s_a) * (g - a) / (b - a)
+    return call[-1][1]
+
+
+def read_call_overhead(values, error):
+    """--call_overhead_us's words, in seconds: one number (every group), or G:US pairs, each
+    group size G >= 2 once (a one-rank group posts nothing), sorted by G."""
+    def microseconds(word):
+        try:
+            value = float(word)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 <= value <= 1e9):
+            error(f"--call_overhead_us must be a number of microseconds in 0..1e9, got {word}")
+        return value * 1e-6
+
+    if len(values) == 1 and ":" not in values[0]:
+        return microseconds(values[0])
+    pairs = {}
+    for word in values:
+        size, _, us = word.partition(":")
+        if not (size.isdigit() and 2 <= int(size) <= MAX_GPUS and us) or int(size) in pairs:
+            error(f"--call_overhead_us takes one number or G:US pairs, each group size G in 2..{MAX_GPUS:,} once, "
+                  f"got {' '.join(values)}")
+        pairs[int(size)] = microseconds(us)
+    return tuple(sorted(pairs.items()))
+
+
 def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None):
     """Alpha-beta time of one step's `nbytes` of `op`, posted in `calls` calls (costs()' count:
     each call pays its latency), on a ring of g ranks: inside a node (per_node None) over the
@@ -507,7 +549,7 @@ def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None):
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    fixed = (calls if posts is None else posts) * machine.get("call_s", 0.0)  # (the fixed costs under MACHINES)
+    fixed = (calls if posts is None else posts) * call_seconds(machine, g)  # (the fixed costs under MACHINES)
     across = bool(per_node)  # None (or False: the old "inside a node") inside; k, or True for one rank per node
     gbps = machine["intra_gbps"] if not across else min(machine["intra_gbps"], min(int(per_node), machine["gpus_per_node"])
                                                         * machine["inter_gbps"])
@@ -982,9 +1024,11 @@ def parse(argv=None):
                         "across nodes, replace the datasheet's; the plan says where the ranking changed and why")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
-    g.add_argument("--call_overhead_us", type=float, default=0.0,
+    g.add_argument("--call_overhead_us", nargs="+", default=["0"], metavar="US|G:US",
                    help="microseconds each collective or send costs beyond its alpha (the wrapper, the ranks meeting): "
-                        "0 on a GPU machine; tests/benchmarks/plan_vs_measured.py measures it on a CPU host")
+                        "one figure for every group, or G:US pairs measured at group sizes G (\"2:900 4:4500\"), "
+                        "interpolated between them and held beyond; 0 on a GPU machine; "
+                        "tests/benchmarks/plan_vs_measured.py measures it on a CPU host")
     g.add_argument("--op_overhead_us", type=float, default=0.0,
                    help="microseconds one layer's forward and backward of one micro-batch cost beyond their FLOPs "
                         "(Python, kernel launches), on every rank that runs the layer however thin TP or CP slices it")
@@ -1013,10 +1057,9 @@ def parse(argv=None):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
             error(f"--{flag} must be a positive number, got {value}")
-    for flag in ("call_overhead_us", "op_overhead_us"):
-        value = getattr(args, flag)
-        if not (math.isfinite(value) and 0 <= value <= 1e9):
-            error(f"--{flag} must be a number of microseconds in 0..1e9, got {value}")
+    if not (math.isfinite(args.op_overhead_us) and 0 <= args.op_overhead_us <= 1e9):
+        error(f"--op_overhead_us must be a number of microseconds in 0..1e9, got {args.op_overhead_us}")
+    call_s = read_call_overhead(args.call_overhead_us, error)
     if args.top < 0:
         error(f"--top must not be negative, got {args.top}")
     for flag in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size"):
@@ -1028,7 +1071,7 @@ def parse(argv=None):
     by_hand = dict(gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb, peak_tflops=args.peak_tflops,
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
     machine.update({k: v for k, v in by_hand.items() if v is not None})
-    machine.update(call_s=args.call_overhead_us * 1e-6, op_s=args.op_overhead_us * 1e-6)
+    machine.update(call_s=call_s, op_s=args.op_overhead_us * 1e-6)
     for path in args.bench:
         rows = read_bench(path, error)
         rows = [r for r in rows if isinstance(r, dict) and r.get("op") == "all_reduce"]

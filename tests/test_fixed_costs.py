@@ -1,9 +1,9 @@
 """plan.py's two fixed costs (--call_overhead_us, --op_overhead_us): 0 on every datasheet
-machine, each landing where a rank pays it (a call on each call, a batch of sends once; a
-layer's fixed cost on every micro-batch a rank runs through it, however thin TP slices it,
-and on a pipeline's F and B), and the pricing path of tests/benchmarks/plan_vs_measured.py
-(its --smoke mode's, with made-up host figures: no launch, no timing). Pure functions and
-single dry runs."""
+machine, each landing where a rank pays it (a call on each call, a batch of sends once, by
+the size of the group that meets when given as G:US pairs; a layer's fixed cost on every
+micro-batch a rank runs through it, however thin TP slices it, and on a pipeline's F and B),
+and the pricing path of tests/benchmarks/plan_vs_measured.py (its --smoke mode's, with
+made-up host figures: no launch, no timing). Pure functions and single dry runs."""
 
 import importlib.util
 import os
@@ -41,7 +41,31 @@ def test_a_negative_or_infinite_fixed_cost_is_refused_in_one_line(flag, capsys):
             plan.parse([*MODEL, "--gpus", "2", *BY_HAND, flag, value])
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().splitlines() == [
-            f"error: {flag} must be a number of microseconds in 0..1e9, got {float(value)}"]
+            f"error: {flag} must be a number of microseconds in 0..1e9, got {value if 'call' in flag else float(value)}"]
+
+
+@pytest.mark.parametrize("words, says", [
+    (["2:900", "2:800"], "each group size G in 2..10,000,000 once, got 2:900 2:800"),
+    (["1:5"], "each group size G in 2..10,000,000 once, got 1:5"),
+    (["900", "4:5"], "takes one number or G:US pairs"),
+    (["2.5:3"], "takes one number or G:US pairs"),
+    (["2:"], "takes one number or G:US pairs"),
+    (["4:-3"], "must be a number of microseconds in 0..1e9, got -3")])
+def test_a_bad_call_cost_by_group_size_is_refused_in_one_line(words, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--call_overhead_us", *words])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --call_overhead_us") and says in err[0]
+
+
+def test_the_call_cost_by_group_size_is_interpolated_and_held_at_the_ends():
+    """G:US pairs, in any order: linear in g between two measured sizes, the nearest beyond
+    them; one number is every group's."""
+    _, machine = plan.parse([*MODEL, "--gpus", "8", *BY_HAND, "--call_overhead_us", "4:4500", "2:900"])
+    assert [g for g, _ in machine["call_s"]] == [2, 4] and dict(machine["call_s"]) == pytest.approx({2: 900e-6, 4: 4500e-6})
+    assert [plan.call_seconds(machine, g) for g in (2, 3, 4, 8)] == pytest.approx([900e-6, 2700e-6, 4500e-6, 4500e-6])
+    assert plan.call_seconds(dict(call_s=((4, 1e-3),)), 2) == plan.call_seconds(dict(call_s=1e-3), 64) == 1e-3
 
 
 def test_each_call_pays_the_fixed_cost_and_a_batch_of_sends_pays_it_once():
@@ -53,6 +77,11 @@ def test_each_call_pays_the_fixed_cost_and_a_batch_of_sends_pays_it_once():
     assert plan.comm_seconds("send", 1e6, 2, None, fixed, 10, posts=5) - \
         plan.comm_seconds("send", 1e6, 2, None, machine, 10) == pytest.approx(5e-3)
     assert plan.comm_seconds("all_reduce", 1e6, 1, None, fixed, 10) == 0.0  # a one-rank group posts nothing
+    by_size = dict(machine, call_s=((2, 1e-3), (4, 5e-3)))  # each call pays its own group's cost
+    assert plan.comm_seconds("send", 1e6, 2, None, by_size, 10) - plan.comm_seconds("send", 1e6, 2, None, machine, 10) \
+        == pytest.approx(10e-3)
+    assert plan.comm_seconds("all_reduce", 1e6, 4, None, by_size, 10) - \
+        plan.comm_seconds("all_reduce", 1e6, 4, None, machine, 10) == pytest.approx(50e-3)
 
 
 def test_a_layers_fixed_cost_lands_on_every_micro_batch_a_rank_runs_through_it():
@@ -75,19 +104,42 @@ def test_a_layers_fixed_cost_lands_on_every_micro_batch_a_rank_runs_through_it()
 
 def test_the_benchmarks_pricing_path():
     """plan_vs_measured's pricing, as its --smoke mode runs it, from made-up host figures:
-    links_now recovers the fixed cost per call and the bandwidth that made the two timed sizes,
-    and the smoke's layouts and 01 are priced with them (the layouts slower than 01's share)."""
+    links_now recovers the fixed cost per call of each group size and the bandwidth that made
+    the timed sizes, and the smoke's layouts and 01 are priced with them (the layouts slower
+    than 01's share); at 4 ranks a pipeline's calls meet 2 ranks and the world's 4 (call_groups),
+    and its sends pay the pairs' cost, not the world's."""
     pvm = benchmark()
     host = dict(rate=5e9, op_s=300e-6, alpha=200e-6, beta=1.0, m=4, layers=2)
-    call_s, beta, n = 400e-6, 0.5, 2
-    sizes = (16384, 16 * 16384)
-    call = tuple(2 * (n - 1) * host["alpha"] + call_s + 2 * (n - 1) / n * b / (beta * 1e9) for b in sizes)
-    now = dict(slow=1.5, bytes=sizes, call=call)
-    assert pvm.links_now(host, now, n) == pytest.approx((call_s, beta))
+    call_s, beta, sizes = {2: 400e-6, 4: 3e-3}, 0.5, (16384, 16 * 16384)
+    timed = lambda g, cost: tuple(2 * (g - 1) * host["alpha"] + cost + 2 * (g - 1) / g * b / (beta * 1e9)  # noqa: E731
+                                  for b in sizes)
+    now = dict(slow=1.5, bytes=sizes, call={g: timed(g, s) for g, s in call_s.items()})
+    found, found_beta = pvm.links_now(host, now)
+    assert found == pytest.approx(call_s) and found_beta == pytest.approx(beta)
     rated = pvm.at_rate_of(host, 0.05, pvm.SMOKE_MODEL)
     one = pvm.priced("01_single_gpu.py", pvm.SMOKE_MODEL, 1, rated)
     assert one["step_time_s"] == pytest.approx(0.05)  # the rate is the one 01's step says
-    for label, script, strategy, extra in pvm.layouts(n)[:2]:
-        c = pvm.priced(script, pvm.SMOKE_MODEL + extra + strategy, n, rated, now)
-        assert c["call_s"] == pytest.approx(call_s) and c["beta"] == pytest.approx(beta)
-        assert one["step_time_s"] / n < c["step_time_s"] < 10 * one["step_time_s"], label
+    pairs = dict(now, call={2: now["call"][2]})
+    for label, script, strategy, extra in pvm.layouts(2)[:2]:
+        c = pvm.priced(script, pvm.SMOKE_MODEL + extra + strategy, 2, rated, pairs)
+        assert c["call_s"] == pytest.approx({2: call_s[2]}) and c["beta"] == pytest.approx(beta)
+        assert one["step_time_s"] / 2 < c["step_time_s"] < 10 * one["step_time_s"], label
+    pipeline = pvm.SMOKE_MODEL + ["--n_layer", "4", "--schedule", "1f1b"]  # a layer for each of 4 stages
+    assert pvm.call_groups("07_pipeline.py", pipeline, 4) == [2, 4]
+    as_pairs = pvm.priced("07_pipeline.py", pipeline, 4, rated, now)["step_time_s"]
+    as_world = pvm.priced("07_pipeline.py", pipeline, 4, rated, dict(now, call={4: now["call"][4]}))["step_time_s"]
+    assert as_pairs < as_world
+
+
+@pytest.mark.parametrize("flags", [["--ranks", "4", "--group", "3"], ["--ranks", "4", "--group", "1"],
+                                   ["--ranks", "2", "--group", "4"]])
+def test_call_cost_refuses_a_group_that_does_not_divide_the_ranks_in_one_line(flags):
+    """call_cost.py --group G: n ranks as n/G groups of G, so G must be at least 2 and divide n
+    (checked before any rank starts)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "call_cost.py"), *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: --group must be at least 2 and divide --ranks {flags[1]}, got {flags[3]}"]

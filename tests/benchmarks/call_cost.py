@@ -2,17 +2,22 @@
 Each rank runs the same loop, alternating, `--rounds` times: `--calls` pieces of compute (a
 few matrix multiplies of about a tiny model's layer, so that the ranks reach each call at
 about the same time, as a training step's ranks do), once without a collective and once with
-an all-reduce of each size in --bytes after every piece, through the ledger's wrapper as the
-scripts' collectives go. The difference over the calls is the cost of one call as a step
-pays it: latency, bytes, the wrapper, and the ranks meeting (a rank descheduled for a moment
+a collective of each size in --bytes after every piece (--op: an all-reduce, or a
+reduce-scatter or all-gather of that whole buffer), through the ledger's wrapper as the
+scripts' collectives go. With --group G below the ranks, each call meets G ranks: the ranks
+run as n/G groups of G consecutive ranks at once (a pipeline's pairs, 08's TP pairs), so that
+the host carries the same n ranks as the layout whose calls meet G. The difference over the
+calls is the cost of one call as a step pays it: latency, bytes, the wrapper, and the ranks meeting (a rank descheduled for a moment
 makes the others wait at the next call). tests/benchmarks/plan_vs_measured.py runs it at two
-sizes to price plan.py's fixed cost per call (--call_overhead_us) and the bandwidth a step
-sees. Rerun with
+sizes, at each group size a layout's calls meet, to price plan.py's fixed cost per call by
+group size (--call_overhead_us G:US ...) and the bandwidth a step sees. Rerun with
 
     python tests/benchmarks/call_cost.py --ranks 2 [--calls 200 --rounds 5 --bytes 4 65536]
+    python tests/benchmarks/call_cost.py --ranks 4 --group 2
+    python tests/benchmarks/call_cost.py --ranks 2 --op reduce_scatter_tensor --bytes 1048576 6553600
 
-Prints one JSON object: ranks, the sizes, the seconds per call at each (the fastest round of
-each loop, the slowest rank's), and the loop without calls."""
+Prints one JSON object: ranks, group, op, the sizes, the seconds per call at each (the fastest
+round of each loop, the slowest rank's), and the loop without calls."""
 
 import argparse
 import json
@@ -32,9 +37,23 @@ def rank_main(a):
     dist.init_process_group("gloo")
     LEDGER.install()  # the scripts' wrapper around every collective
     world = dist.group.WORLD
+    n, rank = dist.get_world_size(), dist.get_rank()
+    a.group = a.group or n
+    group = world
+    if a.group < n:  # n/G groups of G consecutive ranks; every rank makes each group, in the same order
+        group = [dist.new_group(list(range(i, i + a.group))) for i in range(0, n, a.group)][rank // a.group]
     x, w = torch.randn(128, 128), torch.randn(128, 512)
-    messages = [torch.ones(max(1, size // 4)) for size in a.bytes]
+    messages = [torch.ones(max(a.group, size // 4 // a.group * a.group)) for size in a.bytes]  # g equal shards
     done = torch.zeros(1)
+    g = dist.get_world_size(group)
+
+    def post(full):  # `full`: the all-reduce's message, the reduce-scatter's input, the all-gather's output
+        if a.op == "all_reduce":
+            dist.all_reduce(full, group=group)
+        elif a.op == "reduce_scatter_tensor":
+            dist.reduce_scatter_tensor(torch.empty(full.numel() // g), full, group=group)
+        else:
+            dist.all_gather_into_tensor(full, torch.ones(full.numel() // g), group=group)
 
     def loop(message):
         dist.all_reduce(done, group=world)  # start together
@@ -43,7 +62,7 @@ def rank_main(a):
             for _ in range(a.matmuls):
                 x @ w
             if message is not None:
-                dist.all_reduce(message, group=world)  # the call whose cost is measured
+                post(message)  # the call whose cost is measured: G ranks meet
         dist.all_reduce(done, group=world)  # end together: the slowest rank's loop (in every loop)
         return time.perf_counter() - t0
 
@@ -56,20 +75,21 @@ def rank_main(a):
             times[kind].append(loop(None if kind is None else messages[kind]))
     without = min(times[None])
     if dist.get_rank() == 0:
-        print(json.dumps(dict(ranks=dist.get_world_size(), calls=a.calls, without_s=without,
+        print(json.dumps(dict(ranks=n, group=a.group, op=a.op, calls=a.calls, without_s=without,
                               bytes=[m.numel() * 4 for m in messages],
                               seconds_per_call=[max(0.0, (min(times[k]) - without) / a.calls)
                                                 for k in range(len(messages))])), flush=True)
     dist.destroy_process_group()
 
 
-def measure(ranks, calls=200, rounds=5, nbytes=(4,), matmuls=1):
-    """{ranks, bytes: [...], seconds_per_call: [...], ...} of `ranks` ranks on this host, one
-    figure per message size in `nbytes` (the harness's launch)."""
+def measure(ranks, calls=200, rounds=5, nbytes=(4,), matmuls=1, group=None, op="all_reduce"):
+    """{ranks, group, bytes: [...], seconds_per_call: [...], ...} of `ranks` ranks on this
+    host, each call meeting `group` of them (default: all), one figure per message size in
+    `nbytes` (the harness's launch)."""
     sys.path.insert(0, os.path.dirname(HERE))
     from harness import launch
     run = launch(os.path.abspath(__file__), ["--rank_main", "--calls", calls, "--rounds", rounds, "--bytes", *nbytes,
-                                             "--matmuls", matmuls],
+                                             "--matmuls", matmuls, "--group", group or ranks, "--op", op],
                  nprocs=ranks, metrics=False, out_dir=False, timeout=600).ok()
     return json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
 
@@ -81,13 +101,20 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--bytes", type=int, nargs="+", default=[4], help="each all-reduce's message, one loop per size")
     p.add_argument("--matmuls", type=int, default=1, help="128x128 by 128x512 multiplies between two calls")
+    p.add_argument("--group", type=int, default=None, help="the ranks each call meets (default: all): "
+                   "at least 2, dividing --ranks")
+    p.add_argument("--op", default="all_reduce", choices=["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"],
+                   help="the collective timed; --bytes is its whole buffer (the reduce-scatter's input, the "
+                        "all-gather's output)")
     p.add_argument("--rank_main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:
         return rank_main(a)
     if a.ranks < 2 or a.calls < 1 or a.rounds < 1 or min(a.bytes) < 1 or a.matmuls < 0:
         p.exit(2, "error: --ranks must be at least 2, and --calls, --rounds, --bytes positive\n")
-    print(json.dumps(measure(a.ranks, a.calls, a.rounds, a.bytes, a.matmuls)))
+    if a.group is not None and not (2 <= a.group <= a.ranks and a.ranks % a.group == 0):
+        p.exit(2, f"error: --group must be at least 2 and divide --ranks {a.ranks}, got {a.group}\n")
+    print(json.dumps(measure(a.ranks, a.calls, a.rounds, a.bytes, a.matmuls, a.group, a.op)))
 
 
 if __name__ == "__main__":

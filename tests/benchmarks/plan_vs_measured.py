@@ -14,9 +14,11 @@ micro-batch of the same tokens (the fixed cost is what the extra micro-batches a
 each layout, one after the other (interleaved: a load that comes and goes falls on all of
 them): 01's step (the rate now), the host beside it (beside(): how much slower each of n
 copies of 01 computes at once, the cores term; and what an all-reduce costs inside a loop of
-compute on n ranks at two sizes, call_cost.py, which gives plan.py's fixed cost per call,
---call_overhead_us, and the bandwidth a step sees), the layout, and the host again (the
-quieter of the two). Both are priced with plan.score with these figures: predicted =
+compute on n ranks at two sizes, call_cost.py, at each size of group the layout's calls
+meet (n ranks as n/g groups of g: a pipeline's pairs at 4 ranks), which gives plan.py's fixed
+cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees), the
+layout, then the host, 01 and the layout again (of each the quieter of the two). Both are
+priced with plan.score with these figures: predicted =
 plan(layout) / plan(01), measured = step(layout) / step(01), a step being the fastest of the
 slowest rank's steps after --skip (dt_ms_max: a shared host's load only adds time). It prints
 a Markdown table and a last line `max |error| X% over N layouts`; a layout off by more than
@@ -100,32 +102,49 @@ def together(model, n, iters, skip):
     return max(steps)
 
 
-def beside(model, n, one, iters, skip, calls, rounds):
-    """The host as it is while a layout of n ranks runs, measured right before it as 01 is:
-    slow, how much slower a rank computes when n compute at once (together(), over 01's step
-    `one` / n: the cores term, n ranks on this host's cores beside the other work on it); and
+def beside(model, n, iters, skip, calls, rounds, groups):
+    """The host as it is while a layout of n ranks runs, measured right before and after it as
+    01 is: together, the step of n copies of 01 at once on 1/n of the batch each (together();
+    over 01's step / n, how much slower a rank computes when n compute at once: the cores
+    term, n ranks on this host's cores beside the other work on it); and
     the seconds one all-reduce costs inside a loop of compute on n ranks (call_cost.py:
-    latency, bytes, wrapper, the ranks meeting) at two sizes, a micro-batch's activations of
-    one layer (the message of TP's f and g, of a pipeline's send, of CP's blocks) and 16 times
-    that (about a block's parameters, ZeRO-3's and FSDP's gathers)."""
+    latency, bytes, wrapper, the ranks meeting), meeting g ranks for each g in `groups`
+    (call_groups), at two sizes: a micro-batch's activations of one layer (the message of
+    TP's f and g, of a pipeline's send, of CP's blocks) and 16 times that (about a block's
+    parameters, ZeRO-3's and FSDP's gathers). call: {g: (seconds at each size)}."""
     config = {k: int(model[model.index(k) + 1]) for k in ("--micro_batch_size", "--block_size", "--n_embd")}
     small = 4 * config["--micro_batch_size"] * config["--block_size"] * config["--n_embd"]
     if n == 1:
-        return dict(slow=1.0, bytes=(small, 16 * small), call=(0.0, 0.0))
-    slow = max(1.0, together(model, n, iters, skip) / (one / n))
-    timed = call_cost.measure(n, calls, rounds, (small, 16 * small), matmuls=4)
-    return dict(slow=slow, bytes=tuple(timed["bytes"]), call=tuple(timed["seconds_per_call"]))
+        return dict(together=0.0, bytes=(small, 16 * small), call={})
+    call = {g: tuple(call_cost.measure(n, calls, rounds, (small, 16 * small), matmuls=4, group=g)["seconds_per_call"])
+            for g in groups}
+    return dict(together=together(model, n, iters, skip), bytes=(small, 16 * small), call=call)
 
 
-def links_now(host, now, n):
-    """(fixed seconds per call beyond alpha, beta GB/s) that make plan.py's all-reduce,
+def call_groups(script, flags, n):
+    """The sizes of the groups whose calls a layout of `script` on n ranks posts (plan.py's
+    group_of over every rank it prices; a send meets 2), each once, sorted: beside() measures
+    a call at each."""
+    args, config, _ = plan.dry_run(script, [*flags, "--device", "cpu", "--dtype", "float32"], n, n)
+    sizes = set()
+    for rank in plan.ranks_to_price(script, args, config, n):
+        for op in plan.rank_costs(script, args, config, n, plan.planned_dtype(args), rank)["sent"]:
+            if op != plan.GUARD_OP:
+                sizes.add(plan.group_of(script, op, args, n, n)[0])
+    return sorted(g for g in sizes if g > 1)
+
+
+def links_now(host, now):
+    """({g: fixed seconds per call beyond alpha}, beta GB/s) that make plan.py's all-reduce,
     2(g-1) alpha + call_s + 2(g-1)/g x bytes / beta with the doctor's alpha, take what
-    beside()'s two sizes took (the bandwidth from their difference; the doctor's beta where
-    the larger was not the slower)."""
-    (s, l), (t_s, t_l) = now["bytes"], now["call"]
-    factor = 2 * (n - 1) / n
-    beta = factor * (l - s) / (t_l - t_s) / 1e9 if t_l > t_s else host["beta"]
-    return max(0.0, t_s - 2 * (n - 1) * host["alpha"] - factor * s / (beta * 1e9)), beta
+    beside()'s two sizes took in groups of g (the bandwidth from the largest group's
+    difference, the one a step's bytes mostly cross; the doctor's beta where the larger was
+    not the slower)."""
+    (s, l), top = now["bytes"], max(now["call"])
+    t_s, t_l = now["call"][top]
+    beta = 2 * (top - 1) / top * (l - s) / (t_l - t_s) / 1e9 if t_l > t_s else host["beta"]
+    return {g: max(0.0, t[0] - 2 * (g - 1) * host["alpha"] - 2 * (g - 1) / g * s / (beta * 1e9))
+            for g, t in sorted(now["call"].items())}, beta
 
 
 def links():
@@ -143,14 +162,15 @@ def links():
 def priced(script, flags, n, host, now=None):
     """plan.py's candidate for `script` at n ranks on this host: calibrate()'s rate, fixed cost
     per layer and links; with `now` (beside()'s), each rank at 1/slow of the rate and slow x
-    the fixed cost per layer (n ranks share the cores), and the fixed cost per call and the
-    bandwidth of links_now()."""
-    slow, (call_s, beta) = (now["slow"], links_now(host, now, n)) if now and n > 1 else (1.0, (0.0, host["beta"]))
+    the fixed cost per layer (n ranks share the cores), and the fixed cost per call by group
+    size and the bandwidth of links_now()."""
+    slow = now["slow"] if now else 1.0
+    call_s, beta = links_now(host, now) if now and now["call"] else ({}, host["beta"])
     args, machine = plan.parse([*flags_of(flags), "--gpus", str(n), "--gpus_per_node", str(n), "--device", "cpu",
                                 "--dtype", "float32", "--peak_tflops", str(host["rate"] / slow / 1e12),
                                 "--link_gbps", str(beta), "--efficiency", "1",
                                 "--op_overhead_us", str(host["op_s"] * slow * 1e6),
-                                "--call_overhead_us", str(call_s * 1e6)])
+                                "--call_overhead_us", *([f"{g}:{s * 1e6}" for g, s in call_s.items()] or ["0"])])
     machine.update(alpha_intra=host["alpha"], alpha_inter=host["alpha"])
     strategy = [f for i, f in enumerate(flags) if f not in MODEL_FLAGS and (i == 0 or flags[i - 1] not in MODEL_FLAGS)]
     c, reason = plan.score(script, strategy, script, args, machine)
@@ -202,8 +222,37 @@ def flags_of(flags):
     return out
 
 
-def missing_term(pred, meas, c):
-    """What plan.py leaves out, as far as a layout's numbers tell."""
+def calls_text(call_s):
+    """The fixed cost per call by group size, as the table shows it: "g 2: 0.26, g 4: 1.39 ms"."""
+    return ", ".join(f"g {g}: {s * 1e3:.2f}" for g, s in call_s.items()) + " ms"
+
+
+# Terms found for a layout on this host (docs/measured.md says how), which plan.py does not
+# price: named for the layout ("label", or "ranks:label") when it misses.
+MEASURED_TERMS = {
+    "04 ZeRO-1": "not priced, timed by phase on 2 ranks: stage 1's gradient hook adds each parameter's gradient into "
+                 "the kept fp32 sum every micro-batch (16-37 ms a step); gloo's reduce-scatter runs as an all-reduce "
+                 "of the whole buffer plus copies, part of it on the calling thread (1.9 ms per MB against the "
+                 "all-reduce's 0.95-1.2 at 2 ranks, where plan.py prices half the all-reduce's: call_cost.py --op)",
+    "04 ZeRO-3": "gloo's reduce-scatter and all-gather cost more per byte than plan.py's ring prices them (at 2 "
+                 "ranks 1.9 and 1.2-1.4 ms per MB, the all-reduce 0.95-1.2, where the ring's would be half the "
+                 "all-reduce's: call_cost.py --op); "
+                 "how much of this miss that is was not measured",
+    "05 FSDP": "gloo's reduce-scatter and all-gather cost more per byte than plan.py's ring prices them (at 2 "
+               "ranks 1.9 and 1.2-1.4 ms per MB, the all-reduce 0.95-1.2, where the ring's would be half the "
+               "all-reduce's: call_cost.py --op); "
+               "how much of this miss that is was not measured",
+    "4:09 ring": "the ring's exchanges are priced at a pair's cost per call, but each step of the ring waits on "
+                 "every rank of it (rank r on r-1, on r-2, ...), so more than a pair meets (priced at the 4-rank "
+                 "call it was +40..+62%; inferred, not measured alone)",
+}
+
+
+def missing_term(pred, meas, c, label="", n=0):
+    """What plan.py leaves out: a term found for the layout (MEASURED_TERMS, by "n:label" or
+    label), else as far as its numbers tell."""
+    if meas > pred and (label in MEASURED_TERMS or f"{n}:{label}" in MEASURED_TERMS):
+        return MEASURED_TERMS.get(f"{n}:{label}", MEASURED_TERMS.get(label))
     if meas > pred:
         if c["comm_s"] < 0.2 * c["step_time_s"]:
             return "slower than its FLOPs, cores and calls priced: the host's load moved between the measurements beside it"
@@ -242,21 +291,27 @@ def main():
                 continue
             if a.smoke and script == "03_ddp.py":
                 script, strategy, label = "07_pipeline.py", ["--schedule", "1f1b"], "07 1F1B"
-            # interleaved: 01, the host's cores and calls, then the layout
+            # interleaved: 01, the host's cores and calls, the layout, then the host, 01 and the
+            # layout again: of each the quieter (the faster) of the two, as a shared host's load
+            # only adds time, and a burst of it can last a whole run
+            groups = call_groups(script, model + extra + strategy, n)
             one = measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip)
-            now = beside(model, n, one, a.iters, a.skip, calls, rounds)
+            now = beside(model, n, a.iters, a.skip, calls, rounds, groups)
             step = measure(script, model + extra + strategy, n, a.iters, a.skip)
-            again = beside(model, n, one, a.iters, a.skip, calls, rounds)  # and right after it: the quieter of the two
-            now = dict(now, slow=min(now["slow"], again["slow"]), call=tuple(map(min, now["call"], again["call"])))
+            again = beside(model, n, a.iters, a.skip, calls, rounds, groups)
+            one = min(one, measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip))
+            step = min(step, measure(script, model + extra + strategy, n, a.iters, a.skip))
+            now = dict(now, slow=max(1.0, min(now["together"], again["together"]) / (one / n)) if n > 1 else 1.0,
+                       call={g: tuple(map(min, now["call"][g], again["call"][g])) for g in groups})
             rated = at_rate_of(host, one, model + extra)
             c1 = priced("01_single_gpu.py", model + extra, 1, rated)
             c = priced(script, model + extra + strategy, n, rated, now)
             pred, meas = c["step_time_s"] / c1["step_time_s"], step / one
             error = 100 * (pred / meas - 1)
             errors.append(abs(error))
-            term = missing_term(pred, meas, c) if abs(error) > a.target else ""
+            term = missing_term(pred, meas, c, label, n) if abs(error) > a.target else ""
             print(f"| {label} | {n} | {pred:.2f} | {meas:.2f} ({step * 1e3:.0f} / {one * 1e3:.0f} ms) | {error:+.0f}% | "
-                  f"{now['slow']:.2f}x, {c['call_s'] * 1e3:.2f} ms, {c['beta']:.2f} GB/s | "
+                  f"{now['slow']:.2f}x, {calls_text(c['call_s'])}, {c['beta']:.2f} GB/s | "
                   f"{c['compute_s'] * 1e3:.0f} + {c['comm_s'] * 1e3:.0f} ms ({100 * c['bubble']:.0f}%) | {term} |",
                   flush=True)
     print(f"\nmax |error| {max(errors):.0f}% over {len(errors)} layouts")
