@@ -39,6 +39,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", BIG)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
         config.option.loadscopereorder = False
+    if hasattr(config, "workerinput") and config.option.basetemp:  # a pytest-xdist worker: its basetemp is
+        # <the session's basetemp>/popen-gwN, so the parent is one folder every worker of this session sees
+        # (and pytest removes with the session's other old temporary folders)
+        os.environ["WHOLE_PLANS_DIR"] = os.path.join(os.path.dirname(config.option.basetemp), "whole_plans")
 
 
 def file_seconds(item):
