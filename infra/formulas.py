@@ -49,7 +49,8 @@ def expert_params(config):
 
 class Formula(tuple):
     """(text, bytes), the pair every reader of costs() takes; `expr` (Python) and `symbols`
-    (the values of the letters left in the text) say where both came from."""
+    (the values of the letters left in the text) say where both came from, and `key` is all
+    three, made once, for the memo of any formula that names this one."""
 
 
 def formula(expr, show="", **symbols):
@@ -63,8 +64,7 @@ def formula(expr, show="", **symbols):
         formula("m*2*e*b*s*h", show="m e", m=3, e=2, ...)  -> ("3·2·2bsh", 12·b·s·h)
     Remembered: plan.py and the fit check ask for the same formula at the same values
     thousands of times (every rank of every layout, every micro-batch tried)."""
-    key = (expr, show, tuple(sorted((name, (v, v.expr, tuple(sorted(v.symbols.items())))
-                                     if isinstance(v, Formula) else v) for name, v in symbols.items())))
+    key = (expr, show, tuple(sorted((name, v.key if isinstance(v, Formula) else v) for name, v in symbols.items())))
     if key not in _FORMULAS:
         if len(_FORMULAS) > 200_000:
             _FORMULAS.clear()
@@ -99,6 +99,7 @@ def _formula(expr, show, symbols):
         raise ValueError(f"cost formula {expr} = {value} at {symbols}: not a whole number of bytes")
     out = Formula((text, int(value)))
     out.expr, out.symbols = unparsed, kept
+    out.key = (tuple(out), unparsed, tuple(sorted(kept.items())))  # this formula as a symbol of another's key
     return out
 
 
