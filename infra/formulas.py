@@ -49,7 +49,8 @@ def expert_params(config):
 
 class Formula(tuple):
     """(text, bytes), the pair every reader of costs() takes; `expr` (Python) and `symbols`
-    (the values of the letters left in the text) say where both came from."""
+    (the values of the letters left in the text) say where both came from, and `key` is all
+    three, made once, for the memo of any formula that names this one."""
 
 
 def formula(expr, show="", **symbols):
@@ -63,8 +64,7 @@ def formula(expr, show="", **symbols):
         formula("m*2*e*b*s*h", show="m e", m=3, e=2, ...)  -> ("3·2·2bsh", 12·b·s·h)
     Remembered: plan.py and the fit check ask for the same formula at the same values
     thousands of times (every rank of every layout, every micro-batch tried)."""
-    key = (expr, show, tuple(sorted((name, (v, v.expr, tuple(sorted(v.symbols.items())))
-                                     if isinstance(v, Formula) else v) for name, v in symbols.items())))
+    key = (expr, show, tuple(sorted((name, v.key if isinstance(v, Formula) else v) for name, v in symbols.items())))
     if key not in _FORMULAS:
         if len(_FORMULAS) > 200_000:
             _FORMULAS.clear()
@@ -76,21 +76,50 @@ _FORMULAS = {}
 
 
 def _formula(expr, show, symbols):
-    shown, kept = set(show.split()), {}
+    """The formula at these values: its shape (the text, the expression, the compiled code) made
+    once for each set of shown values, since the letters kept are only read for the number."""
+    shown = set(show.split())
+    key = (expr, show, tuple(sorted((name, type(v).__name__, v.expr if isinstance(v, Formula) else v)
+                                    for name, v in symbols.items() if name in shown)))
+    if key not in _SHAPES:
+        if len(_SHAPES) > 50_000:
+            _SHAPES.clear()
+        _SHAPES[key] = _shape(expr, shown, symbols)
+    text, unparsed, code, reads = _SHAPES[key]
+    kept = {}
+    for name, inlined in reads:  # the letters in the order the tree names them, as the shape read them
+        value = symbols[name]
+        pairs = value.symbols.items() if inlined else \
+            [(name, int(value[1] if isinstance(value, Formula) else value))]
+        for letter, v in pairs:
+            if kept.setdefault(letter, v) != v:
+                raise ValueError(f"{expr}: symbol {letter} is {kept[letter]} and {v}")
+    value = _run(code, kept)
+    if value.denominator != 1:
+        raise ValueError(f"cost formula {expr} = {value} at {symbols}: not a whole number of bytes")
+    out = Formula((text, int(value)))
+    out.expr, out.symbols = unparsed, kept
+    out.key = (tuple(out), unparsed, tuple(sorted(kept.items())))  # this formula as a symbol of another's key
+    return out
+
+
+_SHAPES = {}
+
+
+def _shape(expr, shown, symbols):
+    """(text, Python expression, compiled code, the letters it reads) of `expr` with the shown
+    symbols written in: what a formula is at any values of the letters it keeps."""
+    reads = []
 
     def inline(node):  # shown symbols by their value (a shown Formula: its own expression)
         if isinstance(node, ast.Name) and node.id in shown:
             value = symbols[node.id]
             if isinstance(value, Formula):
-                for name, v in value.symbols.items():
-                    if kept.setdefault(name, v) != v:
-                        raise ValueError(f"{expr}: symbol {name} is {kept[name]} and {v}")
+                reads.append((node.id, True))  # its letters and their values join this formula's
                 return ast.parse(value.expr, mode="eval").body
             return ast.Constant(value, kind="shown")
         if isinstance(node, ast.Name) and node.id not in ("max", "min", "ceil"):
-            value = int(symbols[node.id][1] if isinstance(symbols[node.id], Formula) else symbols[node.id])
-            if kept.setdefault(node.id, value) != value:
-                raise ValueError(f"{expr}: symbol {node.id} is {kept[node.id]} and {value}")
+            reads.append((node.id, False))
         for field, child in ast.iter_fields(node):
             if isinstance(child, ast.AST):
                 setattr(node, field, inline(child))
@@ -112,12 +141,7 @@ def _formula(expr, show, symbols):
         return node
 
     tree = inline(ast.parse(expr, mode="eval").body)
-    value = _evaluate(tree, kept)
-    if value.denominator != 1:
-        raise ValueError(f"cost formula {expr} = {value} at {symbols}: not a whole number of bytes")
-    out = Formula((_written(tree)[0], int(value)))
-    out.expr, out.symbols = ast.unparse(tree), kept
-    return out
+    return _written(tree)[0], ast.unparse(tree), _compiled(tree), reads
 
 
 def plus(*terms):
@@ -128,7 +152,14 @@ def plus(*terms):
 
 def _evaluate(tree, symbols):
     """The exact value of an expression tree: its symbols as fractions, so that / is exact."""
-    code = compile(ast.fix_missing_locations(ast.Expression(tree)), "<formula>", "eval")
+    return _run(_compiled(tree), symbols)
+
+
+def _compiled(tree):
+    return compile(ast.fix_missing_locations(ast.Expression(tree)), "<formula>", "eval")
+
+
+def _run(code, symbols):
     scope = {"max": max, "min": min, "ceil": lambda x: Fraction(math.ceil(x)), "__builtins__": {}}
     return Fraction(eval(code, scope, {name: Fraction(v) for name, v in symbols.items()}))
 

@@ -21,10 +21,12 @@ BIG = ("big: a rehearsal of a big mesh, a whole plan, or a slow repeat of a chec
 # workers finish together instead of one waiting on a long file taken last. (pytest-xdist itself
 # orders files by their number of tests; a parametrised file of dry runs is not a long one.)
 # Refresh from a full run's `--durations=0`; the order changes only the schedule, never a result.
+# (test_plan, test_doc_numbers: the pair under `-n 2` after the whole plans were shared and the
+# formulas' shapes remembered; test_zero: less the launch its stage-3 state test no longer makes.)
 FILE_SECONDS = {
     "test_rehearse.py": 93, "test_bitwise.py": 90, "test_3d.py": 87, "test_real_conditions.py": 86,
-    "test_zero.py": 65, "test_bug_zoo.py": 58, "test_muon.py": 55, "test_peaks.py": 52, "test_jobs.py": 50,
-    "test_memory.py": 49, "test_copy.py": 48, "test_plan.py": 46, "test_doc_numbers.py": 46, "test_pipeline.py": 43,
+    "test_zero.py": 62, "test_bug_zoo.py": 58, "test_muon.py": 55, "test_peaks.py": 52, "test_jobs.py": 50,
+    "test_memory.py": 49, "test_copy.py": 48, "test_plan.py": 27, "test_doc_numbers.py": 31, "test_pipeline.py": 43,
     "test_expert_parallel.py": 41, "test_grad_oracle.py": 39, "test_hostile.py": 39, "test_reliability.py": 37,
     "test_launch.py": 34, "test_3d_experts.py": 33, "test_tensor_parallel.py": 32, "test_vschedules.py": 32,
     "test_checkpoints.py": 30, "test_host_syncs.py": 30, "test_context_parallel.py": 29, "test_ddp.py": 26,
@@ -39,6 +41,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", BIG)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
         config.option.loadscopereorder = False
+    if hasattr(config, "workerinput") and config.option.basetemp:  # a pytest-xdist worker: its basetemp is
+        # <the session's basetemp>/popen-gwN, so the parent is one folder every worker of this session sees
+        # (and pytest removes with the session's other old temporary folders)
+        os.environ["WHOLE_PLANS_DIR"] = os.path.join(os.path.dirname(config.option.basetemp), "whole_plans")
 
 
 def file_seconds(item):

@@ -83,13 +83,14 @@ def test_the_rehearsals_settings_and_outputs_are_checked_first(tmp_path, monkeyp
 
 
 def test_a_refused_symmetry_writes_the_rehearsed_orders(tmp_path):
-    """04's Muon owners post all-to-alls whose sizes differ per rank: the symmetry is refused
-    (test_rehearse says so); with GPTPAR_REHEARSAL_POSTS set, the rehearsed ranks' orders are
-    written and the run ends as without it."""
+    """04's Muon owners post all-to-alls whose sizes differ per rank: the symmetry is refused,
+    saying why (the one run of this refusal in the suite); with GPTPAR_REHEARSAL_POSTS set, the
+    rehearsed ranks' orders are written and the run ends as without it."""
     posts = tmp_path / "posts.json"
     run, _ = rehearse(tmp_path, "04_zero.py", ["--optimizer", "muon", "--global_batch_size", "8", "--max_iters", "2"],
                       ranks="roles", world_size=4, env={"GPTPAR_REHEARSAL_POSTS": str(posts)})
-    assert "replay: not done: rank 0's rehearsed posting order is not rank 3's" in run.stdout, run.stdout[-2000:]
+    assert "replay: not done: rank 0's rehearsed posting order is not rank 3's moved through the mesh" in run.stdout, \
+        run.stdout[-2000:]
     written = json.loads(posts.read_text())
     assert written["rehearsed"] == [0, 3] and sorted(written["posts"]) == ["0", "3"], sorted(written)
     assert all(written["posts"][r] for r in ("0", "3"))

@@ -2,6 +2,7 @@
 by 3, so padding is exercised), model-state bytes and communication equal to the formulas,
 resume, export into 01, and the refusals."""
 
+import functools
 import json
 import math
 import os
@@ -39,11 +40,18 @@ CASES = [  # (stage, ranks, micro_batch_size or None, clipping)
 ]
 
 
-@pytest.mark.parametrize("stage, ranks, micro, clip", CASES)
-def test_losses_and_ledger(reference, stage, ranks, micro, clip):
+@functools.lru_cache(maxsize=None)
+def zero_run(stage, ranks, micro, clip):
+    """04's run of one case, launched once in this file: test_state_shrinks_with_the_stage reads
+    the stage 3 x 4 case's rows too (the same command, so the same rows)."""
     flags = BASE + (CLIP if clip == "clip" else NO_CLIP) + ["--stage", stage]
     flags += ["--micro_batch_size", micro] if micro else []
-    run = launch("04_zero.py", flags, nprocs=ranks).ok()
+    return launch("04_zero.py", flags, nprocs=ranks).ok()
+
+
+@pytest.mark.parametrize("stage, ranks, micro, clip", CASES)
+def test_losses_and_ledger(reference, stage, ranks, micro, clip):
+    run = zero_run(stage, ranks, micro, clip)
     assert_losses_match(reference[clip], run, what=f"zero-{stage} x{ranks} micro={micro} {clip}")
 
     root, blocks = padded_units(ranks)
@@ -67,7 +75,7 @@ def test_losses_and_ledger(reference, stage, ranks, micro, clip):
 def test_state_shrinks_with_the_stage(reference):
     """Stage 3 at 4 ranks holds a quarter of 01's 16Ψ (plus padding)."""
     single = sum(reference["clip"].steps[0]["state_bytes"].values())
-    run = launch("04_zero.py", BASE + CLIP + ["--stage", "3"], nprocs=4).ok()
+    run = zero_run(3, 4, None, "clip")  # CASES' stage 3 x 4 with clipping: BASE + CLIP + --stage 3
     held = sum(run.steps[0]["state_bytes"].values())
     assert single / 4 <= held < single / 4 * 1.001
 

@@ -9,18 +9,62 @@ docs/planning.md quotes that plan's recommendation. Each asks `whole_plan(flags)
     whole_plan("--model gpt3-175b --gpus 1024 --machine polaris")
         -> (Ψ, scored, refused, choice, why), as plan.plan returns them, computed once
 
+Under pytest-xdist those tests run in different worker processes (`--dist loadfile` gives
+each file to one worker), so a plan is also kept as a JSON file in the session's temporary
+folder (tests/conftest.py names it in WHOLE_PLANS_DIR), named by the flags and by the
+content of every file plan.py reads (plan.py, common.py, the numbered scripts, infra/): the
+first worker to ask makes it under a file lock and the other waits for it, then reads it,
+instead of making it again. Without that folder (one process) the in-process cache alone
+serves.
+
 The answer is shared: a test must not change the candidates' dicts (copy one first)."""
 
+import fcntl
 import functools
+import glob
+import hashlib
+import json
+import os
 
 import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sources():
+    """A digest of every file a whole plan depends on: a plan kept by a session whose code
+    differed is never read back."""
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "infra", "*.py"))):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()
+
+
+def make(flags):
+    args, machine = plan.parse(flags.split())
+    return plan.plan(args, machine)
 
 
 @functools.lru_cache(maxsize=None)
 def whole_plan(flags):
     """plan.py's whole plan for `flags` (plan.py's command line as one string)."""
-    args, machine = plan.parse(flags.split())
-    return plan.plan(args, machine)
+    folder = os.environ.get("WHOLE_PLANS_DIR")
+    if not folder:
+        return make(flags)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, hashlib.sha256(f"{sources()}\0{flags}".encode()).hexdigest()[:32] + ".json")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while the plan is made: the other worker waits, then reads it
+        if os.path.exists(path):
+            with open(path) as f:
+                psi, scored, refused, choice, why = json.load(f)
+            return psi, scored, [tuple(r) for r in refused], choice, why  # JSON has no tuples: as plan.plan gives them
+        made = make(flags)
+        with open(path + ".part", "w") as f:
+            json.dump(made, f)
+        os.replace(path + ".part", path)  # whole or absent, never half-written
+        return made
 
 
 def plan_args(flags):
