@@ -15,25 +15,24 @@ BIG = ("big: a rehearsal of a big mesh, a whole plan, or a slow repeat of a chec
 
 
 # Seconds each file takes under `-n 2 --dist loadfile` (the sum of its tests' --durations=0 on a
-# 2-core host, 2026-11-29, 1,408 tests in 13 min 55 s with every branch of the fourth stop merged);
+# 2-core host, 2026-11-29, 1,429 tests in 12 min 41 s with every branch of the fifth stop merged);
 # a file not listed counts as a few seconds. The two workers take whole files, the next file when
 # they run low: handed out heaviest first, the files left at the end are the small ones, and the
 # workers finish together instead of one waiting on a long file taken last. (pytest-xdist itself
 # orders files by their number of tests; a parametrised file of dry runs is not a long one.)
 # Refresh from a full run's `--durations=0`; the order changes only the schedule, never a result.
-# (test_plan, test_doc_numbers: the pair under `-n 2` after the whole plans were shared and the
-# formulas' shapes remembered; test_zero: less the launch its stage-3 state test no longer makes.)
 FILE_SECONDS = {
-    "test_rehearse.py": 93, "test_bitwise.py": 90, "test_3d.py": 87, "test_real_conditions.py": 86,
-    "test_zero.py": 62, "test_bug_zoo.py": 58, "test_muon.py": 55, "test_peaks.py": 52, "test_jobs.py": 50,
-    "test_memory.py": 49, "test_copy.py": 48, "test_plan.py": 27, "test_doc_numbers.py": 31, "test_pipeline.py": 43,
-    "test_expert_parallel.py": 41, "test_grad_oracle.py": 39, "test_hostile.py": 39, "test_reliability.py": 37,
-    "test_launch.py": 34, "test_3d_experts.py": 33, "test_tensor_parallel.py": 32, "test_vschedules.py": 32,
-    "test_checkpoints.py": 30, "test_host_syncs.py": 30, "test_context_parallel.py": 29, "test_ddp.py": 26,
-    "test_failures.py": 25, "test_fsdp.py": 25, "test_hostile_iv.py": 24, "test_rehearse_hostile.py": 22,
-    "test_single_gpu.py": 22, "test_plot.py": 21, "test_restated.py": 19, "test_formulas.py": 17,
-    "test_routing.py": 17, "test_frozen.py": 15, "test_forkserver.py": 15, "test_collectives.py": 15,
-    "test_fake_host.py": 15, "test_wandb.py": 11, "test_doctor.py": 11,
+    "test_rehearse.py": 98, "test_real_conditions.py": 95, "test_3d.py": 84, "test_bitwise.py": 72,
+    "test_jobs.py": 60, "test_peaks.py": 59, "test_zero.py": 56, "test_muon.py": 51, "test_bug_zoo.py": 51,
+    "test_copy.py": 49, "test_memory.py": 44, "test_expert_parallel.py": 40, "test_launch.py": 38,
+    "test_pipeline.py": 35, "test_hostile.py": 35, "test_grad_oracle.py": 34, "test_reliability.py": 33,
+    "test_doc_numbers.py": 32, "test_host_syncs.py": 29, "test_vschedules.py": 29,
+    "test_context_parallel.py": 26, "test_3d_experts.py": 25, "test_checkpoints.py": 24,
+    "test_tensor_parallel.py": 22, "test_routing.py": 22, "test_rehearse_hostile.py": 22,
+    "test_restated.py": 22, "test_failures.py": 20, "test_plan.py": 19, "test_hostile_iv.py": 19,
+    "test_collectives.py": 18, "test_fsdp.py": 18, "test_ddp.py": 17, "test_frozen.py": 16,
+    "test_forkserver.py": 16, "test_formulas.py": 15, "test_single_gpu.py": 14, "test_plot.py": 12,
+    "test_wandb.py": 12,
 }
 
 
