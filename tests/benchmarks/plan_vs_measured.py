@@ -123,14 +123,14 @@ def beside(model, n, iters, skip, calls, rounds, groups):
 
 def call_groups(script, flags, n):
     """The sizes of the groups whose calls a layout of `script` on n ranks posts (plan.py's
-    group_of over every rank it prices; a send meets 2), each once, sorted: beside() measures
-    a call at each."""
+    group_of over every rank it prices; a send meets 2, a ring's the ring's size), each once,
+    sorted: beside() measures a call at each."""
     args, config, _ = plan.dry_run(script, [*flags, "--device", "cpu", "--dtype", "float32"], n, n)
     sizes = set()
     for rank in plan.ranks_to_price(script, args, config, n):
         for op in plan.rank_costs(script, args, config, n, plan.planned_dtype(args), rank)["sent"]:
-            if op != plan.GUARD_OP:
-                sizes.add(plan.group_of(script, op, args, n, n)[0])
+            if op != plan.GUARD_OP:  # (a ring's exchange: every rank of the ring meets, plan.ring_meets)
+                sizes.add(plan.ring_meets(script, op, args, n) or plan.group_of(script, op, args, n, n)[0])
     return sorted(g for g in sizes if g > 1)
 
 
@@ -159,34 +159,65 @@ def links():
     return fit["alpha_s"], fit["beta_GBps"]
 
 
-def priced(script, flags, n, host, now=None):
+def priced(script, flags, n, host, now=None, cores=None):
     """plan.py's candidate for `script` at n ranks on this host: calibrate()'s rate, fixed cost
     per layer and links; with `now` (beside()'s), each rank at 1/slow of the rate and slow x
-    the fixed cost per layer (n ranks share the cores), and the fixed cost per call by group
-    size and the bandwidth of links_now()."""
+    the fixed cost per layer when all n compute at once (n ranks share the cores: with more
+    ranks than `cores`, plan.py's --cores_per_node, so that a pipeline's ranks waiting in its
+    bubble give theirs to the others), the fixed cost per call by group size and the
+    bandwidth of links_now(), and each kind of collective's own bandwidth (op_gbps())."""
     slow = now["slow"] if now else 1.0
     call_s, beta = links_now(host, now) if now and now["call"] else ({}, host["beta"])
+    cores = cores or len(os.sched_getaffinity(0))
+    alone = n / cores if now and n > cores else 1.0  # a rank alone on a core: n / cores faster than all at once
+    kinds = op_gbps(host, n, beta) if now else {}
     args, machine = plan.parse([*flags_of(flags), "--gpus", str(n), "--gpus_per_node", str(n), "--device", "cpu",
-                                "--dtype", "float32", "--peak_tflops", str(host["rate"] / slow / 1e12),
+                                "--dtype", "float32", "--peak_tflops", str(host["rate"] / slow * alone / 1e12),
                                 "--link_gbps", str(beta), "--efficiency", "1",
-                                "--op_overhead_us", str(host["op_s"] * slow * 1e6),
-                                "--call_overhead_us", *([f"{g}:{s * 1e6}" for g, s in call_s.items()] or ["0"])])
+                                "--op_overhead_us", str(host["op_s"] * slow / alone * 1e6),
+                                "--call_overhead_us", *([f"{g}:{s * 1e6}" for g, s in call_s.items()] or ["0"]),
+                                *(["--cores_per_node", str(cores)] if alone > 1 else []),
+                                *(["--op_gbps", *(f"{k}:{v}" for k, v in kinds.items())] if kinds else [])])
     machine.update(alpha_intra=host["alpha"], alpha_inter=host["alpha"])
     strategy = [f for i, f in enumerate(flags) if f not in MODEL_FLAGS and (i == 0 or flags[i - 1] not in MODEL_FLAGS)]
     c, reason = plan.score(script, strategy, script, args, machine)
     if c is None:
         raise SystemExit(f"plan.py refuses {script} {' '.join(flags)} at {n} ranks: {reason}")
-    c["call_s"], c["beta"] = call_s, beta
+    c["call_s"], c["beta"], c["op_gbps"] = call_s, beta, kinds
     return c
 
 
-def calibrate(model, iters, skip):
+KINDS = {"reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
+
+
+def per_byte(n, calls, rounds, sizes):
+    """{kind: its seconds per byte over the all-reduce's} of gloo's reduce-scatter and
+    all-gather at n ranks (the whole buffer's bytes, as the ledger counts them), timed by
+    call_cost.py --op in one launch, interleaved with the all-reduce, at two sizes (their
+    difference: the bytes' cost without the call's)."""
+    got = call_cost.measure(n, calls, rounds, sizes, matmuls=4, op=("all_reduce", *KINDS))["by_op"]
+    ar = got["all_reduce"]
+    return {kind: (got[op][1] - got[op][0]) / (ar[1] - ar[0]) for op, kind in KINDS.items()
+            if ar[1] > ar[0] and got[op][1] > got[op][0]}
+
+
+def op_gbps(host, n, beta):
+    """plan.py's --op_gbps at n ranks: each kind's bus bandwidth that makes its cost per byte
+    calibrate()'s ratio to the all-reduce's at `beta` (the all-reduce's 2(g-1)/g bytes / beta
+    per byte of the buffer; a reduce-scatter or all-gather moves (g-1)/g: beta / (2 x ratio))."""
+    return {kind: beta / (2 * ratio) for kind, ratio in host.get("per_byte", {}).get(n, {}).items()}
+
+
+def calibrate(model, iters, skip, ranks=(), calls=100, rounds=3):
     """This host's figures, measured once on programs that are none of the layouts priced:
-    alpha and beta (02's doctor, 2 ranks); the matmul rate and the fixed cost per layer and
-    micro-batch, from 01 at the model's micro-batches and at one micro-batch of the whole
-    batch, the same tokens (t = FLOPs / rate + m x L x op_s: two unknowns; each the fastest of
-    two runs, alternating)."""
+    alpha and beta (02's doctor, 2 ranks); the reduce-scatter's and all-gather's cost per byte
+    over the all-reduce's at each of `ranks` (per_byte); the matmul rate and the fixed cost
+    per layer and micro-batch, from 01 at the model's micro-batches and at one micro-batch of
+    the whole batch, the same tokens (t = FLOPs / rate + m x L x op_s: two unknowns; each the
+    fastest of two runs, alternating)."""
     alpha, beta = links()
+    sizes = beside(model, 1, iters, skip, calls, rounds, [])["bytes"]
+    kinds = {n: per_byte(n, calls, rounds, sizes) for n in ranks if n > 1}
     batch = int(model[model.index("--global_batch_size") + 1])
     m = batch // int(model[model.index("--micro_batch_size") + 1])
     layers = int(model[model.index("--n_layer") + 1])
@@ -199,7 +230,7 @@ def calibrate(model, iters, skip):
     free = dict(rate=1.0, op_s=0.0, alpha=alpha, beta=beta)
     flops = priced("01_single_gpu.py", whole, 1, free)["step_time_s"]  # at 1 FLOP/s: the FLOPs as they run
     return dict(rate=flops / (t_1 - layers * op_s), op_s=op_s, alpha=alpha, beta=beta, t_m=t_m, t_1=t_1, m=m,
-                layers=layers)
+                layers=layers, per_byte=kinds)
 
 
 def at_rate_of(host, one, flags):
@@ -276,10 +307,14 @@ def main():
     calls, rounds = 100, 3
     if a.smoke:
         a.ranks, a.iters, a.skip, calls, rounds = [2], 3, 1, 10, 1
-    host = calibrate(model, a.iters, a.skip)
+    host = calibrate(model, a.iters, a.skip, a.ranks, calls, rounds)
+    ratios = "; ".join(f"at {n} ranks " + ", ".join(f"{k} {r:.2f}x" for k, r in kinds.items())
+                       for n, kinds in host["per_byte"].items())
     print(f"calibration: 01's step {host['t_m'] * 1e3:.0f} ms in {host['m']} micro-batches, {host['t_1'] * 1e3:.0f} ms "
           f"in one: {host['rate'] / 1e9:.2f} GFLOP/s and {host['op_s'] * 1e6:.0f} us per layer and micro-batch "
-          f"(one rank); gloo alpha {host['alpha'] * 1e6:.0f} us, beta {host['beta']:.2f} GB/s (02 --doctor, 2 ranks)\n")
+          f"(one rank); gloo alpha {host['alpha'] * 1e6:.0f} us, beta {host['beta']:.2f} GB/s (02 --doctor, 2 ranks); "
+          f"cost per byte over the all-reduce's (call_cost.py --op): {ratios or 'not measured'}; "
+          f"{len(os.sched_getaffinity(0))} cores\n")
     print("| layout | ranks | predicted / 01 | measured / 01 | error | host beside it: slow, call, beta | "
           "plan: compute + comm (bubble) | missing term |")
     print("|---|---|---|---|---|---|---|---|")
