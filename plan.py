@@ -501,11 +501,12 @@ def group_of(name, op, args, n, gpus_per_node):
 
 
 def ring_meets(name, op, args, n):
-    """The ranks whose calls a ring's exchange waits on, where more than its pair: each step of
+    """The size of the ring whose exchange a send is (None for any other send): each step of
     09's ring (and 08's with --cp) sends to the next rank and receives from the one before, and
     completes the exchange before the next step, so rank r's step waits on r - 1's step before,
-    which waited on r - 2's: every rank of the ring meets at each step, as in a collective of
-    the ring's size (its fixed cost per call; the bytes still cross one link). None elsewhere."""
+    which waited on r - 2's: every rank of the ring meets at each step (the bytes still cross
+    one link). Its fixed cost is priced as measured for a ring of that size
+    (--exchange_overhead_us), or as a pair's call."""
     if op.split("[")[0] not in ("send", "recv"):
         return None
     if name.startswith("09"):
@@ -531,16 +532,16 @@ def call_seconds(machine, g):
     return call[-1][1]
 
 
-def read_call_overhead(values, error):
-    """--call_overhead_us's words, in seconds: one number (every group), or G:US pairs, each
-    group size G >= 2 once (a one-rank group posts nothing), sorted by G."""
+def read_call_overhead(values, error, flag="--call_overhead_us"):
+    """--call_overhead_us's words (or --exchange_overhead_us's), in seconds: one number (every
+    group), or G:US pairs, each group size G >= 2 once (a one-rank group posts nothing), sorted by G."""
     def microseconds(word):
         try:
             value = float(word)
         except ValueError:
             value = math.nan
         if not (math.isfinite(value) and 0 <= value <= 1e9):
-            error(f"--call_overhead_us must be a number of microseconds in 0..1e9, got {word}")
+            error(f"{flag} must be a number of microseconds in 0..1e9, got {word}")
         return value * 1e-6
 
     if len(values) == 1 and ":" not in values[0]:
@@ -549,7 +550,7 @@ def read_call_overhead(values, error):
     for word in values:
         size, _, us = word.partition(":")
         if not (size.isdigit() and 2 <= int(size) <= MAX_GPUS and us) or int(size) in pairs:
-            error(f"--call_overhead_us takes one number or G:US pairs, each group size G in 2..{MAX_GPUS:,} once, "
+            error(f"{flag} takes one number or G:US pairs, each group size G in 2..{MAX_GPUS:,} once, "
                   f"got {' '.join(values)}")
         pairs[int(size)] = microseconds(us)
     return tuple(sorted(pairs.items()))
@@ -575,18 +576,22 @@ def read_op_gbps(values, error):
     return kinds
 
 
-def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None, meets=None):
+def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None, ring=None):
     """Alpha-beta time of one step's `nbytes` of `op`, posted in `calls` calls (costs()' count:
     each call pays its latency), on a ring of g ranks: inside a node (per_node None) over the
     GPU links (or the bandwidth measured for this kind of collective, --op_gbps); across
     nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at most the node's
     NICs, and no faster than the links inside). Each post pays the fixed cost per call of a
-    group of g ranks, or of `meets` where more ranks wait on each other than the call's own
-    (call_s; posts: as many as calls, unless several sends ride one batch_isend_irecv)."""
+    group of g ranks (call_s; posts: as many as calls, unless several sends ride one
+    batch_isend_irecv); a ring's exchange (`ring`: its size, ring_meets) its own where
+    measured (exchange_s), the pair's call's if not."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    fixed = (calls if posts is None else posts) * call_seconds(machine, meets or g)  # (the fixed costs under MACHINES)
+    # (the fixed costs under MACHINES; a ring's exchange its own, by the ring's size, where measured)
+    each = call_seconds(dict(call_s=machine["exchange_s"]), ring) if ring and "exchange_s" in machine \
+        else call_seconds(machine, g)
+    fixed = (calls if posts is None else posts) * each
     kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
             "all_to_all_single": "all_to_all"}.get(base, base)
     intra = machine.get("op_gbps", {}).get(kind, machine["intra_gbps"])  # --op_gbps: this kind's own, measured
@@ -658,22 +663,24 @@ def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transf
     return tuple(b + (m - m1 - p) / p * (b - a) for a, b in zip(first, second))
 
 
-def finishes_sharing_cores(events, p, cost, transfer, cores, per_stage):
+def finishes_sharing_cores(events, p, cost, transfer, cores, per_stage, stretch=None):
     """07's run_events (the same dependencies: a rank's operations in its order, each once its
     inputs have arrived and, where it waits, its own sends) on ranks that share a CPU host's
     `cores`: while b stages compute at once, b x per_stage ranks of the node do, each at
     min(1, cores / (b x per_stage)) of the speed it has alone on a core, so a rank waiting in
     the bubble (blocked in a receive, off its core) lets the computing ranks run faster than
-    "every rank computes all the time" would say. Time advances from one start or end to the
-    next (processor sharing). Returns each rank's finish, as rank_finishes: its last
-    operation's end or its last send's arrival."""
+    "every rank computes all the time" would say. `stretch` (per rank: its operations
+    lengthened by the collectives inside them, simulate_step's): the part of each operation
+    that is those collectives takes its own time, computing nothing. Time advances from one
+    start or end to the next (processor sharing). Returns each rank's finish, as
+    rank_finishes: its last operation's end or its last send's arrival."""
     queue = [[] for _ in range(p)]
     for e, event in enumerate(events):
         queue[event[0]].append(e)
     work = [max(sum(cost(r, kind, c) for kind, _, c in forwards), sum(cost(r, op[0], op[2]) for op in backwards))
             for r, forwards, backwards, *_ in events]
     done, clock, sending, nxt = [None] * len(events), [0.0] * p, [0.0] * p, [0] * p
-    running, ready, now, left = {}, {}, 0.0, len(events)
+    running, ready, now, left = {}, {}, 0.0, len(events)  # running: {rank: [compute left, collectives left]}
     while left:
         for r in range(p):  # the next operation of each idle rank, once it knows when it may start
             if r in running or r in ready or nxt[r] == len(queue[r]):
@@ -684,22 +691,30 @@ def finishes_sharing_cores(events, p, cost, transfer, cores, per_stage):
             ready[r] = max([clock[r], sending[r] if waits else 0.0] +
                            [done[j] + (transfer(g, to) if transfer and elsewhere else 0.0) for j, g, to, elsewhere in wanted])
         for r in [r for r, start in ready.items() if start <= now]:
-            running[r] = work[queue[r][nxt[r]]]
+            w = work[queue[r][nxt[r]]]
+            running[r] = [w / (stretch[r] if stretch else 1.0), w - w / (stretch[r] if stretch else 1.0)]
             del ready[r]
         if not running and not ready:
             raise ValueError("the pipeline's operations wait on each other: no rank can start")
-        speed = min(1.0, cores / (per_stage * len(running))) if running else 1.0
-        until = min([now + left_s / speed for left_s in running.values()] + list(ready.values()))
+        computing = sum(1 for c, _ in running.values() if c > 0)
+        speed = min(1.0, cores / (per_stage * computing)) if computing else 1.0
+        until = min([now + (c / speed if c > 0 else t) for c, t in running.values()] + list(ready.values()))
         for r in list(running):
-            running[r] -= (until - now) * speed
-            if running[r] <= 1e-12 * max(1.0, until):  # (its end, to rounding)
-                e = queue[r][nxt[r]]
-                done[e] = clock[r] = until
-                for g, to in events[e][5] if transfer else ():
-                    sending[r] = max(sending[r], until + transfer(g, to))
-                nxt[r] += 1
-                left -= 1
-                del running[r]
+            c, t = running[r]
+            if c > 0:
+                running[r][0] = c - (until - now) * speed
+            else:
+                running[r][1] = t - (until - now)
+            if running[r][0] <= 1e-12 * max(1.0, until):  # (its compute ended, to rounding)
+                running[r][0] = 0.0
+                if running[r][1] <= 1e-12 * max(1.0, until):  # and its collectives
+                    e = queue[r][nxt[r]]
+                    done[e] = clock[r] = until
+                    for g, to in events[e][5] if transfer else ():
+                        sending[r] = max(sending[r], until + transfer(g, to))
+                    nxt[r] += 1
+                    left -= 1
+                    del running[r]
         now = until
     return [max(end, last) for end, last in zip(clock, sending)]
 
@@ -840,13 +855,13 @@ def stage_comm(name, args, config, n, machine, cost, comm, rank):
             if nbytes > piped:  # the ring's K/V, inside the stage, between neighbours tp ranks apart
                 ring = comm_seconds(op, nbytes - piped, 2, link_of([0, args.tp * (args.cp - 1)], G), machine,
                                     max(1, k - posted), posts=max(1, k - posted) / 2,  # K and V: one batch
-                                    meets=ring_meets(name, op, args, n))
+                                    ring=ring_meets(name, op, args, n))
                 phases["inside"][0] += ring
                 phases["inside"][1] += max(1, k - posted)
             continue
         batched = name.startswith("09") and op.split("[")[0] == "send"  # the ring's K and V (dK, dV): one batch
         phases[phase][0] += comm_seconds(op, nbytes, *group_of(name, op, args, n, G), machine, k,
-                                         posts=k / 2 if batched else None, meets=ring_meets(name, op, args, n))
+                                         posts=k / 2 if batched else None, ring=ring_meets(name, op, args, n))
         phases[phase][1] += k
     return phases, message
 
@@ -869,7 +884,8 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
     for the slowest. The step is the slowest rank's finish."""
     G, recompute = machine["gpus_per_node"], bool(getattr(args, "recompute", False))
     sharing = core_sharing(name, args, n, machine)
-    muon = {rank: r["muon_flops"] / rate * (sharing[1] / sharing[0] if sharing else 1) for rank, r in roles.items()}
+    slower = min(n, G) / sharing[0] if sharing else 1  # Muon: every rank at once
+    muon = {rank: r["muon_flops"] / rate * slower for rank, r in roles.items()}
     after = max(r["phases"]["after"][0] for r in roles.values())
     if not is_pipeline(name, args):
         (rank, role), = roles.items()
@@ -909,6 +925,7 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
     for g, (blocks, head) in enumerate(forward):
         work[stage_of[g]] += m * ((3 + recompute) * blocks + 3 * head)
     stretch = [1 + roles[owner[s]]["phases"]["inside"][0] / work[s] if work[s] else 1 for s in range(p)]
+    sharing = sharing and (*sharing, tuple(stretch))  # (their collectives inside take their own time)
     forward = tuple((b * stretch[stage_of[g]], h * stretch[stage_of[g]]) for g, (b, h) in enumerate(forward))
     transfers = tuple(comm_seconds("send", roles[owner[stage_of[g]]]["message"], 2,
                                    link_of([rank_of(stage_of[g]), rank_of(stage_of[g + 1])], G), machine)
@@ -997,7 +1014,7 @@ def score(name, flags, label, plan_args, machine, lanes=None):
     if config.n_expert and plan_args.imbalance > 1:  # the busiest rank's experts run imbalance x their share of rows
         expert_flops = 6 * config.n_layer * config.top_k * expert_params(config) * args.global_batch_size * config.block_size
         extra = (plan_args.imbalance - 1) * expert_flops / (n * rate)
-    muon_s = max(r["muon_flops"] for r in ranks) / rate * (sharing[1] / sharing[0] if sharing else 1)  # Newton-Schulz
+    muon_s = max(r["muon_flops"] for r in ranks) / rate * (min(n, G) / sharing[0] if sharing else 1)  # Newton-Schulz
     step_s = simulate_step(name, args, config, n, machine, rate, {r["rank"]: r for r in ranks}, extra, lanes)
     compute_s += extra
     if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
@@ -1143,6 +1160,12 @@ def parse(argv=None):
     g.add_argument("--op_overhead_us", type=float, default=0.0,
                    help="microseconds one layer's forward and backward of one micro-batch cost beyond their FLOPs "
                         "(Python, kernel launches), on every rank that runs the layer however thin TP or CP slices it")
+    g.add_argument("--exchange_overhead_us", nargs="+", default=None, metavar="US|G:US",
+                   help="microseconds one step of a ring's exchange costs beyond its alpha (09's ring, 08's with "
+                        "--cp: K and V to the next rank, from the one before, one batch), by the ring's size G as "
+                        "--call_overhead_us's pairs, where it is not a pair's call's: every rank of the ring waits on "
+                        "the one before (tests/benchmarks/call_cost.py --op ring_exchange); default: --call_overhead_us "
+                        "at 2")
     g.add_argument("--op_gbps", nargs="+", default=[], metavar="KIND:GBPS",
                    help="GB/s one kind of collective reaches inside a node where it is not the ring's over "
                         "--link_gbps (KIND: all_reduce, reduce_scatter, all_gather, all_to_all, send), as its bus "
@@ -1180,6 +1203,8 @@ def parse(argv=None):
     if not (math.isfinite(args.op_overhead_us) and 0 <= args.op_overhead_us <= 1e9):
         error(f"--op_overhead_us must be a number of microseconds in 0..1e9, got {args.op_overhead_us}")
     call_s = read_call_overhead(args.call_overhead_us, error)
+    exchange_s = None if args.exchange_overhead_us is None else read_call_overhead(args.exchange_overhead_us, error,
+                                                                                   "--exchange_overhead_us")
     op_gbps = read_op_gbps(args.op_gbps, error)
     if not 0 <= args.cores_per_node <= MAX_GPUS:
         error(f"--cores_per_node must be in 0..{MAX_GPUS:,} (0: a device per rank), got {args.cores_per_node}")
@@ -1197,6 +1222,8 @@ def parse(argv=None):
     machine.update(call_s=call_s, op_s=args.op_overhead_us * 1e-6)
     if op_gbps:
         machine["op_gbps"] = op_gbps
+    if exchange_s is not None:
+        machine["exchange_s"] = exchange_s
     if args.cores_per_node:
         machine["cores"] = args.cores_per_node
     for path in args.bench:

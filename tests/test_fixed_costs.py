@@ -114,7 +114,7 @@ def test_the_benchmarks_pricing_path():
     timed = lambda g, cost: tuple(2 * (g - 1) * host["alpha"] + cost + 2 * (g - 1) / g * b / (beta * 1e9)  # noqa: E731
                                   for b in sizes)
     now = dict(slow=1.5, bytes=sizes, call={g: timed(g, s) for g, s in call_s.items()})
-    found, found_beta = pvm.links_now(host, now)
+    found, found_beta, _ = pvm.links_now(host, now)
     assert found == pytest.approx(call_s) and found_beta == pytest.approx(beta)
     rated = pvm.at_rate_of(host, 0.05, pvm.SMOKE_MODEL)
     one = pvm.priced("01_single_gpu.py", pvm.SMOKE_MODEL, 1, rated)
@@ -179,24 +179,34 @@ def test_a_kinds_own_bandwidth_prices_that_kind_only():
     assert "op_gbps" not in sheet and "cores" not in sheet  # the datasheet machines: neither term
 
 
-def test_a_rings_exchange_pays_the_fixed_cost_of_the_whole_ring():
+def test_a_rings_exchange_pays_its_own_fixed_cost_by_the_rings_size():
     """09's ring: each step waits on the step before of the rank before, so every rank of the
-    ring meets at each step: its sends pay the fixed cost of a call meeting cp ranks (once a
-    batch of K and V), their bytes one link's; a pipeline's sends pay the pair's."""
+    ring meets at each step: with --exchange_overhead_us its sends pay a ring's exchange's
+    fixed cost at the ring's size (once a batch of K and V), without it a pair's call's; their
+    bytes cross one link either way. A pipeline's sends are no ring's."""
     by_size = dict(intra_gbps=1.0, inter_gbps=1.0, gpus_per_node=4, alpha_intra=0.0, alpha_inter=0.0,
                    call_s=((2, 1e-3), (4, 5e-3)))
-    free = dict(by_size, call_s=0.0)
     args, config, _ = plan.dry_run("09_context_parallel.py", [*MODEL, "--cp_impl", "ring"], 4, 4)
     assert plan.ring_meets("09_context_parallel.py", "send[cp]", args, 4) == 4
     cost = plan.rank_costs("09_context_parallel.py", args, config, 4, plan.planned_dtype(args), 0)
-    comm = {op: value for op, (_, value) in cost["sent"].items()}
-    sends = [op for op in comm if op.startswith("send")]
+    sends = {op: value for op, (_, value) in cost["sent"].items() if op.startswith("send")}
     posts = sum(plan.op_calls(cost).get(op, 1) for op in sends) / 2
-    priced = [plan.stage_comm("09_context_parallel.py", args, config, 4, m, cost, {op: comm[op] for op in sends}, 0)
-              [0]["inside"][0] for m in (by_size, free)]
-    assert sends and priced[0] - priced[1] == pytest.approx(posts * 5e-3)
+    priced = [plan.stage_comm("09_context_parallel.py", args, config, 4, m, cost, sends, 0)[0]["inside"][0]
+              for m in (dict(by_size, call_s=0.0), by_size, dict(by_size, exchange_s=((2, 2e-3), (4, 3e-3))))]
+    assert sends and priced[1] - priced[0] == pytest.approx(posts * 1e-3)
+    assert priced[2] - priced[0] == pytest.approx(posts * 3e-3)
+    _, machine = plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--exchange_overhead_us", "4:3000", "2:2000"])
+    assert dict(machine["exchange_s"]) == pytest.approx({2: 2e-3, 4: 3e-3})
     args, config, _ = plan.dry_run("07_pipeline.py", [*MODEL, "--schedule", "1f1b"], 4, 4)
     assert plan.ring_meets("07_pipeline.py", "send[pp]", args, 4) is None
+
+
+def test_a_bad_exchange_cost_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--exchange_overhead_us", "1:5"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --exchange_overhead_us takes one number or G:US pairs, each group size G in 2..10,000,000 once, got 1:5"]
 
 
 def test_ranks_sharing_cores_compute_as_many_at_once_as_are_busy():

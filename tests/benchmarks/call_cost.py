@@ -3,7 +3,8 @@ Each rank runs the same loop, alternating, `--rounds` times: `--calls` pieces of
 few matrix multiplies of about a tiny model's layer, so that the ranks reach each call at
 about the same time, as a training step's ranks do), once without a collective and once with
 a collective of each size in --bytes after every piece (--op: an all-reduce, or a
-reduce-scatter or all-gather of that whole buffer; several --op are timed in one launch,
+reduce-scatter or all-gather of that whole buffer, or a ring's exchange of it, 09's step:
+send to the next rank of the group, receive from the one before; several --op in one launch,
 their loops interleaved, so that their costs per byte compare on a host whose load moves),
 through the ledger's wrapper as the scripts' collectives go. With --group G below the ranks, each call meets G ranks: the ranks
 run as n/G groups of G consecutive ranks at once (a pipeline's pairs, 08's TP pairs), so that
@@ -49,11 +50,18 @@ def rank_main(a):
     x, w = torch.randn(128, 128), torch.randn(128, 512)
     messages = [torch.ones(max(a.group, size // 4 // a.group * a.group)) for size in a.bytes]  # g equal shards
     done = torch.zeros(1)
+    inbox = {m.numel(): torch.empty_like(m) for m in messages}  # a ring exchange's receive buffers
     g = dist.get_world_size(group)
 
     def post(op, full):  # `full`: the all-reduce's message, the reduce-scatter's input, the all-gather's output
         if op == "all_reduce":
             dist.all_reduce(full, group=group)
+        elif op == "ring_exchange":  # 09's ring step: to the next rank, from the one before, one batch
+            ring = dist.get_process_group_ranks(group)
+            at = ring.index(rank)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, full, ring[(at + 1) % g], group=group),
+                                                dist.P2POp(dist.irecv, inbox[full.numel()], ring[at - 1], group=group)]):
+                work.wait()
         elif op == "reduce_scatter_tensor":
             dist.reduce_scatter_tensor(torch.empty(full.numel() // g), full, group=group)
         else:
@@ -109,9 +117,10 @@ def main():
     p.add_argument("--group", type=int, default=None, help="the ranks each call meets (default: all): "
                    "at least 2, dividing --ranks")
     p.add_argument("--op", nargs="+", default=["all_reduce"],
-                   choices=["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"],
+                   choices=["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ring_exchange"],
                    help="the collectives timed, each once; --bytes is its whole buffer (the reduce-scatter's "
-                        "input, the all-gather's output)")
+                        "input, the all-gather's output; ring_exchange: the message each rank sends to the next "
+                        "rank of its group and receives from the one before, in one batch, as 09's ring does)")
     p.add_argument("--rank_main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:
