@@ -39,7 +39,10 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              own stage's time (the last L mod p stages hold one more layer, the
                              last the head): the slowest stage sets the pace, and the bubble comes
                              out of the schedule; + --op_overhead_us for each layer of each
-                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES)
+                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES);
+                             --cores_per_node below a node's ranks (a CPU host): each rank at
+                             min(1, cores / ranks computing at once), a pipeline's by processor
+                             sharing, so ranks in the bubble yield their cores
                    muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
                              priced (costs()'s muon_flops: the matrices it orthogonalises, each
                              5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
@@ -63,7 +66,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one;
                              and --call_overhead_us per call (0 on the datasheet machines; a
                              batch of sends pays it once; by the size of the group that meets,
-                             when given as G:US pairs)
+                             when given as G:US pairs; a ring's exchange, 09's, its own by the
+                             ring's size with --exchange_overhead_us); --op_gbps: a kind's own
+                             bandwidth (gloo's reduce-scatter and all-gather on a CPU host)
                    where   = each collective where its script posts it (phase_of): inside a
                              forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
                              all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a

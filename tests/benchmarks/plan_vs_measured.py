@@ -10,15 +10,19 @@ absolute times do not). Rerun with
 runs.) It calibrates once, on programs that are none of the layouts it prices: alpha and beta
 from `02_collectives.py --doctor --json` on 2 ranks; the matmul rate and plan.py's fixed cost
 per layer and micro-batch (--op_overhead_us) from 01 at the model's micro-batches and at one
-micro-batch of the same tokens (the fixed cost is what the extra micro-batches add). Then for
+micro-batch of the same tokens (the fixed cost is what the extra micro-batches add); and
+the bus bandwidth of gloo's reduce-scatter and all-gather at each rank count (call_cost.py
+--op, plan.py's --op_gbps). Then for
 each layout, one after the other (interleaved: a load that comes and goes falls on all of
 them): 01's step (the rate now), the host beside it (beside(): how much slower each of n
 copies of 01 computes at once, the cores term; and what an all-reduce costs inside a loop of
 compute on n ranks at two sizes, call_cost.py, at each size of group the layout's calls
 meet (n ranks as n/g groups of g: a pipeline's pairs at 4 ranks), which gives plan.py's fixed
-cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees), the
-layout, then the host, 01 and the layout again (of each the quieter of the two). Both are
-priced with plan.score with these figures: predicted =
+cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees; for
+09's ring a ring's exchange at its size, --exchange_overhead_us), the layout, then the host,
+01 and the layout again (of each the quieter of the two). Both are priced with plan.score
+with these figures (with more ranks than cores, --cores_per_node: a pipeline's ranks in the
+bubble yield their cores): predicted =
 plan(layout) / plan(01), measured = step(layout) / step(01), a step being the fastest of the
 slowest rank's steps after --skip (dt_ms_max: a shared host's load only adds time). It prints
 a Markdown table and a last line `max |error| X% over N layouts`; a layout off by more than
@@ -291,6 +295,14 @@ MEASURED_TERMS = {
     "4:09 ring": "the ring's exchanges are priced as call_cost.py --op ring_exchange measures one at the ring's size "
                  "(every rank of the ring waits on the one before); what is left is gloo's batch of two sends and two "
                  "receives under the layout's own pattern (K and V, dK and dV, the compute between), not timed alone",
+    "2:09 ring": "at 2 ranks the ring is a pair: its exchange measured beside it (ring 2) and priced so; the row's "
+                 "error was -70..-4% in the four runs before this code: within this host's noise unless it repeats",
+    "2:10 EP": "the all-to-all is priced with the all-reduce's cost per call and bandwidth (its own not measured); the "
+               "row's error was -29..-3% in the four runs before this code",
+    "4:08 tp 2 pp 2": "TP's own fixed cost per layer beyond 01's (the f and g autograd functions, the vocabulary-"
+                      "parallel loss; 06 at 2 ranks is -16..-33% in every run too), not measured alone; and the cores "
+                      "term prices its stages' ranks as yielding their cores in the bubble (without it -16% in this "
+                      "run, -25% in the one before), while each TP all-reduce needs both ranks of a pair on a core",
 }
 
 
