@@ -39,7 +39,10 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              own stage's time (the last L mod p stages hold one more layer, the
                              last the head): the slowest stage sets the pace, and the bubble comes
                              out of the schedule; + --op_overhead_us for each layer of each
-                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES)
+                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES);
+                             --cores_per_node below a node's ranks (a CPU host): each rank at
+                             min(1, cores / ranks computing at once), a pipeline's by processor
+                             sharing, so ranks in the bubble yield their cores
                    muon    = with --optimizer muon, the Newton-Schulz FLOPs of the busiest rank
                              priced (costs()'s muon_flops: the matrices it orthogonalises, each
                              5(4r²c + 2r³)) / (peak x --efficiency), the model FLOPs' rate; after
@@ -63,7 +66,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              ZeRO-1 at 256 ranks pays its 101 collectives' latency, not one;
                              and --call_overhead_us per call (0 on the datasheet machines; a
                              batch of sends pays it once; by the size of the group that meets,
-                             when given as G:US pairs)
+                             when given as G:US pairs; a ring's exchange, 09's, its own by the
+                             ring's size with --exchange_overhead_us); --op_gbps: a kind's own
+                             bandwidth (gloo's reduce-scatter and all-gather on a CPU host)
                    where   = each collective where its script posts it (phase_of): inside a
                              forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
                              all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a
@@ -500,6 +505,22 @@ def group_of(name, op, args, n, gpus_per_node):
     return size, ranks_per_node([i * stride for i in range(size)], G)
 
 
+def ring_meets(name, op, args, n):
+    """The size of the ring whose exchange a send is (None for any other send): each step of
+    09's ring (and 08's with --cp) sends to the next rank and receives from the one before, and
+    completes the exchange before the next step, so rank r's step waits on r - 1's step before,
+    which waited on r - 2's: every rank of the ring meets at each step (the bytes still cross
+    one link). Its fixed cost is priced as measured for a ring of that size
+    (--exchange_overhead_us), or as a pair's call."""
+    if op.split("[")[0] not in ("send", "recv"):
+        return None
+    if name.startswith("09"):
+        return args.cp or n
+    if name.startswith("08") and args.cp > 1:
+        return args.cp
+    return None
+
+
 def call_seconds(machine, g):
     """The fixed cost of one call in a group of g ranks (the fixed costs under MACHINES):
     machine["call_s"] is one figure for every group, or ((g, seconds), ...) measured at a few
@@ -516,16 +537,16 @@ def call_seconds(machine, g):
     return call[-1][1]
 
 
-def read_call_overhead(values, error):
-    """--call_overhead_us's words, in seconds: one number (every group), or G:US pairs, each
-    group size G >= 2 once (a one-rank group posts nothing), sorted by G."""
+def read_call_overhead(values, error, flag="--call_overhead_us"):
+    """--call_overhead_us's words (or --exchange_overhead_us's), in seconds: one number (every
+    group), or G:US pairs, each group size G >= 2 once (a one-rank group posts nothing), sorted by G."""
     def microseconds(word):
         try:
             value = float(word)
         except ValueError:
             value = math.nan
         if not (math.isfinite(value) and 0 <= value <= 1e9):
-            error(f"--call_overhead_us must be a number of microseconds in 0..1e9, got {word}")
+            error(f"{flag} must be a number of microseconds in 0..1e9, got {word}")
         return value * 1e-6
 
     if len(values) == 1 and ":" not in values[0]:
@@ -534,31 +555,57 @@ def read_call_overhead(values, error):
     for word in values:
         size, _, us = word.partition(":")
         if not (size.isdigit() and 2 <= int(size) <= MAX_GPUS and us) or int(size) in pairs:
-            error(f"--call_overhead_us takes one number or G:US pairs, each group size G in 2..{MAX_GPUS:,} once, "
+            error(f"{flag} takes one number or G:US pairs, each group size G in 2..{MAX_GPUS:,} once, "
                   f"got {' '.join(values)}")
         pairs[int(size)] = microseconds(us)
     return tuple(sorted(pairs.items()))
 
 
-def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None):
+OP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+
+
+def read_op_gbps(values, error):
+    """--op_gbps's KIND:GBPS pairs as {kind: GB/s}, each kind of OP_KINDS once, each a positive
+    finite number."""
+    kinds = {}
+    for word in values:
+        kind, _, gbps = word.partition(":")
+        try:
+            value = float(gbps)
+        except ValueError:
+            value = math.nan
+        if kind not in OP_KINDS or kind in kinds or not (math.isfinite(value) and 0 < value <= 1e9):
+            error(f"--op_gbps takes KIND:GBPS pairs, each KIND of {', '.join(OP_KINDS)} once and GBPS a positive "
+                  f"number of GB/s, got {' '.join(values)}")
+        kinds[kind] = value
+    return kinds
+
+
+def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None, ring=None):
     """Alpha-beta time of one step's `nbytes` of `op`, posted in `calls` calls (costs()' count:
     each call pays its latency), on a ring of g ranks: inside a node (per_node None) over the
-    GPU links; across nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at
-    most the node's NICs, and no faster than the links inside). Each post pays the fixed cost
-    per call (call_s; posts: as many as calls, unless several sends ride one batch_isend_irecv)."""
+    GPU links (or the bandwidth measured for this kind of collective, --op_gbps); across
+    nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at most the node's
+    NICs, and no faster than the links inside). Each post pays the fixed cost per call of a
+    group of g ranks (call_s; posts: as many as calls, unless several sends ride one
+    batch_isend_irecv); a ring's exchange (`ring`: its size, ring_meets) its own where
+    measured (exchange_s), the pair's call's if not."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    fixed = (calls if posts is None else posts) * call_seconds(machine, g)  # (the fixed costs under MACHINES)
+    # (the fixed costs under MACHINES; a ring's exchange its own, by the ring's size, where measured)
+    each = call_seconds(dict(call_s=machine["exchange_s"]), ring) if ring and "exchange_s" in machine \
+        else call_seconds(machine, g)
+    fixed = (calls if posts is None else posts) * each
+    kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all"}.get(base, base)
+    intra = machine.get("op_gbps", {}).get(kind, machine["intra_gbps"])  # --op_gbps: this kind's own, measured
     across = bool(per_node)  # None (or False: the old "inside a node") inside; k, or True for one rank per node
-    gbps = machine["intra_gbps"] if not across else min(machine["intra_gbps"], min(int(per_node), machine["gpus_per_node"])
-                                                        * machine["inter_gbps"])
+    gbps = intra if not across else min(intra, min(int(per_node), machine["gpus_per_node"]) * machine["inter_gbps"])
     beta = 1e9 * gbps
     alpha = machine["alpha_inter"] if across else machine["alpha_intra"]
     if base == "send":
         return fixed + calls * alpha + nbytes / beta
-    kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-            "all_to_all_single": "all_to_all"}.get(base, base)
     steps = 2 * (g - 1) if kind == "all_reduce" else g - 1
     if kind == "all_to_all" and across:
         # not a ring: every rank's rows for the g - k ranks on other nodes leave through its own
@@ -566,7 +613,7 @@ def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None):
         # over the links inside, at the same time
         k = min(int(per_node), g)
         return fixed + calls * steps * alpha + max(nbytes * (g - k) / g / (1e9 * machine["inter_gbps"]),
-                                           nbytes * (k - 1) / g / (1e9 * machine["intra_gbps"]))
+                                                   nbytes * (k - 1) / g / (1e9 * intra))
     return fixed + calls * steps * alpha + script("02_collectives.py").bus_factor(kind, g) * nbytes / beta
 
 
@@ -585,13 +632,15 @@ SIMULATED_OPS = 8192  # a pipeline's step is simulated whole up to this many ope
 
 
 @functools.lru_cache(maxsize=None)
-def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transfers=None):
+def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transfers=None, sharing=None):
     """07's rank_finishes of `schedule` on p stages and m micro-batches, each global chunk g
     taking forward[g] to run forward, twice that backward (+ one more forward of its blocks
     with --recompute; a split backward's I and W half each), and each message between chunks
     g and g + 1 on two ranks transfers[g] (none: free). Past SIMULATED_OPS the step is
     simulated at two micro-batch counts p apart and extended linearly: in the steady state
-    each further p micro-batches add the same time to every rank (the slowest stage's)."""
+    each further p micro-batches add the same time to every rank (the slowest stage's).
+    `sharing` (core_sharing's (cores, ranks per busy stage)): the ranks share a CPU host's
+    cores, timed by finishes_sharing_cores instead."""
     pipeline = script("07_pipeline.py")
     run = argparse.Namespace(schedule=schedule, schedule_csv=None, virtual_stages=virtual_stages)
     v, vee = pipeline.chunks_per_rank(run)
@@ -605,13 +654,86 @@ def pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transf
     table = {(r, kind, c): seconds(r, kind, c) for r in range(p) for kind in "FBIW" for c in range(v)}
     cost = lambda r, kind, c: table[r, kind, c]  # noqa: E731 (each op's, worked out once)
     transfer = (lambda g, to: transfers[min(g, to)]) if transfers else None  # noqa: E731
+    if sharing:
+        finishes = lambda k: finishes_sharing_cores(pipeline_events(schedule, virtual_stages, p, k)[0], p, cost,  # noqa: E731
+                                                    transfer, *sharing)
+    else:
+        finishes = lambda k: pipeline.rank_finishes(run, p, k, cost, transfer,  # noqa: E731
+                                                    pipeline_events(schedule, virtual_stages, p, k))
     if 3 * m * v <= SIMULATED_OPS or m <= 5 * p:  # (two runs of 2p and 3p micro-batches cost as much)
-        return tuple(pipeline.rank_finishes(run, p, m, cost, transfer, pipeline_events(schedule, virtual_stages, p, m)))
+        return tuple(finishes(m))
     m1 = p * max(2, SIMULATED_OPS // (3 * v * p * p))  # the steady state from the second p micro-batches on
     m1 += (m - m1) % p  # m1 and m2 as m modulo p (interleaved runs in rounds of p micro-batches)
-    first, second = (pipeline.rank_finishes(run, p, k, cost, transfer, pipeline_events(schedule, virtual_stages, p, k))
-                     for k in (m1, m1 + p))
+    first, second = (finishes(k) for k in (m1, m1 + p))
     return tuple(b + (m - m1 - p) / p * (b - a) for a, b in zip(first, second))
+
+
+def finishes_sharing_cores(events, p, cost, transfer, cores, per_stage, stretch=None):
+    """07's run_events (the same dependencies: a rank's operations in its order, each once its
+    inputs have arrived and, where it waits, its own sends) on ranks that share a CPU host's
+    `cores`: while b stages compute at once, b x per_stage ranks of the node do, each at
+    min(1, cores / (b x per_stage)) of the speed it has alone on a core, so a rank waiting in
+    the bubble (blocked in a receive, off its core) lets the computing ranks run faster than
+    "every rank computes all the time" would say. `stretch` (per rank: its operations
+    lengthened by the collectives inside them, simulate_step's): the part of each operation
+    that is those collectives takes its own time, computing nothing. Time advances from one
+    start or end to the next (processor sharing). Returns each rank's finish, as
+    rank_finishes: its last operation's end or its last send's arrival."""
+    queue = [[] for _ in range(p)]
+    for e, event in enumerate(events):
+        queue[event[0]].append(e)
+    work = [max(sum(cost(r, kind, c) for kind, _, c in forwards), sum(cost(r, op[0], op[2]) for op in backwards))
+            for r, forwards, backwards, *_ in events]
+    done, clock, sending, nxt = [None] * len(events), [0.0] * p, [0.0] * p, [0] * p
+    running, ready, now, left = {}, {}, 0.0, len(events)  # running: {rank: [compute left, collectives left]}
+    while left:
+        for r in range(p):  # the next operation of each idle rank, once it knows when it may start
+            if r in running or r in ready or nxt[r] == len(queue[r]):
+                continue
+            _, _, _, wanted, waits, _ = events[queue[r][nxt[r]]]
+            if any(done[j] is None for j, *_ in wanted):
+                continue
+            ready[r] = max([clock[r], sending[r] if waits else 0.0] +
+                           [done[j] + (transfer(g, to) if transfer and elsewhere else 0.0) for j, g, to, elsewhere in wanted])
+        for r in [r for r, start in ready.items() if start <= now]:
+            w = work[queue[r][nxt[r]]]
+            running[r] = [w / (stretch[r] if stretch else 1.0), w - w / (stretch[r] if stretch else 1.0)]
+            del ready[r]
+        if not running and not ready:
+            raise ValueError("the pipeline's operations wait on each other: no rank can start")
+        computing = sum(1 for c, _ in running.values() if c > 0)
+        speed = min(1.0, cores / (per_stage * computing)) if computing else 1.0
+        until = min([now + (c / speed if c > 0 else t) for c, t in running.values()] + list(ready.values()))
+        for r in list(running):
+            c, t = running[r]
+            if c > 0:
+                running[r][0] = c - (until - now) * speed
+            else:
+                running[r][1] = t - (until - now)
+            if running[r][0] <= 1e-12 * max(1.0, until):  # (its compute ended, to rounding)
+                running[r][0] = 0.0
+                if running[r][1] <= 1e-12 * max(1.0, until):  # and its collectives
+                    e = queue[r][nxt[r]]
+                    done[e] = clock[r] = until
+                    for g, to in events[e][5] if transfer else ():
+                        sending[r] = max(sending[r], until + transfer(g, to))
+                    nxt[r] += 1
+                    left -= 1
+                    del running[r]
+        now = until
+    return [max(end, last) for end, last in zip(clock, sending)]
+
+
+def core_sharing(name, args, n, machine):
+    """None when every rank has a device (or a core) of its own: no --cores_per_node, or at
+    least as many cores as a node's ranks. Else (the node's cores, the node's ranks per stage
+    computing at once): one stage for a layout without a pipeline, whose ranks all compute
+    at once; a pipeline's stages each hold that share of the node's ranks (exact when one
+    node holds every stage, as on one host)."""
+    cores, ranks = machine.get("cores", 0), min(n, machine["gpus_per_node"])
+    if not cores or cores >= ranks:
+        return None
+    return cores, ranks / (pipeline_shape(name, args, n)[2] if is_pipeline(name, args) else 1)
 
 
 def pipeline_events(schedule, virtual_stages, p, m):
@@ -640,9 +762,9 @@ def pipeline_events(schedule, virtual_stages, p, m):
 _EVENTS, EVENTS_KEPT = {}, 400_000
 
 
-def pipeline_length(schedule, virtual_stages, p, m, forward, recompute, transfers=None):
+def pipeline_length(schedule, virtual_stages, p, m, forward, recompute, transfers=None, sharing=None):
     """The pipeline's step (pipeline_finishes): the slowest rank's finish."""
-    return max(pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transfers))
+    return max(pipeline_finishes(schedule, virtual_stages, p, m, forward, recompute, transfers, sharing))
 
 
 def pipeline_shape(name, args, n):
@@ -673,25 +795,31 @@ def chunk_forwards(name, args, config, n, rate, op_s=0.0):
                  for g, (_, count) in enumerate(layers))
 
 
-def compute_seconds(name, args, config, n, rate, op_s=0.0):
+def compute_seconds(name, args, config, n, rate, op_s=0.0, sharing=None):
     """(compute seconds of the step, its bubble): the global batch's FLOPs as they run
     (flops_as_run) at `rate` FLOP/s per GPU, and op_s (the fixed costs under MACHINES) for each layer a rank runs
     in each of its micro-batches: every layer of every micro-batch of its replica's share,
     however thin TP or CP slices the layer. A pipeline (07; 08 with pp > 1) is simulated as
     its ranks run it (pipeline_length), communication free: each stage's own layers (the
     last L mod p stages hold one more, the last the head), so the slowest stage sets the pace
-    and the bubble comes out of the schedule; the bubble is the stages' mean idle share."""
+    and the bubble comes out of the schedule; the bubble is the stages' mean idle share.
+    `sharing` (core_sharing's): the ranks share a CPU host's cores; without a pipeline every
+    rank computes at once, ranks / cores slower; a pipeline's stages as many at once as
+    compute (finishes_sharing_cores; the bubble stays the schedule's)."""
     per_token, head = flops_as_run(config, count_params_once(config)[1])
     recompute = bool(getattr(args, "recompute", False))  # one more forward of the blocks, not of the head
     run_per_token = per_token * (4 / 3 if recompute else 1) + head
     fixed = op_s * (1 + recompute / 3) * config.n_layer  # one micro-batch's fixed cost, all its layers
     if not is_pipeline(name, args):
         m = max(1, args.global_batch_size // (args.micro_batch_size * replicas(name, args, n)))
-        return run_per_token * args.global_batch_size * config.block_size / (n * rate) + m * fixed, 0.0
+        slower = sharing[1] / sharing[0] if sharing else 1.0  # every rank computing at once
+        return (run_per_token * args.global_batch_size * config.block_size / (n * rate) + m * fixed) * slower, 0.0
     schedule, v, p, m, split = pipeline_shape(name, args, n)
-    length = pipeline_length(schedule, v, p, m, chunk_forwards(name, args, config, n, rate, op_s), recompute)
+    forward = chunk_forwards(name, args, config, n, rate, op_s)
+    length = pipeline_length(schedule, v, p, m, forward, recompute)
     busy = run_per_token * m * args.micro_batch_size * config.block_size / (p * split * rate) + m * fixed / p
-    return length, 1 - busy / length
+    shared = pipeline_length(schedule, v, p, m, forward, recompute, None, sharing) if sharing else length
+    return shared, 1 - busy / length
 
 
 def link_of(ranks, gpus_per_node):
@@ -731,13 +859,14 @@ def stage_comm(name, args, config, n, machine, cost, comm, rank):
             message = piped / posted if posted else 0
             if nbytes > piped:  # the ring's K/V, inside the stage, between neighbours tp ranks apart
                 ring = comm_seconds(op, nbytes - piped, 2, link_of([0, args.tp * (args.cp - 1)], G), machine,
-                                    max(1, k - posted), posts=max(1, k - posted) / 2)  # K and V: one batch
+                                    max(1, k - posted), posts=max(1, k - posted) / 2,  # K and V: one batch
+                                    ring=ring_meets(name, op, args, n))
                 phases["inside"][0] += ring
                 phases["inside"][1] += max(1, k - posted)
             continue
         batched = name.startswith("09") and op.split("[")[0] == "send"  # the ring's K and V (dK, dV): one batch
         phases[phase][0] += comm_seconds(op, nbytes, *group_of(name, op, args, n, G), machine, k,
-                                         posts=k / 2 if batched else None)
+                                         posts=k / 2 if batched else None, ring=ring_meets(name, op, args, n))
         phases[phase][1] += k
     return phases, message
 
@@ -759,12 +888,14 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
     when it is done, and what every rank takes part in (the norm, the tied embedding) waits
     for the slowest. The step is the slowest rank's finish."""
     G, recompute = machine["gpus_per_node"], bool(getattr(args, "recompute", False))
-    muon = {rank: r["muon_flops"] / rate for rank, r in roles.items()}
+    sharing = core_sharing(name, args, n, machine)
+    slower = min(n, G) / sharing[0] if sharing else 1  # Muon: every rank at once
+    muon = {rank: r["muon_flops"] / rate * slower for rank, r in roles.items()}
     after = max(r["phases"]["after"][0] for r in roles.values())
     if not is_pipeline(name, args):
         (rank, role), = roles.items()
         phases = role["phases"]
-        compute, _ = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0))
+        compute, _ = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0), sharing)
         busy = compute + imbalance_s + phases["inside"][0]
         m = max(1, args.global_batch_size // (args.micro_batch_size * replicas(name, args, n)))
         window = busy * (2 + recompute) / (3 + recompute) / m  # the last micro-batch's backward
@@ -799,11 +930,12 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
     for g, (blocks, head) in enumerate(forward):
         work[stage_of[g]] += m * ((3 + recompute) * blocks + 3 * head)
     stretch = [1 + roles[owner[s]]["phases"]["inside"][0] / work[s] if work[s] else 1 for s in range(p)]
+    sharing = sharing and (*sharing, tuple(stretch))  # (their collectives inside take their own time)
     forward = tuple((b * stretch[stage_of[g]], h * stretch[stage_of[g]]) for g, (b, h) in enumerate(forward))
     transfers = tuple(comm_seconds("send", roles[owner[stage_of[g]]]["message"], 2,
                                    link_of([rank_of(stage_of[g]), rank_of(stage_of[g + 1])], G), machine)
                       for g in range(p * v - 1))
-    finishes = pipeline_finishes(schedule, v, p, m, forward, recompute, transfers)
+    finishes = pipeline_finishes(schedule, v, p, m, forward, recompute, transfers, sharing)
     ends = [finishes[s] + roles[owner[s]]["phases"]["replica"][0] + muon[owner[s]] for s in range(p)]
     step = max(ends) + after + imbalance_s
     if lanes is not None:
@@ -881,12 +1013,13 @@ def score(name, flags, label, plan_args, machine, lanes=None):
     model_flops = flops_per_token(config, count_params_once(config)[1]) * args.global_batch_size * config.block_size
     peak = machine["peak_tflops"] * 1e12
     rate = peak * plan_args.efficiency
-    compute_s, f = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0))
+    sharing = core_sharing(name, args, n, machine)
+    compute_s, f = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0), sharing)
     extra = 0.0
     if config.n_expert and plan_args.imbalance > 1:  # the busiest rank's experts run imbalance x their share of rows
         expert_flops = 6 * config.n_layer * config.top_k * expert_params(config) * args.global_batch_size * config.block_size
         extra = (plan_args.imbalance - 1) * expert_flops / (n * rate)
-    muon_s = max(r["muon_flops"] for r in ranks) / rate  # Newton-Schulz, the busiest rank's
+    muon_s = max(r["muon_flops"] for r in ranks) / rate * (min(n, G) / sharing[0] if sharing else 1)  # Newton-Schulz
     step_s = simulate_step(name, args, config, n, machine, rate, {r["rank"]: r for r in ranks}, extra, lanes)
     compute_s += extra
     if "--micro_batch_size" not in argv:  # the command states the micro-batch the script chose
@@ -1032,6 +1165,21 @@ def parse(argv=None):
     g.add_argument("--op_overhead_us", type=float, default=0.0,
                    help="microseconds one layer's forward and backward of one micro-batch cost beyond their FLOPs "
                         "(Python, kernel launches), on every rank that runs the layer however thin TP or CP slices it")
+    g.add_argument("--exchange_overhead_us", nargs="+", default=None, metavar="US|G:US",
+                   help="microseconds one step of a ring's exchange costs beyond its alpha (09's ring, 08's with "
+                        "--cp: K and V to the next rank, from the one before, one batch), by the ring's size G as "
+                        "--call_overhead_us's pairs, where it is not a pair's call's: every rank of the ring waits on "
+                        "the one before (tests/benchmarks/call_cost.py --op ring_exchange); default: --call_overhead_us "
+                        "at 2")
+    g.add_argument("--op_gbps", nargs="+", default=[], metavar="KIND:GBPS",
+                   help="GB/s one kind of collective reaches inside a node where it is not the ring's over "
+                        "--link_gbps (KIND: all_reduce, reduce_scatter, all_gather, all_to_all, send), as its bus "
+                        "bandwidth: seconds = busfactor x bytes / GBPS (gloo on a CPU host reduces and copies; "
+                        "tests/benchmarks/plan_vs_measured.py measures it with call_cost.py --op); none on a GPU machine")
+    g.add_argument("--cores_per_node", type=int, default=0,
+                   help="a CPU host's cores, shared by its --gpus_per_node ranks: with fewer cores than ranks, each "
+                        "rank computes at min(1, cores / ranks computing at once) of --peak_tflops (a rank waiting in "
+                        "a pipeline's bubble yields its core); 0: every rank has a device of its own")
     g.add_argument("--imbalance", default="1",
                    help="mixture of experts: the busiest expert-parallel rank's rows over the balanced share (its "
                         "all-to-all bytes and expert FLOPs), a number >= 1, or a run's --metrics file, whose "
@@ -1060,6 +1208,11 @@ def parse(argv=None):
     if not (math.isfinite(args.op_overhead_us) and 0 <= args.op_overhead_us <= 1e9):
         error(f"--op_overhead_us must be a number of microseconds in 0..1e9, got {args.op_overhead_us}")
     call_s = read_call_overhead(args.call_overhead_us, error)
+    exchange_s = None if args.exchange_overhead_us is None else read_call_overhead(args.exchange_overhead_us, error,
+                                                                                   "--exchange_overhead_us")
+    op_gbps = read_op_gbps(args.op_gbps, error)
+    if not 0 <= args.cores_per_node <= MAX_GPUS:
+        error(f"--cores_per_node must be in 0..{MAX_GPUS:,} (0: a device per rank), got {args.cores_per_node}")
     if args.top < 0:
         error(f"--top must not be negative, got {args.top}")
     for flag in ("n_layer", "n_head", "n_embd", "block_size", "global_batch_size", "micro_batch_size"):
@@ -1072,6 +1225,12 @@ def parse(argv=None):
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
     machine.update({k: v for k, v in by_hand.items() if v is not None})
     machine.update(call_s=call_s, op_s=args.op_overhead_us * 1e-6)
+    if op_gbps:
+        machine["op_gbps"] = op_gbps
+    if exchange_s is not None:
+        machine["exchange_s"] = exchange_s
+    if args.cores_per_node:
+        machine["cores"] = args.cores_per_node
     for path in args.bench:
         rows = read_bench(path, error)
         rows = [r for r in rows if isinstance(r, dict) and r.get("op") == "all_reduce"]

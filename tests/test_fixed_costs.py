@@ -114,7 +114,7 @@ def test_the_benchmarks_pricing_path():
     timed = lambda g, cost: tuple(2 * (g - 1) * host["alpha"] + cost + 2 * (g - 1) / g * b / (beta * 1e9)  # noqa: E731
                                   for b in sizes)
     now = dict(slow=1.5, bytes=sizes, call={g: timed(g, s) for g, s in call_s.items()})
-    found, found_beta = pvm.links_now(host, now)
+    found, found_beta, _ = pvm.links_now(host, now)
     assert found == pytest.approx(call_s) and found_beta == pytest.approx(beta)
     rated = pvm.at_rate_of(host, 0.05, pvm.SMOKE_MODEL)
     one = pvm.priced("01_single_gpu.py", pvm.SMOKE_MODEL, 1, rated)
@@ -143,3 +143,102 @@ def test_call_cost_refuses_a_group_that_does_not_divide_the_ranks_in_one_line(fl
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"error: --group must be at least 2 and divide --ranks {flags[1]}, got {flags[3]}"]
+
+
+@pytest.mark.parametrize("words", [["reduce_scatter"], ["reduce_scatter:0"], ["reduce_scatter:-1"],
+                                   ["reduce_scatter:nan"], ["scatter:1"], ["all_gather:1", "all_gather:2"]])
+def test_a_bad_bandwidth_by_kind_is_refused_in_one_line(words, capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--op_gbps", *words])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --op_gbps takes KIND:GBPS pairs, each KIND of all_reduce, reduce_scatter, all_gather, "
+                   f"all_to_all, send once and GBPS a positive number of GB/s, got {' '.join(words)}"]
+
+
+@pytest.mark.parametrize("value", ["-1", "10000001"])
+def test_a_bad_core_count_is_refused_in_one_line(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--cores_per_node", value])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --cores_per_node must be in 0..10,000,000 (0: a device per rank), got {value}"]
+
+
+def test_a_kinds_own_bandwidth_prices_that_kind_only():
+    """--op_gbps reduce_scatter:B: a reduce-scatter's bytes cross at B (its bus factor (g-1)/g
+    kept), inside a node and, no faster than the NICs, across; every other kind at the link's."""
+    _, machine = plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--link_gbps", "2", "--op_gbps", "reduce_scatter:0.5"])
+    assert machine["op_gbps"] == {"reduce_scatter": 0.5}
+    bare = dict(machine, alpha_intra=0.0, alpha_inter=0.0)
+    assert plan.comm_seconds("reduce_scatter_tensor[world]", 4e6, 4, None, bare) == pytest.approx(3 / 4 * 4e6 / 0.5e9)
+    assert plan.comm_seconds("all_gather_into_tensor[world]", 4e6, 4, None, bare) == pytest.approx(3 / 4 * 4e6 / 2e9)
+    assert plan.comm_seconds("all_reduce[world]", 4e6, 4, None, bare) == pytest.approx(6 / 4 * 4e6 / 2e9)
+    assert plan.comm_seconds("reduce_scatter_tensor[world]", 4e6, 4, 1, bare) == pytest.approx(3 / 4 * 4e6 / 0.5e9)
+    _, sheet = plan.parse(["--model", "gpt2", "--gpus", "8", "--machine", "polaris"])
+    assert "op_gbps" not in sheet and "cores" not in sheet  # the datasheet machines: neither term
+
+
+def test_a_rings_exchange_pays_its_own_fixed_cost_by_the_rings_size():
+    """09's ring: each step waits on the step before of the rank before, so every rank of the
+    ring meets at each step: with --exchange_overhead_us its sends pay a ring's exchange's
+    fixed cost at the ring's size (once a batch of K and V), without it a pair's call's; their
+    bytes cross one link either way. A pipeline's sends are no ring's."""
+    by_size = dict(intra_gbps=1.0, inter_gbps=1.0, gpus_per_node=4, alpha_intra=0.0, alpha_inter=0.0,
+                   call_s=((2, 1e-3), (4, 5e-3)))
+    args, config, _ = plan.dry_run("09_context_parallel.py", [*MODEL, "--cp_impl", "ring"], 4, 4)
+    assert plan.ring_meets("09_context_parallel.py", "send[cp]", args, 4) == 4
+    cost = plan.rank_costs("09_context_parallel.py", args, config, 4, plan.planned_dtype(args), 0)
+    sends = {op: value for op, (_, value) in cost["sent"].items() if op.startswith("send")}
+    posts = sum(plan.op_calls(cost).get(op, 1) for op in sends) / 2
+    priced = [plan.stage_comm("09_context_parallel.py", args, config, 4, m, cost, sends, 0)[0]["inside"][0]
+              for m in (dict(by_size, call_s=0.0), by_size, dict(by_size, exchange_s=((2, 2e-3), (4, 3e-3))))]
+    assert sends and priced[1] - priced[0] == pytest.approx(posts * 1e-3)
+    assert priced[2] - priced[0] == pytest.approx(posts * 3e-3)
+    _, machine = plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--exchange_overhead_us", "4:3000", "2:2000"])
+    assert dict(machine["exchange_s"]) == pytest.approx({2: 2e-3, 4: 3e-3})
+    args, config, _ = plan.dry_run("07_pipeline.py", [*MODEL, "--schedule", "1f1b"], 4, 4)
+    assert plan.ring_meets("07_pipeline.py", "send[pp]", args, 4) is None
+
+
+def test_a_bad_exchange_cost_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--exchange_overhead_us", "1:5"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --exchange_overhead_us takes one number or G:US pairs, each group size G in 2..10,000,000 once, got 1:5"]
+
+
+def test_ranks_sharing_cores_compute_as_many_at_once_as_are_busy():
+    """--cores_per_node C below a node's ranks: a layout without a pipeline computes ranks / C
+    slower (all at once); a pipeline is timed by processor sharing over 07's own events, which
+    with a core per rank is 07's rank_finishes exactly, and on one core, no messages, takes the
+    whole work of every rank (a core never idles while an operation can run); so 1F1B's
+    bubble yields cores and the step is shorter than all-at-once pricing."""
+    import argparse
+    pipeline = plan.script("07_pipeline.py")
+    events = plan.pipeline_events("1f1b", 1, 4, 8)
+    cost = lambda r, kind, c: {"F": 1.0, "B": 2.0}[kind] * (1 + 0.1 * r)  # noqa: E731
+    run = argparse.Namespace(schedule="1f1b", schedule_csv=None, virtual_stages=1)
+    own = pipeline.rank_finishes(run, 4, 8, cost, lambda g, to: 0.05, events)
+    assert plan.finishes_sharing_cores(events[0], 4, cost, lambda g, to: 0.05, 4, 1.0) == pytest.approx(own)
+    work = sum(8 * 3 * (1 + 0.1 * r) for r in range(4))
+    assert max(plan.finishes_sharing_cores(events[0], 4, cost, None, 1, 1.0)) == pytest.approx(work)
+    hand = [*MODEL, "--n_layer", "4", "--gpus", "4", "--gpus_per_node", "4", "--link_gbps", "1", "--efficiency", "1"]
+    steps = {}
+    for name, flags in (("03_ddp.py", []), ("07_pipeline.py", ["--schedule", "1f1b"])):
+        for cores, peak in ((0, "0.01"), (2, "0.02"), (4, "0.01")):
+            args, machine = plan.parse([*hand, "--peak_tflops", peak] + (["--cores_per_node", str(cores)] if cores else []))
+            steps[name, cores] = plan.score(name, flags, name, args, machine)[0]["step_time_s"]
+    assert steps["03_ddp.py", 2] == pytest.approx(steps["03_ddp.py", 0]) == pytest.approx(steps["03_ddp.py", 4])
+    assert steps["07_pipeline.py", 4] == steps["07_pipeline.py", 0]  # as many cores as ranks: nothing shared
+    assert steps["07_pipeline.py", 2] < 0.9 * steps["07_pipeline.py", 0]
+
+
+def test_call_cost_refuses_a_collective_named_twice_in_one_line():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, os.path.join(HERE, "benchmarks", "call_cost.py"), "--ranks", "2", "--op",
+                           "all_reduce", "all_reduce"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: --op names each collective once, got all_reduce all_reduce"]

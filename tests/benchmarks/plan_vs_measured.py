@@ -10,15 +10,19 @@ absolute times do not). Rerun with
 runs.) It calibrates once, on programs that are none of the layouts it prices: alpha and beta
 from `02_collectives.py --doctor --json` on 2 ranks; the matmul rate and plan.py's fixed cost
 per layer and micro-batch (--op_overhead_us) from 01 at the model's micro-batches and at one
-micro-batch of the same tokens (the fixed cost is what the extra micro-batches add). Then for
+micro-batch of the same tokens (the fixed cost is what the extra micro-batches add); and
+the bus bandwidth of gloo's reduce-scatter and all-gather at each rank count (call_cost.py
+--op, plan.py's --op_gbps). Then for
 each layout, one after the other (interleaved: a load that comes and goes falls on all of
 them): 01's step (the rate now), the host beside it (beside(): how much slower each of n
 copies of 01 computes at once, the cores term; and what an all-reduce costs inside a loop of
 compute on n ranks at two sizes, call_cost.py, at each size of group the layout's calls
 meet (n ranks as n/g groups of g: a pipeline's pairs at 4 ranks), which gives plan.py's fixed
-cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees), the
-layout, then the host, 01 and the layout again (of each the quieter of the two). Both are
-priced with plan.score with these figures: predicted =
+cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees; for
+09's ring a ring's exchange at its size, --exchange_overhead_us), the layout, then the host,
+01 and the layout again (of each the quieter of the two). Both are priced with plan.score
+with these figures (with more ranks than cores, --cores_per_node: a pipeline's ranks in the
+bubble yield their cores): predicted =
 plan(layout) / plan(01), measured = step(layout) / step(01), a step being the fastest of the
 slowest rank's steps after --skip (dt_ms_max: a shared host's load only adds time). It prints
 a Markdown table and a last line `max |error| X% over N layouts`; a layout off by more than
@@ -102,7 +106,7 @@ def together(model, n, iters, skip):
     return max(steps)
 
 
-def beside(model, n, iters, skip, calls, rounds, groups):
+def beside(model, n, iters, skip, calls, rounds, groups, rings=()):
     """The host as it is while a layout of n ranks runs, measured right before and after it as
     01 is: together, the step of n copies of 01 at once on 1/n of the batch each (together();
     over 01's step / n, how much slower a rank computes when n compute at once: the cores
@@ -111,31 +115,46 @@ def beside(model, n, iters, skip, calls, rounds, groups):
     latency, bytes, wrapper, the ranks meeting), meeting g ranks for each g in `groups`
     (call_groups), at two sizes: a micro-batch's activations of one layer (the message of
     TP's f and g, of a pipeline's send, of CP's blocks) and 16 times that (about a block's
-    parameters, ZeRO-3's and FSDP's gathers). call: {g: (seconds at each size)}."""
+    parameters, ZeRO-3's and FSDP's gathers); and in the same launches a ring's exchange at
+    each size of ring in `rings` (call_cost.py --op ring_exchange: 09's step, to the next rank
+    and from the one before). call and exchange: {g: (seconds at each size)}."""
     config = {k: int(model[model.index(k) + 1]) for k in ("--micro_batch_size", "--block_size", "--n_embd")}
     small = 4 * config["--micro_batch_size"] * config["--block_size"] * config["--n_embd"]
     if n == 1:
-        return dict(together=0.0, bytes=(small, 16 * small), call={})
-    call = {g: tuple(call_cost.measure(n, calls, rounds, (small, 16 * small), matmuls=4, group=g)["seconds_per_call"])
-            for g in groups}
-    return dict(together=together(model, n, iters, skip), bytes=(small, 16 * small), call=call)
+        return dict(together=0.0, bytes=(small, 16 * small), call={}, exchange={})
+    call, exchange = {}, {}
+    for g in sorted({*groups, *rings}):
+        ops = ("all_reduce",) * (g in groups) + ("ring_exchange",) * (g in rings)
+        got = call_cost.measure(n, calls, rounds, (small, 16 * small), matmuls=4, group=g, op=ops)["by_op"]
+        call.update({g: tuple(got["all_reduce"])} if g in groups else {})
+        exchange.update({g: tuple(got["ring_exchange"])} if g in rings else {})
+    return dict(together=together(model, n, iters, skip), bytes=(small, 16 * small), call=call, exchange=exchange)
 
 
 def call_groups(script, flags, n):
     """The sizes of the groups whose calls a layout of `script` on n ranks posts (plan.py's
-    group_of over every rank it prices; a send meets 2), each once, sorted: beside() measures
-    a call at each."""
+    group_of over every rank it prices; a send meets 2; a ring's exchange is measured as
+    itself, ring_sizes), each once, sorted: beside() measures a call at each."""
     args, config, _ = plan.dry_run(script, [*flags, "--device", "cpu", "--dtype", "float32"], n, n)
     sizes = set()
     for rank in plan.ranks_to_price(script, args, config, n):
         for op in plan.rank_costs(script, args, config, n, plan.planned_dtype(args), rank)["sent"]:
-            if op != plan.GUARD_OP:
+            if op != plan.GUARD_OP and not plan.ring_meets(script, op, args, n):  # (a ring's: ring_sizes)
                 sizes.add(plan.group_of(script, op, args, n, n)[0])
     return sorted(g for g in sizes if g > 1)
 
 
+def ring_sizes(script, flags, n):
+    """The sizes of the rings whose exchanges a layout posts (plan.ring_meets: 09's ring),
+    sorted: beside() measures a ring's exchange at each."""
+    args, config, _ = plan.dry_run(script, [*flags, "--device", "cpu", "--dtype", "float32"], n, n)
+    cost = plan.rank_costs(script, args, config, n, plan.planned_dtype(args), 0)
+    return sorted({plan.ring_meets(script, op, args, n) for op in cost["sent"]} - {None})
+
+
 def links_now(host, now):
-    """({g: fixed seconds per call beyond alpha}, beta GB/s) that make plan.py's all-reduce,
+    """({g: fixed seconds per call beyond alpha}, beta GB/s, {ring size: a ring exchange's
+    fixed seconds beyond alpha and its bytes at beta}) that make plan.py's all-reduce,
     2(g-1) alpha + call_s + 2(g-1)/g x bytes / beta with the doctor's alpha, take what
     beside()'s two sizes took in groups of g (the bandwidth from the largest group's
     difference, the one a step's bytes mostly cross; the doctor's beta where the larger was
@@ -143,8 +162,9 @@ def links_now(host, now):
     (s, l), top = now["bytes"], max(now["call"])
     t_s, t_l = now["call"][top]
     beta = 2 * (top - 1) / top * (l - s) / (t_l - t_s) / 1e9 if t_l > t_s else host["beta"]
+    exchange = {g: max(0.0, t[0] - host["alpha"] - s / (beta * 1e9)) for g, t in sorted(now.get("exchange", {}).items())}
     return {g: max(0.0, t[0] - 2 * (g - 1) * host["alpha"] - 2 * (g - 1) / g * s / (beta * 1e9))
-            for g, t in sorted(now["call"].items())}, beta
+            for g, t in sorted(now["call"].items())}, beta, exchange
 
 
 def links():
@@ -159,34 +179,67 @@ def links():
     return fit["alpha_s"], fit["beta_GBps"]
 
 
-def priced(script, flags, n, host, now=None):
+def priced(script, flags, n, host, now=None, cores=None):
     """plan.py's candidate for `script` at n ranks on this host: calibrate()'s rate, fixed cost
     per layer and links; with `now` (beside()'s), each rank at 1/slow of the rate and slow x
-    the fixed cost per layer (n ranks share the cores), and the fixed cost per call by group
-    size and the bandwidth of links_now()."""
+    the fixed cost per layer when all n compute at once (n ranks share the cores: with more
+    ranks than `cores`, plan.py's --cores_per_node, so that a pipeline's ranks waiting in its
+    bubble give theirs to the others), the fixed cost per call by group size and the
+    bandwidth of links_now(), and each kind of collective's own bandwidth (op_gbps())."""
     slow = now["slow"] if now else 1.0
-    call_s, beta = links_now(host, now) if now and now["call"] else ({}, host["beta"])
+    call_s, beta, exchange = links_now(host, now) if now and now["call"] else ({}, host["beta"], {})
+    cores = cores or len(os.sched_getaffinity(0))
+    alone = n / cores if now and n > cores else 1.0  # a rank alone on a core: n / cores faster than all at once
+    kinds = op_gbps(host, n) if now else {}
     args, machine = plan.parse([*flags_of(flags), "--gpus", str(n), "--gpus_per_node", str(n), "--device", "cpu",
-                                "--dtype", "float32", "--peak_tflops", str(host["rate"] / slow / 1e12),
+                                "--dtype", "float32", "--peak_tflops", str(host["rate"] / slow * alone / 1e12),
                                 "--link_gbps", str(beta), "--efficiency", "1",
-                                "--op_overhead_us", str(host["op_s"] * slow * 1e6),
-                                "--call_overhead_us", *([f"{g}:{s * 1e6}" for g, s in call_s.items()] or ["0"])])
+                                "--op_overhead_us", str(host["op_s"] * slow / alone * 1e6),
+                                "--call_overhead_us", *([f"{g}:{s * 1e6}" for g, s in call_s.items()] or ["0"]),
+                                *(["--cores_per_node", str(cores)] if alone > 1 else []),
+                                *(["--exchange_overhead_us", *(f"{g}:{s * 1e6}" for g, s in exchange.items())]
+                                  if exchange else []),
+                                *(["--op_gbps", *(f"{k}:{v}" for k, v in kinds.items())] if kinds else [])])
     machine.update(alpha_intra=host["alpha"], alpha_inter=host["alpha"])
     strategy = [f for i, f in enumerate(flags) if f not in MODEL_FLAGS and (i == 0 or flags[i - 1] not in MODEL_FLAGS)]
     c, reason = plan.score(script, strategy, script, args, machine)
     if c is None:
         raise SystemExit(f"plan.py refuses {script} {' '.join(flags)} at {n} ranks: {reason}")
-    c["call_s"], c["beta"] = call_s, beta
+    c["call_s"], c["beta"], c["op_gbps"], c["exchange_s"] = call_s, beta, kinds, exchange
     return c
 
 
-def calibrate(model, iters, skip):
+KINDS = {"reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}
+
+
+def per_byte(n, calls, rounds, sizes):
+    """{kind: GB/s} of gloo's reduce-scatter and all-gather at n ranks: the bus bandwidth
+    ((g-1)/g x the whole buffer's bytes, as the ledger counts them, over the seconds) that
+    plan.py's --op_gbps takes, from the difference between two sizes (the bytes' cost without
+    the call's), timed by call_cost.py --op in one launch (interleaved with the all-reduce's
+    loops, reported beside them)."""
+    got = call_cost.measure(n, calls, rounds, sizes, matmuls=4, op=("all_reduce", *KINDS))["by_op"]
+    (s, l), bus_factor = sizes, plan.script("02_collectives.py").bus_factor
+    return {kind: bus_factor(kind, n) * (l - s) / (got[op][1] - got[op][0]) / 1e9
+            for op, kind in (*KINDS.items(), ("all_reduce", "all_reduce")) if got[op][1] > got[op][0]}
+
+
+def op_gbps(host, n):
+    """plan.py's --op_gbps at n ranks: calibrate()'s reduce-scatter and all-gather bandwidths
+    (the all-reduce's is beside()'s, measured with each layout)."""
+    return {kind: gbps for kind, gbps in host.get("per_byte", {}).get(n, {}).items() if kind != "all_reduce"}
+
+
+def calibrate(model, iters, skip, ranks=(), calls=100, rounds=3):
     """This host's figures, measured once on programs that are none of the layouts priced:
-    alpha and beta (02's doctor, 2 ranks); the matmul rate and the fixed cost per layer and
-    micro-batch, from 01 at the model's micro-batches and at one micro-batch of the whole
-    batch, the same tokens (t = FLOPs / rate + m x L x op_s: two unknowns; each the fastest of
-    two runs, alternating)."""
+    alpha and beta (02's doctor, 2 ranks); the reduce-scatter's and all-gather's bandwidth at
+    each of `ranks` (per_byte); the matmul rate and the fixed cost
+    per layer and micro-batch, from 01 at the model's micro-batches and at one micro-batch of
+    the whole batch, the same tokens (t = FLOPs / rate + m x L x op_s: two unknowns; each the
+    fastest of two runs, alternating)."""
     alpha, beta = links()
+    sizes = beside(model, 1, iters, skip, calls, rounds, [])["bytes"]
+    kinds = {n: per_byte(n, calls, rounds + 2, sizes) for n in ranks if n > 1}  # (once: two rounds more)
     batch = int(model[model.index("--global_batch_size") + 1])
     m = batch // int(model[model.index("--micro_batch_size") + 1])
     layers = int(model[model.index("--n_layer") + 1])
@@ -199,7 +252,7 @@ def calibrate(model, iters, skip):
     free = dict(rate=1.0, op_s=0.0, alpha=alpha, beta=beta)
     flops = priced("01_single_gpu.py", whole, 1, free)["step_time_s"]  # at 1 FLOP/s: the FLOPs as they run
     return dict(rate=flops / (t_1 - layers * op_s), op_s=op_s, alpha=alpha, beta=beta, t_m=t_m, t_1=t_1, m=m,
-                layers=layers)
+                layers=layers, per_byte=kinds)
 
 
 def at_rate_of(host, one, flags):
@@ -229,22 +282,27 @@ def calls_text(call_s):
 
 # Terms found for a layout on this host (docs/measured.md says how), which plan.py does not
 # price: named for the layout ("label", or "ranks:label") when it misses.
+GLOO_THREADS = ("gloo runs each collective on its own threads, which take a core from the compute while the ranks "
+                "outnumber the cores (05's prefetch: about 45 ms a step at 4 ranks, docs/measured.md), and 04 stage 3 "
+                "and 05 copy each gathered unit out (5-13 ms a step): neither priced; the reduce-scatter's and "
+                "all-gather's own bandwidths are (call_cost.py --op)")
 MEASURED_TERMS = {
     "04 ZeRO-1": "not priced, timed by phase on 2 ranks: stage 1's gradient hook adds each parameter's gradient into "
-                 "the kept fp32 sum every micro-batch (16-37 ms a step); gloo's reduce-scatter runs as an all-reduce "
-                 "of the whole buffer plus copies, part of it on the calling thread (1.9 ms per MB against the "
-                 "all-reduce's 0.95-1.2 at 2 ranks, where plan.py prices half the all-reduce's: call_cost.py --op)",
-    "04 ZeRO-3": "gloo's reduce-scatter and all-gather cost more per byte than plan.py's ring prices them (at 2 "
-                 "ranks 1.9 and 1.2-1.4 ms per MB, the all-reduce 0.95-1.2, where the ring's would be half the "
-                 "all-reduce's: call_cost.py --op); "
-                 "how much of this miss that is was not measured",
-    "05 FSDP": "gloo's reduce-scatter and all-gather cost more per byte than plan.py's ring prices them (at 2 "
-               "ranks 1.9 and 1.2-1.4 ms per MB, the all-reduce 0.95-1.2, where the ring's would be half the "
-               "all-reduce's: call_cost.py --op); "
-               "how much of this miss that is was not measured",
-    "4:09 ring": "the ring's exchanges are priced at a pair's cost per call, but each step of the ring waits on "
-                 "every rank of it (rank r on r-1, on r-2, ...), so more than a pair meets (priced at the 4-rank "
-                 "call it was +40..+62%; inferred, not measured alone)",
+                 "the kept fp32 sum every micro-batch (16-37 ms a step); gloo posts each reduce-scatter partly on "
+                 "the calling thread (about 4 ms a call under torch.profiler)",
+    "04 ZeRO-3": GLOO_THREADS,
+    "05 FSDP": GLOO_THREADS,
+    "4:09 ring": "the ring's exchanges are priced as call_cost.py --op ring_exchange measures one at the ring's size "
+                 "(every rank of the ring waits on the one before); what is left is gloo's batch of two sends and two "
+                 "receives under the layout's own pattern (K and V, dK and dV, the compute between), not timed alone",
+    "2:09 ring": "at 2 ranks the ring is a pair: its exchange measured beside it (ring 2) and priced so; the row's "
+                 "error was -70..-4% in the four runs before this code: within this host's noise unless it repeats",
+    "2:10 EP": "the all-to-all is priced with the all-reduce's cost per call and bandwidth (its own not measured); the "
+               "row's error was -29..-3% in the four runs before this code",
+    "4:08 tp 2 pp 2": "TP's own fixed cost per layer beyond 01's (the f and g autograd functions, the vocabulary-"
+                      "parallel loss; 06 at 2 ranks is -16..-33% in every run too), not measured alone; and the cores "
+                      "term prices its stages' ranks as yielding their cores in the bubble (without it -16% in this "
+                      "run, -25% in the one before), while each TP all-reduce needs both ranks of a pair on a core",
 }
 
 
@@ -258,7 +316,8 @@ def missing_term(pred, meas, c, label="", n=0):
             return "slower than its FLOPs, cores and calls priced: the host's load moved between the measurements beside it"
         return "more per call than the calibration loop's all-reduces: gloo under the layout's own pattern of calls"
     if c["bubble"] > 0.05:
-        return "faster than priced: ranks waiting in the bubble give their core to another rank"
+        return ("faster than priced with the cores shared by the ranks computing at once (--cores_per_node): the "
+                "ranks' own compute slower alone than 01's rate says (one thread each), or a quieter host")
     return "faster than priced: communication overlapped with compute (priced unhidden), or a quieter host"
 
 
@@ -276,10 +335,15 @@ def main():
     calls, rounds = 100, 3
     if a.smoke:
         a.ranks, a.iters, a.skip, calls, rounds = [2], 3, 1, 10, 1
-    host = calibrate(model, a.iters, a.skip)
+    host = calibrate(model, a.iters, a.skip, a.ranks, calls, rounds)
+    ratios = "; ".join(f"at {n} ranks " + ", ".join(f"{k} {r:.2f}" for k, r in kinds.items())
+                       for n, kinds in host["per_byte"].items())
     print(f"calibration: 01's step {host['t_m'] * 1e3:.0f} ms in {host['m']} micro-batches, {host['t_1'] * 1e3:.0f} ms "
           f"in one: {host['rate'] / 1e9:.2f} GFLOP/s and {host['op_s'] * 1e6:.0f} us per layer and micro-batch "
-          f"(one rank); gloo alpha {host['alpha'] * 1e6:.0f} us, beta {host['beta']:.2f} GB/s (02 --doctor, 2 ranks)\n")
+          f"(one rank); gloo alpha {host['alpha'] * 1e6:.0f} us, beta {host['beta']:.2f} GB/s (02 --doctor, 2 ranks); "
+          f"bus bandwidth by kind, GB/s (call_cost.py --op, the all-reduce's beside for comparison): "
+          f"{ratios or 'not measured'}; "
+          f"{len(os.sched_getaffinity(0))} cores\n")
     print("| layout | ranks | predicted / 01 | measured / 01 | error | host beside it: slow, call, beta | "
           "plan: compute + comm (bubble) | missing term |")
     print("|---|---|---|---|---|---|---|---|")
@@ -295,14 +359,16 @@ def main():
             # layout again: of each the quieter (the faster) of the two, as a shared host's load
             # only adds time, and a burst of it can last a whole run
             groups = call_groups(script, model + extra + strategy, n)
+            rings = ring_sizes(script, model + extra + strategy, n)
             one = measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip)
-            now = beside(model, n, a.iters, a.skip, calls, rounds, groups)
+            now = beside(model, n, a.iters, a.skip, calls, rounds, groups, rings)
             step = measure(script, model + extra + strategy, n, a.iters, a.skip)
-            again = beside(model, n, a.iters, a.skip, calls, rounds, groups)
+            again = beside(model, n, a.iters, a.skip, calls, rounds, groups, rings)
             one = min(one, measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip))
             step = min(step, measure(script, model + extra + strategy, n, a.iters, a.skip))
             now = dict(now, slow=max(1.0, min(now["together"], again["together"]) / (one / n)) if n > 1 else 1.0,
-                       call={g: tuple(map(min, now["call"][g], again["call"][g])) for g in groups})
+                       call={g: tuple(map(min, now["call"][g], again["call"][g])) for g in groups},
+                       exchange={g: tuple(map(min, now["exchange"][g], again["exchange"][g])) for g in rings})
             rated = at_rate_of(host, one, model + extra)
             c1 = priced("01_single_gpu.py", model + extra, 1, rated)
             c = priced(script, model + extra + strategy, n, rated, now)
@@ -311,7 +377,10 @@ def main():
             errors.append(abs(error))
             term = missing_term(pred, meas, c, label, n) if abs(error) > a.target else ""
             print(f"| {label} | {n} | {pred:.2f} | {meas:.2f} ({step * 1e3:.0f} / {one * 1e3:.0f} ms) | {error:+.0f}% | "
-                  f"{now['slow']:.2f}x, {calls_text(c['call_s'])}, {c['beta']:.2f} GB/s | "
+                  f"{now['slow']:.2f}x, {calls_text(c['call_s'])}, {c['beta']:.2f} GB/s"
+                  + "".join(f", ring {g}: {s * 1e3:.2f} ms" for g, s in c["exchange_s"].items())
+                  + "".join(f", {k.replace('_', '-')} {v:.2f} GB/s" for k, v in c["op_gbps"].items()
+                            if any(op.startswith(k) for op in c["comm_bytes_per_step"])) + " | "
                   f"{c['compute_s'] * 1e3:.0f} + {c['comm_s'] * 1e3:.0f} ms ({100 * c['bubble']:.0f}%) | {term} |",
                   flush=True)
     print(f"\nmax |error| {max(errors):.0f}% over {len(errors)} layouts")
