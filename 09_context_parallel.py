@@ -217,7 +217,7 @@ class RingAttention(torch.autograd.Function):
             # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
             out = torch.empty(b, t, heads, d, device=q.device).transpose(1, 2)
             lse = torch.empty(b, heads, t, device=q.device)  # fp32 L
-            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            kv = (k, v)  # in ring step k (`step`): the K/V of rank (r - k) mod C
             ctx.forwards = []  # each kernel call's state for its backward (RNG, lengths)
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
