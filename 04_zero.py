@@ -16,8 +16,8 @@ one unit:
 
     unit (flat, padded)   [ block 3 : ln_1 | attn.c_attn | attn.c_proj | ln_2 | mlp.c_fc | mlp.c_proj | pad ]
     shards                [  rank 0   |  rank 1   |  rank 2   |  rank 3   ]
-    each rank holds       AdamW exp_avg + exp_avg_sq (+ fp32 master) of its shard only;
-                          stage 2: + its gradient shard; stage 3: + its parameter shard
+    each rank holds       its shard's AdamW exp_avg + exp_avg_sq (+ fp32 master) and reduced
+                          gradient; stages 1-2 also every parameter, stage 1 every gradient
 
 One optimizer step, per rank:
 

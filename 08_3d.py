@@ -401,7 +401,7 @@ def global_mean(loss_sum, mesh, m):
     CP rank's loss is the mean over its s/C tokens: their mean over the CP ranks is the
     sequences' mean)."""
     if dist.get_world_size(mesh.pp_group) > 1:  # a one-rank group posts nothing (here and below)
-        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
+        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss (+ every stage's aux), to all
     loss_sum /= m * mesh.reduce_size
     if mesh.reduce_size > 1:
         dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas (and CP ranks)

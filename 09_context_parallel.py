@@ -456,7 +456,7 @@ def main():
     world = dist.group.WORLD  # every rank holds the same weights: the gradients' and the loss's group
     cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
     cp.recompute = args.recompute
-    positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
+    positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our tokens: columns of x
     model = build_model(config, args.seed, env.device)
     # AdamW, or Muon + AdamW with each matrix's Newton-Schulz run by one rank (03's ReplicatedMuon)
     optimizer = make_optimizer(model.named_parameters(), args, env, muon=partial(ReplicatedMuon, group=world))
