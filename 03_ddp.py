@@ -4,7 +4,7 @@ Every rank holds the whole model and optimizer and trains on its own slice of th
 batch. After backward the gradients are averaged across ranks with all-reduce, so every
 replica takes the same optimizer step and the replicas stay identical. Done naively, that
 all-reduce waits for the whole backward. DDP instead packs the gradients into buckets
-(~25 MB) in the reverse order of the parameters, which is roughly the order backward
+(25 MiB, --bucket_mb) in the reverse order of the parameters, which is roughly the order backward
 produces them; the moment a bucket is full, its all-reduce starts asynchronously and runs
 while backward computes the earlier layers' gradients (Li et al. 2020, "PyTorch
 Distributed: Experiences on Accelerating Data Parallel Training").
@@ -27,7 +27,8 @@ Run:
 
 One rank holds  a full replica, 16Ψ bytes (Ψ parameters): fp32 weights 4Ψ, gradients 4Ψ, AdamW 8Ψ
 One rank sends  one all-reduce of every gradient per step, 4Ψ bytes (none on accumulation micro-steps);
-                with Muon each matrix's orthogonalised update from its one owner, e·Ψ_m (ReplicatedMuon)
+                with Muon, each matrix's orthogonalised update broadcast from its one owner: e·Ψ_m bytes
+                (Ψ_m the blocks' weight matrices' parameters, e bytes an element; ReplicatedMuon)
 
 The costs and why buckets overlap: docs/strategies.md, section "03_ddp.py: data parallel".
 """

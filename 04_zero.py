@@ -8,15 +8,16 @@ rank stores and updates only 1/N of them:
     stage 2  P_os+g    ... and gradients: each rank keeps only its partition's gradients
     stage 3  P_os+g+p  ... and parameters: a block's weights exist in full only while it runs
 
-The parameters are grouped into units, one per transformer block plus a root unit (token and
-position embeddings, which are also the tied output head, and the final LayerNorm). Each unit
-is one flat buffer, padded to a multiple of N and cut into N equal shards; rank r owns shard r
-of every unit, so that each reduce-scatter and all-gather moves one unit:
+The parameters are grouped into units, one per transformer block plus a root unit (the token
+embedding, which is also the tied output head, the position embedding and the final
+LayerNorm). Each unit is one flat buffer, padded to a multiple of N and cut into N equal
+shards; rank r owns shard r of every unit, so that each reduce-scatter and all-gather moves
+one unit:
 
     unit (flat, padded)   [ block 3 : ln_1 | attn.c_attn | attn.c_proj | ln_2 | mlp.c_fc | mlp.c_proj | pad ]
     shards                [  rank 0   |  rank 1   |  rank 2   |  rank 3   ]
-    each rank holds       AdamW exp_avg + exp_avg_sq (+ fp32 master) of its shard only;
-                          stage 2: + its gradient shard; stage 3: + its parameter shard
+    each rank holds       its shard's AdamW exp_avg + exp_avg_sq (+ fp32 master) and reduced
+                          gradient; stages 1-2 also every parameter, stage 1 every gradient
 
 One optimizer step, per rank:
 
@@ -25,8 +26,9 @@ One optimizer step, per rank:
     stage 2: as stage 1, but the grads are reduce-scattered in every micro-batch's backward
              (nothing is kept to accumulate), and each unit's full grads freed at once
     stage 3: before each block's forward (and again before its backward): all-gather its
-             params; after: free them. Gradients as in stage 2. After AdamW: nothing to
-             gather, the next forward gathers on demand
+             params; after: free them (the root unit stays gathered for the whole step).
+             Gradients as in stage 2. After AdamW: nothing to gather, the next forward
+             gathers on demand
 
 A unit's reduce-scatter starts, asynchronously, the moment backward has produced the unit's
 last gradient, and runs while backward goes on to the earlier blocks (DDP's buckets, with the
@@ -219,8 +221,9 @@ class ZeRO:
             out.register_hook(lambda grad: self.gather(unit))
 
     def gather_root(self):
-        """Stage 3: the root unit (embeddings = output head, final norm) is used at both ends
-        of the model, so it stays gathered for the whole step or evaluation."""
+        """Stage 3: the root unit (the embeddings, wte also the output head, and the final
+        norm) is used at both ends of the model, so it stays gathered for the whole step or
+        evaluation."""
         if self.stage == 3:
             self.gather(self.root)
 
@@ -421,7 +424,7 @@ def main():
         x, y = data.batch("train", step, args.global_batch_size, env.rank, env.world_size)
         x, y = to_device(x, env), to_device(y, env)
         loss_sum = torch.zeros((), device=env.device)
-        zero.gather_root()  # stage 3: the embeddings (= the head) stay gathered for the step
+        zero.gather_root()  # stage 3: the root (wte is also the head) stays gathered for the step
         with run.meter:
             for micro in range(accum_steps):
                 rows = slice(micro * args.micro_batch_size, (micro + 1) * args.micro_batch_size)

@@ -4,8 +4,9 @@ Like ZeRO-3 (04_zero.py), every rank keeps only 1/N of the parameters, gradients
 state, and gathers a unit's parameters just before it runs. FSDP adds what makes that fast and
 able to hold models larger than one device:
 
-  * units: each transformer block is one unit, plus a root unit (embeddings = tied head,
-    final norm), gathered with one all-gather and reduced with one reduce-scatter each;
+  * units: each transformer block is one unit, plus a root unit (the embeddings, wte also the
+    tied head, and the final norm), gathered with one all-gather and reduced with one
+    reduce-scatter each;
   * per-parameter sharding on dim 0: rank r of a shard group of S ranks holds rows
     [r·k, (r+1)·k) of every parameter (padded to S·k rows), an ordinary tensor the optimizer
     uses as it is; a unit's shards are packed into one buffer for its all-gather (copy-in)
@@ -31,7 +32,8 @@ Run:
     torchrun --standalone --nproc_per_node 8 05_fsdp.py --model gpt2-xl --replicate 2   # HSDP 2 x 4
 
 One rank holds  16Ψ/S of fp32 shards (params 4, grads 4, AdamW 8) + the root and one block gathered (two with prefetch)
-One rank sends  per micro-batch: all-gather eΨ (e bytes an element) in forward and again in backward, reduce-scatter Ψ grads
+One rank sends  per micro-batch: all-gather eΨ (e bytes an element) in forward and again in backward (the root
+                once per step), reduce-scatter 4Ψ of gradients (fp32; --reduce_dtype bfloat16 halves it)
 
 The options (--no_prefetch, --no_reshard, --reduce_dtype, HSDP's --replicate, --offload) and
 the formulas: docs/strategies.md, section "05_fsdp.py: FSDP".

@@ -18,9 +18,9 @@ the output head, is split by vocabulary rows, and the cross-entropy never gather
 Which parameter is split along which dimension is said once, in the table TP_PLAN, and the
 layers are built from it.
 
---sequence_parallel splits the regions between the layers (LayerNorm, dropout) along the
-sequence: f becomes an all-gather and g a reduce-scatter, as many bytes as the all-reduce
-(= reduce-scatter + all-gather), and the activations between the layers are 1/T as large.
+--sequence_parallel splits the regions between the layers (LayerNorm, dropout) along the sequence:
+f an all-gather, g a reduce-scatter, the activations between the layers 1/T as large; backward
+gathers each column-parallel input again, and sums the replicated parameters' gradients once a step.
 
     X_t ──all-gather──> X ── X A_t ── ... ── (.) B_t ──reduce-scatter──> Y_t
     [b, s/T, h]        [b, s, h]                                     [b, s/T, h]: chunk t of the sum
@@ -33,7 +33,7 @@ Run:
 One rank, of T, with L layers of width h, b sequences of s tokens a micro-batch (costs() below):
 
     holds: 16 bytes x (Ψ_sharded/T + Ψ_replicated), and the attention's and MLP's activations /T
-    sends: 4 all-reduces of b·s·h per layer per micro-batch (SP: all-gathers and reduce-scatters)
+    sends: 4 all-reduces of b·s·h per layer per micro-batch (SP: 4 reduce-scatters, 6 all-gathers)
 
 docs/strategies.md, section "06_tensor_parallel.py: tensor parallelism", derives these and
 details the vocabulary-parallel loss, sequence parallelism's backward and the dropout streams.
@@ -138,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias added once, after g."""
+    """Y = g(X_t B_t) + bias: this rank's rows of B (columns of nn.Linear's weight); the bias once, after g."""
 
     def __init__(self, in_local, out_features, bias, group, sequence_parallel):
         super().__init__()
@@ -238,7 +238,7 @@ def reduce_scatter_sequence(x, group):
 
 
 class AllGatherSequenceLinear(torch.autograd.Function):
-    """f as an all-gather, and a column-parallel Linear: Y_t = all-gather(X) A_tᵀ + b_t, keeping
+    """f as an all-gather, and a column-parallel Linear: Y_t = all-gather(X) A_t + b_t, keeping
     only this rank's sequence shard of X for backward (Korthikanti et al. 2022, Sec. 4.2.2), not
     the gathered X, T times as large: backward all-gathers it again for the weight gradient and
     reduce-scatters the input gradient. Under autocast the shard is cast first, and kept cast."""
@@ -259,7 +259,7 @@ class AllGatherSequenceLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
         # sum every rank's part, keep this rank's sequence shard (in the input's dtype, as autocast would)
         grad_x = reduce_scatter_sequence(grad_x.to(ctx.x_dtype), ctx.group)
-        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_tᵀ X
+        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_tᵀ = dY_tᵀ X (the weight's)
         grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_weight.to(weight.dtype), grad_bias, None
 

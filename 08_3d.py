@@ -50,10 +50,10 @@ Run:
 One rank holds: 16 bytes x (its stage's TP-split parameters / T + its TP-replicated ones), the
 optimizer state / (D·C) with --zero1; 1F1B's micro-batches in flight of its stage's activations;
 with experts E/N of each layer's, whole (16 bytes each), replicated over TP.
-One rank sends, per micro-batch: in every layer TP's four all-reduces of b·s·h (SP: all-gathers
-and reduce-scatters), CP's K/V hops or all-to-alls, the experts' dispatch and combine; across
-each stage boundary its b·s·h activation and the gradient back; per step its gradients over
-DP x CP (the experts' over expert_dp). Derivations, pictures, formulas: docs/strategies.md, "08_3d.py".
+One rank sends, per micro-batch: in every layer TP's four all-reduces of b·s·h (SP: four
+reduce-scatters and six all-gathers), CP's K/V hops or all-to-alls, the experts' dispatch and
+combine; across each stage boundary its b·s·h activation and the gradient back; per step its
+gradients over DP x CP (the experts' over expert_dp). Derivations, pictures, formulas: docs/strategies.md, "08_3d.py".
 """
 
 import math
@@ -401,7 +401,7 @@ def global_mean(loss_sum, mesh, m):
     CP rank's loss is the mean over its s/C tokens: their mean over the CP ranks is the
     sequences' mean)."""
     if dist.get_world_size(mesh.pp_group) > 1:  # a one-rank group posts nothing (here and below)
-        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss, to every stage
+        dist.all_reduce(loss_sum, group=mesh.pp_group)  # the last stage's loss (+ every stage's aux), to all
     loss_sum /= m * mesh.reduce_size
     if mesh.reduce_size > 1:
         dist.all_reduce(loss_sum, group=mesh.dp_group)  # the mean over the replicas (and CP ranks)
@@ -454,8 +454,8 @@ def main():
     data = Data(args.data, args.seed, config.block_size)
     check_layout(config, T, P, args.sequence_parallel, C, args.cp_impl, args.bitwise)
     run.log(describe_mesh(mesh, world))
-    torch.manual_seed(args.seed + 1000 * mesh.reduce_rank + mesh.pp_rank)  # the stage's TP group's
-    rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention dropout)
+    torch.manual_seed(args.seed + 1000 * mesh.reduce_rank + mesh.pp_rank)  # dropout: one stream per TP group
+    rng = ShardedRNG(args.seed, env.rank, env.device)  # and this TP rank's own (attention, SP regions)
     cp = ContextParallel(mesh.cp_group, mesh.cp_ranks, env.rank, args.cp_impl) if C > 1 else None
 
     first_layer, n_layers = chunk_layers(config.n_layer, P)[mesh.pp_rank]  # 07's, one chunk per stage
@@ -1373,7 +1373,7 @@ def reduce_scatter_sequence(x, group):
 
 
 class AllGatherSequenceLinear(torch.autograd.Function):
-    """f as an all-gather, and a column-parallel Linear: Y_t = all-gather(X) A_tᵀ + b_t, keeping
+    """f as an all-gather, and a column-parallel Linear: Y_t = all-gather(X) A_t + b_t, keeping
     only this rank's sequence shard of X for backward (Korthikanti et al. 2022, Sec. 4.2.2), not
     the gathered X, T times as large: backward all-gathers it again for the weight gradient and
     reduce-scatters the input gradient. Under autocast the shard is cast first, and kept cast."""
@@ -1394,7 +1394,7 @@ class AllGatherSequenceLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight.to(grad.dtype))  # [b, s, h]: this rank's part of dL/dX
         # sum every rank's part, keep this rank's sequence shard (in the input's dtype, as autocast would)
         grad_x = reduce_scatter_sequence(grad_x.to(ctx.x_dtype), ctx.group)
-        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_t = dY_tᵀ X
+        grad_weight = grad.flatten(0, 1).t().matmul(total.flatten(0, 1))  # dL/dA_tᵀ = dY_tᵀ X (the weight's)
         grad_bias = grad.sum(dim=(0, 1)).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_weight.to(weight.dtype), grad_bias, None
 
@@ -1470,7 +1470,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = g(X_t B_t) + bias: this rank's block of input rows; the bias added once, after g."""
+    """Y = g(X_t B_t) + bias: this rank's rows of B (columns of nn.Linear's weight); the bias once, after g."""
 
     def __init__(self, in_local, out_features, bias, group, sequence_parallel):
         super().__init__()
@@ -2253,7 +2253,7 @@ class RingAttention(torch.autograd.Function):
             # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
             out = torch.empty(b, t, heads, d, device=q.device).transpose(1, 2)
             lse = torch.empty(b, heads, t, device=q.device)  # fp32 L
-            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            kv = (k, v)  # in ring step k (`step`): the K/V of rank (r - k) mod C
             ctx.forwards = []  # each kernel call's state for its backward (RNG, lengths)
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute

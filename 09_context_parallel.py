@@ -217,7 +217,7 @@ class RingAttention(torch.autograd.Function):
             # fp32 O in [b, t, heads, d] memory order, so that the transpose back is a view
             out = torch.empty(b, t, heads, d, device=q.device).transpose(1, 2)
             lse = torch.empty(b, heads, t, device=q.device)  # fp32 L
-            kv = (k, v)  # in ring step t: the K/V of rank (r - t) mod C
+            kv = (k, v)  # in ring step k (`step`): the K/V of rank (r - k) mod C
             ctx.forwards = []  # each kernel call's state for its backward (RNG, lengths)
             for step in range(ring.size):
                 if step < ring.size - 1:  # post: our K/V block to r+1, r-1's to us, during compute
@@ -456,7 +456,7 @@ def main():
     world = dist.group.WORLD  # every rank holds the same weights: the gradients' and the loss's group
     cp = ContextParallel(cp_group, cp_ranks, env.rank, args.cp_impl)
     cp.recompute = args.recompute
-    positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our columns
+    positions = token_positions(config.block_size, C, cp.cp_rank, args.cp_impl)  # our tokens: columns of x
     model = build_model(config, args.seed, env.device)
     # AdamW, or Muon + AdamW with each matrix's Newton-Schulz run by one rank (03's ReplicatedMuon)
     optimizer = make_optimizer(model.named_parameters(), args, env, muon=partial(ReplicatedMuon, group=world))

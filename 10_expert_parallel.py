@@ -211,11 +211,11 @@ def take_routing(model):
     return received, sent, *expert_load(model)
 
 
-def reduce_gradients(model, world_size, data_group, dp_group, dp_size):
+def reduce_gradients(model, world_size, data_group, expert_dp_group, dp_size):
     """The mean gradient over the global batch: the replicated parameters' summed over
     `data_group` (every rank with a slice of the batch: the world), the experts' over the ranks
     holding the same experts (their EP groups' tokens are already in them), each divided by W."""
-    for expert, group in ((False, data_group), (True, dp_group)):
+    for expert, group in ((False, data_group), (True, expert_dp_group)):
         grads = [p.grad for name, p in model.named_parameters() if is_expert(name) == expert]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(world_size)
         if not expert or dp_size > 1:
@@ -281,10 +281,10 @@ def main():
     torch.manual_seed(args.seed + env.rank)  # dropout: a different stream on every rank
     data = Data(args.data, args.seed, model_block_size(args))
     dp = env.world_size // ep
-    ep_group, dp_group = run.groups
+    ep_group, expert_dp_group = run.groups  # the all-to-alls; the ranks that hold the same experts
     data_group = dist.group.WORLD  # every rank trains on its own slice of the batch: ep x dp ranks
     model = build_model(config, args.seed, env.device, env.rank % ep, ep, ep_group, args.recompute)
-    optimizer = replicated_optimizer(model, args, env, data_group, dp_group)  # AdamW, or Muon + AdamW
+    optimizer = replicated_optimizer(model, args, env, data_group, expert_dp_group)  # AdamW, or Muon + AdamW
     tree = TreeGrads(lambda: [p.grad for p in model.parameters()], accum_steps) if args.bitwise else None
     run.begin(config, optimizer, costs, layout={"strategy": "expert parallel", "ep": ep},
               pieces=lambda: checkpoint_pieces(model, optimizer, env.rank // ep == 0, env),
@@ -311,7 +311,7 @@ def main():
         if tree:  # --bitwise (ep 1): every replica's tree, then one fixed tree over the world (below)
             loss_sum = bitwise_reduce(model, tree, data_group, accum_steps)
         else:
-            reduce_gradients(model, env.world_size, data_group, dp_group, dp)  # replicated: all; experts: same experts
+            reduce_gradients(model, env.world_size, data_group, expert_dp_group, dp)  # the experts' over expert_dp
         received, sent, load, dropped = take_routing(model)
         stats = torch.cat([(loss_sum / (accum_steps * env.world_size)).view(1), load.float().view(-1),
                            dropped.float().sum().view(1)])
@@ -351,17 +351,18 @@ def bitwise_reduce(model, tree, group, n):
     return flat[offset].clone() if dist.get_rank(group) == 0 else torch.zeros((), device=flat.device)
 
 
-def replicated_optimizer(model, args, env, data_group, dp_group):
+def replicated_optimizer(model, args, env, data_group, expert_dp_group):
     """common.make_optimizer's AdamW, or its Muon as 03's ReplicatedMuon twice: each replicated
     matrix's owner among every rank (`data_group`), each expert matrix's among the ranks that
-    hold the same experts (`dp_group`); the one steps the other, as Muon steps its AdamW."""
+    hold the same experts (`expert_dp_group`); the one steps the other, as Muon steps its AdamW."""
     named = list(model.named_parameters())
     if args.optimizer == "adamw":
         return make_optimizer(named, args, env)
     experts = [is_expert(name) and is_hidden_matrix(name, p.shape) for name, p in named]
     rest = make_optimizer([x for x, expert in zip(named, experts) if not expert], args, env,
                           muon=partial(ReplicatedMuon, group=data_group))
-    return ReplicatedMuon([p for (_, p), expert in zip(named, experts) if expert], rest, args, env.dtype, dp_group)
+    return ReplicatedMuon([p for (_, p), expert in zip(named, experts) if expert], rest, args, env.dtype,
+                          expert_dp_group)
 
 
 def costs(args, config, world_size, dtype, received=None, rank=0, sent=None):

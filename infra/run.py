@@ -168,6 +168,14 @@ class Run(common.Run):
                           **step)
         return with_guard(cost, env.world_size)  # the protocol's own traffic: the guard's flags (Guard)
 
+    def keep(self, config, optimizer, costs, pieces, evaluate, held):
+        """What begin() keeps of the script's strategy, in a real run and in a rehearsed one."""
+        self.config, self.costs, self.optimizer, self.pieces = config, costs, optimizer, pieces
+        self._evaluate = evaluate
+        self.cost = self.costs_of()
+        # what the optimizer updates, unless the script counts its own (host copies, flat shards)
+        self.held = held or (lambda: state_bytes([p for g in optimizer.param_groups for p in g["params"]], optimizer))
+
     def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
               after_resume=None):
         """After the model, the strategy and the optimizer exist. `costs`: the script's
@@ -181,14 +189,10 @@ class Run(common.Run):
         --resume (a checkpoint of any script at any layout) and returns the extra streams read
         back (same layout only; else None)."""
         args, env = self.args, self.env
-        self.config, self.costs = config, costs
-        self.cost = self.costs_of()
-        self.optimizer, self.pieces = optimizer, pieces
+        self.keep(config, optimizer, costs, pieces, evaluate, held)
         if self.syncs:
             self.syncs.exempt(optimizer)
-        # what the optimizer updates, unless the script counts its own (host copies, flat shards)
-        self.held = held or (lambda: state_bytes([p for g in optimizer.param_groups for p in g["params"]], optimizer))
-        self._evaluate, self.extra_rng = evaluate, extra_rng
+        self.extra_rng = extra_rng
         self.run_config = run_config(args, config, layout)
         self.start_step, extra = 0, None
         if args.resume:
@@ -378,10 +382,8 @@ class RehearsedRun(Run):
 
     def begin(self, config, optimizer, costs, layout, pieces, evaluate, describe, held=None, extra_rng=None,
               after_resume=None):
-        self.config, self.costs, self.optimizer, self.pieces = config, costs, optimizer, pieces
-        self.cost = self.costs_of()
-        self.held = held or (lambda: state_bytes([p for g in optimizer.param_groups for p in g["params"]], optimizer))
-        self._evaluate, self.start_step = evaluate, 0
+        self.keep(config, optimizer, costs, pieces, evaluate, held)
+        self.start_step = 0
         LEDGER.take()  # the set-up's traffic is not a step's (it is in the posting order)
         return None
 
