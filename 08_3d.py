@@ -607,9 +607,17 @@ def costs(args, config, world_size, dtype, rank=0, received=None, sent=None):
 
 
 def cost(expr, x, **more):
-    """One of 08's formulas at this rank's symbols; m and e printed by value."""
+    """One of 08's formulas at this rank's symbols; m and e printed by value. Only the symbols
+    the expression names are handed on: formula() remembers its answers by the symbols it is
+    given, and a rank's dozen others would only make every answer new (plan.py asks thousands)."""
     from infra.formulas import formula
-    return formula(expr, show="m e n p", **x, **more)
+    if expr not in _NAMES:
+        import re
+        _NAMES[expr] = set(re.findall(r"[^\W\d]\w*", expr))
+    return formula(expr, show="m e n p", **{k: v for k, v in x.items() if k in _NAMES[expr]}, **more)
+
+
+_NAMES = {}  # the names in each of cost()'s expressions
 
 
 def dp_costs(args, x):
@@ -879,9 +887,12 @@ def stage_sizes(config, T, P, pp_rank, sp=False):
     hidden matrices, the elements autocast copies for one forward) of a TP rank of stage
     pp_rank, counted on a Stage built on the meta device; remembered, since the fit check and
     plan.py price many micro-batches of one layout. With experts, all E of every block (and its
-    router's E rows), the Stage built with one (DeepSeek-V3's 61 x 256 would take half a minute)."""
+    router's E rows), the Stage built with one (DeepSeek-V3's 61 x 256 would take half a minute).
+    A stage's counts depend only on its layer count and on whether it is the first or the last
+    (the embedding, the head): the middle stages of every pp share one Stage's count."""
     from dataclasses import replace
-    key = (repr(config), T, P, pp_rank, sp)
+    n_layers = stage_layers(config.n_layer, P)[pp_rank][1]
+    key = (repr(config), T, n_layers, pp_rank == 0, pp_rank == P - 1, sp)
     if key not in _STAGE_SIZES:
         mesh = Mesh(pp_rank * T, P * T, T, P)  # stage pp_rank's TP rank 0: coordinates only
         first_layer, n_layers = stage_layers(config.n_layer, P)[pp_rank]
@@ -947,11 +958,11 @@ def describe_mesh(mesh, world, ranks_per_node=None):
     else:
         lines = [f"mesh: {world} ranks = {D} data-parallel x {P} pipeline x {C} context-parallel x "
                  f"{T} tensor-parallel (rank = dp·{P * C * T} + pp·{C * T} + cp·{T} + tp)"]
-    shown = range(D) if D <= 4 else [0, 1, D - 1]
+    shown, ranks = range(D) if D <= 4 else [0, 1, D - 1], mesh.ranks.tolist()  # (a list reads faster than rank_of)
     for d in shown:
         if d == D - 1 and D > 4:
             lines.append(f"  ... ({D - 3} more replicas)")
-        row = [f"{mesh.rank_of(d, s, c, t):>3}:(dp {d}, pp {s}" + (f", cp {c}" if C > 1 else "") + f", tp {t})"
+        row = [f"{ranks[d][s][c][t]:>3}:(dp {d}, pp {s}" + (f", cp {c}" if C > 1 else "") + f", tp {t})"
                for s in range(P) for c in range(C) for t in range(T)]
         lines.append("  " + "  ".join(row))
     if ranks_per_node:

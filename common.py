@@ -669,9 +669,21 @@ def shakespeare_text():
 
 
 @functools.lru_cache(maxsize=None)
+def shakespeare_tokens():
+    """The default corpus as (its characters, sorted: the vocabulary; the text as their indices),
+    made once per process (the fit check, plan.py and Data ask; read-only, since they share it)."""
+    text = shakespeare_text()
+    chars = tuple(sorted(set(text)))
+    lut = np.zeros(max(map(ord, chars)) + 1, dtype=np.uint16)
+    lut[[ord(c) for c in chars]] = np.arange(len(chars), dtype=np.uint16)
+    tokens = lut[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
+    tokens.flags.writeable = False
+    return chars, tokens
+
+
 def shakespeare_vocab_size():
-    """The default corpus's character count, read once (the fit check and plan.py ask often)."""
-    return len(set(shakespeare_text()))
+    """The default corpus's character count."""
+    return len(shakespeare_tokens()[0])
 
 
 class Data:
@@ -681,12 +693,8 @@ class Data:
     def __init__(self, spec, seed, block_size):
         self.seed, self.block_size, self.itos = seed, block_size, None
         if spec == "shakespeare_char":
-            text = shakespeare_text()
-            chars = sorted(set(text))
+            chars, tokens = shakespeare_tokens()
             self.itos = chars
-            lut = np.zeros(max(map(ord, chars)) + 1, dtype=np.uint16)
-            lut[[ord(c) for c in chars]] = np.arange(len(chars), dtype=np.uint16)
-            tokens = lut[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
             n = int(SHAKESPEARE_TRAIN_FRACTION * len(tokens))
             self.splits, self.vocab_size = {"train": tokens[:n], "val": tokens[n:]}, len(chars)
         elif spec == "synthetic":

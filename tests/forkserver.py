@@ -38,9 +38,10 @@ sys.path as `python script args` would have them, then the script run as __main_
 as the interpreter would (non-daemon threads joined, atexit handlers run, streams flushed)
 with os._exit: it never returns into this server's code.
 
-Safety of fork: the server imports modules only. It never runs a torch op, so no OpenMP or
-intra-op thread pool exists when it forks; it checks that it holds exactly one thread
-(threading and /proc/self/task) at start and before every fork, and refuses jobs otherwise.
+Safety of fork: the server imports modules and reads the default corpus (warm()), nothing more.
+It never runs a torch op, so no OpenMP or intra-op thread pool exists when it forks; it checks
+that it holds exactly one thread (threading and /proc/self/task) at start and before every
+fork, and refuses jobs otherwise.
 Repository modules imported here (common.py, the modules of infra/) are dropped from sys.modules
 in the rank, all of them, when any has changed on disk since, and the rank imports the files as
 they are now. The numbered scripts are compiled here once; a rank runs its script's compiled code
@@ -128,6 +129,19 @@ def compile_scripts():
         stamp = file_stamp(path)  # before the read: an edit in between shows as a changed stamp
         with open(path, "rb") as f:
             SCRIPTS[path] = (stamp, compile(f.read(), path, "exec", dont_inherit=True))
+
+
+def warm():
+    """What every rank of every job makes the same way before its first step, made once here and
+    inherited: the default corpus's vocabulary and token ids (common.shakespeare_tokens, which
+    every model_config and Data asks for: about 50 ms of a rank's CPU, a tenth of a tiny rank's
+    run). Pure Python and numpy, no torch op. A rank that imports common afresh (an edited
+    repository module, a copied script) makes its own."""
+    import common
+    try:
+        common.shakespeare_tokens()
+    except SystemExit:  # no data/: each rank says so itself
+        pass
 
 
 def edited(loaded):
@@ -438,6 +452,7 @@ def serve(path):
     base_path = list(sys.path[1:])  # without this file's directory, which a rank replaces by its script's
     loaded = repo_modules()
     compile_scripts()
+    warm()
     SERVER_FINALIZERS[:] = list(weakref.finalize._registry)
     # The server's ~285,000 objects into the collector's permanent generation: a rank's full
     # collection would otherwise walk them all, writing to each object's header, and so copy

@@ -372,19 +372,34 @@ atexit.register(FORK_SERVER.stop)
 
 def dry(script, *flags):
     """`python script --dry_run flags`, run in this process (a dry run starts no process and
-    touches no device; importing torch once instead of once per run keeps the tests fast).
+    touches no device; importing torch once instead of once per run keeps the tests fast; and
+    the script compiled once, not at every run: 08_3d.py takes 0.06 s).
     Returns what the command would: its exit status, stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     argv, sys.argv = sys.argv, [script, "--dry_run", *map(str, flags)]
+    path = os.path.join(ROOT, script)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+            runpy._run_module_code(compiled(path), None, "__main__", pkg_name="", script_name=path)  # as run_path would
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     finally:
         sys.argv = argv
     return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
+
+
+_COMPILED = {}  # {path: ((mtime_ns, size), code)}
+
+
+def compiled(path):
+    """The code of the script at `path`, compiled once per process (again once the file changes)."""
+    st = os.stat(path)
+    stamp = (st.st_mtime_ns, st.st_size)
+    if _COMPILED.get(path, (None,))[0] != stamp:
+        with open(path, "rb") as f:
+            _COMPILED[path] = (stamp, compile(f.read(), path, "exec", dont_inherit=True))
+    return _COMPILED[path][1]
 
 
 def assert_losses_match(reference, candidate, rtol=2e-5, atol=2e-6, what=""):

@@ -98,6 +98,23 @@ def test_a_rank_ends_as_the_interpreter_would_without_undoing_the_servers_import
     assert run.stdout.splitlines() == ["frozen: True collected: True", "alive at exit: 1", "the script's finalizer ran"]
 
 
+def test_a_rank_reads_the_default_corpus_the_server_read(tmp_path):
+    """The server makes the default corpus's tokens once (forkserver.warm); a rank's Data and
+    model_config find them made (its first ask is a hit of the cache it inherited), the same
+    tokens a fresh interpreter makes."""
+    text = textwrap.dedent("""
+        import common
+        chars, tokens = common.shakespeare_tokens()
+        info = common.shakespeare_tokens.cache_info()
+        print("inherited:", info.hits, info.misses, len(chars), int(tokens[:1000].sum()), flush=True)
+        """)
+    run = launch(script(tmp_path, text), nprocs=1, launcher="fork", metrics=False, out_dir=False,
+                 timeout=60).ok()
+    import common
+    chars, tokens = common.shakespeare_tokens()
+    assert run.stdout.splitlines() == [f"inherited: 1 1 {len(chars)} {int(tokens[:1000].sum())}"], run.stdout
+
+
 def test_a_rank_reimports_the_repositorys_modules_when_one_was_edited(tmp_path):
     import forkserver
     module = tmp_path / "module.py"
