@@ -1213,6 +1213,7 @@ def costs(args, config, world_size, dtype, rank=0):
     all-reduced between the first and last stage, the norm and the logged loss."""
     from infra.formulas import formula, newton_schulz_flops
     p, m = world_size, args.global_batch_size // args.micro_batch_size
+    check_layout(args, config, p)  # the fit check prices the layout before main() has checked it
     every, v, vee, split = run_schedule(args, p, m)
     bitwise = getattr(args, "bitwise", False)
     chunks = meta_chunks(config, p, v, rank, vee)

@@ -114,6 +114,8 @@ def test_dry_run_plans_large_models_without_building_them(script, flags):
 @pytest.mark.parametrize("script, flags, message", [
     ("06_tensor_parallel.py", ["--world_size", 8, "--model", "gpt2-xl"], "n_head 25 is not divisible by the tensor-parallel size 8"),
     ("07_pipeline.py", ["--world_size", 16], "n_layer 12 is fewer than pp 16"),
+    # with --device cpu the fit check prices the stages before main() checks the layout
+    ("07_pipeline.py", ["--world_size", 8, "--model", "tiny", "--device", "cpu"], "n_layer 4 is fewer than pp 8"),
     ("03_ddp.py", ["--world_size", 5], "--global_batch_size 48 is not divisible by the data-parallel size 5"),
     ("08_3d.py", ["--world_size", 8, "--tp", 3], "world size 8 is not divisible by tp 3 x pp 1 = 3"),
     ("04_zero.py", [], "--dry_run needs --world_size N"),
