@@ -10,16 +10,18 @@ absolute times do not). Rerun with
 runs.) It calibrates once, on programs that are none of the layouts it prices: alpha and beta
 from `02_collectives.py --doctor --json` on 2 ranks; the matmul rate and plan.py's fixed cost
 per layer and micro-batch (--op_overhead_us) from 01 at the model's micro-batches and at one
-micro-batch of the same tokens (the fixed cost is what the extra micro-batches add); and
-the bus bandwidth of gloo's reduce-scatter and all-gather at each rank count (call_cost.py
---op, plan.py's --op_gbps). Then for
+micro-batch of the same tokens (the fixed cost is what the extra micro-batches add); what
+06's layer costs beyond it (--op_overhead_us tp:US) from 06 at one rank; and the bus
+bandwidth of gloo's reduce-scatter and all-gather at each rank count (call_cost.py --op,
+plan.py's --op_gbps). Then for
 each layout, one after the other (interleaved: a load that comes and goes falls on all of
 them): 01's step (the rate now), the host beside it (beside(): how much slower each of n
 copies of 01 computes at once, the cores term; and what an all-reduce costs inside a loop of
 compute on n ranks at two sizes, call_cost.py, at each size of group the layout's calls
 meet (n ranks as n/g groups of g: a pipeline's pairs at 4 ranks), which gives plan.py's fixed
 cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees; for
-09's ring a ring's exchange at its size, --exchange_overhead_us), the layout, then the host,
+09's ring a ring's exchange at its size, --exchange_overhead_us; for 10 an all-to-all at its
+group's size, --call_overhead_us all_to_all:G:US and --op_gbps all_to_all), the layout, then the host,
 01 and the layout again (of each the quieter of the two). Both are priced with plan.score
 with these figures (with more ranks than cores, --cores_per_node: a pipeline's ranks in the
 bubble yield their cores): predicted =
