@@ -337,13 +337,16 @@ MEASURED_TERMS = {
                  "(every rank of the ring waits on the one before); what is left is gloo's batch of two sends and two "
                  "receives under the layout's own pattern (K and V, dK and dV, the compute between), not timed alone",
     "2:09 ring": "at 2 ranks the ring is a pair: its exchange measured beside it (ring 2) and priced so; the row's "
-                 "error was -70..-4% in the four runs before this code: within this host's noise unless it repeats",
-    "2:10 EP": "the all-to-all is priced with the all-reduce's cost per call and bandwidth (its own not measured); the "
-               "row's error was -29..-3% in the four runs before this code",
-    "4:08 tp 2 pp 2": "TP's own fixed cost per layer beyond 01's (the f and g autograd functions, the vocabulary-"
-                      "parallel loss; 06 at 2 ranks is -16..-33% in every run too), not measured alone; and the cores "
-                      "term prices its stages' ranks as yielding their cores in the bubble (without it -16% in this "
-                      "run, -25% in the one before), while each TP all-reduce needs both ranks of a pair on a core",
+                 "error was -70..-4% in the six runs of 2026-11-29/30: within this host's noise unless it repeats",
+    "10 EP": "the all-to-alls are priced at their own cost per call and bandwidth (call_cost.py --op all_to_all_single "
+             "beside the layout: cheaper per call than the all-reduce, and priced so the row moved down); what is left "
+             "is 10's layer around them, not timed alone: the counts' all-to-all and the host read of the split sizes "
+             "before each dispatch, the transpose of the pieces, and each all-to-all waiting on the rank with more rows "
+             "routed to it (--imbalance 1 here)",
+    "4:08 tp 2 pp 2": "the cores term prices a stage's TP pair as computing together (core_sharing: the node's ranks over "
+                      "the stages), and still moves this row by 14-18 points down in each of three runs (-16% -> -31%, "
+                      "-25% -> -39%, -4% -> -22%): a stage computing alone on the cores does not reach the speed that "
+                      "n / cores x the all-at-once rate says; not measured alone",
 }
 
 
