@@ -39,7 +39,8 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              own stage's time (the last L mod p stages hold one more layer, the
                              last the head): the slowest stage sets the pace, and the bubble comes
                              out of the schedule; + --op_overhead_us for each layer of each
-                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES);
+                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES;
+                             its tp:US word, 06's layer's own, on 06's and 08's);
                              --cores_per_node below a node's ranks (a CPU host): each rank at
                              min(1, cores / ranks computing at once), a pipeline's by processor
                              sharing, so ranks in the bubble yield their cores
@@ -67,8 +68,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              and --call_overhead_us per call (0 on the datasheet machines; a
                              batch of sends pays it once; by the size of the group that meets,
                              when given as G:US pairs; a ring's exchange, 09's, its own by the
-                             ring's size with --exchange_overhead_us); --op_gbps: a kind's own
-                             bandwidth (gloo's reduce-scatter and all-gather on a CPU host)
+                             ring's size with --exchange_overhead_us; a kind's own, KIND:G:US,
+                             10's all-to-alls); --op_gbps: a kind's own bandwidth (gloo's
+                             reduce-scatter and all-gather on a CPU host)
                    where   = each collective where its script posts it (phase_of): inside a
                              forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
                              all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a
@@ -586,7 +588,8 @@ def read_op_overhead(values, error):
         except ValueError:
             value = math.nan
         if not (math.isfinite(value) and 0 <= value <= 1e9):
-            error(f"--op_overhead_us must be a number of microseconds in 0..1e9, got {word if math.isnan(value) else value}")
+            error(f"--op_overhead_us must be a number of microseconds in 0..1e9, "
+                  f"got {word if math.isnan(value) else value}")
         return value * 1e-6
 
     if not 1 <= len(values) <= 2 or ":" in values[0] or (len(values) == 2 and not values[1].startswith("tp:")):
@@ -627,8 +630,8 @@ def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None, ring=Non
     GPU links (or the bandwidth measured for this kind of collective, --op_gbps); across
     nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at most the node's
     NICs, and no faster than the links inside). Each post pays the fixed cost per call of a
-    group of g ranks (call_s, or its kind's own, kind_call_s; posts: as many as calls, unless several sends ride one
-    batch_isend_irecv); a ring's exchange (`ring`: its size, ring_meets) its own where
+    group of g ranks (call_s, or its kind's own, kind_call_s; posts: as many as calls, unless
+    several sends ride one batch_isend_irecv); a ring's exchange (`ring`: its size, ring_meets) its own where
     measured (exchange_s), the pair's call's if not."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
