@@ -39,7 +39,8 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              own stage's time (the last L mod p stages hold one more layer, the
                              last the head): the slowest stage sets the pace, and the bubble comes
                              out of the schedule; + --op_overhead_us for each layer of each
-                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES);
+                             micro-batch a rank runs (0 on the datasheet machines: see MACHINES;
+                             its tp:US word, 06's layer's own, on 06's and 08's);
                              --cores_per_node below a node's ranks (a CPU host): each rank at
                              min(1, cores / ranks computing at once), a pipeline's by processor
                              sharing, so ranks in the bubble yield their cores
@@ -67,8 +68,9 @@ checks and its --dry_run prints: this file restates no formula), and scores each
                              and --call_overhead_us per call (0 on the datasheet machines; a
                              batch of sends pays it once; by the size of the group that meets,
                              when given as G:US pairs; a ring's exchange, 09's, its own by the
-                             ring's size with --exchange_overhead_us); --op_gbps: a kind's own
-                             bandwidth (gloo's reduce-scatter and all-gather on a CPU host)
+                             ring's size with --exchange_overhead_us; a kind's own, KIND:G:US,
+                             10's all-to-alls); --op_gbps: a kind's own bandwidth (gloo's
+                             reduce-scatter and all-gather on a CPU host)
                    where   = each collective where its script posts it (phase_of): inside a
                              forward or backward (TP's f and g, CP's ring and all-to-alls, EP's
                              all-to-alls, FSDP's and ZeRO-3's gathers), lengthening that pass; a
@@ -165,7 +167,8 @@ for _machine in MACHINES.values():
 # Two fixed costs a host pays whatever the bytes and FLOPs, both 0 on the datasheet machines
 # (no GPU measurement grounds another figure; a GPU's launch is microseconds): call_s, the
 # seconds one collective or send costs beyond its alpha (the Python wrapper, the autograd
-# function around it, the ranks meeting; one figure, or one by group size: call_seconds);
+# function around it, the ranks meeting; one figure, or one by group size: call_seconds; a
+# kind of collective may have its own, kind_call_s);
 # op_s, the seconds one layer's forward and backward of one micro-batch cost beyond its FLOPs
 # (Python, autograd, each small kernel's launch).
 # --call_overhead_us and --op_overhead_us set them; tests/benchmarks/plan_vs_measured.py
@@ -561,6 +564,46 @@ def read_call_overhead(values, error, flag="--call_overhead_us"):
     return tuple(sorted(pairs.items()))
 
 
+def read_call_overheads(values, error):
+    """--call_overhead_us's words as (every kind's figure, {kind: its own}): a word that starts
+    with a kind of OP_KINDS and a colon ("all_to_all:2:600") is that kind's own, read as the
+    rest are (read_call_overhead: one number, or G:US pairs); the others are every kind's
+    (0 when only kinds' own are given)."""
+    own = {}
+    for word in values:
+        kind, _, rest = word.partition(":")
+        if kind in OP_KINDS:
+            own.setdefault(kind, []).append(rest)
+    every = [word for word in values if word.partition(":")[0] not in OP_KINDS] or ["0"]
+    return read_call_overhead(every, error), {kind: read_call_overhead(words, error, f"--call_overhead_us {kind}:")
+                                              for kind, words in own.items()}
+
+
+def read_op_overhead(values, error):
+    """--op_overhead_us's words, in seconds: (every layer's, 06's layer's beyond it): one number,
+    then at most one word tp:US."""
+    def microseconds(word):
+        try:
+            value = float(word)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 <= value <= 1e9):
+            error(f"--op_overhead_us must be a number of microseconds in 0..1e9, "
+                  f"got {word if math.isnan(value) else value}")
+        return value * 1e-6
+
+    if not 1 <= len(values) <= 2 or ":" in values[0] or (len(values) == 2 and not values[1].startswith("tp:")):
+        error(f"--op_overhead_us takes one number of microseconds, then at most one tp:US, got {' '.join(values)}")
+    return microseconds(values[0]), microseconds(values[1][3:]) if len(values) == 2 else 0.0
+
+
+def layer_fixed_seconds(name, machine):
+    """The fixed cost of one layer's forward and backward of one micro-batch on `machine`
+    (op_s, under MACHINES), and for 06's layer, which 06 and 08 run at any --tp, its own
+    beyond it (tp_op_s: the f and g autograd functions, the vocabulary-parallel loss)."""
+    return machine.get("op_s", 0.0) + (machine.get("tp_op_s", 0.0) if name.startswith(("06", "08")) else 0.0)
+
+
 OP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 
 
@@ -587,18 +630,20 @@ def comm_seconds(op, nbytes, g, per_node, machine, calls=1, posts=None, ring=Non
     GPU links (or the bandwidth measured for this kind of collective, --op_gbps); across
     nodes over per_node GPUs' share of the node's NICs (k x inter_gbps, at most the node's
     NICs, and no faster than the links inside). Each post pays the fixed cost per call of a
-    group of g ranks (call_s; posts: as many as calls, unless several sends ride one
-    batch_isend_irecv); a ring's exchange (`ring`: its size, ring_meets) its own where
+    group of g ranks (call_s, or its kind's own, kind_call_s; posts: as many as calls, unless
+    several sends ride one batch_isend_irecv); a ring's exchange (`ring`: its size, ring_meets) its own where
     measured (exchange_s), the pair's call's if not."""
     base = op.split("[")[0]
     if g <= 1 or nbytes == 0 or base == "recv":  # a receive is its sender's send
         return 0.0
-    # (the fixed costs under MACHINES; a ring's exchange its own, by the ring's size, where measured)
-    each = call_seconds(dict(call_s=machine["exchange_s"]), ring) if ring and "exchange_s" in machine \
-        else call_seconds(machine, g)
-    fixed = (calls if posts is None else posts) * each
     kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
             "all_to_all_single": "all_to_all"}.get(base, base)
+    # (the fixed costs under MACHINES; a ring's exchange its own, by the ring's size, and a kind
+    # its own, by the group's, where measured)
+    each = call_seconds(dict(call_s=machine["exchange_s"]), ring) if ring and "exchange_s" in machine \
+        else call_seconds(dict(call_s=machine["kind_call_s"][kind]), g) if kind in machine.get("kind_call_s", {}) \
+        else call_seconds(machine, g)
+    fixed = (calls if posts is None else posts) * each
     intra = machine.get("op_gbps", {}).get(kind, machine["intra_gbps"])  # --op_gbps: this kind's own, measured
     across = bool(per_node)  # None (or False: the old "inside a node") inside; k, or True for one rank per node
     gbps = intra if not across else min(intra, min(int(per_node), machine["gpus_per_node"]) * machine["inter_gbps"])
@@ -895,7 +940,7 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
     if not is_pipeline(name, args):
         (rank, role), = roles.items()
         phases = role["phases"]
-        compute, _ = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0), sharing)
+        compute, _ = compute_seconds(name, args, config, n, rate, layer_fixed_seconds(name, machine), sharing)
         busy = compute + imbalance_s + phases["inside"][0]
         m = max(1, args.global_batch_size // (args.micro_batch_size * replicas(name, args, n)))
         window = busy * (2 + recompute) / (3 + recompute) / m  # the last micro-batch's backward
@@ -919,7 +964,7 @@ def simulate_step(name, args, config, n, machine, rate, roles, imbalance_s=0.0, 
             lanes[f"rank {rank}"] = boxes
         return step
     schedule, v, p, m, split = pipeline_shape(name, args, n)
-    forward = chunk_forwards(name, args, config, n, rate, machine.get("op_s", 0.0))
+    forward = chunk_forwards(name, args, config, n, rate, layer_fixed_seconds(name, machine))
     owner = list(range(p)) if name.startswith("07") else stage_roles(name, args, config)
     rank_of = (lambda s: s) if name.startswith("07") else (lambda s: s * args.cp * args.tp)  # noqa: E731
     pipeline = script("07_pipeline.py")
@@ -1014,7 +1059,7 @@ def score(name, flags, label, plan_args, machine, lanes=None):
     peak = machine["peak_tflops"] * 1e12
     rate = peak * plan_args.efficiency
     sharing = core_sharing(name, args, n, machine)
-    compute_s, f = compute_seconds(name, args, config, n, rate, machine.get("op_s", 0.0), sharing)
+    compute_s, f = compute_seconds(name, args, config, n, rate, layer_fixed_seconds(name, machine), sharing)
     extra = 0.0
     if config.n_expert and plan_args.imbalance > 1:  # the busiest rank's experts run imbalance x their share of rows
         expert_flops = 6 * config.n_layer * config.top_k * expert_params(config) * args.global_batch_size * config.block_size
@@ -1157,14 +1202,17 @@ def parse(argv=None):
                         "across nodes, replace the datasheet's; the plan says where the ranking changed and why")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=EFFICIENCY, help="fraction of peak the compute reaches")
-    g.add_argument("--call_overhead_us", nargs="+", default=["0"], metavar="US|G:US",
+    g.add_argument("--call_overhead_us", nargs="+", default=["0"], metavar="US|G:US|KIND:...",
                    help="microseconds each collective or send costs beyond its alpha (the wrapper, the ranks meeting): "
                         "one figure for every group, or G:US pairs measured at group sizes G (\"2:900 4:4500\"), "
-                        "interpolated between them and held beyond; 0 on a GPU machine; "
+                        "interpolated between them and held beyond; words KIND:US or KIND:G:US (KIND as --op_gbps's, "
+                        "\"all_to_all:2:300\") are that kind's own, where it is not the others'; 0 on a GPU machine; "
                         "tests/benchmarks/plan_vs_measured.py measures it on a CPU host")
-    g.add_argument("--op_overhead_us", type=float, default=0.0,
+    g.add_argument("--op_overhead_us", nargs="+", default=["0"], metavar="US [tp:US]",
                    help="microseconds one layer's forward and backward of one micro-batch cost beyond their FLOPs "
-                        "(Python, kernel launches), on every rank that runs the layer however thin TP or CP slices it")
+                        "(Python, kernel launches), on every rank that runs the layer however thin TP or CP slices it; "
+                        "tp:US, what 06's layer (06 and 08 run it, at any --tp) costs beyond that: its f and g "
+                        "autograd functions, the vocabulary-parallel loss (plan_vs_measured.py: 06 at one rank)")
     g.add_argument("--exchange_overhead_us", nargs="+", default=None, metavar="US|G:US",
                    help="microseconds one step of a ring's exchange costs beyond its alpha (09's ring, 08's with "
                         "--cp: K and V to the next rank, from the one before, one batch), by the ring's size G as "
@@ -1205,9 +1253,8 @@ def parse(argv=None):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
             error(f"--{flag} must be a positive number, got {value}")
-    if not (math.isfinite(args.op_overhead_us) and 0 <= args.op_overhead_us <= 1e9):
-        error(f"--op_overhead_us must be a number of microseconds in 0..1e9, got {args.op_overhead_us}")
-    call_s = read_call_overhead(args.call_overhead_us, error)
+    op_s, tp_op_s = read_op_overhead(args.op_overhead_us, error)
+    call_s, kind_call_s = read_call_overheads(args.call_overhead_us, error)
     exchange_s = None if args.exchange_overhead_us is None else read_call_overhead(args.exchange_overhead_us, error,
                                                                                    "--exchange_overhead_us")
     op_gbps = read_op_gbps(args.op_gbps, error)
@@ -1224,9 +1271,13 @@ def parse(argv=None):
     by_hand = dict(gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb, peak_tflops=args.peak_tflops,
                    intra_gbps=args.link_gbps, inter_gbps=args.inter_gbps or args.link_gbps)
     machine.update({k: v for k, v in by_hand.items() if v is not None})
-    machine.update(call_s=call_s, op_s=args.op_overhead_us * 1e-6)
+    machine.update(call_s=call_s, op_s=op_s)
+    if tp_op_s:
+        machine["tp_op_s"] = tp_op_s
     if op_gbps:
         machine["op_gbps"] = op_gbps
+    if kind_call_s:
+        machine["kind_call_s"] = kind_call_s
     if exchange_s is not None:
         machine["exchange_s"] = exchange_s
     if args.cores_per_node:

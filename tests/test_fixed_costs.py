@@ -30,6 +30,7 @@ def test_the_fixed_costs_are_zero_on_every_datasheet_machine():
     for name in plan.MACHINES:
         _, machine = plan.parse(["--model", "gpt2", "--gpus", "8", "--machine", name])
         assert machine["call_s"] == machine["op_s"] == 0.0
+        assert "kind_call_s" not in machine and "tp_op_s" not in machine
     _, machine = plan.parse([*MODEL, "--gpus", "2", *BY_HAND, "--call_overhead_us", "250", "--op_overhead_us", "40"])
     assert machine["call_s"] == pytest.approx(250e-6) and machine["op_s"] == pytest.approx(40e-6)
 
@@ -50,7 +51,11 @@ def test_a_negative_or_infinite_fixed_cost_is_refused_in_one_line(flag, capsys):
     (["900", "4:5"], "takes one number or G:US pairs"),
     (["2.5:3"], "takes one number or G:US pairs"),
     (["2:"], "takes one number or G:US pairs"),
-    (["4:-3"], "must be a number of microseconds in 0..1e9, got -3")])
+    (["4:-3"], "must be a number of microseconds in 0..1e9, got -3"),
+    (["2:900", "all_to_all:2:300", "all_to_all:2:400"], "all_to_all: takes one number or G:US pairs"),
+    (["all_to_all:300", "all_to_all:2:400"], "all_to_all: takes one number or G:US pairs"),
+    (["all_to_all:2:-1"], "all_to_all: must be a number of microseconds in 0..1e9, got -1"),
+    (["scatter:2:5"], "takes one number or G:US pairs")])
 def test_a_bad_call_cost_by_group_size_is_refused_in_one_line(words, says, capsys):
     with pytest.raises(SystemExit) as e:
         plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--call_overhead_us", *words])
@@ -66,6 +71,24 @@ def test_the_call_cost_by_group_size_is_interpolated_and_held_at_the_ends():
     assert [g for g, _ in machine["call_s"]] == [2, 4] and dict(machine["call_s"]) == pytest.approx({2: 900e-6, 4: 4500e-6})
     assert [plan.call_seconds(machine, g) for g in (2, 3, 4, 8)] == pytest.approx([900e-6, 2700e-6, 4500e-6, 4500e-6])
     assert plan.call_seconds(dict(call_s=((4, 1e-3),)), 2) == plan.call_seconds(dict(call_s=1e-3), 64) == 1e-3
+
+
+def test_a_kinds_own_call_cost_prices_that_kind_only():
+    """--call_overhead_us KIND:G:US (or KIND:US): that kind's calls pay its own fixed cost by
+    group size (10's all-to-alls, measured as themselves), every other kind the plain words'
+    figure (0 when only a kind's own are given)."""
+    machine = dict(intra_gbps=1.0, inter_gbps=1.0, gpus_per_node=4, alpha_intra=1e-4, alpha_inter=1e-4)
+    _, parsed = plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--call_overhead_us", "2:900", "4:4500",
+                            "all_to_all:4:1000", "all_to_all:2:300"])
+    assert parsed["call_s"] == ((2, 900e-6), (4, 4500e-6))
+    assert dict(parsed["kind_call_s"]["all_to_all"]) == pytest.approx({2: 300e-6, 4: 1000e-6})
+    priced = dict(machine, call_s=parsed["call_s"], kind_call_s=parsed["kind_call_s"])
+    for op, g, each in (("all_to_all_single[ep]", 2, 300e-6), ("all_to_all_single[ep]", 4, 1000e-6),
+                        ("all_reduce", 2, 900e-6), ("all_gather_into_tensor", 4, 4500e-6)):
+        assert plan.comm_seconds(op, 1e6, g, None, priced, 10) - plan.comm_seconds(op, 1e6, g, None, machine, 10) \
+            == pytest.approx(10 * each)
+    _, alone = plan.parse([*MODEL, "--gpus", "4", *BY_HAND, "--call_overhead_us", "all_to_all:250"])
+    assert alone["call_s"] == 0.0 and alone["kind_call_s"] == {"all_to_all": pytest.approx(250e-6)}
 
 
 def test_each_call_pays_the_fixed_cost_and_a_batch_of_sends_pays_it_once():
@@ -102,6 +125,34 @@ def test_a_layers_fixed_cost_lands_on_every_micro_batch_a_rank_runs_through_it()
     assert 0 < bubble < 1
 
 
+def test_06s_layer_pays_its_own_fixed_cost_where_06_and_08_run_it(capsys):
+    """--op_overhead_us US tp:US: 06's layer (06 and 08 run it, at any --tp) pays tp:US more
+    than every layer's fixed cost, on every micro-batch a rank runs through it; 03's and 07's
+    layers do not. A bad word is one line, exit 2."""
+    _, machine = plan.parse([*MODEL, "--gpus", "2", *BY_HAND, "--op_overhead_us", "40", "tp:25"])
+    assert machine["op_s"] == pytest.approx(40e-6) and machine["tp_op_s"] == pytest.approx(25e-6)
+    assert [plan.layer_fixed_seconds(name, machine) for name in ("03_ddp.py", "06_tensor_parallel.py", "08_3d.py",
+                                                                 "07_pipeline.py")] == \
+        pytest.approx([40e-6, 65e-6, 65e-6, 40e-6])
+    hand = [*MODEL, "--gpus", "2", "--gpus_per_node", "2", "--peak_tflops", "0.01", "--link_gbps", "1",
+            "--efficiency", "1"]
+    for name, flags, layer_micro_batches in (("06_tensor_parallel.py", [], 4 * 4), ("08_3d.py", ["--pp", "2"], 2 * 4),
+                                             ("03_ddp.py", [], 0)):
+        steps = [plan.score(name, flags, name, *plan.parse([*hand, "--op_overhead_us", "40", *tp]))[0]["step_time_s"]
+                 for tp in ([], ["tp:1000"])]
+        assert steps[1] - steps[0] >= (0.99 if name.startswith("08") else 1) * layer_micro_batches * 1e-3 - 1e-12
+        assert (steps[1] > steps[0]) == bool(layer_micro_batches)
+    for words, says in ((["tp:5"], "takes one number of microseconds, then at most one tp:US"),
+                        (["40", "pp:5"], "takes one number of microseconds, then at most one tp:US"),
+                        (["40", "tp:1", "tp:2"], "takes one number of microseconds, then at most one tp:US"),
+                        (["40", "tp:-1"], "must be a number of microseconds in 0..1e9, got -1.0")):
+        with pytest.raises(SystemExit) as e:
+            plan.parse([*MODEL, "--gpus", "2", *BY_HAND, "--op_overhead_us", *words])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --op_overhead_us") and says in err[0], err
+
+
 def test_the_benchmarks_pricing_path():
     """plan_vs_measured's pricing, as its --smoke mode runs it, from made-up host figures:
     links_now recovers the fixed cost per call of each group size and the bandwidth that made
@@ -116,6 +167,12 @@ def test_the_benchmarks_pricing_path():
     now = dict(slow=1.5, bytes=sizes, call={g: timed(g, s) for g, s in call_s.items()})
     found, found_beta, _ = pvm.links_now(host, now)
     assert found == pytest.approx(call_s) and found_beta == pytest.approx(beta)
+    a2a_s, a2a_gbps = {2: 250e-6, 4: 2e-3}, 0.3  # 10's all-to-alls, as themselves: (g-1) alpha, (g-1)/g x bytes
+    a2a = {g: tuple((g - 1) * host["alpha"] + s + (g - 1) / g * b / (a2a_gbps * 1e9) for b in sizes)
+           for g, s in a2a_s.items()}
+    found, found_gbps = pvm.all_to_all_now(host, dict(now, a2a=a2a))
+    assert found == pytest.approx(a2a_s) and found_gbps == pytest.approx(a2a_gbps)
+    assert pvm.all_to_all_now(host, now) == ({}, None)
     rated = pvm.at_rate_of(host, 0.05, pvm.SMOKE_MODEL)
     one = pvm.priced("01_single_gpu.py", pvm.SMOKE_MODEL, 1, rated)
     assert one["step_time_s"] == pytest.approx(0.05)  # the rate is the one 01's step says

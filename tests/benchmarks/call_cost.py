@@ -3,7 +3,8 @@ Each rank runs the same loop, alternating, `--rounds` times: `--calls` pieces of
 few matrix multiplies of about a tiny model's layer, so that the ranks reach each call at
 about the same time, as a training step's ranks do), once without a collective and once with
 a collective of each size in --bytes after every piece (--op: an all-reduce, or a
-reduce-scatter or all-gather of that whole buffer, or a ring's exchange of it, 09's step:
+reduce-scatter, all-gather or all-to-all (10's dispatch, equal splits) of that whole buffer, or a
+ring's exchange of it, 09's step:
 send to the next rank of the group, receive from the one before; several --op in one launch,
 their loops interleaved, so that their costs per byte compare on a host whose load moves),
 through the ledger's wrapper as the scripts' collectives go. With --group G below the ranks, each call meets G ranks: the ranks
@@ -50,7 +51,7 @@ def rank_main(a):
     x, w = torch.randn(128, 128), torch.randn(128, 512)
     messages = [torch.ones(max(a.group, size // 4 // a.group * a.group)) for size in a.bytes]  # g equal shards
     done = torch.zeros(1)
-    inbox = {m.numel(): torch.empty_like(m) for m in messages}  # a ring exchange's receive buffers
+    inbox = {m.numel(): torch.empty_like(m) for m in messages}  # a ring exchange's (an all-to-all's) receive buffers
     g = dist.get_world_size(group)
 
     def post(op, full):  # `full`: the all-reduce's message, the reduce-scatter's input, the all-gather's output
@@ -64,6 +65,8 @@ def rank_main(a):
                 work.wait()
         elif op == "reduce_scatter_tensor":
             dist.reduce_scatter_tensor(torch.empty(full.numel() // g), full, group=group)
+        elif op == "all_to_all_single":  # 10's dispatch and combine, equal splits: a g-th of it to each rank
+            dist.all_to_all_single(inbox[full.numel()], full, group=group)
         else:
             dist.all_gather_into_tensor(full, torch.ones(full.numel() // g), group=group)
 
@@ -117,9 +120,11 @@ def main():
     p.add_argument("--group", type=int, default=None, help="the ranks each call meets (default: all): "
                    "at least 2, dividing --ranks")
     p.add_argument("--op", nargs="+", default=["all_reduce"],
-                   choices=["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "ring_exchange"],
+                   choices=["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single",
+                            "ring_exchange"],
                    help="the collectives timed, each once; --bytes is its whole buffer (the reduce-scatter's "
-                        "input, the all-gather's output; ring_exchange: the message each rank sends to the next "
+                        "input, the all-gather's output, the all-to-all's input, a g-th to each rank of the group; "
+                        "ring_exchange: the message each rank sends to the next "
                         "rank of its group and receives from the one before, in one batch, as 09's ring does)")
     p.add_argument("--rank_main", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()

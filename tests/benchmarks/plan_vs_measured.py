@@ -10,16 +10,18 @@ absolute times do not). Rerun with
 runs.) It calibrates once, on programs that are none of the layouts it prices: alpha and beta
 from `02_collectives.py --doctor --json` on 2 ranks; the matmul rate and plan.py's fixed cost
 per layer and micro-batch (--op_overhead_us) from 01 at the model's micro-batches and at one
-micro-batch of the same tokens (the fixed cost is what the extra micro-batches add); and
-the bus bandwidth of gloo's reduce-scatter and all-gather at each rank count (call_cost.py
---op, plan.py's --op_gbps). Then for
+micro-batch of the same tokens (the fixed cost is what the extra micro-batches add); what
+06's layer costs beyond it (--op_overhead_us tp:US) from 06 at one rank; and the bus
+bandwidth of gloo's reduce-scatter and all-gather at each rank count (call_cost.py --op,
+plan.py's --op_gbps). Then for
 each layout, one after the other (interleaved: a load that comes and goes falls on all of
 them): 01's step (the rate now), the host beside it (beside(): how much slower each of n
 copies of 01 computes at once, the cores term; and what an all-reduce costs inside a loop of
 compute on n ranks at two sizes, call_cost.py, at each size of group the layout's calls
 meet (n ranks as n/g groups of g: a pipeline's pairs at 4 ranks), which gives plan.py's fixed
 cost per call by group size, --call_overhead_us G:US ..., and the bandwidth a step sees; for
-09's ring a ring's exchange at its size, --exchange_overhead_us), the layout, then the host,
+09's ring a ring's exchange at its size, --exchange_overhead_us; for 10 an all-to-all at its
+group's size, --call_overhead_us all_to_all:G:US and --op_gbps all_to_all), the layout, then the host,
 01 and the layout again (of each the quieter of the two). Both are priced with plan.score
 with these figures (with more ranks than cores, --cores_per_node: a pipeline's ranks in the
 bubble yield their cores): predicted =
@@ -106,7 +108,7 @@ def together(model, n, iters, skip):
     return max(steps)
 
 
-def beside(model, n, iters, skip, calls, rounds, groups, rings=()):
+def beside(model, n, iters, skip, calls, rounds, groups, rings=(), a2a=()):
     """The host as it is while a layout of n ranks runs, measured right before and after it as
     01 is: together, the step of n copies of 01 at once on 1/n of the batch each (together();
     over 01's step / n, how much slower a rank computes when n compute at once: the cores
@@ -117,18 +119,22 @@ def beside(model, n, iters, skip, calls, rounds, groups, rings=()):
     TP's f and g, of a pipeline's send, of CP's blocks) and 16 times that (about a block's
     parameters, ZeRO-3's and FSDP's gathers); and in the same launches a ring's exchange at
     each size of ring in `rings` (call_cost.py --op ring_exchange: 09's step, to the next rank
-    and from the one before). call and exchange: {g: (seconds at each size)}."""
+    and from the one before) and an all-to-all at each size of group in `a2a` (call_cost.py
+    --op all_to_all_single: 10's dispatch and combine). call, exchange and a2a: {g: (seconds
+    at each size)}."""
     config = {k: int(model[model.index(k) + 1]) for k in ("--micro_batch_size", "--block_size", "--n_embd")}
     small = 4 * config["--micro_batch_size"] * config["--block_size"] * config["--n_embd"]
     if n == 1:
-        return dict(together=0.0, bytes=(small, 16 * small), call={}, exchange={})
-    call, exchange = {}, {}
-    for g in sorted({*groups, *rings}):
-        ops = ("all_reduce",) * (g in groups) + ("ring_exchange",) * (g in rings)
+        return dict(together=0.0, bytes=(small, 16 * small), call={}, exchange={}, a2a={})
+    call, exchange, all_to_all = {}, {}, {}
+    for g in sorted({*groups, *rings, *a2a}):
+        ops = ("all_reduce",) * (g in groups) + ("ring_exchange",) * (g in rings) + ("all_to_all_single",) * (g in a2a)
         got = call_cost.measure(n, calls, rounds, (small, 16 * small), matmuls=4, group=g, op=ops)["by_op"]
         call.update({g: tuple(got["all_reduce"])} if g in groups else {})
         exchange.update({g: tuple(got["ring_exchange"])} if g in rings else {})
-    return dict(together=together(model, n, iters, skip), bytes=(small, 16 * small), call=call, exchange=exchange)
+        all_to_all.update({g: tuple(got["all_to_all_single"])} if g in a2a else {})
+    return dict(together=together(model, n, iters, skip), bytes=(small, 16 * small), call=call, exchange=exchange,
+                a2a=all_to_all)
 
 
 def call_groups(script, flags, n):
@@ -142,6 +148,15 @@ def call_groups(script, flags, n):
             if op != plan.GUARD_OP and not plan.ring_meets(script, op, args, n):  # (a ring's: ring_sizes)
                 sizes.add(plan.group_of(script, op, args, n, n)[0])
     return sorted(g for g in sizes if g > 1)
+
+
+def all_to_all_sizes(script, flags, n):
+    """The sizes of the groups whose all-to-alls a layout posts (10's dispatch and combine over
+    the expert-parallel group), sorted: beside() measures an all-to-all at each, as itself."""
+    args, config, _ = plan.dry_run(script, [*flags, "--device", "cpu", "--dtype", "float32"], n, n)
+    cost = plan.rank_costs(script, args, config, n, plan.planned_dtype(args), 0)
+    return sorted({plan.group_of(script, op, args, n, n)[0] for op in cost["sent"]
+                   if op.split("[")[0] == "all_to_all_single"} - {1})
 
 
 def ring_sizes(script, flags, n):
@@ -165,6 +180,22 @@ def links_now(host, now):
     exchange = {g: max(0.0, t[0] - host["alpha"] - s / (beta * 1e9)) for g, t in sorted(now.get("exchange", {}).items())}
     return {g: max(0.0, t[0] - 2 * (g - 1) * host["alpha"] - 2 * (g - 1) / g * s / (beta * 1e9))
             for g, t in sorted(now["call"].items())}, beta, exchange
+
+
+def all_to_all_now(host, now):
+    """({g: an all-to-all's fixed seconds per call beyond its alpha}, its bus bandwidth GB/s or
+    None) that make plan.py's all-to-all, (g-1) alpha + call_s + (g-1)/g x bytes / GBPS, take
+    what beside()'s two sizes took in groups of g (the bandwidth from the largest group's
+    difference; None where the larger was not the slower: every kind's then): plan.py's
+    --call_overhead_us all_to_all:G:US and --op_gbps all_to_all:GBPS."""
+    if not now.get("a2a"):
+        return {}, None
+    (s, l), top = now["bytes"], max(now["a2a"])
+    t_s, t_l = now["a2a"][top]
+    gbps = (top - 1) / top * (l - s) / (t_l - t_s) / 1e9 if t_l > t_s else None
+    beta = gbps or (links_now(host, now)[1] if now["call"] else host["beta"])
+    return {g: max(0.0, t[0] - (g - 1) * host["alpha"] - (g - 1) / g * s / (beta * 1e9))
+            for g, t in sorted(now["a2a"].items())}, gbps
 
 
 def links():
@@ -191,11 +222,15 @@ def priced(script, flags, n, host, now=None, cores=None):
     cores = cores or len(os.sched_getaffinity(0))
     alone = n / cores if now and n > cores else 1.0  # a rank alone on a core: n / cores faster than all at once
     kinds = op_gbps(host, n) if now else {}
+    a2a_s, a2a_gbps = all_to_all_now(host, now) if now else ({}, None)
+    kinds.update({"all_to_all": a2a_gbps} if a2a_gbps else {})
     args, machine = plan.parse([*flags_of(flags), "--gpus", str(n), "--gpus_per_node", str(n), "--device", "cpu",
                                 "--dtype", "float32", "--peak_tflops", str(host["rate"] / slow * alone / 1e12),
                                 "--link_gbps", str(beta), "--efficiency", "1",
                                 "--op_overhead_us", str(host["op_s"] * slow / alone * 1e6),
+                                f"tp:{host.get('tp_op_s', 0.0) * slow / alone * 1e6}",
                                 "--call_overhead_us", *([f"{g}:{s * 1e6}" for g, s in call_s.items()] or ["0"]),
+                                *(f"all_to_all:{g}:{s * 1e6}" for g, s in a2a_s.items()),
                                 *(["--cores_per_node", str(cores)] if alone > 1 else []),
                                 *(["--exchange_overhead_us", *(f"{g}:{s * 1e6}" for g, s in exchange.items())]
                                   if exchange else []),
@@ -205,7 +240,7 @@ def priced(script, flags, n, host, now=None, cores=None):
     c, reason = plan.score(script, strategy, script, args, machine)
     if c is None:
         raise SystemExit(f"plan.py refuses {script} {' '.join(flags)} at {n} ranks: {reason}")
-    c["call_s"], c["beta"], c["op_gbps"], c["exchange_s"] = call_s, beta, kinds, exchange
+    c["call_s"], c["beta"], c["op_gbps"], c["exchange_s"], c["a2a_s"] = call_s, beta, kinds, exchange, a2a_s
     return c
 
 
@@ -236,7 +271,11 @@ def calibrate(model, iters, skip, ranks=(), calls=100, rounds=3):
     each of `ranks` (per_byte); the matmul rate and the fixed cost
     per layer and micro-batch, from 01 at the model's micro-batches and at one micro-batch of
     the whole batch, the same tokens (t = FLOPs / rate + m x L x op_s: two unknowns; each the
-    fastest of two runs, alternating)."""
+    fastest of two runs, alternating); and what 06's layer (06 and 08 run it) costs beyond
+    01's per layer and micro-batch, from 06 at one rank (its f and g autograd functions and its
+    vocabulary-parallel loss with no collective to post: a program that is none of the
+    layouts) against 01 at the model's micro-batches, alternating with them (plan.py's
+    --op_overhead_us tp:US)."""
     alpha, beta = links()
     sizes = beside(model, 1, iters, skip, calls, rounds, [])["bytes"]
     kinds = {n: per_byte(n, calls, rounds + 2, sizes) for n in ranks if n > 1}  # (once: two rounds more)
@@ -244,15 +283,17 @@ def calibrate(model, iters, skip, ranks=(), calls=100, rounds=3):
     m = batch // int(model[model.index("--micro_batch_size") + 1])
     layers = int(model[model.index("--n_layer") + 1])
     whole = [*model, "--micro_batch_size", str(batch)]  # (argparse: the last one counts)
-    t_m, t_1 = float("inf"), float("inf")
+    t_m, t_1, t_tp = float("inf"), float("inf"), float("inf")
     for _ in range(2):
         t_m = min(t_m, measure("01_single_gpu.py", model, 1, iters, skip))
         t_1 = min(t_1, measure("01_single_gpu.py", whole, 1, iters, skip))
+        t_tp = min(t_tp, measure("06_tensor_parallel.py", model, 1, iters, skip))
     op_s = max(0.0, (t_m - t_1) / ((m - 1) * layers)) if m > 1 else 0.0
+    tp_op_s = max(0.0, (t_tp - t_m) / (m * layers))
     free = dict(rate=1.0, op_s=0.0, alpha=alpha, beta=beta)
     flops = priced("01_single_gpu.py", whole, 1, free)["step_time_s"]  # at 1 FLOP/s: the FLOPs as they run
-    return dict(rate=flops / (t_1 - layers * op_s), op_s=op_s, alpha=alpha, beta=beta, t_m=t_m, t_1=t_1, m=m,
-                layers=layers, per_byte=kinds)
+    return dict(rate=flops / (t_1 - layers * op_s), op_s=op_s, tp_op_s=tp_op_s, alpha=alpha, beta=beta, t_m=t_m,
+                t_1=t_1, t_tp=t_tp, m=m, layers=layers, per_byte=kinds)
 
 
 def at_rate_of(host, one, flags):
@@ -296,13 +337,16 @@ MEASURED_TERMS = {
                  "(every rank of the ring waits on the one before); what is left is gloo's batch of two sends and two "
                  "receives under the layout's own pattern (K and V, dK and dV, the compute between), not timed alone",
     "2:09 ring": "at 2 ranks the ring is a pair: its exchange measured beside it (ring 2) and priced so; the row's "
-                 "error was -70..-4% in the four runs before this code: within this host's noise unless it repeats",
-    "2:10 EP": "the all-to-all is priced with the all-reduce's cost per call and bandwidth (its own not measured); the "
-               "row's error was -29..-3% in the four runs before this code",
-    "4:08 tp 2 pp 2": "TP's own fixed cost per layer beyond 01's (the f and g autograd functions, the vocabulary-"
-                      "parallel loss; 06 at 2 ranks is -16..-33% in every run too), not measured alone; and the cores "
-                      "term prices its stages' ranks as yielding their cores in the bubble (without it -16% in this "
-                      "run, -25% in the one before), while each TP all-reduce needs both ranks of a pair on a core",
+                 "error was -70..-4% in the six runs of 2026-11-29/30: within this host's noise unless it repeats",
+    "10 EP": "the all-to-alls are priced at their own cost per call and bandwidth (call_cost.py --op all_to_all_single "
+             "beside the layout: cheaper per call than the all-reduce, and priced so the row moved down); what is left "
+             "is 10's layer around them, not timed alone: the counts' all-to-all and the host read of the split sizes "
+             "before each dispatch, the transpose of the pieces, and each all-to-all waiting on the rank with more rows "
+             "routed to it (--imbalance 1 here)",
+    "4:08 tp 2 pp 2": "the cores term prices a stage's TP pair as computing together (core_sharing: the node's ranks over "
+                      "the stages), and still moves this row by 14-18 points down in each of three runs (-16% -> -31%, "
+                      "-25% -> -39%, -4% -> -22%): a stage computing alone on the cores does not reach the speed that "
+                      "n / cores x the all-at-once rate says; not measured alone",
 }
 
 
@@ -340,7 +384,7 @@ def main():
                        for n, kinds in host["per_byte"].items())
     print(f"calibration: 01's step {host['t_m'] * 1e3:.0f} ms in {host['m']} micro-batches, {host['t_1'] * 1e3:.0f} ms "
           f"in one: {host['rate'] / 1e9:.2f} GFLOP/s and {host['op_s'] * 1e6:.0f} us per layer and micro-batch "
-          f"(one rank); gloo alpha {host['alpha'] * 1e6:.0f} us, beta {host['beta']:.2f} GB/s (02 --doctor, 2 ranks); "
+          f"(one rank); 06 at one rank {host['t_tp'] * 1e3:.0f} ms: 06's layer {host['tp_op_s'] * 1e6:.0f} us more; gloo alpha {host['alpha'] * 1e6:.0f} us, beta {host['beta']:.2f} GB/s (02 --doctor, 2 ranks); "
           f"bus bandwidth by kind, GB/s (call_cost.py --op, the all-reduce's beside for comparison): "
           f"{ratios or 'not measured'}; "
           f"{len(os.sched_getaffinity(0))} cores\n")
@@ -360,15 +404,17 @@ def main():
             # only adds time, and a burst of it can last a whole run
             groups = call_groups(script, model + extra + strategy, n)
             rings = ring_sizes(script, model + extra + strategy, n)
+            a2a = all_to_all_sizes(script, model + extra + strategy, n)
             one = measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip)
-            now = beside(model, n, a.iters, a.skip, calls, rounds, groups, rings)
+            now = beside(model, n, a.iters, a.skip, calls, rounds, groups, rings, a2a)
             step = measure(script, model + extra + strategy, n, a.iters, a.skip)
-            again = beside(model, n, a.iters, a.skip, calls, rounds, groups, rings)
+            again = beside(model, n, a.iters, a.skip, calls, rounds, groups, rings, a2a)
             one = min(one, measure("01_single_gpu.py", model + extra, 1, a.iters, a.skip))
             step = min(step, measure(script, model + extra + strategy, n, a.iters, a.skip))
             now = dict(now, slow=max(1.0, min(now["together"], again["together"]) / (one / n)) if n > 1 else 1.0,
                        call={g: tuple(map(min, now["call"][g], again["call"][g])) for g in groups},
-                       exchange={g: tuple(map(min, now["exchange"][g], again["exchange"][g])) for g in rings})
+                       exchange={g: tuple(map(min, now["exchange"][g], again["exchange"][g])) for g in rings},
+                       a2a={g: tuple(map(min, now["a2a"][g], again["a2a"][g])) for g in a2a})
             rated = at_rate_of(host, one, model + extra)
             c1 = priced("01_single_gpu.py", model + extra, 1, rated)
             c = priced(script, model + extra + strategy, n, rated, now)
@@ -379,6 +425,7 @@ def main():
             print(f"| {label} | {n} | {pred:.2f} | {meas:.2f} ({step * 1e3:.0f} / {one * 1e3:.0f} ms) | {error:+.0f}% | "
                   f"{now['slow']:.2f}x, {calls_text(c['call_s'])}, {c['beta']:.2f} GB/s"
                   + "".join(f", ring {g}: {s * 1e3:.2f} ms" for g, s in c["exchange_s"].items())
+                  + "".join(f", all-to-all g {g}: {s * 1e3:.2f} ms" for g, s in c["a2a_s"].items())
                   + "".join(f", {k.replace('_', '-')} {v:.2f} GB/s" for k, v in c["op_gbps"].items()
                             if any(op.startswith(k) for op in c["comm_bytes_per_step"])) + " | "
                   f"{c['compute_s'] * 1e3:.0f} + {c['comm_s'] * 1e3:.0f} ms ({100 * c['bubble']:.0f}%) | {term} |",
