@@ -35,7 +35,9 @@ LAYOUTS = {  # script: [(world size, flags)]; 07 and 08 at every rank
                    (4, ["--reduce_dtype", "bfloat16", "--recompute"])],
     "06_tensor_parallel.py": [(2, []), (4, ["--sequence_parallel"]), (2, ["--recompute"]),
                               (2, ["--sequence_parallel", "--recompute"])],
-    "07_pipeline.py": [(n, ["--schedule", kind] + extra) for n in (1, 3, 4) for kind in ("gpipe", "1f1b", "interleaved", "zb")
+    # interleaved: 2 chunks a rank, so 2n layers (07 refuses an empty chunk)
+    "07_pipeline.py": [(n, ["--schedule", kind] + (["--n_layer", str(2 * n)] if kind == "interleaved" else []) + extra)
+                       for n in (1, 3, 4) for kind in ("gpipe", "1f1b", "interleaved", "zb")
                        for extra in ([], ["--recompute"]) if not (n == 1 and kind == "interleaved")],
     "08_3d.py": [(8, ["--tp", "2", "--pp", "2"]), (8, ["--tp", "2", "--pp", "2", "--sequence_parallel"]),
                  (8, ["--tp", "2", "--pp", "2", "--recompute"]), (12, ["--tp", "2", "--pp", "3", "--zero1"]),
