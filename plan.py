@@ -540,27 +540,29 @@ def call_seconds(machine, g):
     return call[-1][1]
 
 
+def read_microseconds(word, error, flag):
+    """A fixed cost's word in microseconds, as seconds: a finite number in 0..1e9, else one line."""
+    try:
+        value = float(word)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 1e9):
+        error(f"{flag} must be a number of microseconds in 0..1e9, got {word}")
+    return value * 1e-6
+
+
 def read_call_overhead(values, error, flag="--call_overhead_us"):
     """--call_overhead_us's words (or --exchange_overhead_us's), in seconds: one number (every
     group), or G:US pairs, each group size G >= 2 once (a one-rank group posts nothing), sorted by G."""
-    def microseconds(word):
-        try:
-            value = float(word)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and 0 <= value <= 1e9):
-            error(f"{flag} must be a number of microseconds in 0..1e9, got {word}")
-        return value * 1e-6
-
     if len(values) == 1 and ":" not in values[0]:
-        return microseconds(values[0])
+        return read_microseconds(values[0], error, flag)
     pairs = {}
     for word in values:
         size, _, us = word.partition(":")
         if not (size.isdigit() and 2 <= int(size) <= MAX_GPUS and us) or int(size) in pairs:
             error(f"{flag} takes one number or G:US pairs, each group size G in 2..{MAX_GPUS:,} once, "
                   f"got {' '.join(values)}")
-        pairs[int(size)] = microseconds(us)
+        pairs[int(size)] = read_microseconds(us, error, flag)
     return tuple(sorted(pairs.items()))
 
 
@@ -582,19 +584,11 @@ def read_call_overheads(values, error):
 def read_op_overhead(values, error):
     """--op_overhead_us's words, in seconds: (every layer's, 06's layer's beyond it): one number,
     then at most one word tp:US."""
-    def microseconds(word):
-        try:
-            value = float(word)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and 0 <= value <= 1e9):
-            error(f"--op_overhead_us must be a number of microseconds in 0..1e9, "
-                  f"got {word if math.isnan(value) else value}")
-        return value * 1e-6
-
     if not 1 <= len(values) <= 2 or ":" in values[0] or (len(values) == 2 and not values[1].startswith("tp:")):
         error(f"--op_overhead_us takes one number of microseconds, then at most one tp:US, got {' '.join(values)}")
-    return microseconds(values[0]), microseconds(values[1][3:]) if len(values) == 2 else 0.0
+    flag = "--op_overhead_us"
+    return (read_microseconds(values[0], error, flag),
+            read_microseconds(values[1][3:], error, flag) if len(values) == 2 else 0.0)
 
 
 def layer_fixed_seconds(name, machine):

@@ -42,7 +42,7 @@ def test_a_negative_or_infinite_fixed_cost_is_refused_in_one_line(flag, capsys):
             plan.parse([*MODEL, "--gpus", "2", *BY_HAND, flag, value])
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().splitlines() == [
-            f"error: {flag} must be a number of microseconds in 0..1e9, got {value if 'call' in flag else float(value)}"]
+            f"error: {flag} must be a number of microseconds in 0..1e9, got {value}"]
 
 
 @pytest.mark.parametrize("words, says", [
@@ -145,7 +145,7 @@ def test_06s_layer_pays_its_own_fixed_cost_where_06_and_08_run_it(capsys):
     for words, says in ((["tp:5"], "takes one number of microseconds, then at most one tp:US"),
                         (["40", "pp:5"], "takes one number of microseconds, then at most one tp:US"),
                         (["40", "tp:1", "tp:2"], "takes one number of microseconds, then at most one tp:US"),
-                        (["40", "tp:-1"], "must be a number of microseconds in 0..1e9, got -1.0")):
+                        (["40", "tp:-1"], "must be a number of microseconds in 0..1e9, got -1")):
         with pytest.raises(SystemExit) as e:
             plan.parse([*MODEL, "--gpus", "2", *BY_HAND, "--op_overhead_us", *words])
         assert e.value.code == 2
